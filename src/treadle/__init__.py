@@ -1,0 +1,53 @@
+"""treadle: a short training loop of overridable methods, plus SFT, DPO and GRPO trainers built on it.
+
+Public names are imported lazily (PEP 562) so that ``import treadle`` costs little more than
+``import torch``; a trainer module and its dependencies load the first time its name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "TrainingArguments": "treadle.arguments",
+    "TrainerCallback": "treadle.callbacks",
+    "TrainerState": "treadle.callbacks",
+    "TrainerControl": "treadle.callbacks",
+    "EarlyStoppingCallback": "treadle.callbacks",
+    "Trainer": "treadle.trainer",
+    "EvalPrediction": "treadle.trainer",
+    "SFTTrainer": "treadle.trainers.sft",
+    "SFTConfig": "treadle.trainers.sft",
+    "DPOTrainer": "treadle.trainers.dpo",
+    "DPOConfig": "treadle.trainers.dpo",
+    "GRPOTrainer": "treadle.trainers.grpo",
+    "GRPOConfig": "treadle.trainers.grpo",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treadle' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from treadle.arguments import TrainingArguments
+    from treadle.callbacks import (EarlyStoppingCallback, TrainerCallback, TrainerControl,
+                                   TrainerState)
+    from treadle.trainer import EvalPrediction, Trainer
+    from treadle.trainers.dpo import DPOConfig, DPOTrainer
+    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+    from treadle.trainers.sft import SFTConfig, SFTTrainer

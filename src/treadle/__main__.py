@@ -1,0 +1,3 @@
+from treadle.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""Checkpoints that never lose a run.
+
+Layout of ``output_dir/checkpoint-<global_step>/``::
+
+    model.safetensors (or the save_pretrained layout of a transformers model, config.json included)
+    optimizer.pt  scheduler.pt      torch.save of state dicts (tensors and numbers only)
+    rng_state_<rank>.pth            python / numpy / torch (and CUDA) generator states of each rank
+    training_args.json              the arguments, as JSON
+    tokenizer files                 when the Trainer has a processing_class
+    trainer_state.json              written last: its presence marks a complete checkpoint
+
+A checkpoint is written into ``.tmp-checkpoint-<step>`` beside its final place, flushed to disk, and renamed
+into place only when complete, so a process killed mid-save leaves every earlier checkpoint intact and no
+folder that looks complete. Loading never unpickles arbitrary objects: safetensors for weights,
+``torch.load(weights_only=True)`` for optimizer / scheduler / RNG state, JSON for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import torch
+
+from treadle import distributed as dist
+
+PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-checkpoint-"
+STATE_FILE = "trainer_state.json"
+ARGS_FILE = "training_args.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupt; the message names the file and what to do."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Finding checkpoints
+# ---------------------------------------------------------------------------------------------------------
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, STATE_FILE))
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in ``output_dir`` as (step, path), oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(rf"{PREFIX}(\d+)", name)
+        path = os.path.join(output_dir, name)
+        if m and is_complete(path):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
+    """``True`` -> newest complete checkpoint in output_dir; a path -> that folder (checked); None/False -> None."""
+    if resume_from_checkpoint in (None, False):
+        return None
+    if resume_from_checkpoint is True:
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise CheckpointError(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
+                                  f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming")
+        return path
+    path = str(resume_from_checkpoint)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint folder {path!r} does not exist")
+    if not is_complete(path):
+        raise CheckpointError(f"checkpoint {path!r} is incomplete (no {STATE_FILE}): it was interrupted while "
+                              f"being written; resume from an earlier one, e.g. {latest_checkpoint(output_dir)}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------------------
+def save_weights(model: torch.nn.Module, directory: str) -> None:
+    """save_pretrained (safetensors) for transformers models, ``model.safetensors`` for any other module."""
+    model = dist.unwrap_model(model)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(directory)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, os.path.join(directory, WEIGHTS_FILE))
+
+
+def load_weights(model: torch.nn.Module, directory: str) -> None:
+    """Load the weights saved by ``save_weights`` into ``model`` (in place), failing with the file's name."""
+    from safetensors.torch import load_file
+
+    model = dist.unwrap_model(model)
+    index = os.path.join(directory, WEIGHTS_INDEX)
+    if os.path.isfile(index):
+        files = sorted(set(_read_json(index, directory)["weight_map"].values()))
+    else:
+        files = [WEIGHTS_FILE]
+    state = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint {directory!r} has no weights file {name!r}")
+        try:
+            state.update(load_file(path, device="cpu"))
+        except Exception as e:  # safetensors raises its own error type for truncated / garbled files
+            raise CheckpointError(f"cannot read {path!r}: {e}. The file is corrupt or truncated; resume from "
+                                  f"an earlier checkpoint") from e
+    _load_state_dict(model, state, directory)
+
+
+def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> None:
+    result = model.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys "
+                              f"{result.unexpected_keys[:5]}")
+    # save_pretrained drops tied duplicates (e.g. lm_head.weight tied to the embeddings): a missing key is
+    # fine only when it shares storage with a loaded one.
+    params = dict(model.state_dict(keep_vars=True))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded]
+    if missing:
+        raise CheckpointError(f"weights in {directory!r} do not fit this model: missing keys {missing[:5]}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG
+# ---------------------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": pos,
+                  "has_gauss": has_gauss, "cached": cached},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Save / load a whole checkpoint
+# ---------------------------------------------------------------------------------------------------------
+def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args, processing_class=None,
+                    save_only_model: bool = False) -> str:
+    """Write ``checkpoint-<state.global_step>`` atomically and return its path. Every rank must call it."""
+    final = os.path.join(output_dir, f"{PREFIX}{state.global_step}")
+    tmp = os.path.join(output_dir, f"{TMP_PREFIX}{state.global_step}")
+    main = dist.is_main_process()
+    if main:
+        os.makedirs(output_dir, exist_ok=True)
+        _remove_stale_tmp(output_dir)
+        os.makedirs(tmp)
+    dist.barrier()
+    if main:
+        save_weights(model, tmp)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(tmp)
+        if not save_only_model:
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            if scheduler is not None:
+                torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        with open(os.path.join(tmp, ARGS_FILE), "w") as f:
+            f.write(args.to_json_string() + "\n")
+    if not save_only_model:
+        torch.save(rng_state(), os.path.join(tmp, f"rng_state_{dist.get_rank()}.pth"))
+    dist.barrier()
+    if main:
+        state.save_to_json(os.path.join(tmp, STATE_FILE))  # last: marks the folder complete
+        _fsync_tree(tmp)
+        _replace_dir(tmp, final)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: str, *, model, optimizer=None, scheduler=None, load_rng: bool = True):
+    """Restore weights, optimizer, scheduler and this rank's RNG from ``path``; return its TrainerState."""
+    from treadle.callbacks import TrainerState
+
+    try:
+        state = TrainerState.load_from_json(os.path.join(path, STATE_FILE))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"cannot read {os.path.join(path, STATE_FILE)!r}: {e}") from e
+    load_weights(model, path)
+    if optimizer is not None:
+        optimizer.load_state_dict(_torch_load(path, "optimizer.pt"))
+    if scheduler is not None:
+        scheduler.load_state_dict(_torch_load(path, "scheduler.pt"))
+    if load_rng:
+        set_rng_state(_torch_load(path, f"rng_state_{dist.get_rank()}.pth"))
+    return state
+
+
+def _torch_load(directory: str, name: str):
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {directory!r} has no {name!r} (saved with save_only_model=True, or "
+                              f"incomplete); it cannot be resumed from, only loaded as weights")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path!r}: {e}. The file is corrupt or truncated; resume from an "
+                              f"earlier checkpoint") from e
+
+
+def _read_json(path: str, directory: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path!r} in checkpoint {directory!r}: {e}") from e
+
+
+def rotate(output_dir: str, limit: int | None, *, keep: tuple[str | None, ...] = ()) -> list[str]:
+    """Delete the oldest complete checkpoints beyond ``limit``, never the newest nor any in ``keep`` (the best).
+    Returns the deleted paths."""
+    if limit is None:
+        return []
+    found = [p for _, p in list_checkpoints(output_dir)]
+    protected = {os.path.abspath(p) for p in keep if p} | ({os.path.abspath(found[-1])} if found else set())
+    deletable = [p for p in found if os.path.abspath(p) not in protected]
+    excess = len(found) - limit
+    deleted = deletable[:max(0, excess)]
+    for path in deleted:
+        shutil.rmtree(path, ignore_errors=True)
+    return deleted
+
+
+def _remove_stale_tmp(output_dir: str) -> None:
+    for name in os.listdir(output_dir):
+        if name.startswith(TMP_PREFIX) or name.startswith(".old-" + PREFIX):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def _replace_dir(tmp: str, final: str) -> None:
+    """Rename ``tmp`` to ``final``; an existing ``final`` (same step saved again) is moved aside first."""
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(os.path.dirname(final), ".old-" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_tree(root: str) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(folder)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
