@@ -1,0 +1,390 @@
+"""Memory-bounded per-token log-probabilities, shared by DPO, GRPO and SFT evaluation.
+
+The plain recipe ``log_softmax(model(ids).logits.float(), -1).gather(...)`` holds several float32
+``[B, T, V]`` tensors at once (the logits, their log-softmax, and in the backward pass the gradients of
+both). At V = 128k, B x T = 8 x 1024 each one is 4.2 GB. This module never builds them:
+
+- :func:`chunked_token_logps` takes the final hidden states and the LM head weight and works through
+  ``chunk_size`` rows at a time. The forward pass keeps only one logsumexp per row; the backward pass
+  recomputes each chunk's logits and accumulates ``grad_hidden`` and ``grad_weight`` from
+  ``softmax - onehot``. Peak extra memory is a few ``[chunk_size, V]`` float32 buffers.
+- :func:`selective_log_softmax` is the same idea for logits that already exist (models that do not fit
+  the fast path): no log-softmax copy, one gradient tensor in the logits' own dtype.
+- :func:`token_logps` runs a causal LM and returns log p(token t+1 | tokens ≤ t), choosing between them.
+
+The seam (how :func:`token_logps` gets hidden states without logits), for transformers causal LMs:
+a forward hook on ``model.get_decoder()`` captures ``last_hidden_state`` while the top-level model is
+called through its normal ``__call__`` (so a DDP wrapper's forward and its gradient hooks run) with
+``logits_to_keep=1``, which makes the LM head project a single position. The head's ``weight`` (the
+input embedding when ``tie_word_embeddings``) and ``bias`` then feed :func:`chunked_token_logps`; the
+gradient reaches the parameter through autograd like any other use. The fast path is taken only when
+the model has an ``nn.Linear`` output embedding, a decoder distinct from itself, a ``logits_to_keep``
+argument and no known logit transform in its config (final softcapping, logit scaling); the first call
+on each model also checks numerically that the head applied to the captured state reproduces the
+model's own last-position logits. Anything else (a plain module returning logits, Gemma-style softcaps,
+custom heads) runs the full forward and :func:`selective_log_softmax`, which is exact but holds the
+model's logits.
+
+Under FSDP2 the head's weight is read after the forward returns: it must still be unsharded then, which
+is FSDP2's default for the root module's parameters (``reshard_after_forward`` is not applied to the
+root). A wrapping that reshards the LM head after forward needs the fallback.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+# Config attributes of transformers models that transform logits after the LM head.
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
+                     "output_logits_scale": 1.0}
+# Result of the one-time numeric check of the fast path, per model (weak: does not keep models alive).
+_FAST_PATH_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+# ------------------------------------------------------------------------------ selective log-softmax
+
+
+def selective_log_softmax(logits: Tensor, index: Tensor, *, temperature: float = 1.0,
+                          chunk_size: int | None = None) -> Tensor:
+    """``log_softmax(logits / temperature, -1)`` at ``index``, without a log-softmax copy.
+
+    ``logits`` ``(..., V)`` in any float dtype, ``index`` ``(...)`` integer. Returns ``(...)`` in float32
+    (float64 for float64 logits).
+    Computed as (gathered logit - logsumexp) over ``chunk_size`` rows at a time (default: about 16M
+    elements per chunk), each chunk upcast to float32 on its own, so bf16 logits cost one float32 chunk,
+    not a float32 copy. The backward pass writes ``softmax - onehot`` into one gradient tensor of the
+    logits' dtype. Positions where ``index == -100`` give 0 and no gradient.
+
+    >>> logits = torch.tensor([[0.0, 0.0], [1.0, 1.0]])
+    >>> selective_log_softmax(logits, torch.tensor([1, -100]))
+    tensor([-0.6931,  0.0000])
+    """
+    if logits.shape[:-1] != index.shape:
+        raise ValueError(f"index shape {tuple(index.shape)} must equal logits shape without the vocabulary "
+                         f"dimension {tuple(logits.shape[:-1])}")
+    _check_temperature(temperature)
+    vocab = logits.shape[-1]
+    rows = chunk_size or max(1, (1 << 24) // vocab)
+    return _SelectiveLogSoftmax.apply(logits, index, temperature, rows)
+
+
+def _as_blocks(x: Tensor) -> Tensor:
+    """View ``(..., R, V)`` as ``(A, R, V)``; a view, not a copy, for the usual slices such as
+    ``logits[:, start:-1]`` (flattening those two leading dims into one would copy)."""
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _chunks(blocks: Tensor, rows: int):
+    """Yield ``(flat_start, flat_end, chunk (r, V))`` over the rows of an ``(A, R, V)`` tensor."""
+    per_block = blocks.shape[1]
+    for a in range(blocks.shape[0]):
+        for s in range(0, per_block, rows):
+            e = min(s + rows, per_block)
+            yield a * per_block + s, a * per_block + e, blocks[a, s:e]
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, index, temperature, rows):
+        blocks = _as_blocks(logits)  # (A, R, V)
+        flat_index = index.reshape(-1)  # (N,)
+        valid = flat_index != IGNORE_INDEX  # (N,)
+        safe_index = torch.where(valid, flat_index, 0)
+        dtype = _upcast(logits.dtype)
+        logps = torch.empty(flat_index.shape, dtype=dtype, device=logits.device)  # (N,)
+        lse = torch.empty_like(logps)  # (N,)
+        for s, e, chunk in _chunks(blocks, rows):
+            scaled = chunk.to(dtype) / temperature  # (r, V), at least float32
+            lse[s:e] = torch.logsumexp(scaled, dim=-1)
+            picked = scaled.gather(1, safe_index[s:e, None]).squeeze(1)
+            logps[s:e] = torch.where(valid[s:e], picked - lse[s:e], 0.0)
+        ctx.save_for_backward(logits, safe_index, valid, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return logps.view(index.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logps):
+        logits, safe_index, valid, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_blocks = _as_blocks(grad)
+        g_all = torch.where(valid, grad_logps.reshape(-1).to(lse.dtype), 0.0)  # (N,)
+        for (s, e, chunk), (_, _, out) in zip(_chunks(_as_blocks(logits), ctx.rows),
+                                               _chunks(grad_blocks, ctx.rows)):
+            d = _dlogits(chunk.to(lse.dtype) / ctx.temperature, lse[s:e], safe_index[s:e], g_all[s:e],
+                         ctx.temperature)
+            out.copy_(d)
+        return grad, None, None, None
+
+
+def _dlogits(scaled: Tensor, lse: Tensor, labels: Tensor, g: Tensor, temperature: float) -> Tensor:
+    """d(g · logp[label]) / d(raw logits) = g (onehot - softmax) / temperature, in place on ``scaled``.
+
+    ``scaled`` ``(r, V)`` float32 logits already divided by the temperature, ``lse``, ``labels``, ``g``
+    ``(r,)``. Rows with ``g == 0`` (ignored labels) come out as zeros.
+    """
+    probs = scaled.sub_(lse[:, None]).exp_()  # (r, V) softmax
+    d = probs.mul_(-g[:, None])
+    d.scatter_add_(1, labels[:, None], g[:, None])
+    if temperature != 1.0:
+        d.div_(temperature)
+    return d
+
+
+# ------------------------------------------------------------------------ chunked hidden -> logprobs
+
+
+def chunked_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
+                        temperature: float = 1.0, chunk_size: int = 1024,
+                        return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``, chunked.
+
+    Args:
+        hidden: ``(N, H)`` final hidden states (after the last norm).
+        weight: ``(V, H)`` the LM head weight; ``bias``: ``(V,)`` or None.
+        labels: ``(N,)`` token ids; ``-100`` gives log-prob 0 and no gradient.
+        chunk_size: rows per chunk; peak extra memory is about three float32 ``(chunk_size, V)`` buffers.
+        return_entropy: also return the entropy of each row's distribution (detached; computed for
+            every row, the caller masks).
+
+    Returns ``logps`` ``(N,)`` float32 (float64 for float64 inputs), or ``(logps, entropy)``. Gradients flow to ``hidden``,
+    ``weight`` and ``bias`` in their own dtypes (``grad_weight`` is accumulated in at least float32). Under
+    ``torch.autocast`` the matmuls use the autocast dtype, as the model's own head would.
+
+    >>> hidden, weight = torch.eye(2), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    >>> chunked_token_logps(hidden, weight, torch.tensor([0, 0]))
+    tensor([-0.3133, -0.6931])
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden (N, H) and weight (V, H); got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be (N,) = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_temperature(temperature)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Cast outside the Function (autograd records the casts) and run it with autocast off, so
+        # that the backward pass recomputes the logits in the same dtype as the forward pass.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device_type, enabled=False):
+        logps, entropy = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, temperature, chunk_size,
+                                                  return_entropy)
+    return (logps, entropy) if return_entropy else logps
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
+        n = hidden.shape[0]
+        valid = labels != IGNORE_INDEX  # (N,)
+        safe_labels = torch.where(valid, labels, 0)
+        logps = torch.empty(n, dtype=_upcast(hidden.dtype), device=hidden.device)  # (N,)
+        lse = torch.empty_like(logps)  # (N,)
+        entropy = torch.empty(n if with_entropy else 0, dtype=logps.dtype, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            scaled = _scaled_logits(hidden[s:e], weight, bias, temperature)  # (r, V)
+            lse[s:e] = torch.logsumexp(scaled, dim=-1)
+            picked = scaled.gather(1, safe_labels[s:e, None]).squeeze(1)
+            logps[s:e] = torch.where(valid[s:e], picked - lse[s:e], 0.0)
+            if with_entropy:
+                log_probs = scaled.sub_(lse[s:e, None])  # in place: scaled is not needed any more
+                entropy[s:e] = -(log_probs.exp() * log_probs).sum(dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, bias, safe_labels, valid, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        acc = dict(dtype=lse.dtype, device=weight.device)  # accumulators: at least float32
+        grad_weight = torch.zeros(weight.shape, **acc) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], **acc) if need_bias else None
+        g_all = torch.where(valid, grad_logps.to(lse.dtype), 0.0)  # (N,)
+        n, step = hidden.shape[0], ctx.chunk_size
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            h = hidden[s:e]  # (r, H)
+            scaled = _scaled_logits(h, weight, bias, ctx.temperature)  # (r, V)
+            d = _dlogits(scaled, lse[s:e], safe_labels[s:e], g_all[s:e], ctx.temperature)  # (r, V)
+            if grad_bias is not None:
+                grad_bias += d.sum(dim=0)
+            d = d.to(hidden.dtype)  # the matmuls run in the model's dtype, as autograd's would
+            if grad_hidden is not None:
+                torch.mm(d, weight, out=grad_hidden[s:e])  # (r, V) @ (V, H)
+            if grad_weight is not None and grad_weight.dtype == h.dtype:
+                grad_weight.addmm_(d.t(), h)  # (V, r) @ (r, H), no temporary
+            elif grad_weight is not None:
+                grad_weight += d.t() @ h  # bf16 product, accumulated in float32
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _upcast(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the softmax is computed in: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _scaled_logits(h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    scaled = F.linear(h, weight, bias).to(_upcast(h.dtype))  # (r, V)
+    if temperature != 1.0:
+        scaled.div_(temperature)
+    return scaled
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+# ---------------------------------------------------------------------------------- causal LM driver
+
+
+def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, *,
+                temperature: float = 1.0, start: int = 0, chunk_size: int = 1024,
+                return_entropy: bool = False, **forward_kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs of a causal LM's own input: ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
+
+    Args:
+        model: a transformers causal LM (possibly DDP-wrapped) or any module whose output is logits or
+            has ``.logits``. It is called through ``__call__``.
+        input_ids: ``(B, T)``; attention_mask: ``(B, T)`` or None.
+        temperature: divides the logits (use the sampling temperature for GRPO's log-probs).
+        start: skip the first ``start`` predictions; the result covers targets ``input_ids[:, start+1:]``
+            (e.g. ``start = prompt_length - 1`` for completion tokens only). ``0 <= start < T - 1``.
+        chunk_size: rows per chunk of :func:`chunked_token_logps`.
+        return_entropy: also return the per-position entropy (detached).
+        forward_kwargs: passed to the model (``position_ids``, ...).
+
+    Returns ``(logps, entropy or None)``, float32 (at least) ``(B, T - 1 - start)`` aligned with
+    ``input_ids[:, start+1:]``. Targets that are padding (``attention_mask == 0``) get log-prob 0 and no
+    gradient; entropy is reported for every position.
+    """
+    seq_len = input_ids.shape[1]
+    if not 0 <= start < seq_len - 1:
+        raise ValueError(f"start must satisfy 0 <= start < T - 1 = {seq_len - 1}, got {start}")
+    _check_temperature(temperature)
+    labels = input_ids[:, start + 1:]  # (B, T-1-start)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        labels = labels.masked_fill(attention_mask[:, start + 1:] == 0, IGNORE_INDEX)
+    base = getattr(model, "module", model)  # the module inside a DDP wrapper
+    head = _fast_path_head(base)
+    hidden = None
+    if head is not None:
+        hidden = _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
+    if hidden is None:
+        return _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start,
+                                  return_entropy, forward_kwargs)
+    hidden = hidden[:, start:-1]  # (B, T-1-start, H)
+    result = chunked_token_logps(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
+                                 bias=head.bias, temperature=temperature, chunk_size=chunk_size,
+                                 return_entropy=return_entropy)
+    logps, entropy = result if return_entropy else (result, None)
+    entropy = None if entropy is None else entropy.view(labels.shape)
+    return logps.view(labels.shape), entropy
+
+
+def _fast_path_head(base: nn.Module) -> nn.Linear | None:
+    """The LM head if ``base`` fits the hidden-state fast path, else None."""
+    if _FAST_PATH_CHECKED.get(base) is False:
+        return None
+    get_head, get_decoder = getattr(base, "get_output_embeddings", None), getattr(base, "get_decoder", None)
+    if not callable(get_head) or not callable(get_decoder):
+        return None
+    head = get_head()
+    if not isinstance(head, nn.Linear) or get_decoder() is base:
+        return None
+    if "logits_to_keep" not in inspect.signature(type(base).forward).parameters:
+        return None
+    config = getattr(base, "config", None)
+    for name, neutral in _LOGIT_TRANSFORMS.items():
+        if getattr(config, name, neutral) not in (neutral, None):
+            return None
+    return head
+
+
+def _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs) -> Tensor | None:
+    """Run ``model`` with ``logits_to_keep=1`` and return the decoder's last hidden state ``(B, T, H)``,
+    or None if the one-time check finds that the head does not reproduce the model's logits."""
+    captured = []
+
+    def capture(_module, _args, output):
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    handle = base.get_decoder().register_forward_hook(capture)
+    try:
+        outputs = model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs), logits_to_keep=1)
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        return None  # the decoder ran zero or several times: not the structure this path assumes
+    hidden = captured[0]
+    if base not in _FAST_PATH_CHECKED:
+        _FAST_PATH_CHECKED[base] = _head_reproduces_logits(hidden, head, outputs.logits)
+        if not _FAST_PATH_CHECKED[base]:
+            warnings.warn(f"{type(base).__name__}: the LM head applied to the decoder output does not match "
+                          "the model's logits; using the full-logits path (more memory)", stacklevel=3)
+            return None
+    return hidden
+
+
+def _head_reproduces_logits(hidden: Tensor, head: nn.Linear, logits: Tensor) -> bool:
+    with torch.no_grad():
+        expected = F.linear(hidden[:, -1:], head.weight, head.bias).float()
+        got = logits[:, -1:].float()
+        tolerance = 1e-4 if hidden.dtype == torch.float32 else 2e-2
+        return got.shape == expected.shape and torch.allclose(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def _model_kwargs(base: nn.Module, attention_mask: Tensor | None, forward_kwargs: dict) -> dict:
+    kwargs = dict(forward_kwargs)
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if "use_cache" in inspect.signature(type(base).forward).parameters:
+        kwargs.setdefault("use_cache", False)  # a training forward has no use for a KV cache
+    return kwargs
+
+
+def _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start, return_entropy,
+                       forward_kwargs) -> tuple[Tensor, Tensor | None]:
+    """Fallback: the model's full logits, then :func:`selective_log_softmax` (no log-softmax copy)."""
+    outputs = model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))
+    logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)
+    if logits is None:
+        logits = outputs[0]
+    logits = logits[:, start:-1]  # (B, T-1-start, V), a view
+    logps = selective_log_softmax(logits, labels, temperature=temperature)
+    entropy = _entropy(logits, temperature) if return_entropy else None
+    return logps, entropy
+
+
+@torch.no_grad()
+def _entropy(logits: Tensor, temperature: float, chunk_rows: int | None = None) -> Tensor:
+    """Row entropies of ``softmax(logits / temperature)``, ``logits.shape[:-1]``, chunked."""
+    blocks = _as_blocks(logits)
+    rows = chunk_rows or max(1, (1 << 24) // logits.shape[-1])
+    dtype = _upcast(logits.dtype)
+    out = torch.empty(blocks.shape[0] * blocks.shape[1], dtype=dtype, device=logits.device)
+    for s, e, chunk in _chunks(blocks, rows):
+        log_probs = torch.log_softmax(chunk.to(dtype) / temperature, dim=-1)  # (r, V)
+        out[s:e] = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return out.view(logits.shape[:-1])
