@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny models and data built locally (no hub, no network)."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 64, dropout: float = 0.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attention_dropout=dropout, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def lm_rows(n: int = 24, seed: int = 0, vocab_size: int = 64, min_len: int = 3, max_len: int = 12):
+    """Variable-length causal-LM rows (input_ids, attention_mask, labels), some labels masked with -100."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        ids = torch.randint(1, vocab_size, (length,), generator=g).tolist()
+        prompt = int(torch.randint(0, length - 1, (1,), generator=g))
+        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * prompt + ids[prompt:]})
+    return rows
+
+
+@pytest.fixture
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture
+def rows():
+    return lm_rows()
