@@ -1,0 +1,390 @@
+"""Supervised fine-tuning: ``SFTConfig`` + ``SFTTrainer``.
+
+The dataset is tokenised once, before training, into ``input_ids`` and a ``completion_mask`` (1 on the tokens
+that carry loss); the collator turns that into ``labels`` with -100 elsewhere, and the Trainer's own loss does
+the rest. Three dataset forms, chosen by column (first match wins):
+
+1. ``input_ids`` (already tokenised; an optional ``completion_mask`` is kept);
+2. ``prompt`` + ``completion`` (strings, or chat message lists rendered with the chat template);
+3. ``messages`` (a chat, rendered with the chat template);
+4. ``text`` (or ``args.dataset_text_field``).
+
+How this departs from TRL's SFTTrainer (v0.2x):
+
+1. Prompt and completion are tokenised *separately* and concatenated, so the model trains on exactly the
+   tokens it sees at inference (prompt tokenised alone, completion generated after it). TRL tokenises the
+   joined text, which with a BPE tokenizer can merge tokens across the boundary.
+2. eos is appended to ``text`` and ``prompt``/``completion`` rows (unless already there); chat rows
+   (``messages``) end where the chat template ends a turn, nothing is appended.
+3. Packing is best-fit-decreasing of whole rows (a row longer than ``max_length`` is truncated, never split),
+   with ``position_ids`` restarting at 0 in each row and no ``attention_mask``: transformers then builds a
+   block-diagonal causal mask from the position ids (eager, sdpa and flash attention alike), so no token
+   attends across rows, and the first token of each row is not a label (it would be predicted from the row
+   before). A test checks the per-row losses of a packed forward against the rows run alone.
+4. No PEFT, no vision-language inputs, no ``dataset_kwargs``, no streaming datasets; a string ``model`` must be a
+   local folder (no download).
+5. ``mean_token_accuracy`` is logged for training and evaluation (argmax of the logits against the labels, over
+   the label tokens of the logging window); TRL's ``num_tokens`` and entropy are not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treadle import distributed as dist
+from treadle.arguments import TrainingArguments
+from treadle.data import PaddingCollator, column_names
+from treadle.trainer import Trainer
+
+TOKENIZE_CHUNK = 1000  # rows tokenised per tokenizer call: big enough for the fast tokenizer's batching
+SFT_COLUMNS = ("input_ids", "completion_mask", "position_ids")  # what prepare_dataset hands the collator
+
+
+@dataclass
+class SFTConfig(TrainingArguments):
+    learning_rate: float = 2e-5  # peak learning rate; SFT of a pretrained model wants it small (TRL's default)
+    dataset_text_field: str = "text"  # column holding plain text for language-modelling rows
+    max_length: int | None = 1024  # truncate tokenised rows to this many tokens (and pack up to it); None: no cap
+    packing: bool = False  # pack short rows into rows of max_length tokens (no cross-row attention)
+    completion_only_loss: bool | None = None  # loss on completion tokens only; None: on for prompt/completion rows
+    assistant_only_loss: bool = False  # chat rows: loss on assistant turns only (template needs {% generation %})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
+            raise ValueError(f"max_length must be an integer >= 2 (or None for no limit), got {self.max_length!r}")
+        if self.packing and self.max_length is None:
+            raise ValueError("packing=True needs max_length, the length of a packed row (e.g. max_length=1024)")
+        if not self.dataset_text_field:
+            raise ValueError("dataset_text_field must name a column, e.g. 'text'")
+
+
+class SFTTrainer(Trainer):
+    """Fine-tunes a causal LM on text, prompt/completion or chat rows; see the module docstring.
+
+    ``model`` is a model or the path of a local folder in transformers layout; ``processing_class`` the
+    tokenizer (loaded from that folder when None). Datasets are ``datasets.Dataset`` objects or lists of dicts.
+    """
+
+    def __init__(self, model=None, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
+                 optimizers=(None, None)):
+        args = args if args is not None else SFTConfig()
+        if not isinstance(args, SFTConfig):
+            raise TypeError(f"SFTTrainer needs an SFTConfig, got {type(args).__name__}; build one with "
+                            f"SFTConfig(**your_args.to_dict())")
+        if isinstance(model, str):
+            model, processing_class = self.load_model(model, processing_class)
+        self.args = args
+        self.processing_class = processing_class
+        train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {name: self.prepare_dataset(d, f"eval {name}") for name, d in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = self.prepare_dataset(eval_dataset, "eval")
+        if data_collator is None:
+            data_collator = SFTCollator(pad_token_id=_pad_token_id(processing_class))
+        self._token_stats = {"train": torch.zeros(2, dtype=torch.float64),
+                             "eval": torch.zeros(2, dtype=torch.float64)}  # (correct, total) label tokens
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+
+    # ---- building -----------------------------------------------------------------------------------------
+    @staticmethod
+    def load_model(path: str, processing_class=None):
+        """(model, tokenizer) from a local folder in transformers layout; never downloads."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not os.path.isdir(path):
+            raise ValueError(f"model {path!r} is not a local folder; pass a model object or a folder written "
+                             f"by save_pretrained")
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return model, processing_class
+
+    def prepare_dataset(self, dataset, name: str = "train"):
+        """Tokenise ``dataset`` once (with a progress bar), truncate to ``max_length`` and pack if asked.
+        Returns a ``datasets.Dataset`` with ``input_ids``, ``completion_mask`` (and ``position_ids`` when
+        packed)."""
+        from datasets import Dataset
+
+        if isinstance(dataset, list):
+            dataset = Dataset.from_list(dataset)
+        columns = column_names(dataset)
+        if columns is None or not hasattr(dataset, "__len__"):
+            raise TypeError(f"SFTTrainer needs a datasets.Dataset or a list of dicts for {name}, got "
+                            f"{type(dataset).__name__} (an IterableDataset: materialise it with Dataset.from_list)")
+        if "input_ids" in columns:
+            rows = self._pretokenized_rows(dataset)
+        else:
+            rows = self._tokenize_rows(dataset, columns, name)
+        rows = [self._truncate(ids, mask) for ids, mask in rows]
+        if self.args.packing:
+            return Dataset.from_dict(pack_rows(rows, self.args.max_length))
+        return Dataset.from_dict({"input_ids": [r[0] for r in rows], "completion_mask": [r[1] for r in rows]})
+
+    def _pretokenized_rows(self, dataset) -> list[tuple[list[int], list[int]]]:
+        ids = [list(r) for r in dataset["input_ids"]]
+        if "completion_mask" in column_names(dataset):
+            masks = [list(m) for m in dataset["completion_mask"]]
+        else:
+            masks = [[1] * len(r) for r in ids]
+        return list(zip(ids, masks))
+
+    def _tokenize_rows(self, dataset, columns: list[str], name: str) -> list[tuple[list[int], list[int]]]:
+        tokenizer = self.processing_class
+        if tokenizer is None:
+            raise ValueError(f"SFTTrainer needs processing_class (a tokenizer) to tokenise the {name} dataset, or "
+                             f"a dataset that is already tokenised (an input_ids column)")
+        form = dataset_form(columns, self.args.dataset_text_field)
+        from tqdm.auto import tqdm
+
+        rows: list[tuple[list[int], list[int]]] = []
+        show = not self.args.disable_tqdm and dist.is_main_process()
+        with tqdm(total=len(dataset), desc=f"tokenize {name}", unit=" rows", disable=not show,
+                  dynamic_ncols=True) as bar:
+            for start in range(0, len(dataset), TOKENIZE_CHUNK):
+                chunk = dataset[start:start + TOKENIZE_CHUNK]
+                rows += self._tokenize_chunk(chunk, form)
+                bar.update(len(chunk[next(iter(chunk))]))
+        return rows
+
+    def _tokenize_chunk(self, chunk: dict[str, list], form: str) -> list[tuple[list[int], list[int]]]:
+        if form == "prompt_completion":
+            return tokenize_prompt_completion(self.processing_class, chunk["prompt"], chunk["completion"],
+                                              completion_only=self.args.completion_only_loss is not False)
+        if form == "messages":
+            return tokenize_messages(self.processing_class, chunk["messages"],
+                                     assistant_only=self.args.assistant_only_loss)
+        return tokenize_text(self.processing_class, chunk[self.args.dataset_text_field])
+
+    def _truncate(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        limit = self.args.max_length
+        return (ids[:limit], mask[:limit]) if limit is not None else (ids, mask)
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+    def signature_columns(self) -> set[str] | None:
+        """The model's arguments plus the columns ``prepare_dataset`` makes for the collator."""
+        columns = super().signature_columns()
+        return None if columns is None else columns | set(SFT_COLUMNS)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The Trainer's loss (labels from the collator); also counts the label tokens that the argmax of the
+        logits gets right, for ``mean_token_accuracy``."""
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        logits = getattr(outputs, "logits", None)
+        labels = inputs.get("labels")
+        if logits is not None and labels is not None:
+            with torch.no_grad():
+                mode = "train" if model.training else "eval"
+                counts = token_accuracy_counts(logits, labels)  # stays on the device: no sync per step
+                self._token_stats[mode] = self._token_stats[mode].to(counts.device) + counts
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds ``mean_token_accuracy`` of the window to training logs (those with a ``loss``)."""
+        if "loss" in logs:
+            accuracy = self._take_token_accuracy("train")
+            if accuracy is not None:
+                logs = {**logs, "mean_token_accuracy": accuracy}
+        super().log(logs, start_time)
+
+    def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
+                        prediction_loss_only=None):
+        """The Trainer's loop, plus ``{prefix}_mean_token_accuracy`` over the evaluated label tokens."""
+        self._token_stats["eval"].zero_()
+        output = super().evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                                         prediction_loss_only=prediction_loss_only)
+        accuracy = self._take_token_accuracy("eval")
+        if accuracy is not None:
+            output.metrics[f"{metric_key_prefix}_mean_token_accuracy"] = accuracy
+        return output
+
+    def _take_token_accuracy(self, mode: str) -> float | None:
+        counts = self._token_stats[mode].to(self.args.device)
+        if dist.get_world_size() > 1:
+            counts = dist.all_reduce_sum(counts)
+        self._token_stats[mode] = torch.zeros(2, dtype=torch.float64)
+        correct, total = counts.tolist()
+        return correct / total if total else None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenisation (pure functions of a tokenizer and lists of rows)
+# ---------------------------------------------------------------------------------------------------------
+def dataset_form(columns: list[str], text_field: str = "text") -> str:
+    """Which of the SFT dataset forms ``columns`` hold: 'prompt_completion', 'messages' or 'text'."""
+    if "prompt" in columns or "completion" in columns:
+        missing = [c for c in ("prompt", "completion") if c not in columns]
+        if missing:
+            raise ValueError(f"the dataset has {'prompt' if 'prompt' in columns else 'completion'} but no "
+                             f"{missing[0]!r} column (it has {columns}); SFT needs both 'prompt' and "
+                             f"'completion', or a '{text_field}' or 'messages' column")
+        return "prompt_completion"
+    if "messages" in columns:
+        return "messages"
+    if text_field in columns:
+        return "text"
+    raise ValueError(f"SFTTrainer found none of its columns in the dataset (it has {columns}): give it a "
+                     f"'{text_field}' column (set dataset_text_field to use another), 'prompt' and 'completion' "
+                     f"columns, a 'messages' column, or tokenised 'input_ids'")
+
+
+def _with_eos(ids: list[int], eos: int | None) -> list[int]:
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def _encode(tokenizer, texts: list[str], *, special: bool) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
+
+
+def tokenize_text(tokenizer, texts: list[str]) -> list[tuple[list[int], list[int]]]:
+    """(ids, mask) per text: the tokenizer's special tokens (e.g. bos), the text, eos; loss on every token."""
+    rows = []
+    for ids in _encode(tokenizer, list(texts), special=True):
+        ids = _with_eos(ids, tokenizer.eos_token_id)
+        rows.append((ids, [1] * len(ids)))
+    return rows
+
+
+def tokenize_prompt_completion(tokenizer, prompts: list, completions: list, *,
+                               completion_only: bool = True) -> list[tuple[list[int], list[int]]]:
+    """(ids, mask) per row: prompt ids (with the tokenizer's special tokens) + completion ids + eos.
+
+    Chat rows (lists of messages) are rendered with the chat template: the prompt with a generation prompt, the
+    completion as the rest of the full chat. ``completion_only`` puts the loss on the completion tokens only.
+    """
+    if prompts and not isinstance(prompts[0], str):
+        prompts, completions = _render_chat_pairs(tokenizer, prompts, completions)
+        prompt_ids = _encode(tokenizer, prompts, special=False)  # the template wrote its own special tokens
+    else:
+        prompt_ids = _encode(tokenizer, list(prompts), special=True)
+    completion_ids = _encode(tokenizer, list(completions), special=False)
+    rows = []
+    for p, c in zip(prompt_ids, completion_ids, strict=True):
+        c = _with_eos(c, tokenizer.eos_token_id)
+        rows.append((p + c, [0 if completion_only else 1] * len(p) + [1] * len(c)))
+    return rows
+
+
+def _render_chat_pairs(tokenizer, prompts: list, completions: list) -> tuple[list[str], list[str]]:
+    texts_p, texts_c = [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        p = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+        if not full.startswith(p):
+            raise ValueError(f"the chat template renders the prompt {p!r} differently inside the whole chat "
+                             f"{full!r}, so the completion cannot be split off; use a 'messages' column instead")
+        texts_p.append(p)
+        texts_c.append(full[len(p):])
+    return texts_p, texts_c
+
+
+def tokenize_messages(tokenizer, conversations: list, *, assistant_only: bool = False
+                      ) -> list[tuple[list[int], list[int]]]:
+    """(ids, mask) per chat, rendered by the chat template; with ``assistant_only`` the loss is on the tokens
+    the template marks as the assistant's (``{% generation %}``)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the dataset has a 'messages' column but the tokenizer has no chat_template; set "
+                         "tokenizer.chat_template or give the dataset a 'text' column")
+    encoded = tokenizer.apply_chat_template(list(conversations), tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=assistant_only)
+    rows = []
+    for i, ids in enumerate(encoded["input_ids"]):
+        mask = list(encoded["assistant_masks"][i]) if assistant_only else [1] * len(ids)
+        if assistant_only and not any(mask):
+            raise ValueError(f"assistant_only_loss=True but the chat template marks no assistant tokens in "
+                             f"{conversations[i]!r}; its template needs {{% generation %}} ... "
+                             f"{{% endgeneration %}} around assistant turns")
+        rows.append((list(ids), mask))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing and collation
+# ---------------------------------------------------------------------------------------------------------
+def pack_rows(rows: list[tuple[list[int], list[int]]], max_length: int) -> dict[str, list[list[int]]]:
+    """Best-fit-decreasing packing of whole rows into rows of at most ``max_length`` tokens.
+
+    Returns columns ``input_ids``, ``completion_mask`` and ``position_ids`` (0, 1, ... restarting at each
+    packed row). The first token of every packed row gets mask 0: its label would be predicted from the end of
+    the row before it. Rows must already be at most ``max_length`` long.
+    """
+    import bisect
+
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (space left, bin index), sorted: best fit = the smallest that fits
+    for i in order:
+        size = len(rows[i][0])
+        if size > max_length:
+            raise ValueError(f"row {i} has {size} tokens, more than max_length={max_length}; truncate first")
+        at = bisect.bisect_left(free, (size, -1))
+        if at == len(free):
+            bins.append([i])
+            space, index = max_length - size, len(bins) - 1
+        else:
+            space, index = free.pop(at)
+            bins[index].append(i)
+            space -= size
+        bisect.insort(free, (space, index))
+    packed: dict[str, list[list[int]]] = {"input_ids": [], "completion_mask": [], "position_ids": []}
+    for members in bins:
+        ids, mask, positions = [], [], []
+        for i in members:
+            row_ids, row_mask = rows[i]
+            ids += row_ids
+            mask += [0] + list(row_mask[1:])
+            positions += list(range(len(row_ids)))
+        packed["input_ids"].append(ids)
+        packed["completion_mask"].append(mask)
+        packed["position_ids"].append(positions)
+    return packed
+
+
+class SFTCollator:
+    """Pads SFT rows into a batch: ``input_ids``, ``labels`` (input ids where ``completion_mask`` is 1, else
+    -100) and ``attention_mask`` -- or, for packed rows, ``position_ids`` and no attention mask, so that
+    transformers separates the packed rows by their position ids."""
+
+    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: int | None = None):
+        self.padder = PaddingCollator(pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = self.padder.stack("input_ids", [row["input_ids"] for row in rows])
+        ones = [[1] * len(row["input_ids"]) for row in rows]
+        mask = self.padder.stack("completion_mask", [row.get("completion_mask", one) for row, one in zip(rows, ones)])
+        batch = {"input_ids": ids, "labels": ids.masked_fill(mask == 0, -100)}
+        if "position_ids" in rows[0]:
+            batch["position_ids"] = self.padder.stack("position_ids", [row["position_ids"] for row in rows])
+        else:
+            batch["attention_mask"] = self.padder.stack("attention_mask", ones)
+        return batch
+
+
+def _pad_token_id(tokenizer) -> int:
+    if tokenizer is None:
+        return 0
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        print("treadle: the tokenizer has no pad or eos token; padding with id 0 (padded positions carry no "
+              "loss and are masked from attention)", file=sys.stderr)
+        return 0
+    return pad
+
+
+def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(correct, total) label tokens as a float64 tensor on the logits' device: argmax of ``logits[:, t]`` against ``labels[:, t+1]``."""
+    predicted = logits[:, :-1].argmax(dim=-1)  # (B, T-1)
+    target = labels[:, 1:]  # (B, T-1)
+    valid = target != -100
+    correct = (predicted.eq(target) & valid).sum()
+    return torch.stack([correct, valid.sum()]).double()
