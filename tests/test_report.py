@@ -1,0 +1,190 @@
+"""Tests for treadle.report: reading metrics.jsonl, the panel layout, the PNGs and the summary table."""
+
+import json
+import math
+
+import pytest
+
+from treadle import report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# An SFT-like run: five training events, two evaluations (steps 2 and 4), a final summary event,
+# and values the report must skip (a string, a bool, a list).
+LOSS = [2.5, 1.75, 1.0, 0.625, 0.5]
+LR = [1e-3, 8e-4, 6e-4, 4e-4, 2e-4]
+GRAD_NORM = [3.0, 2.0, 4.0, 1.5, 1.0]
+EVAL_LOSS = [1.5, 0.75]
+
+
+def sft_events():
+    events = []
+    for i in range(5):
+        step = i + 1
+        events.append({"step": step, "epoch": step / 5, "loss": LOSS[i], "learning_rate": LR[i],
+                       "grad_norm": GRAD_NORM[i], "note": "warmup", "is_best": True, "hist": [1, 2]})
+        if step in (2, 4):
+            events.append({"step": step, "epoch": step / 5, "eval_loss": EVAL_LOSS[step // 2 - 1]})
+    events.append({"step": 5, "epoch": 1.0, "train_loss": 1.275, "train_runtime": 3.5,
+                   "train_samples_per_second": 91.4})
+    return events
+
+
+def write_run(run_dir, events, *, extra_lines=()):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(e) for e in events] + list(extra_lines)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return run_dir
+
+
+def assert_png(path):
+    from matplotlib.image import imread
+
+    assert path.is_file()
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    height, width = imread(path).shape[:2]
+    assert width > 300 and height > 200
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def test_series_use_only_the_events_that_have_the_key():
+    series = report.collect_series(sft_events())
+    assert series["loss"] == ([1, 2, 3, 4, 5], LOSS)
+    assert series["eval_loss"] == ([2, 4], EVAL_LOSS)
+    assert series["train_runtime"] == ([5], [3.5])
+    assert not {"note", "is_best", "hist", "step", "epoch"} & set(series)
+
+
+def test_panel_layout_sft():
+    layout = report.panel_layout(report.collect_series(sft_events()))
+    assert layout == {"training": ["loss", "learning_rate", "grad_norm"], "eval": ["eval_loss"]}
+
+
+def test_panel_layout_grpo_and_dpo_keys():
+    grpo = {"step": 1, "loss": 0.1, "reward": 0.5, "reward_std": 0.2, "kl": 0.01,
+            "rewards/addition_reward/mean": 0.5, "completions/mean_length": 3.0, "entropy": 1.2,
+            "clip_ratio/region_mean": 0.0, "num_tokens": 640}
+    dpo = {"step": 2, "rewards/chosen": 0.3, "rewards/rejected": -0.2, "rewards/accuracies": 0.75,
+           "rewards/margins": 0.5, "logps/chosen": -3.0, "logps/rejected": -4.0, "eval_reward": 0.6}
+    layout = report.panel_layout(report.collect_series([grpo, dpo]))
+    assert layout == {
+        "training": ["loss"],
+        "rewards": ["reward", "reward_std", "kl", "rewards/addition_reward/mean",
+                    "completions/mean_length", "entropy", "clip_ratio/region_mean", "rewards/chosen",
+                    "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                    "logps/rejected"],
+        "eval": ["eval_reward"],
+        "other": ["num_tokens"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------- plots
+
+def test_plot_run_writes_the_expected_pngs(tmp_path):
+    run = write_run(tmp_path / "run", sft_events())
+    paths = report.plot_run(run)
+    assert paths == [run / "plots" / "training.png", run / "plots" / "eval.png"]
+    assert sorted(p.name for p in (run / "plots").iterdir()) == ["eval.png", "training.png"]
+    for path in paths:
+        assert_png(path)
+
+
+def test_plot_run_out_dir_and_every_figure(tmp_path):
+    events = sft_events() + [{"step": 6, "reward": 0.5, "kl": 0.1, "num_tokens": 100}]
+    run = write_run(tmp_path / "run", events)
+    paths = report.plot_run(run / "metrics.jsonl", out_dir=tmp_path / "elsewhere")
+    assert [p.name for p in paths] == ["training.png", "rewards.png", "eval.png", "other.png"]
+    assert all(p.parent == tmp_path / "elsewhere" for p in paths)
+    for path in paths:
+        assert_png(path)
+    assert not (run / "plots").exists()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_figure_has_one_labelled_panel_per_series_and_the_right_data(count):
+    series = {f"metric_{k}": ([1, 2, 4], [float(k), k + 0.5, k - 1.0]) for k in range(count)}
+    figure = report.build_figure("title", series)
+    assert len(figure.axes) == count  # no empty panels in the grid
+    for axes, (key, (steps, values)) in zip(figure.axes, series.items()):
+        assert axes.get_xlabel() == "step" and axes.get_ylabel() == key
+        assert axes.get_title().startswith(key)
+        line = axes.get_lines()[-1]
+        assert list(line.get_xdata()) == steps and list(line.get_ydata()) == values
+        assert line.get_marker() == "o"  # few points: each one marked
+
+
+def test_long_noisy_series_get_a_centred_moving_average():
+    steps = list(range(100))
+    values = [float(s % 2) for s in steps]  # alternating 0, 1: as noisy as it gets
+    figure = report.build_figure("t", {"loss": (steps, values)})
+    raw, smooth = figure.axes[0].get_lines()
+    assert list(raw.get_ydata()) == values
+    window = 100 // 25  # 4 -> 2 points either side, fewer at the ends
+    for i in (0, 1, 50, 99):
+        near = values[max(0, i - window // 2):i + window // 2 + 1]
+        assert smooth.get_ydata()[i] == pytest.approx(sum(near) / len(near))
+    # a smooth series of the same length (a learning-rate schedule) is drawn once, unsmoothed
+    figure = report.build_figure("t", {"learning_rate": (steps, [1 - s / 100 for s in steps])})
+    assert len(figure.axes[0].get_lines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------- summary
+
+def parse_table(text):
+    lines = text.splitlines()
+    assert lines[1].split() == ["metric", "count", "first", "last", "min", "max"]
+    return {parts[0]: [float(x) for x in parts[1:]] for parts in map(str.split, lines[2:])}
+
+
+def test_summarize_numbers_match_the_input(tmp_path):
+    run = write_run(tmp_path / "run", sft_events())
+    text = report.summarize(run)
+    assert text.splitlines()[0].endswith("metrics.jsonl: 8 events, steps 1..5")
+    table = parse_table(text)
+    for key, values in {"loss": LOSS, "learning_rate": LR, "grad_norm": GRAD_NORM,
+                        "eval_loss": EVAL_LOSS, "train_runtime": [3.5]}.items():
+        assert table[key] == pytest.approx(
+            [len(values), values[0], values[-1], min(values), max(values)], rel=1e-5), key
+    assert list(table) == ["loss", "learning_rate", "grad_norm", "eval_loss", "train_loss",
+                           "train_runtime", "train_samples_per_second"]
+
+
+def test_summarize_ignores_nan_in_min_and_max(tmp_path):
+    run = write_run(tmp_path / "run", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": math.nan},
+                                       {"step": 3, "loss": 1.0}])
+    count, first, last, low, high = parse_table(report.summarize(run))["loss"]
+    assert (count, first, last, low, high) == (3, 2.0, 1.0, 1.0, 2.0)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        report.plot_run(tmp_path / "nope")
+
+
+def test_folder_without_metrics(tmp_path):
+    with pytest.raises(ValueError, match="metrics.jsonl not found"):
+        report.summarize(tmp_path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_metrics(tmp_path, content):
+    (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=r"metrics\.jsonl is empty"):
+        report.plot_run(tmp_path)
+
+
+@pytest.mark.parametrize("bad_line, message", [
+    ('{"step": 3, "loss": 0.5', "corrupt line, not valid JSON"),
+    ("[1, 2, 3]", "expected a JSON object"),
+    ('{"loss": 0.5}', "event has no numeric 'step'"),
+])
+def test_bad_line_names_file_and_line(tmp_path, bad_line, message):
+    write_run(tmp_path, sft_events()[:2], extra_lines=[bad_line])
+    for call in (report.plot_run, report.summarize):
+        with pytest.raises(ValueError) as error:
+            call(tmp_path)
+        assert f"{tmp_path / 'metrics.jsonl'}:3: {message}" in str(error.value)
+    assert not (tmp_path / "plots").exists()
