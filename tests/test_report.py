@@ -140,7 +140,7 @@ def parse_table(text):
 def test_summarize_numbers_match_the_input(tmp_path):
     run = write_run(tmp_path / "run", sft_events())
     text = report.summarize(run)
-    assert text.splitlines()[0].endswith("metrics.jsonl: 8 events, steps 1..5")
+    assert text.splitlines()[0].endswith("metrics.jsonl: 8 events, steps 1..5, epochs 0.2..1")
     table = parse_table(text)
     for key, values in {"loss": LOSS, "learning_rate": LR, "grad_norm": GRAD_NORM,
                         "eval_loss": EVAL_LOSS, "train_runtime": [3.5]}.items():
@@ -153,7 +153,9 @@ def test_summarize_numbers_match_the_input(tmp_path):
 def test_summarize_ignores_nan_in_min_and_max(tmp_path):
     run = write_run(tmp_path / "run", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": math.nan},
                                        {"step": 3, "loss": 1.0}])
-    count, first, last, low, high = parse_table(report.summarize(run))["loss"]
+    text = report.summarize(run)
+    assert text.splitlines()[0].endswith("3 events, steps 1..3")  # no epochs logged, none shown
+    count, first, last, low, high = parse_table(text)["loss"]
     assert (count, first, last, low, high) == (3, 2.0, 1.0, 1.0, 2.0)
 
 

@@ -216,6 +216,9 @@ def summarize(run_dir: str | Path) -> str:
     series = collect_series(events)
     steps = [event["step"] for event in events]
     header = f"{path}: {len(events)} events, steps {_fmt(min(steps))}..{_fmt(max(steps))}"
+    epochs = [event["epoch"] for event in events if _is_number(event.get("epoch"))]
+    if epochs:
+        header += f", epochs {_fmt(min(epochs))}..{_fmt(max(epochs))}"
     width = max([len("metric"), *map(len, series)])
     lines = [header, f"{'metric':<{width}}  {'count':>6}  " + "  ".join(
         f"{name:>12}" for name in ("first", "last", "min", "max"))]
