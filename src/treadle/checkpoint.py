@@ -4,6 +4,8 @@ Layout of ``output_dir/checkpoint-<global_step>/``::
 
     model.safetensors (or the save_pretrained layout of a transformers model, config.json included)
     optimizer.pt  scheduler.pt      torch.save of state dicts (tensors and numbers only)
+    model_sharded/ optimizer_sharded/   under FSDP2, instead of the weights and optimizer.pt: every rank's
+                                    shards, written by torch.distributed.checkpoint (resume at the same world size)
     rng_state_<rank>.pth            python / numpy / torch (and CUDA) generator states of each rank
     training_args.json              the arguments, as JSON
     tokenizer files                 when the Trainer has a processing_class
@@ -17,11 +19,13 @@ folder that looks complete. Loading never unpickles arbitrary objects: safetenso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 
 import torch
 
@@ -86,22 +90,64 @@ def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------------------
-def save_weights(model: torch.nn.Module, directory: str) -> None:
-    """save_pretrained (safetensors) for transformers models, ``model.safetensors`` for any other module."""
+def save_weights(model: torch.nn.Module, directory: str, state_dict: dict | None = None) -> None:
+    """save_pretrained (safetensors) for transformers models, ``model.safetensors`` for any other module.
+    ``state_dict``: full weights to write instead of the model's own (an FSDP2 model's, gathered on rank 0 by
+    ``distributed.full_state_dict``)."""
     model = dist.unwrap_model(model)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(directory)
+        with _no_transformers_progress_bars():  # save_pretrained empties the dict it is given: pass a copy
+            model.save_pretrained(directory, state_dict=dict(state_dict) if state_dict is not None else None)
+    elif state_dict is not None:
+        from safetensors.torch import save_file
+
+        save_file(_without_shared(state_dict), os.path.join(directory, WEIGHTS_FILE))
     else:
         from safetensors.torch import save_model
 
         save_model(model, os.path.join(directory, WEIGHTS_FILE))
 
 
+def _without_shared(state_dict: dict) -> dict:
+    # safetensors refuses two names for one storage (tied weights); load_weights accepts the missing twin
+    seen, out = set(), {}
+    for name, tensor in state_dict.items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor.contiguous()
+    return out
+
+
+@contextlib.contextmanager
+def _no_transformers_progress_bars():
+    """save_pretrained draws a "Writing model shards" bar at every save: noise in a training log. Turned off
+    for the save, then restored as it was (transformers is only looked up, never imported, here)."""
+    hf_logging = getattr(sys.modules.get("transformers.utils"), "logging", None)
+    if hf_logging is None or not hasattr(hf_logging, "disable_progress_bar"):
+        yield
+        return
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def load_weights(model: torch.nn.Module, directory: str) -> None:
-    """Load the weights saved by ``save_weights`` into ``model`` (in place), failing with the file's name."""
+    """Load the weights saved by ``save_weights`` into ``model`` (in place), failing with the file's name.
+    An FSDP2 model loads its shards of a sharded checkpoint instead (every rank must call it then)."""
+    if dist.is_fsdp(model):
+        _load_sharded(directory, model)
+        return
+    _load_state_dict(dist.unwrap_model(model), read_weights(directory), directory)
+
+
+def read_weights(directory: str) -> dict[str, torch.Tensor]:
+    """The tensors saved by ``save_weights`` (all shards), read with safetensors onto the CPU."""
     from safetensors.torch import load_file
 
-    model = dist.unwrap_model(model)
     index = os.path.join(directory, WEIGHTS_INDEX)
     if os.path.isfile(index):
         files = sorted(set(_read_json(index, directory)["weight_map"].values()))
@@ -115,23 +161,29 @@ def load_weights(model: torch.nn.Module, directory: str) -> None:
         try:
             state.update(load_file(path, device="cpu"))
         except Exception as e:  # safetensors raises its own error type for truncated / garbled files
-            raise CheckpointError(f"cannot read {path!r}: {e}. The file is corrupt or truncated; resume from "
-                                  f"an earlier checkpoint") from e
-    _load_state_dict(model, state, directory)
+            raise CheckpointError(f"cannot read {path!r}: {_first_line(e)}. The file is corrupt or truncated; "
+                                  f"resume from an earlier checkpoint") from e
+    return state
 
 
 def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> None:
-    result = model.load_state_dict(state, strict=False)
-    if result.unexpected_keys:
-        raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys "
-                              f"{result.unexpected_keys[:5]}")
+    """Copy ``state`` into ``model`` after checking that it fits: names and shapes are checked first, so a
+    mismatch leaves the model untouched."""
+    params = dict(model.state_dict(keep_vars=True))
+    unexpected = [k for k in state if k not in params]
+    if unexpected:
+        raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys {unexpected[:5]}")
     # save_pretrained drops tied duplicates (e.g. lm_head.weight tied to the embeddings): a missing key is
     # fine only when it shares storage with a loaded one.
-    params = dict(model.state_dict(keep_vars=True))
-    loaded = {params[k].data_ptr() for k in state if k in params}
-    missing = [k for k in result.missing_keys if params[k].data_ptr() not in loaded]
+    loaded = {params[k].data_ptr() for k in state}
+    missing = [k for k in params if k not in state and params[k].data_ptr() not in loaded]
     if missing:
         raise CheckpointError(f"weights in {directory!r} do not fit this model: missing keys {missing[:5]}")
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(params[k].shape)}" for k, v in state.items()
+             if v.shape != params[k].shape]
+    if wrong:
+        raise CheckpointError(f"weights in {directory!r} do not fit this model: shapes differ: {wrong[:5]}")
+    model.load_state_dict(state, strict=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -178,14 +230,18 @@ def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args
         _remove_stale_tmp(output_dir)
         os.makedirs(tmp)
     dist.barrier()
+    fsdp = dist.is_fsdp(model)  # FSDP2: every rank writes its shards (torch.distributed.checkpoint)
+    if fsdp:
+        dist.save_sharded(tmp, model, None if save_only_model else optimizer)
     if main:
-        save_weights(model, tmp)
+        if not fsdp:
+            save_weights(model, tmp)
         if processing_class is not None and hasattr(processing_class, "save_pretrained"):
             processing_class.save_pretrained(tmp)
-        if not save_only_model:
+        if not save_only_model and not fsdp:
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            if scheduler is not None:
-                torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+        if not save_only_model and scheduler is not None:
+            torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
         with open(os.path.join(tmp, ARGS_FILE), "w") as f:
             f.write(args.to_json_string() + "\n")
     if not save_only_model:
@@ -199,22 +255,63 @@ def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args
     return final
 
 
-def load_checkpoint(path: str, *, model, optimizer=None, scheduler=None, load_rng: bool = True):
-    """Restore weights, optimizer, scheduler and this rank's RNG from ``path``; return its TrainerState."""
+def read_state(path: str):
+    """The TrainerState saved in checkpoint ``path`` (its ``trainer_state.json``), without loading anything else."""
     from treadle.callbacks import TrainerState
 
     try:
-        state = TrainerState.load_from_json(os.path.join(path, STATE_FILE))
+        return TrainerState.load_from_json(os.path.join(path, STATE_FILE))
     except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"cannot read {os.path.join(path, STATE_FILE)!r}: {e}") from e
-    load_weights(model, path)
+        raise CheckpointError(f"cannot read {os.path.join(path, STATE_FILE)!r} in checkpoint {path!r}: {e}") from e
+
+
+def load_checkpoint(path: str, *, model, optimizer=None, scheduler=None, load_rng: bool = True):
+    """Restore weights, optimizer, scheduler and this rank's RNG from ``path``; return its TrainerState.
+
+    Every file is read (and checked) before anything is restored, so a corrupt checkpoint raises a
+    CheckpointError and leaves the model, optimizer and RNG exactly as they were."""
+    state = read_state(path)
+    if dist.is_fsdp(model):
+        return _load_sharded_checkpoint(path, model, optimizer, scheduler, load_rng, state)
+    weights = read_weights(path)
+    optimizer_state = _torch_load(path, "optimizer.pt") if optimizer is not None else None
+    scheduler_state = _torch_load(path, "scheduler.pt") if scheduler is not None else None
+    rng = _torch_load(path, f"rng_state_{dist.get_rank()}.pth") if load_rng else None
+    _load_state_dict(dist.unwrap_model(model), weights, path)
     if optimizer is not None:
-        optimizer.load_state_dict(_torch_load(path, "optimizer.pt"))
+        optimizer.load_state_dict(optimizer_state)
     if scheduler is not None:
-        scheduler.load_state_dict(_torch_load(path, "scheduler.pt"))
+        scheduler.load_state_dict(scheduler_state)
     if load_rng:
-        set_rng_state(_torch_load(path, f"rng_state_{dist.get_rank()}.pth"))
+        set_rng_state(rng)
     return state
+
+
+def _load_sharded_checkpoint(path: str, model, optimizer, scheduler, load_rng: bool, state):
+    """load_checkpoint for an FSDP2 model: shards through torch.distributed.checkpoint (same world size)."""
+    scheduler_state = _torch_load(path, "scheduler.pt") if scheduler is not None else None
+    rng = _torch_load(path, f"rng_state_{dist.get_rank()}.pth") if load_rng else None
+    if optimizer is not None and not dist.has_sharded_optimizer(path):
+        raise CheckpointError(f"checkpoint {path!r} has no sharded optimizer state ({dist.OPTIMIZER_SHARDS}/): it "
+                              f"was saved with save_only_model=True or is incomplete; load it as weights only")
+    _load_sharded(path, model, optimizer)
+    if scheduler is not None:
+        scheduler.load_state_dict(scheduler_state)
+    if load_rng:
+        set_rng_state(rng)
+    return state
+
+
+def _load_sharded(directory: str, model, optimizer=None) -> None:
+    if not dist.has_sharded_model(directory):
+        raise CheckpointError(f"{directory!r} holds no sharded weights ({dist.MODEL_SHARDS}/.metadata) for this "
+                              f"FSDP2 model: it was saved without fsdp='full_shard' (load it before sharding) or "
+                              f"is incomplete")
+    try:
+        dist.load_sharded(directory, model, optimizer)
+    except Exception as e:  # DCP wraps every rank's failure in one CheckpointException
+        raise CheckpointError(f"cannot load the sharded checkpoint {directory!r}: {e}. Resume with the same "
+                              f"model and number of processes, or from an earlier checkpoint") from e
 
 
 def _torch_load(directory: str, name: str):
@@ -225,8 +322,20 @@ def _torch_load(directory: str, name: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read {path!r}: {e}. The file is corrupt or truncated; resume from an "
-                              f"earlier checkpoint") from e
+        raise CheckpointError(f"cannot read {path!r}: {_first_line(e)}. The file is corrupt or truncated, or holds "
+                              f"Python objects that treadle never unpickles; resume from an earlier "
+                              f"checkpoint") from e
+
+
+def _first_line(error: Exception) -> str:
+    """The gist of a loader's error on one line. torch's weights-only refusal is a paragraph advising
+    ``weights_only=False``, which is the wrong advice for a damaged file: keep its detail line only."""
+    text = str(error)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = "not a weights-only torch file: " + text.split(marker, 1)[1].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0]}"[:300] if lines else type(error).__name__
 
 
 def _read_json(path: str, directory: str) -> dict:
