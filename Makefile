@@ -23,6 +23,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:
