@@ -1,0 +1,577 @@
+"""DPO: preference optimisation against a reference model, by overriding ``Trainer.compute_loss``.
+
+Rafailov et al. 2023, https://arxiv.org/abs/2305.18290. For each pair, with summed completion log-probs of
+the policy (``pc``, ``pr``) and of the reference (``rc``, ``rr``) on the chosen / rejected responses, the
+loss is ``-logsigmoid(beta * ((pc - rc) - (pr - rr)))`` (``loss_type="sigmoid"``); the other losses live
+beside it in ``treadle.losses.dpo_loss``. Data flow::
+
+    rows {prompt, chosen, rejected} (text or chat messages; or {chosen, rejected} sharing a prompt prefix)
+      -> prepare_dataset(): tokenised once, truncated, checked        (prompt_input_ids, chosen_input_ids, ...)
+      -> DPOCollator: the B chosen sequences then the B rejected ones (input_ids, attention_mask, completion_mask)
+      -> compute_loss(): ONE policy forward over the 2B rows, one reference forward (or precomputed columns)
+      -> pair_losses(): per-pair losses, summed and divided by the pairs of the whole accumulation window
+
+Departures from the paper and from TRL's DPOTrainer:
+
+1. Normalisation: the per-pair losses are summed and divided by the number of pairs in the whole
+   accumulation window over all ranks (``count_items`` = pairs, so ``get_num_items_in_batch`` counts them),
+   so accumulation and data parallelism give exactly the big batch's gradient. TRL averages each
+   micro-batch and then the micro-batches.
+2. IPO uses per-token averaged log-probs (as TRL does; the IPO paper's margin ``1/(2 beta)`` is on the
+   scale of one token). The other losses use sums, as the DPO paper. For ``ipo`` the reported rewards are
+   on the averaged scale too.
+3. The RPO term (``rpo_alpha``, Pang et al. 2024) is each pair's per-token NLL of its chosen response,
+   then averaged over pairs like the DPO term; TRL takes one token mean over the whole batch.
+4. Truncation happens once, at tokenisation: the prompt is cut to ``max_prompt_length`` (which end is kept
+   is ``truncation_mode``), then the responses are cut to fit ``max_length``, keeping their start. A prompt
+   that leaves no room for a response is an error, not a silent truncation.
+5. Text responses get the tokenizer's eos appended unless they end with it (the model learns to stop);
+   chat responses end the way the chat template ends an assistant turn. Text prompts are tokenised with the
+   tokenizer's own special tokens (a bos for Llama-style tokenizers), rendered chat prompts without (the
+   template has them). Prompt and responses are tokenised separately (as SFTTrainer does).
+6. Implicit prompts: for ``{chosen, rejected}`` rows the prompt is their longest common prefix — of whole
+   messages for conversations, of characters for text.
+7. ``logits/chosen`` / ``logits/rejected`` (the mean logit over completion tokens and the vocabulary) are
+   computed from the final hidden state as ``h . mean(W) + mean(b)``, so no ``[B, T, V]`` tensor is built;
+   they are omitted for models without a linear LM head and a ``get_decoder()``.
+8. Metrics are averaged over the pairs (logits: the tokens) of the steps since the last log, over all ranks,
+   not as a mean of per-step means.
+9. The reference model (a given ``ref_model`` or the frozen copy) always runs in eval mode (no dropout);
+   a PEFT policy with adapters disabled runs in the policy's mode. ``precompute_ref_log_probs`` runs on every
+   rank over the whole dataset (no sharding) and always in eval mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from treadle import distributed as dist
+from treadle.arguments import TrainingArguments
+from treadle.data import column_names, require_columns
+from treadle.logprobs import token_logps
+from treadle.losses import DPO_LOSS_TYPES, dpo_loss, sft_loss
+from treadle.trainer import Trainer
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+ID_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+@dataclass
+class DPOConfig(TrainingArguments):
+    """TrainingArguments plus the DPO fields (names as in TRL's DPOConfig)."""
+
+    beta: float = 0.1  # β: strength of the implicit KL to the reference; 0.1 typical, smaller drifts further
+    loss_type: str = "sigmoid"  # "sigmoid" (DPO / cDPO), "ipo", "hinge" or "robust" (see treadle.losses)
+    label_smoothing: float = 0.0  # ε, assumed rate of flipped labels (cDPO / robust); 0 trusts the labels
+    rpo_alpha: float = 0.0  # α, weight of an NLL term on the chosen response (RPO uses 1.0); 0 disables it
+    max_length: int | None = 1024  # prompt + response tokens kept per sequence; None keeps everything
+    max_prompt_length: int | None = 512  # prompt tokens kept (must be < max_length); None keeps all
+    truncation_mode: str = "keep_end"  # which end of a too-long prompt survives: "keep_end" or "keep_start"
+    padding_value: int | None = None  # input_ids padding; None uses the tokenizer's pad (or eos) token id
+    precompute_ref_log_probs: bool = False  # reference log-probs once before training, then free the reference
+    dataset_num_proc: int | None = None  # processes for tokenising datasets; None tokenises in this process
+    logprob_chunk_size: int = 1024  # rows per chunk of the memory-bounded log-softmax (treadle.logprobs)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not supported; use one of {list(DPO_LOSS_TYPES)} "
+                             f"(add an NLL term on the chosen response with rpo_alpha)")
+        if not self.beta > 0:
+            raise ValueError(f"beta must be > 0 (typical 0.1), got {self.beta}")
+        self._validate_label_smoothing()
+        if self.rpo_alpha < 0:
+            raise ValueError(f"rpo_alpha must be >= 0 (0 disables the NLL term, RPO uses 1.0), got {self.rpo_alpha}")
+        self._validate_lengths()
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ValueError(f"truncation_mode={self.truncation_mode!r} is not supported; use one of "
+                             f"{list(TRUNCATION_MODES)}")
+        if self.padding_value is not None and self.padding_value < 0:
+            raise ValueError(f"padding_value must be a token id >= 0 (or None for the tokenizer's), "
+                             f"got {self.padding_value}")
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1 (typical 1024), got {self.logprob_chunk_size}")
+
+    def _validate_label_smoothing(self) -> None:
+        eps = self.label_smoothing
+        if self.loss_type == "sigmoid" and not 0 <= eps <= 0.5:
+            raise ValueError(f"label_smoothing for loss_type='sigmoid' must be in [0, 0.5], got {eps}")
+        if self.loss_type == "robust" and not 0 <= eps < 0.5:
+            raise ValueError(f"label_smoothing for loss_type='robust' must be in [0, 0.5), got {eps}")
+        if self.loss_type in ("hinge", "ipo") and eps != 0:
+            raise ValueError(f"loss_type={self.loss_type!r} does not use label_smoothing; set it to 0 "
+                             f"(got {eps}) or use loss_type='sigmoid' or 'robust'")
+
+    def _validate_lengths(self) -> None:
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2 (a prompt token and a response token) or None, "
+                             f"got {self.max_length}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
+        if (self.max_length is not None and self.max_prompt_length is not None
+                and self.max_prompt_length >= self.max_length):
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be < max_length "
+                             f"({self.max_length}) to leave room for the response; e.g. max_prompt_length="
+                             f"{self.max_length // 2}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collator
+# ---------------------------------------------------------------------------------------------------------
+class DPOCollator:
+    """Pads B tokenised pairs into one batch of 2B sequences: the chosen ones (prompt + chosen), then the
+    rejected ones (prompt + rejected), so that one forward scores both.
+
+    Rows hold ``prompt_input_ids``, ``chosen_input_ids``, ``rejected_input_ids`` (lists of ints) and optionally
+    ``ref_chosen_logps`` / ``ref_rejected_logps`` (floats). The batch holds ``input_ids`` ``(2B, T)``,
+    right-padded with ``pad_token_id``; ``attention_mask`` ``(2B, T)``; ``completion_mask`` ``(2B, T)``, 1 on
+    response tokens only (the prompt never counts in the loss); and ``ref_*`` ``(B,)`` float32 when every
+    row has them.
+    """
+
+    def __init__(self, pad_token_id: int = 0):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
+        if not rows:
+            raise ValueError("cannot collate an empty list of rows")
+        sequences = [(list(row["prompt_input_ids"]), list(row[key]))
+                     for key in ("chosen_input_ids", "rejected_input_ids") for row in rows]
+        length = max(len(p) + len(c) for p, c in sequences)
+        input_ids = torch.full((len(sequences), length), self.pad_token_id, dtype=torch.long)  # (2B, T)
+        attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)  # (2B, T)
+        completion_mask = torch.zeros((len(sequences), length), dtype=torch.long)  # (2B, T)
+        for i, (prompt, completion) in enumerate(sequences):
+            end = len(prompt) + len(completion)
+            input_ids[i, :end] = torch.tensor(prompt + completion, dtype=torch.long)
+            attention_mask[i, :end] = 1
+            completion_mask[i, len(prompt):end] = 1
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+        for key in REF_COLUMNS:
+            if all(row.get(key) is not None for row in rows):
+                batch[key] = torch.tensor([float(row[key]) for row in rows], dtype=torch.float32)  # (B,)
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenisation (module-level functions, so that dataset_num_proc workers can pickle them)
+# ---------------------------------------------------------------------------------------------------------
+def split_implicit_prompt(chosen, rejected):
+    """``(prompt, chosen_rest, rejected_rest)``: the longest common prefix of two conversations (lists of
+    messages, compared whole) or two strings (compared character by character), and what follows it.
+
+    >>> split_implicit_prompt("Q: 2+2= 4", "Q: 2+2= 5")
+    ('Q: 2+2= ', '4', '5')
+    """
+    n, limit = 0, min(len(chosen), len(rejected))
+    while n < limit and chosen[n] == rejected[n]:
+        n += 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def _render_chat(tokenizer, prompt: list, completion: list, index: int) -> tuple[str, str]:
+    """(prompt text with the generation prompt, the text the completion adds after it)."""
+    prompt_text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+    if not full_text.startswith(prompt_text):
+        raise ValueError(f"row {index}: the chat template renders the prompt with its generation prompt as "
+                         f"{prompt_text!r}, which is not a prefix of the whole conversation {full_text!r}; "
+                         f"DPO needs the response to extend the prompt (fix the template or give text rows)")
+    return prompt_text, full_text[len(prompt_text):]
+
+
+def _ids(tokenizer, text: str, *, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _tokenize_texts(tokenizer, prompt, chosen, rejected, index: int) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of a text or chat pair; text responses end with eos (see the module docstring, 5)."""
+    for name, response in (("chosen", chosen), ("rejected", rejected)):
+        empty = (not response) or (_is_conversation(response) and not any(m.get("content") for m in response))
+        if empty:
+            raise ValueError(f"row {index}: the {name} response is empty; every pair needs two non-empty "
+                             f"responses (drop or fix this row)")
+    if _is_conversation(chosen) != _is_conversation(rejected) or _is_conversation(chosen) != _is_conversation(prompt):
+        raise ValueError(f"row {index}: prompt, chosen and rejected must all be text or all be lists of chat "
+                         f"messages, got {type(prompt).__name__}, {type(chosen).__name__}, "
+                         f"{type(rejected).__name__}")
+    if _is_conversation(chosen):
+        prompt_text, chosen_text = _render_chat(tokenizer, prompt, chosen, index)
+        _, rejected_text = _render_chat(tokenizer, prompt, rejected, index)
+        return (_ids(tokenizer, prompt_text, special=False), _ids(tokenizer, chosen_text, special=False),
+                _ids(tokenizer, rejected_text, special=False))
+    eos = tokenizer.eos_token_id
+    return (_ids(tokenizer, prompt, special=True), _with_eos(_ids(tokenizer, chosen, special=False), eos),
+            _with_eos(_ids(tokenizer, rejected, special=False), eos))
+
+
+def _with_eos(ids: list[int], eos: int | None) -> list[int]:
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], index: int, *, max_length,
+              max_prompt_length, truncation_mode) -> tuple[list[int], list[int], list[int]]:
+    if max_prompt_length is not None and len(prompt) > max_prompt_length:
+        prompt = prompt[:max_prompt_length] if truncation_mode == "keep_start" else prompt[-max_prompt_length:]
+    if max_length is not None:
+        room = max_length - len(prompt)
+        if room < 1:
+            raise ValueError(f"row {index}: the prompt has {len(prompt)} tokens, which leaves no room for a "
+                             f"response within max_length={max_length}; raise max_length, or set "
+                             f"max_prompt_length below it so that long prompts are truncated")
+        chosen, rejected = chosen[:room], rejected[:room]
+    return prompt, chosen, rejected
+
+
+def tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None, max_prompt_length: int | None,
+                 truncation_mode: str) -> dict[str, list[int]]:
+    """One dataset row -> ``{prompt_input_ids, chosen_input_ids, rejected_input_ids}``, truncated.
+
+    Rows that already hold the three id columns are only truncated and checked. Raises ValueError, naming
+    the row, for an empty response, an empty prompt, or a prompt too long for ``max_length``.
+    """
+    if all(row.get(c) is not None for c in ID_COLUMNS):
+        prompt, chosen, rejected = (list(row[c]) for c in ID_COLUMNS)
+    else:
+        if tokenizer is None:
+            raise ValueError("DPOTrainer needs a tokenizer (processing_class=...) to tokenise text or chat "
+                             "rows, or rows that already hold " + ", ".join(ID_COLUMNS))
+        prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+        if prompt is None:
+            prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+        prompt, chosen, rejected = _tokenize_texts(tokenizer, prompt, chosen, rejected, index)
+    if not prompt:
+        raise ValueError(f"row {index}: the prompt has no tokens, so the first response token has nothing to "
+                         f"be predicted from; give a non-empty prompt (or a tokenizer that adds a bos token)")
+    for name, ids in (("chosen", chosen), ("rejected", rejected)):
+        if not ids:
+            raise ValueError(f"row {index}: the {name} response has no tokens; drop or fix this row")
+    prompt, chosen, rejected = _truncate(prompt, chosen, rejected, index, max_length=max_length,
+                                         max_prompt_length=max_prompt_length, truncation_mode=truncation_mode)
+    return {"prompt_input_ids": prompt, "chosen_input_ids": chosen, "rejected_input_ids": rejected}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------
+class DPOTrainer(Trainer):
+    """Trains ``model`` on preference pairs with DPO (and its variants, see ``DPOConfig.loss_type``).
+
+    The reference is ``ref_model``; when None, a frozen copy of ``model`` made here — or, for a PEFT model
+    (one with a ``disable_adapter()`` context manager), the model itself with its adapters disabled, so no
+    second copy is held. The model never receives labels: ``compute_loss`` scores the completion tokens.
+    """
+
+    def __init__(self, model=None, ref_model=None, args: DPOConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
+                 callbacks=None, optimizers=(None, None)):
+        args = args if args is not None else DPOConfig()
+        if not isinstance(args, DPOConfig):
+            raise TypeError(f"DPOTrainer needs a DPOConfig, got {type(args).__name__}; build one with "
+                            f"DPOConfig(**your_args.to_dict(), beta=...)")
+        if model is not None and ref_model is model:
+            raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
+                             "or a separate model")
+        collator = data_collator if data_collator is not None else DPOCollator(_pad_token_id(args, processing_class))
+        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers)
+        self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
+        self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
+        self.ref_model = self.build_reference_model(ref_model)
+        self._metric_sums: dict[str, dict[str, list[Tensor]]] = {}
+
+    # ---- reference model ----------------------------------------------------------------------------------
+    def is_peft_model(self) -> bool:
+        """True when the policy can act as its own reference: it has a ``disable_adapter()`` context manager."""
+        return callable(getattr(dist.unwrap_model(self.model), "disable_adapter", None))
+
+    def build_reference_model(self, ref_model):
+        """The given ``ref_model``, None for a PEFT policy, else a frozen copy of the policy (eval mode)."""
+        if ref_model is None and self.is_peft_model():
+            return None
+        ref_model = ref_model if ref_model is not None else copy.deepcopy(self.model)
+        ref_model = ref_model.to(self.args.device).eval()
+        ref_model.requires_grad_(False)
+        return ref_model
+
+    def free_reference_model(self) -> None:
+        """Drop the reference model (after ``precompute_ref_log_probs`` has used it)."""
+        self.ref_model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def reference_logps(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Summed reference log-probs ``(B,)`` of the chosen and of the rejected completions of a batch."""
+        if self.ref_model is not None:
+            logps, _, _ = self.completion_logps(self.ref_model, inputs)
+        elif self.is_peft_model():
+            base = dist.unwrap_model(self.model)
+            with base.disable_adapter():
+                logps, _, _ = self.completion_logps(base, inputs)
+        else:
+            raise RuntimeError("no reference model: precompute_ref_log_probs=True freed it after computing the "
+                               "training (and evaluation) datasets' reference log-probs. Give datasets with "
+                               f"{list(REF_COLUMNS)} columns, pass them to DPOTrainer before training, or use "
+                               "precompute_ref_log_probs=False")
+        pairs = logps.shape[0] // 2
+        return logps[:pairs], logps[pairs:]
+
+    # ---- data ---------------------------------------------------------------------------------------------
+    def prepare_dataset(self, dataset, split: str):
+        """Tokenise, truncate and check every row once (a progress bar per dataset); see ``tokenize_row``.
+
+        Accepts a ``datasets.Dataset`` (or a list of dicts) with ``prompt``/``chosen``/``rejected`` as text or
+        chat messages, ``chosen``/``rejected`` conversations sharing a prompt prefix, or already tokenised
+        ``*_input_ids`` columns. Reference log-prob columns, if present, are kept; other columns are dropped.
+        """
+        from datasets import Dataset
+
+        if isinstance(dataset, (list, tuple)):
+            dataset = Dataset.from_list(list(dataset))
+        names = column_names(dataset)
+        if names is not None and not all(c in names for c in ID_COLUMNS):
+            require_columns(dataset, ["chosen", "rejected"], what=f"DPOTrainer's {split} dataset",
+                            fix="Give rows {prompt, chosen, rejected} (text or chat messages), or {chosen, "
+                                "rejected} conversations that share the prompt as a prefix.")
+        fn = functools.partial(tokenize_row, tokenizer=self.processing_class, max_length=self.args.max_length,
+                               max_prompt_length=self.args.max_prompt_length,
+                               truncation_mode=self.args.truncation_mode)
+        drop = [c for c in names or [] if c not in REF_COLUMNS]
+        kwargs = {}
+        if isinstance(dataset, Dataset):
+            kwargs = dict(num_proc=self.args.dataset_num_proc, desc=f"Tokenizing {split} dataset")
+        return dataset.map(fn, with_indices=True, remove_columns=drop or None, **kwargs)
+
+    def signature_columns(self) -> set[str]:
+        """The tokenised columns (the model takes none of them directly: the collator builds its inputs)."""
+        return set(ID_COLUMNS) | set(REF_COLUMNS)
+
+    def count_items(self, inputs: dict) -> int:
+        """A DPO loss item is a pair: half the rows of a batch. The inherited ``get_num_items_in_batch`` sums
+        this over the accumulation window and over ranks, and ``compute_loss`` divides by that."""
+        return inputs["input_ids"].shape[0] // 2
+
+    def get_train_dataloader(self):
+        if self.args.precompute_ref_log_probs:
+            self.precompute_reference_logps()
+        return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if eval_dataset is not None:
+            eval_dataset = self.prepare_dataset(eval_dataset, "eval")
+        if self.args.precompute_ref_log_probs:
+            if eval_dataset is not None:
+                eval_dataset = self.add_reference_logps(eval_dataset, "eval")
+            elif self.eval_dataset is not None:
+                self.eval_dataset = self.add_reference_logps(self.eval_dataset, "eval")
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        return super().get_test_dataloader(self.prepare_dataset(test_dataset, "test"))
+
+    def precompute_reference_logps(self) -> None:
+        """Add reference log-prob columns to the training and evaluation datasets, then free the reference
+        model (a PEFT policy stays: it is its own reference)."""
+        if self.train_dataset is not None:
+            self.train_dataset = self.add_reference_logps(self.train_dataset, "train")
+        if self.eval_dataset is not None:
+            self.eval_dataset = self.add_reference_logps(self.eval_dataset, "eval")
+        if self.ref_model is not None:
+            self.free_reference_model()
+
+    def add_reference_logps(self, dataset, split: str):
+        """``dataset`` with ``ref_chosen_logps`` / ``ref_rejected_logps`` columns (one pass, progress bar)."""
+        from tqdm.auto import tqdm
+
+        if all(c in (column_names(dataset) or []) for c in REF_COLUMNS):
+            return dataset
+        loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size)
+        chosen, rejected = [], []
+        model = dist.unwrap_model(self.model)
+        was_training = model.training
+        model.eval()  # a PEFT policy is the reference here: no dropout in its log-probs
+        try:
+            for inputs in tqdm(loader, desc=f"Reference log-probs ({split})", dynamic_ncols=True,
+                               disable=self.args.disable_tqdm or not dist.is_main_process()):
+                with self.autocast():
+                    ref_chosen, ref_rejected = self.reference_logps(self.prepare_inputs(inputs))
+                chosen += ref_chosen.tolist()
+                rejected += ref_rejected.tolist()
+        finally:
+            model.train(was_training)
+        dataset = dataset.remove_columns([c for c in REF_COLUMNS if c in dataset.column_names])
+        return dataset.add_column(REF_COLUMNS[0], chosen).add_column(REF_COLUMNS[1], rejected)
+
+    # ---- the loss -----------------------------------------------------------------------------------------
+    def completion_logps(self, model, inputs: dict[str, Tensor], *, with_logits: bool = False
+                         ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """One forward over all ``2B`` rows: ``(logps, token_counts, logit_sums)``, each ``(2B,)``.
+
+        ``logps`` sums log p(token) over each row's completion tokens (memory-bounded, treadle.logprobs);
+        ``token_counts`` counts them; ``logit_sums`` (``with_logits``; None when unavailable) sums over the same
+        tokens the mean logit over the vocabulary, detached.
+        """
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (2B, T)
+        completion_mask = inputs["completion_mask"]  # (2B, T)
+        # Predictions before the earliest response token are never needed: skip their log-softmax.
+        start = int(completion_mask.argmax(dim=1).min()) - 1
+        with _capture_final_hidden(model, enabled=with_logits) as hidden:
+            logps, _ = token_logps(model, input_ids, attention_mask, start=start,
+                                   chunk_size=self.args.logprob_chunk_size)  # (2B, T-1-start)
+        mask = completion_mask[:, start + 1:].to(logps.dtype)  # (2B, T-1-start)
+        logit_sums = _mean_logit_sums(model, hidden, start, mask) if with_logits else None
+        return (logps * mask).sum(dim=1), mask.sum(dim=1), logit_sums
+
+    def pair_losses(self, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
+                    ref_rejected_logps: Tensor, chosen_counts: Tensor, rejected_counts: Tensor
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per-pair losses ``(B,)`` and detached ``(B,)`` metrics from summed completion log-probs ``(B,)`` and
+        completion token counts ``(B,)``: ``losses.dpo_loss`` (on per-token means for ``ipo``), plus
+        ``rpo_alpha`` times the chosen response's per-token NLL (``losses.sft_loss``)."""
+        args = self.args
+        policy, reference = (chosen_logps, rejected_logps), (ref_chosen_logps, ref_rejected_logps)
+        if args.loss_type == "ipo":
+            counts = (chosen_counts.clamp(min=1), rejected_counts.clamp(min=1))
+            policy = tuple(p / c for p, c in zip(policy, counts))
+            reference = tuple(r / c for r, c in zip(reference, counts))
+        losses, metrics = dpo_loss(*policy, *reference, beta=args.beta, loss_type=args.loss_type,
+                                   label_smoothing=args.label_smoothing)
+        if args.rpo_alpha > 0:
+            nll = sft_loss(chosen_logps, chosen_counts)  # (B,)
+            losses = losses + args.rpo_alpha * nll
+            metrics["nll_loss"] = nll.detach()
+        return losses, metrics
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Sum of the per-pair losses of this micro-batch divided by ``num_items_in_batch`` (the pairs of the
+        whole window, all ranks), or their mean when it is None. Records the metrics of ``log``."""
+        pairs = self.count_items(inputs)
+        logps, counts, logit_sums = self.completion_logps(model, inputs, with_logits=True)  # (2B,) each
+        if all(k in inputs for k in REF_COLUMNS):
+            ref_chosen, ref_rejected = inputs[REF_COLUMNS[0]], inputs[REF_COLUMNS[1]]
+        else:
+            ref_chosen, ref_rejected = self.reference_logps(inputs)
+        losses, metrics = self.pair_losses(logps[:pairs], logps[pairs:], ref_chosen.to(logps.dtype),
+                                           ref_rejected.to(logps.dtype), counts[:pairs], counts[pairs:])
+        self.store_metrics("train" if model.training else "eval", metrics, logps.detach(), counts, logit_sums)
+        loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else pairs)
+        return (loss, metrics) if return_outputs else loss
+
+    # ---- metrics ------------------------------------------------------------------------------------------
+    def store_metrics(self, split: str, metrics: dict[str, Tensor], logps: Tensor, counts: Tensor,
+                      logit_sums: Tensor | None) -> None:
+        """Add one batch's metric sums (and counts) to the window of ``split`` ("train" or "eval")."""
+        pairs = logps.shape[0] // 2
+        chosen, rejected = metrics["chosen_rewards"], metrics["rejected_rewards"]  # (B,)
+        sums = {"rewards/chosen": chosen.sum(), "rewards/rejected": rejected.sum(),
+                "rewards/accuracies": (chosen > rejected).sum(), "rewards/margins": (chosen - rejected).sum(),
+                "logps/chosen": logps[:pairs].sum(), "logps/rejected": logps[pairs:].sum()}
+        if "nll_loss" in metrics:
+            sums["nll_loss"] = metrics["nll_loss"].sum()
+        window = self._metric_sums.setdefault(split, {})
+        for name, total in sums.items():
+            _accumulate(window, name, total, torch.tensor(pairs))
+        if logit_sums is not None:  # a token mean: weighted by completion tokens, not pairs
+            _accumulate(window, "logits/chosen", logit_sums[:pairs].sum(), counts[:pairs].sum())
+            _accumulate(window, "logits/rejected", logit_sums[pairs:].sum(), counts[pairs:].sum())
+
+    def pop_metrics(self, split: str) -> dict[str, float]:
+        """The window's means over all ranks (every rank must call this), and a fresh window."""
+        window = self._metric_sums.pop(split, {})
+        if not window:
+            return {}
+        names = sorted(window)
+        packed = torch.stack([torch.stack(window[n]) for n in names]).to(self.args.device)  # (M, 2)
+        packed = dist.all_reduce_sum(packed).tolist()
+        return {n: total / count for n, (total, count) in zip(names, packed) if count > 0}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the DPO metrics of the steps since the last log to the training logs (those with a loss)."""
+        if "loss" in logs:
+            logs = {**logs, **self.pop_metrics("train")}
+        super().log(logs, start_time)
+
+    def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
+                        prediction_loss_only=None):
+        """The inherited loop (loss averaged over pairs), plus the DPO metrics as ``{prefix}_rewards/...``."""
+        self._metric_sums.pop("eval", None)
+        output = super().evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
+                                         prediction_loss_only=prediction_loss_only)
+        extra = {f"{metric_key_prefix}_{k}": v for k, v in self.pop_metrics("eval").items()}
+        return output._replace(metrics={**output.metrics, **extra})
+
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """(mean per-pair loss, None, None): the model is scored, not asked for predictions."""
+        inputs = self.prepare_inputs(inputs)
+        with torch.no_grad(), self.autocast():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach().float(), None, None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------
+def _pad_token_id(args: DPOConfig, tokenizer) -> int:
+    for candidate in (args.padding_value, getattr(tokenizer, "pad_token_id", None),
+                      getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return candidate
+    return 0  # padded positions are masked out: any valid id will do
+
+
+def _accumulate(window: dict[str, list[Tensor]], name: str, total: Tensor, count: Tensor) -> None:
+    total, count = total.detach().double(), count.detach().double().to(total.device)
+    if name in window:
+        window[name][0] += total
+        window[name][1] += count
+    else:
+        window[name] = [total, count]
+
+
+@contextlib.contextmanager
+def _capture_final_hidden(model, *, enabled: bool = True):
+    """Collect the decoder's output hidden states ``(B, T, H)`` of the forwards run inside the block."""
+    captured: list[Tensor] = []
+    base = dist.unwrap_model(model)
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if enabled and callable(get_decoder) else None
+    if not isinstance(decoder, nn.Module) or decoder is base:
+        yield captured
+        return
+    handle = decoder.register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def _mean_logit_sums(model, hidden: list[Tensor], start: int, mask: Tensor) -> Tensor | None:
+    """Per row, the sum over masked positions of the vocabulary-mean logit ``h . mean(W) + mean(b)``."""
+    head = getattr(dist.unwrap_model(model), "get_output_embeddings", lambda: None)()
+    if len(hidden) != 1 or not isinstance(head, nn.Linear):
+        return None
+    h = hidden[0][:, start:-1].float()  # (2B, T-1-start, H)
+    mean_logits = h @ head.weight.float().mean(dim=0)  # (2B, T-1-start)
+    if head.bias is not None:
+        mean_logits = mean_logits + head.bias.float().mean()
+    return (mean_logits * mask).sum(dim=1)  # (2B,)
+
+
+__all__ = ["DPOConfig", "DPOTrainer", "DPOCollator", "tokenize_row", "split_implicit_prompt"]
