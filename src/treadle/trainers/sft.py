@@ -132,11 +132,8 @@ class SFTTrainer(Trainer):
 
     def _pretokenized_rows(self, dataset) -> list[tuple[list[int], list[int]]]:
         ids = [list(r) for r in dataset["input_ids"]]
-        if "completion_mask" in column_names(dataset):
-            masks = [list(m) for m in dataset["completion_mask"]]
-        else:
-            masks = [[1] * len(r) for r in ids]
-        return list(zip(ids, masks))
+        masks = dataset["completion_mask"] if "completion_mask" in column_names(dataset) else [None] * len(ids)
+        return [(r, list(m) if m is not None else [1] * len(r)) for r, m in zip(ids, masks)]
 
     def _tokenize_rows(self, dataset, columns: list[str], name: str) -> list[tuple[list[int], list[int]]]:
         tokenizer = self.processing_class
