@@ -106,10 +106,11 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logps = torch.empty(flat_index.shape, dtype=dtype, device=logits.device)  # (N,)
         lse = torch.empty_like(logps)  # (N,)
         for s, e, chunk in _chunks(blocks, rows):
-            scaled = chunk.to(dtype) / temperature  # (r, V), at least float32
-            lse[s:e] = torch.logsumexp(scaled, dim=-1)
+            scaled = chunk.to(dtype) / temperature  # (r, V), at least float32, a new tensor
             picked = scaled.gather(1, safe_index[s:e, None]).squeeze(1)
+            lse[s:e] = _logsumexp_inplace(scaled)
             logps[s:e] = torch.where(valid[s:e], picked - lse[s:e], 0.0)
+            del scaled  # free this chunk before the next one is allocated
         ctx.save_for_backward(logits, safe_index, valid, lse)
         ctx.temperature, ctx.rows = temperature, rows
         return logps.view(index.shape)
@@ -125,6 +126,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             d = _dlogits(chunk.to(lse.dtype) / ctx.temperature, lse[s:e], safe_index[s:e], g_all[s:e],
                          ctx.temperature)
             out.copy_(d)
+            del d
         return grad, None, None, None
 
 
@@ -154,13 +156,15 @@ def chunked_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias:
         hidden: ``(N, H)`` final hidden states (after the last norm).
         weight: ``(V, H)`` the LM head weight; ``bias``: ``(V,)`` or None.
         labels: ``(N,)`` token ids; ``-100`` gives log-prob 0 and no gradient.
-        chunk_size: rows per chunk; peak extra memory is about three float32 ``(chunk_size, V)`` buffers.
+        chunk_size: rows per chunk; the extra memory is one float32 ``(chunk_size, V)`` buffer (two with
+            ``return_entropy``, and a bf16 copy in the backward pass for bf16 inputs).
         return_entropy: also return the entropy of each row's distribution (detached; computed for
             every row, the caller masks).
 
-    Returns ``logps`` ``(N,)`` float32 (float64 for float64 inputs), or ``(logps, entropy)``. Gradients flow to ``hidden``,
-    ``weight`` and ``bias`` in their own dtypes (``grad_weight`` is accumulated in at least float32). Under
-    ``torch.autocast`` the matmuls use the autocast dtype, as the model's own head would.
+    Returns ``logps`` ``(N,)`` float32 (float64 for float64 inputs), or ``(logps, entropy)``. Gradients
+    flow to ``hidden``, ``weight`` and ``bias`` in their own dtypes (``grad_weight`` is accumulated in at
+    least float32). Under ``torch.autocast`` the matmuls use the autocast dtype, as the model's own head
+    would.
 
     >>> hidden, weight = torch.eye(2), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     >>> chunked_token_logps(hidden, weight, torch.tensor([0, 0]))
@@ -199,12 +203,15 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             scaled = _scaled_logits(hidden[s:e], weight, bias, temperature)  # (r, V)
-            lse[s:e] = torch.logsumexp(scaled, dim=-1)
             picked = scaled.gather(1, safe_labels[s:e, None]).squeeze(1)
-            logps[s:e] = torch.where(valid[s:e], picked - lse[s:e], 0.0)
             if with_entropy:
-                log_probs = scaled.sub_(lse[s:e, None])  # in place: scaled is not needed any more
+                lse[s:e] = torch.logsumexp(scaled, dim=-1)
+                log_probs = scaled.sub_(lse[s:e, None])
                 entropy[s:e] = -(log_probs.exp() * log_probs).sum(dim=-1)
+            else:
+                lse[s:e] = _logsumexp_inplace(scaled)
+            logps[s:e] = torch.where(valid[s:e], picked - lse[s:e], 0.0)
+            del scaled  # else it stays alive while the next chunk's logits are allocated
         ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -214,8 +221,8 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     def backward(ctx, grad_logps, _grad_entropy):
         hidden, weight, bias, safe_labels, valid, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
         acc = dict(dtype=lse.dtype, device=weight.device)  # accumulators: at least float32
+        grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None  # contiguous rows
         grad_weight = torch.zeros(weight.shape, **acc) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], **acc) if need_bias else None
         g_all = torch.where(valid, grad_logps.to(lse.dtype), 0.0)  # (N,)
@@ -234,9 +241,17 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 grad_weight.addmm_(d.t(), h)  # (V, r) @ (r, H), no temporary
             elif grad_weight is not None:
                 grad_weight += d.t() @ h  # bf16 product, accumulated in float32
+            del scaled, d  # free this chunk before the next one is allocated
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _logsumexp_inplace(x: Tensor) -> Tensor:
+    """Row logsumexp of ``x`` ``(r, V)``, overwriting ``x``: ``torch.logsumexp`` would allocate a second
+    ``(r, V)`` buffer, doubling the forward pass's peak."""
+    row_max = x.amax(dim=-1)  # (r,)
+    return x.sub_(row_max[:, None]).exp_().sum(dim=-1).log_().add_(row_max)
 
 
 def _upcast(dtype: torch.dtype) -> torch.dtype:
