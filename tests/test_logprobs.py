@@ -224,6 +224,24 @@ def test_token_logps_without_attention_mask_and_under_no_grad():
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
 
 
+def test_token_logps_bf16_model_and_inference_mode():
+    model = tiny_llama().to(torch.bfloat16)
+    input_ids, attention_mask = batch()
+    logps, _ = token_logps(model, input_ids, attention_mask, chunk_size=4)
+    assert logps.dtype == torch.float32
+    got = grads_of(model, logps.sum())
+    expected, _ = reference_logps(model, input_ids, attention_mask)  # bf16 logits, float32 softmax
+    want = grads_of(model, expected.sum())
+    torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+    for name in want:
+        assert got[name].dtype == torch.bfloat16
+        torch.testing.assert_close(got[name], want[name], atol=1e-2, rtol=1e-2, msg=name)
+    with torch.inference_mode():
+        again, entropy = token_logps(model, input_ids, attention_mask, return_entropy=True)
+    torch.testing.assert_close(again, logps.detach())
+    assert entropy.shape == logps.shape
+
+
 class PlainLM(nn.Module):
     """Not a transformers model: an embedding and a head, returning logits."""
 
