@@ -1,0 +1,679 @@
+"""Group-relative policy optimisation: ``GRPOConfig`` + ``GRPOTrainer``.
+
+GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300) samples G completions per prompt, scores them with
+reward functions, and trains on each reward minus its group's mean (optionally divided by the group's std).
+Generation is sequential (one forward per token), so one generation feeds several micro-steps: the
+dataloader yields ``per_device_train_batch_size * steps_per_generation`` rows at once (each prompt G times in
+a row), ``prepare_inputs`` generates and scores them into a buffer, and hands out one slice per micro-step::
+
+    dataloader batch (repeated spg * μ times by RepeatSampler, so the base loop's epoch arithmetic holds)
+      -> prepare_inputs: buffer empty? generate -> rewards -> advantages (all ranks) -> old / ref log-probs
+         -> split into steps_per_generation slices; hand out slice (micro-step mod spg)
+      -> compute_loss: losses.grpo_loss on the slice
+
+How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
+
+1. The default loss is ``dapo``: the token sum divided by the completion tokens of the whole accumulation
+   window on all ranks (DAPO, Yu et al. 2025), so that gradient accumulation and data parallelism give exactly
+   the big batch's gradient. The paper's per-sequence mean is ``loss_type="grpo"``.
+2. No KL term by default (``beta=0``, as DAPO and Dr. GRPO argue); then no reference model exists. With
+   ``beta > 0`` the k3 estimator is added to the per-token loss, as in the paper (not to the reward).
+3. Old log-probs are computed (and the importance ratio is not 1) exactly when the policy can change between
+   generation and use: when a generation cycle of ``steps_per_generation * num_iterations`` micro-steps does
+   not fit inside one accumulation window. TRL's rule is "num_iterations > 1 or steps_per_generation >
+   gradient_accumulation_steps"; ours skips the extra forward when μ > 1 repeats a batch inside one window.
+4. Old and reference log-probs are computed in eval mode (no dropout), like the sampling itself.
+5. Training forwards get ``position_ids`` that start at 0 after the left padding, as during sampling, so the
+   log-probs being trained are those of the distribution that was sampled.
+6. Groups may span ranks: rewards are gathered from every rank before the advantages are computed.
+   A rank whose rows hold whole groups prefills each distinct prompt once (``generation.py``).
+7. A ``dapo`` normaliser needs the completions of the whole window before its first micro-step: when a
+   window spans several generations (``steps_per_generation * num_iterations < gradient_accumulation_steps``),
+   they are generated at the window's start. The policy does not change inside a window and each generation
+   has its own seeded RNG, so the samples are the same as if generated one by one.
+8. Sampling is seeded by (``seed``, generation index, rank), and a checkpoint also stores the unconsumed
+   generation buffer, so that resuming continues the run exactly even in the middle of a buffer.
+9. Rewards come from Python functions only (no reward models by name); ``None`` means "no opinion" and a
+   completion that no function scores is an error, not a NaN.
+10. ``evaluate()`` samples G completions per evaluation prompt and reports their mean rewards; there is no
+    evaluation loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from treadle import checkpoint as ckpt
+from treadle import distributed as dist
+from treadle.arguments import TrainingArguments
+from treadle.callbacks import TrainerCallback
+from treadle.data import RepeatSampler, require_columns
+from treadle.generation import BACKENDS, GenerationOutput, generate_completions
+from treadle.logprobs import token_logps
+from treadle.losses import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_loss, group_advantages
+from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
+from treadle.trainer import Trainer
+
+STATE_KEY = "GRPOTrainer"  # our entry in TrainerState.stateful_callbacks
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    """Arguments of ``GRPOTrainer``. Batch semantics (the most asked-about part of every GRPO library):
+
+    - ``per_device_train_batch_size`` counts *completions* per micro-step on one process.
+    - One generation samples ``per_device_train_batch_size * steps_per_generation * world_size`` completions:
+      that many divided by ``num_generations`` distinct prompts, each G times. It must divide evenly.
+    - That buffer feeds ``steps_per_generation`` micro-steps, and is reused ``num_iterations`` times (μ):
+      generation runs once every ``steps_per_generation * num_iterations`` micro-steps.
+    - An optimizer step still takes ``gradient_accumulation_steps`` micro-steps.
+
+    Loss types (how the per-token losses are reduced; see ``losses.grpo_loss``): ``grpo`` the mean over
+    sequences of each sequence's token mean (the paper); ``bnpo`` the token mean of each micro-batch;
+    ``dr_grpo`` the token sum / (batch × max_completion_length) (Dr. GRPO); ``dapo`` the token sum / the
+    completion tokens of the whole accumulation window on all ranks (DAPO; the default).
+    """
+
+    learning_rate: float = 1e-6  # RL fine-tuning of a trained policy wants small steps (TRL's default)
+
+    # --- sampling
+    num_generations: int = 8  # G: completions per prompt, the group that forms the baseline; >= 2, often 4-16
+    steps_per_generation: int | None = None  # micro-steps fed by one generation; None: gradient_accumulation_steps
+    num_iterations: int = 1  # μ: passes over each generated buffer (PPO epochs); 1 is fully on-policy
+    max_prompt_length: int | None = 512  # keep the last N prompt tokens; None keeps whole prompts
+    max_completion_length: int = 256  # L: most tokens sampled per completion
+    temperature: float = 1.0  # sampling temperature; the trained log-probs use it too; 0.7-1.0 typical
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1.0 disables
+    top_k: int = 0  # sample among the k most likely tokens; 0 disables
+    repetition_penalty: float = 1.0  # CTRL penalty on tokens already in prompt or completion; 1.0 disables
+    generation_backend: str = "auto"  # "fast" (KV-cache sampler), "hf" (model.generate) or "auto"
+
+    # --- loss
+    beta: float = 0.0  # β: weight of the k3 KL to the reference model; 0 creates no reference (DAPO, Dr. GRPO)
+    epsilon: float = 0.2  # ε (ε_low): the ratio is clipped below at 1 - ε
+    epsilon_high: float | None = None  # ε_high: the ratio is clipped above at 1 + ε_high; None: epsilon (DAPO: 0.28)
+    loss_type: str = "dapo"  # "grpo", "bnpo", "dr_grpo" or "dapo" (see the class docstring)
+    scale_rewards: str = "group"  # divide advantages by the "group" std (GRPO), the "batch" std, or "none" (Dr. GRPO)
+    mask_truncated_completions: bool = False  # completions without EOS get no loss (DAPO's overlong filtering)
+
+    # --- rewards and records
+    reward_weights: list[float] | None = None  # one weight per reward function; None weighs each 1.0
+    log_completions: bool = False  # append prompt, completion, rewards, advantage to output_dir/completions.jsonl
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        self._validate_grpo_choices()
+        self._validate_grpo_numbers()
+        self._validate_generation_batch()
+
+    def _validate_grpo_choices(self) -> None:
+        for name, value, allowed in (("loss_type", self.loss_type, GRPO_LOSS_TYPES),
+                                     ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+                                     ("generation_backend", self.generation_backend, BACKENDS)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported; use one of {list(allowed)}")
+
+    def _validate_grpo_numbers(self) -> None:
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise ValueError(f"num_generations must be an integer >= 2 (a group needs at least two completions "
+                             f"for a baseline), got {self.num_generations!r}; e.g. num_generations=8")
+        for name in ("steps_per_generation", "num_iterations", "max_completion_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_prompt_length is not None and (not isinstance(self.max_prompt_length, int)
+                                                   or self.max_prompt_length < 1):
+            raise ValueError(f"max_prompt_length must be an integer >= 1 or None, got {self.max_prompt_length!r}")
+        checks = [
+            (self.temperature > 0, f"temperature must be > 0, got {self.temperature}; 1.0 samples the model as is"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}; 1.0 disables it"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}; 0 disables it"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}; "
+                                          f"1.0 disables it"),
+            (self.beta >= 0, f"beta must be >= 0, got {self.beta}; 0 disables the KL term"),
+            (0 <= self.epsilon < 1, f"epsilon must be in [0, 1), got {self.epsilon}; 0.2 is usual"),
+            (self.epsilon_high >= 0, f"epsilon_high must be >= 0, got {self.epsilon_high}; e.g. 0.28 (DAPO)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
+            raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights}")
+
+    def _validate_generation_batch(self) -> None:
+        batch, spg, world, group = (self.per_device_train_batch_size, self.steps_per_generation,
+                                    self.world_size, self.num_generations)
+        total = batch * spg * world
+        if total % group == 0:
+            return
+        batches = _nearest(batch, lambda b: b * spg * world % group == 0)
+        groups = _nearest(group, lambda g: g >= 2 and total % g == 0, lowest=2)
+        spgs = _nearest(spg, lambda s: batch * s * world % group == 0)
+        raise ValueError(
+            f"one generation samples per_device_train_batch_size x steps_per_generation x world_size = {batch} x "
+            f"{spg} x {world} = {total} completions, which is not a multiple of num_generations={group} (every "
+            f"prompt needs its whole group). Nearest valid: per_device_train_batch_size={_either(batches)}, "
+            f"or num_generations={_either(groups)}, or steps_per_generation={_either(spgs)}")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions per generation on one process: ``per_device_train_batch_size * steps_per_generation``."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+
+def _nearest(value: int, ok, lowest: int = 1) -> list[int]:
+    """The nearest integers below and above ``value`` (at least ``lowest``) for which ``ok`` holds."""
+    below = next((v for v in range(value - 1, lowest - 1, -1) if ok(v)), None)
+    above = next((v for v in range(value + 1, 64 * value + 64) if ok(v)), None)
+    return [v for v in (below, above) if v is not None]
+
+
+def _either(values: list[int]) -> str:
+    return " or ".join(str(v) for v in values) if values else "(none)"
+
+
+def _keep_rows(rows: list[dict]) -> list[dict]:
+    """The collator: GRPO batches stay lists of dataset rows (prompts are tokenised when sampled)."""
+    return rows
+
+
+class _GRPOStateCallback(TrainerCallback):
+    """Completes each checkpoint with what an exact resume of GRPO needs (see ``GRPOTrainer.save_grpo_state``)."""
+
+    def __init__(self, trainer: "GRPOTrainer"):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.save_grpo_state(os.path.join(args.output_dir, f"{ckpt.PREFIX}{state.global_step}"))
+
+
+class GRPOTrainer(Trainer):
+    """Online RL with group-relative advantages; see the module docstring for the data flow.
+
+    ``reward_funcs``: one function or a list, each ``fn(prompts, completions, completion_ids, **columns) ->
+    list[float | None]`` (see treadle.rewards). ``train_dataset`` needs a ``prompt`` column (text, or chat
+    messages rendered with the tokenizer's chat template); every other column reaches the reward functions.
+    ``processing_class`` is the tokenizer (required). ``ref_model`` is used when ``args.beta > 0`` (default: a
+    frozen copy of ``model`` taken at construction).
+    """
+
+    def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
+                 args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
+                 callbacks=None, optimizers=(None, None), ref_model=None):
+        args = args if args is not None else GRPOConfig()
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"GRPOTrainer needs a GRPOConfig, got {type(args).__name__}; "
+                            f"build one with GRPOConfig(**your_args.to_dict())")
+        self.reward_funcs = _reward_list(reward_funcs)
+        self.reward_weights = _reward_weights(args.reward_weights, self.reward_funcs)
+        _check_tokenizer(processing_class)
+        _check_dataset(train_dataset, args)
+        super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers)
+        self.add_callback(_GRPOStateCallback(self))
+        self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
+        self.pad_token_id = _first_not_none(processing_class.pad_token_id, processing_class.eos_token_id, 0)
+        self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices
+        self._micro_step: int | None = None  # micro-steps consumed in this run; None: read from the state
+        self._resume_dir: str | None = None
+        self._metric_sums: dict[str, list[float]] = {}  # name -> [sum, count] since the last log
+        self._completions_file_checked = False
+
+    def build_reference_model(self, ref_model=None):
+        """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now."""
+        import copy
+
+        ref = ref_model if ref_model is not None else copy.deepcopy(dist.unwrap_model(self.model))
+        ref = ref.to(self.args.device).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ---- data -------------------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        """Batches of ``generation_batch_size`` rows on this rank, each prompt ``num_generations`` times in a row,
+        the same prompts on every rank, each batch repeated ``steps_per_generation * num_iterations`` times (one
+        micro-step each) so that the base loop counts micro-steps and epochs as usual. Every column is kept."""
+        args = self.args
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer.train() needs a train_dataset with a 'prompt' column")
+        if not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("GRPOTrainer needs a dataset with a length (a datasets.Dataset or a list of rows)")
+        world = dist.get_world_size()
+        sampler = RepeatSampler(len(self.train_dataset), mini_repeat_count=args.num_generations,
+                                batch_size=args.generation_batch_size * world // args.num_generations,
+                                repeat_count=self._cycle_length(), shuffle=True, seed=args.data_seed,
+                                rank=dist.get_rank(), world_size=world)
+        return self.build_dataloader(self.train_dataset, batch_size=args.generation_batch_size, sampler=sampler,
+                                     collate_fn=_keep_rows)
+
+    def _cycle_length(self) -> int:
+        """Micro-steps fed by one generation."""
+        return self.args.steps_per_generation * self.args.num_iterations
+
+    def _needs_old_logps(self) -> bool:
+        """Whether the policy can change between a generation and the use of its samples: when a cycle of
+        micro-steps does not fit inside one accumulation window (windows and cycles both start at epoch starts)."""
+        cycle, accum = self._cycle_length(), self.args.gradient_accumulation_steps
+        return cycle > accum or accum % cycle != 0
+
+    # ---- the buffer -------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None):
+        self._resume_dir = ckpt.resolve(resume_from_checkpoint, self.args.output_dir)
+        self._micro_step = None
+        self._buffers = {}
+        self._metric_sums = {}
+        self._completions_file_checked = False
+        return super().train(resume_from_checkpoint=resume_from_checkpoint)
+
+    def prepare_inputs(self, inputs):
+        """The next slice of the generation buffer for this micro-step. The first micro-step of each cycle
+        generates, scores and splits the buffer from ``inputs`` (the dataloader's batch of prompt rows)."""
+        step = self._current_micro_step()
+        batch = self._buffer_for(step, inputs)[self._slice_index(step)]
+        self._micro_step = step + 1
+        self.state.stateful_callbacks[STATE_KEY] = {"micro_step": self._micro_step}
+        next_generation = self._micro_step // self._cycle_length()
+        self._buffers = {g: b for g, b in self._buffers.items() if g >= next_generation}
+        return batch
+
+    def get_num_items_in_batch(self, batch_samples: list) -> int | None:
+        """The loss normaliser of one accumulation window, summed over ranks: completion tokens (``dapo``) or
+        completions (``grpo``). None for ``bnpo`` and ``dr_grpo``, whose per-micro-batch means the loop
+        averages. For ``dapo`` this generates the window's buffers that do not exist yet."""
+        loss_type = self.args.loss_type
+        if loss_type in ("bnpo", "dr_grpo"):
+            return None
+        if loss_type == "grpo":
+            total = sum(len(rows) // self.args.steps_per_generation for rows in batch_samples)
+        else:
+            first = self._current_micro_step()
+            total = sum(int(self._buffer_for(first + i, rows)[self._slice_index(first + i)]["completion_mask"].sum())
+                        for i, rows in enumerate(batch_samples))
+        if dist.get_world_size() > 1 and self.args.average_tokens_across_devices:
+            total = int(dist.all_reduce_sum(torch.tensor(total, device=self.args.device)).item())
+        return max(total, 1)  # a window whose completions are all masked contributes zero loss, not 0/0
+
+    def _current_micro_step(self) -> int:
+        if self._micro_step is None:
+            self._micro_step = self.state.stateful_callbacks.get(STATE_KEY, {}).get("micro_step", 0)
+            if self._resume_dir is not None:
+                self._load_grpo_state(self._resume_dir)
+        return self._micro_step
+
+    def _slice_index(self, micro_step: int) -> int:
+        return micro_step % self._cycle_length() % self.args.steps_per_generation
+
+    def _buffer_for(self, micro_step: int, rows: list[dict]) -> list[dict]:
+        generation = micro_step // self._cycle_length()
+        if generation not in self._buffers:
+            if micro_step % self._cycle_length():
+                warnings.warn(f"GRPO: resuming at micro-step {micro_step}, inside a generation cycle, without its "
+                              f"saved buffer (no grpo_state file in the checkpoint): sampling it again from the "
+                              f"current policy, so this run is not an exact continuation", stacklevel=3)
+            self._buffers[generation] = self.generate_and_score(rows, generation)
+        return self._buffers[generation]
+
+    # ---- generation and scoring ---------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], *, num_generations: int,
+                 generator: torch.Generator | None = None) -> GenerationOutput:
+        """Sample ``num_generations`` completions for each distinct prompt (token ids) with the config's
+        sampling settings; rows come back grouped (prompt b's completions are rows b*G .. b*G+G-1). The one
+        place where training samples: override it to plug in another engine."""
+        args = self.args
+        return generate_completions(self.model_wrapped, prompt_ids, num_generations=num_generations,
+                                    max_new_tokens=args.max_completion_length,
+                                    eos_token_id=self.processing_class.eos_token_id, pad_token_id=self.pad_token_id,
+                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    repetition_penalty=args.repetition_penalty, do_sample=True,
+                                    generator=generator, backend=args.generation_backend)
+
+    def generate_and_score(self, rows: list[dict], generation: int) -> list[dict]:
+        """Sample one completion per row, score all rows of all ranks, and return the buffer: a list of
+        ``steps_per_generation`` slices, each a dict of device tensors (``input_ids``, ``attention_mask``,
+        ``completion_mask``, ``advantages``, and ``old_logps`` / ``ref_logps`` when needed)."""
+        args, step = self.args, self.state.global_step
+        sample = self._sample(rows, self._generator("train", generation))
+        rewards = score_completions(self.reward_funcs, self.reward_weights, prompts=sample["prompts"],
+                                    completions=sample["completions"], completion_ids=sample["completion_lists"],
+                                    columns=sample["columns"], step=step)  # (N, F)
+        all_rewards = _gather_rows(rewards)  # (W*N, F)
+        advantages, metrics = group_advantages(weighted_rewards(all_rewards, self.reward_weights),
+                                               args.num_generations, scale_rewards=args.scale_rewards)
+        rank, rows_here = dist.get_rank(), len(rows)
+        local_advantages = advantages[rank * rows_here:(rank + 1) * rows_here]  # (N,)
+        self._record_generation_metrics(metrics, all_rewards, sample)
+        if args.log_completions:
+            self._log_completions(sample, rewards, local_advantages)
+        loss_mask = sample["completion_mask"]
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask * (~sample["is_truncated"]).unsqueeze(1).to(loss_mask.dtype)
+        return [self._build_slice(sample, loss_mask, local_advantages, s) for s in range(args.steps_per_generation)]
+
+    def _sample(self, rows: list[dict], generator: torch.Generator) -> dict[str, Any]:
+        """Tokenise the rows' prompts, sample one completion per row, decode. Rows that hold whole groups
+        (the same prompt G times in a row) are sampled as distinct prompts x G: each prompt is prefilled once."""
+        group = self.args.num_generations
+        prompts = [row["prompt"] for row in rows]
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
+        prompt_ids = self._tokenize_prompts(prompts)
+        grouped = len(rows) % group == 0 and all(prompt_ids[i] == prompt_ids[i - i % group]
+                                                 for i in range(len(rows)))
+        distinct = prompt_ids[::group] if grouped else prompt_ids
+        out = self.generate(distinct, num_generations=group if grouped else 1, generator=generator)
+        lengths = out.completion_mask.sum(dim=1).tolist()
+        completion_lists = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
+        texts = self.processing_class.batch_decode(completion_lists, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if _is_chat(p) else t for p, t in zip(prompts, texts)]
+        return {"prompts": prompts, "columns": columns, "completions": completions,
+                "completion_lists": completion_lists, "prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
+                "completion_ids": out.completion_ids, "completion_mask": out.completion_mask,
+                "is_truncated": out.is_truncated}
+
+    def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
+        """Token ids of each prompt: text as the tokenizer encodes it (special tokens such as BOS added), chat
+        messages rendered with the chat template and a generation prompt. Cut to the last max_prompt_length."""
+        tokenizer, limit = self.processing_class, self.args.max_prompt_length
+        texts = {}
+        for p in prompts:
+            key = json.dumps(p) if _is_chat(p) else p
+            if key not in texts:
+                texts[key] = (tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False), False) \
+                    if _is_chat(p) else (p, True)
+        ids = {}
+        for special in (True, False):
+            keys = [k for k, (_, s) in texts.items() if s == special]
+            if keys:
+                encoded = tokenizer([texts[k][0] for k in keys], add_special_tokens=special)["input_ids"]
+                ids.update(zip(keys, encoded))
+        out = [ids[json.dumps(p) if _is_chat(p) else p] for p in prompts]
+        return [list(p[-limit:]) if limit else list(p) for p in out]
+
+    def _generator(self, *key) -> torch.Generator:
+        """A generator seeded by (seed, key, rank): sampling is reproducible and a resumed run samples alike."""
+        seed = random.Random("/".join(str(k) for k in (self.args.seed, *key, dist.get_rank()))).getrandbits(63)
+        return torch.Generator(device=self.args.device).manual_seed(seed)
+
+    def _build_slice(self, sample: dict, loss_mask: torch.Tensor, advantages: torch.Tensor, index: int) -> dict:
+        """Rows of slice ``index``, cut to their own longest prompt and completion, with the log-probs the loss
+        needs from policies other than the current one."""
+        size = self.args.per_device_train_batch_size
+        rows = slice(index * size, (index + 1) * size)
+        prompt_mask, completion_attention = sample["prompt_mask"][rows], sample["completion_mask"][rows]
+        first = int(prompt_mask.any(dim=0).nonzero()[0])  # prompts are left-padded
+        width = max(1, int(completion_attention.sum(dim=1).max()))
+        device = self.args.device
+        batch = {
+            "input_ids": torch.cat([sample["prompt_ids"][rows, first:], sample["completion_ids"][rows, :width]], 1),
+            "attention_mask": torch.cat([prompt_mask[:, first:], completion_attention[:, :width]], 1),
+            "completion_mask": loss_mask[rows, :width],
+            "advantages": advantages[rows],
+        }
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if self._needs_old_logps():
+            batch["old_logps"] = self._frozen_logps(self.model, batch)
+        if self.ref_model is not None:
+            batch["ref_logps"] = self._frozen_logps(self.ref_model, batch)
+        return batch
+
+    @torch.no_grad()
+    def _frozen_logps(self, model, batch: dict) -> torch.Tensor:
+        with _eval_mode(model), self.autocast():
+            logps, _ = self._completion_logps(model, batch)
+        return logps.float()
+
+    def _completion_logps(self, model, batch: dict, return_entropy: bool = False):
+        """Per-token log-probs ``(B, C)`` (and entropies) of the completion tokens, at the sampling temperature,
+        with positions counted from the first prompt token as during sampling."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        start = ids.shape[1] - batch["completion_mask"].shape[1] - 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
+                           return_entropy=return_entropy, position_ids=positions)
+
+    # ---- the loss ---------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """``losses.grpo_loss`` on one slice; ``num_items_in_batch`` is the window's normaliser (``dapo``: its
+        completion tokens, ``grpo``: its completions, both over all ranks)."""
+        args = self.args
+        logps, entropy = self._completion_logps(model, inputs, return_entropy=True)  # (B, C) each
+        normalizer = num_items_in_batch if args.loss_type in ("grpo", "dapo") else None
+        loss, metrics = grpo_loss(logps, inputs["advantages"], inputs["completion_mask"],
+                                  old_logps=inputs.get("old_logps"), ref_logps=inputs.get("ref_logps"),
+                                  beta=args.beta, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
+                                  loss_type=args.loss_type, normalizer=normalizer,
+                                  max_completion_length=args.max_completion_length)
+        mask = inputs["completion_mask"].to(entropy.dtype)
+        metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        for name, value in metrics.items():
+            self._record(name, value)
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    # ---- metrics and records ----------------------------------------------------------------------------
+    def _record(self, name: str, value: float | torch.Tensor) -> None:
+        # Tensors are summed on their device: reading them every micro-step would force a device sync.
+        total = self._metric_sums.setdefault(name, [0.0, 0.0])
+        total[0] = total[0] + (value.detach().double() if isinstance(value, torch.Tensor) else value)
+        total[1] += 1
+
+    def _record_generation_metrics(self, metrics: dict, all_rewards: torch.Tensor, sample: dict) -> None:
+        """Reward and length statistics of one generation, over all ranks."""
+        for name, value in metrics.items():
+            self._record(name, float(value))
+        for j, fn in enumerate(self.reward_funcs):
+            column = all_rewards[:, j]
+            scored = column[~column.isnan()]
+            if len(scored):
+                self._record(f"rewards/{reward_name(fn)}/mean", float(scored.mean()))
+                self._record(f"rewards/{reward_name(fn)}/std", float(scored.std()) if len(scored) > 1 else 0.0)
+        lengths = _gather_rows(sample["completion_mask"].sum(dim=1).float().cpu())  # (W*N,)
+        truncated = _gather_rows(sample["is_truncated"].float().cpu())
+        self._record("completions/mean_length", float(lengths.mean()))
+        self._record("completions/min_length", float(lengths.min()))
+        self._record("completions/max_length", float(lengths.max()))
+        self._record("completions/clipped_ratio", float(truncated.mean()))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Training logs get the GRPO metrics averaged over the events since the last log (and over ranks)."""
+        if "loss" in logs and self._metric_sums and not any(k.startswith("eval_") for k in logs):
+            logs = {**logs, **self._averaged_metrics()}
+        super().log(logs, start_time)
+
+    def _averaged_metrics(self) -> dict[str, float]:
+        names = sorted(self._metric_sums)
+        totals = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.args.device)
+                                           for v in self._metric_sums[n]]) for n in names])  # (M, 2)
+        totals = dist.all_reduce_sum(totals)  # sums and counts over ranks
+        self._metric_sums = {}
+        return {n: (s / c if c else math.nan) for n, (s, c) in zip(names, totals.tolist())}
+
+    def _log_completions(self, sample: dict, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
+        """Append this generation's completions (all ranks) to output_dir/completions.jsonl, from rank 0."""
+        names = [reward_name(fn) for fn in self.reward_funcs]
+        records = [{"step": self.state.global_step, "prompt": p, "completion": c,
+                    "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, r)}, "advantage": a}
+                   for p, c, r, a in zip(sample["prompts"], sample["completions"], rewards.tolist(),
+                                         advantages.tolist())]
+        records = [r for part in dist.gather_objects(records) for r in part]
+        if not dist.is_main_process():
+            return
+        path = os.path.join(self.args.output_dir, COMPLETIONS_FILE)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        if not self._completions_file_checked:
+            _drop_records_from(path, self.state.global_step)  # a resumed run writes those steps again
+            self._completions_file_checked = True
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r, default=float) + "\n" for r in records)
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def save_grpo_state(self, checkpoint_dir: str) -> None:
+        """Write this rank's unconsumed generation buffers and unlogged metric sums into ``checkpoint_dir``
+        (``grpo_state_rank<r>.pt``), so that resuming inside a generation cycle is exact. Called on save."""
+        if not os.path.isdir(checkpoint_dir):
+            return
+        state = {"micro_step": self._micro_step or 0,
+                 "buffers": {str(g): [{k: v.cpu() for k, v in s.items()} for s in b] for g, b in self._buffers.items()},
+                 "metric_sums": {k: [float(x) for x in v] for k, v in self._metric_sums.items()}}
+        path = os.path.join(checkpoint_dir, f"grpo_state_rank{dist.get_rank()}.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def _load_grpo_state(self, checkpoint_dir: str) -> None:
+        path = os.path.join(checkpoint_dir, f"grpo_state_rank{dist.get_rank()}.pt")
+        if not os.path.isfile(path):
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["micro_step"] != self._micro_step:
+            return  # written for another position (a stale file): ignore it
+        device = self.args.device
+        self._buffers = {int(g): [{k: v.to(device) for k, v in s.items()} for s in b]
+                         for g, b in state["buffers"].items()}
+        self._metric_sums = {k: list(v) for k, v in state["metric_sums"].items()}
+
+    # ---- evaluation -------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sample ``num_generations`` completions for each evaluation prompt (seeded by ``args.seed``: the same
+        samples for the same weights) and report ``<prefix>_reward``, ``<prefix>_rewards/<name>/mean`` and
+        ``<prefix>_completions/mean_length``. Logs them and fires ``on_evaluate``."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset with a 'prompt' column")
+        loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
+                                       sampler=self.build_sampler(dataset, shuffle=False), collate_fn=_keep_rows)
+        group = self.args.num_generations
+        totals = torch.zeros(len(self.reward_funcs) * 2 + 3, dtype=torch.float64)
+        for index, rows in enumerate(loader):
+            repeated = [row for row in rows for _ in range(group)]
+            sample = self._sample(repeated, self._generator("eval", index))
+            rewards = score_completions(self.reward_funcs, self.reward_weights, prompts=sample["prompts"],
+                                        completions=sample["completions"], completion_ids=sample["completion_lists"],
+                                        columns=sample["columns"], step=self.state.global_step).double()
+            scored = ~rewards.isnan()
+            totals += torch.cat([weighted_rewards(rewards, self.reward_weights).sum().view(1),
+                                 rewards.nan_to_num(0.0).sum(dim=0), scored.sum(dim=0),
+                                 sample["completion_mask"].sum().double().cpu().view(1),
+                                 torch.tensor([float(len(repeated))])])
+        totals = dist.all_reduce_sum(totals.to(self.args.device)).cpu().tolist()
+        count, functions = totals[-1], len(self.reward_funcs)
+        metrics = {"reward": totals[0] / count, "completions/mean_length": totals[-2] / count}
+        for j, fn in enumerate(self.reward_funcs):
+            scored_count = totals[1 + functions + j]
+            metrics[f"rewards/{reward_name(fn)}/mean"] = totals[1 + j] / scored_count if scored_count else math.nan
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.call_event("on_evaluate", self.args, self.state, self.control,
+                                                        metrics=metrics)
+        return metrics
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        raise NotImplementedError("GRPOTrainer has no per-batch prediction step: use trainer.evaluate() for "
+                                  "sampled rewards, or treadle.generation.generate_completions to sample")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------
+def _reward_list(reward_funcs) -> list[RewardFunction]:
+    if reward_funcs is None:
+        raise ValueError("GRPOTrainer needs reward_funcs: a function or a list of functions "
+                         "fn(prompts, completions, completion_ids, **columns) -> list[float | None]")
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty; pass at least one reward function")
+    for fn in funcs:
+        if not callable(fn):
+            raise TypeError(f"reward function {fn!r} is not callable; reward models by name are not supported, "
+                            f"pass a function fn(prompts, completions, completion_ids, **columns)")
+    names = [reward_name(fn) for fn in funcs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"reward functions need distinct names (they are logged as rewards/<name>/mean), got "
+                         f"{names}; rename one (e.g. set fn.__name__)")
+    return funcs
+
+
+def _reward_weights(weights, funcs: list) -> list[float]:
+    if weights is None:
+        return [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions "
+                         f"{[reward_name(f) for f in funcs]}; give one weight per function")
+    return [float(w) for w in weights]
+
+
+def _check_tokenizer(tokenizer) -> None:
+    if tokenizer is None or not callable(getattr(tokenizer, "batch_decode", None)):
+        raise ValueError("GRPOTrainer needs processing_class=<a tokenizer> to encode prompts and decode "
+                         "completions (e.g. treadle.toy.build_tokenizer() or AutoTokenizer.from_pretrained(path))")
+
+
+def _check_dataset(dataset, args: GRPOConfig) -> None:
+    if dataset is None:
+        return
+    require_columns(dataset, ["prompt"], what="GRPOTrainer",
+                    fix="Rename the column holding the prompts (text or chat messages) to 'prompt'.")
+    if hasattr(dataset, "__len__"):
+        prompts = args.generation_batch_size * args.world_size // args.num_generations
+        if len(dataset) < prompts:
+            raise ValueError(f"one generation needs {prompts} distinct prompts (generation_batch_size "
+                             f"{args.generation_batch_size} x world_size {args.world_size} / num_generations "
+                             f"{args.num_generations}) but the dataset has {len(dataset)} rows; use more rows, "
+                             f"a smaller per_device_train_batch_size or steps_per_generation")
+
+
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, (list, tuple))
+
+
+def _first_not_none(*values):
+    return next(v for v in values if v is not None)
+
+
+def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate a CPU tensor's rows from every rank, in rank order (the tensor itself in one process)."""
+    if dist.get_world_size() == 1:
+        return tensor
+    return torch.cat(dist.gather_objects(tensor))
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _drop_records_from(path: str, step: int) -> None:
+    """Keep only the records of ``path`` written before ``step`` (no-op when the file does not exist)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] < step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (json.JSONDecodeError, KeyError):
+                continue  # a line cut by a crash mid-write
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]
