@@ -50,8 +50,12 @@ def make_trainer(tmp_path, tokenizer, model=None, rows=PAIRS, **overrides):
                       processing_class=tokenizer)
 
 
+def collate(trainer, rows):
+    return trainer.prepare_inputs(trainer.data_collator(rows))  # on the trainer's device
+
+
 def first_batch(trainer, n=len(PAIRS)):
-    return trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
+    return collate(trainer, [trainer.train_dataset[i] for i in range(n)])
 
 
 def peaked_reference(seed=1):
@@ -286,8 +290,8 @@ def test_loss_is_normalised_by_the_pairs_of_the_whole_accumulation_window(tmp_pa
     trainer = make_trainer(tmp_path, tokenizer, ref_model=peaked_reference())
     model = trainer.model.train()
     rows = [trainer.train_dataset[i] for i in range(4)]
-    whole = trainer.data_collator(rows)
-    halves = [trainer.data_collator(rows[:1]), trainer.data_collator(rows[1:])]  # 1 pair + 3 pairs
+    whole = collate(trainer, rows)
+    halves = [collate(trainer, rows[:1]), collate(trainer, rows[1:])]  # 1 pair + 3 pairs
     assert trainer.get_num_items_in_batch(halves) == 4
 
     full_loss = trainer.compute_loss(model, whole)
