@@ -343,3 +343,21 @@ def test_token_logps_validation():
     input_ids, _ = batch()
     with pytest.raises(ValueError, match="start"):
         token_logps(model, input_ids, start=11)
+
+
+def test_fallback_reads_logits_from_a_plain_dict_output():
+    class DictLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 8)
+            self.head = torch.nn.Linear(8, 11)
+
+        def forward(self, input_ids, attention_mask=None):
+            return {"logits": self.head(self.emb(input_ids))}
+
+    torch.manual_seed(0)
+    model = DictLM()
+    ids = torch.randint(0, 11, (2, 5))
+    logps, _ = token_logps(model, ids)
+    expected = torch.log_softmax(model(ids)["logits"][:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(logps, expected)

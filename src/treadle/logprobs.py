@@ -385,7 +385,7 @@ def _logps_from_logits(model, base, input_ids, attention_mask, labels, temperatu
     outputs = model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))
     logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)
     if logits is None:
-        logits = outputs[0]
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
     logits = logits[:, start:-1]  # (B, T-1-start, V), a view
     logps = selective_log_softmax(logits, labels, temperature=temperature)
     entropy = _entropy(logits, temperature) if return_entropy else None
