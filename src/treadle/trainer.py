@@ -85,6 +85,7 @@ class Trainer:
         if model is None:
             raise ValueError("Trainer needs a model")
         self.args = args if args is not None else TrainingArguments()
+        dist.init_distributed(self.args.device)  # under torchrun: the group exists before any data work
         self.model = model.to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
@@ -312,6 +313,7 @@ class Trainer:
         return loss.detach()
 
     # ---- the loop -----------------------------------------------------------------------------------------
+    @dist.rank_errors  # under torchrun an exception names the rank that raised it
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train for ``max_steps`` (or ``num_train_epochs``); with ``resume_from_checkpoint`` (True: the
         newest in output_dir, or a path) continue that run exactly where it stopped."""
@@ -576,9 +578,10 @@ class Trainer:
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the weights (save_pretrained layout for transformers models) and the processing class."""
         output_dir = output_dir or self.args.output_dir
+        full_weights = dist.full_state_dict(self.model)  # FSDP2: gathered on rank 0 (all ranks take part)
         if dist.is_main_process():
             os.makedirs(output_dir, exist_ok=True)
-            ckpt.save_weights(self.model, output_dir)
+            ckpt.save_weights(self.model, output_dir, state_dict=full_weights)
             if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
                 self.processing_class.save_pretrained(output_dir)
         dist.barrier()
