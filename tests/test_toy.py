@@ -154,6 +154,9 @@ def test_seed_changes_order_not_membership():
     assert test0 != test1 and set(test0) == set(test1)
     assert pairs_of(toy.load_task("addition", "test", seed=0)) == test0
     assert pairs_of(toy.load_task("toy:addition", "test", n=10, seed=0)) == test0[:10]
+    # every kind lists the same problems in the same order, so an SFT run and a DPO/GRPO run agree
+    for kind in ("preference", "rl"):
+        assert pairs_of(toy.load_task("addition", "test", kind=kind, seed=1)) == test1
 
 
 def test_sft_rows():

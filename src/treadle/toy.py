@@ -189,9 +189,9 @@ def load_task(name: str, split: str = "train", *, kind: str = "sft", n: int | No
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    rng = random.Random(seed)
-    problems = TASKS[name](split, rng)
-    rng.shuffle(problems)
+    # Separate streams, so that how many draws a builder makes never changes the order of the rows.
+    problems = TASKS[name](split, random.Random(f"{name}/{seed}"))
+    random.Random(f"order/{seed}").shuffle(problems)
     if n is not None:
         if not 0 < n <= len(problems):
             raise ValueError(f"n must be in 1..{len(problems)} for {name}/{split}, got {n}")
