@@ -89,13 +89,16 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------------------------------------
 def run_train(config_path: str, overrides: list[str], *, resume: bool = False) -> int:
     config = load_config(config_path, overrides)
-    trainer = build_trainer(config, base_dir=Path(config_path).parent)
-    from treadle.checkpoint import CheckpointError
+    checkpoint = None
+    if resume:  # before building anything: a run with nothing to resume fails at once
+        from treadle.checkpoint import CheckpointError, resolve
 
-    try:
-        trainer.train(resume_from_checkpoint=True if resume else None)
-    except CheckpointError as error:
-        raise UserError(str(error)) from None
+        try:
+            checkpoint = resolve(True, str(config.get("output_dir") or default_output_dir(config)))
+        except CheckpointError as error:
+            raise UserError(str(error)) from None
+    trainer = build_trainer(config, base_dir=Path(config_path).parent)
+    trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     output_dir = trainer.args.output_dir
     print(f"treadle: model saved in {output_dir}")
@@ -111,7 +114,7 @@ def load_config(path: str, overrides: list[str] = ()) -> dict[str, Any]:
         raise UserError(f"config file {path} not found")
     try:
         with open(path, encoding="utf-8") as f:
-            config = yaml.safe_load(f)
+            config = yaml.load(f, Loader=yaml_loader())
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -121,6 +124,29 @@ def load_config(path: str, overrides: list[str] = ()) -> dict[str, Any]:
                         f"got {type(config).__name__}")
     config.update(parse_overrides(overrides))
     return config
+
+
+def yaml_loader():
+    """PyYAML's safe loader with YAML 1.2 scalars: only true/false are booleans (``eval_strategy: no`` stays the
+    string "no"), and ``1e-3`` is a float (YAML 1.1 wants ``1.0e-3``)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",
+                                                                            "tag:yaml.org,2002:float")]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+        list("-+0123456789."))
+    return Loader
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -139,7 +165,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 raise UserError(f"--{key} needs a value (--{key} VALUE)")
             i, value = i + 1, items[i + 1]
         try:
-            out[key.replace("-", "_")] = yaml.safe_load(value)
+            out[key.replace("-", "_")] = yaml.load(value, Loader=yaml_loader())
         except yaml.YAMLError:
             out[key.replace("-", "_")] = value
         i += 1
@@ -159,8 +185,9 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     module = importlib.import_module(module_name)
     config_cls = getattr(module, config_class)
     fields = {k: v for k, v in config.items() if k not in RUN_KEYS}
-    fields.setdefault("output_dir", os.path.join("runs", name))
+    fields.setdefault("output_dir", default_output_dir(config))
     check_keys(fields, config_cls, name)
+    fields = coerce_fields(fields, config_cls)
     try:
         args = config_cls(**fields)
     except (ValueError, TypeError) as error:
@@ -180,6 +207,11 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         raise UserError(f"{trainer_class}: {error}") from None
 
 
+def default_output_dir(config: dict[str, Any]) -> str:
+    """Where a run goes when its config names no output_dir: runs/<trainer>."""
+    return os.path.join("runs", str(config.get("trainer")))
+
+
 def check_keys(fields: dict[str, Any], config_cls, trainer: str) -> None:
     """Reject keys that are neither run keys nor fields of ``config_cls``, suggesting the closest name."""
     known = {f.name for f in dataclasses.fields(config_cls)}
@@ -188,6 +220,35 @@ def check_keys(fields: dict[str, Any], config_cls, trainer: str) -> None:
             close = difflib.get_close_matches(key, sorted(known | set(RUN_KEYS)), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; see the fields of {config_cls.__name__}"
             raise UserError(f"unknown key {key!r} for trainer {trainer}{hint}")
+
+
+def coerce_fields(fields: dict[str, Any], config_cls) -> dict[str, Any]:
+    """Values converted to their field's type where YAML read them otherwise (YAML 1.1 reads ``1e-3`` as a
+    string and ``1`` as an int for a float field); a value of the wrong type is a one-line error."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(config_cls)}
+    out = {}
+    for key, value in fields.items():
+        kind = types[key].replace(" ", "").split("|")  # e.g. ['float'], ['int', 'None'], ['str', 'list[str]']
+        if value is None and "None" in kind:
+            out[key] = value
+            continue
+        out[key] = _coerce(key, value, kind)
+    return out
+
+
+def _coerce(key: str, value: Any, kind: list[str]) -> Any:
+    if "float" in kind and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise UserError(f"{key} must be a number, got {value!r}") from None
+    checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "bool": lambda v: isinstance(v, bool),
+              "str": lambda v: isinstance(v, str)}
+    simple = [k for k in kind if k in checks]
+    if simple and len(simple) == len([k for k in kind if k != "None"]) and not any(checks[k](value) for k in simple):
+        wanted = " or ".join({"int": "an integer", "bool": "true or false", "str": "a string"}[k] for k in simple)
+        raise UserError(f"{key} must be {wanted}{' (or null)' if 'None' in kind else ''}, got {value!r}")
+    return value
 
 
 def load_model(spec: str, *, seed: int = 0):

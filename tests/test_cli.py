@@ -1,0 +1,307 @@
+"""The `treadle` command: config parsing, user errors as one line with exit status 2, dataset and model
+loading, the example configs end to end, `treadle report`, and a short `treadle demo`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treadle import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def run(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(argv, capsys, *needles):
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treadle: error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+# ---- overrides and configs ----------------------------------------------------------------------------------
+def test_overrides_are_read_as_yaml_1_2_values():
+    assert cli.parse_overrides(["--max_steps", "5", "--learning-rate=1e-3", "--packing", "true", "--name", "x y",
+                                "--report_to", "[tensorboard]", "--eval_strategy", "no", "--max_length", "null"]) == {
+        "max_steps": 5, "learning_rate": 0.001, "packing": True, "name": "x y", "report_to": ["tensorboard"],
+        "eval_strategy": "no", "max_length": None}
+
+
+@pytest.mark.parametrize("items, needle", [(["--max_steps"], "--max_steps needs a value"),
+                                           (["max_steps", "5"], "unexpected argument 'max_steps'")])
+def test_malformed_overrides(items, needle):
+    with pytest.raises(cli.UserError, match=needle):
+        cli.parse_overrides(items)
+
+
+def test_yaml_numbers_are_coerced_to_the_field_type():
+    from treadle import SFTConfig
+
+    fields = cli.coerce_fields({"learning_rate": "1e-3", "warmup_steps": 2, "max_length": None}, SFTConfig)
+    assert fields == {"learning_rate": 0.001, "warmup_steps": 2.0, "max_length": None}
+    assert isinstance(fields["warmup_steps"], float)
+
+
+@pytest.mark.parametrize("fields, needle", [({"max_steps": "ten"}, "max_steps must be an integer, got 'ten'"),
+                                            ({"packing": "maybe"}, "packing must be true or false"),
+                                            ({"learning_rate": "fast"}, "learning_rate must be a number"),
+                                            ({"max_length": "x"}, "max_length must be an integer (or null)")])
+def test_wrongly_typed_values_are_named(fields, needle):
+    from treadle import SFTConfig
+
+    with pytest.raises(cli.UserError) as error:
+        cli.coerce_fields(fields, SFTConfig)
+    assert needle in str(error.value)
+
+
+# ---- user errors: one line, exit status 2 -----------------------------------------------------------------
+def test_missing_config_file(tmp_path, capsys):
+    assert_user_error(["train", tmp_path / "nope.yaml"], capsys, "config file", "not found")
+
+
+def test_bad_yaml_names_the_line(tmp_path, capsys):
+    bad = write(tmp_path / "bad.yaml", "trainer: sft\nmodel: [toy:tiny\n")
+    assert_user_error(["train", bad], capsys, "not valid YAML", "line")
+
+
+def test_a_config_that_is_not_a_mapping(tmp_path, capsys):
+    assert_user_error(["train", write(tmp_path / "list.yaml", "- sft\n")], capsys, "must hold a mapping")
+
+
+def test_unknown_trainer(tmp_path, capsys):
+    config = write(tmp_path / "c.yaml", "trainer: ppo\nmodel: toy:tiny\ndataset: toy:addition\n")
+    assert_user_error(["train", config], capsys, "unknown trainer 'ppo'", "dpo", "grpo", "sft")
+
+
+def test_unknown_key_suggests_the_closest(tmp_path, capsys):
+    config = write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\ndataset: toy:addition\nlerning_rate: 0.1\n")
+    assert_user_error(["train", config], capsys, "unknown key 'lerning_rate'", "did you mean 'learning_rate'")
+
+
+def test_unknown_override_key(capsys):
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--beta", "0.1"], capsys, "unknown key 'beta' for trainer sft")
+
+
+def test_invalid_config_value_is_one_line(capsys):
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--packing", "true", "--max_length", "null"], capsys,
+                      "SFTConfig", "packing=True needs max_length")
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("model", "no/such/folder", "model folder no/such/folder not found"),
+    ("model", "toy:huge", "unknown toy model 'toy:huge'"),
+    ("dataset", "missing.jsonl", "dataset missing.jsonl not found"),
+    ("dataset", "toy:subtraction", "unknown toy task 'toy:subtraction'"),
+    ("dataset", "toy:addition:lots", "row count"),
+])
+def test_missing_model_and_dataset(capsys, key, value, needle):
+    assert_user_error(["train", EXAMPLES / "sft.yaml", f"--{key}", value], capsys, needle)
+
+
+def test_missing_required_keys(tmp_path, capsys):
+    assert_user_error(["train", write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\n")], capsys,
+                      "no dataset: key")
+    assert_user_error(["train", write(tmp_path / "d.yaml", "model: toy:tiny\n")], capsys, "no trainer: key")
+
+
+@pytest.mark.parametrize("funcs, needle", [("[]", "needs reward_funcs"),
+                                           ("[no_such_module.reward]", "cannot import no_such_module"),
+                                           ("[treadle.toy.no_reward]", "has no function 'no_reward'"),
+                                           ("[missing.py:reward]", "file missing.py not found")])
+def test_reward_function_errors(capsys, funcs, needle):
+    assert_user_error(["train", EXAMPLES / "grpo.yaml", "--reward_funcs", funcs], capsys, needle)
+
+
+def test_reward_funcs_only_for_grpo(capsys):
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--reward_funcs", "[treadle.toy.addition_reward]"], capsys,
+                      "reward_funcs is a GRPO key")
+
+
+def test_bad_command_line(capsys):
+    assert_user_error(["fly"], capsys, "invalid choice")
+    assert_user_error(["report"], capsys, "run_dir")
+    assert_user_error(["demo", "--sft-steps", "0"], capsys, ">= 1")
+
+
+def test_report_of_a_missing_folder(tmp_path, capsys):
+    assert_user_error(["report", tmp_path / "none"], capsys, "not found")
+    assert_user_error(["report", tmp_path], capsys, "holds no metrics.jsonl")
+
+
+def test_the_installed_command_exits_2_with_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "treadle", "train", str(tmp_path / "missing.yaml")],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"treadle: error: config file {tmp_path / 'missing.yaml'} not found"
+
+
+# ---- datasets from files ------------------------------------------------------------------------------------
+ROWS = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "4+4=", "completion": "8"}]
+
+
+def test_datasets_load_from_every_supported_format(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    write(tmp_path / "a.jsonl", "\n".join(json.dumps(r) for r in ROWS) + "\n")
+    write(tmp_path / "a.json", json.dumps(ROWS))
+    write(tmp_path / "a.csv", "prompt,completion\n1+2=,3\n4+4=,8\n")
+    Dataset.from_list(ROWS).to_parquet(str(tmp_path / "a.parquet"))
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "disk"))
+    DatasetDict(train=Dataset.from_list(ROWS), test=Dataset.from_list(ROWS[:1])).save_to_disk(str(tmp_path / "dd"))
+    for name in ("a.jsonl", "a.json", "a.parquet", "disk", "dd"):
+        data = cli.load_dataset(str(tmp_path / name), kind="sft", split="train")
+        assert data.to_list() == ROWS, name
+    csv = cli.load_dataset(str(tmp_path / "a.csv"), kind="sft", split="train")
+    assert [str(r["completion"]) for r in csv] == ["3", "8"]
+    assert len(cli.load_dataset(str(tmp_path / "dd"), kind="sft", split="test")) == 1
+    # relative paths are also looked up next to the config file
+    assert len(cli.load_dataset("a.json", kind="sft", split="train", base_dir=tmp_path)) == 2
+
+
+def test_corrupt_json_lines_name_the_line(tmp_path):
+    write(tmp_path / "bad.jsonl", json.dumps(ROWS[0]) + "\n{oops\n")
+    with pytest.raises(cli.UserError, match=r"bad.jsonl:2: not valid JSON"):
+        cli.load_dataset(str(tmp_path / "bad.jsonl"), kind="sft", split="train")
+
+
+def test_toy_datasets_take_the_split_and_kind_of_the_trainer():
+    train = cli.load_dataset("toy:addition:16", kind="preference", split="train")
+    test = cli.load_dataset("toy:addition:16", kind="rl", split="test")
+    assert len(train) == 16 and train.column_names == ["prompt", "chosen", "rejected"]
+    assert test.column_names == ["prompt", "answer"]
+    assert not set(train["prompt"]) & set(test["prompt"])
+
+
+def test_reward_function_from_a_file(tmp_path):
+    write(tmp_path / "my_rewards.py", "def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\n")
+    [fn] = cli.load_reward_funcs(["my_rewards.py:length"], base_dir=tmp_path)
+    assert fn(prompts=["a"], completions=["abc"]) == [3]
+
+
+# ---- end to end -----------------------------------------------------------------------------------------------
+def metrics_of(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_example_trains_saves_and_plots(tmp_path, capsys):
+    out = tmp_path / "sft"
+    code, stdout, _ = run(["train", EXAMPLES / "sft.yaml", "--output_dir", out, "--max_steps", "6",
+                           "--eval_steps", "3", "--logging_steps", "2", "--disable_tqdm", "true"], capsys)
+    assert code == 0
+    events = metrics_of(out)
+    losses = [e["loss"] for e in events if "loss" in e]
+    assert len(losses) == 3 and all(l == l for l in losses)  # finite
+    assert any("eval_loss" in e for e in events)
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert (out / "checkpoint-6").is_dir()
+    assert {p.name for p in (out / "plots").iterdir()} >= {"training.png", "eval.png"}
+    assert "plots in" in stdout
+    # the saved folder is a model for the next run
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.hidden_size == 64
+
+
+def test_resume_continues_from_the_newest_checkpoint(tmp_path, capsys):
+    out = tmp_path / "sft"
+    base = ["train", EXAMPLES / "sft.yaml", "--output_dir", out, "--disable_tqdm", "true", "--eval_strategy", "no",
+            "--save_steps", "2", "--logging_steps", "1"]
+    assert run(base + ["--max_steps", "2"], capsys)[0] == 0
+    assert run(base + ["--max_steps", "4", "--resume"], capsys)[0] == 0
+    assert [e["step"] for e in metrics_of(out) if "loss" in e] == [1, 2, 3, 4]
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--output_dir", tmp_path / "empty", "--resume"], capsys,
+                      "no complete checkpoint")
+
+
+@pytest.mark.slow
+def test_dpo_and_grpo_examples_run(tmp_path, capsys):
+    for name, extra in (("dpo", ["--eval_steps", "2"]), ("grpo", [])):
+        out = tmp_path / name
+        code, _, err = run(["train", EXAMPLES / f"{name}.yaml", "--output_dir", out, "--max_steps", "4",
+                            "--logging_steps", "2", "--disable_tqdm", "true", *extra], capsys)
+        assert code == 0, err
+        keys = set().union(*metrics_of(out))
+        assert "loss" in keys
+        assert (out / "plots" / "training.png").is_file() and (out / "plots" / "rewards.png").is_file()
+    assert "eval_loss" in set().union(*metrics_of(tmp_path / "dpo"))
+    assert (tmp_path / "grpo" / "completions.jsonl").is_file()
+
+
+def test_report_redraws_plots_and_prints_a_summary(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write(run_dir / "metrics.jsonl", "".join(json.dumps({"step": s, "epoch": s / 4, "loss": 2.0 / s,
+                                                         "learning_rate": 0.1}) + "\n" for s in (1, 2, 3, 4)))
+    code, out, _ = run(["report", run_dir], capsys)
+    assert code == 0
+    assert (run_dir / "plots" / "training.png").is_file()
+    loss_line = next(line for line in out.splitlines() if line.startswith("loss"))
+    assert loss_line.split()[1:] == ["4", "2", "0.5", "0.5", "2"]  # count, first, last, min, max
+    # a folder of runs (a demo folder) reports each run
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+    code, out, _ = run(["report", tmp_path], capsys)
+    assert code == 0 and out.count("4 events") == 2
+
+
+@pytest.mark.slow
+def test_a_short_demo_writes_the_run_folder(tmp_path, capsys):
+    out = tmp_path / "demo"
+    code, stdout, err = run(["demo", "--output-dir", out, "--sft-steps", "20", "--grpo-steps", "2",
+                             "--eval-size", "40"], capsys)
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert [s["stage"] for s in results["stages"]] == ["untrained", "after SFT", "after GRPO"]
+    assert results["heldout_problems"] == 40
+    for stage in ("sft", "grpo"):
+        assert (out / stage / "metrics.jsonl").is_file()
+        assert (out / stage / "plots" / "training.png").is_file()
+        lines = (out / stage / "heldout_completions.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert len(records) == 40
+        accuracy = next(s["accuracy"] for s in results["stages"] if s["stage"] == f"after {stage.upper()}")
+        assert accuracy == sum(r["correct"] for r in records) / 40
+    assert (out / "sft" / "checkpoint-20").is_dir() and (out / "grpo" / "checkpoint-2").is_dir()
+    assert (out / "grpo" / "completions.jsonl").is_file()
+    assert "held-out exact match" in stdout and "after GRPO" in stdout
+
+
+def test_heldout_scoring_agrees_with_toy_exact_match(tmp_path, monkeypatch):
+    from treadle import toy
+
+    tokenizer, model = toy.build_tokenizer(), toy.build_model("tiny", seed=3)
+    data = toy.load_task("addition", "test", kind="rl", n=30)
+    answers = dict(zip(data["prompt"], data["answer"]))
+
+    def fake_greedy(model, tokenizer, prompts, **kw):  # right for every third prompt, else off by one
+        return [answers[p] + "\n" if i % 3 == 0 else str(int(answers[p]) + 1) for i, p in enumerate(prompts)]
+
+    monkeypatch.setattr(toy, "greedy_completions", fake_greedy)
+    ours = cli.score_heldout(model, tokenizer, data, tmp_path / "c.jsonl", batch_size=6)
+    assert ours == toy.exact_match_accuracy(model, tokenizer, data, batch_size=30) == 10 / 30
+    records = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert [r["correct"] for r in records] == [i % 6 % 3 == 0 for i in range(30)]
+
+
+def test_results_table_layout():
+    table = cli.results_table([("untrained", 0.0, 0.0), ("after SFT", 0.4215, 61.2)], 1000)
+    lines = table.splitlines()
+    assert lines[0].split() == ["stage", "held-out", "exact", "match", "train", "time"]
+    assert lines[3].split() == ["after", "SFT", "42.1%", "of", "1000", "61", "s"]
