@@ -263,6 +263,31 @@ def test_ratio_one_gives_the_reinforce_gradient(tmp_path, tok, loss_type):
     assert any(g.abs().sum() > 0 for g in got.values())
 
 
+def test_left_padding_does_not_change_the_trained_log_probs(tmp_path, tok):
+    """Positions start at the first prompt token, as when sampling: a left-padded row's completion log-probs
+    equal those of the row run alone, without padding. GPT-2 has absolute position embeddings (Llama's RoPE
+    is blind to a shift of every position, so it would not notice)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    args = GRPOConfig(output_dir=str(tmp_path), temperature=0.8, per_device_train_batch_size=8)
+    torch.manual_seed(2)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=32))
+    model.eval()  # no dropout
+    trainer = GRPOTrainer(model, digit_sum_reward, args=args, processing_class=tok)
+    prompts, completions = [[10, 11, 12, 13, 14], [20, 21]], [[30, 31, 32], [40, 41, EOS]]
+    ids, mask = left_pad(prompts, 0)
+    batch = {"input_ids": torch.cat([ids, torch.tensor(completions)], 1),
+             "attention_mask": torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
+             "completion_mask": torch.ones(2, 3, dtype=torch.long)}
+    with torch.no_grad():
+        logps, _ = trainer._completion_logps(model, batch)
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            alone = torch.tensor([prompt + completion])
+            logits = model(input_ids=alone).logits[0, len(prompt) - 1:-1] / 0.8
+            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+            assert torch.allclose(logps[row], expected, atol=1e-5), row
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_accumulation_gives_the_big_batch_step(tmp_path, tok, dataset, loss_type):
     """8 completions in one micro-batch, or 2 micro-batches of 4 from the same generation: same SGD step."""

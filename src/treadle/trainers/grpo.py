@@ -24,7 +24,8 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
    gradient_accumulation_steps"; ours skips the extra forward when μ > 1 repeats a batch inside one window.
 4. Old and reference log-probs are computed in eval mode (no dropout), like the sampling itself.
 5. Training forwards get ``position_ids`` that start at 0 after the left padding, as during sampling, so the
-   log-probs being trained are those of the distribution that was sampled.
+   log-probs being trained are those of the distribution that was sampled. (RoPE models do not notice a
+   shift of every position; models with absolute position embeddings, such as GPT-2, do.)
 6. Groups may span ranks: rewards are gathered from every rank before the advantages are computed.
    A rank whose rows hold whole groups prefills each distinct prompt once (``generation.py``).
 7. A ``dapo`` normaliser needs the completions of the whole window before its first micro-step: when a
