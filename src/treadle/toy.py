@@ -110,7 +110,7 @@ def build_model(size: str = "tiny", *, vocab_size: int | None = None, seed: int 
         vocab_size=vocab_size if vocab_size is not None else len(tokenizer),
         num_key_value_heads=MODEL_SIZES[size]["num_attention_heads"],
         max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,  # the embedding is most of a tiny model; tying halves it
+        tie_word_embeddings=True,  # one vocab x hidden matrix instead of two, as in small LMs
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -138,9 +138,8 @@ def _addition_pairs(split: str) -> list[tuple[int, int]]:
     """The ordered (a, b) pairs of one split, sorted. Train: 9,000 pairs; test: 1,000 pairs."""
     unordered = [(a, b) for a in range(100) for b in range(a + 1, 100)]
     held_out = set(random.Random(SPLIT_SEED).sample(unordered, ADDITION_TEST_PAIRS))
-    in_test = lambda a, b: (min(a, b), max(a, b)) in held_out  # noqa: E731 - one-line predicate
     pairs = [(a, b) for a in range(100) for b in range(100)]
-    return [p for p in pairs if in_test(*p) == (split == "test")]
+    return [(a, b) for a, b in pairs if ((min(a, b), max(a, b)) in held_out) == (split == "test")]
 
 
 def addition_wrong_answer(a: int, b: int, rng: random.Random) -> str:
