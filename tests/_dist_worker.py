@@ -1,0 +1,278 @@
+"""Multi-process jobs for tests/test_distributed.py, run by torchrun on CPU (gloo)::
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/_dist_worker.py SCENARIO OUT_DIR
+
+Each scenario trains on every rank; rank 0 writes ``OUT_DIR/<scenario>.json`` (per-step losses and more)
+and the final weights through ``save_model``. The builders below are shared with the test, which runs the
+one-process reference in its own process with exactly the same model, data and arguments.
+
+Scenarios: ``collectives`` (the helpers of treadle.distributed), ``trainer`` (DDP, then a resume from a
+mid-run checkpoint), ``fsdp`` (the same under FSDP2), ``error`` (rank 1 raises), ``stuck`` (rank 1 raises but
+stays alive), ``sft``, ``dpo``, ``grpo``. SCENARIO may list several, comma-separated, run one after another
+in the same processes (one launch costs seconds of imports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 64
+PER_RANK_BATCH = 2  # b: micro-batch rows on each of the 2 ranks; the one-process reference uses 2b
+ACCUM = 2
+STEPS = 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Builders shared with the test (same seeds on every rank and in the reference)
+# ---------------------------------------------------------------------------------------------------------
+def tiny_llama(seed: int = 0):
+    """A 2-layer Llama with tied embeddings (exercises the tied-weight paths of the FSDP2 export)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def lm_rows(n: int, seed: int) -> list[dict]:
+    """Rows of 3..14 tokens whose first 0..len-2 labels are -100: the label-token count varies a lot between
+    rows, so a per-rank mean instead of the all-rank token normalisation would give different numbers."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length = int(torch.randint(3, 15, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        masked = int(torch.randint(0, length - 1, (1,), generator=g))
+        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * masked + ids[masked:]})
+    return rows
+
+
+def trainer_args(output_dir: str, world_size: int, **overrides):
+    from treadle import TrainingArguments
+
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=PER_RANK_BATCH * 2 // world_size,
+                    per_device_eval_batch_size=3, gradient_accumulation_steps=ACCUM, max_steps=STEPS,
+                    learning_rate=3e-3, warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_steps=2,
+                    disable_tqdm=True, seed=0, weight_decay=0.1)
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def step_losses(log_history: list[dict]) -> list[float]:
+    return [entry["loss"] for entry in log_history if "loss" in entry]
+
+
+def run_trainer(output_dir: str, world_size: int, resume: str | None = None, **overrides):
+    """Train the tiny Llama on 32 rows (4 optimizer steps of 8 rows), evaluate on 10 rows."""
+    from treadle import Trainer
+
+    trainer = Trainer(tiny_llama(), trainer_args(output_dir, world_size, **overrides),
+                      train_dataset=lm_rows(32, seed=1), eval_dataset=lm_rows(10, seed=2))
+    trainer.train(resume_from_checkpoint=resume)
+    metrics = trainer.evaluate()
+    trainer.save_model(os.path.join(output_dir, "final"))
+    return trainer, {"losses": step_losses(trainer.state.log_history), "eval_loss": metrics["eval_loss"]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scenarios (run on every rank)
+# ---------------------------------------------------------------------------------------------------------
+def scenario_trainer(out: str, fsdp: str = "") -> dict:
+    """Train 4 steps (checkpoints at 2 and 4), then a fresh Trainer resumes from checkpoint-2 in another
+    output_dir and trains steps 3-4 again."""
+    world = torch.distributed.get_world_size()
+    full_dir, resumed_dir = os.path.join(out, "full"), os.path.join(out, "resumed")
+    trainer, result = run_trainer(full_dir, world, fsdp=fsdp)
+    _, resumed = run_trainer(resumed_dir, world, resume=os.path.join(full_dir, "checkpoint-2"), fsdp=fsdp)
+    result["resumed_losses"] = resumed["losses"]
+    result["wrapper"] = type(trainer.model_wrapped).__name__
+    result["train_loss"] = trainer.state.total_loss_sum / trainer.state.total_loss_items
+    return result
+
+
+def scenario_fsdp(out: str) -> dict:
+    return scenario_trainer(out, fsdp="full_shard")
+
+
+class _FailingTrainerMixin:
+    """Rank 1 raises in its forward of step 3 (global_step 2), after two good steps."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if torch.distributed.get_rank() == 1 and self.state.global_step == 2:
+            raise RuntimeError("injected failure in compute_loss")
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def _failing_trainer(out: str):
+    from treadle import Trainer
+
+    cls = type("FailingTrainer", (_FailingTrainerMixin, Trainer), {})
+    return cls(tiny_llama(), trainer_args(out, 2, save_strategy="no"), train_dataset=lm_rows(32, seed=1))
+
+
+def scenario_error(out: str) -> dict:
+    _failing_trainer(out).train()
+    return {}
+
+
+def scenario_stuck(out: str) -> dict:
+    """Rank 1 fails but its process stays alive (as if stuck in a hung data loader): rank 0, waiting in a
+    collective, must give up after TREADLE_DDP_TIMEOUT seconds rather than wait forever."""
+    try:
+        _failing_trainer(out).train()
+    except RuntimeError:
+        if torch.distributed.get_rank() == 1:
+            time.sleep(600)  # ended by torchrun once rank 0 has failed
+        raise
+    return {}
+
+
+def scenario_sft(out: str) -> dict:
+    from treadle import SFTTrainer
+
+    trainer = SFTTrainer(**sft_parts(out, torch.distributed.get_world_size()))
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    return {"losses": step_losses(trainer.state.log_history)}
+
+
+def scenario_dpo(out: str) -> dict:
+    from treadle import DPOTrainer
+
+    trainer = DPOTrainer(**dpo_parts(out, torch.distributed.get_world_size()))
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    history = trainer.state.log_history
+    return {"losses": step_losses(history),
+            "margins": [entry["rewards/margins"] for entry in history if "rewards/margins" in entry]}
+
+
+def scenario_grpo(out: str) -> dict:
+    from treadle import GRPOTrainer
+
+    trainer = GRPOTrainer(**grpo_parts(out, torch.distributed.get_world_size()))
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    history = trainer.state.log_history
+    return {"losses": step_losses(history), "rewards": [e["reward"] for e in history if "reward" in e],
+            "final_step": trainer.state.global_step}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SFT / DPO / GRPO parts (shared with the reference)
+# ---------------------------------------------------------------------------------------------------------
+def toy_model_and_tokenizer():
+    from treadle import toy
+
+    return toy.build_model("tiny", seed=0), toy.build_tokenizer()
+
+
+ADDITION = [(a, b) for a, b in [(1, 2), (12, 30), (7, 45), (99, 99), (3, 3), (50, 6), (18, 27), (64, 1),
+                                (9, 9), (10, 90), (2, 71), (40, 4), (5, 55), (81, 8), (33, 66), (0, 7)]]
+
+
+def sft_parts(out: str, world_size: int) -> dict:
+    from datasets import Dataset
+
+    from treadle import SFTConfig
+
+    model, tokenizer = toy_model_and_tokenizer()
+    data = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b) * (1 + i % 3)}
+                              for i, (a, b) in enumerate(ADDITION)])
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=4 // world_size, gradient_accumulation_steps=2,
+                     max_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                     seed=0)
+    return dict(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def dpo_parts(out: str, world_size: int) -> dict:
+    from datasets import Dataset
+
+    from treadle import DPOConfig
+
+    model, tokenizer = toy_model_and_tokenizer()
+    data = Dataset.from_list([{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + i) * 2}
+                              for i, (a, b) in enumerate(ADDITION)])
+    args = DPOConfig(output_dir=out, per_device_train_batch_size=4 // world_size, gradient_accumulation_steps=2,
+                     max_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                     seed=0)
+    return dict(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def grpo_parts(out: str, world_size: int) -> dict:
+    from datasets import Dataset
+
+    from treadle import GRPOConfig
+
+    model, tokenizer = toy_model_and_tokenizer()
+    data = Dataset.from_list([{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ADDITION])
+    # 8 completions of one prompt per generation, 4 on each rank: every group spans both ranks
+    args = GRPOConfig(output_dir=out, per_device_train_batch_size=8 // world_size, num_generations=8,
+                      max_completion_length=6, max_steps=2, learning_rate=1e-3, logging_steps=1,
+                      save_strategy="no", disable_tqdm=True, seed=0, log_completions=True)
+    return dict(model=model, reward_funcs=digit_count_reward, args=args, train_dataset=data,
+                processing_class=tokenizer)
+
+
+def digit_count_reward(prompts, completions, completion_ids, **columns) -> list[float]:
+    """Digits in the completion: an untrained model's samples differ in it, so groups have a spread."""
+    return [float(sum(ch.isdigit() for ch in text)) for text in completions]
+
+
+def scenario_collectives(out: str) -> dict:
+    """Each rank records what the helpers return; rank r contributes r + 1 rows to all_gather."""
+    from treadle import distributed as dist
+
+    rank = dist.get_rank()
+    order = []
+    with dist.main_process_first():
+        order.append(time.monotonic())
+        if rank == 0:
+            time.sleep(0.3)  # rank 1 must not enter before rank 0 has left
+    gathered = dist.all_gather(torch.arange(rank + 1, dtype=torch.float32) + 10 * rank)
+    result = {
+        "all_gather": gathered.tolist(),
+        "all_gather_2d_shape": list(dist.all_gather(torch.ones(rank + 1, 3)).shape),
+        "mean_over_ranks": dist.mean_over_ranks({"rank": float(rank), "const": 2.0}, torch.device("cpu")),
+        "all_reduce_sum": dist.all_reduce_sum(torch.tensor([rank + 1.0])).item(),
+        "any_rank_one": dist.any_rank(rank == 1, torch.device("cpu")),
+        "any_rank_none": dist.any_rank(False, torch.device("cpu")),
+        "broadcast": dist.broadcast_object({"from": rank}),
+        "gather_objects": dist.gather_objects(f"r{rank}"),
+        "main_first_at": dist.gather_objects(order[0]),
+    }
+    with open(os.path.join(os.path.dirname(out), f"collectives_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    return result
+
+
+SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "fsdp": scenario_fsdp,
+             "error": scenario_error, "stuck": scenario_stuck, "sft": scenario_sft, "dpo": scenario_dpo,
+             "grpo": scenario_grpo}
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    from treadle import distributed as dist
+
+    dist.init_distributed(torch.device("cpu"))
+    for scenario in argv[1].split(","):
+        result = SCENARIOS[scenario](os.path.join(argv[2], scenario))
+        result["world_size"] = dist.get_world_size()
+        if dist.is_main_process():
+            with open(os.path.join(argv[2], f"{scenario}.json"), "w") as f:
+                json.dump(result, f)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,301 @@
+"""treadle.distributed: one-process identities, then real 2-process jobs on CPU (gloo) under torchrun.
+
+The multi-process tests launch ``tests/_dist_worker.py`` with ``python -m torch.distributed.run
+--nproc_per_node 2`` and compare with a one-process run made here, in the test process, from the same
+builders: 2 processes x batch b must give the per-step losses and final weights of 1 process x batch 2b
+(to float32 rounding), under DDP and under FSDP2, for the base Trainer and for SFT and DPO. The data has
+rows of very different label-token counts, so a per-rank normalisation would not match.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import _dist_worker as worker
+from treadle import distributed as dist
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_RTOL = 1e-5  # float32 sums in a different order: ~1e-7 relative observed
+WEIGHT_ATOL = 2e-5  # after 4 AdamW steps of lr 3e-3: ~1e-6 observed
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One process: every helper is the identity, nothing is wrapped
+# ---------------------------------------------------------------------------------------------------------
+def test_helpers_are_identities_in_one_process():
+    t = torch.tensor([1.0, 2.0])
+    assert not dist.is_initialized() and dist.get_world_size() == 1 and dist.get_rank() == 0
+    assert dist.all_gather(t) is t and dist.all_reduce_sum(t) is t
+    assert dist.mean_over_ranks({"a": 1.5}, torch.device("cpu")) == {"a": 1.5}
+    assert dist.broadcast_object({"x": 1}) == {"x": 1} and dist.gather_objects(3) == [3]
+    assert dist.any_rank(True, torch.device("cpu")) and not dist.any_rank(False, torch.device("cpu"))
+    with dist.main_process_first():
+        pass
+    dist.init_distributed(torch.device("cpu"))  # no torchrun environment: stays a single process
+    assert not dist.is_initialized()
+
+
+def test_models_are_not_wrapped_without_a_process_group():
+    from treadle import TrainingArguments
+
+    model = torch.nn.Linear(2, 2)
+    assert dist.wrap_model(model, TrainingArguments(fsdp="full_shard")) is model
+    assert not dist.is_fsdp(model) and dist.full_state_dict(model) is None
+    with dist.no_sync(model, skip_sync=True):
+        pass
+
+
+def test_transformer_blocks_are_the_decoder_layers():
+    model = worker.tiny_llama()
+    assert dist.transformer_blocks(model) == list(model.model.layers)
+
+
+def test_transformer_blocks_of_a_plain_module_are_its_module_list_entries_outermost_first():
+    inner = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    outer = torch.nn.ModuleList([torch.nn.Sequential(inner[0]), torch.nn.Linear(2, 2)])
+    model = torch.nn.Module()
+    model.blocks, model.extra = outer, inner
+    # inner[0] sits inside outer[0]: shard the outer block only, or FSDP2 would nest the same parameters
+    assert dist.transformer_blocks(model) == [outer[0], outer[1]]
+
+
+def test_collective_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(dist.TIMEOUT_ENV, raising=False)
+    assert dist.collective_timeout_s() == 1800
+    monkeypatch.setenv(dist.TIMEOUT_ENV, "7.5")
+    assert dist.collective_timeout_s() == 7.5
+    for bad in ("soon", "0"):
+        monkeypatch.setenv(dist.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=dist.TIMEOUT_ENV):
+            dist.collective_timeout_s()
+
+
+def test_rank_errors_leaves_one_process_errors_alone():
+    @dist.rank_errors
+    def fail():
+        raise KeyError("x")
+
+    with pytest.raises(KeyError) as info:
+        fail()
+    assert not getattr(info.value, "__notes__", None)
+    assert fail.__name__ == "fail"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launching 2-process jobs
+# ---------------------------------------------------------------------------------------------------------
+def launch(scenarios: str, out: Path, *, timeout: float = 420, extra_env: dict | None = None):
+    """Run the worker under torchrun with 2 CPU processes; returns (exit code, output, seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKER), scenarios, str(out)]
+    start = time.monotonic()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+GOOD_SCENARIOS = ["collectives", "trainer", "fsdp"] + [
+    name for name in ("sft", "dpo", "grpo") if available(f"treadle.trainers.{name}")]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One launch runs every scenario that should succeed; each test reads its scenario's results."""
+    out = tmp_path_factory.mktemp("dist")
+    code, output, _ = launch(",".join(GOOD_SCENARIOS), out)
+    assert code == 0, f"the 2-process job failed (exit {code}):\n{output[-6000:]}"
+    return out
+
+
+def result(out: Path, scenario: str) -> dict:
+    with open(out / f"{scenario}.json") as f:
+        return json.load(f)
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def assert_same_weights(got: dict, want: dict, atol: float = WEIGHT_ATOL) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The base Trainer in this one process with batch 2b: per-step losses, eval loss, final weights."""
+    out = tmp_path_factory.mktemp("reference")
+    trainer, summary = worker.run_trainer(str(out), world_size=1)
+    summary["train_loss"] = trainer.state.total_loss_sum / trainer.state.total_loss_items
+    summary["weights"] = load_weights(out / "final")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collectives
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_collectives_across_two_ranks(job):
+    for rank in (0, 1):
+        with open(job / f"collectives_rank{rank}.json") as f:
+            got = json.load(f)
+        assert got["all_gather"] == [0.0, 10.0, 11.0]  # rank 0: [0]; rank 1: [10, 11]
+        assert got["all_gather_2d_shape"] == [3, 3]
+        assert got["mean_over_ranks"] == {"const": 2.0, "rank": 0.5}
+        assert got["all_reduce_sum"] == 3.0
+        assert got["any_rank_one"] is True and got["any_rank_none"] is False
+        assert got["broadcast"] == {"from": 0}
+        assert got["gather_objects"] == ["r0", "r1"]
+        entered = got["main_first_at"]
+        assert entered[1] - entered[0] >= 0.3  # rank 1 entered after rank 0 had left
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Base Trainer: DDP and FSDP2 give the one-process numbers; resume continues exactly
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, wrapper", [("trainer", "DistributedDataParallel"),
+                                               ("fsdp", "FSDPLlamaForCausalLM")])
+def test_two_processes_match_one_process_with_twice_the_batch(job, reference, scenario, wrapper):
+    got = result(job, scenario)
+    assert got["world_size"] == 2 and got["wrapper"] == wrapper
+    assert len(got["losses"]) == worker.STEPS
+    assert got["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
+    assert got["train_loss"] == pytest.approx(reference["train_loss"], rel=LOSS_RTOL)
+    assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=LOSS_RTOL)
+    assert_same_weights(load_weights(job / scenario / "full" / "final"), reference["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["trainer", "fsdp"])
+def test_resume_under_two_processes_continues_exactly(job, scenario):
+    got = result(job, scenario)
+    # the resumed run restores the log history of steps 1-2 and trains steps 3-4 again
+    assert got["resumed_losses"] == got["losses"]
+    full, resumed = job / scenario / "full" / "final", job / scenario / "resumed" / "final"
+    assert_same_weights(load_weights(resumed), load_weights(full), atol=0)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoints_are_sharded_and_the_export_is_consolidated(job):
+    from transformers import LlamaForCausalLM
+
+    checkpoint = job / "fsdp" / "full" / "checkpoint-2"
+    for folder in (dist.MODEL_SHARDS, dist.OPTIMIZER_SHARDS):
+        assert (checkpoint / folder / ".metadata").is_file()
+        assert sorted(p.name for p in (checkpoint / folder).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "optimizer.pt").exists()
+    # the export is one ordinary save_pretrained folder, tied lm_head left out as for an unsharded model
+    export = job / "fsdp" / "full" / "final"
+    model = LlamaForCausalLM.from_pretrained(str(export))
+    weights = load_weights(export)
+    assert "lm_head.weight" not in weights and model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(t.numel() for t in weights.values()) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_only_rank_zero_writes_the_run_record(job):
+    run = job / "trainer" / "full"
+    with open(run / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # once each, not once per rank
+    assert sum("eval_loss" in r for r in records) == 1 and sum("train_runtime" in r for r in records) == 1
+    checkpoint = run / "checkpoint-2"
+    assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["global_step"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Failures: the rank is named, nobody waits forever
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_an_exception_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
+    code, output, seconds = launch("error", tmp_path, timeout=300)
+    assert code != 0
+    assert "injected failure in compute_loss" in output
+    assert "treadle: raised on rank 1 of 2" in output
+    assert seconds < 240, f"the job took {seconds:.0f} s to end"
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_outside_collectives_makes_the_others_time_out(tmp_path):
+    # rank 1 fails but sleeps 600 s instead of exiting; rank 0 must give up after TREADLE_DDP_TIMEOUT
+    code, output, seconds = launch("stuck", tmp_path, timeout=400, extra_env={dist.TIMEOUT_ENV: "5"})
+    assert code != 0
+    assert "treadle: raised on rank 0 of 2" in output
+    assert "Timed out" in output or "timed out" in output
+    assert seconds < 240, f"the job took {seconds:.0f} s to end"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SFT, DPO, GRPO under 2 processes
+# ---------------------------------------------------------------------------------------------------------
+def trainer_reference(tmp_path, name: str):
+    """Train the SFT / DPO reference in this process with batch 2b; (losses, final weights)."""
+    if name == "sft":
+        from treadle import SFTTrainer as cls
+
+        parts = worker.sft_parts(str(tmp_path), 1)
+    else:
+        from treadle import DPOTrainer as cls
+
+        parts = worker.dpo_parts(str(tmp_path), 1)
+    trainer = cls(**parts)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    return worker.step_losses(trainer.state.log_history), load_weights(tmp_path / "final")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["sft", "dpo"])
+def test_sft_and_dpo_two_processes_match_one_process(job, tmp_path, name):
+    if not available(f"treadle.trainers.{name}"):
+        pytest.skip(f"treadle.trainers.{name} does not exist yet")
+    losses, weights = trainer_reference(tmp_path, name)
+    got = result(job, name)
+    assert got["world_size"] == 2 and len(got["losses"]) == 2
+    assert got["losses"] == pytest.approx(losses, rel=LOSS_RTOL)
+    assert_same_weights(load_weights(job / name / "final"), weights)
+
+
+@pytest.mark.slow
+def test_grpo_runs_with_groups_spanning_ranks(job):
+    if not available("treadle.trainers.grpo"):
+        pytest.skip("treadle.trainers.grpo does not exist yet")
+    got = result(job, "grpo")
+    assert got["final_step"] == 2 and len(got["losses"]) == 2
+    assert all(abs(x) < 1e3 for x in got["losses"] + got["rewards"])
+    with open(job / "grpo" / "completions.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["step"], r["prompt"])].append(r)
+    # one prompt per generation, its 8 completions sampled 4 on each rank: the same prompt on both ranks
+    assert len(groups) == 2 and all(len(g) == 8 for g in groups.values())
+    for group in groups.values():
+        rewards = [r["rewards"]["digit_count_reward"] for r in group]
+        mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
+        # the advantage uses the statistics of the whole group, gathered from both ranks
+        want = [(x - mean) / (std + 1e-4) for x in rewards]
+        assert [r["advantage"] for r in group] == pytest.approx(want, abs=1e-5)
