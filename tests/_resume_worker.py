@@ -7,7 +7,7 @@ difference between a reference and a resumed run is the interruption.
 
 The spec (a JSON object) holds ``output_dir`` plus any of:
 
-``max_steps, logging_steps, save_steps, save_strategy``   TrainingArguments of the run (defaults: ``ARGS``)
+``logging_steps`` ... any TrainingArguments field, overriding ``ARGS``
 ``resume``          passed to ``train(resume_from_checkpoint=...)`` (true, or a checkpoint path)
 ``stop_at``         a callback sets ``control.should_training_stop`` at the end of this step (a clean stop)
 ``hang_in_save_at`` the save of ``checkpoint-<step>`` writes its weights, then touches ``marker`` and sleeps
@@ -68,12 +68,12 @@ def make_args(output_dir: str, **overrides):
 
 def run(spec: dict):
     """Build the trainer the spec describes and train it; returns the Trainer (when train() returns)."""
+    from treadle.arguments import TrainingArguments
     from treadle.trainer import Trainer
 
     torch.set_num_threads(1)  # the same reduction order in every process, whatever the machine has
-    arg_names = ("max_steps", "logging_steps", "save_steps", "save_strategy", "per_device_train_batch_size",
-                 "gradient_accumulation_steps")
-    args = make_args(spec["output_dir"], **{k: spec[k] for k in arg_names if k in spec})
+    fields = TrainingArguments.field_names() - {"output_dir"}
+    args = make_args(spec["output_dir"], **{k: v for k, v in spec.items() if k in fields})
     trainer = Trainer(make_model(), args, train_dataset=make_rows(), callbacks=[_SpecCallback(spec)])
     if spec.get("hang_in_save_at") is not None:
         _hang_inside_save(spec["hang_in_save_at"], spec["marker"])

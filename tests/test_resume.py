@@ -1,0 +1,389 @@
+"""Tests for exact resume and preemption (Trainer.train(resume_from_checkpoint), SIGTERM, SIGKILL mid-save).
+
+Every run is the tiny run of tests/_resume_worker.py: a Llama with attention dropout, 22 variable-length rows
+shuffled by the seeded sampler, micro-batches of 2, gradient accumulation 2 (6 optimizer steps per epoch, the
+last with a single micro-batch), a linear schedule with warm-up, clipping, 9 steps in all. A run interrupted
+and resumed must match the uninterrupted run bit for bit: the logged losses, the final train_loss and every
+weight (torch.equal).
+
+The fast tests resume in the same process; the slow ones run real processes (SIGKILL while a checkpoint is
+being written, SIGTERM during a step, a clean stop) and resume each in a new process.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import _resume_worker as worker
+from treadle import checkpoint as ckpt
+from treadle.callbacks import TrainerCallback
+from treadle.data import SeededSampler
+from treadle.trainer import Trainer
+
+WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
+LOG_EVERY_STEP = {"logging_steps": 1}
+LOG_WINDOWS = {"logging_steps": 4, "save_steps": 3}  # checkpoints at 3, 6 fall inside logging windows
+
+
+def in_process(spec: dict):
+    """Run the worker's training in this process (the worker pins one thread: put ours back afterwards)."""
+    threads = torch.get_num_threads()
+    try:
+        return worker.run(spec)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def losses(log_history: list[dict]) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in log_history if "loss" in h}
+
+
+def train_loss(log_history: list[dict]) -> float:
+    (value,) = [h["train_loss"] for h in log_history if "train_loss" in h]
+    return value
+
+
+def same_weights(model, state: dict) -> bool:
+    own = model.state_dict()
+    return set(own) == set(state) and all(torch.equal(own[k], state[k]) for k in own)
+
+
+def metrics_file(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted runs, never checkpointed: one logging every step, one logging every 4 steps."""
+    root = tmp_path_factory.mktemp("reference")
+    return {"every_step": in_process({"output_dir": str(root / "a"), "save_strategy": "no", **LOG_EVERY_STEP}),
+            "windows": in_process({"output_dir": str(root / "b"), "save_strategy": "no", **LOG_WINDOWS})}
+
+
+# ---------------------------------------------------------------------------------------- in one process
+def test_dropout_is_live_so_the_rng_matters():
+    model = worker.make_model().train()
+    ids = torch.tensor([worker.make_rows()[0]["input_ids"]])
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def window_items(steps: list[int]) -> int:
+    """Label tokens (shifted by one) in the given optimizer steps, rebuilt from the seeded data order."""
+    rows = worker.make_rows()
+    batch, accum = worker.ARGS["per_device_train_batch_size"], worker.ARGS["gradient_accumulation_steps"]
+    batches_per_epoch = -(-len(rows) // batch)
+    steps_per_epoch = -(-batches_per_epoch // accum)
+    total = 0
+    for step in steps:
+        epoch, step_in_epoch = divmod(step - 1, steps_per_epoch)
+        sampler = SeededSampler(len(rows), seed=worker.ARGS["seed"])
+        sampler.set_epoch(epoch)
+        order = sampler.indices()
+        for i in order[step_in_epoch * batch * accum: (step_in_epoch + 1) * batch * accum]:
+            total += sum(label != -100 for label in rows[i]["labels"][1:])
+    return total
+
+
+def test_resume_in_the_same_process_continues_exactly(tmp_path, reference):
+    ref = reference["windows"]
+    out = str(tmp_path / "run")
+    in_process({"output_dir": out, "stop_at": 3, **LOG_WINDOWS})
+    # steps 1-3 were not logged yet when checkpoint-3 was written: their loss travels in the checkpoint
+    carried = ckpt.read_state(os.path.join(out, "checkpoint-3")).stateful_callbacks["_log_window"]
+    assert carried["items"] == window_items([1, 2, 3])
+    resumed = in_process({"output_dir": out, "resume": True, **LOG_WINDOWS})
+    assert list(losses(ref.state.log_history)) == [4, 8, 9]
+    assert losses(resumed.state.log_history) == losses(ref.state.log_history)
+    assert train_loss(resumed.state.log_history) == train_loss(ref.state.log_history)
+    assert same_weights(resumed.model, ref.model.state_dict())
+
+
+def test_without_the_rng_state_the_resumed_run_differs(tmp_path, reference, monkeypatch):
+    """The control for the exactness tests: skipping one piece of the restore is caught."""
+    out = str(tmp_path / "run")
+    in_process({"output_dir": out, "stop_at": 6, **LOG_WINDOWS})
+    monkeypatch.setattr(ckpt, "set_rng_state", lambda state: None)
+    resumed = in_process({"output_dir": out, "resume": True, **LOG_WINDOWS})
+    assert losses(resumed.state.log_history)[8] != losses(reference["windows"].state.log_history)[8]
+    assert not same_weights(resumed.model, reference["windows"].model.state_dict())
+
+
+def test_a_checkpoint_at_an_epoch_end_holds_what_the_epoch_end_logged(tmp_path):
+    """Logging once per epoch, checkpointing at the epoch's last step: the epoch's loss, logged by
+    on_epoch_end, must be in the checkpoint, or the resumed run logs it again inside the next window."""
+    epochly = {"logging_strategy": "epoch", "save_steps": 6}
+    ref = in_process({"output_dir": str(tmp_path / "ref"), **epochly, "save_strategy": "no"})
+    out = str(tmp_path / "run")
+    in_process({"output_dir": out, "stop_at": 6, **epochly})
+    resumed = in_process({"output_dir": out, "resume": True, **epochly})
+    assert list(losses(ref.state.log_history)) == [6, 9]  # the end of epoch 0, then the end of the run
+    assert losses(resumed.state.log_history) == losses(ref.state.log_history)
+    assert train_loss(resumed.state.log_history) == train_loss(ref.state.log_history)
+    records = metrics_file(out)
+    assert {r["step"]: r["loss"] for r in records if "loss" in r} == losses(ref.state.log_history)
+    assert [r["step"] for r in records if "loss" in r] == [6, 9]
+    assert [r["step"] for r in records if "train_loss" in r] == [9]  # the stopped process's summary is gone
+
+
+class _SignalSelf(TrainerCallback):
+    """Sends ``signum`` to this very process ``times`` times between the two micro-batches of ``step``."""
+
+    def __init__(self, step: int, signum: int, times: int = 1):
+        self.step, self.signum, self.times = step, signum, times
+        self.train_end_steps = []
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_end_steps.append(state.global_step)
+
+
+@pytest.mark.parametrize("signum, save_only_model", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM", "Ctrl-C with save_only_model"])
+def test_a_signal_mid_step_checkpoints_that_step_and_exits_0(tmp_path, reference, capsys, signum, save_only_model):
+    out = str(tmp_path / "run")
+    sender = _SignalSelf(4, signum)
+    handler_before = signal.getsignal(signum)
+    trainer = Trainer(worker.make_model(), worker.make_args(out, save_only_model=save_only_model),
+                      train_dataset=worker.make_rows(), callbacks=[sender])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as worker.run, to compare with the reference
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    assert stopped.value.code == 0
+    assert sender.train_end_steps == [4]  # on_train_end fired after step 4, no step 5 begun
+    assert signal.getsignal(signum) is handler_before  # the Trainer's handler is gone
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [4]
+    assert os.path.isfile(os.path.join(out, "checkpoint-4", "optimizer.pt"))  # resumable, whatever the setting
+    err = capsys.readouterr().err
+    assert f"stopped by {signal.Signals(signum).name} after step 4" in err and "resume_from_checkpoint=True" in err
+    resumed = in_process({"output_dir": out, "resume": True})
+    ref = reference["every_step"]
+    assert losses(resumed.state.log_history) == losses(ref.state.log_history)
+    assert same_weights(resumed.model, ref.model.state_dict())
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    out = str(tmp_path / "run")
+    handler_before = signal.getsignal(signal.SIGINT)
+    trainer = Trainer(worker.make_model(), worker.make_args(out), train_dataset=worker.make_rows(),
+                      callbacks=[_SignalSelf(2, signal.SIGINT, times=2)])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.state.global_step == 1 and ckpt.list_checkpoints(out) == []
+    assert signal.getsignal(signal.SIGINT) is handler_before
+
+
+@pytest.fixture(scope="module")
+def stopped_at_2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    in_process({"output_dir": str(out), "stop_at": 2, "save_steps": 2})
+    return out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"per_device_train_batch_size": 4}, r"train_batch_size: checkpoint 2 vs now 4"),
+    ({"gradient_accumulation_steps": 1}, r"gradient_accumulation_steps: checkpoint 2 vs now 1"),
+])
+def test_resuming_with_another_batch_shape_is_refused(stopped_at_2, tmp_path, change, message):
+    shutil.copytree(stopped_at_2, tmp_path / "run")
+    trainer = Trainer(worker.make_model(seed=5), worker.make_args(str(tmp_path / "run"), **change),
+                      train_dataset=worker.make_rows())
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint-2.*{message}.*same batch size, accumulation"):
+        trainer.train(resume_from_checkpoint=True)
+    assert same_weights(trainer.model, before)  # refused before anything was loaded
+
+
+def test_resuming_with_another_world_size_is_refused(stopped_at_2, tmp_path):
+    shutil.copytree(stopped_at_2, tmp_path / "run")
+    state_file = tmp_path / "run" / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["world_size"] = 2  # as if written by a 2-process torchrun job
+    state_file.write_text(json.dumps(state))
+    trainer = Trainer(worker.make_model(), worker.make_args(str(tmp_path / "run")), train_dataset=worker.make_rows())
+    with pytest.raises(ckpt.CheckpointError, match=r"world_size: checkpoint 2 vs now 1"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    """Resuming from an older checkpoint while later ones exist: the new save is not the highest step, yet it
+    must survive rotation (and so must the highest one)."""
+    out = str(tmp_path / "run")
+    in_process({"output_dir": out, "save_steps": 2, "stop_at": 8})
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [2, 4, 6, 8]
+    args = worker.make_args(out, save_steps=3, save_total_limit=1)
+    trainer = Trainer(worker.make_model(), args, train_dataset=worker.make_rows(),
+                      callbacks=[_StopAt(3)])
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    assert [s for s, _ in ckpt.list_checkpoints(out)] == [3, 8]
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+# -------------------------------------------------------------------------------------- in new processes
+def launch(spec: dict, name: str, folder) -> subprocess.Popen:
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    out, err = open(folder / f"{name}.out", "w"), open(folder / f"{name}.err", "w")
+    proc = subprocess.Popen([sys.executable, WORKER, str(path)], stdout=out, stderr=err, env=env)
+    proc.log = folder / f"{name}.err"
+    return proc
+
+
+def wait_for(path, proc, timeout=300.0) -> None:
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"worker exited ({proc.returncode}) before {path}:\n{proc.log.read_text()[-3000:]}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {path} after {timeout}s")
+        time.sleep(0.05)
+
+
+def finish(proc, timeout=300.0) -> int:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, reference):
+    """Two runs interrupted in a process of their own, then resumed (resume_from_checkpoint=True) in another:
+
+    ``kill``  logs every step, checkpoints every 4; SIGKILL while checkpoint-8 is being written: resumes from 4
+    ``term``  logs every 4 steps, checkpoints every 3; SIGTERM between the two micro-batches of step 7: it
+              finishes step 7 and checkpoints it with the loss of steps 5-7 not yet logged; resumes from 7
+    """
+    root = tmp_path_factory.mktemp("interrupted")
+    dirs = {name: root / name for name in ("kill", "term")}
+    first = {
+        "kill": {"save_steps": 4, "hang_in_save_at": 8, "marker": str(root / "kill.saving"), **LOG_EVERY_STEP},
+        "term": {"sigterm_at": 7, "marker": str(root / "term.ready"), "go": str(root / "term.go"), **LOG_WINDOWS},
+    }
+    second = {"kill": {"save_steps": 4, **LOG_EVERY_STEP}, "term": LOG_WINDOWS}
+    procs = {name: launch({"output_dir": str(dirs[name]), "result": str(root / f"{name}.first.json"), **spec},
+                          f"{name}.first", root) for name, spec in first.items()}
+    seen = {name: {} for name in first}
+
+    wait_for(first["term"]["marker"], procs["term"])
+    procs["term"].send_signal(signal.SIGTERM)
+    open(first["term"]["go"], "w").close()
+
+    wait_for(first["kill"]["marker"], procs["kill"])
+    seen["kill"]["checkpoint-4 before"] = _digest(dirs["kill"] / "checkpoint-4")
+    procs["kill"].send_signal(signal.SIGKILL)
+
+    for name, proc in procs.items():
+        seen[name]["returncode"] = finish(proc)
+        seen[name]["stderr"] = proc.log.read_text()
+        seen[name]["listing"] = sorted(os.listdir(dirs[name]))
+        seen[name]["checkpoints"] = [s for s, _ in ckpt.list_checkpoints(str(dirs[name]))]
+    seen["kill"]["tmp listing"] = sorted(os.listdir(dirs["kill"] / ".tmp-checkpoint-8"))
+    seen["kill"]["checkpoint-4 after"] = _digest(dirs["kill"] / "checkpoint-4")
+    seen["term"]["first"] = read_json(root / "term.first.json")
+    seen["term"]["state"] = ckpt.read_state(str(dirs["term"] / "checkpoint-7"))
+
+    procs = {name: launch({"output_dir": str(dirs[name]), "resume": True, "result": str(root / f"{name}.second.json"),
+                           **spec}, f"{name}.second", root) for name, spec in second.items()}
+    for name, proc in procs.items():
+        code = finish(proc)
+        assert code == 0, f"{name} resume failed:\n{proc.log.read_text()[-3000:]}"
+        seen[name]["second"] = read_json(root / f"{name}.second.json")
+        seen[name]["final"] = load_file(dirs[name] / "final" / "model.safetensors")
+        seen[name]["metrics"] = metrics_file(dirs[name])
+        seen[name]["listing after"] = sorted(os.listdir(dirs[name]))
+    return seen
+
+
+def _digest(folder) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_save_leaves_earlier_checkpoints_and_no_complete_folder(interrupted):
+    kill = interrupted["kill"]
+    assert kill["returncode"] == -signal.SIGKILL
+    assert kill["listing"] == [".tmp-checkpoint-8", "checkpoint-4", "metrics.jsonl"]
+    assert "model.safetensors" in kill["tmp listing"] and "trainer_state.json" not in kill["tmp listing"]
+    assert kill["checkpoints"] == [4]  # what resume_from_checkpoint=True picks
+    assert kill["checkpoint-4 after"] == kill["checkpoint-4 before"]
+    # the resumed process cleared the debris and checkpointed at 8 (save_steps) and 9 (the end)
+    assert kill["listing after"] == ["checkpoint-4", "checkpoint-8", "checkpoint-9", "final", "metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(interrupted):
+    term = interrupted["term"]
+    assert term["returncode"] == 0
+    assert term["first"]["steps"] == [1, 2, 3, 4, 5, 6, 7]  # step 7 was finished, no step 8 begun
+    assert term["first"]["train_end_step"] == 7  # on_train_end fired
+    assert term["checkpoints"] == [3, 6, 7]
+    assert term["listing"] == ["checkpoint-3", "checkpoint-6", "checkpoint-7", "metrics.jsonl"]
+    assert "stopped by SIGTERM after step 7" in term["stderr"]
+    assert "checkpoint-7" in term["stderr"] and "resume_from_checkpoint=True" in term["stderr"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, resumed_steps", [("kill", [5, 6, 7, 8, 9]), ("term", [8, 9])])
+def test_a_new_process_continues_bit_for_bit(interrupted, reference, name, resumed_steps):
+    ref = reference["every_step" if name == "kill" else "windows"]
+    run = interrupted[name]
+    assert run["second"]["steps"] == resumed_steps  # it did resume: only the missing steps ran
+    assert losses(run["second"]["log_history"]) == losses(ref.state.log_history)  # each logged loss, exact
+    assert train_loss(run["second"]["log_history"]) == train_loss(ref.state.log_history)
+    assert same_weights(ref.model, run["final"])
+
+
+@pytest.mark.slow
+def test_a_new_process_carries_the_unlogged_window_over(interrupted, reference):
+    """SIGTERM checkpointed step 7 between logs (at 4 and 8): steps 5-7 are logged by the next process."""
+    carried = interrupted["term"]["state"].stateful_callbacks["_log_window"]
+    assert carried["items"] == window_items([5, 6, 7])
+    logged = losses(interrupted["term"]["second"]["log_history"])
+    assert list(logged) == [4, 8, 9]
+    assert logged[8] == losses(reference["windows"].state.log_history)[8]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, logged", [("kill", list(range(1, 10))), ("term", [4, 8, 9])])
+def test_metrics_file_continues_without_duplicated_or_missing_steps(interrupted, reference, name, logged):
+    records = interrupted[name]["metrics"]
+    ref = reference["every_step" if name == "kill" else "windows"]
+    assert [r["step"] for r in records if "loss" in r] == logged
+    assert {r["step"]: r["loss"] for r in records if "loss" in r} == losses(ref.state.log_history)
+    (final,) = [r for r in records if "train_loss" in r]  # the interrupted process's total was dropped
+    assert final["step"] == 9 and final["train_loss"] == train_loss(ref.state.log_history)
+    assert records[-1] is final
