@@ -92,8 +92,8 @@ def _hang_inside_save(step: int, marker: str) -> None:
 
     original = checkpoint.save_weights
 
-    def save_weights_then_hang(model, directory):
-        original(model, directory)
+    def save_weights_then_hang(model, directory, **kwargs):
+        original(model, directory, **kwargs)
         if os.path.basename(directory).endswith(f"checkpoint-{step}"):
             _touch(marker)
             time.sleep(600)
