@@ -14,7 +14,9 @@ Layout of ``output_dir/checkpoint-<global_step>/``::
 A checkpoint is written into ``.tmp-checkpoint-<step>`` beside its final place, flushed to disk, and renamed
 into place only when complete, so a process killed mid-save leaves every earlier checkpoint intact and no
 folder that looks complete. Loading never unpickles arbitrary objects: safetensors for weights,
-``torch.load(weights_only=True)`` for optimizer / scheduler / RNG state, JSON for the rest.
+``torch.load(weights_only=True)`` for optimizer / scheduler / RNG state, JSON for the rest. Every file is read
+before anything is restored: a missing, truncated or corrupt file raises ``CheckpointError`` naming the file
+(and so its checkpoint) and leaves the model, optimizer and RNG untouched.
 """
 
 from __future__ import annotations
