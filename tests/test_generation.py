@@ -179,7 +179,7 @@ def test_greedy_matches_transformers_with_eager_attention(early_eos):
     assert out.completion_ids.tolist() == expected_ids and out.completion_mask.tolist() == expected_mask
 
 
-def test_fast_prefills_distinct_prompts_once_and_stops_when_all_finished(model):
+def test_fast_prefills_distinct_prompts_once_and_stops_when_all_finished(model, early_eos):
     batch_sizes = []
     hook = model.register_forward_pre_hook(lambda m, a, kw: batch_sizes.append(kw["input_ids"].shape),
                                            with_kwargs=True)
@@ -193,6 +193,11 @@ def test_fast_prefills_distinct_prompts_once_and_stops_when_all_finished(model):
         generate_completions(model, PROMPTS, num_generations=4, max_new_tokens=5, eos_token_id=None,
                              pad_token_id=PAD, backend="fast")
         assert batch_sizes == [(len(PROMPTS), 7)] + [(4 * len(PROMPTS), 1)] * 4
+        batch_sizes.clear()
+        # the first prompt's 4 rows end with their 2nd token (1/3 of the batch): they leave the batch
+        generate_completions(model, PROMPTS, num_generations=4, max_new_tokens=5, eos_token_id=early_eos,
+                             pad_token_id=PAD, do_sample=False, backend="fast")
+        assert batch_sizes == [(len(PROMPTS), 7), (12, 1)] + [(8, 1)] * 3
     finally:
         hook.remove()
 
@@ -224,18 +229,28 @@ def reference_probs(logits: torch.Tensor, history: list[int]) -> torch.Tensor:
     return out
 
 
-def exact_marginals(model, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact distributions of the 1st and 3rd generated token, enumerating every 2-token prefix in the support
-    (plain forwards on unpadded sequences, no KV cache)."""
+ENDED = VOCAB  # extra bin: the completion ended (EOS) before this position
+
+
+def exact_marginals(model, prompt: list[int], eos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact distributions (V+1,) of the 1st and 3rd generated token, the last bin meaning "ended earlier",
+    enumerating every 2-token prefix in the support (plain forwards on unpadded sequences, no KV cache)."""
     with torch.no_grad():
-        first = reference_probs(model(torch.tensor([prompt])).logits[0, -1], prompt)
-        third = torch.zeros(VOCAB, dtype=torch.float64)
+        first = torch.zeros(VOCAB + 1, dtype=torch.float64)
+        first[:VOCAB] = reference_probs(model(torch.tensor([prompt])).logits[0, -1], prompt)
+        third = torch.zeros(VOCAB + 1, dtype=torch.float64)
         for t1 in first.nonzero().squeeze(1).tolist():
+            if t1 == eos:
+                third[ENDED] += first[t1]
+                continue
             second = reference_probs(model(torch.tensor([prompt + [t1]])).logits[0, -1], prompt + [t1])
             t2s = second.nonzero().squeeze(1).tolist()
             logits = model(torch.tensor([prompt + [t1, t2] for t2 in t2s])).logits[:, -1]
             for t2, row in zip(t2s, logits):
-                third += first[t1] * second[t2] * reference_probs(row, prompt + [t1, t2])
+                if t2 == eos:
+                    third[ENDED] += first[t1] * second[t2]
+                else:
+                    third[:VOCAB] += first[t1] * second[t2] * reference_probs(row, prompt + [t1, t2])
     return first, third
 
 
@@ -262,25 +277,32 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]
     return stat, critical
 
 
-def test_sampled_frequencies_match_exact_probabilities(model):
+@pytest.mark.parametrize("with_eos", [False, True])
+def test_sampled_frequencies_match_exact_probabilities(model, with_eos):
     group = 2000
     prompts = [PROMPTS[0], PROMPTS[1]]  # the second is left-padded by 5
-    out = generate_completions(model, prompts, num_generations=group, max_new_tokens=3, eos_token_id=None,
+    eos = None
+    if with_eos:  # the 2nd most likely first token: many rows stop at once, so finished rows get dropped
+        eos = exact_marginals(model, prompts[0])[0].argsort(descending=True)[1].item()
+    out = generate_completions(model, prompts, num_generations=group, max_new_tokens=3, eos_token_id=eos,
                                pad_token_id=PAD, generator=torch.Generator().manual_seed(1234), **SAMPLING)
     assert out.completion_ids.shape == (2 * group, 3)
     for b, prompt in enumerate(prompts):
-        first, third = exact_marginals(model, prompt)
-        rows = out.completion_ids[b * group:(b + 1) * group]
+        first, third = exact_marginals(model, prompt, eos)
+        rows = slice(b * group, (b + 1) * group)
+        tokens = out.completion_ids[rows].masked_fill(out.completion_mask[rows] == 0, ENDED)
         for position, probs in ((0, first), (2, third)):
-            counts = torch.bincount(rows[:, position], minlength=VOCAB)
+            counts = torch.bincount(tokens[:, position], minlength=VOCAB + 1)
             stat, critical = chi_square(counts, probs)
             assert stat < critical, (b, position, stat, critical)
         # power check: the same counts reject the distribution without temperature, top-k and top-p
         with torch.no_grad():
             plain = model(torch.tensor([prompt])).logits[0, -1].double().softmax(-1)
-        counts = torch.bincount(rows[:, 0], minlength=VOCAB)
+        counts = torch.bincount(tokens[:, 0], minlength=VOCAB + 1)[:VOCAB]
         stat, critical = chi_square(counts, plain)
         assert stat > critical
+    if with_eos:
+        assert out.is_truncated.float().mean() < 0.9  # the EOS really cut rows short
 
 
 def test_hf_backend_samples_the_same_distribution(model):
@@ -290,7 +312,7 @@ def test_hf_backend_samples_the_same_distribution(model):
                                pad_token_id=PAD, generator=torch.Generator().manual_seed(7), backend="hf",
                                **SAMPLING)
     first, _ = exact_marginals(model, PROMPTS[1])
-    stat, critical = chi_square(torch.bincount(out.completion_ids[:, 0], minlength=VOCAB), first)
+    stat, critical = chi_square(torch.bincount(out.completion_ids[:, 0], minlength=VOCAB + 1), first)
     assert stat < critical
 
 

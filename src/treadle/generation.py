@@ -251,7 +251,7 @@ def generate_completions(model, prompts: list[list[int]], *, num_generations: in
 
     ``backend``: "fast" (prefill once, shared preallocated KV cache; transformers causal LMs only), "hf"
     (``model.generate`` with ``num_return_sequences=G``) or "auto" (fast when the model supports it, else hf).
-    ``eos_token_id=None`` never stops early. ``generator`` makes sampling reproducible.
+    ``eos_token_id=None`` never stops early. ``generator`` (on the model's device) makes sampling reproducible.
 
     Raises ValueError for bad arguments, and when the chosen backend cannot run this model.
     """
@@ -469,9 +469,10 @@ def _generate_fast(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampl
         next_tokens = sample_next_tokens(process_logits(state.logits, params, state.seen), params.do_sample,
                                          generator)
         state.record(step, next_tokens)
-        if step == params.max_new_tokens - 1 or not state.any_unfinished():
+        unfinished = int(state.unfinished.sum())  # the one host sync per token: the price of stopping early
+        if step == params.max_new_tokens - 1 or unfinished == 0:
             break
-        state.drop_finished_rows(cache)
+        state.drop_finished_rows(cache, unfinished)
         out = model(**{cache_name: cache}, input_ids=state.next_tokens[:, None],
                     attention_mask=state.attention_mask[..., :width + step + 1],
                     position_ids=state.positions[:, None], use_cache=True)
@@ -550,11 +551,8 @@ class _DecodeState:
         if self.seen is not None:
             self.seen[torch.arange(len(next_tokens), device=next_tokens.device), next_tokens] = True
 
-    def any_unfinished(self) -> bool:
-        return bool(self.unfinished.any())  # one host sync per token: the price of stopping early
-
-    def drop_finished_rows(self, cache) -> None:
-        finished = len(self.unfinished) - int(self.unfinished.sum())
+    def drop_finished_rows(self, cache, unfinished: int) -> None:
+        finished = len(self.unfinished) - unfinished
         if finished == 0 or finished < _SHRINK_FRACTION * len(self.unfinished):
             return
         keep = self.unfinished.nonzero().squeeze(1)
