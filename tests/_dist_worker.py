@@ -145,10 +145,10 @@ def scenario_sft(out: str) -> dict:
     return {"losses": step_losses(trainer.state.log_history)}
 
 
-def scenario_dpo(out: str) -> dict:
+def scenario_dpo(out: str, **overrides) -> dict:
     from treadle import DPOTrainer
 
-    trainer = DPOTrainer(**dpo_parts(out, torch.distributed.get_world_size()))
+    trainer = DPOTrainer(**dpo_parts(out, torch.distributed.get_world_size(), **overrides))
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     history = trainer.state.log_history
@@ -156,15 +156,25 @@ def scenario_dpo(out: str) -> dict:
             "margins": [entry["rewards/margins"] for entry in history if "rewards/margins" in entry]}
 
 
-def scenario_grpo(out: str) -> dict:
+def scenario_dpo_precomputed(out: str) -> dict:
+    """DPO with reference log-probs computed before training (every rank over the whole dataset)."""
+    return scenario_dpo(out, precompute_ref_log_probs=True)
+
+
+def scenario_grpo(out: str, **overrides) -> dict:
     from treadle import GRPOTrainer
 
-    trainer = GRPOTrainer(**grpo_parts(out, torch.distributed.get_world_size()))
+    trainer = GRPOTrainer(**grpo_parts(out, torch.distributed.get_world_size(), **overrides))
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     history = trainer.state.log_history
     return {"losses": step_losses(history), "rewards": [e["reward"] for e in history if "reward" in e],
-            "final_step": trainer.state.global_step}
+            "final_step": trainer.state.global_step, "wrapper": type(trainer.model_wrapped).__name__}
+
+
+def scenario_grpo_fsdp(out: str) -> dict:
+    """GRPO with the policy sharded by FSDP2: generation must gather the shards on every rank alike."""
+    return scenario_grpo(out, fsdp="full_shard")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -194,7 +204,7 @@ def sft_parts(out: str, world_size: int) -> dict:
     return dict(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 
 
-def dpo_parts(out: str, world_size: int) -> dict:
+def dpo_parts(out: str, world_size: int, **overrides) -> dict:
     from datasets import Dataset
 
     from treadle import DPOConfig
@@ -204,11 +214,11 @@ def dpo_parts(out: str, world_size: int) -> dict:
                               for i, (a, b) in enumerate(ADDITION)])
     args = DPOConfig(output_dir=out, per_device_train_batch_size=4 // world_size, gradient_accumulation_steps=2,
                      max_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                     seed=0)
+                     seed=0, **overrides)
     return dict(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 
 
-def grpo_parts(out: str, world_size: int) -> dict:
+def grpo_parts(out: str, world_size: int, **overrides) -> dict:
     from datasets import Dataset
 
     from treadle import GRPOConfig
@@ -218,7 +228,7 @@ def grpo_parts(out: str, world_size: int) -> dict:
     # 8 completions of one prompt per generation, 4 on each rank: every group spans both ranks
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=8 // world_size, num_generations=8,
                       max_completion_length=6, max_steps=2, learning_rate=1e-3, logging_steps=1,
-                      save_strategy="no", disable_tqdm=True, seed=0, log_completions=True)
+                      save_strategy="no", disable_tqdm=True, seed=0, log_completions=True, **overrides)
     return dict(model=model, reward_funcs=digit_count_reward, args=args, train_dataset=data,
                 processing_class=tokenizer)
 
@@ -257,7 +267,7 @@ def scenario_collectives(out: str) -> dict:
 
 SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "fsdp": scenario_fsdp,
              "error": scenario_error, "stuck": scenario_stuck, "sft": scenario_sft, "dpo": scenario_dpo,
-             "grpo": scenario_grpo}
+             "dpo_precomputed": scenario_dpo_precomputed, "grpo": scenario_grpo, "grpo_fsdp": scenario_grpo_fsdp}
 
 
 def main(argv: list[str]) -> None:

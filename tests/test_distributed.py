@@ -111,8 +111,9 @@ def available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+TRAINER_SCENARIOS = {"sft": "sft", "dpo": "dpo", "dpo_precomputed": "dpo", "grpo": "grpo", "grpo_fsdp": "grpo"}
 GOOD_SCENARIOS = ["collectives", "trainer", "fsdp"] + [
-    name for name in ("sft", "dpo", "grpo") if available(f"treadle.trainers.{name}")]
+    name for name, module in TRAINER_SCENARIOS.items() if available(f"treadle.trainers.{module}")]
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +253,8 @@ def test_a_rank_stuck_outside_collectives_makes_the_others_time_out(tmp_path):
 # SFT, DPO, GRPO under 2 processes
 # ---------------------------------------------------------------------------------------------------------
 def trainer_reference(tmp_path, name: str):
-    """Train the SFT / DPO reference in this process with batch 2b; (losses, final weights)."""
+    """Train the SFT / DPO reference in this process with batch 2b (DPO scoring the reference model as it
+    goes, never precomputed); (losses, final weights)."""
     if name == "sft":
         from treadle import SFTTrainer as cls
 
@@ -268,15 +270,16 @@ def trainer_reference(tmp_path, name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sft", "dpo"])
-def test_sft_and_dpo_two_processes_match_one_process(job, tmp_path, name):
+@pytest.mark.parametrize("scenario", ["sft", "dpo", "dpo_precomputed"])
+def test_sft_and_dpo_two_processes_match_one_process(job, tmp_path, scenario):
+    name = TRAINER_SCENARIOS[scenario]
     if not available(f"treadle.trainers.{name}"):
         pytest.skip(f"treadle.trainers.{name} does not exist yet")
     losses, weights = trainer_reference(tmp_path, name)
-    got = result(job, name)
+    got = result(job, scenario)
     assert got["world_size"] == 2 and len(got["losses"]) == 2
     assert got["losses"] == pytest.approx(losses, rel=LOSS_RTOL)
-    assert_same_weights(load_weights(job / name / "final"), weights)
+    assert_same_weights(load_weights(job / scenario / "final"), weights)
 
 
 @pytest.mark.slow
@@ -299,3 +302,15 @@ def test_grpo_runs_with_groups_spanning_ranks(job):
         # the advantage uses the statistics of the whole group, gathered from both ranks
         want = [(x - mean) / (std + 1e-4) for x in rewards]
         assert [r["advantage"] for r in group] == pytest.approx(want, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_grpo_under_fsdp2_samples_and_learns_as_under_ddp(job):
+    if not available("treadle.trainers.grpo"):
+        pytest.skip("treadle.trainers.grpo does not exist yet")
+    ddp, fsdp = result(job, "grpo"), result(job, "grpo_fsdp")
+    assert fsdp["wrapper"] == "FSDPLlamaForCausalLM" and fsdp["final_step"] == 2
+    # sampling is seeded per rank and generation, so the same completions come out of the gathered shards
+    assert fsdp["rewards"] == ddp["rewards"]
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL, abs=1e-7)
+    assert_same_weights(load_weights(job / "grpo_fsdp" / "final"), load_weights(job / "grpo" / "final"))
