@@ -367,8 +367,10 @@ def _unwrapped_for_generation(model) -> Iterator[nn.Module]:
       so the inner module gives the same tokens without touching the reducer.
     * FSDP2 (``fully_shard``): parameters are all-gathered once for the whole call and kept gathered. Left
       alone, every forward would all-gather and reshard, and ranks that stop early (all rows hit EOS) would
-      leave the others waiting in a collective. ``reshard_after_forward`` is restored to FSDP2's default
-      afterwards (True for inner modules, False for the root).
+      leave the others waiting in a collective. The cost is one full copy of the weights per rank during
+      the call. ``reshard_after_forward`` is restored to FSDP2's default afterwards (True for inner modules,
+      False for the root, as ``treadle.distributed.shard_model`` leaves them): torch has no public getter
+      for a custom setting.
     * PEFT: ``get_base_model()`` -- the transformers model with the adapters injected and active.
     * FSDP1 (``FullyShardedDataParallel``) is refused: its forward cannot run inside
       ``summon_full_params``; wrap with FSDP2 instead.
@@ -428,13 +430,15 @@ def _generate_hf(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Samplin
         max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
         repetition_penalty=params.repetition_penalty, eos_token_id=list(params.eos_token_ids) or None,
         pad_token_id=params.pad_token_id, **sampling)
-    saved_config = model.generation_config
-    model.generation_config = GenerationConfig()
+    saved_config = getattr(model, "generation_config", None)
+    if saved_config is not None:
+        model.generation_config = GenerationConfig()
     try:
         with _global_rng_from(generator, prompt_ids.device):
             sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
     finally:
-        model.generation_config = saved_config
+        if saved_config is not None:
+            model.generation_config = saved_config
     return sequences[:, prompt_ids.shape[1]:]
 
 
