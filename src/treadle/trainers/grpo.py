@@ -390,20 +390,19 @@ class GRPOTrainer(Trainer):
         """Token ids of each prompt: text as the tokenizer encodes it (special tokens such as BOS added), chat
         messages rendered with the chat template and a generation prompt. Cut to the last max_prompt_length."""
         tokenizer, limit = self.processing_class, self.args.max_prompt_length
-        texts = {}
-        for p in prompts:
-            key = json.dumps(p) if _is_chat(p) else p
-            if key not in texts:
-                texts[key] = (tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False), False) \
-                    if _is_chat(p) else (p, True)
-        ids = {}
-        for special in (True, False):
-            keys = [k for k, (_, s) in texts.items() if s == special]
-            if keys:
-                encoded = tokenizer([texts[k][0] for k in keys], add_special_tokens=special)["input_ids"]
-                ids.update(zip(keys, encoded))
-        out = [ids[json.dumps(p) if _is_chat(p) else p] for p in prompts]
-        return [list(p[-limit:]) if limit else list(p) for p in out]
+        cache: dict[str, list[int]] = {}  # a prompt repeats G times in a row: encode it once
+        out = []
+        for prompt in prompts:
+            key = json.dumps(prompt) if _is_chat(prompt) else prompt
+            if key not in cache:
+                if _is_chat(prompt):
+                    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+                    cache[key] = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has them
+                else:
+                    cache[key] = tokenizer(prompt)["input_ids"]
+            ids = cache[key]
+            out.append(list(ids[-limit:] if limit else ids))
+        return out
 
     def _generator(self, *key) -> torch.Generator:
         """A generator seeded by (seed, key, rank): sampling is reproducible and a resumed run samples alike."""
@@ -554,6 +553,7 @@ class GRPOTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset with a 'prompt' column")
+        require_columns(dataset, ["prompt"], what="GRPOTrainer.evaluate")
         loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
                                        sampler=self.build_sampler(dataset, shuffle=False), collate_fn=_keep_rows)
         group = self.args.num_generations
