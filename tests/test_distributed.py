@@ -266,7 +266,8 @@ def trainer_reference(tmp_path, name: str):
     trainer = cls(**parts)
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
-    return worker.step_losses(trainer.state.log_history), load_weights(tmp_path / "final")
+    margins = [e["rewards/margins"] for e in trainer.state.log_history if "rewards/margins" in e]
+    return worker.step_losses(trainer.state.log_history), margins, load_weights(tmp_path / "final")
 
 
 @pytest.mark.slow
@@ -275,10 +276,13 @@ def test_sft_and_dpo_two_processes_match_one_process(job, tmp_path, scenario):
     name = TRAINER_SCENARIOS[scenario]
     if not available(f"treadle.trainers.{name}"):
         pytest.skip(f"treadle.trainers.{name} does not exist yet")
-    losses, weights = trainer_reference(tmp_path, name)
+    losses, margins, weights = trainer_reference(tmp_path, name)
     got = result(job, scenario)
     assert got["world_size"] == 2 and len(got["losses"]) == 2
     assert got["losses"] == pytest.approx(losses, rel=LOSS_RTOL)
+    if name == "dpo":  # a trainer's own metric, averaged over both ranks' pairs before rank 0 logs it
+        assert len(margins) == 2 and margins[1] != 0
+        assert got["margins"] == pytest.approx(margins, rel=1e-4, abs=1e-6)
     assert_same_weights(load_weights(job / scenario / "final"), weights)
 
 
@@ -314,3 +318,23 @@ def test_grpo_under_fsdp2_samples_and_learns_as_under_ddp(job):
     assert fsdp["rewards"] == ddp["rewards"]
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL, abs=1e-7)
     assert_same_weights(load_weights(job / "grpo_fsdp" / "final"), load_weights(job / "grpo" / "final"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The GPU check script stays runnable
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_runs_ddp_and_fsdp2(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--steps", "2",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["failures"] == []
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert by_mode["ddp"]["wrapper"] == "DistributedDataParallel"
+    assert by_mode["fsdp"]["wrapper"] == "FSDPLlamaForCausalLM"
+    for r in by_mode.values():
+        assert r["tokens_per_step"] == 2 * 32 and r["tokens_per_s"] > 0 and r["peak_process_rss_gib"] > 0
+    assert by_mode["ddp"]["first_loss"] == pytest.approx(by_mode["fsdp"]["first_loss"], abs=1e-6)
