@@ -456,7 +456,7 @@ def test_resume_inside_a_generation_buffer_is_exact(tmp_path, tok, dataset):
     full = make_trainer(tmp_path / "full", tok, dataset, **common)
     full.train()
     checkpoint = tmp_path / "full" / "run" / "checkpoint-1"
-    assert (checkpoint / "grpo_state_rank0.pt").is_file()
+    assert (checkpoint / "extra_state_0.pt").is_file()
     resumed_dir = tmp_path / "resumed" / "run"
     os.makedirs(resumed_dir)
     shutil.copytree(checkpoint, resumed_dir / "checkpoint-1")
@@ -475,7 +475,7 @@ def test_resume_inside_a_generation_buffer_is_exact(tmp_path, tok, dataset):
 def test_resume_without_the_buffer_warns(tmp_path, tok, dataset):
     common = dict(steps_per_generation=2, max_steps=2, save_strategy="steps", save_steps=1)
     make_trainer(tmp_path, tok, dataset, **common).train()
-    os.remove(tmp_path / "run" / "checkpoint-1" / "grpo_state_rank0.pt")
+    os.remove(tmp_path / "run" / "checkpoint-1" / "extra_state_0.pt")
     shutil.rmtree(tmp_path / "run" / "checkpoint-2")
     with pytest.warns(UserWarning, match="not an exact continuation"):
         make_trainer(tmp_path, tok, dataset, **common).train(resume_from_checkpoint=True)

@@ -222,8 +222,10 @@ def set_rng_state(state: dict) -> None:
 # Save / load a whole checkpoint
 # ---------------------------------------------------------------------------------------------------------
 def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args, processing_class=None,
-                    save_only_model: bool = False) -> str:
-    """Write ``checkpoint-<state.global_step>`` atomically and return its path. Every rank must call it."""
+                    save_only_model: bool = False, extra_state: dict | None = None) -> str:
+    """Write ``checkpoint-<state.global_step>`` atomically and return its path. Every rank must call it.
+    ``extra_state`` (this rank's, tensors / numbers / strings in lists and dicts) goes to
+    ``extra_state_<rank>.pt`` inside the same atomic write."""
     final = os.path.join(output_dir, f"{PREFIX}{state.global_step}")
     tmp = os.path.join(output_dir, f"{TMP_PREFIX}{state.global_step}")
     main = dist.is_main_process()
@@ -248,6 +250,8 @@ def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args
             f.write(args.to_json_string() + "\n")
     if not save_only_model:
         torch.save(rng_state(), os.path.join(tmp, f"rng_state_{dist.get_rank()}.pth"))
+        if extra_state is not None:
+            torch.save(extra_state, os.path.join(tmp, f"extra_state_{dist.get_rank()}.pt"))
     dist.barrier()
     if main:
         state.save_to_json(os.path.join(tmp, STATE_FILE))  # last: marks the folder complete
@@ -287,6 +291,12 @@ def load_checkpoint(path: str, *, model, optimizer=None, scheduler=None, load_rn
     if load_rng:
         set_rng_state(rng)
     return state
+
+
+def load_extra_state(path: str) -> dict | None:
+    """This rank's ``extra_state_<rank>.pt`` from checkpoint ``path`` (None when the trainer saved none)."""
+    name = f"extra_state_{dist.get_rank()}.pt"
+    return _torch_load(path, name) if os.path.isfile(os.path.join(path, name)) else None
 
 
 def _load_sharded_checkpoint(path: str, model, optimizer, scheduler, load_rng: bool, state):

@@ -334,7 +334,7 @@ class Trainer:
                                   gradient_accumulation_steps=args.gradient_accumulation_steps,
                                   world_size=dist.get_world_size(), is_world_process_zero=dist.is_main_process(),
                                   is_local_process_zero=args.local_process_index == 0)
-        self._last_saved_step = None
+        self._last_saved_step, self._last_eval = None, (None, None)
         path = ckpt.resolve(resume_from_checkpoint, args.output_dir)
         if path is not None:
             self._resume(path)
@@ -384,7 +384,9 @@ class Trainer:
             self._optimizer_step(window)
             self.state.epoch = epoch + (step_in_epoch + 1) / self.state.steps_per_epoch
             self._event("on_step_end")
-            self._act_on_control()
+            # at an epoch's last step a save waits for on_epoch_end: a run resumed from that checkpoint starts the
+            # next epoch, so the checkpoint must already hold what the epoch's end logged, evaluated or counted
+            self._act_on_control(defer_save=step_in_epoch == self.state.steps_per_epoch - 1)
             if self.control.should_epoch_stop or self.control.should_training_stop:
                 break
         self._event("on_epoch_end")
@@ -426,22 +428,25 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
 
-    def _act_on_control(self) -> None:
-        """Log, evaluate and save as the callbacks asked (or as a stop signal demands), then clear the flags."""
+    def _act_on_control(self, defer_save: bool = False) -> None:
+        """Log, evaluate and save as the callbacks asked (or as a stop signal demands), then clear the flags
+        (``should_save`` survives when ``defer_save``)."""
         if self._stop_signal is not None or dist.get_world_size() > 1:
             if dist.any_rank(self._stop_signal is not None, self.args.device):
                 self.control.should_save = True  # even with save_strategy="no": a preempted run keeps its work
                 self.control.should_training_stop = True
                 self._stop_signal = self._stop_signal or signal.SIGTERM
-        metrics = None
+        step = self.state.global_step
         if self.control.should_log:
             self._log_training_window()
         if self.control.should_evaluate:
-            metrics = self.evaluate()
+            self._last_eval = (step, self.evaluate())
             self.model_wrapped.train()
-        if self.control.should_save and self.state.global_step != self._last_saved_step:
-            self._save_checkpoint(metrics)
-        self.control.should_log = self.control.should_evaluate = self.control.should_save = False
+        if self.control.should_save and not defer_save and step != self._last_saved_step:
+            eval_step, metrics = self._last_eval
+            self._save_checkpoint(metrics if eval_step == step else None)
+        self.control.should_log = self.control.should_evaluate = False
+        self.control.should_save = self.control.should_save and defer_save
 
     # ---- logging ------------------------------------------------------------------------------------------
     def _reset_log_window(self) -> None:
@@ -511,7 +516,6 @@ class Trainer:
         output = self.evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self.log(output.metrics)
         self._event("on_evaluate", metrics=output.metrics)
-        self._last_eval_metrics = output.metrics
         return output.metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
@@ -590,11 +594,17 @@ class Trainer:
         self._flush_log_window_for_checkpoint()
         path = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}{self.state.global_step}")
         self._update_best(metrics, path)
+        # a preempted run must be resumable: its last checkpoint is whole even with save_only_model
+        weights_only = self.args.save_only_model and self._stop_signal is None
         ckpt.save_checkpoint(self.args.output_dir, model=self.model, optimizer=self.optimizer,
                              scheduler=self.lr_scheduler, state=self.state, args=self.args,
-                             processing_class=self.processing_class, save_only_model=self.args.save_only_model)
+                             processing_class=self.processing_class, save_only_model=weights_only,
+                             extra_state=self.extra_checkpoint_state())
         if dist.is_main_process():
-            ckpt.rotate(self.args.output_dir, self.args.save_total_limit, keep=(self.state.best_model_checkpoint,))
+            # the checkpoint just written is kept even when it is not the highest step (a run resumed from an
+            # older checkpoint while later ones exist)
+            ckpt.rotate(self.args.output_dir, self.args.save_total_limit,
+                        keep=(self.state.best_model_checkpoint, path))
         self._last_saved_step = self.state.global_step
         self._event("on_save")
 
@@ -621,7 +631,7 @@ class Trainer:
             self.state.best_model_checkpoint = path
 
     def _resume(self, path: str) -> None:
-        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
+        state = ckpt.read_state(path)  # checked before anything is loaded: a refusal leaves the model as it was
         mismatches = [f"{name}: checkpoint {getattr(state, name)} vs now {getattr(self.state, name)}"
                       for name in ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
                       if getattr(state, name) != getattr(self.state, name)]
@@ -629,20 +639,37 @@ class Trainer:
             raise ckpt.CheckpointError(f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the "
                                        f"same batch size, accumulation, number of processes and dataset, or start "
                                        f"a new run from its weights (model.from_pretrained({path!r}))")
+        ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
                      "is_world_process_zero", "is_local_process_zero"):
             setattr(state, name, getattr(self.state, name))
         self.state = state
         self._pending_log_window = state.stateful_callbacks.pop("_log_window", None)
         self._last_saved_step = state.global_step
+        extra = ckpt.load_extra_state(path)
+        if extra is not None:
+            self.load_extra_checkpoint_state(extra)
+
+    def extra_checkpoint_state(self) -> dict | None:
+        """This rank's extra state to keep in each checkpoint (tensors, numbers, strings in lists / dicts), e.g.
+        GRPO's generation buffer; written inside the checkpoint's atomic save. None (the default) saves nothing."""
+        return None
+
+    def load_extra_checkpoint_state(self, state: dict) -> None:
+        """Restore what ``extra_checkpoint_state`` returned, when resuming (after weights, optimizer, RNG and
+        ``self.state`` are restored)."""
 
     def _enable_gradient_checkpointing(self) -> None:
         model = dist.unwrap_model(self.model)
-        if not hasattr(model, "gradient_checkpointing_enable"):
-            raise ValueError(f"gradient_checkpointing=True needs a transformers model; "
-                             f"{type(model).__name__} has no gradient_checkpointing_enable() — wrap its blocks "
-                             f"with torch.utils.checkpoint.checkpoint yourself")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        elif hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            raise ValueError(f"gradient_checkpointing=True needs a transformers model; {type(model).__name__} has "
+                             f"no activation_checkpointing_enable() — wrap its blocks with "
+                             f"torch.utils.checkpoint.checkpoint yourself")
         if hasattr(model, "config"):
             model.config.use_cache = False
 

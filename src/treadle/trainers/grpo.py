@@ -53,10 +53,8 @@ from typing import Any, Sequence
 
 import torch
 
-from treadle import checkpoint as ckpt
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.callbacks import TrainerCallback
 from treadle.data import RepeatSampler, require_columns
 from treadle.generation import BACKENDS, GenerationOutput, generate_completions
 from treadle.logprobs import token_logps
@@ -192,16 +190,6 @@ def _keep_rows(rows: list[dict]) -> list[dict]:
     return rows
 
 
-class _GRPOStateCallback(TrainerCallback):
-    """Completes each checkpoint with what an exact resume of GRPO needs (see ``GRPOTrainer.save_grpo_state``)."""
-
-    def __init__(self, trainer: "GRPOTrainer"):
-        self.trainer = trainer
-
-    def on_save(self, args, state, control, **kwargs):
-        self.trainer.save_grpo_state(os.path.join(args.output_dir, f"{ckpt.PREFIX}{state.global_step}"))
-
-
 class GRPOTrainer(Trainer):
     """Online RL with group-relative advantages; see the module docstring for the data flow.
 
@@ -226,12 +214,10 @@ class GRPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self.add_callback(_GRPOStateCallback(self))
         self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
         self.pad_token_id = _first_not_none(processing_class.pad_token_id, processing_class.eos_token_id, 0)
         self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices
         self._micro_step: int | None = None  # micro-steps consumed in this run; None: read from the state
-        self._resume_dir: str | None = None
         self._metric_sums: dict[str, list[float]] = {}  # name -> [sum, count] since the last log
         self._completions_file_checked = False
 
@@ -275,7 +261,6 @@ class GRPOTrainer(Trainer):
 
     # ---- the buffer -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None):
-        self._resume_dir = ckpt.resolve(resume_from_checkpoint, self.args.output_dir)
         self._micro_step = None
         self._buffers = {}
         self._metric_sums = {}
@@ -313,8 +298,6 @@ class GRPOTrainer(Trainer):
     def _current_micro_step(self) -> int:
         if self._micro_step is None:
             self._micro_step = self.state.stateful_callbacks.get(STATE_KEY, {}).get("micro_step", 0)
-            if self._resume_dir is not None:
-                self._load_grpo_state(self._resume_dir)
         return self._micro_step
 
     def _slice_index(self, micro_step: int) -> int:
@@ -325,7 +308,7 @@ class GRPOTrainer(Trainer):
         if generation not in self._buffers:
             if micro_step % self._cycle_length():
                 warnings.warn(f"GRPO: resuming at micro-step {micro_step}, inside a generation cycle, without its "
-                              f"saved buffer (no grpo_state file in the checkpoint): sampling it again from the "
+                              f"saved buffer (no extra_state file in the checkpoint): sampling it again from the "
                               f"current policy, so this run is not an exact continuation", stacklevel=3)
             self._buffers[generation] = self.generate_and_score(rows, generation)
         return self._buffers[generation]
@@ -521,25 +504,15 @@ class GRPOTrainer(Trainer):
             f.writelines(json.dumps(r, default=float) + "\n" for r in records)
 
     # ---- checkpoints ------------------------------------------------------------------------------------
-    def save_grpo_state(self, checkpoint_dir: str) -> None:
-        """Write this rank's unconsumed generation buffers and unlogged metric sums into ``checkpoint_dir``
-        (``grpo_state_rank<r>.pt``), so that resuming inside a generation cycle is exact. Called on save."""
-        if not os.path.isdir(checkpoint_dir):
-            return
-        state = {"micro_step": self._micro_step or 0,
-                 "buffers": {str(g): [{k: v.cpu() for k, v in s.items()} for s in b] for g, b in self._buffers.items()},
-                 "metric_sums": {k: [float(x) for x in v] for k, v in self._metric_sums.items()}}
-        path = os.path.join(checkpoint_dir, f"grpo_state_rank{dist.get_rank()}.pt")
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+    def extra_checkpoint_state(self) -> dict:
+        """This rank's unconsumed generation buffers and unlogged metric sums, saved in every checkpoint so that
+        resuming inside a generation cycle is exact."""
+        return {"micro_step": self._micro_step or 0,
+                "buffers": {str(g): [{k: v.cpu() for k, v in s.items()} for s in b] for g, b in self._buffers.items()},
+                "metric_sums": {k: [float(x) for x in v] for k, v in self._metric_sums.items()}}
 
-    def _load_grpo_state(self, checkpoint_dir: str) -> None:
-        path = os.path.join(checkpoint_dir, f"grpo_state_rank{dist.get_rank()}.pt")
-        if not os.path.isfile(path):
-            return
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state["micro_step"] != self._micro_step:
-            return  # written for another position (a stale file): ignore it
+    def load_extra_checkpoint_state(self, state: dict) -> None:
+        self._micro_step = state["micro_step"]
         device = self.args.device
         self._buffers = {int(g): [{k: v.to(device) for k, v in s.items()} for s in b]
                          for g, b in state["buffers"].items()}
