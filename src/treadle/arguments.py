@@ -83,6 +83,7 @@ class TrainingArguments:
     fsdp: str = ""  # "" for DDP when world size > 1, "full_shard" for FSDP2 (fully_shard)
     ddp_find_unused_parameters: bool = False  # set True when some parameters get no gradient in a step
     average_tokens_across_devices: bool = True  # normalise the loss by items summed over all ranks
+    ddp_timeout: float | None = None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
 
     def __post_init__(self) -> None:
         self._validate_choices()

@@ -85,7 +85,7 @@ class Trainer:
         if model is None:
             raise ValueError("Trainer needs a model")
         self.args = args if args is not None else TrainingArguments()
-        dist.init_distributed(self.args.device)  # under torchrun: the group exists before any data work
+        dist.init_distributed(self.args.device, self.args.ddp_timeout)  # under torchrun: the group exists before any data work
         self.model = model.to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
@@ -318,7 +318,7 @@ class Trainer:
         """Train for ``max_steps`` (or ``num_train_epochs``); with ``resume_from_checkpoint`` (True: the
         newest in output_dir, or a path) continue that run exactly where it stopped."""
         args = self.args
-        dist.init_distributed(args.device)
+        dist.init_distributed(args.device, args.ddp_timeout)
         set_seed(args.seed)
         if args.gradient_checkpointing:
             self._enable_gradient_checkpointing()
