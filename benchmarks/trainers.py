@@ -1,0 +1,576 @@
+"""ms per optimizer step of treadle's SFT, DPO and GRPO trainers against a plain PyTorch loop doing the same
+work, and against TRL's SFTTrainer / DPOTrainer / GRPOTrainer when TRL is installed.
+
+    python benchmarks/trainers.py            # tiny and small toy models, every workload, 3 rounds
+    python benchmarks/trainers.py --quick    # tiny model, fewer steps, 2 rounds: checks that it all runs
+    python benchmarks/trainers.py --only GRPO --sizes small --rounds 5
+
+What "the same work" means here (each contender builds its own copy of the same model and data):
+
+- Model: ``treadle.toy.build_model(size)`` (a Llama with the 103-token character vocabulary, seed 0) and the
+  toy tokenizer. Data: few-shot 2-digit additions built in code, every row of a workload the same number of
+  tokens, so no contender pads more than another whatever order its sampler draws.
+- Optimizer: torch AdamW (lr 1e-5, no weight decay, the for-loop implementation for all three: TRL is given
+  ``optim="adamw_torch"`` because transformers would otherwise pick the fused kernel), gradient clipping at
+  1.0, a linear decay schedule, one micro-batch per optimizer step, no evaluation, no checkpoints, no
+  progress bars, logging only at the end.
+- SFT: 8 rows of 128 tokens (124-token prompt, 3-token answer + EOS), loss on the completion tokens only.
+  One forward and backward per step.
+- DPO (sigmoid loss, beta 0.1): 8 pairs, 60-token prompt and 16-token responses; one policy forward over the
+  16 sequences (chosen and rejected stacked), one reference forward without gradients, backward.
+- GRPO: 8 completions per micro-step, G = 8 completions per prompt (64-token prompts), completion length L,
+  temperature 1, beta 0 (no reference model), loss "dapo", ``steps_per_generation`` spg: one generation of
+  8 x spg completions feeds spg optimizer steps; with spg > 1 the old log-probs are computed once per slice
+  (one extra forward without gradients), as all three do. Reward: ``treadle.toy.addition_reward``.
+  Generation: treadle and the plain loop both call ``treadle.generation.generate_completions`` (the fast
+  KV-cache path, each distinct prompt prefilled once); TRL calls ``model.generate`` on the B*G repeated
+  prompts, which is the way it works on CPU (without vLLM) and is part of what is being compared.
+
+The plain loops (``plain_sft``, ``plain_dpo``, ``plain_grpo``) are what a careful engineer writes by hand: a
+DataLoader or an index permutation, the model's own loss (SFT) or a log-softmax + gather (DPO, GRPO), no
+metrics. Whatever else treadle does per step (metrics such as token accuracy, entropy, reward statistics,
+callbacks, bookkeeping for exact resume) is overhead it pays against them.
+
+Timing: wall clock between the ends of consecutive optimizer steps (so data loading, generation, callbacks
+and every hook are included), after ``warmup`` untimed steps; one figure per run = the mean over its timed
+steps (for GRPO a whole number of generation cycles). Contenders are interleaved (every round runs each
+once, in a rotating order) and each round's ratio to the plain loop is taken within the round, because this
+machine's speed wanders by tens of percent over tens of seconds; the table reports the median and best
+ms/step over rounds and the median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+LR = 1e-5
+BATCH = 8  # rows (SFT), pairs (DPO) or completions (GRPO) per optimizer step
+GROUP = 8  # GRPO: completions per prompt
+BETA_DPO = 0.1
+EPSILON = 0.2  # GRPO clipping
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    kind: str  # "sft", "dpo" or "grpo"
+    warmup: int  # untimed optimizer steps
+    timed: int  # timed optimizer steps (a multiple of spg)
+    completion_length: int = 0  # GRPO: L, most tokens sampled per completion
+    spg: int = 1  # GRPO: steps_per_generation
+
+    @property
+    def steps(self) -> int:
+        return self.warmup + self.timed
+
+
+def workloads(quick: bool) -> list[Workload]:
+    scale = 1 if quick else 2
+    rows = [Workload("SFT", "sft", warmup=3, timed=6 * scale), Workload("DPO", "dpo", warmup=3, timed=6 * scale)]
+    for length in (16, 64):
+        rows.append(Workload(f"GRPO L{length} spg1", "grpo", warmup=2, timed=3 * scale, completion_length=length))
+        rows.append(Workload(f"GRPO L{length} spg4", "grpo", warmup=4, timed=4 * scale, completion_length=length,
+                             spg=4))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data: few-shot additions, every row of a workload exactly the same number of tokens
+# ---------------------------------------------------------------------------------------------------------
+SFT_PROMPT, DPO_PROMPT, GRPO_PROMPT = 124, 60, 64  # prompt lengths in characters (= toy tokens)
+
+
+def few_shot_prompt(rng: random.Random, length: int) -> tuple[str, int]:
+    """(prompt of exactly ``length`` characters ending with a question "a+b=", the answer a+b)."""
+    a, b = rng.randrange(100), rng.randrange(100)
+    question = f"{a}+{b}="
+    shots = ""
+    while len(shots) < length:
+        x, y = rng.randrange(100), rng.randrange(100)
+        shots += f"{x}+{y}={x + y}\n"
+    return shots[len(shots) - (length - len(question)):] + question, a + b
+
+
+def sft_rows(n: int) -> list[dict]:
+    rng = random.Random(1)
+    rows = []
+    for _ in range(n):
+        prompt, total = few_shot_prompt(rng, SFT_PROMPT)
+        rows.append({"prompt": prompt, "completion": f"{total:03d}"})  # + EOS = 128 tokens
+    return rows
+
+
+def dpo_rows(n: int) -> list[dict]:
+    rng = random.Random(2)
+    rows = []
+    for _ in range(n):
+        prompt, total = few_shot_prompt(rng, DPO_PROMPT)
+        wrong = (total + rng.choice([-10, -1, 1, 10])) % 1000
+        rows.append({"prompt": prompt, "chosen": f"{total:03d} is the sum.",
+                     "rejected": f"{wrong:03d} is the sum."})  # 15 characters + EOS each
+    return rows
+
+
+def grpo_rows(n: int) -> list[dict]:
+    rng = random.Random(3)
+    rows = []
+    for _ in range(n):
+        prompt, total = few_shot_prompt(rng, GRPO_PROMPT)
+        rows.append({"prompt": prompt, "answer": str(total)})
+    return rows
+
+
+def rows_for(work: Workload, steps: int) -> list[dict]:
+    if work.kind == "sft":
+        return sft_rows(steps * BATCH)
+    if work.kind == "dpo":
+        return dpo_rows(steps * BATCH)
+    return grpo_rows(steps * BATCH // GROUP)
+
+
+def build(size: str):
+    """(tokenizer, model) for one contender: the same weights every time."""
+    from treadle import toy
+
+    tokenizer = toy.build_tokenizer()
+    model = toy.build_model(size, tokenizer=tokenizer, seed=0)
+    model.train()
+    return tokenizer, model
+
+
+def items_per_step(work: Workload) -> tuple[float, str]:
+    """(throughput items in one optimizer step, their unit)."""
+    if work.kind == "sft":
+        return BATCH * (SFT_PROMPT + 4), "tokens/s"
+    if work.kind == "dpo":
+        return BATCH, "pairs/s"
+    return BATCH, "completions/s"
+
+
+def linear_schedule(optimizer, steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, (steps - s) / steps))
+
+
+def plain_optimizer(model, steps: int):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    return optimizer, linear_schedule(optimizer, steps)
+
+
+def optimizer_step(model, optimizer, scheduler) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain PyTorch loops
+# ---------------------------------------------------------------------------------------------------------
+def plain_sft(work: Workload, size: str, steps: int) -> list[float]:
+    from torch.utils.data import DataLoader
+
+    tokenizer, model = build(size)
+    eos = tokenizer.eos_token_id
+    examples = []
+    for row in rows_for(work, steps):  # tokenised once, before training, as every trainer does
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["completion"])["input_ids"] + [eos]
+        examples.append((prompt + completion, [-100] * len(prompt) + completion))
+
+    def collate(batch):
+        ids = torch.tensor([ids for ids, _ in batch])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.tensor([labels for _, labels in batch])}
+
+    loader = DataLoader(examples, batch_size=BATCH, shuffle=True, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(0))
+    optimizer, scheduler = plain_optimizer(model, steps)
+    stamps = []
+    for batch in loader:
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        optimizer_step(model, optimizer, scheduler)
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+def sequence_logps(model, input_ids, attention_mask, completion_mask):
+    """Summed log-probs of the completion tokens of each row: (rows,)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return (logps * completion_mask[:, 1:]).sum(dim=1)
+
+
+def plain_dpo(work: Workload, size: str, steps: int) -> list[float]:
+    import copy
+
+    from torch.utils.data import DataLoader
+
+    tokenizer, model = build(size)
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    eos = tokenizer.eos_token_id
+    pairs = []
+    for row in rows_for(work, steps):
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        pairs.append((prompt, tokenizer(row["chosen"])["input_ids"] + [eos],
+                      tokenizer(row["rejected"])["input_ids"] + [eos]))
+
+    def collate(batch):  # B chosen sequences, then the B rejected ones (all the same length)
+        sequences = [(p, c) for p, c, _ in batch] + [(p, r) for p, _, r in batch]
+        ids = torch.tensor([p + c for p, c in sequences])
+        completion_mask = torch.tensor([[0.0] * len(p) + [1.0] * len(c) for p, c in sequences])
+        return ids, torch.ones_like(ids), completion_mask
+
+    loader = DataLoader(pairs, batch_size=BATCH, shuffle=True, collate_fn=collate,
+                        generator=torch.Generator().manual_seed(0))
+    optimizer, scheduler = plain_optimizer(model, steps)
+    stamps = []
+    for ids, mask, completion_mask in loader:
+        policy = sequence_logps(model, ids, mask, completion_mask)
+        with torch.no_grad():
+            ref = sequence_logps(reference, ids, mask, completion_mask)
+        chosen, rejected = (policy - ref).chunk(2)
+        loss = -F.logsigmoid(BETA_DPO * (chosen - rejected)).mean()
+        loss.backward()
+        optimizer_step(model, optimizer, scheduler)
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+def completion_logps(model, input_ids, attention_mask, prompt_length: int):
+    """Per-token log-probs of the completion tokens (after ``prompt_length``): (rows, C)."""
+    completion = input_ids[:, prompt_length:]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, completion[:, :, None]).squeeze(-1)
+
+
+def plain_grpo(work: Workload, size: str, steps: int) -> list[float]:
+    from treadle.generation import generate_completions
+    from treadle.toy import addition_reward
+
+    tokenizer, model = build(size)
+    rows = rows_for(work, steps)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    generator = torch.Generator().manual_seed(0)
+    prompts_per_generation = BATCH * work.spg // GROUP
+    optimizer, scheduler = plain_optimizer(model, steps)
+    stamps = []
+    for cycle in range(steps // work.spg):
+        chosen = [rows[i] for i in order[cycle * prompts_per_generation:(cycle + 1) * prompts_per_generation]]
+        out = generate_completions(model, [tokenizer(r["prompt"])["input_ids"] for r in chosen],
+                                   num_generations=GROUP, max_new_tokens=work.completion_length,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                   temperature=1.0, generator=generator, backend="fast")
+        lengths = out.completion_mask.sum(dim=1).tolist()
+        texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
+                                       skip_special_tokens=True)
+        rewards = torch.tensor(addition_reward([r["prompt"] for r in chosen for _ in range(GROUP)], texts,
+                                               [r["answer"] for r in chosen for _ in range(GROUP)]))
+        grouped = rewards.view(-1, GROUP)
+        advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+        ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
+        mask = torch.cat([out.prompt_mask, out.completion_mask], dim=1)
+        completion_mask = out.completion_mask.float()
+        prompt_length = out.prompt_ids.shape[1]
+        slices = [slice(k * BATCH, (k + 1) * BATCH) for k in range(work.spg)]
+        old = None
+        if work.spg > 1:  # the policy changes between generation and use: keep the sampling policy's log-probs
+            with torch.no_grad():
+                old = [completion_logps(model, ids[s], mask[s], prompt_length) for s in slices]
+        for k, s in enumerate(slices):
+            logps = completion_logps(model, ids[s], mask[s], prompt_length)
+            ratio = torch.exp(logps - (old[k] if old else logps.detach()))
+            advantage = advantages[s, None]
+            per_token = -torch.min(ratio * advantage, ratio.clamp(1 - EPSILON, 1 + EPSILON) * advantage)
+            loss = (per_token * completion_mask[s]).sum() / completion_mask[s].sum().clamp(min=1)
+            loss.backward()
+            optimizer_step(model, optimizer, scheduler)
+            stamps.append(time.perf_counter())
+    return stamps
+
+
+# ---------------------------------------------------------------------------------------------------------
+# treadle
+# ---------------------------------------------------------------------------------------------------------
+def _treadle_clock():
+    from treadle import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.stamps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.stamps.append(time.perf_counter())
+
+    return Clock()
+
+
+def _common(output_dir: str, steps: int) -> dict:
+    """Arguments shared by treadle's and TRL's configs."""
+    return dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
+                weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="linear", logging_steps=10**6,
+                save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+
+
+def treadle_sft(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+    from treadle import SFTConfig, SFTTrainer
+
+    tokenizer, model = build(size)
+    clock = _treadle_clock()
+    args = SFTConfig(**_common(output_dir, steps), max_length=SFT_PROMPT + 4)
+    trainer = SFTTrainer(model, args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
+                         callbacks=[clock])
+    trainer.train()
+    return clock.stamps
+
+
+def treadle_dpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+    from treadle import DPOConfig, DPOTrainer
+
+    tokenizer, model = build(size)
+    clock = _treadle_clock()
+    args = DPOConfig(**_common(output_dir, steps), beta=BETA_DPO, max_length=128, max_prompt_length=96)
+    trainer = DPOTrainer(model, args=args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
+                         callbacks=[clock])
+    trainer.train()
+    return clock.stamps
+
+
+def treadle_grpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+    from treadle import GRPOConfig, GRPOTrainer
+    from treadle.toy import addition_reward
+
+    tokenizer, model = build(size)
+    clock = _treadle_clock()
+    args = GRPOConfig(**_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
+                      max_completion_length=work.completion_length, max_prompt_length=None, temperature=1.0,
+                      beta=0.0, epsilon=EPSILON, loss_type="dapo", scale_rewards="group")
+    trainer = GRPOTrainer(model, reward_funcs=addition_reward, args=args, train_dataset=rows_for(work, steps),
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    return clock.stamps
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TRL
+# ---------------------------------------------------------------------------------------------------------
+def _trl_clock():
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.stamps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.stamps.append(time.perf_counter())
+
+    return Clock()
+
+
+def _trl_common(output_dir: str, steps: int) -> dict:
+    # optim: transformers defaults to the fused AdamW kernel; the others run torch's for-loop AdamW
+    return dict(_common(output_dir, steps), use_cpu=True, dataloader_pin_memory=False, optim="adamw_torch",
+                warmup_steps=0, gradient_accumulation_steps=1)
+
+
+def trl_sft(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+    import trl
+    from datasets import Dataset
+
+    tokenizer, model = build(size)
+    clock = _trl_clock()
+    args = trl.SFTConfig(**_trl_common(output_dir, steps), max_length=SFT_PROMPT + 4, packing=False)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows_for(work, steps)),
+                             processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    return clock.stamps
+
+
+def trl_dpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+    import copy
+
+    import trl
+    from datasets import Dataset
+
+    tokenizer, model = build(size)
+    clock = _trl_clock()
+    args = trl.DPOConfig(**_trl_common(output_dir, steps), beta=BETA_DPO, max_length=128, loss_type=["sigmoid"],
+                         precompute_ref_log_probs=False)
+    # TRL reloads its reference from the model's hub id when none is given; ours has none, so pass the copy
+    # that treadle and the plain loop make themselves
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args,
+                             train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
+                             callbacks=[clock])
+    trainer.train()
+    return clock.stamps
+
+
+def trl_grpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+    import trl
+    from datasets import Dataset
+
+    from treadle.toy import addition_reward
+
+    tokenizer, model = build(size)
+    clock = _trl_clock()
+    args = trl.GRPOConfig(**_trl_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
+                          max_completion_length=work.completion_length, temperature=1.0, top_p=1.0, top_k=0,
+                          beta=0.0, epsilon=EPSILON, loss_type="dapo", scale_rewards="group", num_iterations=1,
+                          log_completions=False)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=addition_reward, args=args,
+                              train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
+                              callbacks=[clock])
+    trainer.train()
+    return clock.stamps
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running and reporting
+# ---------------------------------------------------------------------------------------------------------
+def trl_installed() -> bool:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def contenders(kind: str, with_trl: bool) -> dict[str, Callable]:
+    plain = {"sft": plain_sft, "dpo": plain_dpo, "grpo": plain_grpo}[kind]
+    ours = {"sft": treadle_sft, "dpo": treadle_dpo, "grpo": treadle_grpo}[kind]
+    out = {"plain PyTorch": lambda w, s, n, _dir: plain(w, s, n), "treadle": ours}
+    if with_trl:
+        out["TRL"] = {"sft": trl_sft, "dpo": trl_dpo, "grpo": trl_grpo}[kind]
+    return out
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence the trainers' own printing (warnings, progress lines) during a timed run."""
+    sink = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def seconds_per_step(stamps: list[float], work: Workload) -> float:
+    """Mean seconds per step over the timed steps: from the end of the last warm-up step to the end of the run."""
+    if len(stamps) < work.steps:
+        raise RuntimeError(f"{work.name}: expected {work.steps} optimizer steps, the run made {len(stamps)}")
+    timed = stamps[work.warmup - 1:work.steps]
+    return (timed[-1] - timed[0]) / (len(timed) - 1)
+
+
+def run_once(fn: Callable, work: Workload, size: str) -> float:
+    with tempfile.TemporaryDirectory(prefix="treadle-bench-") as output_dir, quiet():
+        torch.manual_seed(0)
+        stamps = fn(work, size, work.steps, output_dir)
+    gc.collect()
+    return seconds_per_step(stamps, work)
+
+
+def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool) -> dict:
+    """{(size, workload name): {contender: [seconds per step, one per round]}}, contenders interleaved."""
+    results: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for size in sizes:
+            for work in works:
+                runners = list(contenders(work.kind, with_trl).items())
+                shift = r % len(runners)  # rotate who goes first: no contender always runs right after another
+                runners = runners[shift:] + runners[:shift]
+                cell = results.setdefault((size, work.name), {name: [] for name in sorted(dict(runners))})
+                for name, fn in runners:
+                    try:
+                        cell[name].append(run_once(fn, work, size))
+                    except Exception as e:  # a peer that cannot run this configuration: reported, not fatal
+                        print(f"  {name} failed on {size} {work.name}: {type(e).__name__}: {e}", file=sys.stderr)
+                        cell[name].append(float("nan"))
+                line = "  ".join(f"{n} {1000 * v[-1]:.1f}" for n, v in cell.items())
+                print(f"round {r + 1}/{rounds} {size:5s} {work.name:14s} ms/step: {line}", file=sys.stderr, flush=True)
+    return results
+
+
+def table(results: dict, works: list[Workload], rounds: int) -> str:
+    by_name = {w.name: w for w in works}
+    lines = ["| model | workload | contender | median ms/step | best ms/step | throughput (median) | vs plain "
+             "(median of rounds) |", "|---|---|---|---:|---:|---:|---:|"]
+    for (size, name), cell in results.items():
+        items, unit = items_per_step(by_name[name])
+        plain = cell["plain PyTorch"]
+        for contender in ("plain PyTorch", "treadle", "TRL"):
+            samples = cell.get(contender)
+            if samples is None:
+                continue
+            ok = [s for s in samples if s == s]
+            if not ok:
+                lines.append(f"| {size} | {name} | {contender} | failed | | | |")
+                continue
+            med = statistics.median(ok)
+            ratios = [s / p for s, p in zip(samples, plain) if s == s and p == p]
+            ratio = f"{statistics.median(ratios):.3f}x" if contender != "plain PyTorch" and ratios else "1"
+            lines.append(f"| {size} | {name} | {contender} | {1000 * med:.1f} | {1000 * min(ok):.1f} | "
+                         f"{items / med:,.0f} {unit} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, fewer steps, 2 rounds")
+    parser.add_argument("--sizes", default=None, help="comma-separated toy model sizes (default tiny,small)")
+    parser.add_argument("--only", default=None, help="run the workloads whose name starts with this (SFT, DPO, "
+                                                     "GRPO, 'GRPO L64')")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3 (2 with --quick)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared "
+                                                               "machine)")
+    parser.add_argument("--no-trl", action="store_true", help="skip TRL even when installed")
+    parser.add_argument("--json", default=None, help="also write the raw seconds per step to this file")
+    opts = parser.parse_args(argv)
+    torch.set_num_threads(opts.threads)
+    logging.disable(logging.WARNING)  # transformers / TRL notices
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sizes = opts.sizes.split(",") if opts.sizes else (["tiny"] if opts.quick else ["tiny", "small"])
+    rounds = opts.rounds or (2 if opts.quick else 3)
+    works = [w for w in workloads(opts.quick) if opts.only is None or w.name.startswith(opts.only)]
+    with_trl = not opts.no_trl and trl_installed()
+    start = time.time()
+    results = measure(sizes, works, rounds, with_trl)
+    versions = f"torch {torch.__version__}"
+    if with_trl:
+        import transformers
+        import trl
+
+        versions += f", transformers {transformers.__version__}, TRL {trl.__version__}"
+    print(f"\n### Trainers: ms per optimizer step vs a plain PyTorch loop ({time.strftime('%Y-%m-%d')}, "
+          f"{rounds} rounds, {torch.get_num_threads()} torch thread(s), {versions}, {time.time() - start:.0f} s)\n")
+    print(table(results, works, rounds))
+    if not with_trl:
+        why = "skipped (--no-trl)" if opts.no_trl else "not installed (pip install -e '.[bench]')"
+        print(f"\nTRL {why}: its rows are left out.")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({f"{size}|{name}": cell for (size, name), cell in results.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
