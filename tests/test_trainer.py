@@ -383,3 +383,20 @@ def test_collator_pads_labels_with_ignore_index():
     assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
     left = PaddingCollator(pad_token_id=7, padding_side="left")([{"input_ids": [1, 2]}, {"input_ids": [3]}])
     assert left["input_ids"].tolist() == [[1, 2], [7, 3]]
+
+
+def test_wrap_around_rows_of_a_rank_count_nowhere_in_evaluation(tmp_path, rows):
+    """Rank 1 of 2 over 5 rows gets rows [1, 3] and a repeat of row 0 (so both ranks run as many forwards);
+    the repeat must weigh nothing in the loss and be cut from the predictions."""
+    from treadle.data import SeededSampler
+
+    model = tiny_llama()
+    trainer = Trainer(model, args_for(tmp_path, per_device_eval_batch_size=2))
+    data = rows[:5]
+    sampler = SeededSampler(5, shuffle=False, rank=1, world_size=2)
+    assert list(sampler) == [1, 3, 0] and sampler.num_real_rows() == 2
+    loader = trainer.build_dataloader(data, batch_size=2, sampler=sampler)
+    out = trainer.evaluation_loop(loader, prediction_loss_only=False)
+    expected = reference_token_mean_loss(model, [data[1], data[3]]).item()
+    assert out.metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert out.predictions.shape[0] == 2 and out.label_ids.shape[0] == 2

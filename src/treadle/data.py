@@ -120,6 +120,10 @@ class SeededSampler(Sampler[int]):
     def __len__(self) -> int:
         return math.ceil(self.num_samples / self.world_size) - self.skip
 
+    def num_real_rows(self) -> int:
+        """How many of this rank's indices (from the start of the epoch) are not wrap-around repeats."""
+        return len(range(self.rank, self.num_samples, self.world_size))
+
 
 class RepeatSampler(Sampler[int]):
     """Index order for online RL (GRPO): each prompt ``mini_repeat_count`` times in a row (a group), a batch of

@@ -533,20 +533,31 @@ class Trainer:
         model = self.model_wrapped
         was_training = model.training
         model.eval()
-        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        loss_only = loss_only or (self.compute_metrics is None and metric_key_prefix == "eval")
+        if prediction_loss_only is None:  # evaluate(): logits are gathered only when compute_metrics wants them
+            prediction_loss_only = self.args.prediction_loss_only or self.compute_metrics is None
+        loss_only = prediction_loss_only
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.args.device)
         weight_sum, preds, labels = 0.0, [], []
+        # under several processes the sampler repeats a few rows so that every rank runs as many forwards; those
+        # rows get their labels masked (no weight in the loss) and are cut from the predictions
+        real_rows = getattr(getattr(dataloader, "sampler", None), "num_real_rows", lambda: None)()
+        seen = 0
         for inputs in dataloader:
-            weight = self.count_items(inputs) or _batch_rows(inputs)
+            rows = _batch_rows(inputs)
+            keep = None if real_rows is None or seen + rows <= real_rows else max(0, real_rows - seen)
+            seen += rows
+            if keep is not None:
+                inputs = self._mask_label_rows(inputs, keep)
+            items = self.count_items(inputs)
+            weight = items if items is not None else (rows if keep is None else keep)
             loss, logits, label = self.prediction_step(model, inputs, loss_only, ignore_keys=ignore_keys)
-            if loss is not None:
+            if loss is not None and weight:
                 loss_sum += loss.double() * weight
                 weight_sum += weight
             if logits is not None:
-                preds.append(_to_cpu(logits))
+                preds.append(_to_cpu(logits)[:keep])
             if label is not None:
-                labels.append(_to_cpu(label))
+                labels.append(_to_cpu(label)[:keep])
             self._event("on_prediction_step")
         model.train(was_training)
         metrics = {}
@@ -560,6 +571,14 @@ class Trainer:
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": _to_float(v)
                    for k, v in metrics.items()}
         return PredictionOutput(predictions, label_ids, metrics)
+
+    def _mask_label_rows(self, inputs, keep: int):
+        labels = inputs.get(self.args.label_names[0]) if isinstance(inputs, dict) else None
+        if not isinstance(labels, torch.Tensor):
+            return inputs
+        labels = labels.clone()
+        labels[keep:] = -100
+        return {**inputs, self.args.label_names[0]: labels}
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """(loss, logits, labels) for one evaluation batch, without gradients. The loss is the model's mean over
