@@ -278,7 +278,9 @@ def test_a_short_demo_writes_the_run_folder(tmp_path, capsys):
         assert len(records) == 40
         accuracy = next(s["accuracy"] for s in results["stages"] if s["stage"] == f"after {stage.upper()}")
         assert accuracy == sum(r["correct"] for r in records) / 40
-    assert (out / "sft" / "checkpoint-20").is_dir() and (out / "grpo" / "checkpoint-2").is_dir()
+    sft = next(s for s in results["stages"] if s["stage"] == "after SFT")
+    assert sft["steps"] <= 20 and (out / "sft" / f"checkpoint-{sft['steps']}").is_dir()
+    assert (out / "grpo" / "checkpoint-2").is_dir()
     assert (out / "grpo" / "completions.jsonl").is_file()
     assert "held-out exact match" in stdout and "after GRPO" in stdout
 
@@ -301,7 +303,23 @@ def test_heldout_scoring_agrees_with_toy_exact_match(tmp_path, monkeypatch):
 
 
 def test_results_table_layout():
-    table = cli.results_table([("untrained", 0.0, 0.0), ("after SFT", 0.4215, 61.2)], 1000)
+    table = cli.results_table([("untrained", 0.0, 0, 0.0), ("after SFT", 0.4215, 1250, 61.2)], 1000)
     lines = table.splitlines()
-    assert lines[0].split() == ["stage", "held-out", "exact", "match", "train", "time"]
-    assert lines[3].split() == ["after", "SFT", "42.1%", "of", "1000", "61", "s"]
+    assert lines[0].split() == ["stage", "held-out", "exact", "match", "steps", "train", "time"]
+    assert lines[3].split() == ["after", "SFT", "42.1%", "of", "1000", "1250", "61", "s"]
+
+
+def test_sft_warm_start_stops_at_the_probe_target(tmp_path, monkeypatch):
+    from treadle import SFTConfig, SFTTrainer, toy
+
+    scores = iter([0.05, 0.1, 0.25, 0.9])
+    monkeypatch.setattr(toy, "exact_match_accuracy", lambda *a, **k: next(scores))
+    tokenizer = toy.build_tokenizer()
+    stop = cli.StopAtAccuracy(toy.load_task("addition", kind="rl", n=8), tokenizer, target=0.2, every=2)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=20, save_steps=20, logging_steps=100, disable_tqdm=True)
+    trainer = SFTTrainer(toy.build_model("tiny", tokenizer=tokenizer), args, processing_class=tokenizer,
+                         train_dataset=toy.load_task("addition", n=64), callbacks=[stop])
+    trainer.train()
+    assert stop.history == [(2, 0.05), (4, 0.1), (6, 0.25)]
+    assert trainer.state.global_step == 6
+    assert (tmp_path / "checkpoint-6").is_dir()  # the stop saves the checkpoint GRPO starts from
