@@ -194,15 +194,16 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         args = config_cls(**fields)
     except (ValueError, TypeError) as error:
         raise UserError(f"{config_class}: {error}") from None
-    model, tokenizer = load_model(str(config["model"]), seed=args.seed)
-    train = load_dataset(str(config["dataset"]), kind=kind, split="train", base_dir=base_dir)
-    evaluation = config.get("eval_dataset")
-    evaluation = load_dataset(str(evaluation), kind=kind, split="test", base_dir=base_dir) if evaluation else None
-    kwargs = dict(args=args, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
+    kwargs = {}  # the cheap checks first: a typo in a path fails before a model is loaded
     if name == "grpo":
         kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
     elif config.get("reward_funcs"):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
+    train = load_dataset(str(config["dataset"]), kind=kind, split="train", base_dir=base_dir)
+    evaluation = config.get("eval_dataset")
+    evaluation = load_dataset(str(evaluation), kind=kind, split="test", base_dir=base_dir) if evaluation else None
+    model, tokenizer = load_model(str(config["model"]), seed=args.seed)
+    kwargs.update(args=args, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
     try:
         return getattr(module, trainer_class)(model, **kwargs)
     except (ValueError, TypeError) as error:
@@ -473,6 +474,12 @@ def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
 
     if settings.sft_steps < 1 or settings.grpo_steps < 1 or settings.eval_size < 1:
         raise UserError("--sft-steps, --grpo-steps and --eval-size must be >= 1")
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # the tiny model's matrices are too small for a second thread to pay: on 2 busy cores the demo took
+        # 55 s with one thread and 175 s with two
+        torch.set_num_threads(1)
     out = Path(output_dir or os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S")))
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
