@@ -241,6 +241,8 @@ def test_dpo_and_grpo_examples_run(tmp_path, capsys):
         assert "loss" in keys
         assert (out / "plots" / "training.png").is_file() and (out / "plots" / "rewards.png").is_file()
     assert "eval_loss" in set().union(*metrics_of(tmp_path / "dpo"))
+    grpo_keys = set().union(*metrics_of(tmp_path / "grpo"))
+    assert {"rewards/addition_reward/mean", "rewards/is_a_number/mean"} <= grpo_keys  # both example rewards
     assert (tmp_path / "grpo" / "completions.jsonl").is_file()
 
 

@@ -286,6 +286,8 @@ def test_eval_reports_loss_and_token_accuracy_like_plain_pytorch(tmp_path, token
             count += len(completion)
     assert metrics["eval_loss"] == pytest.approx(total / count, rel=1e-5)
     assert metrics["eval_mean_token_accuracy"] == pytest.approx(correct / count)
+    # raw rows handed to evaluate() are tokenised the same way
+    assert trainer.evaluate(PAIRS[:5]) == pytest.approx(metrics)
 
 
 def test_training_logs_token_accuracy(tmp_path, tokenizer):

@@ -84,10 +84,7 @@ class SFTTrainer(Trainer):
         self.args = args
         self.processing_class = processing_class
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {name: self.prepare_dataset(d, f"eval {name}") for name, d in eval_dataset.items()}
-        elif eval_dataset is not None:
-            eval_dataset = self.prepare_dataset(eval_dataset, "eval")
+        eval_dataset = self.prepare_dataset(eval_dataset, "eval") if eval_dataset is not None else None
         if data_collator is None:
             data_collator = SFTCollator(pad_token_id=_pad_token_id(processing_class))
         self._token_stats = {"train": torch.zeros(2, dtype=torch.float64),
@@ -172,6 +169,12 @@ class SFTTrainer(Trainer):
         """The model's arguments plus the columns ``prepare_dataset`` makes for the collator."""
         columns = super().signature_columns()
         return None if columns is None else columns | set(SFT_COLUMNS)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """The Trainer's, after tokenising a dataset handed to ``evaluate()`` that is not tokenised yet."""
+        if eval_dataset is not None and "input_ids" not in (column_names(eval_dataset) or []):
+            eval_dataset = self.prepare_dataset(eval_dataset, "eval")
+        return super().get_eval_dataloader(eval_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The Trainer's loss (labels from the collator); also counts the label tokens that the argmax of the
