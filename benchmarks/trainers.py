@@ -31,12 +31,16 @@ DataLoader or an index permutation, the model's own loss (SFT) or a log-softmax 
 metrics. Whatever else treadle does per step (metrics such as token accuracy, entropy, reward statistics,
 callbacks, bookkeeping for exact resume) is overhead it pays against them.
 
-Timing: wall clock between the ends of consecutive optimizer steps (so data loading, generation, callbacks
-and every hook are included), after ``warmup`` untimed steps; one figure per run = the mean over its timed
-steps (for GRPO a whole number of generation cycles). Contenders are interleaved (every round runs each
-once, in a rotating order) and each round's ratio to the plain loop is taken within the round, because this
-machine's speed wanders by tens of percent over tens of seconds; the table reports the median and best
-ms/step over rounds and the median of the per-round ratios.
+Timing, in lockstep: the contenders of one run are built in threads that take turns one optimizer step at a
+time (a baton passed at the end of every step; only its holder runs), because this machine's speed wanders by
+tens of percent over tens of seconds and a slow spell must hit every contender alike. A step is timed from
+the moment its contender gets the baton to the end of the step, so data loading, generation, callbacks and
+every hook are included. Per run: the median over the timed steps after ``warmup`` (for spg > 1, over whole
+generation cycles, each cycle's mean step), so that a step stalled by another process does not count. Each
+round repeats every run with fresh models, rotating who steps first; the table reports the median and best
+ms/step over rounds and the median over rounds of each round's ratio to the plain loop. Threads share one
+malloc arena (``single_malloc_arena``), as a single-threaded script does. Two copies of the same contender
+measured this way agree within 1%.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -85,12 +90,20 @@ class Workload:
 
 def workloads(quick: bool) -> list[Workload]:
     scale = 1 if quick else 2
-    rows = [Workload("SFT", "sft", warmup=3, timed=6 * scale), Workload("DPO", "dpo", warmup=3, timed=6 * scale)]
+    rows = [Workload("SFT", "sft", warmup=3, timed=8 * scale), Workload("DPO", "dpo", warmup=3, timed=8 * scale)]
     for length in (16, 64):
         rows.append(Workload(f"GRPO L{length} spg1", "grpo", warmup=2, timed=3 * scale, completion_length=length))
-        rows.append(Workload(f"GRPO L{length} spg4", "grpo", warmup=4, timed=4 * scale, completion_length=length,
+        rows.append(Workload(f"GRPO L{length} spg4", "grpo", warmup=4, timed=4 + 4 * scale, completion_length=length,
                              spg=4))
     return rows
+
+
+def seconds_per_step(steps: list[float], work: Workload) -> float:
+    """The median over the timed generation cycles (single steps for SFT and DPO, whose steps all do the same
+    work) of the mean step time: a step that another process happened to stall does not move it."""
+    timed = steps[work.warmup:work.steps]
+    cycles = [statistics.fmean(timed[i:i + work.spg]) for i in range(0, len(timed), work.spg)]
+    return statistics.median(cycles)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,7 +198,7 @@ def optimizer_step(model, optimizer, scheduler) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Plain PyTorch loops
 # ---------------------------------------------------------------------------------------------------------
-def plain_sft(work: Workload, size: str, steps: int) -> list[float]:
+def plain_sft(work: Workload, size: str, steps: int, tick: Callable[[], None]) -> None:
     from torch.utils.data import DataLoader
 
     tokenizer, model = build(size)
@@ -204,13 +217,11 @@ def plain_sft(work: Workload, size: str, steps: int) -> list[float]:
     loader = DataLoader(examples, batch_size=BATCH, shuffle=True, collate_fn=collate,
                         generator=torch.Generator().manual_seed(0))
     optimizer, scheduler = plain_optimizer(model, steps)
-    stamps = []
     for batch in loader:
         loss = model(**batch, use_cache=False).loss
         loss.backward()
         optimizer_step(model, optimizer, scheduler)
-        stamps.append(time.perf_counter())
-    return stamps
+        tick()
 
 
 def sequence_logps(model, input_ids, attention_mask, completion_mask):
@@ -220,7 +231,7 @@ def sequence_logps(model, input_ids, attention_mask, completion_mask):
     return (logps * completion_mask[:, 1:]).sum(dim=1)
 
 
-def plain_dpo(work: Workload, size: str, steps: int) -> list[float]:
+def plain_dpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) -> None:
     import copy
 
     from torch.utils.data import DataLoader
@@ -243,7 +254,6 @@ def plain_dpo(work: Workload, size: str, steps: int) -> list[float]:
     loader = DataLoader(pairs, batch_size=BATCH, shuffle=True, collate_fn=collate,
                         generator=torch.Generator().manual_seed(0))
     optimizer, scheduler = plain_optimizer(model, steps)
-    stamps = []
     for ids, mask, completion_mask in loader:
         policy = sequence_logps(model, ids, mask, completion_mask)
         with torch.no_grad():
@@ -252,8 +262,7 @@ def plain_dpo(work: Workload, size: str, steps: int) -> list[float]:
         loss = -F.logsigmoid(BETA_DPO * (chosen - rejected)).mean()
         loss.backward()
         optimizer_step(model, optimizer, scheduler)
-        stamps.append(time.perf_counter())
-    return stamps
+        tick()
 
 
 def completion_logps(model, input_ids, attention_mask, prompt_length: int):
@@ -264,7 +273,7 @@ def completion_logps(model, input_ids, attention_mask, prompt_length: int):
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, completion[:, :, None]).squeeze(-1)
 
 
-def plain_grpo(work: Workload, size: str, steps: int) -> list[float]:
+def plain_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) -> None:
     from treadle.generation import generate_completions
     from treadle.toy import addition_reward
 
@@ -274,7 +283,6 @@ def plain_grpo(work: Workload, size: str, steps: int) -> list[float]:
     generator = torch.Generator().manual_seed(0)
     prompts_per_generation = BATCH * work.spg // GROUP
     optimizer, scheduler = plain_optimizer(model, steps)
-    stamps = []
     for cycle in range(steps // work.spg):
         chosen = [rows[i] for i in order[cycle * prompts_per_generation:(cycle + 1) * prompts_per_generation]]
         out = generate_completions(model, [tokenizer(r["prompt"])["input_ids"] for r in chosen],
@@ -305,22 +313,18 @@ def plain_grpo(work: Workload, size: str, steps: int) -> list[float]:
             loss = (per_token * completion_mask[s]).sum() / completion_mask[s].sum().clamp(min=1)
             loss.backward()
             optimizer_step(model, optimizer, scheduler)
-            stamps.append(time.perf_counter())
-    return stamps
+            tick()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # treadle
 # ---------------------------------------------------------------------------------------------------------
-def _treadle_clock():
+def _treadle_clock(tick: Callable[[], None]):
     from treadle import TrainerCallback
 
     class Clock(TrainerCallback):
-        def __init__(self):
-            self.stamps = []
-
         def on_step_end(self, args, state, control, **kwargs):
-            self.stamps.append(time.perf_counter())
+            tick()
 
     return Clock()
 
@@ -332,57 +336,51 @@ def _common(output_dir: str, steps: int) -> dict:
                 save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
 
 
-def treadle_sft(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+def treadle_sft(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
     from treadle import SFTConfig, SFTTrainer
 
     tokenizer, model = build(size)
-    clock = _treadle_clock()
+    clock = _treadle_clock(tick)
     args = SFTConfig(**_common(output_dir, steps), max_length=SFT_PROMPT + 4)
     trainer = SFTTrainer(model, args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
                          callbacks=[clock])
     trainer.train()
-    return clock.stamps
 
 
-def treadle_dpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+def treadle_dpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
     from treadle import DPOConfig, DPOTrainer
 
     tokenizer, model = build(size)
-    clock = _treadle_clock()
+    clock = _treadle_clock(tick)
     args = DPOConfig(**_common(output_dir, steps), beta=BETA_DPO, max_length=128, max_prompt_length=96)
     trainer = DPOTrainer(model, args=args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
                          callbacks=[clock])
     trainer.train()
-    return clock.stamps
 
 
-def treadle_grpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+def treadle_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
     from treadle import GRPOConfig, GRPOTrainer
     from treadle.toy import addition_reward
 
     tokenizer, model = build(size)
-    clock = _treadle_clock()
+    clock = _treadle_clock(tick)
     args = GRPOConfig(**_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
                       max_completion_length=work.completion_length, max_prompt_length=None, temperature=1.0,
                       beta=0.0, epsilon=EPSILON, loss_type="dapo", scale_rewards="group")
     trainer = GRPOTrainer(model, reward_funcs=addition_reward, args=args, train_dataset=rows_for(work, steps),
                           processing_class=tokenizer, callbacks=[clock])
     trainer.train()
-    return clock.stamps
 
 
 # ---------------------------------------------------------------------------------------------------------
 # TRL
 # ---------------------------------------------------------------------------------------------------------
-def _trl_clock():
+def _trl_clock(tick: Callable[[], None]):
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
-        def __init__(self):
-            self.stamps = []
-
         def on_step_end(self, args, state, control, **kwargs):
-            self.stamps.append(time.perf_counter())
+            tick()
 
     return Clock()
 
@@ -393,27 +391,26 @@ def _trl_common(output_dir: str, steps: int) -> dict:
                 warmup_steps=0, gradient_accumulation_steps=1)
 
 
-def trl_sft(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+def trl_sft(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
     import trl
     from datasets import Dataset
 
     tokenizer, model = build(size)
-    clock = _trl_clock()
+    clock = _trl_clock(tick)
     args = trl.SFTConfig(**_trl_common(output_dir, steps), max_length=SFT_PROMPT + 4, packing=False)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows_for(work, steps)),
                              processing_class=tokenizer, callbacks=[clock])
     trainer.train()
-    return clock.stamps
 
 
-def trl_dpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+def trl_dpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
     import copy
 
     import trl
     from datasets import Dataset
 
     tokenizer, model = build(size)
-    clock = _trl_clock()
+    clock = _trl_clock(tick)
     args = trl.DPOConfig(**_trl_common(output_dir, steps), beta=BETA_DPO, max_length=128, loss_type=["sigmoid"],
                          precompute_ref_log_probs=False)
     # TRL reloads its reference from the model's hub id when none is given; ours has none, so pass the copy
@@ -423,17 +420,16 @@ def trl_dpo(work: Workload, size: str, steps: int, output_dir: str) -> list[floa
                              train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
                              callbacks=[clock])
     trainer.train()
-    return clock.stamps
 
 
-def trl_grpo(work: Workload, size: str, steps: int, output_dir: str) -> list[float]:
+def trl_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
     import trl
     from datasets import Dataset
 
     from treadle.toy import addition_reward
 
     tokenizer, model = build(size)
-    clock = _trl_clock()
+    clock = _trl_clock(tick)
     args = trl.GRPOConfig(**_trl_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
                           max_completion_length=work.completion_length, temperature=1.0, top_p=1.0, top_k=0,
                           beta=0.0, epsilon=EPSILON, loss_type="dapo", scale_rewards="group", num_iterations=1,
@@ -442,27 +438,67 @@ def trl_grpo(work: Workload, size: str, steps: int, output_dir: str) -> list[flo
                               train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
                               callbacks=[clock])
     trainer.train()
-    return clock.stamps
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Running and reporting
 # ---------------------------------------------------------------------------------------------------------
 def trl_installed() -> bool:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
 
 
 def contenders(kind: str, with_trl: bool) -> dict[str, Callable]:
     plain = {"sft": plain_sft, "dpo": plain_dpo, "grpo": plain_grpo}[kind]
-    ours = {"sft": treadle_sft, "dpo": treadle_dpo, "grpo": treadle_grpo}[kind]
-    out = {"plain PyTorch": lambda w, s, n, _dir: plain(w, s, n), "treadle": ours}
+    out = {"plain PyTorch": lambda work, size, steps, tick, _dir: plain(work, size, steps, tick),
+           "treadle": {"sft": treadle_sft, "dpo": treadle_dpo, "grpo": treadle_grpo}[kind]}
     if with_trl:
         out["TRL"] = {"sft": trl_sft, "dpo": trl_dpo, "grpo": trl_grpo}[kind]
     return out
+
+
+class Baton:
+    """Contenders take turns, one optimizer step each, passing the baton at the end of every step: only the
+    holder runs, and whatever slows this machine down for seconds at a time slows every contender alike."""
+
+    def __init__(self, players: int):
+        self.condition = threading.Condition()
+        self.order = list(range(players))  # who is still playing, in turn order
+        self.holder = 0
+
+    def wait(self, player: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.holder == player)
+
+    def pass_on(self, player: int, leave: bool = False) -> None:
+        with self.condition:
+            at = self.order.index(player)
+            if leave:
+                self.order.pop(at)
+            else:
+                at += 1
+            self.holder = self.order[at % len(self.order)] if self.order else -1
+            self.condition.notify_all()
+
+
+class Stopwatch:
+    """One contender's clock: the seconds of each optimizer step, from getting the baton to passing it on."""
+
+    def __init__(self, baton: Baton, player: int):
+        self.baton, self.player = baton, player
+        self.steps: list[float] = []
+        self.resumed = 0.0
+
+    def start(self) -> None:
+        self.baton.wait(self.player)
+        self.resumed = time.perf_counter()
+
+    def tick(self) -> None:
+        self.steps.append(time.perf_counter() - self.resumed)
+        self.baton.pass_on(self.player)
+        self.baton.wait(self.player)
+        self.resumed = time.perf_counter()
 
 
 @contextlib.contextmanager
@@ -474,38 +510,66 @@ def quiet():
         yield
 
 
-def seconds_per_step(stamps: list[float], work: Workload) -> float:
-    """Mean seconds per step over the timed steps: from the end of the last warm-up step to the end of the run."""
-    if len(stamps) < work.steps:
-        raise RuntimeError(f"{work.name}: expected {work.steps} optimizer steps, the run made {len(stamps)}")
-    timed = stamps[work.warmup - 1:work.steps]
-    return (timed[-1] - timed[0]) / (len(timed) - 1)
+def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str) -> dict[str, float]:
+    """Run the contenders in threads that take turns step by step; {name: mean seconds per timed step}
+    (NaN for a contender that failed: the error is printed and the others go on)."""
+    baton = Baton(len(runners))
+    watches = [Stopwatch(baton, i) for i in range(len(runners))]
+    errors: dict[str, str] = {}
 
+    def play(i: int, name: str, fn: Callable) -> None:
+        watch = watches[i]
+        try:
+            watch.start()
+            with tempfile.TemporaryDirectory(prefix="treadle-bench-") as output_dir:
+                torch.manual_seed(0)
+                fn(work, size, work.steps, watch.tick, output_dir)
+        except Exception as e:  # a peer that cannot run this configuration: reported, not fatal
+            errors[name] = f"{type(e).__name__}: {e}"
+        finally:
+            baton.pass_on(i, leave=True)
 
-def run_once(fn: Callable, work: Workload, size: str) -> float:
-    with tempfile.TemporaryDirectory(prefix="treadle-bench-") as output_dir, quiet():
-        torch.manual_seed(0)
-        stamps = fn(work, size, work.steps, output_dir)
+    threads = [threading.Thread(target=play, args=(i, name, fn), daemon=True) for i, (name, fn) in enumerate(runners)]
+    with quiet():
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     gc.collect()
-    return seconds_per_step(stamps, work)
+    out = {}
+    for (name, _), watch in zip(runners, watches):
+        if name not in errors and len(watch.steps) < work.steps:
+            errors[name] = f"made {len(watch.steps)} optimizer steps, expected {work.steps}"
+        out[name] = float("nan") if name in errors else seconds_per_step(watch.steps, work)
+    for name, error in errors.items():
+        print(f"  {name} failed on {size} {work.name}: {error}", file=sys.stderr)
+    return out
+
+
+def single_malloc_arena() -> bool:
+    """Ask glibc to serve every thread from one malloc arena, as in a single-threaded training script. With
+    an arena per contender thread, the memory each one returns to the system and faults back in depends on
+    the interleaving: the same model's MLP took 70% longer in one contender than in another. True if set."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").mallopt(-8, 1) == 1  # M_ARENA_MAX = 1
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return False
 
 
 def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool) -> dict:
-    """{(size, workload name): {contender: [seconds per step, one per round]}}, contenders interleaved."""
+    """{(size, workload name): {contender: [seconds per step, one per round]}}."""
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in range(rounds):
         for size in sizes:
             for work in works:
                 runners = list(contenders(work.kind, with_trl).items())
-                shift = r % len(runners)  # rotate who goes first: no contender always runs right after another
+                shift = r % len(runners)  # rotate who steps first
                 runners = runners[shift:] + runners[:shift]
-                cell = results.setdefault((size, work.name), {name: [] for name in sorted(dict(runners))})
-                for name, fn in runners:
-                    try:
-                        cell[name].append(run_once(fn, work, size))
-                    except Exception as e:  # a peer that cannot run this configuration: reported, not fatal
-                        print(f"  {name} failed on {size} {work.name}: {type(e).__name__}: {e}", file=sys.stderr)
-                        cell[name].append(float("nan"))
+                cell = results.setdefault((size, work.name), {name: [] for name, _ in sorted(runners)})
+                for name, seconds in run_lockstep(runners, work, size).items():
+                    cell[name].append(seconds)
                 line = "  ".join(f"{n} {1000 * v[-1]:.1f}" for n, v in cell.items())
                 print(f"round {r + 1}/{rounds} {size:5s} {work.name:14s} ms/step: {line}", file=sys.stderr, flush=True)
     return results
@@ -546,6 +610,7 @@ def main(argv=None) -> None:
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when installed")
     parser.add_argument("--json", default=None, help="also write the raw seconds per step to this file")
     opts = parser.parse_args(argv)
+    single_malloc_arena()  # before any thread allocates
     torch.set_num_threads(opts.threads)
     logging.disable(logging.WARNING)  # transformers / TRL notices
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
