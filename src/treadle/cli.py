@@ -103,8 +103,9 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool = False) -
     trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model()
     output_dir = trainer.args.output_dir
-    print(f"treadle: model saved in {output_dir}")
-    print_plots(output_dir)
+    if trainer.state.is_world_process_zero:  # under torchrun, one report, not one per rank
+        print(f"treadle: model saved in {output_dir}")
+        print_plots(output_dir)
     return 0
 
 

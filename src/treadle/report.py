@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from matplotlib.figure import Figure
 
 METRICS_FILE = "metrics.jsonl"
-TRAINING_KEYS = ("loss", "learning_rate", "grad_norm")
-RL_PREFIXES = ("reward", "kl", "entropy", "clip_ratio", "completions/", "logps/", "logits/")
+TRAINING_KEYS = ("loss", "learning_rate", "grad_norm", "mean_token_accuracy")
+RL_PREFIXES = ("reward", "frac_reward", "kl", "entropy", "clip_ratio", "completions/", "logps/", "logits/")
 SUMMARY_PREFIXES = ("train_", "total_flos")  # one value at the end of a run: a table row, not a plot
 NOT_METRICS = ("step", "epoch")  # the axes of every series, not series themselves
 FIGURE_TITLES = {"training": "Training", "rewards": "Rewards and policy statistics",
