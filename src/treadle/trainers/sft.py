@@ -409,8 +409,13 @@ def _pad_token_id(tokenizer) -> int:
 
 def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(correct, total) label tokens as a float64 tensor on the logits' device: argmax of ``logits[:, t]`` against ``labels[:, t+1]``."""
-    predicted = logits[:, :-1].argmax(dim=-1)  # (B, T-1)
-    target = labels[:, 1:]  # (B, T-1)
+    scores, target = logits[:, :-1], labels[:, 1:]  # (B, T-1, V), (B, T-1)
     valid = target != -100
-    correct = (predicted.eq(target) & valid).sum()
-    return torch.stack([correct, valid.sum()]).double()
+    total = valid.sum()
+    if scores.device.type == "cpu" and 2 * int(total) < valid.numel():
+        # The CPU argmax runs at ~4 ns an element, 1% of a tiny model's step: with few label tokens (completion-only
+        # loss) take it at those positions only. (On an accelerator, selecting them would wait for the device.)
+        correct = scores[valid].argmax(dim=-1).eq(target[valid]).sum()
+    else:
+        correct = (scores.argmax(dim=-1).eq(target) & valid).sum()
+    return torch.stack([correct, total]).double()
