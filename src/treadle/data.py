@@ -103,12 +103,15 @@ class SeededSampler(Sampler[int]):
         self.epoch = epoch
         self.skip = skip
 
+    def epoch_order(self) -> list[int]:
+        """This epoch's order of all rows, the same on every rank."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=g).tolist()
+
     def indices(self) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
+        order = self.epoch_order()
         per_rank = math.ceil(self.num_samples / self.world_size)
         total = per_rank * self.world_size
         order += order[: total - len(order)]
@@ -125,7 +128,7 @@ class SeededSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
 
-class RepeatSampler(Sampler[int]):
+class RepeatSampler(SeededSampler):
     """Index order for online RL (GRPO): each prompt ``mini_repeat_count`` times in a row (a group), a batch of
     ``batch_size`` distinct prompts (global: all ranks), and each whole batch yielded ``repeat_count`` times.
 
@@ -147,27 +150,13 @@ class RepeatSampler(Sampler[int]):
         if num_samples < batch_size:
             raise ValueError(f"the dataset has {num_samples} rows but one batch needs {batch_size} distinct "
                              f"prompts; use a smaller batch or more data")
-        self.num_samples = num_samples
+        super().__init__(num_samples, seed=seed, shuffle=shuffle, rank=rank, world_size=world_size)
         self.mini_repeat_count = mini_repeat_count
         self.batch_size = batch_size
         self.repeat_count = repeat_count
-        self.shuffle = shuffle
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.epoch = 0
-        self.skip = 0
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.epoch = epoch
-        self.skip = skip
 
     def indices(self) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
+        order = self.epoch_order()
         rows_per_rank = self.batch_size * self.mini_repeat_count // self.world_size
         out = []
         for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
@@ -176,13 +165,13 @@ class RepeatSampler(Sampler[int]):
             out.extend(mine * self.repeat_count)
         return out
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices()[self.skip:])
-
     def __len__(self) -> int:
         batches = self.num_samples // self.batch_size
         per_rank = self.batch_size * self.mini_repeat_count // self.world_size
         return batches * per_rank * self.repeat_count - self.skip
+
+    def num_real_rows(self) -> None:
+        return None  # repeats are the point here: nothing to discount
 
 
 # ---------------------------------------------------------------------------------------------------------
