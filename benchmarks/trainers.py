@@ -18,10 +18,11 @@ What "the same work" means here (each contender builds its own copy of the same 
   One forward and backward per step.
 - DPO (sigmoid loss, beta 0.1): 8 pairs, 60-token prompt and 16-token responses; one policy forward over the
   16 sequences (chosen and rejected stacked), one reference forward without gradients, backward.
-- GRPO: 8 completions per micro-step, G = 8 completions per prompt (64-token prompts), completion length L,
-  temperature 1, beta 0 (no reference model), loss "dapo", ``steps_per_generation`` spg: one generation of
-  8 x spg completions feeds spg optimizer steps; with spg > 1 the old log-probs are computed once per slice
-  (one extra forward without gradients), as all three do. Reward: ``treadle.toy.addition_reward``.
+- GRPO: 8 completions per micro-step, G = 8 completions per prompt (64-token prompts), temperature 1, every
+  completion exactly L tokens (see ``build``), beta 0 (no reference model), loss "dapo". One generation of
+  8 x spg completions feeds spg optimizer steps (``steps_per_generation``); with spg > 1 the old log-probs
+  are computed once per slice (one extra forward without gradients), as all three do. Reward:
+  ``treadle.toy.addition_reward``.
   Generation: treadle and the plain loop both call ``treadle.generation.generate_completions`` (the fast
   KV-cache path, each distinct prompt prefilled once); TRL calls ``model.generate`` on the B*G repeated
   prompts, which is the way it works on CPU (without vLLM) and is part of what is being compared.
@@ -35,12 +36,17 @@ Timing, in lockstep: the contenders of one run are built in threads that take tu
 time (a baton passed at the end of every step; only its holder runs), because this machine's speed wanders by
 tens of percent over tens of seconds and a slow spell must hit every contender alike. A step is timed from
 the moment its contender gets the baton to the end of the step, so data loading, generation, callbacks and
-every hook are included. Per run: the median over the timed steps after ``warmup`` (for spg > 1, over whole
-generation cycles, each cycle's mean step), so that a step stalled by another process does not count. Each
-round repeats every run with fresh models, rotating who steps first; the table reports the median and best
-ms/step over rounds and the median over rounds of each round's ratio to the plain loop. Threads share one
-malloc arena (``single_malloc_arena``), as a single-threaded script does. Two copies of the same contender
-measured this way agree within 1%.
+every hook are included. Per run and contender: the mean over the fastest half of the timed steps after
+``warmup`` (for spg > 1, of whole generation cycles); other processes only ever add time. Each round repeats
+every run with fresh models, rotating who steps first; the table reports the median and best of those figures
+over rounds, and the median over rounds of each round's ratio to the plain loop.
+
+Two settings keep the threads as comparable as separate single-threaded scripts would be, and were needed:
+all contenders run on one CPU core (``--cpu``; else a contender whose thread the system put on the core that
+another process kept busy ran 40% slower than its twin for a whole run), and glibc serves every thread from
+one malloc arena (``single_malloc_arena``; with an arena per thread, the memory given back to the system and
+faulted in again differed between contenders: the same MLP took 70% longer in one than in the other). With
+both, two copies of the same contender agree within about 2%.
 """
 
 from __future__ import annotations
@@ -92,18 +98,19 @@ def workloads(quick: bool) -> list[Workload]:
     scale = 1 if quick else 2
     rows = [Workload("SFT", "sft", warmup=3, timed=8 * scale), Workload("DPO", "dpo", warmup=3, timed=8 * scale)]
     for length in (16, 64):
-        rows.append(Workload(f"GRPO L{length} spg1", "grpo", warmup=2, timed=3 * scale, completion_length=length))
-        rows.append(Workload(f"GRPO L{length} spg4", "grpo", warmup=4, timed=4 + 4 * scale, completion_length=length,
+        rows.append(Workload(f"GRPO L{length} spg1", "grpo", warmup=2, timed=4 * scale, completion_length=length))
+        rows.append(Workload(f"GRPO L{length} spg4", "grpo", warmup=4, timed=8 * scale, completion_length=length,
                              spg=4))
     return rows
 
 
 def seconds_per_step(steps: list[float], work: Workload) -> float:
-    """The median over the timed generation cycles (single steps for SFT and DPO, whose steps all do the same
-    work) of the mean step time: a step that another process happened to stall does not move it."""
+    """Mean step time over the fastest half of the timed units: single steps for SFT and DPO (every step does
+    the same work), whole generation cycles for GRPO with spg > 1. Other processes only ever add time, so the
+    fastest half measures the work itself; the slower half is where they happened to run."""
     timed = steps[work.warmup:work.steps]
-    cycles = [statistics.fmean(timed[i:i + work.spg]) for i in range(0, len(timed), work.spg)]
-    return statistics.median(cycles)
+    units = sorted(statistics.fmean(timed[i:i + work.spg]) for i in range(0, len(timed), work.spg))
+    return statistics.fmean(units[:max(1, len(units) // 2)])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -160,12 +167,20 @@ def rows_for(work: Workload, steps: int) -> list[dict]:
     return grpo_rows(steps * BATCH // GROUP)
 
 
-def build(size: str):
-    """(tokenizer, model) for one contender: the same weights every time."""
+def build(size: str, *, sampled_lengths: bool = True):
+    """(tokenizer, model) for one contender: the same weights every time.
+
+    ``sampled_lengths=False`` (GRPO) makes every completion exactly L tokens: EOS becomes a new token that the
+    model, whose vocabulary stays as it was, can never sample. An untrained model samples the real EOS about
+    once per 100 tokens, which would give each contender a different amount of work by chance.
+    """
     from treadle import toy
 
     tokenizer = toy.build_tokenizer()
     model = toy.build_model(size, tokenizer=tokenizer, seed=0)
+    if not sampled_lengths:
+        tokenizer.add_special_tokens({"eos_token": "<never>"})
+        model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.train()
     return tokenizer, model
 
@@ -277,7 +292,7 @@ def plain_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) 
     from treadle.generation import generate_completions
     from treadle.toy import addition_reward
 
-    tokenizer, model = build(size)
+    tokenizer, model = build(size, sampled_lengths=False)
     rows = rows_for(work, steps)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     generator = torch.Generator().manual_seed(0)
@@ -362,7 +377,7 @@ def treadle_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None]
     from treadle import GRPOConfig, GRPOTrainer
     from treadle.toy import addition_reward
 
-    tokenizer, model = build(size)
+    tokenizer, model = build(size, sampled_lengths=False)
     clock = _treadle_clock(tick)
     args = GRPOConfig(**_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
                       max_completion_length=work.completion_length, max_prompt_length=None, temperature=1.0,
@@ -428,7 +443,7 @@ def trl_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None], ou
 
     from treadle.toy import addition_reward
 
-    tokenizer, model = build(size)
+    tokenizer, model = build(size, sampled_lengths=False)
     clock = _trl_clock(tick)
     args = trl.GRPOConfig(**_trl_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
                           max_completion_length=work.completion_length, temperature=1.0, top_p=1.0, top_k=0,
@@ -510,15 +525,21 @@ def quiet():
         yield
 
 
-def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str) -> dict[str, float]:
-    """Run the contenders in threads that take turns step by step; {name: mean seconds per timed step}
-    (NaN for a contender that failed: the error is printed and the others go on)."""
+def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str, cpu: int | None
+                 ) -> dict[str, float]:
+    """Run the contenders in threads that take turns step by step, all on CPU ``cpu`` (None: wherever the
+    system puts them); {name: seconds per step, see ``seconds_per_step``} (NaN for a contender that failed:
+    the error is printed and the others go on)."""
     baton = Baton(len(runners))
     watches = [Stopwatch(baton, i) for i in range(len(runners))]
     errors: dict[str, str] = {}
 
     def play(i: int, name: str, fn: Callable) -> None:
         watch = watches[i]
+        if cpu is not None:
+            # one core for every contender: on a core that another process is busy on, a contender ran 40%
+            # slower than its twin for a whole run
+            os.sched_setaffinity(0, {cpu})  # 0 = this thread (Linux)
         try:
             watch.start()
             with tempfile.TemporaryDirectory(prefix="treadle-bench-") as output_dir:
@@ -558,7 +579,7 @@ def single_malloc_arena() -> bool:
         return False
 
 
-def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool) -> dict:
+def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool, cpu: int | None) -> dict:
     """{(size, workload name): {contender: [seconds per step, one per round]}}."""
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in range(rounds):
@@ -568,7 +589,7 @@ def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool
                 shift = r % len(runners)  # rotate who steps first
                 runners = runners[shift:] + runners[:shift]
                 cell = results.setdefault((size, work.name), {name: [] for name, _ in sorted(runners)})
-                for name, seconds in run_lockstep(runners, work, size).items():
+                for name, seconds in run_lockstep(runners, work, size, cpu).items():
                     cell[name].append(seconds)
                 line = "  ".join(f"{n} {1000 * v[-1]:.1f}" for n, v in cell.items())
                 print(f"round {r + 1}/{rounds} {size:5s} {work.name:14s} ms/step: {line}", file=sys.stderr, flush=True)
@@ -607,6 +628,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (2 with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared "
                                                                "machine)")
+    parser.add_argument("--cpu", type=int, default=None, help="the CPU all contenders run on (default: the "
+                                                              "lowest this process may use; -1: no pinning)")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when installed")
     parser.add_argument("--json", default=None, help="also write the raw seconds per step to this file")
     opts = parser.parse_args(argv)
@@ -619,15 +642,21 @@ def main(argv=None) -> None:
     works = [w for w in workloads(opts.quick) if opts.only is None or w.name.startswith(opts.only)]
     with_trl = not opts.no_trl and trl_installed()
     start = time.time()
-    results = measure(sizes, works, rounds, with_trl)
+    cpu = opts.cpu
+    if cpu is None and hasattr(os, "sched_getaffinity"):
+        cpu = min(os.sched_getaffinity(0))
+    cpu = None if cpu is None or cpu < 0 else cpu
+    results = measure(sizes, works, rounds, with_trl, cpu)
     versions = f"torch {torch.__version__}"
     if with_trl:
         import transformers
         import trl
 
         versions += f", transformers {transformers.__version__}, TRL {trl.__version__}"
+    where = f"CPU {cpu}" if cpu is not None else "unpinned"
     print(f"\n### Trainers: ms per optimizer step vs a plain PyTorch loop ({time.strftime('%Y-%m-%d')}, "
-          f"{rounds} rounds, {torch.get_num_threads()} torch thread(s), {versions}, {time.time() - start:.0f} s)\n")
+          f"{rounds} rounds in lockstep on {where}, {torch.get_num_threads()} torch thread(s), {versions}, "
+          f"{time.time() - start:.0f} s)\n")
     print(table(results, works, rounds))
     if not with_trl:
         why = "skipped (--no-trl)" if opts.no_trl else "not installed (pip install -e '.[bench]')"

@@ -46,6 +46,8 @@ IGNORE_INDEX = -100
 # Config attributes of transformers models that transform logits after the LM head.
 _LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
                      "output_logits_scale": 1.0}
+# Up to this many logits (rows x V; 4 MB in float32) token_logps skips the chunking (see _small_token_logps).
+SMALL_LOGITS = 1 << 20
 # Result of the one-time numeric check of the fast path, per model (weak: does not keep models alive).
 _FAST_PATH_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
@@ -287,7 +289,8 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
         temperature: divides the logits (use the sampling temperature for GRPO's log-probs).
         start: skip the first ``start`` predictions; the result covers targets ``input_ids[:, start+1:]``
             (e.g. ``start = prompt_length - 1`` for completion tokens only). ``0 <= start < T - 1``.
-        chunk_size: rows per chunk of :func:`chunked_token_logps`.
+        chunk_size: rows per chunk of :func:`chunked_token_logps`. At most ``chunk_size`` rows with at most
+            ``SMALL_LOGITS`` logits in all are computed in one piece through plain autograd instead.
         return_entropy: also return the per-position entropy (detached).
         forward_kwargs: passed to the model (``position_ids``, ...).
 
@@ -311,12 +314,37 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
         return _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start,
                                   return_entropy, forward_kwargs)
     hidden = hidden[:, start:-1]  # (B, T-1-start, H)
-    result = chunked_token_logps(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
-                                 bias=head.bias, temperature=temperature, chunk_size=chunk_size,
-                                 return_entropy=return_entropy)
-    logps, entropy = result if return_entropy else (result, None)
+    rows = labels.numel()
+    if rows <= chunk_size and rows * head.weight.shape[0] <= SMALL_LOGITS:
+        logps, entropy = _small_token_logps(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1),
+                                            temperature, return_entropy)
+    else:
+        result = chunked_token_logps(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
+                                     bias=head.bias, temperature=temperature, chunk_size=chunk_size,
+                                     return_entropy=return_entropy)
+        logps, entropy = result if return_entropy else (result, None)
     entropy = None if entropy is None else entropy.view(labels.shape)
     return logps.view(labels.shape), entropy
+
+
+def _small_token_logps(hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float,
+                       return_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """:func:`chunked_token_logps` for at most ``SMALL_LOGITS`` logits, through plain autograd: a one-chunk
+    custom Function costs more in Python than a small model's whole head (a few % of a tiny model's step),
+    and a few MB of logits held for backward do not matter. Same results, dtypes and -100 handling."""
+    logits = F.linear(hidden, head.weight, head.bias)  # (N, V); under autocast, in the autocast dtype
+    logits = logits.to(_upcast(logits.dtype))
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)  # (N, V)
+    valid = labels != IGNORE_INDEX  # (N,)
+    picked = log_probs.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)  # (N,)
+    logps = torch.where(valid, picked, 0.0)
+    entropy = None
+    if return_entropy:
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(dim=-1)  # (N,)
+    return logps, entropy
 
 
 def _fast_path_head(base: nn.Module) -> nn.Linear | None:
