@@ -464,10 +464,12 @@ def trl_installed() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
-def contenders(kind: str, with_trl: bool) -> dict[str, Callable]:
+def contenders(kind: str, with_trl: bool, twin: bool = False) -> dict[str, Callable]:
     plain = {"sft": plain_sft, "dpo": plain_dpo, "grpo": plain_grpo}[kind]
     out = {"plain PyTorch": lambda work, size, steps, tick, _dir: plain(work, size, steps, tick),
            "treadle": {"sft": treadle_sft, "dpo": treadle_dpo, "grpo": treadle_grpo}[kind]}
+    if twin:  # the plain loop again: its ratio to the first is the noise floor of this run
+        out["plain PyTorch (twin)"] = out["plain PyTorch"]
     if with_trl:
         out["TRL"] = {"sft": trl_sft, "dpo": trl_dpo, "grpo": trl_grpo}[kind]
     return out
@@ -579,13 +581,14 @@ def single_malloc_arena() -> bool:
         return False
 
 
-def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool, cpu: int | None) -> dict:
+def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool, cpu: int | None,
+            twin: bool = False) -> dict:
     """{(size, workload name): {contender: [seconds per step, one per round]}}."""
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
     for r in range(rounds):
         for size in sizes:
             for work in works:
-                runners = list(contenders(work.kind, with_trl).items())
+                runners = list(contenders(work.kind, with_trl, twin).items())
                 shift = r % len(runners)  # rotate who steps first
                 runners = runners[shift:] + runners[:shift]
                 cell = results.setdefault((size, work.name), {name: [] for name, _ in sorted(runners)})
@@ -603,7 +606,7 @@ def table(results: dict, works: list[Workload], rounds: int) -> str:
     for (size, name), cell in results.items():
         items, unit = items_per_step(by_name[name])
         plain = cell["plain PyTorch"]
-        for contender in ("plain PyTorch", "treadle", "TRL"):
+        for contender in ("plain PyTorch", "plain PyTorch (twin)", "treadle", "TRL"):
             samples = cell.get(contender)
             if samples is None:
                 continue
@@ -631,6 +634,8 @@ def main(argv=None) -> None:
     parser.add_argument("--cpu", type=int, default=None, help="the CPU all contenders run on (default: the "
                                                               "lowest this process may use; -1: no pinning)")
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when installed")
+    parser.add_argument("--twin", action="store_true", help="also run a second plain loop: its ratio to the "
+                                                             "first shows how far apart two equal contenders land")
     parser.add_argument("--json", default=None, help="also write the raw seconds per step to this file")
     opts = parser.parse_args(argv)
     single_malloc_arena()  # before any thread allocates
@@ -646,7 +651,7 @@ def main(argv=None) -> None:
     if cpu is None and hasattr(os, "sched_getaffinity"):
         cpu = min(os.sched_getaffinity(0))
     cpu = None if cpu is None or cpu < 0 else cpu
-    results = measure(sizes, works, rounds, with_trl, cpu)
+    results = measure(sizes, works, rounds, with_trl, cpu, opts.twin)
     versions = f"torch {torch.__version__}"
     if with_trl:
         import transformers
