@@ -1,6 +1,6 @@
 """Run every benchmark in this folder, one after the other, and print all their tables at the end.
 
-    python benchmarks/run_all.py            # the full runs (tens of minutes on 2 CPU cores)
+    python benchmarks/run_all.py            # the full runs (about 45 minutes on 2 CPU cores)
     python benchmarks/run_all.py --quick    # each benchmark's quick mode: checks that everything runs
     python benchmarks/run_all.py --only trainers,startup
 
@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Arguments of the benchmarks whose quick mode is not spelt --quick, or that need a GPU. Others: no arguments,
 # plus --quick in quick mode when they accept it.
 SPECIAL = {
+    "trainers": {"full": ["--twin"], "quick": ["--quick"]},  # --twin: the table in docs/performance.md
     "logprob_memory": {"full": [], "quick": ["--small"]},
     "gpu_check": {"full": [], "quick": [], "cpu": ["--cpu-smoke"]},  # on a machine without CUDA: a smoke run
 }
