@@ -46,7 +46,8 @@ all contenders run on one CPU core (``--cpu``; else a contender whose thread the
 another process kept busy ran 40% slower than its twin for a whole run), and glibc serves every thread from
 one malloc arena (``single_malloc_arena``; with an arena per thread, the memory given back to the system and
 faulted in again differed between contenders: the same MLP took 70% longer in one than in the other). With
-both, two copies of the same contender agree within about 2%.
+both, two copies of the same contender agree within about 3%, except GRPO with long completions on the tiny
+model (up to 7% over 3 rounds): ``--twin`` adds a second plain loop to the table, to show this floor.
 """
 
 from __future__ import annotations
