@@ -361,3 +361,29 @@ def test_fallback_reads_logits_from_a_plain_dict_output():
     logps, _ = token_logps(model, ids)
     expected = torch.log_softmax(model(ids)["logits"][:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     torch.testing.assert_close(logps, expected)
+
+
+def test_small_problems_take_plain_autograd_and_agree_with_the_chunked_path(monkeypatch):
+    import treadle.logprobs as lp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    ids = torch.randint(1, 50, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+
+    def run():
+        model.zero_grad()
+        logps, entropy = lp.token_logps(model, ids, mask, start=1, return_entropy=True)
+        logps.sum().backward()
+        return logps.detach(), entropy, [p.grad.clone() for p in model.parameters()]
+
+    small = run()  # 3 x 6 rows x 50 logits: far below SMALL_LOGITS
+    monkeypatch.setattr(lp, "SMALL_LOGITS", 0)  # force the chunked autograd Function
+    chunked = run()
+    torch.testing.assert_close(small[0], chunked[0])
+    torch.testing.assert_close(small[1], chunked[1])
+    for a, b in zip(small[2], chunked[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
