@@ -100,6 +100,7 @@ class Trainer:
                                                 processing_class, self.optimizer, self.lr_scheduler)
         self._forward_params = forward_parameters(self.model)
         self._stop_signal: int | None = None
+        self._micro_items: int | None = None  # items of the micro-batch in training_step, counted before it moves
         self._dropped_columns_logged: set[str] = set()
         self.control = self.callback_handler.call_event("on_init_end", self.args, self.state, self.control)
 
@@ -280,7 +281,8 @@ class Trainer:
         outputs = model(**inputs, **kwargs)
         loss = _loss_of(outputs, inputs)
         if num_items_in_batch is not None and not takes_items:
-            items = self.count_items(inputs)
+            # counted on the raw CPU batch by the loop (no device sync here); a direct call counts now
+            items = self._micro_items if self._micro_items is not None else self.count_items(inputs)
             # no item in this micro-batch: the model's mean is 0/0; it contributes nothing to the window
             loss = loss * (items / num_items_in_batch) if items else loss.new_zeros(())
         return (loss, outputs) if return_outputs else loss
@@ -412,8 +414,10 @@ class Trainer:
         num_items = self.get_num_items_in_batch(window)
         for i, inputs in enumerate(window):
             last = i == len(window) - 1
+            self._micro_items = self.count_items(inputs) if num_items is not None else None
             with dist.no_sync(self.model_wrapped, skip_sync=not last):
                 loss = self.training_step(self.model_wrapped, inputs, num_items)
+            self._micro_items = None
             # item-weighted, so that the logged loss is the mean over all items of the logging window
             self._log_loss_sum += loss.double() * (num_items if num_items is not None else 1 / dist.get_world_size())
             if not last:
