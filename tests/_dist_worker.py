@@ -239,26 +239,24 @@ def digit_count_reward(prompts, completions, completion_ids, **columns) -> list[
 
 
 def scenario_collectives(out: str) -> dict:
-    """Each rank records what the helpers return; rank r contributes r + 1 rows to all_gather."""
+    """Each rank records what the helpers return; rank r contributes a row of r + 1 values to gather_padded, and
+    the two ranks record the same metrics in opposite orders."""
     from treadle import distributed as dist
+    from treadle.metrics import MetricWindow
 
     rank = dist.get_rank()
-    order = []
-    with dist.main_process_first():
-        order.append(time.monotonic())
-        if rank == 0:
-            time.sleep(0.3)  # rank 1 must not enter before rank 0 has left
-    gathered = dist.all_gather(torch.arange(rank + 1, dtype=torch.float32) + 10 * rank)
+    window = MetricWindow()
+    if rank == 0:
+        window.add_many({"a": (1.0, 1), "b": (10.0, 2)})
+    else:
+        window.add_many({"b": (20.0, 2), "a": (3.0, 1)})
     result = {
-        "all_gather": gathered.tolist(),
-        "all_gather_2d_shape": list(dist.all_gather(torch.ones(rank + 1, 3)).shape),
-        "mean_over_ranks": dist.mean_over_ranks({"rank": float(rank), "const": 2.0}, torch.device("cpu")),
+        "gather_padded": dist.gather_padded([torch.full((1, rank + 1), float(rank))]).tolist(),
+        "metric_means": window.means(),
         "all_reduce_sum": dist.all_reduce_sum(torch.tensor([rank + 1.0])).item(),
         "any_rank_one": dist.any_rank(rank == 1, torch.device("cpu")),
         "any_rank_none": dist.any_rank(False, torch.device("cpu")),
-        "broadcast": dist.broadcast_object({"from": rank}),
         "gather_objects": dist.gather_objects(f"r{rank}"),
-        "main_first_at": dist.gather_objects(order[0]),
     }
     with open(os.path.join(os.path.dirname(out), f"collectives_rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -16,7 +16,7 @@ def test_seeded_sampler_skips_without_changing_the_order():
     s = SeededSampler(10, seed=1)
     s.set_epoch(2)
     full = list(s)
-    s.set_epoch(2, skip=4)
+    s.start_epoch(2, skip=4)
     assert list(s) == full[4:] and len(s) == 6
 
 

@@ -400,3 +400,22 @@ def test_wrap_around_rows_of_a_rank_count_nowhere_in_evaluation(tmp_path, rows):
     expected = reference_token_mean_loss(model, [data[1], data[3]]).item()
     assert out.metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
     assert out.predictions.shape[0] == 2 and out.label_ids.shape[0] == 2
+
+
+def test_training_step_works_on_its_own_outside_train(tmp_path):
+    """No run state is needed: a lone micro-batch's loss (its share of a window of num_items_in_batch items)
+    and its gradient equal plain PyTorch's token sum / num_items_in_batch."""
+    rows = lm_rows(4)
+    model, reference = tiny_llama(), tiny_llama()
+    trainer = Trainer(model, args_for(tmp_path), train_dataset=rows)
+    batch = trainer.data_collator(rows)
+    items = trainer.count_items(batch)
+    loss = trainer.training_step(model, batch, num_items_in_batch=2 * items)  # half of a two-batch window
+    expected = reference_token_mean_loss(reference, rows) / 2
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    model.zero_grad()
+    mean = trainer.training_step(model, batch)  # no item count: the model's own mean
+    assert mean.item() == pytest.approx(2 * expected.item(), rel=1e-5)

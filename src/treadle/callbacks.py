@@ -29,11 +29,14 @@ callback talks back only by setting fields of the ``TrainerControl`` it receives
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +62,6 @@ class TrainerState:
     train_batch_size: int = 0  # per-device micro-batch rows
     gradient_accumulation_steps: int = 1
     world_size: int = 1
-    num_input_tokens_seen: int = 0
     log_history: list[dict[str, Any]] = field(default_factory=list)
     best_metric: float | None = None
     best_global_step: int | None = None
@@ -380,6 +382,57 @@ class EarlyStoppingCallback(TrainerCallback):
             saved["bad_evals"] += 1
         if saved["bad_evals"] >= self.patience:
             control.should_training_stop = True
+
+
+class PreemptionCallback(TrainerCallback):
+    """SIGTERM / Ctrl-C: finish the current optimizer step, save a whole checkpoint, end training cleanly.
+
+    ``guard()`` (the Trainer runs ``train`` inside it) installs the handlers in the main thread and restores
+    the previous ones afterwards. A signal only records itself (``signal``); at the next step end this callback
+    asks through ``control`` for a checkpoint (even with ``save_strategy="no"``: a preempted run keeps its work)
+    and a stop. Under several processes the ranks agree first, so one rank's signal stops all of them after the
+    same step. A second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.signal: int | None = None  # the signal that stopped the run, None while none has arrived
+
+    @contextlib.contextmanager
+    def guard(self):
+        self.signal = None
+        if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+            yield
+            return
+
+        def request_stop(signum, frame):
+            if self.signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signal = signum
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        stop = self.signal is not None
+        if state.world_size > 1:  # a collective: every rank calls it at every step
+            from treadle import distributed as dist
+
+            stop = dist.any_rank(stop, args.device)
+        if stop:
+            self.signal = self.signal or signal.SIGTERM  # a peer's signal stops this rank too
+            control.should_save = control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.signal is not None and state.is_world_process_zero:
+            from treadle.checkpoint import latest_checkpoint
+
+            print(f"treadle: stopped by {signal.Signals(self.signal).name} after step {state.global_step}; "
+                  f"checkpoint: {latest_checkpoint(args.output_dir)}. Resume with "
+                  f"trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`).",
+                  file=sys.stderr, flush=True)
 
 
 DEFAULT_CALLBACKS = (FlowCallback, MetricsFileCallback)

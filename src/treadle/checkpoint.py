@@ -358,6 +358,47 @@ def _read_json(path: str, directory: str) -> dict:
         raise CheckpointError(f"cannot read {path!r} in checkpoint {directory!r}: {e}") from e
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Resuming and the best checkpoint
+# ---------------------------------------------------------------------------------------------------------
+RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
+RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
+                     "is_world_process_zero", "is_local_process_zero")  # taken from the new run, not the saved one
+
+
+def resumed_state(path: str, current):
+    """The TrainerState to continue from checkpoint ``path``, checked against the ``current`` run's before
+    anything is loaded: a different batch size, accumulation, number of processes or dataset length would
+    not continue the run exactly, so it is refused (CheckpointError) and the model stays as it was. The run's
+    length and cadence come from the current arguments (a resumed run may be asked to go further)."""
+    state = read_state(path)
+    mismatches = [f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
+                  for name in RESUME_MUST_MATCH if getattr(state, name) != getattr(current, name)]
+    if mismatches:
+        raise CheckpointError(f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the same "
+                              f"batch size, accumulation, number of processes and dataset, or start a new run "
+                              f"from its weights (model.from_pretrained({path!r}))")
+    for name in RUN_LENGTH_FIELDS:
+        setattr(state, name, getattr(current, name))
+    return state
+
+
+def update_best(state, args, metrics: dict | None, path: str) -> None:
+    """Record checkpoint ``path`` (about to be written at ``state.global_step``) as the best when its
+    evaluation ``metrics`` beat ``state.best_metric`` on ``args.metric_for_best_model``."""
+    key = args.metric_for_best_model
+    if key is None or not metrics:
+        return
+    key = key if key.startswith("eval_") else f"eval_{key}"
+    if key not in metrics:
+        raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r} is not among the evaluation "
+                       f"metrics {sorted(metrics)}")
+    value, best = metrics[key], state.best_metric
+    if best is None or (value > best if args.greater_is_better else value < best):
+        state.best_metric, state.best_global_step = value, state.global_step
+        state.best_model_checkpoint = path
+
+
 def rotate(output_dir: str, limit: int | None, *, keep: tuple[str | None, ...] = ()) -> list[str]:
     """Delete the oldest complete checkpoints beyond ``limit``, never the newest nor any in ``keep`` (the best).
     Returns the deleted paths."""

@@ -7,12 +7,16 @@ new process, which is what makes resuming mid-epoch exact.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
+import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import Sampler
+
+from treadle import distributed as dist
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -98,10 +102,14 @@ class SeededSampler(Sampler[int]):
         self.epoch = 0
         self.skip = 0
 
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+    def start_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch's permutation and drop its first ``skip`` indices (of this rank)."""
         self.epoch = epoch
         self.skip = skip
+
+    def set_epoch(self, epoch: int) -> None:
+        """torch's sampler convention (``DistributedSampler.set_epoch``): the epoch's order from its start."""
+        self.start_epoch(epoch)
 
     def epoch_order(self) -> list[int]:
         """This epoch's order of all rows, the same on every rank."""
@@ -174,6 +182,69 @@ class RepeatSampler(SeededSampler):
         return None  # repeats are the point here: nothing to discount
 
 
+@runtime_checkable
+class ResumableSampler(Protocol):
+    """A sampler that can start an epoch part-way (SeededSampler and RepeatSampler are): ``start_epoch(epoch,
+    skip)`` selects the epoch's order and drops its first ``skip`` indices of this rank, so that a resumed run
+    skips the rows it already trained on without loading them."""
+
+    def start_epoch(self, epoch: int, skip: int = 0) -> None: ...
+
+
+def epoch_batches(dataloader, epoch: int, skip_batches: int = 0) -> Iterator:
+    """The batches of epoch ``epoch`` from batch ``skip_batches`` on. A ResumableSampler skips without
+    loading; with any other sampler the skipped batches are loaded and dropped (exact, only slower)."""
+    sampler = getattr(dataloader, "sampler", None)
+    batch_size = getattr(dataloader, "batch_size", None)
+    if isinstance(sampler, ResumableSampler) and batch_size:
+        sampler.start_epoch(epoch, skip_batches * batch_size)
+        return iter(dataloader)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(epoch)
+    return itertools.islice(iter(dataloader), skip_batches, None)
+
+
+def plan_steps(dataloader, args) -> tuple[int, int, int]:
+    """(optimizer steps per epoch, total steps, epochs) of a run over ``dataloader``, from its length and
+    ``args`` (``gradient_accumulation_steps``, ``max_steps`` or else ``num_train_epochs``)."""
+    accum = args.gradient_accumulation_steps
+    try:
+        batches = len(dataloader)
+    except TypeError:
+        if args.max_steps <= 0:
+            raise ValueError("the training dataset has no length (an iterable dataset): set max_steps") from None
+        return args.max_steps, args.max_steps, 1
+    if batches == 0:
+        raise ValueError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
+                         f"{dataloader.batch_size} and drop_last={dataloader.drop_last}")
+    steps_per_epoch = math.ceil(batches / accum)
+    if args.max_steps > 0:
+        return steps_per_epoch, args.max_steps, math.ceil(args.max_steps / steps_per_epoch)
+    return steps_per_epoch, math.ceil(args.num_train_epochs * steps_per_epoch), math.ceil(args.num_train_epochs)
+
+
+def check_first_batch(dataloader, label_names: Sequence[str] | None = None) -> None:
+    """Collate the first rows of the training set before training, so that a data problem fails at once and
+    names the columns. With ``label_names``, a batch that has none of them is refused too (the model computes
+    its loss from labels)."""
+    dataset = dataloader.dataset
+    if hasattr(dataset, "__len__") and len(dataset) == 0:
+        raise ValueError("the training dataset is empty")
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return  # an iterable dataset: its first batch fails on its own, in the loop
+    rows = [dataset[i] for i in range(min(2, len(dataset)))]
+    try:
+        batch = dataloader.collate_fn(rows)
+    except Exception as e:
+        columns = column_names(dataset) or (list(rows[0]) if isinstance(rows[0], dict) else "?")
+        raise ValueError(f"the data collator failed on the first training rows (columns: {columns}): "
+                         f"{type(e).__name__}: {e}") from e
+    if label_names and isinstance(batch, dict) and not any(k in batch for k in label_names):
+        raise ValueError(f"the model needs {list(label_names)} to compute its loss but the training batches only "
+                         f"have {sorted(batch)}; add a labels column (for causal LMs, labels = input_ids with "
+                         f"-100 on ignored tokens), or override compute_loss")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Columns
 # ---------------------------------------------------------------------------------------------------------
@@ -205,6 +276,48 @@ def unused_columns(dataset, accepted: set[str], keep: Sequence[str] = ()) -> lis
     if names is None:
         return []
     return [c for c in names if c not in accepted and c not in keep]
+
+
+def drop_unused_columns(dataset, keep: set[str] | None, *, description: str, model_name: str,
+                        announced: set[str] | None = None):
+    """``dataset`` without the columns outside ``keep`` (None keeps all), naming them on stderr once per
+    ``announced`` set. Dropping every column is an error: the model would get no inputs."""
+    if keep is None or column_names(dataset) is None:
+        return dataset
+    dropped = unused_columns(dataset, keep)
+    if not dropped:
+        return dataset
+    if len(dropped) == len(column_names(dataset)):
+        raise ValueError(f"none of the {description} dataset's columns {dropped} is an argument of "
+                         f"{model_name}.forward (it takes {sorted(keep)}); tokenize the dataset first, or set "
+                         f"remove_unused_columns=False and pass a data_collator that builds the model's inputs")
+    key = f"{description}:{','.join(dropped)}"
+    if announced is not None and key not in announced and dist.is_main_process():
+        announced.add(key)
+        print(f"treadle: dropping {description} dataset columns {dropped} that {model_name}.forward does not "
+              f"take (set remove_unused_columns=False to keep them)", file=sys.stderr)
+    return dataset.remove_columns(dropped)
+
+
+def batch_rows(inputs) -> int:
+    """Rows in a batch: the first dimension of its first tensor (or length of its first list); 1 if neither."""
+    if isinstance(inputs, dict):
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                return v.shape[0]
+            if isinstance(v, list):
+                return len(v)
+    return 1
+
+
+def mask_label_rows(inputs, label_name: str, keep: int):
+    """The batch with the labels of every row from ``keep`` on set to -100 (no weight in the loss)."""
+    labels = inputs.get(label_name) if isinstance(inputs, dict) else None
+    if not isinstance(labels, torch.Tensor):
+        return inputs
+    labels = labels.clone()
+    labels[keep:] = -100
+    return {**inputs, label_name: labels}
 
 
 def require_columns(dataset, required: Sequence[str], *, what: str, fix: str = "") -> None:

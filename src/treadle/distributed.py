@@ -4,7 +4,7 @@ through ``torch.distributed.checkpoint``, and small collective helpers.
 One process per device, launched by ``torchrun --nproc_per_node N``; the process group is read from the
 environment torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), with
 nccl on GPUs and gloo on CPUs. Every helper is a no-op (or the identity) in a single process, so the Trainer
-calls them unconditionally. Collectives (``all_reduce_sum``, ``mean_over_ranks``, ``all_gather`` ...) must be
+calls them unconditionally. Collectives (``all_reduce_sum``, ``gather_objects``, ``any_rank`` ...) must be
 called by every rank in the same order; a rank that never arrives makes the others fail after
 ``TREADLE_DDP_TIMEOUT`` seconds (default 1800) instead of waiting forever.
 """
@@ -130,40 +130,6 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Each metric averaged over ranks (one all-reduce for all of them); ``metrics`` itself in one process.
-
-    Every rank must pass the same keys. For a metric whose ranks hold different numbers of items (tokens,
-    completions) an item-weighted mean is exact; reduce ``(sum, count)`` pairs with ``all_reduce_sum`` instead.
-    """
-    if not is_initialized() or get_world_size() == 1 or not metrics:
-        return dict(metrics)
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    values /= get_world_size()
-    return dict(zip(keys, values.tolist()))
-
-
-def all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated along dim 0 in rank order (lengths along dim 0 may differ; the
-    other dims must match); ``tensor`` itself in one process. Differentiable only locally: no gradient flows
-    back to other ranks."""
-    if not is_initialized() or get_world_size() == 1:
-        return tensor
-    world = get_world_size()
-    length = torch.tensor([tensor.shape[0]], device=tensor.device)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length)
-    lengths = [int(n) for n in lengths]
-    longest = max(lengths)
-    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
-    padded[: tensor.shape[0]] = tensor
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous())
-    return torch.cat([part[:n] for part, n in zip(parts, lengths)])
-
-
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` in rank order (picklable objects); ``[obj]`` in one process."""
     if not is_initialized():
@@ -173,25 +139,17 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (picklable objects); ``obj`` in one process."""
-    if not is_initialized():
-        return obj
-    box = [obj if get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-@contextlib.contextmanager
-def main_process_first():
-    """Rank 0 runs the block first (e.g. tokenising into a cache), the other ranks after it, from the cache."""
-    if not is_main_process():
-        barrier()
-    try:
-        yield
-    finally:
-        if is_main_process():
-            barrier()
+def gather_padded(tensors: list[torch.Tensor]):
+    """Concatenate this rank's per-batch tensors with every other rank's, in rank order, as one numpy array.
+    Ragged sequence dimensions (dim 1) are padded with -100 (the label ignore index). Every rank must call it."""
+    tensors = [t for part in gather_objects(tensors) for t in part]
+    if tensors[0].dim() <= 1 or all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
+        out = torch.cat(tensors)
+    else:
+        length = max(t.shape[1] for t in tensors)
+        out = torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]), value=-100)
+                         for t in tensors])
+    return (out.float() if out.dtype == torch.bfloat16 else out).numpy()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ whether* it happens. The overridable methods, in the order a run calls them:
 ``get_train_dataloader`` once per ``train()``: what a micro-batch is (GRPO loads several steps' prompts)
 ``create_optimizer``     once, unless ``optimizers=(opt, sched)`` was given
 ``create_scheduler``     once, after the optimizer
-``get_num_items_in_batch`` once per optimizer step, with the raw micro-batches of the accumulation window
+``prepare_window``       once per optimizer step, with the raw micro-batches of the accumulation window
+                         (GRPO generates and scores here); returns the micro-batches to train on
+``get_num_items_in_batch`` once per optimizer step: the loss items of the whole window, over all ranks
 ``training_step``        per micro-batch: ``prepare_inputs`` -> ``compute_loss`` -> backward
-``prepare_inputs``       per micro-batch: move to the device (GRPO generates and scores here)
+``prepare_inputs``       per micro-batch: move to the device
 ``compute_loss``         per micro-batch: the loss, summed over items / ``num_items_in_batch``
 ``log``                  when a callback sets ``control.should_log``
 ``evaluate``             when ``control.should_evaluate``: ``get_eval_dataloader`` + ``prediction_step``
@@ -17,7 +19,9 @@ whether* it happens. The overridable methods, in the order a run calls them:
 =======================  ==========================================================================
 
 The loop itself is ``train`` -> ``_train_epoch`` -> ``_optimizer_step``; see treadle.callbacks for the event
-order. Names and signatures follow ``transformers.Trainer``.
+order. Names and signatures follow ``transformers.Trainer``. Windowed metrics (the training loss, and whatever a
+subclass records with ``self.metrics.add``) live in one ``treadle.metrics.MetricWindow``: reduced over ranks
+once per log, saved with every checkpoint.
 """
 
 from __future__ import annotations
@@ -27,20 +31,22 @@ import itertools
 import math
 import os
 import random
-import signal
 import sys
-import threading
 import time
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from treadle import checkpoint as ckpt
 from treadle import distributed as dist
+from treadle import models
 from treadle.arguments import TrainingArguments
-from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PrinterCallback, ProgressCallback,
-                               TensorBoardCallback, TrainerControl, TrainerState)
-from treadle.data import (SeededSampler, collator_for, column_names, forward_parameters, unused_columns)
+from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
+                               ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
+from treadle.data import (SeededSampler, batch_rows, check_first_batch, collator_for, drop_unused_columns,
+                          epoch_batches, forward_parameters, mask_label_rows, plan_steps)
+from treadle.metrics import MetricWindow
 from treadle.optim import build_optimizer, build_scheduler
 
 
@@ -63,6 +69,19 @@ class PredictionOutput(NamedTuple):
     metrics: dict[str, float]
 
 
+@dataclass
+class LoopState:
+    """The loop's bookkeeping that is not ``TrainerState`` (not saved: a step never spans a checkpoint).
+    Created in ``__init__``; outside ``train()`` it describes one lone micro-batch, so that ``training_step``
+    can be called on its own."""
+
+    window_size: int = 1  # micro-batches in the accumulation window of the step in progress
+    micro_items: int | None = None  # loss items of the micro-batch in training_step, counted on its raw batch
+    grad_norm: torch.Tensor | None = None  # of the last optimizer step, before clipping
+    last_saved_step: int | None = None
+    last_eval: tuple[int | None, dict | None] = (None, None)  # (step, metrics) of the latest evaluation
+
+
 def set_seed(seed: int) -> None:
     """Seed python, numpy and torch (all devices)."""
     import numpy as np
@@ -79,12 +98,14 @@ class Trainer:
     key, attribute, or first tuple element) — or whose loss a subclass computes in ``compute_loss``.
     """
 
+    config_class = TrainingArguments  # the arguments this trainer needs (subclasses name their config)
+
     def __init__(self, model=None, args: TrainingArguments | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None)):
         if model is None:
-            raise ValueError("Trainer needs a model")
-        self.args = args if args is not None else TrainingArguments()
+            raise ValueError(f"{type(self).__name__} needs a model")
+        self.args = self.check_args(args)
         dist.init_distributed(self.args.device, self.args.ddp_timeout)  # under torchrun: the group exists before any data work
         self.model = model.to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
@@ -96,19 +117,31 @@ class Trainer:
         self.optimizer, self.lr_scheduler = optimizers
         self.state = TrainerState()
         self.control = TrainerControl()
+        self.loop = LoopState()
+        self.metrics = MetricWindow(self.args.device)
+        self.preemption = PreemptionCallback()
         self.callback_handler = CallbackHandler(self._default_callbacks() + list(callbacks or []), self.model,
                                                 processing_class, self.optimizer, self.lr_scheduler)
         self._forward_params = forward_parameters(self.model)
-        self._stop_signal: int | None = None
-        self._micro_items: int | None = None  # items of the micro-batch in training_step, counted before it moves
         self._dropped_columns_logged: set[str] = set()
         self.control = self.callback_handler.call_event("on_init_end", self.args, self.state, self.control)
+
+    @classmethod
+    def check_args(cls, args):
+        """``args``, or ``config_class()`` when None; a config of another class is refused."""
+        if args is None:
+            return cls.config_class()
+        if not isinstance(args, cls.config_class):
+            name = cls.config_class.__name__
+            raise TypeError(f"{cls.__name__} needs a {name}, got {type(args).__name__}; build one with "
+                            f"{name}(**your_args.to_dict())")
+        return args
 
     def _default_callbacks(self) -> list:
         reporting = [ProgressCallback() if not self.args.disable_tqdm else PrinterCallback()]
         if {"tensorboard", "all"} & set(self.args.report_to):
             reporting.append(TensorBoardCallback())
-        return [cb() for cb in DEFAULT_CALLBACKS] + reporting
+        return [cb() for cb in DEFAULT_CALLBACKS] + [self.preemption] + reporting
 
     # ---- callbacks ----------------------------------------------------------------------------------------
     def add_callback(self, callback) -> None:
@@ -181,45 +214,11 @@ class Trainer:
     def remove_unused_columns(self, dataset, description: str = "training"):
         """Drop (when ``args.remove_unused_columns``) the columns that the model's forward does not take,
         naming them in the log the first time."""
-        keep = self.signature_columns()
-        if not self.args.remove_unused_columns or keep is None or column_names(dataset) is None:
+        if not self.args.remove_unused_columns:
             return dataset
-        dropped = unused_columns(dataset, keep)
-        if not dropped:
-            return dataset
-        if len(dropped) == len(column_names(dataset)):
-            raise ValueError(f"none of the {description} dataset's columns {dropped} is an argument of "
-                             f"{type(dist.unwrap_model(self.model)).__name__}.forward (it takes "
-                             f"{sorted(keep)}); tokenize the dataset first, or set remove_unused_columns=False "
-                             f"and pass a data_collator that builds the model's inputs")
-        key = f"{description}:{','.join(dropped)}"
-        if key not in self._dropped_columns_logged and dist.is_main_process():
-            self._dropped_columns_logged.add(key)
-            print(f"treadle: dropping {description} dataset columns {dropped} that "
-                  f"{type(dist.unwrap_model(self.model)).__name__}.forward does not take "
-                  f"(set remove_unused_columns=False to keep them)", file=sys.stderr)
-        return dataset.remove_columns(dropped)
-
-    def _check_first_batch(self, dataloader) -> None:
-        """Collate the first rows before training so a data problem fails at once, naming the columns."""
-        dataset = dataloader.dataset
-        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__") or len(dataset) == 0:
-            if hasattr(dataset, "__len__") and len(dataset) == 0:
-                raise ValueError("the training dataset is empty")
-            return
-        rows = [dataset[i] for i in range(min(2, len(dataset)))]
-        try:
-            batch = dataloader.collate_fn(rows)
-        except Exception as e:
-            raise ValueError(f"the data collator failed on the first training rows (columns: "
-                             f"{column_names(dataset) or list(rows[0]) if isinstance(rows[0], dict) else '?'}): "
-                             f"{type(e).__name__}: {e}") from e
-        if type(self).compute_loss is Trainer.compute_loss and isinstance(batch, dict):
-            labels = [k for k in self.args.label_names if k in batch]
-            if not labels and hasattr(dist.unwrap_model(self.model), "config"):
-                raise ValueError(f"the model needs {self.args.label_names} to compute its loss but the training "
-                                 f"batches only have {sorted(batch)}; add a labels column (for causal LMs, "
-                                 f"labels = input_ids with -100 on ignored tokens), or override compute_loss")
+        return drop_unused_columns(dataset, self.signature_columns(), description=description,
+                                   model_name=type(dist.unwrap_model(self.model)).__name__,
+                                   announced=self._dropped_columns_logged)
 
     # ---- optimisation -------------------------------------------------------------------------------------
     def create_optimizer(self):
@@ -244,18 +243,15 @@ class Trainer:
         labels = inputs.get(self.args.label_names[0]) if isinstance(inputs, dict) else None
         if not isinstance(labels, torch.Tensor):
             return None
-        if labels.dim() >= 2 and self._shifts_labels():
+        if labels.dim() >= 2 and models.is_causal_lm(dist.unwrap_model(self.model)):
             labels = labels[..., 1:]
         return int(labels.ne(-100).sum())
-
-    def _shifts_labels(self) -> bool:
-        name = type(dist.unwrap_model(self.model)).__name__
-        return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
     def get_num_items_in_batch(self, batch_samples: list) -> int | None:
         """Items (e.g. label tokens) in one whole accumulation window, summed over all ranks; the loss of each
         micro-batch is divided by it, so accumulation and data parallelism give the big batch's gradient.
-        Called once per optimizer step with the raw micro-batches, before any ``training_step``."""
+        Called once per optimizer step with the window's micro-batches (after ``prepare_window``), before any
+        ``training_step``."""
         counts = [self.count_items(b) for b in batch_samples]
         if any(c is None for c in counts):
             return None
@@ -270,7 +266,8 @@ class Trainer:
 
         A forward that names a ``num_items_in_batch`` argument receives it and must return that sum / count.
         Any other model returns its mean over the micro-batch's items (``count_items``), which is rescaled
-        here to its share of the window: exact for transformers models, no model-specific detection needed.
+        here to its share of the window: exact for transformers models, whose labels are shifted inside the model
+        (``count_items`` counts them shifted for causal LMs, see ``models.is_causal_lm``).
         """
         kwargs = {}
         if self._forward_params is not None and "use_cache" in self._forward_params and "use_cache" not in inputs:
@@ -281,8 +278,8 @@ class Trainer:
         outputs = model(**inputs, **kwargs)
         loss = _loss_of(outputs, inputs)
         if num_items_in_batch is not None and not takes_items:
-            # counted on the raw CPU batch by the loop (no device sync here); a direct call counts now
-            items = self._micro_items if self._micro_items is not None else self.count_items(inputs)
+            # counted on the raw CPU batch by the loop (no device sync here); a lone call counts now
+            items = self.loop.micro_items if self.loop.micro_items is not None else self.count_items(inputs)
             # no item in this micro-batch: the model's mean is 0/0; it contributes nothing to the window
             loss = loss * (items / num_items_in_batch) if items else loss.new_zeros(())
         return (loss, outputs) if return_outputs else loss
@@ -302,12 +299,13 @@ class Trainer:
         return torch.autocast(device_type=self.args.device.type, dtype=torch.bfloat16)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """One micro-batch: prepare, forward, backward. Returns the detached loss (its share of the window)."""
+        """One micro-batch: prepare, forward, backward. Returns the detached loss (its share of the window; with
+        ``num_items_in_batch=None``, the model's mean over ``loop.window_size`` micro-batches)."""
         inputs = self.prepare_inputs(inputs)
         with self.autocast():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None:
-            loss = loss / self._micro_steps  # the model's mean per micro-batch: average them over the window
+            loss = loss / self.loop.window_size  # the model's mean per micro-batch: average them over the window
         # DDP averages gradients over ranks, but num_items_in_batch already counts every rank's items
         scale = dist.get_world_size() if num_items_in_batch is not None and self.args.average_tokens_across_devices else 1
         if loss.requires_grad:
@@ -323,31 +321,22 @@ class Trainer:
         dist.init_distributed(args.device, args.ddp_timeout)
         set_seed(args.seed)
         if args.gradient_checkpointing:
-            self._enable_gradient_checkpointing()
+            models.enable_gradient_checkpointing(dist.unwrap_model(self.model))
         dataloader = self.get_train_dataloader()
-        self._check_first_batch(dataloader)
-        steps_per_epoch, max_steps, num_epochs = self._plan(dataloader)
+        needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
+        check_first_batch(dataloader, self.args.label_names if needs_labels else None)
+        steps_per_epoch, max_steps, num_epochs = plan_steps(dataloader, args)
         self.model_wrapped = dist.wrap_model(self.model, args)
         self.create_optimizer()
         self.create_scheduler(max_steps, self.optimizer)
-        self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, steps_per_epoch=steps_per_epoch,
-                                  logging_steps=args.logging_steps, eval_steps=args.eval_steps,
-                                  save_steps=args.save_steps, train_batch_size=args.per_device_train_batch_size,
-                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                  world_size=dist.get_world_size(), is_world_process_zero=dist.is_main_process(),
-                                  is_local_process_zero=args.local_process_index == 0)
-        self._last_saved_step, self._last_eval = None, (None, None)
-        path = ckpt.resolve(resume_from_checkpoint, args.output_dir)
-        if path is not None:
-            self._resume(path)
+        self._start_run(steps_per_epoch, max_steps, num_epochs, ckpt.resolve(resume_from_checkpoint, args.output_dir))
         handler = self.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         handler.train_dataloader = dataloader
         self.model_wrapped.train()
-        self._reset_log_window()
-        self._restore_log_window()
         start_step, start_time = self.state.global_step, time.time()
-        with self._preemption_guard():
+        guard = self.preemption.guard() if self.preemption in handler.callbacks else contextlib.nullcontext()
+        with guard:
             self.control._new_training()
             self._event("on_train_begin")
             first_epoch, skip_steps = divmod(self.state.global_step, steps_per_epoch)
@@ -357,26 +346,23 @@ class Trainer:
                 self._train_epoch(dataloader, epoch, skip_steps if epoch == first_epoch else 0)
         return self._finish_training(start_step, start_time)
 
-    def _plan(self, dataloader) -> tuple[int, int, int]:
-        """(optimizer steps per epoch, total steps, epochs) from the dataloader length and the arguments."""
-        args, accum = self.args, self.args.gradient_accumulation_steps
-        try:
-            batches = len(dataloader)
-        except TypeError:
-            if args.max_steps <= 0:
-                raise ValueError("the training dataset has no length (an iterable dataset): set max_steps") from None
-            return args.max_steps, args.max_steps, 1
-        if batches == 0:
-            raise ValueError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
-                             f"{dataloader.batch_size} and drop_last={dataloader.drop_last}")
-        steps_per_epoch = math.ceil(batches / accum)
-        if args.max_steps > 0:
-            return steps_per_epoch, args.max_steps, math.ceil(args.max_steps / steps_per_epoch)
-        return steps_per_epoch, math.ceil(args.num_train_epochs * steps_per_epoch), math.ceil(args.num_train_epochs)
+    def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
+        """A fresh ``state``, loop state and metrics window; then, when resuming, the checkpoint's."""
+        args = self.args
+        self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, steps_per_epoch=steps_per_epoch,
+                                  logging_steps=args.logging_steps, eval_steps=args.eval_steps,
+                                  save_steps=args.save_steps, train_batch_size=args.per_device_train_batch_size,
+                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
+                                  world_size=dist.get_world_size(), is_world_process_zero=dist.is_main_process(),
+                                  is_local_process_zero=args.local_process_index == 0)
+        self.loop = LoopState()
+        self.metrics.clear()
+        if resume_path is not None:
+            self._resume(resume_path)
 
     def _train_epoch(self, dataloader, epoch: int, skip_steps: int) -> None:
         accum = self.args.gradient_accumulation_steps
-        batches = self._epoch_iterator(dataloader, epoch, skip_steps * accum)
+        batches = epoch_batches(dataloader, epoch, skip_steps * accum)
         self.control._new_epoch()
         self._event("on_epoch_begin")
         for step_in_epoch in range(skip_steps, self.state.steps_per_epoch):
@@ -394,108 +380,94 @@ class Trainer:
         self._event("on_epoch_end")
         self._act_on_control()
 
-    def _epoch_iterator(self, dataloader, epoch: int, skip_batches: int):
-        """Iterate one epoch from batch ``skip_batches``: the sampler skips without loading when it can
-        (``set_epoch(epoch, skip)``), else the skipped batches are loaded and dropped."""
-        sampler = getattr(dataloader, "sampler", None)
-        batch_size = getattr(dataloader, "batch_size", None)
-        if hasattr(sampler, "set_epoch") and "skip" in sampler.set_epoch.__code__.co_varnames and batch_size:
-            sampler.set_epoch(epoch, skip_batches * batch_size)
-            return iter(dataloader)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        return itertools.islice(iter(dataloader), skip_batches, None)
+    def prepare_window(self, batch_samples: list) -> list:
+        """The micro-batches one optimizer step trains on, from the dataloader's raw micro-batches of its
+        accumulation window. Called once per step, before the window's items are counted. The default returns
+        them as they are; GRPOTrainer samples and scores completions here."""
+        return batch_samples
 
     def _optimizer_step(self, window: list) -> None:
         """One optimizer step over the micro-batches of an accumulation window."""
         self.control._new_step()
         self._event("on_step_begin")
-        self._micro_steps = len(window)
+        window = self.prepare_window(window)
+        self.loop.window_size = len(window)
         num_items = self.get_num_items_in_batch(window)
+        losses = []
         for i, inputs in enumerate(window):
             last = i == len(window) - 1
-            self._micro_items = self.count_items(inputs) if num_items is not None else None
+            self.loop.micro_items = self.count_items(inputs) if num_items is not None else None
             with dist.no_sync(self.model_wrapped, skip_sync=not last):
-                loss = self.training_step(self.model_wrapped, inputs, num_items)
-            self._micro_items = None
-            # item-weighted, so that the logged loss is the mean over all items of the logging window
-            self._log_loss_sum += loss.double() * (num_items if num_items is not None else 1 / dist.get_world_size())
+                losses.append(self.training_step(self.model_wrapped, inputs, num_items))
+            self.loop.micro_items = None
             if not last:
                 self._event("on_substep_end")
-        self._log_items += num_items if num_items is not None else 1.0
+        self._record_loss(torch.stack(losses).double().sum(), num_items)
         self._event("on_pre_optimizer_step")
         if self.args.max_grad_norm > 0:
-            self._last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
         self._event("on_optimizer_step")
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
 
+    def _record_loss(self, window_loss: torch.Tensor, num_items: int | None) -> None:
+        """Add one step's loss to the metrics window, weighted by its items, so that the logged loss is the mean
+        over every item of the logging window (over ranks: the all-reduce at log time adds the ranks' sums)."""
+        if num_items is None:  # each micro-batch's mean / window size: one item per step and rank
+            self.metrics.add("loss", window_loss, 1)
+            return
+        # window_loss is this rank's item sum / num_items; num_items counts every rank's items when
+        # average_tokens_across_devices, so only rank 0 adds it to the count then
+        global_items = dist.get_world_size() > 1 and self.args.average_tokens_across_devices
+        self.metrics.add("loss", window_loss * num_items,
+                         num_items if dist.is_main_process() or not global_items else 0)
+
     def _act_on_control(self, defer_save: bool = False) -> None:
-        """Log, evaluate and save as the callbacks asked (or as a stop signal demands), then clear the flags
-        (``should_save`` survives when ``defer_save``)."""
-        if self._stop_signal is not None or dist.get_world_size() > 1:
-            if dist.any_rank(self._stop_signal is not None, self.args.device):
-                self.control.should_save = True  # even with save_strategy="no": a preempted run keeps its work
-                self.control.should_training_stop = True
-                self._stop_signal = self._stop_signal or signal.SIGTERM
+        """Log, evaluate and save as the callbacks asked, then clear the flags (``should_save`` survives when
+        ``defer_save``)."""
         step = self.state.global_step
         if self.control.should_log:
             self._log_training_window()
         if self.control.should_evaluate:
-            self._last_eval = (step, self.evaluate())
+            self.loop.last_eval = (step, self.evaluate())
             self.model_wrapped.train()
-        if self.control.should_save and not defer_save and step != self._last_saved_step:
-            eval_step, metrics = self._last_eval
+        if self.control.should_save and not defer_save and step != self.loop.last_saved_step:
+            eval_step, metrics = self.loop.last_eval
             self._save_checkpoint(metrics if eval_step == step else None)
         self.control.should_log = self.control.should_evaluate = False
         self.control.should_save = self.control.should_save and defer_save
 
     # ---- logging ------------------------------------------------------------------------------------------
-    def _reset_log_window(self) -> None:
-        self._log_loss_sum = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        self._log_items = 0.0
-        self._last_grad_norm = None
-
-    def _restore_log_window(self) -> None:
-        pending, self._pending_log_window = getattr(self, "_pending_log_window", None), None
-        if pending:
-            if dist.is_main_process():  # the saved sum is already reduced over ranks: add it once
-                self._log_loss_sum.fill_(pending["loss_sum"])
-            self._log_items = pending["items"]
-
-    def _flush_log_window(self) -> float | None:
-        """Fold the item-weighted loss of the steps since the last log into the run totals; return its mean."""
-        if self._log_items == 0:
-            return None
-        total = dist.all_reduce_sum(self._log_loss_sum.clone()).item()
-        items = self._log_items  # num_items is already a sum over ranks
-        self.state.total_loss_sum += total
-        self.state.total_loss_items += items
-        self._log_loss_sum.zero_()
-        self._log_items = 0.0
-        return total / items
-
     def _log_training_window(self) -> None:
-        loss = self._flush_log_window()
-        if loss is None:
-            return
-        logs = {"loss": loss}
-        if self._last_grad_norm is not None:
-            logs["grad_norm"] = float(self._last_grad_norm)
+        """Log the mean loss and the means of every recorded metric since the last log (one all-reduce)."""
+        if "loss" not in self.metrics.names("train"):
+            return  # no step since the last log
+        sums = self.metrics.reduce("train")
+        logs = self._fold_loss(sums.pop("loss"))
+        if self.loop.grad_norm is not None:
+            logs["grad_norm"] = float(self.loop.grad_norm)
         logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        logs.update({name: total / count for name, (total, count) in sums.items() if count})
         self.log(logs)
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+    def _fold_loss(self, loss: tuple[float, float]) -> dict[str, float]:
+        """Add a window's (loss sum, items) to the run's totals (``train_loss``); ``{"loss": mean}``."""
+        total, items = loss
+        self.state.total_loss_sum += total
+        self.state.total_loss_items += items
+        return {"loss": total / items} if items else {}
+
+    def log(self, logs: dict[str, float]) -> None:
         """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, TensorBoard).
         Override to add or reshape metrics; call ``super().log(logs)`` at the end."""
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._event("on_log", logs=logs)
 
     def _finish_training(self, start_step: int, start_time: float) -> TrainOutput:
-        if self._log_items:
-            self._flush_log_window()
+        if "loss" in self.metrics.names("train"):  # steps not logged yet still count in train_loss
+            self._fold_loss(self.metrics.reduce("train")["loss"])
         runtime = time.time() - start_time
         steps = self.state.global_step - start_step
         args = self.args
@@ -507,8 +479,8 @@ class Trainer:
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             ckpt.load_weights(self.model, self.state.best_model_checkpoint)
         self._event("on_train_end")
-        if self._stop_signal is not None:
-            self._exit_after_preemption()
+        if self.preemption.signal is not None:
+            raise SystemExit(0)  # preempted: the checkpoint is written, the message printed (PreemptionCallback)
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     # ---- evaluation ---------------------------------------------------------------------------------------
@@ -533,56 +505,48 @@ class Trainer:
 
     def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
                         prediction_loss_only=None) -> PredictionOutput:
-        """Run ``prediction_step`` over ``dataloader``, moving predictions to the CPU batch by batch."""
-        model = self.model_wrapped
-        was_training = model.training
-        model.eval()
+        """Run ``prediction_step`` over ``dataloader``, moving predictions to the CPU batch by batch. The loss
+        and every metric recorded in the "eval" window meanwhile (SFT token accuracy, DPO rewards) are reduced
+        over ranks in one all-reduce at the end."""
         if prediction_loss_only is None:  # evaluate(): logits are gathered only when compute_metrics wants them
             prediction_loss_only = self.args.prediction_loss_only or self.compute_metrics is None
-        loss_only = prediction_loss_only
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.args.device)
-        weight_sum, preds, labels = 0.0, [], []
+        self.metrics.clear("eval")
+        preds, labels = [], []
         # under several processes the sampler repeats a few rows so that every rank runs as many forwards; those
         # rows get their labels masked (no weight in the loss) and are cut from the predictions
         real_rows = getattr(getattr(dataloader, "sampler", None), "num_real_rows", lambda: None)()
         seen = 0
-        for inputs in dataloader:
-            rows = _batch_rows(inputs)
-            keep = None if real_rows is None or seen + rows <= real_rows else max(0, real_rows - seen)
-            seen += rows
-            if keep is not None:
-                inputs = self._mask_label_rows(inputs, keep)
-            items = self.count_items(inputs)
-            weight = items if items is not None else (rows if keep is None else keep)
-            loss, logits, label = self.prediction_step(model, inputs, loss_only, ignore_keys=ignore_keys)
-            if loss is not None and weight:
-                loss_sum += loss.double() * weight
-                weight_sum += weight
-            if logits is not None:
-                preds.append(_to_cpu(logits)[:keep])
-            if label is not None:
-                labels.append(_to_cpu(label)[:keep])
-            self._event("on_prediction_step")
-        model.train(was_training)
-        metrics = {}
-        weight_sum = float(dist.all_reduce_sum(torch.tensor(weight_sum, dtype=torch.float64, device=self.args.device)))
-        if weight_sum:
-            metrics["loss"] = dist.all_reduce_sum(loss_sum).item() / weight_sum
-        predictions = _gather_and_pad(preds) if preds else None
-        label_ids = _gather_and_pad(labels) if labels else None
+        with models.eval_mode(self.model_wrapped):
+            for inputs in dataloader:
+                rows = batch_rows(inputs)
+                keep = None if real_rows is None or seen + rows <= real_rows else max(0, real_rows - seen)
+                seen += rows
+                if keep is not None:
+                    inputs = mask_label_rows(inputs, self.args.label_names[0], keep)
+                items = self.count_items(inputs)
+                weight = items if items is not None else (rows if keep is None else keep)
+                loss, logits, label = self.prediction_step(self.model_wrapped, inputs, prediction_loss_only,
+                                                           ignore_keys=ignore_keys)
+                if loss is not None:  # every rank records it, also with no weight: the windows must match
+                    self.metrics.add("loss", loss.double() * weight if weight else 0.0, weight, mode="eval")
+                if logits is not None:
+                    preds.append(_to_cpu(logits)[:keep])
+                if label is not None:
+                    labels.append(_to_cpu(label)[:keep])
+                self._event("on_prediction_step")
+        return self._prediction_output(preds, labels, metric_key_prefix)
+
+    def _prediction_output(self, preds: list, labels: list, prefix: str) -> PredictionOutput:
+        recorded = self.metrics.means("eval")
+        loss = recorded.pop("loss", None)
+        predictions = dist.gather_padded(preds) if preds else None
+        label_ids = dist.gather_padded(labels) if labels else None
+        metrics = {"loss": loss} if loss is not None else {}
         if self.compute_metrics is not None and predictions is not None and label_ids is not None:
             metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
-        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": _to_float(v)
-                   for k, v in metrics.items()}
+        metrics.update(recorded)
+        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": _to_float(v) for k, v in metrics.items()}
         return PredictionOutput(predictions, label_ids, metrics)
-
-    def _mask_label_rows(self, inputs, keep: int):
-        labels = inputs.get(self.args.label_names[0]) if isinstance(inputs, dict) else None
-        if not isinstance(labels, torch.Tensor):
-            return inputs
-        labels = labels.clone()
-        labels[keep:] = -100
-        return {**inputs, self.args.label_names[0]: labels}
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """(loss, logits, labels) for one evaluation batch, without gradients. The loss is the model's mean over
@@ -614,64 +578,36 @@ class Trainer:
         dist.barrier()
 
     def _save_checkpoint(self, metrics: dict | None) -> None:
-        self._flush_log_window_for_checkpoint()
         path = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}{self.state.global_step}")
-        self._update_best(metrics, path)
+        ckpt.update_best(self.state, self.args, metrics, path)
         # a preempted run must be resumable: its last checkpoint is whole even with save_only_model
-        weights_only = self.args.save_only_model and self._stop_signal is None
+        weights_only = self.args.save_only_model and self.preemption.signal is None
+        extra = {"metrics": self.metrics.state_dict(), "trainer": self.extra_checkpoint_state()}
         ckpt.save_checkpoint(self.args.output_dir, model=self.model, optimizer=self.optimizer,
                              scheduler=self.lr_scheduler, state=self.state, args=self.args,
-                             processing_class=self.processing_class, save_only_model=weights_only,
-                             extra_state=self.extra_checkpoint_state())
+                             processing_class=self.processing_class, save_only_model=weights_only, extra_state=extra)
         if dist.is_main_process():
             # the checkpoint just written is kept even when it is not the highest step (a run resumed from an
             # older checkpoint while later ones exist)
             ckpt.rotate(self.args.output_dir, self.args.save_total_limit,
                         keep=(self.state.best_model_checkpoint, path))
-        self._last_saved_step = self.state.global_step
+        self.loop.last_saved_step = self.state.global_step
         self._event("on_save")
 
-    def _flush_log_window_for_checkpoint(self) -> None:
-        # the loss of steps not yet logged is saved in the state, so a resumed run logs the same window mean
-        if self._log_items:
-            pending = dist.all_reduce_sum(self._log_loss_sum.clone()).item()
-            self.state.stateful_callbacks["_log_window"] = {"loss_sum": pending, "items": self._log_items}
-        else:
-            self.state.stateful_callbacks.pop("_log_window", None)
-
-    def _update_best(self, metrics: dict | None, path: str) -> None:
-        key = self.args.metric_for_best_model
-        if key is None or not metrics:
-            return
-        key = key if key.startswith("eval_") else f"eval_{key}"
-        if key not in metrics:
-            raise KeyError(f"metric_for_best_model={self.args.metric_for_best_model!r} is not among the evaluation "
-                           f"metrics {sorted(metrics)}")
-        value, best = metrics[key], self.state.best_metric
-        better = best is None or (value > best if self.args.greater_is_better else value < best)
-        if better:
-            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
-            self.state.best_model_checkpoint = path
-
     def _resume(self, path: str) -> None:
-        state = ckpt.read_state(path)  # checked before anything is loaded: a refusal leaves the model as it was
-        mismatches = [f"{name}: checkpoint {getattr(state, name)} vs now {getattr(self.state, name)}"
-                      for name in ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
-                      if getattr(state, name) != getattr(self.state, name)]
-        if mismatches:
-            raise ckpt.CheckpointError(f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the "
-                                       f"same batch size, accumulation, number of processes and dataset, or start "
-                                       f"a new run from its weights (model.from_pretrained({path!r}))")
+        """Continue the run saved in ``path``: weights, optimizer, scheduler, RNG, state, metrics window and the
+        subclass's extra state. Checked before anything is loaded (``checkpoint.resumed_state``)."""
+        state = ckpt.resumed_state(path, self.state)
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
-        for name in ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                     "is_world_process_zero", "is_local_process_zero"):
-            setattr(state, name, getattr(self.state, name))
         self.state = state
-        self._pending_log_window = state.stateful_callbacks.pop("_log_window", None)
-        self._last_saved_step = state.global_step
-        extra = ckpt.load_extra_state(path)
-        if extra is not None:
-            self.load_extra_checkpoint_state(extra)
+        self.loop.last_saved_step = state.global_step
+        extra = ckpt.load_extra_state(path) or {}
+        self.metrics.load_state_dict(extra.get("metrics", {}))
+        old_window = state.stateful_callbacks.pop("_log_window", None)  # checkpoints written before the window
+        if old_window and dist.is_main_process():
+            self.metrics.add("loss", old_window["loss_sum"], old_window["items"])
+        if extra.get("trainer") is not None:
+            self.load_extra_checkpoint_state(extra["trainer"])
 
     def extra_checkpoint_state(self) -> dict | None:
         """This rank's extra state to keep in each checkpoint (tensors, numbers, strings in lists / dicts), e.g.
@@ -679,52 +615,8 @@ class Trainer:
         return None
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
-        """Restore what ``extra_checkpoint_state`` returned, when resuming (after weights, optimizer, RNG and
-        ``self.state`` are restored)."""
-
-    def _enable_gradient_checkpointing(self) -> None:
-        model = dist.unwrap_model(self.model)
-        kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        elif hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        else:
-            raise ValueError(f"gradient_checkpointing=True needs a transformers model; {type(model).__name__} has "
-                             f"no activation_checkpointing_enable() — wrap its blocks with "
-                             f"torch.utils.checkpoint.checkpoint yourself")
-        if hasattr(model, "config"):
-            model.config.use_cache = False
-
-    # ---- preemption ---------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _preemption_guard(self):
-        """SIGTERM / Ctrl-C: finish the current optimizer step, save a checkpoint, end cleanly (see
-        ``_act_on_control``). Handlers are installed only in the main thread and restored afterwards."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def request_stop(signum, frame):
-            if self._stop_signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt  # a second Ctrl-C stops at once
-            self._stop_signal = signum
-
-        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    def _exit_after_preemption(self) -> None:
-        name = signal.Signals(self._stop_signal).name
-        where = ckpt.latest_checkpoint(self.args.output_dir)
-        if dist.is_main_process():
-            print(f"treadle: stopped by {name} after step {self.state.global_step}; checkpoint: {where}. "
-                  f"Resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`).",
-                  file=sys.stderr, flush=True)
-        raise SystemExit(0)
+        """Restore what ``extra_checkpoint_state`` returned, when resuming (after weights, optimizer, RNG,
+        ``self.state`` and the metrics window are restored)."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -763,31 +655,6 @@ def _to_cpu(x):
     if isinstance(x, tuple):
         return x[0].detach().float().cpu() if x else None  # the first output (logits) for metrics
     return x.detach().cpu()
-
-
-def _batch_rows(inputs) -> int:
-    if isinstance(inputs, dict):
-        for v in inputs.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                return v.shape[0]
-            if isinstance(v, list):
-                return len(v)
-    return 1
-
-
-def _gather_and_pad(tensors: list[torch.Tensor]):
-    """Concatenate per-batch tensors (padding ragged sequence dims with -100) over all ranks, as numpy."""
-    tensors = [t for part in dist.gather_objects(tensors) for t in part]
-    if tensors[0].dim() <= 1 or all(t.shape[1:] == tensors[0].shape[1:] for t in tensors):
-        out = torch.cat(tensors)
-    else:
-        length = max(t.shape[1] for t in tensors)
-        padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]), value=-100)
-                  for t in tensors]
-        out = torch.cat(padded)
-    if out.dtype == torch.bfloat16:
-        out = out.float()
-    return out.numpy()
 
 
 def _to_float(v):
