@@ -249,7 +249,7 @@ def test_policy_equal_to_reference_gives_log2_and_zero_rewards(tmp_path, tokeniz
     trainer.model.train()
     loss = trainer.compute_loss(trainer.model, first_batch(trainer))
     assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
-    metrics = trainer.pop_metrics("train")
+    metrics = trainer.metrics.means("train")
     assert metrics["rewards/chosen"] == 0.0 and metrics["rewards/rejected"] == 0.0
     assert metrics["rewards/margins"] == 0.0 and metrics["rewards/accuracies"] == 0.0
 
@@ -259,7 +259,7 @@ def test_trainer_loss_and_gradient_equal_plain_pytorch_full_softmax(tmp_path, to
     trainer = make_trainer(tmp_path, tokenizer, ref_model=peaked_reference(), beta=beta)
     policy, batch = trainer.model.train(), first_batch(trainer)
     loss = trainer.compute_loss(policy, batch)
-    metrics = trainer.pop_metrics("train")
+    metrics = trainer.metrics.means("train")
     (grad,) = torch.autograd.grad(loss, policy.model.embed_tokens.weight)
 
     logps, logits, mask = plain_sequence_logps(policy, batch)
@@ -432,3 +432,20 @@ def test_toy_preference_task_reaches_high_reward_accuracy(tmp_path, tokenizer):
     assert accuracies[0] < 0.8 and accuracies[-1] > 0.9, accuracies
     assert trainer.evaluate(pairs)["eval_rewards/accuracies"] > 0.9
     assert time.time() - started < 60
+
+
+# ------------------------------------------------------------------------------------ golden regression
+GOLDEN_DPO = [0.6931471824645996, 0.7219655513763428, 0.693049281835556, 0.6908051371574402, 0.6956735849380493]
+
+
+def test_golden_losses_of_a_fixed_seed(tmp_path):
+    """The first 5 logged losses of a fixed-seed run (toy preference pairs, accumulation 2), recorded before the
+    metrics window refactor: any change to the loss, the reference, the data order or the loop shows up here."""
+    tok = toy.build_tokenizer()
+    args = DPOConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                     seed=0, learning_rate=3e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    trainer = DPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args=args,
+                         train_dataset=toy.load_task("addition", kind="preference", n=64), processing_class=tok)
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_DPO, rel=1e-5)
+    assert {"rewards/chosen", "rewards/accuracies", "logits/chosen", "logps/rejected"} <= set(trainer.state.log_history[0])

@@ -211,7 +211,7 @@ def test_every_loss_type_by_hand(tmp_path, tok, loss_type, num_items, expected):
     trainer = GRPOTrainer(UniformLM(), digit_sum_reward, args=args, processing_class=tok)
     loss = trainer.compute_loss(trainer.model, hand_inputs(), num_items_in_batch=num_items)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    metrics = trainer._averaged_metrics()
+    metrics = trainer.metrics.means("train")
     assert metrics["clip_ratio/low_mean"] == pytest.approx(0.25)
     assert metrics["clip_ratio/high_mean"] == pytest.approx(0.25)
     assert metrics["clip_ratio/region_mean"] == pytest.approx(0.5)
@@ -280,7 +280,7 @@ def test_left_padding_does_not_change_the_trained_log_probs(tmp_path, tok):
              "attention_mask": torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
              "completion_mask": torch.ones(2, 3, dtype=torch.long)}
     with torch.no_grad():
-        logps, _ = trainer._completion_logps(model, batch)
+        logps = trainer._completion_logps(model, batch).logps
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             alone = torch.tensor([prompt + completion])
             logits = model(input_ids=alone).logits[0, len(prompt) - 1:-1] / 0.8
@@ -405,7 +405,7 @@ def test_mask_truncated_completions(tmp_path, tok, dataset):
     trainer = make_trainer(tmp_path, tok, dataset, mask_truncated_completions=True, max_completion_length=3)
     trainer.generate = fake_generation([[10, EOS, 0], [10, 11, 12], [EOS, 0, 0], [13, 14, EOS]])
     rows = next(iter(trainer.get_train_dataloader()))
-    batch = trainer.prepare_inputs(rows)
+    (batch,) = trainer.prepare_window([rows])
     completion_attention = batch["attention_mask"][:, -3:]
     assert completion_attention.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
     assert batch["completion_mask"].tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]]  # row 1: no EOS
@@ -442,7 +442,7 @@ def test_max_prompt_length_keeps_the_end(tmp_path, tok, dataset):
     trainer = make_trainer(tmp_path, tok, dataset, max_prompt_length=3)
     prompt_ids = []
     trainer.generate = lambda ids, **kw: prompt_ids.extend(ids) or fake_generation([[EOS, 0]])(ids, **kw)
-    trainer.prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    trainer.prepare_window([next(iter(trainer.get_train_dataloader()))])
     assert all(len(p) == 3 for p in prompt_ids)
     assert all(tok.decode(p).endswith("=") for p in prompt_ids)
 
@@ -584,3 +584,36 @@ def test_reward_rises_on_toy_addition(tmp_path, tok):
     assert len(rewards) == 40
     assert last > first + 0.15, rewards
     assert toy.exact_match_accuracy(model, tok, problems) > accuracy_before
+
+
+# ------------------------------------------------------------------------------------ golden regression
+GOLDEN_GRPO = [-0.019045989777221273, -0.01600946334656328, 0.024846914639056195, 0.0023342259228229523,
+               0.046902469686756376]
+
+
+def golden_run(tmp_path, tok):
+    """spg 4 over windows of 2 micro-steps (old log-probs), beta 0.04 (a reference): every part of the loss."""
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                      seed=0, learning_rate=1e-3, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=4, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.04)
+    return GRPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
+                       train_dataset=toy.load_task("addition", kind="rl", n=64), processing_class=tok)
+
+
+def test_golden_losses_of_a_fixed_seed(tmp_path, tok):
+    """The first 5 logged losses of a fixed-seed run, recorded before generation moved to prepare_window and the
+    metrics to the Trainer's window: any change to sampling, rewards, advantages, the loss or the loop shows."""
+    trainer = golden_run(tmp_path, tok)
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_GRPO, rel=1e-5)
+    assert {"kl", "entropy", "reward", "completions/mean_length"} <= set(trainer.state.log_history[0])
+
+
+def test_every_trainable_parameter_changes_and_the_reference_does_not(tmp_path, tok):
+    trainer = golden_run(tmp_path, tok)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    reference = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
+    trainer.train()
+    unchanged = [k for k, v in trainer.model.state_dict().items() if torch.equal(v, before[k])]
+    assert unchanged == []
+    assert all(torch.equal(v, reference[k]) for k, v in trainer.ref_model.state_dict().items())

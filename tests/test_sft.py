@@ -307,3 +307,19 @@ def test_a_local_model_folder_loads_with_its_tokenizer(tmp_path, tokenizer):
     torch.testing.assert_close(trainer.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
     with pytest.raises(ValueError, match="not a local folder"):
         SFTTrainer(str(tmp_path / "missing"), config(tmp_path / "out"), train_dataset=PAIRS[:4])
+
+
+# ------------------------------------------------------------------------------------ golden regression
+GOLDEN_SFT = [4.540508270263672, 4.215397119522095, 3.943326473236084, 3.8179378509521484, 3.695596218109131]
+
+
+def test_golden_losses_of_a_fixed_seed(tmp_path):
+    """The first 5 logged losses of a fixed-seed run (toy model, accumulation 2), recorded before the metrics
+    window and loop refactor: any change to the loss, the data order or the loop shows up here."""
+    tok = toy.build_tokenizer()
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                     seed=0, learning_rate=3e-3, per_device_train_batch_size=8, gradient_accumulation_steps=2)
+    trainer = SFTTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args,
+                         train_dataset=toy.load_task("addition", n=64), processing_class=tok)
+    trainer.train()
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_SFT, rel=1e-5)

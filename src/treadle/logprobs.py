@@ -36,7 +36,7 @@ import functools
 import inspect
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -277,9 +277,19 @@ def _check_temperature(temperature: float) -> None:
 # ---------------------------------------------------------------------------------- causal LM driver
 
 
+class TokenLogps(NamedTuple):
+    """What :func:`token_logps` returns, each ``(B, T - 1 - start)`` aligned with ``input_ids[:, start+1:]``."""
+
+    logps: Tensor  # log p(token t+1 | tokens <= t), float32 at least; 0 at padded targets
+    entropy: Tensor | None  # of each position's distribution (detached), with ``return_entropy``
+    mean_logits: Tensor | None  # each position's logit averaged over the vocabulary (detached, float32),
+    #                              with ``return_mean_logits`` (DPO's logits/* metrics)
+
+
 def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                 temperature: float = 1.0, start: int = 0, chunk_size: int = 1024,
-                return_entropy: bool = False, **forward_kwargs: Any) -> tuple[Tensor, Tensor | None]:
+                return_entropy: bool = False, return_mean_logits: bool = False,
+                **forward_kwargs: Any) -> TokenLogps:
     """Per-token log-probs of a causal LM's own input: ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
 
     Args:
@@ -292,11 +302,13 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
         chunk_size: rows per chunk of :func:`chunked_token_logps`. At most ``chunk_size`` rows with at most
             ``SMALL_LOGITS`` logits in all are computed in one piece through plain autograd instead.
         return_entropy: also return the per-position entropy (detached).
+        return_mean_logits: also return the per-position mean logit over the vocabulary (detached), taken
+            from the same forward: ``h . mean(W) + mean(b)`` on the fast path, no ``[B, T, V]`` tensor built.
         forward_kwargs: passed to the model (``position_ids``, ...).
 
-    Returns ``(logps, entropy or None)``, float32 (at least) ``(B, T - 1 - start)`` aligned with
-    ``input_ids[:, start+1:]``. Targets that are padding (``attention_mask == 0``) get log-prob 0 and no
-    gradient; entropy is reported for every position.
+    Returns a :class:`TokenLogps` ``(logps, entropy or None, mean_logits or None)``, float32 (at least)
+    ``(B, T - 1 - start)`` aligned with ``input_ids[:, start+1:]``. Targets that are padding
+    (``attention_mask == 0``) get log-prob 0 and no gradient; entropy is reported for every position.
     """
     seq_len = input_ids.shape[1]
     if not 0 <= start < seq_len - 1:
@@ -312,8 +324,9 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
         hidden = _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
     if hidden is None:
         return _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start,
-                                  return_entropy, forward_kwargs)
+                                  return_entropy, return_mean_logits, forward_kwargs)
     hidden = hidden[:, start:-1]  # (B, T-1-start, H)
+    mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
     rows = labels.numel()
     if rows <= chunk_size and rows * head.weight.shape[0] <= SMALL_LOGITS:
         logps, entropy = _small_token_logps(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1),
@@ -324,7 +337,14 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
                                      return_entropy=return_entropy)
         logps, entropy = result if return_entropy else (result, None)
     entropy = None if entropy is None else entropy.view(labels.shape)
-    return logps.view(labels.shape), entropy
+    return TokenLogps(logps.view(labels.shape), entropy, mean_logits)
+
+
+@torch.no_grad()
+def _mean_logits(hidden: Tensor, head: nn.Linear) -> Tensor:
+    """``(B, T, H)`` final hidden states -> ``(B, T)`` logits averaged over the vocabulary, in float32."""
+    mean_logits = hidden.float() @ head.weight.float().mean(dim=0)
+    return mean_logits + head.bias.float().mean() if head.bias is not None else mean_logits
 
 
 def _small_token_logps(hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float,
@@ -416,7 +436,7 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
 
 
 def _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start, return_entropy,
-                       forward_kwargs) -> tuple[Tensor, Tensor | None]:
+                       return_mean_logits, forward_kwargs) -> TokenLogps:
     """Fallback: the model's full logits, then :func:`selective_log_softmax` (no log-softmax copy)."""
     outputs = model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))
     logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)
@@ -425,7 +445,8 @@ def _logps_from_logits(model, base, input_ids, attention_mask, labels, temperatu
     logits = logits[:, start:-1]  # (B, T-1-start, V), a view
     logps = selective_log_softmax(logits, labels, temperature=temperature)
     entropy = _entropy(logits, temperature) if return_entropy else None
-    return logps, entropy
+    mean_logits = logits.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None
+    return TokenLogps(logps, entropy, mean_logits)
 
 
 @torch.no_grad()

@@ -44,15 +44,14 @@ Departures from the paper and from TRL's DPOTrainer:
 from __future__ import annotations
 
 import array
-import contextlib
 import copy
 import functools
 import gc
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
@@ -64,6 +63,27 @@ from treadle.trainer import Trainer
 TRUNCATION_MODES = ("keep_start", "keep_end")
 ID_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class ChosenRejected(NamedTuple):
+    """One value per pair for the chosen and for the rejected responses, each ``(B,)``."""
+
+    chosen: Tensor
+    rejected: Tensor
+
+    @classmethod
+    def split(cls, rows: Tensor) -> "ChosenRejected":
+        """The halves of a ``(2B,)`` per-row tensor laid out as DPOCollator stacks rows: chosen, then rejected."""
+        chosen, rejected = rows.chunk(2)
+        return cls(chosen, rejected)
+
+
+class PairScores(NamedTuple):
+    """``DPOTrainer.completion_logps`` of a batch of B pairs."""
+
+    logps: ChosenRejected  # summed completion log-probs
+    counts: ChosenRejected  # completion tokens
+    logit_sums: ChosenRejected | None  # summed vocabulary-mean logits of the completion tokens (detached)
 
 
 @dataclass
@@ -281,13 +301,12 @@ class DPOTrainer(Trainer):
     second copy is held. The model never receives labels: ``compute_loss`` scores the completion tokens.
     """
 
+    config_class = DPOConfig
+
     def __init__(self, model=None, ref_model=None, args: DPOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None)):
-        args = args if args is not None else DPOConfig()
-        if not isinstance(args, DPOConfig):
-            raise TypeError(f"DPOTrainer needs a DPOConfig, got {type(args).__name__}; build one with "
-                            f"DPOConfig(**your_args.to_dict(), beta=...)")
+        args = self.check_args(args)  # needed before super().__init__: the collator's pad id
         if model is not None and ref_model is model:
             raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
                              "or a separate model")
@@ -296,7 +315,6 @@ class DPOTrainer(Trainer):
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
         self.ref_model = self.build_reference_model(ref_model)
-        self._metric_sums: dict[str, tuple[tuple[str, ...], Tensor]] = {}  # split -> (names, (M, 2) sums, counts)
 
     # ---- reference model ----------------------------------------------------------------------------------
     def is_peft_model(self) -> bool:
@@ -320,21 +338,19 @@ class DPOTrainer(Trainer):
             torch.cuda.empty_cache()
 
     @torch.no_grad()
-    def reference_logps(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    def reference_logps(self, inputs: dict[str, Tensor]) -> ChosenRejected:
         """Summed reference log-probs ``(B,)`` of the chosen and of the rejected completions of a batch."""
         if self.ref_model is not None:
-            logps, _, _ = self.completion_logps(self.ref_model, inputs)
-        elif self.is_peft_model():
+            return self.completion_logps(self.ref_model, inputs).logps
+        if self.is_peft_model():
             base = dist.unwrap_model(self.model)
             with base.disable_adapter():
-                logps, _, _ = self.completion_logps(base, inputs)
+                return self.completion_logps(base, inputs).logps
         else:
             raise RuntimeError("no reference model: precompute_ref_log_probs=True freed it after computing the "
                                "training (and evaluation) datasets' reference log-probs. Give datasets with "
                                f"{list(REF_COLUMNS)} columns, pass them to DPOTrainer before training, or use "
                                "precompute_ref_log_probs=False")
-        pairs = logps.shape[0] // 2
-        return logps[:pairs], logps[pairs:]
 
     # ---- data ---------------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, split: str):
@@ -423,24 +439,21 @@ class DPOTrainer(Trainer):
         return dataset.add_column(REF_COLUMNS[0], chosen).add_column(REF_COLUMNS[1], rejected)
 
     # ---- the loss -----------------------------------------------------------------------------------------
-    def completion_logps(self, model, inputs: dict[str, Tensor], *, with_logits: bool = False
-                         ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """One forward over all ``2B`` rows: ``(logps, token_counts, logit_sums)``, each ``(2B,)``.
-
-        ``logps`` sums log p(token) over each row's completion tokens (memory-bounded, treadle.logprobs);
-        ``token_counts`` counts them; ``logit_sums`` (``with_logits``; None when unavailable) sums over the same
-        tokens the mean logit over the vocabulary, detached.
-        """
+    def completion_logps(self, model, inputs: dict[str, Tensor], *, with_logits: bool = False) -> PairScores:
+        """One forward over all ``2B`` rows, split into the chosen and the rejected halves (``(B,)`` each):
+        ``logps`` sums log p(token) over each row's completion tokens (memory-bounded, treadle.logprobs),
+        ``counts`` counts those tokens, ``logit_sums`` (``with_logits``, else None) sums over them the mean
+        logit over the vocabulary, detached, from the same forward."""
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (2B, T)
         completion_mask = inputs["completion_mask"]  # (2B, T)
         # Predictions before the earliest response token are never needed: skip their log-softmax.
         start = int(completion_mask.argmax(dim=1).min()) - 1
-        with _capture_final_hidden(model, enabled=with_logits) as hidden:
-            logps, _ = token_logps(model, input_ids, attention_mask, start=start,
-                                   chunk_size=self.args.logprob_chunk_size)  # (2B, T-1-start)
-        mask = completion_mask[:, start + 1:].to(logps.dtype)  # (2B, T-1-start)
-        logit_sums = _mean_logit_sums(model, hidden, start, mask) if with_logits else None
-        return (logps * mask).sum(dim=1), mask.sum(dim=1), logit_sums
+        out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
+                          return_mean_logits=with_logits)  # (2B, T-1-start) each
+        mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
+        logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
+        return PairScores(ChosenRejected.split((out.logps * mask).sum(dim=1)), ChosenRejected.split(mask.sum(dim=1)),
+                          logit_sums)
 
     def pair_losses(self, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
                     ref_rejected_logps: Tensor, chosen_counts: Tensor, rejected_counts: Tensor
@@ -464,66 +477,33 @@ class DPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Sum of the per-pair losses of this micro-batch divided by ``num_items_in_batch`` (the pairs of the
-        whole window, all ranks), or their mean when it is None. Records the metrics of ``log``."""
-        pairs = self.count_items(inputs)
-        logps, counts, logit_sums = self.completion_logps(model, inputs, with_logits=True)  # (2B,) each
+        whole window, all ranks), or their mean when it is None. Records the DPO metrics."""
+        policy = self.completion_logps(model, inputs, with_logits=True)
         if all(k in inputs for k in REF_COLUMNS):
-            ref_chosen, ref_rejected = inputs[REF_COLUMNS[0]], inputs[REF_COLUMNS[1]]
+            reference = ChosenRejected(*(inputs[k].to(policy.logps.chosen.dtype) for k in REF_COLUMNS))
         else:
-            ref_chosen, ref_rejected = self.reference_logps(inputs)
-        losses, metrics = self.pair_losses(logps[:pairs], logps[pairs:], ref_chosen.to(logps.dtype),
-                                           ref_rejected.to(logps.dtype), counts[:pairs], counts[pairs:])
-        self.store_metrics("train" if model.training else "eval", metrics, logps.detach(), counts, logit_sums)
-        loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else pairs)
+            reference = self.reference_logps(inputs)
+        losses, metrics = self.pair_losses(*policy.logps, *reference, *policy.counts)
+        self.record_metrics(policy, metrics, mode="train" if model.training else "eval")
+        loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else len(losses))
         return (loss, metrics) if return_outputs else loss
 
-    # ---- metrics ------------------------------------------------------------------------------------------
-    def store_metrics(self, split: str, metrics: dict[str, Tensor], logps: Tensor, counts: Tensor,
-                      logit_sums: Tensor | None) -> None:
-        """Add one batch's metric sums (and counts) to the window of ``split`` ("train" or "eval")."""
-        pairs = logps.shape[0] // 2
+    def record_metrics(self, policy: PairScores, metrics: dict[str, Tensor], mode: str) -> None:
+        """Record one batch's metrics in the Trainer's metrics window: rewards, accuracies, margins and log-probs
+        as means over pairs, ``logits/*`` as means over completion tokens."""
         chosen, rejected = metrics["chosen_rewards"], metrics["rejected_rewards"]  # (B,)
-        names = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                 "logps/rejected"]
-        totals = [chosen.sum(), rejected.sum(), (chosen > rejected).sum(), (chosen - rejected).sum(),
-                  logps[:pairs].sum(), logps[pairs:].sum()]
+        pairs = float(chosen.shape[0])
+        sums = {"rewards/chosen": (chosen.sum(), pairs), "rewards/rejected": (rejected.sum(), pairs),
+                "rewards/accuracies": ((chosen > rejected).sum(), pairs),
+                "rewards/margins": ((chosen - rejected).sum(), pairs),
+                "logps/chosen": (policy.logps.chosen.detach().sum(), pairs),
+                "logps/rejected": (policy.logps.rejected.detach().sum(), pairs)}
         if "nll_loss" in metrics:
-            names.append("nll_loss")
-            totals.append(metrics["nll_loss"].sum())
-        weights = torch.full((len(names),), float(pairs), dtype=torch.float64, device=logps.device)  # (M,)
-        if logit_sums is not None:  # a token mean: weighted by completion tokens, not pairs
-            names += ["logits/chosen", "logits/rejected"]
-            totals += [logit_sums[:pairs].sum(), logit_sums[pairs:].sum()]
-            weights = torch.cat([weights, torch.stack([counts[:pairs].sum(), counts[pairs:].sum()]).double()])
-        # One (M, 2) tensor per batch, added in one operation: a few dozen scalar operations per step would cost
-        # a visible share of a small model's step (benchmarks/trainers.py)
-        batch = torch.stack([torch.stack(totals).detach().double(), weights], dim=1)  # (M, 2): sum, count
-        self._metric_sums[split] = _merge_window(self._metric_sums.get(split), tuple(names), batch)
-
-    def pop_metrics(self, split: str) -> dict[str, float]:
-        """The window's means over all ranks (every rank must call this), and a fresh window."""
-        window = self._metric_sums.pop(split, None)
-        if window is None:
-            return {}
-        names, sums = window
-        order = sorted(range(len(names)), key=names.__getitem__)  # the same order on every rank
-        packed = dist.all_reduce_sum(sums[order].to(self.args.device)).tolist()  # (M, 2)
-        return {names[i]: total / count for i, (total, count) in zip(order, packed) if count > 0}
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds the DPO metrics of the steps since the last log to the training logs (those with a loss)."""
-        if "loss" in logs:
-            logs = {**logs, **self.pop_metrics("train")}
-        super().log(logs, start_time)
-
-    def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
-                        prediction_loss_only=None):
-        """The inherited loop (loss averaged over pairs), plus the DPO metrics as ``{prefix}_rewards/...``."""
-        self._metric_sums.pop("eval", None)
-        output = super().evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
-                                         prediction_loss_only=prediction_loss_only)
-        extra = {f"{metric_key_prefix}_{k}": v for k, v in self.pop_metrics("eval").items()}
-        return output._replace(metrics={**output.metrics, **extra})
+            sums["nll_loss"] = (metrics["nll_loss"].sum(), pairs)
+        if policy.logit_sums is not None:  # a token mean: weighted by completion tokens, not pairs
+            sums["logits/chosen"] = (policy.logit_sums.chosen.sum(), policy.counts.chosen.sum())
+            sums["logits/rejected"] = (policy.logit_sums.rejected.sum(), policy.counts.rejected.sum())
+        self.metrics.add_many(sums, mode)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """(mean per-pair loss, None, None): the model is scored, not asked for predictions."""
@@ -550,51 +530,6 @@ def _long_tensor(values: list[int], shape: tuple[int, int]) -> Tensor:
         return torch.frombuffer(array.array("q", values), dtype=torch.long).view(shape).clone()  # owns its memory
     except (TypeError, ValueError):  # ids that are not Python ints (e.g. numpy scalars), or an empty batch
         return torch.tensor(values, dtype=torch.long).view(shape)
-
-
-def _merge_window(window: tuple[tuple[str, ...], Tensor] | None, names: tuple[str, ...], batch: Tensor
-                  ) -> tuple[tuple[str, ...], Tensor]:
-    """A metric window ``(names, (M, 2) sums and counts)`` with one batch's ``(names, batch)`` added."""
-    if window is None:
-        return names, batch
-    old_names, old = window
-    if old_names == names:
-        return names, old.add_(batch)
-    union = tuple(sorted(set(old_names) | set(names)))  # a batch with other metrics (e.g. no logits)
-    merged = torch.zeros(len(union), 2, dtype=torch.float64, device=batch.device)
-    merged[[union.index(n) for n in old_names]] += old.to(batch.device)
-    merged[[union.index(n) for n in names]] += batch
-    return union, merged
-
-
-@contextlib.contextmanager
-def _capture_final_hidden(model, *, enabled: bool = True):
-    """Collect the decoder's output hidden states ``(B, T, H)`` of the forwards run inside the block."""
-    captured: list[Tensor] = []
-    base = dist.unwrap_model(model)
-    get_decoder = getattr(base, "get_decoder", None)
-    decoder = get_decoder() if enabled and callable(get_decoder) else None
-    if not isinstance(decoder, nn.Module) or decoder is base:
-        yield captured
-        return
-    handle = decoder.register_forward_hook(lambda _m, _a, output: captured.append(output[0]))
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
-@torch.no_grad()
-def _mean_logit_sums(model, hidden: list[Tensor], start: int, mask: Tensor) -> Tensor | None:
-    """Per row, the sum over masked positions of the vocabulary-mean logit ``h . mean(W) + mean(b)``."""
-    head = getattr(dist.unwrap_model(model), "get_output_embeddings", lambda: None)()
-    if len(hidden) != 1 or not isinstance(head, nn.Linear):
-        return None
-    h = hidden[0][:, start:-1].float()  # (2B, T-1-start, H)
-    mean_logits = h @ head.weight.float().mean(dim=0)  # (2B, T-1-start)
-    if head.bias is not None:
-        mean_logits = mean_logits + head.bias.float().mean()
-    return (mean_logits * mask).sum(dim=1)  # (2B,)
 
 
 __all__ = ["DPOConfig", "DPOTrainer", "DPOCollator", "tokenize_row", "split_implicit_prompt"]

@@ -4,11 +4,14 @@ GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300) samples G completions 
 reward functions, and trains on each reward minus its group's mean (optionally divided by the group's std).
 Generation is sequential (one forward per token), so one generation feeds several micro-steps: the
 dataloader yields ``per_device_train_batch_size * steps_per_generation`` rows at once (each prompt G times in
-a row), ``prepare_inputs`` generates and scores them into a buffer, and hands out one slice per micro-step::
+a row), and ``prepare_window`` (once per optimizer step) generates and scores them into a buffer and hands
+out one slice per micro-step::
 
     dataloader batch (repeated spg * μ times by RepeatSampler, so the base loop's epoch arithmetic holds)
-      -> prepare_inputs: buffer empty? generate -> rewards -> advantages (all ranks) -> old / ref log-probs
-         -> split into steps_per_generation slices; hand out slice (micro-step mod spg)
+      -> prepare_window: for each micro-step of the window, its generation's buffer, or if there is none yet:
+         generate -> rewards -> advantages (all ranks) -> old / ref log-probs -> split into spg slices;
+         the micro-step trains on slice (micro-step mod spg)
+      -> get_num_items_in_batch: the window's completion tokens (dapo) or completions (grpo), all ranks
       -> compute_loss: losses.grpo_loss on the slice
 
 How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
@@ -28,10 +31,10 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
    shift of every position; models with absolute position embeddings, such as GPT-2, do.)
 6. Groups may span ranks: rewards are gathered from every rank before the advantages are computed.
    A rank whose rows hold whole groups prefills each distinct prompt once (``generation.py``).
-7. A ``dapo`` normaliser needs the completions of the whole window before its first micro-step: when a
-   window spans several generations (``steps_per_generation * num_iterations < gradient_accumulation_steps``),
-   they are generated at the window's start. The policy does not change inside a window and each generation
-   has its own seeded RNG, so the samples are the same as if generated one by one.
+7. A ``dapo`` normaliser needs the completions of the whole window before its first micro-step, so every
+   generation a window uses happens at the window's start (``prepare_window``), whatever the loss type. The
+   policy does not change inside a window and each generation has its own seeded RNG, so the samples are the
+   same as if generated one micro-step at a time.
 8. Sampling is seeded by (``seed``, generation index, rank), and a checkpoint also stores the unconsumed
    generation buffer, so that resuming continues the run exactly even in the middle of a buffer.
 9. Rewards come from Python functions only (no reward models by name); ``None`` means "no opinion" and a
@@ -200,13 +203,12 @@ class GRPOTrainer(Trainer):
     frozen copy of ``model`` taken at construction).
     """
 
+    config_class = GRPOConfig
+
     def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
                  args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
                  callbacks=None, optimizers=(None, None), ref_model=None):
-        args = args if args is not None else GRPOConfig()
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"GRPOTrainer needs a GRPOConfig, got {type(args).__name__}; "
-                            f"build one with GRPOConfig(**your_args.to_dict())")
+        args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
         self.reward_funcs = _reward_list(reward_funcs)
         self.reward_weights = _reward_weights(args.reward_weights, self.reward_funcs)
         _check_tokenizer(processing_class)
@@ -216,9 +218,7 @@ class GRPOTrainer(Trainer):
                          optimizers=optimizers)
         self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
         self.pad_token_id = _first_not_none(processing_class.pad_token_id, processing_class.eos_token_id, 0)
-        self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices
-        self._micro_step: int | None = None  # micro-steps consumed in this run; None: read from the state
-        self._metric_sums: dict[str, list[float]] = {}  # name -> [sum, count] since the last log
+        self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices (this rank's rows)
         self._completions_file_checked = False
 
     def build_reference_model(self, ref_model=None):
@@ -261,44 +261,44 @@ class GRPOTrainer(Trainer):
 
     # ---- the buffer -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None):
-        self._micro_step = None
-        self._buffers = {}
-        self._metric_sums = {}
+        self._buffers = {}  # a resumed run restores its own (load_extra_checkpoint_state)
         self._completions_file_checked = False
         return super().train(resume_from_checkpoint=resume_from_checkpoint)
 
-    def prepare_inputs(self, inputs):
-        """The next slice of the generation buffer for this micro-step. The first micro-step of each cycle
-        generates, scores and splits the buffer from ``inputs`` (the dataloader's batch of prompt rows)."""
-        step = self._current_micro_step()
-        batch = self._buffer_for(step, inputs)[self._slice_index(step)]
-        self._micro_step = step + 1
-        self.state.stateful_callbacks[STATE_KEY] = {"micro_step": self._micro_step}
-        next_generation = self._micro_step // self._cycle_length()
+    def prepare_window(self, batch_samples: list) -> list[dict]:
+        """The slices of the generation buffers that this window's micro-steps train on. A buffer that does not
+        exist yet is generated, scored and split here, from the dataloader's prompt rows (``batch_samples``):
+        the policy does not change inside a window, so sampling them all at its start gives the same samples
+        as sampling at each micro-step (each generation has its own seeded RNG)."""
+        first = self.micro_step
+        window = [self._buffer_for(first + i, rows)[self._slice_index(first + i)]
+                  for i, rows in enumerate(batch_samples)]
+        self.micro_step = first + len(window)
+        next_generation = self.micro_step // self._cycle_length()
         self._buffers = {g: b for g, b in self._buffers.items() if g >= next_generation}
-        return batch
+        return window
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps consumed in this run. Kept in ``state.stateful_callbacks`` (one value for every rank, saved
+        in ``trainer_state.json``), so that a resumed run knows where it is in the generation cycle."""
+        return self.state.stateful_callbacks.get(STATE_KEY, {}).get("micro_step", 0)
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        self.state.stateful_callbacks[STATE_KEY] = {"micro_step": value}
+
+    def count_items(self, inputs: dict) -> int | None:
+        """A slice's loss items: completion tokens (``dapo``) or completions (``grpo``); None for ``bnpo`` and
+        ``dr_grpo``, whose per-micro-batch means the loop averages. The inherited ``get_num_items_in_batch``
+        sums it over the window and the ranks."""
+        if self.args.loss_type == "dapo":
+            return int(inputs["completion_mask"].sum())
+        return inputs["completion_mask"].shape[0] if self.args.loss_type == "grpo" else None
 
     def get_num_items_in_batch(self, batch_samples: list) -> int | None:
-        """The loss normaliser of one accumulation window, summed over ranks: completion tokens (``dapo``) or
-        completions (``grpo``). None for ``bnpo`` and ``dr_grpo``, whose per-micro-batch means the loop
-        averages. For ``dapo`` this generates the window's buffers that do not exist yet."""
-        loss_type = self.args.loss_type
-        if loss_type in ("bnpo", "dr_grpo"):
-            return None
-        if loss_type == "grpo":
-            total = sum(len(rows) // self.args.steps_per_generation for rows in batch_samples)
-        else:
-            first = self._current_micro_step()
-            total = sum(int(self._buffer_for(first + i, rows)[self._slice_index(first + i)]["completion_mask"].sum())
-                        for i, rows in enumerate(batch_samples))
-        if dist.get_world_size() > 1 and self.args.average_tokens_across_devices:
-            total = int(dist.all_reduce_sum(torch.tensor(total, device=self.args.device)).item())
-        return max(total, 1)  # a window whose completions are all masked contributes zero loss, not 0/0
-
-    def _current_micro_step(self) -> int:
-        if self._micro_step is None:
-            self._micro_step = self.state.stateful_callbacks.get(STATE_KEY, {}).get("micro_step", 0)
-        return self._micro_step
+        total = super().get_num_items_in_batch(batch_samples)
+        return None if total is None else max(total, 1)  # all completions masked: zero loss, not 0/0
 
     def _slice_index(self, micro_step: int) -> int:
         return micro_step % self._cycle_length() % self.args.steps_per_generation
@@ -417,12 +417,12 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def _frozen_logps(self, model, batch: dict) -> torch.Tensor:
         with _eval_mode(model), self.autocast():
-            logps, _ = self._completion_logps(model, batch)
+            logps = self._completion_logps(model, batch).logps
         return logps.float()
 
     def _completion_logps(self, model, batch: dict, return_entropy: bool = False):
-        """Per-token log-probs ``(B, C)`` (and entropies) of the completion tokens, at the sampling temperature,
-        with positions counted from the first prompt token as during sampling."""
+        """A ``logprobs.TokenLogps``: per-token log-probs ``(B, C)`` (and entropies) of the completion tokens, at the
+        sampling temperature, with positions counted from the first prompt token as during sampling."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         start = ids.shape[1] - batch["completion_mask"].shape[1] - 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -434,7 +434,7 @@ class GRPOTrainer(Trainer):
         """``losses.grpo_loss`` on one slice; ``num_items_in_batch`` is the window's normaliser (``dapo``: its
         completion tokens, ``grpo``: its completions, both over all ranks)."""
         args = self.args
-        logps, entropy = self._completion_logps(model, inputs, return_entropy=True)  # (B, C) each
+        logps, entropy, _ = self._completion_logps(model, inputs, return_entropy=True)  # (B, C) each
         normalizer = num_items_in_batch if args.loss_type in ("grpo", "dapo") else None
         loss, metrics = grpo_loss(logps, inputs["advantages"], inputs["completion_mask"],
                                   old_logps=inputs.get("old_logps"), ref_logps=inputs.get("ref_logps"),
@@ -443,47 +443,26 @@ class GRPOTrainer(Trainer):
                                   max_completion_length=args.max_completion_length)
         mask = inputs["completion_mask"].to(entropy.dtype)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        for name, value in metrics.items():
-            self._record(name, value)
+        self.metrics.add_many({name: (value, 1) for name, value in metrics.items()})  # means over micro-steps
         return (loss, {"logps": logps}) if return_outputs else loss
 
     # ---- metrics and records ----------------------------------------------------------------------------
-    def _record(self, name: str, value: float | torch.Tensor) -> None:
-        # Tensors are summed on their device: reading them every micro-step would force a device sync.
-        total = self._metric_sums.setdefault(name, [0.0, 0.0])
-        total[0] = total[0] + (value.detach().double() if isinstance(value, torch.Tensor) else value)
-        total[1] += 1
-
     def _record_generation_metrics(self, metrics: dict, all_rewards: torch.Tensor, sample: dict) -> None:
-        """Reward and length statistics of one generation, over all ranks."""
-        for name, value in metrics.items():
-            self._record(name, float(value))
+        """Reward and length statistics of one generation, over all ranks (means over generations at log time)."""
+        record = {name: (float(value), 1) for name, value in metrics.items()}
         for j, fn in enumerate(self.reward_funcs):
             column = all_rewards[:, j]
             scored = column[~column.isnan()]
             if len(scored):
-                self._record(f"rewards/{reward_name(fn)}/mean", float(scored.mean()))
-                self._record(f"rewards/{reward_name(fn)}/std", float(scored.std()) if len(scored) > 1 else 0.0)
+                record[f"rewards/{reward_name(fn)}/mean"] = (float(scored.mean()), 1)
+                record[f"rewards/{reward_name(fn)}/std"] = (float(scored.std()) if len(scored) > 1 else 0.0, 1)
         lengths = _gather_rows(sample["completion_mask"].sum(dim=1).float().cpu())  # (W*N,)
         truncated = _gather_rows(sample["is_truncated"].float().cpu())
-        self._record("completions/mean_length", float(lengths.mean()))
-        self._record("completions/min_length", float(lengths.min()))
-        self._record("completions/max_length", float(lengths.max()))
-        self._record("completions/clipped_ratio", float(truncated.mean()))
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Training logs get the GRPO metrics averaged over the events since the last log (and over ranks)."""
-        if "loss" in logs and self._metric_sums and not any(k.startswith("eval_") for k in logs):
-            logs = {**logs, **self._averaged_metrics()}
-        super().log(logs, start_time)
-
-    def _averaged_metrics(self) -> dict[str, float]:
-        names = sorted(self._metric_sums)
-        totals = torch.stack([torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.args.device)
-                                           for v in self._metric_sums[n]]) for n in names])  # (M, 2)
-        totals = dist.all_reduce_sum(totals)  # sums and counts over ranks
-        self._metric_sums = {}
-        return {n: (s / c if c else math.nan) for n, (s, c) in zip(names, totals.tolist())}
+        record.update({"completions/mean_length": (float(lengths.mean()), 1),
+                       "completions/min_length": (float(lengths.min()), 1),
+                       "completions/max_length": (float(lengths.max()), 1),
+                       "completions/clipped_ratio": (float(truncated.mean()), 1)})
+        self.metrics.add_many(record)
 
     def _log_completions(self, sample: dict, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """Append this generation's completions (all ranks) to output_dir/completions.jsonl, from rank 0."""
@@ -505,18 +484,14 @@ class GRPOTrainer(Trainer):
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def extra_checkpoint_state(self) -> dict:
-        """This rank's unconsumed generation buffers and unlogged metric sums, saved in every checkpoint so that
-        resuming inside a generation cycle is exact."""
-        return {"micro_step": self._micro_step or 0,
-                "buffers": {str(g): [{k: v.cpu() for k, v in s.items()} for s in b] for g, b in self._buffers.items()},
-                "metric_sums": {k: [float(x) for x in v] for k, v in self._metric_sums.items()}}
+        """This rank's unconsumed generation buffers, saved in every checkpoint so that resuming inside a
+        generation cycle is exact (the cursor is in ``trainer_state.json``, the metrics in the Trainer's window)."""
+        return {"buffers": {str(g): [{k: v.cpu() for k, v in s.items()} for s in b] for g, b in self._buffers.items()}}
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
-        self._micro_step = state["micro_step"]
         device = self.args.device
         self._buffers = {int(g): [{k: v.to(device) for k, v in s.items()} for s in b]
                          for g, b in state["buffers"].items()}
-        self._metric_sums = {k: list(v) for k, v in state["metric_sums"].items()}
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -529,30 +504,30 @@ class GRPOTrainer(Trainer):
         require_columns(dataset, ["prompt"], what="GRPOTrainer.evaluate")
         loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
                                        sampler=self.build_sampler(dataset, shuffle=False), collate_fn=_keep_rows)
-        group = self.args.num_generations
-        totals = torch.zeros(len(self.reward_funcs) * 2 + 3, dtype=torch.float64)
+        self.metrics.clear("eval")
         for index, rows in enumerate(loader):
-            repeated = [row for row in rows for _ in range(group)]
-            sample = self._sample(repeated, self._generator("eval", index))
-            rewards = score_completions(self.reward_funcs, self.reward_weights, prompts=sample["prompts"],
-                                        completions=sample["completions"], completion_ids=sample["completion_lists"],
-                                        columns=sample["columns"], step=self.state.global_step).double()
-            scored = ~rewards.isnan()
-            totals += torch.cat([weighted_rewards(rewards, self.reward_weights).sum().view(1),
-                                 rewards.nan_to_num(0.0).sum(dim=0), scored.sum(dim=0),
-                                 sample["completion_mask"].sum().double().cpu().view(1),
-                                 torch.tensor([float(len(repeated))])])
-        totals = dist.all_reduce_sum(totals.to(self.args.device)).cpu().tolist()
-        count, functions = totals[-1], len(self.reward_funcs)
-        metrics = {"reward": totals[0] / count, "completions/mean_length": totals[-2] / count}
-        for j, fn in enumerate(self.reward_funcs):
-            scored_count = totals[1 + functions + j]
-            metrics[f"rewards/{reward_name(fn)}/mean"] = totals[1 + j] / scored_count if scored_count else math.nan
-        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+            self._score_eval_batch(rows, index)
+        sums = self.metrics.reduce("eval")  # one all-reduce for every metric
+        metrics = {f"{metric_key_prefix}_{name}": total / count if count else math.nan
+                   for name, (total, count) in sums.items()}
         self.log(metrics)
         self.control = self.callback_handler.call_event("on_evaluate", self.args, self.state, self.control,
                                                         metrics=metrics)
         return metrics
+
+    def _score_eval_batch(self, rows: list[dict], index: int) -> None:
+        """Sample G completions per prompt of ``rows`` and record their rewards and lengths ("eval" window)."""
+        repeated = [row for row in rows for _ in range(self.args.num_generations)]
+        sample = self._sample(repeated, self._generator("eval", index))
+        rewards = score_completions(self.reward_funcs, self.reward_weights, prompts=sample["prompts"],
+                                    completions=sample["completions"], completion_ids=sample["completion_lists"],
+                                    columns=sample["columns"], step=self.state.global_step).double()  # (N, F)
+        scored, n = ~rewards.isnan(), float(len(repeated))
+        record = {"reward": (weighted_rewards(rewards, self.reward_weights).sum(), n),
+                  "completions/mean_length": (sample["completion_mask"].sum(), n)}
+        for j, fn in enumerate(self.reward_funcs):
+            record[f"rewards/{reward_name(fn)}/mean"] = (rewards[:, j].nan_to_num(0.0).sum(), scored[:, j].sum())
+        self.metrics.add_many(record, mode="eval")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         raise NotImplementedError("GRPOTrainer has no per-batch prediction step: use trainer.evaluate() for "

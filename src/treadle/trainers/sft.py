@@ -2,7 +2,7 @@
 
 The dataset is tokenised once, before training, into ``input_ids`` and a ``completion_mask`` (1 on the tokens
 that carry loss); the collator turns that into ``labels`` with -100 elsewhere, and the Trainer's own loss does
-the rest. Three dataset forms, chosen by column (first match wins):
+the rest. Four dataset forms, chosen by column (first match wins):
 
 1. ``input_ids`` (already tokenised; an optional ``completion_mask`` is kept);
 2. ``prompt`` + ``completion`` (strings, or chat message lists rendered with the chat template);
@@ -24,7 +24,8 @@ How this departs from TRL's SFTTrainer (v0.2x):
 4. No PEFT, no vision-language inputs, no ``dataset_kwargs``, no streaming datasets; a string ``model`` must be a
    local folder (no download).
 5. ``mean_token_accuracy`` is logged for training and evaluation (argmax of the logits against the labels, over
-   the label tokens of the logging window); TRL's ``num_tokens`` and entropy are not.
+   the label tokens of the logging window, through the Trainer's metrics window); TRL's ``num_tokens`` and
+   entropy are not.
 """
 
 from __future__ import annotations
@@ -72,13 +73,12 @@ class SFTTrainer(Trainer):
     tokenizer (loaded from that folder when None). Datasets are ``datasets.Dataset`` objects or lists of dicts.
     """
 
+    config_class = SFTConfig
+
     def __init__(self, model=None, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None)):
-        args = args if args is not None else SFTConfig()
-        if not isinstance(args, SFTConfig):
-            raise TypeError(f"SFTTrainer needs an SFTConfig, got {type(args).__name__}; build one with "
-                            f"SFTConfig(**your_args.to_dict())")
+        args = self.check_args(args)  # needed before super().__init__: the datasets are tokenised first
         if isinstance(model, str):
             model, processing_class = self.load_model(model, processing_class)
         self.args = args
@@ -87,8 +87,6 @@ class SFTTrainer(Trainer):
         eval_dataset = self.prepare_dataset(eval_dataset, "eval") if eval_dataset is not None else None
         if data_collator is None:
             data_collator = SFTCollator(pad_token_id=_pad_token_id(processing_class))
-        self._token_stats = {"train": torch.zeros(2, dtype=torch.float64),
-                             "eval": torch.zeros(2, dtype=torch.float64)}  # (correct, total) label tokens
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
@@ -177,45 +175,17 @@ class SFTTrainer(Trainer):
         return super().get_eval_dataloader(eval_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The Trainer's loss (labels from the collator); also counts the label tokens that the argmax of the
-        logits gets right, for ``mean_token_accuracy``."""
+        """The Trainer's loss (labels from the collator); also records the label tokens that the argmax of the
+        logits gets right, logged as ``mean_token_accuracy`` (training) / ``eval_mean_token_accuracy``."""
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                              num_items_in_batch=num_items_in_batch)
         logits = getattr(outputs, "logits", None)
         labels = inputs.get("labels")
         if logits is not None and labels is not None:
             with torch.no_grad():
-                mode = "train" if model.training else "eval"
-                counts = token_accuracy_counts(logits, labels)  # stays on the device: no sync per step
-                self._token_stats[mode] = self._token_stats[mode].to(counts.device) + counts
+                correct, total = token_accuracy_counts(logits, labels)  # stays on the device: no sync per step
+            self.metrics.add("mean_token_accuracy", correct, total, mode="train" if model.training else "eval")
         return (loss, outputs) if return_outputs else loss
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Adds ``mean_token_accuracy`` of the window to training logs (those with a ``loss``)."""
-        if "loss" in logs:
-            accuracy = self._take_token_accuracy("train")
-            if accuracy is not None:
-                logs = {**logs, "mean_token_accuracy": accuracy}
-        super().log(logs, start_time)
-
-    def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
-                        prediction_loss_only=None):
-        """The Trainer's loop, plus ``{prefix}_mean_token_accuracy`` over the evaluated label tokens."""
-        self._token_stats["eval"].zero_()
-        output = super().evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
-                                         prediction_loss_only=prediction_loss_only)
-        accuracy = self._take_token_accuracy("eval")
-        if accuracy is not None:
-            output.metrics[f"{metric_key_prefix}_mean_token_accuracy"] = accuracy
-        return output
-
-    def _take_token_accuracy(self, mode: str) -> float | None:
-        counts = self._token_stats[mode].to(self.args.device)
-        if dist.get_world_size() > 1:
-            counts = dist.all_reduce_sum(counts)
-        self._token_stats[mode] = torch.zeros(2, dtype=torch.float64)
-        correct, total = counts.tolist()
-        return correct / total if total else None
 
 
 # ---------------------------------------------------------------------------------------------------------
