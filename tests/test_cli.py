@@ -51,26 +51,6 @@ def test_malformed_overrides(items, needle):
         cli.parse_overrides(items)
 
 
-def test_yaml_numbers_are_coerced_to_the_field_type():
-    from treadle import SFTConfig
-
-    fields = cli.coerce_fields({"learning_rate": "1e-3", "warmup_steps": 2, "max_length": None}, SFTConfig)
-    assert fields == {"learning_rate": 0.001, "warmup_steps": 2.0, "max_length": None}
-    assert isinstance(fields["warmup_steps"], float)
-
-
-@pytest.mark.parametrize("fields, needle", [({"max_steps": "ten"}, "max_steps must be an integer, got 'ten'"),
-                                            ({"packing": "maybe"}, "packing must be true or false"),
-                                            ({"learning_rate": "fast"}, "learning_rate must be a number"),
-                                            ({"max_length": "x"}, "max_length must be an integer (or null)")])
-def test_wrongly_typed_values_are_named(fields, needle):
-    from treadle import SFTConfig
-
-    with pytest.raises(cli.UserError) as error:
-        cli.coerce_fields(fields, SFTConfig)
-    assert needle in str(error.value)
-
-
 # ---- user errors: one line, exit status 2 -----------------------------------------------------------------
 def test_missing_config_file(tmp_path, capsys):
     assert_user_error(["train", tmp_path / "nope.yaml"], capsys, "config file", "not found")
@@ -102,6 +82,11 @@ def test_unknown_override_key(capsys):
 def test_invalid_config_value_is_one_line(capsys):
     assert_user_error(["train", EXAMPLES / "sft.yaml", "--packing", "true", "--max_length", "null"], capsys,
                       "SFTConfig", "packing=True needs max_length")
+
+
+def test_wrongly_typed_value_is_one_line_naming_the_key(capsys):
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--max_steps", "ten"], capsys,
+                      "SFTConfig: max_steps must be an integer, got 'ten'")
 
 
 @pytest.mark.parametrize("key, value, needle", [

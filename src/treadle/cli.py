@@ -4,19 +4,19 @@
     treadle train CONFIG.yaml [--resume] [--key value ...]
     treadle report RUN_DIR
 
-``demo`` fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy on held-out
-problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file: the keys
-``trainer``, ``model``, ``dataset``, ``eval_dataset`` and ``reward_funcs`` say what to train, every other key is
-a field of the trainer's config (``--key value`` overrides one). ``report`` redraws the plots of a run folder
-and prints a summary. A mistake a user can make (a missing file, an unknown key ...) is one line on stderr and
-exit status 2; anything else is a bug and shows its traceback.
+``demo`` fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy
+on held-out problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file:
+the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset`` and ``reward_funcs`` say what to train, every
+other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``; ``--key value``
+overrides one). ``report`` redraws the plots of a run folder and prints a summary. A mistake a user can make (a
+missing file, an unknown key ...) is one line on stderr and exit status 2; anything else is a bug and shows its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import importlib
 import importlib.util
 import json
@@ -189,10 +189,8 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     config_cls = getattr(module, config_class)
     fields = {k: v for k, v in config.items() if k not in RUN_KEYS}
     fields.setdefault("output_dir", default_output_dir(config))
-    check_keys(fields, config_cls, name)
-    fields = coerce_fields(fields, config_cls)
     try:
-        args = config_cls(**fields)
+        args = config_cls.from_mapping(fields, other_keys=RUN_KEYS, context=f"trainer {name}")
     except (ValueError, TypeError) as error:
         raise UserError(f"{config_class}: {error}") from None
     kwargs = {}  # the cheap checks first: a typo in a path fails before a model is loaded
@@ -214,45 +212,6 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
 def default_output_dir(config: dict[str, Any]) -> str:
     """Where a run goes when its config names no output_dir: runs/<trainer>."""
     return os.path.join("runs", str(config.get("trainer")))
-
-
-def check_keys(fields: dict[str, Any], config_cls, trainer: str) -> None:
-    """Reject keys that are neither run keys nor fields of ``config_cls``, suggesting the closest name."""
-    known = {f.name for f in dataclasses.fields(config_cls)}
-    for key in fields:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known | set(RUN_KEYS)), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; see the fields of {config_cls.__name__}"
-            raise UserError(f"unknown key {key!r} for trainer {trainer}{hint}")
-
-
-def coerce_fields(fields: dict[str, Any], config_cls) -> dict[str, Any]:
-    """Values converted to their field's type where YAML read them otherwise (YAML 1.1 reads ``1e-3`` as a
-    string and ``1`` as an int for a float field); a value of the wrong type is a one-line error."""
-    types = {f.name: str(f.type) for f in dataclasses.fields(config_cls)}
-    out = {}
-    for key, value in fields.items():
-        kind = types[key].replace(" ", "").split("|")  # e.g. ['float'], ['int', 'None'], ['str', 'list[str]']
-        if value is None and "None" in kind:
-            out[key] = value
-            continue
-        out[key] = _coerce(key, value, kind)
-    return out
-
-
-def _coerce(key: str, value: Any, kind: list[str]) -> Any:
-    if "float" in kind and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            raise UserError(f"{key} must be a number, got {value!r}") from None
-    checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "bool": lambda v: isinstance(v, bool),
-              "str": lambda v: isinstance(v, str)}
-    simple = [k for k in kind if k in checks]
-    if simple and len(simple) == len([k for k in kind if k != "None"]) and not any(checks[k](value) for k in simple):
-        wanted = " or ".join({"int": "an integer", "bool": "true or false", "str": "a string"}[k] for k in simple)
-        raise UserError(f"{key} must be {wanted}{' (or null)' if 'None' in kind else ''}, got {value!r}")
-    return value
 
 
 def load_model(spec: str, *, seed: int = 0):
