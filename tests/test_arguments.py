@@ -70,3 +70,86 @@ def test_round_trip_through_json():
     args = TrainingArguments(learning_rate=3e-4, lr_scheduler_type=SCHEDULERS[-1])
     again = TrainingArguments(**json.loads(args.to_json_string()))
     assert again == args
+
+
+# ---- from_mapping: a config from a YAML mapping ---------------------------------------------------------------
+def test_from_mapping_refuses_an_unknown_key_naming_the_closest():
+    with pytest.raises(ValueError, match=r"unknown key 'lerning_rate' for TrainingArguments; did you mean "
+                                         r"'learning_rate'\?"):
+        TrainingArguments.from_mapping({"lerning_rate": 0.1})
+    with pytest.raises(ValueError, match=r"unknown key 'modle' for trainer sft; did you mean 'model'\?"):
+        TrainingArguments.from_mapping({"modle": "toy:tiny"}, other_keys=("model",), context="trainer sft")
+    with pytest.raises(ValueError, match="unknown key 'zzzzzz' for TrainingArguments; see the fields of"):
+        TrainingArguments.from_mapping({"zzzzzz": 1})
+
+
+def test_from_mapping_turns_yaml_numbers_into_floats():
+    args = TrainingArguments.from_mapping({"learning_rate": "1e-3", "warmup_steps": 2, "max_grad_norm": 1,
+                                           "ddp_timeout": 60})
+    assert (args.learning_rate, args.warmup_steps, args.max_grad_norm, args.ddp_timeout) == (0.001, 2.0, 1.0, 60.0)
+    assert all(type(v) is float for v in (args.learning_rate, args.warmup_steps, args.max_grad_norm, args.ddp_timeout))
+    assert type(TrainingArguments.from_mapping({"max_steps": 5}).max_steps) is int  # ints stay ints
+
+
+@pytest.mark.parametrize("mapping, message", [
+    ({"max_steps": "ten"}, "max_steps must be an integer, got 'ten'"),
+    ({"max_steps": 2.5}, "max_steps must be an integer, got 2.5"),
+    ({"max_steps": True}, "max_steps must be an integer, got True"),
+    ({"bf16": "maybe"}, "bf16 must be true or false, got 'maybe'"),
+    ({"learning_rate": "fast"}, "learning_rate must be a number, got 'fast'"),
+    ({"learning_rate": True}, "learning_rate must be a number, got True"),
+    ({"learning_rate": None}, "learning_rate must be a number, got None"),
+    ({"save_total_limit": "x"}, r"save_total_limit must be an integer \(or null\), got 'x'"),
+    ({"run_name": 7}, r"run_name must be a string \(or null\), got 7"),
+    ({"report_to": 5}, "report_to must be a string or a list of strings, got 5"),
+    ({"label_names": "labels"}, r"label_names must be a list of strings \(or null\), got 'labels'"),
+    ({"label_names": ["labels", 3]}, r"label_names must be a list of strings \(or null\), got \['labels', 3\]"),
+])
+def test_from_mapping_refuses_a_wrong_type_naming_the_key(mapping, message):
+    with pytest.raises(ValueError, match=message):
+        TrainingArguments.from_mapping(mapping)
+
+
+def test_from_mapping_takes_none_where_the_annotation_allows_it():
+    args = TrainingArguments.from_mapping({"save_total_limit": None, "eval_steps": None, "logging_steps": 4})
+    assert args.save_total_limit is None and args.eval_steps == 4  # None reached __post_init__: "logging_steps"
+    assert TrainingArguments.from_mapping({"save_total_limit": 3}).save_total_limit == 3
+
+
+def test_from_mapping_list_fields():
+    args = TrainingArguments.from_mapping({"label_names": ["labels", "mask"], "report_to": ["tensorboard"]})
+    assert args.label_names == ["labels", "mask"] and args.report_to == ["tensorboard"]
+    assert TrainingArguments.from_mapping({"report_to": "none"}).report_to == []  # the str member of the union
+    from treadle.trainers.grpo import GRPOConfig
+
+    weights = GRPOConfig.from_mapping({"reward_weights": [1, 0.5]}).reward_weights
+    assert weights == [1.0, 0.5] and all(type(w) is float for w in weights)  # list[float]: items converted too
+
+
+def test_from_mapping_of_a_subclass_sees_its_own_fields():
+    from treadle.trainers.sft import SFTConfig
+
+    args = SFTConfig.from_mapping({"packing": True, "max_length": 64, "learning_rate": 1})
+    assert type(args) is SFTConfig and args.packing is True and args.max_length == 64 and args.learning_rate == 1.0
+    assert SFTConfig.from_mapping({"max_length": None}).max_length is None  # int | None, declared in sft.py
+    with pytest.raises(ValueError, match=r"did you mean 'packing'\?"):
+        SFTConfig.from_mapping({"pakcing": True})
+    with pytest.raises(ValueError, match="unknown key 'packing' for TrainingArguments"):
+        TrainingArguments.from_mapping({"packing": True})
+
+
+def test_from_mapping_keeps_the_validation_of_post_init():
+    from treadle.trainers.sft import SFTConfig
+
+    with pytest.raises(ValueError, match="packing=True needs max_length"):
+        SFTConfig.from_mapping({"packing": True, "max_length": None})
+
+
+def test_from_mapping_takes_back_every_config_it_wrote():
+    # every default (after __post_init__) fits its own annotation, in every config class
+    from treadle.trainers.dpo import DPOConfig
+    from treadle.trainers.grpo import GRPOConfig
+    from treadle.trainers.sft import SFTConfig
+
+    for cls in (TrainingArguments, SFTConfig, DPOConfig, GRPOConfig):
+        assert cls.from_mapping(cls().to_dict()) == cls(), cls.__name__

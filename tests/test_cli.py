@@ -1,5 +1,6 @@
 """The `treadle` command: config parsing, user errors as one line with exit status 2, dataset and model
-loading, the example configs end to end, `treadle report`, and a short `treadle demo`."""
+loading, the example configs end to end, `treadle report`, and how `treadle demo` hands its flags to
+treadle.demo (the demo itself: tests/test_demo.py)."""
 
 import json
 import os
@@ -51,26 +52,6 @@ def test_malformed_overrides(items, needle):
         cli.parse_overrides(items)
 
 
-def test_yaml_numbers_are_coerced_to_the_field_type():
-    from treadle import SFTConfig
-
-    fields = cli.coerce_fields({"learning_rate": "1e-3", "warmup_steps": 2, "max_length": None}, SFTConfig)
-    assert fields == {"learning_rate": 0.001, "warmup_steps": 2.0, "max_length": None}
-    assert isinstance(fields["warmup_steps"], float)
-
-
-@pytest.mark.parametrize("fields, needle", [({"max_steps": "ten"}, "max_steps must be an integer, got 'ten'"),
-                                            ({"packing": "maybe"}, "packing must be true or false"),
-                                            ({"learning_rate": "fast"}, "learning_rate must be a number"),
-                                            ({"max_length": "x"}, "max_length must be an integer (or null)")])
-def test_wrongly_typed_values_are_named(fields, needle):
-    from treadle import SFTConfig
-
-    with pytest.raises(cli.UserError) as error:
-        cli.coerce_fields(fields, SFTConfig)
-    assert needle in str(error.value)
-
-
 # ---- user errors: one line, exit status 2 -----------------------------------------------------------------
 def test_missing_config_file(tmp_path, capsys):
     assert_user_error(["train", tmp_path / "nope.yaml"], capsys, "config file", "not found")
@@ -102,6 +83,11 @@ def test_unknown_override_key(capsys):
 def test_invalid_config_value_is_one_line(capsys):
     assert_user_error(["train", EXAMPLES / "sft.yaml", "--packing", "true", "--max_length", "null"], capsys,
                       "SFTConfig", "packing=True needs max_length")
+
+
+def test_wrongly_typed_value_is_one_line_naming_the_key(capsys):
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--max_steps", "ten"], capsys,
+                      "SFTConfig: max_steps must be an integer, got 'ten'")
 
 
 @pytest.mark.parametrize("key, value, needle", [
@@ -138,6 +124,16 @@ def test_bad_command_line(capsys):
     assert_user_error(["fly"], capsys, "invalid choice")
     assert_user_error(["report"], capsys, "run_dir")
     assert_user_error(["demo", "--sft-steps", "0"], capsys, ">= 1")
+
+
+def test_demo_flags_reach_the_settings_and_the_rest_keep_their_defaults(tmp_path, monkeypatch, capsys):
+    from treadle import demo
+
+    calls = []
+    monkeypatch.setattr(demo, "run_demo", lambda settings, output_dir: calls.append((settings, output_dir)) or 0)
+    assert run(["demo", "--seed", "3", "--eval-size", "40", "--output-dir", tmp_path], capsys)[0] == 0
+    assert run(["demo"], capsys)[0] == 0
+    assert calls == [(demo.DemoSettings(seed=3, eval_size=40), str(tmp_path)), (demo.DemoSettings(), None)]
 
 
 def test_report_of_a_missing_folder(tmp_path, capsys):
@@ -261,67 +257,3 @@ def test_report_redraws_plots_and_prints_a_summary(tmp_path, capsys):
     (tmp_path / "other" / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
     code, out, _ = run(["report", tmp_path], capsys)
     assert code == 0 and out.count("4 events") == 2
-
-
-@pytest.mark.slow
-def test_a_short_demo_writes_the_run_folder(tmp_path, capsys):
-    out = tmp_path / "demo"
-    code, stdout, err = run(["demo", "--output-dir", out, "--sft-steps", "20", "--grpo-steps", "2",
-                             "--eval-size", "40"], capsys)
-    assert code == 0, err
-    results = json.loads((out / "results.json").read_text())
-    assert [s["stage"] for s in results["stages"]] == ["untrained", "after SFT", "after GRPO"]
-    assert results["heldout_problems"] == 40
-    for stage in ("sft", "grpo"):
-        assert (out / stage / "metrics.jsonl").is_file()
-        assert (out / stage / "plots" / "training.png").is_file()
-        lines = (out / stage / "heldout_completions.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines]
-        assert len(records) == 40
-        accuracy = next(s["accuracy"] for s in results["stages"] if s["stage"] == f"after {stage.upper()}")
-        assert accuracy == sum(r["correct"] for r in records) / 40
-    sft = next(s for s in results["stages"] if s["stage"] == "after SFT")
-    assert sft["steps"] <= 20 and (out / "sft" / f"checkpoint-{sft['steps']}").is_dir()
-    assert (out / "grpo" / "checkpoint-2").is_dir()
-    assert (out / "grpo" / "completions.jsonl").is_file()
-    assert "held-out exact match" in stdout and "after GRPO" in stdout
-
-
-def test_heldout_scoring_agrees_with_toy_exact_match(tmp_path, monkeypatch):
-    from treadle import toy
-
-    tokenizer, model = toy.build_tokenizer(), toy.build_model("tiny", seed=3)
-    data = toy.load_task("addition", "test", kind="rl", n=30)
-    answers = dict(zip(data["prompt"], data["answer"]))
-
-    def fake_greedy(model, tokenizer, prompts, **kw):  # right for every third prompt, else off by one
-        return [answers[p] + "\n" if i % 3 == 0 else str(int(answers[p]) + 1) for i, p in enumerate(prompts)]
-
-    monkeypatch.setattr(toy, "greedy_completions", fake_greedy)
-    ours = cli.score_heldout(model, tokenizer, data, tmp_path / "c.jsonl", batch_size=6)
-    assert ours == toy.exact_match_accuracy(model, tokenizer, data, batch_size=30) == 10 / 30
-    records = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
-    assert [r["correct"] for r in records] == [i % 6 % 3 == 0 for i in range(30)]
-
-
-def test_results_table_layout():
-    table = cli.results_table([("untrained", 0.0, 0, 0.0), ("after SFT", 0.4215, 1250, 61.2)], 1000)
-    lines = table.splitlines()
-    assert lines[0].split() == ["stage", "held-out", "exact", "match", "steps", "train", "time"]
-    assert lines[3].split() == ["after", "SFT", "42.1%", "of", "1000", "1250", "61", "s"]
-
-
-def test_sft_warm_start_stops_at_the_probe_target(tmp_path, monkeypatch):
-    from treadle import SFTConfig, SFTTrainer, toy
-
-    scores = iter([0.05, 0.1, 0.25, 0.9])
-    monkeypatch.setattr(toy, "exact_match_accuracy", lambda *a, **k: next(scores))
-    tokenizer = toy.build_tokenizer()
-    stop = cli.StopAtAccuracy(toy.load_task("addition", kind="rl", n=8), tokenizer, target=0.2, every=2)
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=20, save_steps=20, logging_steps=100, disable_tqdm=True)
-    trainer = SFTTrainer(toy.build_model("tiny", tokenizer=tokenizer), args, processing_class=tokenizer,
-                         train_dataset=toy.load_task("addition", n=64), callbacks=[stop])
-    trainer.train()
-    assert stop.history == [(2, 0.05), (4, 0.1), (6, 0.25)]
-    assert trainer.state.global_step == 6
-    assert (tmp_path / "checkpoint-6").is_dir()  # the stop saves the checkpoint GRPO starts from

@@ -90,6 +90,12 @@ def test_plot_run_writes_the_expected_pngs(tmp_path):
         assert_png(path)
 
 
+def test_print_plots_draws_them_and_says_where(tmp_path, capsys):
+    run = write_run(tmp_path / "run", sft_events())
+    assert report.print_plots(run) == [run / "plots" / "training.png", run / "plots" / "eval.png"]
+    assert capsys.readouterr().out == f"treadle: plots in {run / 'plots'}: training.png, eval.png\n"
+
+
 def test_plot_run_out_dir_and_every_figure(tmp_path):
     events = sft_events() + [{"step": 6, "reward": 0.5, "kl": 0.1, "num_tokens": 100}]
     run = write_run(tmp_path / "run", events)

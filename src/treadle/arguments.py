@@ -7,9 +7,13 @@ Invalid combinations fail in `__post_init__` with a message that says how to fix
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
+import types
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,9 +198,91 @@ class TrainingArguments:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    @classmethod
+    def from_mapping(cls, mapping: dict[str, Any], *, other_keys: Iterable[str] = (),
+                     context: str | None = None) -> "TrainingArguments":
+        """The config that ``mapping`` describes (e.g. a YAML file read as a dict); ValueError when it cannot.
+
+        A key that is not a field is refused, naming the closest of the fields and ``other_keys`` (keys the caller
+        reads itself, never passed here). A value is converted to its field's type where YAML reads it otherwise
+        (``1`` or ``"1e-3"`` for a float field, also inside lists); one of another type is refused, naming the key
+        and the type its annotation wants. Each message is one line; an unknown key is "for" ``context`` (default:
+        the class name; the CLI passes "trainer sft"). Subclasses inherit this and see their own fields.
+
+        >>> TrainingArguments.from_mapping({"learning_rate": "1e-3", "warmup_steps": 2}).warmup_steps
+        2.0
+        """
+        known = cls.field_names()
+        for key in mapping:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known | set(other_keys)), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; see the fields of {cls.__name__}"
+                raise ValueError(f"unknown key {key!r} for {context or cls.__name__}{hint}")
+        # the real annotations: with `from __future__ import annotations` a field's .type is only a string
+        hints = typing.get_type_hints(cls)
+        return cls(**{key: _field_value(key, value, hints[key]) for key, value in mapping.items()})
+
     def replace(self, **changes) -> "TrainingArguments":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+# --- from_mapping's type rules ------------------------------------------------------------------------------
+_WRONG = object()  # "this value does not fit this annotation" (None is a value that may fit)
+_SCALARS = {float: ("a number", "numbers"), int: ("an integer", "integers"), bool: ("true or false", "booleans"),
+            str: ("a string", "strings")}  # annotation -> (how a message names one, how it names several)
+
+
+def _field_value(key: str, value: Any, annotation: Any) -> Any:
+    """``value`` as the field ``key`` annotated ``annotation`` takes it; ValueError naming the key otherwise."""
+    converted = _as_type(value, annotation)
+    if converted is _WRONG:
+        raise ValueError(f"{key} must be {_describe(annotation)}, got {value!r}")
+    return converted
+
+
+def _as_type(value: Any, annotation: Any) -> Any:
+    """``value`` converted to ``annotation`` (float, int, bool, str, None, list[X] and unions of them), or _WRONG;
+    ``value`` unchanged for any other annotation, which __post_init__ checks."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):  # X | Y: the first member that takes the value, in order
+        return next((v for v in (_as_type(value, a) for a in args) if v is not _WRONG), _WRONG)
+    if origin is list:
+        if not isinstance(value, list):
+            return _WRONG
+        items = [_as_type(item, args[0]) for item in value] if args else list(value)
+        return _WRONG if any(item is _WRONG for item in items) else items
+    if annotation is type(None):
+        return value if value is None else _WRONG
+    if annotation is float:
+        return _as_float(value)
+    if annotation in _SCALARS:  # bool is an int to Python, never to a config
+        fits = isinstance(value, annotation) and (annotation is bool or not isinstance(value, bool))
+        return value if fits else _WRONG
+    return value
+
+
+def _as_float(value: Any) -> Any:
+    # YAML reads `1` as an int and, in YAML 1.1, `1e-3` as a string; both are fine numbers for a float field
+    if isinstance(value, bool) or not isinstance(value, (float, int, str)):
+        return _WRONG
+    try:
+        return float(value)
+    except ValueError:
+        return _WRONG
+
+
+def _describe(annotation: Any, plural: bool = False) -> str:
+    """How an error message names what ``annotation`` takes: "an integer (or null)", "a list of strings"."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        text = " or ".join(_describe(a, plural) for a in members)
+        return f"{text} (or null)" if len(members) < len(args) else text
+    if origin is list:
+        return ("lists of " if plural else "a list of ") + (_describe(args[0], plural=True) if args else "values")
+    names = _SCALARS.get(annotation)
+    return names[plural] if names else getattr(annotation, "__name__", str(annotation))
 
 
 __all__ = ["TrainingArguments", "field"]

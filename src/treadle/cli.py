@@ -4,29 +4,25 @@
     treadle train CONFIG.yaml [--resume] [--key value ...]
     treadle report RUN_DIR
 
-``demo`` fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy on held-out
-problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file: the keys
-``trainer``, ``model``, ``dataset``, ``eval_dataset`` and ``reward_funcs`` say what to train, every other key is
-a field of the trainer's config (``--key value`` overrides one). ``report`` redraws the plots of a run folder
-and prints a summary. A mistake a user can make (a missing file, an unknown key ...) is one line on stderr and
-exit status 2; anything else is a bug and shows its traceback.
+``demo`` (treadle.demo) fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy
+on held-out problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file:
+the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset`` and ``reward_funcs`` say what to train, every
+other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``; ``--key value``
+overrides one). ``report`` redraws the plots of a run folder and prints a summary. A mistake a user can make (a
+missing file, an unknown key ...) is one line on stderr and exit status 2; anything else is a bug and shows its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
 import importlib
 import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
-
-from treadle.callbacks import TrainerCallback
 
 # trainer name -> (module, trainer class, config class, toy dataset kind)
 TRAINERS = {
@@ -53,12 +49,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="treadle", description="Train language models: SFT, DPO and GRPO on one short loop.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    demo = commands.add_parser("demo", help="SFT then GRPO the tiny model on addition; compare held-out accuracy")
+    # the demo's numbers have no default here: a flag left out is absent from args, so DemoSettings' own default
+    # applies and treadle.demo is imported only when the demo runs
+    demo = commands.add_parser("demo", argument_default=argparse.SUPPRESS,
+                               help="SFT then GRPO the tiny model on addition; compare held-out accuracy")
     demo.add_argument("--output-dir", default=None, help="run folder (default: runs/demo-<time>)")
-    demo.add_argument("--seed", type=int, default=DemoSettings.seed, help="seed of model, data and sampling")
-    demo.add_argument("--sft-steps", type=int, default=DemoSettings.sft_steps, help="at most this many SFT steps")
-    demo.add_argument("--grpo-steps", type=int, default=DemoSettings.grpo_steps, help="GRPO optimizer steps")
-    demo.add_argument("--eval-size", type=int, default=DemoSettings.eval_size, help="held-out problems scored")
+    demo.add_argument("--seed", type=int, help="seed of model, data and sampling")
+    demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
+    demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
+    demo.add_argument("--eval-size", type=int, help="held-out problems scored")
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
@@ -76,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra and args.command != "train":
             raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `treadle {args.command} --help`)")
         if args.command == "demo":
-            return run_demo(DemoSettings(seed=args.seed, sft_steps=args.sft_steps, grpo_steps=args.grpo_steps,
-                                         eval_size=args.eval_size), args.output_dir)
+            return run_demo(args)
         if args.command == "train":
             return run_train(args.config, extra, resume=args.resume)
         return run_report(args.run_dir)
@@ -104,6 +102,8 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool = False) -
     trainer.save_model()
     output_dir = trainer.args.output_dir
     if trainer.state.is_world_process_zero:  # under torchrun, one report, not one per rank
+        from treadle.report import print_plots
+
         print(f"treadle: model saved in {output_dir}")
         print_plots(output_dir)
     return 0
@@ -189,10 +189,8 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     config_cls = getattr(module, config_class)
     fields = {k: v for k, v in config.items() if k not in RUN_KEYS}
     fields.setdefault("output_dir", default_output_dir(config))
-    check_keys(fields, config_cls, name)
-    fields = coerce_fields(fields, config_cls)
     try:
-        args = config_cls(**fields)
+        args = config_cls.from_mapping(fields, other_keys=RUN_KEYS, context=f"trainer {name}")
     except (ValueError, TypeError) as error:
         raise UserError(f"{config_class}: {error}") from None
     kwargs = {}  # the cheap checks first: a typo in a path fails before a model is loaded
@@ -214,45 +212,6 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
 def default_output_dir(config: dict[str, Any]) -> str:
     """Where a run goes when its config names no output_dir: runs/<trainer>."""
     return os.path.join("runs", str(config.get("trainer")))
-
-
-def check_keys(fields: dict[str, Any], config_cls, trainer: str) -> None:
-    """Reject keys that are neither run keys nor fields of ``config_cls``, suggesting the closest name."""
-    known = {f.name for f in dataclasses.fields(config_cls)}
-    for key in fields:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known | set(RUN_KEYS)), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; see the fields of {config_cls.__name__}"
-            raise UserError(f"unknown key {key!r} for trainer {trainer}{hint}")
-
-
-def coerce_fields(fields: dict[str, Any], config_cls) -> dict[str, Any]:
-    """Values converted to their field's type where YAML read them otherwise (YAML 1.1 reads ``1e-3`` as a
-    string and ``1`` as an int for a float field); a value of the wrong type is a one-line error."""
-    types = {f.name: str(f.type) for f in dataclasses.fields(config_cls)}
-    out = {}
-    for key, value in fields.items():
-        kind = types[key].replace(" ", "").split("|")  # e.g. ['float'], ['int', 'None'], ['str', 'list[str]']
-        if value is None and "None" in kind:
-            out[key] = value
-            continue
-        out[key] = _coerce(key, value, kind)
-    return out
-
-
-def _coerce(key: str, value: Any, kind: list[str]) -> Any:
-    if "float" in kind and isinstance(value, (int, str)) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            raise UserError(f"{key} must be a number, got {value!r}") from None
-    checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "bool": lambda v: isinstance(v, bool),
-              "str": lambda v: isinstance(v, str)}
-    simple = [k for k in kind if k in checks]
-    if simple and len(simple) == len([k for k in kind if k != "None"]) and not any(checks[k](value) for k in simple):
-        wanted = " or ".join({"int": "an integer", "bool": "true or false", "str": "a string"}[k] for k in simple)
-        raise UserError(f"{key} must be {wanted}{' (or null)' if 'None' in kind else ''}, got {value!r}")
-    return value
 
 
 def load_model(spec: str, *, seed: int = 0):
@@ -407,180 +366,23 @@ def run_report(run_dir: str) -> int:
             print(report.summarize(run))
         except ValueError as error:
             raise UserError(str(error)) from None
-        print_plots(run)
+        report.print_plots(run)
     return 0
-
-
-def print_plots(run_dir) -> list[Path]:
-    """Draw the run's plots and say where they are."""
-    from treadle import report
-
-    paths = report.plot_run(run_dir)
-    print(f"treadle: plots in {Path(run_dir) / 'plots'}: {', '.join(p.name for p in paths)}")
-    return paths
 
 
 # ---------------------------------------------------------------------------------------------------------
 # treadle demo
 # ---------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class DemoSettings:
-    """What ``treadle demo`` trains; tuned on 2 CPU cores (README: figures for seeds 0, 1, 2).
+def run_demo(args: argparse.Namespace) -> int:
+    """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demo."""
+    from treadle import demo
 
-    SFT is a warm start: it stops as soon as the model solves ``sft_target_accuracy`` of a probe of *training*
-    problems (never the held-out ones). When the tiny model "gets" addition varies a lot with the seed (after
-    400 to 1,500 steps), so a fixed step count would hand GRPO a model that is either hopeless or finished.
-    GRPO then trains on its own samples with the exact-match reward."""
-
-    seed: int = 0  # model initialisation, data order and sampling
-    model_size: str = "tiny"  # a treadle.toy.MODEL_SIZES key
-    eval_size: int = 1000  # held-out problems scored after each stage (the whole test split)
-    sft_steps: int = 2000  # at most this many SFT steps (~70 s on one core)
-    sft_target_accuracy: float = 0.2  # stop SFT once this fraction of the training probe is solved
-    sft_probe_size: int = 256  # training problems in the probe
-    sft_check_every: int = 50  # SFT steps between probes (a probe costs about as much as 5 steps)
-    sft_learning_rate: float = 2e-3  # constant after a 5% warm-up; 5e-3 learns slower
-    sft_batch_size: int = 64  # problems per SFT step
-    grpo_steps: int = 200  # GRPO optimizer steps (~50 s on one core)
-    grpo_learning_rate: float = 3e-4  # GRPO peak step size; 1e-3 with fewer prompts per step is unstable
-    grpo_warmup: float = 0.1  # fraction of GRPO steps warming up, then cosine decay to 0
-    num_generations: int = 8  # G: completions per prompt
-    grpo_batch_size: int = 512  # completions per GRPO step: 64 prompts x G; fewer prompts make it noisy
-    steps_per_generation: int = 1  # optimizer steps fed by one generation
-    temperature: float = 1.0  # sampling temperature during GRPO
-
-
-class StopAtAccuracy(TrainerCallback):
-    """Stops training (saving a checkpoint) once greedy exact match on ``problems`` reaches ``target``; checked
-    every ``every`` steps. ``history`` keeps (step, accuracy) of each check."""
-
-    def __init__(self, problems, tokenizer, *, target: float, every: int):
-        self.problems, self.tokenizer, self.target, self.every = problems, tokenizer, target, every
-        self.history: list[tuple[int, float]] = []
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every or state.global_step >= state.max_steps:
-            return
-        from treadle import toy
-
-        accuracy = toy.exact_match_accuracy(model, self.tokenizer, self.problems, batch_size=256, max_new_tokens=5)
-        self.history.append((state.global_step, accuracy))
-        if accuracy >= self.target:
-            control.should_training_stop = control.should_save = control.should_log = True
-
-
-def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
-    """SFT the tiny model on addition, then GRPO from the SFT checkpoint; print held-out accuracy of each."""
-    from treadle import toy
-
-    if settings.sft_steps < 1 or settings.grpo_steps < 1 or settings.eval_size < 1:
-        raise UserError("--sft-steps, --grpo-steps and --eval-size must be >= 1")
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        # the tiny model's matrices are too small for a second thread to pay: on 2 busy cores the demo took
-        # 55 s with one thread and 175 s with two
-        torch.set_num_threads(1)
-    out = Path(output_dir or os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S")))
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    tokenizer = toy.build_tokenizer()
-    test = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    print(f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition; "
-          f"run folder {out}", flush=True)
-    model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
-    rows = [("untrained", score_heldout(model, tokenizer, test, None), 0, 0.0)]
-    checkpoint, steps, seconds = demo_sft(model, tokenizer, settings, out / "sft")
-    rows.append(("after SFT", score_heldout(model, tokenizer, test, out / "sft" / "heldout_completions.jsonl"),
-                 steps, seconds))
-    model, steps, seconds = demo_grpo(checkpoint, tokenizer, settings, out / "grpo")
-    rows.append(("after GRPO", score_heldout(model, tokenizer, test, out / "grpo" / "heldout_completions.jsonl"),
-                 steps, seconds))
-    (out / "results.json").write_text(json.dumps(
-        {"settings": dataclasses.asdict(settings), "heldout_problems": len(test),
-         "stages": [{"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
-                    for name, accuracy, steps, seconds in rows],
-         "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
-    for run in (out / "sft", out / "grpo"):
-        print_plots(run)
-    print(results_table(rows, len(test)))
-    print(f"treadle demo: done in {time.time() - start:.0f} s; results in {out / 'results.json'}; "
-          f"see `treadle report {out}`")
-    return 0
-
-
-def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tuple[str, int, float]:
-    """Train ``model`` in place with SFT until the probe target or ``sft_steps``; returns (its checkpoint
-    folder, steps, training seconds)."""
-    from treadle import toy
-    from treadle.trainers.sft import SFTConfig, SFTTrainer
-
-    train = toy.load_task("addition", "train", seed=settings.seed)
-    probe = toy.load_task("addition", "train", kind="rl", n=settings.sft_probe_size, seed=settings.seed + 1)
-    stop = StopAtAccuracy(probe, tokenizer, target=settings.sft_target_accuracy, every=settings.sft_check_every)
-    args = SFTConfig(output_dir=str(output_dir), max_steps=settings.sft_steps, seed=settings.seed,
-                     learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
-                     lr_scheduler_type="constant_with_warmup", warmup_steps=0.05, logging_steps=25,
-                     save_steps=settings.sft_steps, max_length=32)
-    trainer = SFTTrainer(model, args, train_dataset=train, processing_class=tokenizer, callbacks=[stop])
-    start = time.time()
-    trainer.train()
-    steps = trainer.state.global_step
-    return os.path.join(output_dir, f"checkpoint-{steps}"), steps, time.time() - start
-
-
-def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Path):
-    """GRPO from the SFT checkpoint with the exact-match reward; returns (the model, steps, training seconds)."""
-    from transformers import AutoModelForCausalLM
-
-    from treadle import toy
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
-    args = GRPOConfig(output_dir=str(output_dir), max_steps=settings.grpo_steps, seed=settings.seed,
-                      learning_rate=settings.grpo_learning_rate, per_device_train_batch_size=settings.grpo_batch_size,
-                      num_generations=settings.num_generations, steps_per_generation=settings.steps_per_generation,
-                      temperature=settings.temperature, max_completion_length=4, lr_scheduler_type="cosine",
-                      warmup_steps=settings.grpo_warmup, logging_steps=max(1, settings.grpo_steps // 40),
-                      save_steps=settings.grpo_steps, log_completions=True)
-    trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
-                          train_dataset=toy.load_task("addition", "train", kind="rl", seed=settings.seed))
-    start = time.time()
-    trainer.train()
-    return model, trainer.state.global_step, time.time() - start
-
-
-def score_heldout(model, tokenizer, dataset, completions_file: Path | None, batch_size: int = 250) -> float:
-    """Greedy exact-match accuracy on ``dataset`` (prompt, answer), with a progress bar; the completions go to
-    ``completions_file`` as JSON lines when given."""
-    from tqdm.auto import tqdm
-
-    from treadle import toy
-
-    prompts, answers = dataset["prompt"], dataset["answer"]
-    completions = []
-    was_training = model.training
-    model.eval()
-    for start in tqdm(range(0, len(prompts), batch_size), desc="held-out accuracy", unit=" batch",
-                      dynamic_ncols=True, leave=False):
-        completions += toy.greedy_completions(model, tokenizer, prompts[start:start + batch_size],
-                                              batch_size=batch_size, max_new_tokens=5)
-    model.train(was_training)
-    correct = [toy.extract_answer(c) == a for c, a in zip(completions, answers)]
-    if completions_file is not None:
-        with open(completions_file, "w") as f:
-            for p, c, a, ok in zip(prompts, completions, answers, correct):
-                f.write(json.dumps({"prompt": p, "completion": c, "answer": a, "correct": ok}) + "\n")
-    return sum(correct) / len(correct)
-
-
-def results_table(rows: list[tuple[str, float, int, float]], problems: int) -> str:
-    """The before/after table: stage, held-out exact match, steps, training time."""
-    lines = [f"{'stage':<12} {'held-out exact match':>22} {'steps':>6} {'train time':>11}",
-             f"{'-' * 12} {'-' * 22} {'-' * 6} {'-' * 11}"]
-    for stage, accuracy, steps, seconds in rows:
-        lines.append(f"{stage:<12} {f'{accuracy:6.1%} of {problems}':>22} {steps:>6} {f'{seconds:.0f} s':>11}")
-    return "\n".join(lines)
+    given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
+    try:
+        settings = demo.DemoSettings(**given)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    return demo.run_demo(settings, args.output_dir)
 
 
 if __name__ == "__main__":  # pragma: no cover

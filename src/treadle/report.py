@@ -138,6 +138,13 @@ def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[
     return written
 
 
+def print_plots(run_dir: str | Path) -> list[Path]:
+    """``plot_run(run_dir)``, then one line on stdout saying where the plots are; returns their paths."""
+    paths = plot_run(run_dir)
+    print(f"treadle: plots in {Path(run_dir) / 'plots'}: {', '.join(p.name for p in paths)}")
+    return paths
+
+
 def build_figure(title: str, series: Series, *, columns: int = 3) -> Figure:
     """One figure with a panel per series, in a grid of up to ``columns`` columns; no empty panels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
