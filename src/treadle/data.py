@@ -6,13 +6,14 @@ new process, which is what makes resuming mid-epoch exact.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+
+from treadle.models import forward_parameters  # noqa: F401  re-exported: trainer.py imports it from here
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -177,21 +178,6 @@ class RepeatSampler(SeededSampler):
 # ---------------------------------------------------------------------------------------------------------
 # Columns
 # ---------------------------------------------------------------------------------------------------------
-def forward_parameters(model) -> set[str] | None:
-    """Names the model's forward accepts, or None when it takes ``**kwargs`` (anything goes)."""
-    inner = getattr(model, "module", model)  # DDP keeps the user's model in .module
-    params = inspect.signature(inner.forward).parameters
-    names = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()) and not _is_transformers_model(inner):
-        return None
-    return names
-
-
-def _is_transformers_model(model) -> bool:
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-               for c in type(model).__mro__)
-
-
 def column_names(dataset) -> list[str] | None:
     names = getattr(dataset, "column_names", None)
     if isinstance(names, dict):  # a DatasetDict
