@@ -1,8 +1,16 @@
-"""Samplers: deterministic, resumable, split across ranks; RepeatSampler for GRPO."""
+"""Samplers: deterministic, resumable, split across ranks; RepeatSampler for GRPO. The text rules every trainer
+shares: chat detection and rendering, prompt special tokens, eos, pad id, fast int tensors."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
+import torch
 
-from treadle.data import RepeatSampler, SeededSampler, require_columns
+from treadle import toy
+from treadle.data import (RepeatSampler, SeededSampler, collator_for, encode_prompt, encode_prompts,
+                          is_conversation, long_tensor, pad_token_id, render_chat_prompt, require_columns,
+                          right_padded, split_chat_completion, with_eos)
 
 
 def test_seeded_sampler_is_a_function_of_seed_and_epoch():
@@ -49,3 +57,104 @@ def test_require_columns_names_what_is_missing():
 
     with pytest.raises(ValueError, match=r"needs column\(s\) \['chosen'\] but the dataset has \['prompt'\]"):
         require_columns(Dataset.from_list([{"prompt": "x"}]), ["prompt", "chosen"], what="DPOTrainer")
+
+
+# ---- text rules ---------------------------------------------------------------------------------------------
+BOS, EOS, USER, ASSISTANT = 1, 2, 5, 6  # the toy tokenizer's ids
+CHAT_PROMPT = [{"role": "user", "content": "1+2="}]
+CHAT_ANSWER = [{"role": "assistant", "content": "3"}]
+
+
+def ids_of(text):
+    return [7 + toy.CHARACTERS.index(c) for c in text]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return toy.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer():
+    """The toy tokenizer, but adding a bos like Llama's: the special-tokens rule becomes visible."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = toy.build_tokenizer()
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    return tok
+
+
+def test_is_conversation_means_a_list_of_role_dicts():
+    assert is_conversation(CHAT_PROMPT) and is_conversation(tuple(CHAT_PROMPT)) and is_conversation([])
+    assert not is_conversation("1+2=")
+    assert not is_conversation(["1+2="])
+    assert not is_conversation([{"content": "no role"}])
+
+
+def test_render_chat_prompt_ends_with_the_generation_prompt(tokenizer):
+    assert render_chat_prompt(tokenizer, CHAT_PROMPT) == "<|user|>1+2=\n<|assistant|>"
+
+
+def test_text_prompts_get_the_special_tokens_and_rendered_chats_do_not(bos_tokenizer):
+    assert encode_prompt(bos_tokenizer, "12+3=") == [BOS] + ids_of("12+3=")
+    # the template wrote its own special tokens (here none): no bos is added in front of them
+    assert encode_prompt(bos_tokenizer, CHAT_PROMPT) == [USER] + ids_of("1+2=\n") + [ASSISTANT]
+    assert encode_prompts(bos_tokenizer, ["7=", CHAT_PROMPT, "8="]) == [
+        [BOS] + ids_of("7="), [USER] + ids_of("1+2=\n") + [ASSISTANT], [BOS] + ids_of("8=")]
+    assert encode_prompts(bos_tokenizer, []) == []
+
+
+def test_encode_prompt_with_the_toy_tokenizer(tokenizer):
+    assert encode_prompt(tokenizer, "12+3=") == ids_of("12+3=")  # no bos: the toy tokenizer adds none
+    assert encode_prompt(tokenizer, CHAT_PROMPT) == [USER] + ids_of("1+2=\n") + [ASSISTANT]
+
+
+def test_split_chat_completion_is_what_the_whole_chat_adds_after_the_prompt(tokenizer):
+    prompt_text, completion_text = split_chat_completion(tokenizer, CHAT_PROMPT, CHAT_ANSWER)
+    assert (prompt_text, completion_text) == ("<|user|>1+2=\n<|assistant|>", "3</s>")
+
+
+def test_split_chat_completion_names_both_texts_when_the_prompt_is_not_a_prefix():
+    tok = toy.build_tokenizer()
+    # a template whose generation prompt ("<|assistant|>\n") differs from how it opens an assistant turn
+    tok.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+    with pytest.raises(ValueError) as error:
+        split_chat_completion(tok, CHAT_PROMPT, CHAT_ANSWER)
+    message = str(error.value)
+    assert "'<|user|>1+2=<|assistant|>\\n'" in message  # the rendered prompt
+    assert "'<|user|>1+2=<|assistant|>3'" in message  # the whole chat
+    assert "not a prefix" in message and "fix the template" in message
+
+
+def test_with_eos_appends_once():
+    assert with_eos([5, 6], EOS) == [5, 6, EOS]
+    assert with_eos(with_eos([5, 6], EOS), EOS) == [5, 6, EOS]
+    assert with_eos([], EOS) == [EOS]
+    assert with_eos([5], None) == [5]
+
+
+def test_pad_token_id_order_is_override_pad_eos_zero(capsys):
+    both = SimpleNamespace(pad_token_id=3, eos_token_id=EOS)
+    assert pad_token_id(both) == 3
+    assert pad_token_id(both, override=9) == 9
+    assert pad_token_id(both, override=0) == 0  # 0 is an id, not "unset"
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=EOS)) == EOS
+    assert pad_token_id(None) == 0 and capsys.readouterr().err == ""
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+    assert "no pad or eos token" in capsys.readouterr().err
+
+
+def test_the_default_collator_pads_with_eos_when_there_is_no_pad():
+    collate = collator_for(SimpleNamespace(pad_token_id=None, eos_token_id=EOS))
+    assert collate([{"input_ids": [7, 8]}, {"input_ids": [9]}])["input_ids"].tolist() == [[7, 8], [9, EOS]]
+
+
+def test_long_tensor_and_right_padded_rows():
+    got = long_tensor([1, 2, 3, 4, 5, 6], (2, 3))
+    assert got.dtype == torch.int64 and got.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert long_tensor(list(np.arange(4)), (2, 2)).tolist() == [[0, 1], [2, 3]]  # datasets may hand numpy ints
+    assert long_tensor([], (0, 3)).shape == (0, 3)  # torch.frombuffer refuses an empty buffer
+    padded = right_padded([[1, 2, 3], [4]], 4, 0)
+    assert padded.dtype == torch.int64 and padded.tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]]
+    assert right_padded([np.array([1, 2]), [3]], 2, 9).tolist() == [[1, 2], [3, 9]]

@@ -33,16 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # pragma: no cover
-    from torch import nn
+from treadle.models import eval_mode, forward_signature, is_transformers_model, unwrapped_for_generation
 
 __all__ = [
     "GenerationOutput",
@@ -247,7 +244,7 @@ def generate_completions(model, prompts: list[list[int]], *, num_generations: in
 
     Runs under ``torch.no_grad()`` with the model in eval mode and restores every submodule's train/eval mode
     afterwards. A DDP-wrapped model is unwrapped (generation runs no backward, so no gradient sync is needed),
-    an FSDP2 model has its parameters gathered for the whole call (see :func:`_unwrapped_for_generation`).
+    an FSDP2 model has its parameters gathered for the whole call (see ``treadle.models.unwrapped_for_generation``).
 
     ``backend``: "fast" (prefill once, shared preallocated KV cache; transformers causal LMs only), "hf"
     (``model.generate`` with ``num_return_sequences=G``) or "auto" (fast when the model supports it, else hf).
@@ -260,7 +257,7 @@ def generate_completions(model, prompts: list[list[int]], *, num_generations: in
                             temperature=temperature, top_p=top_p, top_k=top_k,
                             repetition_penalty=repetition_penalty, do_sample=do_sample)
     _check_prompts(prompts)
-    with _unwrapped_for_generation(model) as inner, _eval_mode(model), torch.no_grad():
+    with unwrapped_for_generation(model) as inner, eval_mode(model), torch.no_grad():
         name = _resolve_backend(backend, inner)
         prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, _model_device(inner))
         raw_ids = _run_backend(name, inner, prompt_ids, prompt_mask, params, generator)
@@ -313,98 +310,27 @@ def _resolve_backend(backend: str, model) -> str:
 
 def _fast_path_problem(model) -> str | None:
     """Why the fast path cannot run ``model``, or None when it can."""
-    # A model that is a transformers PreTrainedModel implies transformers is already imported; checking
-    # sys.modules keeps `import treadle` and plain-PyTorch callers free of the transformers import.
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+    if not is_transformers_model(model):
         return f"{type(model).__name__} is not a transformers PreTrainedModel"
     if getattr(model.config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
     if not model.can_generate():
         return f"{type(model).__name__} has no language-modelling head (can_generate() is False)"
-    names = _forward_parameters(model)
-    if _cache_argument(model) is None or "position_ids" not in names or "attention_mask" not in names:
+    signature = forward_signature(model)
+    if _cache_argument(model) is None or "position_ids" not in signature or "attention_mask" not in signature:
         return "its forward() does not take a KV cache, position_ids and attention_mask"
     return None
 
 
-def _forward_parameters(model) -> frozenset[str]:
-    return frozenset(inspect.signature(model.forward).parameters)
-
-
 def _cache_argument(model) -> str | None:
     """The forward() keyword for the KV cache: ``cache`` in transformers >= 5.x, ``past_key_values`` before."""
-    names = _forward_parameters(model)
-    return next((name for name in ("cache", "past_key_values") if name in names), None)
+    signature = forward_signature(model)
+    return next((name for name in ("cache", "past_key_values") if name in signature), None)
 
 
 def _model_device(model) -> torch.device:
     param = next(iter(model.parameters()), None)
     return param.device if param is not None else torch.device("cpu")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Model state: wrappers and train/eval mode.
-# ---------------------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _eval_mode(model) -> Iterator[None]:
-    """Eval mode for the call; restores each submodule's own flag (a frozen submodule may be kept in eval)."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-@contextlib.contextmanager
-def _unwrapped_for_generation(model) -> Iterator[nn.Module]:
-    """The module to generate with.
-
-    * DDP: its ``module``. DDP only adds gradient all-reduce hooks to backward; generation runs no backward,
-      so the inner module gives the same tokens without touching the reducer.
-    * FSDP2 (``fully_shard``): parameters are all-gathered once for the whole call and kept gathered. Left
-      alone, every forward would all-gather and reshard, and ranks that stop early (all rows hit EOS) would
-      leave the others waiting in a collective. The cost is one full copy of the weights per rank during
-      the call. ``reshard_after_forward`` is restored to FSDP2's default afterwards (True for inner modules,
-      False for the root, as ``treadle.distributed.shard_model`` leaves them): torch has no public getter
-      for a custom setting.
-    * PEFT: ``get_base_model()`` -- the transformers model with the adapters injected and active.
-    * FSDP1 (``FullyShardedDataParallel``) is refused: its forward cannot run inside
-      ``summon_full_params``; wrap with FSDP2 instead.
-    """
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    if type(inner).__name__ == "FullyShardedDataParallel":
-        raise ValueError("FSDP1 (FullyShardedDataParallel) models are not supported for generation; "
-                         "shard with FSDP2 (torch.distributed.fsdp.fully_shard) instead")
-    if callable(getattr(inner, "get_base_model", None)):
-        inner = inner.get_base_model()
-    fsdp_modules = _fsdp2_modules(inner)
-    if not fsdp_modules:
-        yield inner
-        return
-    inner.set_reshard_after_forward(False)
-    for module in fsdp_modules:
-        module.unshard()
-    try:
-        yield inner
-    finally:
-        for module in fsdp_modules:
-            module.reshard()
-        inner.set_reshard_after_forward(True)
-        inner.set_reshard_after_forward(False, recurse=False)
-
-
-def _fsdp2_modules(model) -> list:
-    if not torch.distributed.is_available():
-        return []
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        return []
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -489,9 +415,9 @@ def _prefill(model, prompt_ids: Tensor, prompt_mask: Tensor, cache_name: str):
     """Run the B distinct prompts once; returns last-position logits (B, V) and the filled cache."""
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding shifts each prompt to start at 0
     kwargs = {}
-    names = _forward_parameters(model)
+    signature = forward_signature(model)
     for keep_name in ("logits_to_keep", "num_logits_to_keep"):  # skip the (B, P, V) logits we never read
-        if keep_name in names:
+        if keep_name in signature:
             kwargs[keep_name] = 1
             break
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,

@@ -32,8 +32,6 @@ root). A wrapping that reshards the LM head after forward needs the fallback.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
 import weakref
 from typing import Any, NamedTuple
@@ -41,6 +39,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from treadle.models import forward_signature
 
 IGNORE_INDEX = -100
 # Config attributes of transformers models that transform logits after the LM head.
@@ -377,7 +377,7 @@ def _fast_path_head(base: nn.Module) -> nn.Linear | None:
     head = get_head()
     if not isinstance(head, nn.Linear) or get_decoder() is base:
         return None
-    if "logits_to_keep" not in _forward_parameters(type(base)):
+    if "logits_to_keep" not in forward_signature(base):
         return None
     config = getattr(base, "config", None)
     for name, neutral in _LOGIT_TRANSFORMS.items():
@@ -423,16 +423,9 @@ def _model_kwargs(base: nn.Module, attention_mask: Tensor | None, forward_kwargs
     kwargs = dict(forward_kwargs)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    if "use_cache" in _forward_parameters(type(base)):
+    if "use_cache" in forward_signature(base):
         kwargs.setdefault("use_cache", False)  # a training forward has no use for a KV cache
     return kwargs
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_parameters(model_class: type) -> frozenset[str]:
-    """Parameter names of ``model_class.forward``; cached, as inspect.signature costs ~0.1 ms per call and
-    this runs on every forward."""
-    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start, return_entropy,

@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from treadle.data import is_conversation, render_chat_prompt
+from treadle.models import eval_mode
+
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from datasets import Dataset
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
@@ -242,15 +245,12 @@ REWARDS: dict[str, Callable[..., list[float]]] = {"addition": addition_reward}
 def _prompts_and_answers(dataset: Dataset, tokenizer) -> tuple[list[str], list[str]]:
     if "messages" in dataset.column_names:  # chat form: the last message is the reference answer
         conversations = dataset["messages"]
-        prompts = [tokenizer.apply_chat_template(m[:-1], add_generation_prompt=True, tokenize=False)
-                   for m in conversations]
+        prompts = [render_chat_prompt(tokenizer, m[:-1]) for m in conversations]
         return prompts, [m[-1]["content"] for m in conversations]
     column = "answer" if "answer" in dataset.column_names else "completion"
     if column not in dataset.column_names:
         raise ValueError(f"dataset needs an 'answer' or 'completion' column, has {dataset.column_names}")
-    prompts = [p if isinstance(p, str) else
-               tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-               for p in dataset["prompt"]]
+    prompts = [render_chat_prompt(tokenizer, p) if is_conversation(p) else p for p in dataset["prompt"]]
     return prompts, [str(a) for a in dataset[column]]
 
 
@@ -279,12 +279,8 @@ def exact_match_accuracy(model, tokenizer, dataset: Dataset, *, batch_size: int 
     prompts, answers = _prompts_and_answers(dataset, tokenizer)
     if not prompts:
         raise ValueError("exact_match_accuracy needs a non-empty dataset")
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         completions = greedy_completions(model, tokenizer, prompts, batch_size=batch_size,
                                          max_new_tokens=max_new_tokens)
-    finally:
-        model.train(was_training)
     correct = sum(extract_answer(c) == a.strip() for c, a in zip(completions, answers))
     return correct / len(answers)

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -45,7 +43,7 @@ from treadle.arguments import TrainingArguments
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
                                ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
 from treadle.data import (SeededSampler, batch_rows, check_first_batch, collator_for, drop_unused_columns,
-                          epoch_batches, forward_parameters, mask_label_rows, plan_steps)
+                          epoch_batches, mask_label_rows, plan_steps)
 from treadle.metrics import MetricWindow
 from treadle.optim import build_optimizer, build_scheduler
 
@@ -122,7 +120,7 @@ class Trainer:
         self.preemption = PreemptionCallback()
         self.callback_handler = CallbackHandler(self._default_callbacks() + list(callbacks or []), self.model,
                                                 processing_class, self.optimizer, self.lr_scheduler)
-        self._forward_params = forward_parameters(self.model)
+        self._forward_params = models.forward_parameters(self.model)
         self._dropped_columns_logged: set[str] = set()
         self.control = self.callback_handler.call_event("on_init_end", self.args, self.state, self.control)
 

@@ -45,7 +45,6 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -58,10 +57,11 @@ import torch
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import RepeatSampler, require_columns
+from treadle.data import RepeatSampler, encode_prompt, is_conversation, pad_token_id, require_columns
 from treadle.generation import BACKENDS, GenerationOutput, generate_completions
 from treadle.logprobs import token_logps
 from treadle.losses import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_loss, group_advantages
+from treadle.models import eval_mode, frozen_reference
 from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
 from treadle.trainer import Trainer
 
@@ -217,19 +217,13 @@ class GRPOTrainer(Trainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
-        self.pad_token_id = _first_not_none(processing_class.pad_token_id, processing_class.eos_token_id, 0)
+        self.pad_token_id = pad_token_id(processing_class)
         self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices (this rank's rows)
         self._completions_file_checked = False
 
     def build_reference_model(self, ref_model=None):
         """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now."""
-        import copy
-
-        ref = ref_model if ref_model is not None else copy.deepcopy(dist.unwrap_model(self.model))
-        ref = ref.to(self.args.device).eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        return ref
+        return frozen_reference(self.model, ref_model, device=self.args.device)
 
     # ---- data -------------------------------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -363,26 +357,23 @@ class GRPOTrainer(Trainer):
         lengths = out.completion_mask.sum(dim=1).tolist()
         completion_lists = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
         texts = self.processing_class.batch_decode(completion_lists, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if _is_chat(p) else t for p, t in zip(prompts, texts)]
+        completions = [[{"role": "assistant", "content": t}] if is_conversation(p) else t
+                       for p, t in zip(prompts, texts)]
         return {"prompts": prompts, "columns": columns, "completions": completions,
                 "completion_lists": completion_lists, "prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
                 "completion_ids": out.completion_ids, "completion_mask": out.completion_mask,
                 "is_truncated": out.is_truncated}
 
     def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
-        """Token ids of each prompt: text as the tokenizer encodes it (special tokens such as BOS added), chat
-        messages rendered with the chat template and a generation prompt. Cut to the last max_prompt_length."""
-        tokenizer, limit = self.processing_class, self.args.max_prompt_length
+        """Token ids of each prompt (``treadle.data.encode_prompt``: text with the tokenizer's special tokens,
+        chat messages rendered with a generation prompt), cut to the last ``max_prompt_length``."""
+        limit = self.args.max_prompt_length
         cache: dict[str, list[int]] = {}  # a prompt repeats G times in a row: encode it once
         out = []
         for prompt in prompts:
-            key = json.dumps(prompt) if _is_chat(prompt) else prompt
+            key = json.dumps(prompt) if not isinstance(prompt, str) else prompt
             if key not in cache:
-                if _is_chat(prompt):
-                    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-                    cache[key] = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has them
-                else:
-                    cache[key] = tokenizer(prompt)["input_ids"]
+                cache[key] = encode_prompt(self.processing_class, prompt)
             ids = cache[key]
             out.append(list(ids[-limit:] if limit else ids))
         return out
@@ -416,7 +407,7 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def _frozen_logps(self, model, batch: dict) -> torch.Tensor:
-        with _eval_mode(model), self.autocast():
+        with eval_mode(model), self.autocast():
             logps = self._completion_logps(model, batch).logps
         return logps.float()
 
@@ -584,29 +575,11 @@ def _check_dataset(dataset, args: GRPOConfig) -> None:
                              f"a smaller per_device_train_batch_size or steps_per_generation")
 
 
-def _is_chat(prompt) -> bool:
-    return isinstance(prompt, (list, tuple))
-
-
-def _first_not_none(*values):
-    return next(v for v in values if v is not None)
-
-
 def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate a CPU tensor's rows from every rank, in rank order (the tensor itself in one process)."""
     if dist.get_world_size() == 1:
         return tensor
     return torch.cat(dist.gather_objects(tensor))
-
-
-@contextlib.contextmanager
-def _eval_mode(model):
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 def _drop_records_from(path: str, step: int) -> None:

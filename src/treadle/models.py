@@ -1,0 +1,214 @@
+"""What treadle needs to know about a model, decided in one place.
+
+A leaf module: it imports torch and ``treadle.distributed`` only, never a trainer, and never transformers
+itself (a model that is a transformers model means transformers is imported already). Contracts:
+
+- :func:`forward_signature` -- the argument names a model's ``forward`` takes, read once per class (DDP's
+  ``.module`` unwrapped); :func:`forward_parameters` -- the same as the Trainer uses it to keep dataset
+  columns: the names, or None when the forward takes ``**kwargs`` and is not a transformers model.
+- :func:`eval_mode` -- eval mode inside a ``with`` block; every submodule gets its own flag back, also when
+  the block raises.
+- :func:`frozen_reference` -- a reference model for DPO / GRPO: on the device, in eval mode, no parameter
+  requiring grad. :func:`is_peft_model` -- whether a policy can be its own reference (adapters disabled).
+- :func:`is_causal_lm` -- whether the model predicts token t+1 at position t (so it shifts its labels).
+- :func:`enable_gradient_checkpointing` -- recompute activations in backward (transformers models only).
+- :func:`unwrapped_for_generation` -- the module to sample from under DDP, FSDP2 or PEFT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from treadle import distributed as dist
+
+__all__ = ["ForwardSignature", "enable_gradient_checkpointing", "eval_mode", "forward_parameters",
+           "forward_signature", "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model",
+           "unwrapped_for_generation"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward signature
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ForwardSignature:
+    """The parameters of a ``forward``: ``"use_cache" in signature`` asks whether it names one."""
+
+    names: frozenset[str]  # the parameters it names (not ``*args`` / ``**kwargs``)
+    takes_var_keyword: bool  # it also takes ``**kwargs``
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+
+# Per class, not per instance: inspect.signature costs ~0.1 ms and the forward of every step asks. Weak keys,
+# so classes made on the fly (tests, wrappers) are not kept alive.
+_SIGNATURES: weakref.WeakKeyDictionary[type, ForwardSignature] = weakref.WeakKeyDictionary()
+
+
+def forward_signature(model: nn.Module) -> ForwardSignature:
+    """The signature of ``model.forward`` (of ``model.module.forward`` for a DDP wrapper), cached per class.
+
+    A forward assigned to the instance itself (as hook libraries do) is read every time: it is not its
+    class's.
+    """
+    inner = getattr(model, "module", model)  # DDP keeps the user's model in .module
+    if "forward" in getattr(inner, "__dict__", {}):
+        return _read_signature(inner.forward)
+    signature = _SIGNATURES.get(type(inner))
+    if signature is None:
+        signature = _SIGNATURES[type(inner)] = _read_signature(inner.forward)
+    return signature
+
+
+def _read_signature(forward) -> ForwardSignature:
+    params = inspect.signature(forward).parameters.values()
+    return ForwardSignature(
+        names=frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)),
+        takes_var_keyword=any(p.kind is p.VAR_KEYWORD for p in params))
+
+
+def forward_parameters(model: nn.Module) -> set[str] | None:
+    """Names the model's forward accepts, or None when it takes ``**kwargs`` (anything goes).
+
+    A transformers model's ``**kwargs`` carries attention-backend options, not dataset columns, so its named
+    parameters are the answer even though it has ``**kwargs``.
+    """
+    signature = forward_signature(model)
+    if signature.takes_var_keyword and not is_transformers_model(getattr(model, "module", model)):
+        return None
+    return set(signature.names)
+
+
+def is_transformers_model(model) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (checked without importing transformers)."""
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+               for c in type(model).__mro__)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Modes and copies
+# ---------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` in eval mode inside the block; afterwards (also after an exception) every submodule has its
+    own previous flag back, so a submodule kept in eval on purpose (a frozen part) stays there."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Whether the (unwrapped) model can act as its own reference: it has a ``disable_adapter()`` context
+    manager, as PEFT models do."""
+    return callable(getattr(dist.unwrap_model(model), "disable_adapter", None))
+
+
+def frozen_reference(model: nn.Module, ref_model: nn.Module | None = None, *, device) -> nn.Module:
+    """The reference model of DPO / GRPO: ``ref_model``, or a deep copy of the unwrapped ``model`` as it is
+    now; moved to ``device``, in eval mode (no dropout) and with no parameter requiring grad."""
+    reference = ref_model if ref_model is not None else copy.deepcopy(dist.unwrap_model(model))
+    reference = reference.to(device).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kind of model
+# ---------------------------------------------------------------------------------------------------------
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether the model predicts token t+1 at position t, i.e. shifts its labels inside its own loss.
+
+    Decided from the model rather than its class name: a transformers model (inside DDP, ``torch.compile``
+    or PEFT) whose config is not encoder-decoder and that can generate. Plain modules are False: they say
+    nothing about what their labels mean.
+    """
+    inner = dist.unwrap_model(model)
+    if callable(getattr(inner, "get_base_model", None)):  # PEFT: the transformers model under the adapters
+        inner = inner.get_base_model()
+    if not is_transformers_model(inner):
+        return False
+    if getattr(inner.config, "is_encoder_decoder", False):
+        return False
+    return bool(inner.can_generate())
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Recompute activations in backward instead of storing them (non-reentrant); turns the KV cache off.
+
+    Raises ValueError for a model without transformers' checkpointing switch.
+    """
+    model = dist.unwrap_model(model)
+    kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"gradient_checkpointing=True needs a transformers model; {type(model).__name__} has "
+                         f"no activation_checkpointing_enable() — wrap its blocks with "
+                         f"torch.utils.checkpoint.checkpoint yourself")
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Generation context
+# ---------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def unwrapped_for_generation(model: nn.Module) -> Iterator[nn.Module]:
+    """The module to generate with.
+
+    * DDP: its ``module``. DDP only adds gradient all-reduce hooks to backward; generation runs no backward,
+      so the inner module gives the same tokens without touching the reducer.
+    * FSDP2 (``fully_shard``): parameters are all-gathered once for the whole call and kept gathered. Left
+      alone, every forward would all-gather and reshard, and ranks that stop early (all rows hit EOS) would
+      leave the others waiting in a collective. The cost is one full copy of the weights per rank during
+      the call. ``reshard_after_forward`` is restored to FSDP2's default afterwards (True for inner modules,
+      False for the root, as ``treadle.distributed.shard_model`` leaves them): torch has no public getter
+      for a custom setting.
+    * PEFT: ``get_base_model()`` -- the transformers model with the adapters injected and active.
+    * FSDP1 (``FullyShardedDataParallel``) is refused: its forward cannot run inside
+      ``summon_full_params``; wrap with FSDP2 instead.
+    """
+    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    if type(inner).__name__ == "FullyShardedDataParallel":
+        raise ValueError("FSDP1 (FullyShardedDataParallel) models are not supported for generation; "
+                         "shard with FSDP2 (torch.distributed.fsdp.fully_shard) instead")
+    if callable(getattr(inner, "get_base_model", None)):
+        inner = inner.get_base_model()
+    fsdp_modules = _fsdp2_modules(inner)
+    if not fsdp_modules:
+        yield inner
+        return
+    inner.set_reshard_after_forward(False)
+    for module in fsdp_modules:
+        module.unshard()
+    try:
+        yield inner
+    finally:
+        for module in fsdp_modules:
+            module.reshard()
+        inner.set_reshard_after_forward(True)
+        inner.set_reshard_after_forward(False, recurse=False)
+
+
+def _fsdp2_modules(model: nn.Module) -> list:
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]

@@ -1,0 +1,183 @@
+"""treadle.models: the forward signature (cached per class), eval mode, the frozen reference, PEFT and causal-LM
+detection, gradient checkpointing and the generation context."""
+
+import inspect
+
+import pytest
+import torch
+from conftest import tiny_llama
+from torch import nn
+
+from treadle import models
+from treadle.models import (enable_gradient_checkpointing, eval_mode, forward_parameters, forward_signature,
+                            frozen_reference, is_causal_lm, is_peft_model, unwrapped_for_generation)
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return self.linear(input_ids)
+
+
+class Loose(nn.Module):
+    def forward(self, input_ids, *args, **kwargs):
+        return input_ids
+
+
+class Wrapper(nn.Module):
+    """Stands in for DDP: the user's model is ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class WithAdapters(Plain):
+    def disable_adapter(self):
+        return torch.no_grad()
+
+
+@pytest.fixture
+def count_signatures(monkeypatch):
+    calls, real = [], inspect.signature
+
+    def counting(fn, *args, **kwargs):
+        calls.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(models.inspect, "signature", counting)
+    return calls
+
+
+# ---- forward signature ------------------------------------------------------------------------------------
+def test_forward_signature_names_the_parameters(count_signatures):
+    signature = forward_signature(Plain())
+    assert signature.names == {"input_ids", "attention_mask", "use_cache"}
+    assert "use_cache" in signature and "logits_to_keep" not in signature and "self" not in signature
+    assert not signature.takes_var_keyword
+    loose = forward_signature(Loose())
+    assert loose.names == {"input_ids"} and loose.takes_var_keyword
+
+
+def test_forward_signature_is_read_once_per_class(count_signatures):
+    class Fresh(Plain):  # a class no other test has asked about
+        def forward(self, input_ids, position_ids=None):
+            return input_ids
+
+    first, second = Fresh(), Fresh()
+    assert forward_signature(first) is forward_signature(second)
+    assert len(count_signatures) == 1
+    forward_signature(Wrapper(first))  # DDP's .module: the same class, still cached
+    assert len(count_signatures) == 1
+    assert forward_signature(Plain()).names != forward_signature(first).names  # another class, its own entry
+
+
+def test_a_forward_assigned_to_the_instance_is_not_its_classs(count_signatures):
+    patched = Plain()
+    patched.forward = lambda input_ids, extra=None: input_ids  # as hook libraries do
+    assert "extra" in forward_signature(patched)
+    assert "extra" not in forward_signature(Plain())
+
+
+def test_forward_parameters_trusts_named_parameters_unless_kwargs_take_anything():
+    assert forward_parameters(Plain()) == {"input_ids", "attention_mask", "use_cache"}
+    assert forward_parameters(Wrapper(Plain())) == {"input_ids", "attention_mask", "use_cache"}
+    assert forward_parameters(Loose()) is None
+    names = forward_parameters(tiny_llama())  # **kwargs too, but a transformers model: its names hold
+    assert {"input_ids", "labels", "use_cache", "logits_to_keep"} <= names
+
+
+# ---- eval mode --------------------------------------------------------------------------------------------
+def test_eval_mode_restores_every_submodule_even_on_error():
+    model = Plain().train()
+    model.dropout.eval()  # kept in eval on purpose
+    with pytest.raises(RuntimeError, match="boom"):
+        with eval_mode(model) as inside:
+            assert inside is model
+            assert not any(m.training for m in model.modules())
+            raise RuntimeError("boom")
+    assert model.training and model.linear.training and not model.dropout.training
+    frozen = Plain().eval()
+    with eval_mode(frozen):
+        pass
+    assert not any(m.training for m in frozen.modules())
+
+
+# ---- reference model --------------------------------------------------------------------------------------
+def test_frozen_reference_copies_and_freezes_without_touching_the_policy():
+    policy = Plain().train()
+    reference = frozen_reference(Wrapper(policy), device="cpu")
+    assert type(reference) is Plain and reference is not policy  # a copy of the unwrapped model
+    assert not reference.training and not any(m.training for m in reference.modules())
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert torch.equal(reference.linear.weight, policy.linear.weight)
+    assert reference.linear.weight.data_ptr() != policy.linear.weight.data_ptr()
+    assert policy.training and all(p.requires_grad for p in policy.parameters())
+
+
+def test_frozen_reference_freezes_a_given_model_in_place():
+    given = Plain().train()
+    assert frozen_reference(Plain(), given, device="cpu") is given
+    assert not given.training and not any(p.requires_grad for p in given.parameters())
+
+
+def test_is_peft_model_looks_for_disable_adapter_inside_wrappers():
+    assert is_peft_model(WithAdapters()) and is_peft_model(Wrapper(WithAdapters()))
+    assert not is_peft_model(Plain())
+
+
+# ---- kind of model ----------------------------------------------------------------------------------------
+def test_is_causal_lm_from_the_model_not_its_name():
+    from transformers import LlamaConfig, LlamaForSequenceClassification, T5Config, T5ForConditionalGeneration
+
+    llama = tiny_llama()
+    assert is_causal_lm(llama) and is_causal_lm(Wrapper(llama))
+    assert not is_causal_lm(Plain())
+
+    class MyForCausalLM(Plain):  # the old rule read the class name; a plain module says nothing about labels
+        pass
+
+    assert not is_causal_lm(MyForCausalLM())
+    classifier = LlamaForSequenceClassification(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
+                                                            num_hidden_layers=1, num_attention_heads=2,
+                                                            pad_token_id=0))
+    assert not is_causal_lm(classifier)  # cannot generate
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1,
+                                             num_heads=2, decoder_start_token_id=0))
+    assert not is_causal_lm(t5)  # encoder-decoder: its labels are the decoder's targets, not shifted inputs
+
+
+def test_gradient_checkpointing_needs_a_transformers_model():
+    with pytest.raises(ValueError, match=r"needs a transformers model; Plain has no .*torch.utils.checkpoint"):
+        enable_gradient_checkpointing(Plain())
+    llama = tiny_llama()
+    enable_gradient_checkpointing(Wrapper(llama))
+    assert llama.is_activation_checkpointing and llama.config.use_cache is False
+
+
+# ---- generation context -----------------------------------------------------------------------------------
+def test_unwrapped_for_generation_gives_the_peft_base_and_refuses_fsdp1():
+    base = Plain()
+
+    class Peft(nn.Module):
+        def get_base_model(self):
+            return base
+
+    with unwrapped_for_generation(Peft()) as inner:
+        assert inner is base
+    with unwrapped_for_generation(base) as inner:
+        assert inner is base
+
+    class FullyShardedDataParallel(nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="FSDP1.*fully_shard"):
+        with unwrapped_for_generation(FullyShardedDataParallel()):
+            pass
