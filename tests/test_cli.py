@@ -3,7 +3,6 @@ loading, the example configs end to end, `treadle report`, and how `treadle demo
 treadle.demo (the demo itself: tests/test_demo.py)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from treadle import cli
+from treadle.data import load_dataset
+from treadle.rewards import load_reward_funcs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -162,24 +163,24 @@ def test_datasets_load_from_every_supported_format(tmp_path):
     Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "disk"))
     DatasetDict(train=Dataset.from_list(ROWS), test=Dataset.from_list(ROWS[:1])).save_to_disk(str(tmp_path / "dd"))
     for name in ("a.jsonl", "a.json", "a.parquet", "disk", "dd"):
-        data = cli.load_dataset(str(tmp_path / name), kind="sft", split="train")
+        data = load_dataset(str(tmp_path / name), kind="sft", split="train")
         assert data.to_list() == ROWS, name
-    csv = cli.load_dataset(str(tmp_path / "a.csv"), kind="sft", split="train")
+    csv = load_dataset(str(tmp_path / "a.csv"), kind="sft", split="train")
     assert [str(r["completion"]) for r in csv] == ["3", "8"]
-    assert len(cli.load_dataset(str(tmp_path / "dd"), kind="sft", split="test")) == 1
+    assert len(load_dataset(str(tmp_path / "dd"), kind="sft", split="test")) == 1
     # relative paths are also looked up next to the config file
-    assert len(cli.load_dataset("a.json", kind="sft", split="train", base_dir=tmp_path)) == 2
+    assert len(load_dataset("a.json", kind="sft", split="train", base_dir=tmp_path)) == 2
 
 
 def test_corrupt_json_lines_name_the_line(tmp_path):
     write(tmp_path / "bad.jsonl", json.dumps(ROWS[0]) + "\n{oops\n")
-    with pytest.raises(cli.UserError, match=r"bad.jsonl:2: not valid JSON"):
-        cli.load_dataset(str(tmp_path / "bad.jsonl"), kind="sft", split="train")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        load_dataset(str(tmp_path / "bad.jsonl"), kind="sft", split="train")
 
 
 def test_toy_datasets_take_the_split_and_kind_of_the_trainer():
-    train = cli.load_dataset("toy:addition:16", kind="preference", split="train")
-    test = cli.load_dataset("toy:addition:16", kind="rl", split="test")
+    train = load_dataset("toy:addition:16", kind="preference", split="train")
+    test = load_dataset("toy:addition:16", kind="rl", split="test")
     assert len(train) == 16 and train.column_names == ["prompt", "chosen", "rejected"]
     assert test.column_names == ["prompt", "answer"]
     assert not set(train["prompt"]) & set(test["prompt"])
@@ -187,7 +188,7 @@ def test_toy_datasets_take_the_split_and_kind_of_the_trainer():
 
 def test_reward_function_from_a_file(tmp_path):
     write(tmp_path / "my_rewards.py", "def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\n")
-    [fn] = cli.load_reward_funcs(["my_rewards.py:length"], base_dir=tmp_path)
+    [fn] = load_reward_funcs(["my_rewards.py:length"], base_dir=tmp_path)
     assert fn(prompts=["a"], completions=["abc"]) == [3]
 
 

@@ -134,21 +134,23 @@ def test_is_peft_model_looks_for_disable_adapter_inside_wrappers():
 
 
 # ---- kind of model ----------------------------------------------------------------------------------------
-def test_is_causal_lm_from_the_model_not_its_name():
+def test_is_causal_lm_from_the_config_where_there_is_one():
     from transformers import LlamaConfig, LlamaForSequenceClassification, T5Config, T5ForConditionalGeneration
 
     llama = tiny_llama()
     assert is_causal_lm(llama) and is_causal_lm(Wrapper(llama))
     assert not is_causal_lm(Plain())
 
-    class MyForCausalLM(Plain):  # the old rule read the class name; a plain module says nothing about labels
+    class MyForCausalLM(Plain):  # no config to ask: the transformers naming convention opts a plain module in
         pass
 
-    assert not is_causal_lm(MyForCausalLM())
+    assert is_causal_lm(MyForCausalLM()) and is_causal_lm(Wrapper(MyForCausalLM()))
     classifier = LlamaForSequenceClassification(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
                                                             num_hidden_layers=1, num_attention_heads=2,
                                                             pad_token_id=0))
     assert not is_causal_lm(classifier)  # cannot generate
+    classifier.__class__ = type("MisnamedForCausalLM", (LlamaForSequenceClassification,), {})
+    assert not is_causal_lm(classifier)  # a config decides, whatever the class is called
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1,
                                              num_heads=2, decoder_start_token_id=0))
     assert not is_causal_lm(t5)  # encoder-decoder: its labels are the decoder's targets, not shifted inputs

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,6 @@ TRAINERS = {
     "grpo": ("treadle.trainers.grpo", "GRPOTrainer", "GRPOConfig", "rl"),
 }
 RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs")  # the keys that are not config fields
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 
 
 class UserError(Exception):
@@ -193,157 +191,39 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         args = config_cls.from_mapping(fields, other_keys=RUN_KEYS, context=f"trainer {name}")
     except (ValueError, TypeError) as error:
         raise UserError(f"{config_class}: {error}") from None
-    kwargs = {}  # the cheap checks first: a typo in a path fails before a model is loaded
-    if name == "grpo":
-        kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
-    elif config.get("reward_funcs"):
+    if name != "grpo" and config.get("reward_funcs"):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
-    train = load_dataset(str(config["dataset"]), kind=kind, split="train", base_dir=base_dir)
-    evaluation = config.get("eval_dataset")
-    evaluation = load_dataset(str(evaluation), kind=kind, split="test", base_dir=base_dir) if evaluation else None
-    model, tokenizer = load_model(str(config["model"]), seed=args.seed)
-    kwargs.update(args=args, train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer)
     try:
-        return getattr(module, trainer_class)(model, **kwargs)
+        kwargs = load_run_objects(config, kind=kind, seed=args.seed, base_dir=base_dir)
+    except ValueError as error:  # a path, a row or a name that is wrong
+        raise UserError(str(error)) from None
+    try:
+        return getattr(module, trainer_class)(args=args, **kwargs)
     except (ValueError, TypeError) as error:
         raise UserError(f"{trainer_class}: {error}") from None
+
+
+def load_run_objects(config: dict[str, Any], *, kind: str, seed: int, base_dir: Path) -> dict[str, Any]:
+    """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and
+    tokenizer -- the cheap ones first, so that a typo in a path fails before a model is loaded."""
+    from treadle.data import load_dataset
+    from treadle.models import load_model
+    from treadle.rewards import load_reward_funcs
+
+    kwargs: dict[str, Any] = {}
+    if config.get("trainer") == "grpo":
+        kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
+    kwargs["train_dataset"] = load_dataset(str(config["dataset"]), kind=kind, split="train", base_dir=base_dir)
+    evaluation = config.get("eval_dataset")
+    if evaluation:
+        kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind, split="test", base_dir=base_dir)
+    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=seed)
+    return kwargs
 
 
 def default_output_dir(config: dict[str, Any]) -> str:
     """Where a run goes when its config names no output_dir: runs/<trainer>."""
     return os.path.join("runs", str(config.get("trainer")))
-
-
-def load_model(spec: str, *, seed: int = 0):
-    """(model, tokenizer) from ``toy:<size>`` or a local folder in transformers layout."""
-    if spec.startswith("toy:"):
-        from treadle import toy
-
-        size = spec.removeprefix("toy:")
-        if size not in toy.MODEL_SIZES:
-            raise UserError(f"unknown toy model {spec!r}; use one of {['toy:' + s for s in toy.MODEL_SIZES]}")
-        tokenizer = toy.build_tokenizer()
-        return toy.build_model(size, seed=seed, tokenizer=tokenizer), tokenizer
-    if not os.path.isdir(spec):
-        raise UserError(f"model folder {spec} not found; use a local folder in transformers layout (written by "
-                        f"save_pretrained) or toy:tiny")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot load a model and tokenizer from {spec}: {str(error).splitlines()[0]}") from None
-    return model, tokenizer
-
-
-def load_dataset(spec: str, *, kind: str, split: str, base_dir: Path = Path(".")):
-    """A ``datasets.Dataset`` from ``toy:<task>[:N]`` (the train split for ``dataset``, the held-out test split
-    for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder."""
-    if spec.startswith("toy:"):
-        return _toy_dataset(spec, kind=kind, split=split)
-    path = _existing_path(spec, base_dir)
-    if path is None:
-        raise UserError(f"dataset {spec} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
-                        f"Dataset.save_to_disk, or toy:addition)")
-    import datasets
-
-    try:
-        if path.is_dir():
-            return _one_split(datasets.load_from_disk(str(path)), split, spec)
-        if path.suffix in (".json", ".jsonl"):
-            return datasets.Dataset.from_list(_read_json_rows(path))
-        if path.suffix == ".csv":
-            return datasets.Dataset.from_csv(str(path))
-        if path.suffix == ".parquet":
-            return datasets.Dataset.from_parquet(str(path))
-    except (OSError, ValueError, TypeError) as error:  # corrupt files: datasets raises a variety of types
-        raise UserError(f"cannot read dataset {spec}: {str(error).splitlines()[0]}") from None
-    raise UserError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} or a "
-                    f"save_to_disk folder")
-
-
-def _toy_dataset(spec: str, *, kind: str, split: str):
-    from treadle import toy
-
-    task, _, size = spec.removeprefix("toy:").partition(":")
-    if task not in toy.TASKS:
-        raise UserError(f"unknown toy task {spec!r}; use one of {['toy:' + t for t in toy.TASKS]}")
-    if size and not size.isdigit():
-        raise UserError(f"toy dataset {spec!r}: the part after the task is a row count, e.g. toy:{task}:256")
-    try:
-        return toy.load_task(task, split, kind=kind, n=int(size) if size else None)
-    except ValueError as error:
-        raise UserError(f"toy dataset {spec!r}: {error}") from None
-
-
-def _existing_path(spec: str, base_dir: Path) -> Path | None:
-    for candidate in (Path(spec), base_dir / spec):
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def _read_json_rows(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError:  # not one document: JSON lines
-        rows = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise UserError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-    if isinstance(rows, dict):  # {"column": [values]} layout
-        rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not rows:
-        raise UserError(f"{path} must hold rows: a JSON list of objects, or one JSON object per line")
-    return rows
-
-
-def _one_split(data, split: str, spec: str):
-    if not hasattr(data, "keys"):  # a Dataset, not a DatasetDict
-        return data
-    wanted = ("train",) if split == "train" else ("test", "validation", "eval")
-    for name in wanted:
-        if name in data:
-            return data[name]
-    raise UserError(f"dataset folder {spec} holds splits {list(data)}, none of them {' / '.join(wanted)}")
-
-
-def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list:
-    """Callables from dotted paths (``package.module.function``) or ``file.py:function``."""
-    if not spec:
-        raise UserError("the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
-                        "[treadle.toy.addition_reward]")
-    specs = [spec] if isinstance(spec, str) else list(spec)
-    return [_import_callable(str(s), base_dir) for s in specs]
-
-
-def _import_callable(spec: str, base_dir: Path):
-    if ":" in spec:
-        file, _, name = spec.rpartition(":")
-        path = _existing_path(file, base_dir)
-        if path is None:
-            raise UserError(f"reward function {spec}: file {file} not found")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module_name, _, name = spec.rpartition(".")
-        try:
-            module = importlib.import_module(module_name) if module_name else None
-        except ImportError as error:
-            raise UserError(f"reward function {spec}: cannot import {module_name} ({error})") from None
-        if module is None:
-            raise UserError(f"reward function {spec!r} must be a dotted path (package.module.function) or "
-                            f"file.py:function")
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UserError(f"reward function {spec}: {module.__name__} has no function {name!r}")
-    return fn
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import array
 import itertools
+import json
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -439,3 +441,87 @@ def right_padded(rows: Sequence[Sequence[int]], width: int, value: int) -> torch
     except TypeError:  # values an int64 C array refuses: long_tensor's general path decides
         flat = [v for row in rows for v in [*row, *[value] * (width - len(row))]]
     return long_tensor(flat, (len(rows), width))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading datasets named in a config
+# ---------------------------------------------------------------------------------------------------------
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+
+
+def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir: Path = Path(".")):
+    """A ``datasets.Dataset`` from ``toy:<task>[:N]`` (the train split for ``dataset``, the held-out test split
+    for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder."""
+    if spec.startswith("toy:"):
+        return _toy_dataset(spec, kind=kind, split=split)
+    path = existing_path(spec, base_dir)
+    if path is None:
+        raise ValueError(f"dataset {spec} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
+                        f"Dataset.save_to_disk, or toy:addition)")
+    import datasets
+
+    try:
+        if path.is_dir():
+            return _one_split(datasets.load_from_disk(str(path)), split, spec)
+        if path.suffix in (".json", ".jsonl"):
+            return datasets.Dataset.from_list(_read_json_rows(path))
+        if path.suffix == ".csv":
+            return datasets.Dataset.from_csv(str(path))
+        if path.suffix == ".parquet":
+            return datasets.Dataset.from_parquet(str(path))
+    except (OSError, ValueError, TypeError) as error:  # corrupt files: datasets raises a variety of types
+        raise ValueError(f"cannot read dataset {spec}: {str(error).splitlines()[0]}") from None
+    raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} or a "
+                    f"save_to_disk folder")
+
+
+def _toy_dataset(spec: str, *, kind: str, split: str):
+    from treadle import toy
+
+    task, _, size = spec.removeprefix("toy:").partition(":")
+    if task not in toy.TASKS:
+        raise ValueError(f"unknown toy task {spec!r}; use one of {['toy:' + t for t in toy.TASKS]}")
+    if size and not size.isdigit():
+        raise ValueError(f"toy dataset {spec!r}: the part after the task is a row count, e.g. toy:{task}:256")
+    try:
+        return toy.load_task(task, split, kind=kind, n=int(size) if size else None)
+    except ValueError as error:
+        raise ValueError(f"toy dataset {spec!r}: {error}") from None
+
+
+def existing_path(spec: str, base_dir: Path) -> Path | None:
+    """``spec`` as given (relative to the working directory) if it exists, else relative to ``base_dir`` (the
+    config's folder), else None."""
+    for candidate in (Path(spec), base_dir / spec):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _read_json_rows(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError:  # not one document: JSON lines
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+    if isinstance(rows, dict):  # {"column": [values]} layout
+        rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not rows:
+        raise ValueError(f"{path} must hold rows: a JSON list of objects, or one JSON object per line")
+    return rows
+
+
+def _one_split(data, split: str, spec: str):
+    if not hasattr(data, "keys"):  # a Dataset, not a DatasetDict
+        return data
+    wanted = ("train",) if split == "train" else ("test", "validation", "eval")
+    for name in wanted:
+        if name in data:
+            return data[name]
+    raise ValueError(f"dataset folder {spec} holds splits {list(data)}, none of them {' / '.join(wanted)}")

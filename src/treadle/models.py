@@ -130,15 +130,16 @@ def frozen_reference(model: nn.Module, ref_model: nn.Module | None = None, *, de
 def is_causal_lm(model: nn.Module) -> bool:
     """Whether the model predicts token t+1 at position t, i.e. shifts its labels inside its own loss.
 
-    Decided from the model rather than its class name: a transformers model (inside DDP, ``torch.compile``
-    or PEFT) whose config is not encoder-decoder and that can generate. Plain modules are False: they say
-    nothing about what their labels mean.
+    From the config where there is one: a transformers model (inside DDP, ``torch.compile`` or PEFT) whose
+    config is not encoder-decoder and that can generate. A plain module has no config to ask; it opts in by
+    following transformers' naming convention (a class named ``...ForCausalLM`` or ``...LMHeadModel``), or
+    its trainer overrides ``Trainer.count_items``.
     """
     inner = dist.unwrap_model(model)
     if callable(getattr(inner, "get_base_model", None)):  # PEFT: the transformers model under the adapters
         inner = inner.get_base_model()
     if not is_transformers_model(inner):
-        return False
+        return type(inner).__name__.endswith(("ForCausalLM", "LMHeadModel"))
     if getattr(inner.config, "is_encoder_decoder", False):
         return False
     return bool(inner.can_generate())
@@ -212,3 +213,32 @@ def _fsdp2_modules(model: nn.Module) -> list:
     if not isinstance(model, FSDPModule):
         return []
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def load_model(spec: str, *, tokenizer=None, seed: int = 0, trust_remote_code: bool = False):
+    """``(model, tokenizer)`` from ``toy:<size>`` (``treadle.toy``, built here with ``seed``) or a local folder
+    in transformers layout (a causal LM; the tokenizer is read from the folder unless one is given). Never
+    downloads; code in the folder runs only with ``trust_remote_code=True``. ValueError names what is wrong."""
+    import os
+
+    if spec.startswith("toy:"):
+        from treadle import toy
+
+        size = spec.removeprefix("toy:")
+        if size not in toy.MODEL_SIZES:
+            raise ValueError(f"unknown toy model {spec!r}; use one of {['toy:' + s for s in toy.MODEL_SIZES]}")
+        tokenizer = tokenizer if tokenizer is not None else toy.build_tokenizer()
+        return toy.build_model(size, seed=seed, tokenizer=tokenizer), tokenizer
+    if not os.path.isdir(spec):
+        raise ValueError(f"model folder {spec} not found; use a local folder in transformers layout (written by "
+                         f"save_pretrained) or toy:tiny")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(spec, **options)
+        model = AutoModelForCausalLM.from_pretrained(spec, **options)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot load a model and tokenizer from {spec}: {str(error).splitlines()[0]}") from None
+    return model, tokenizer

@@ -27,17 +27,23 @@ completion through :func:`completion_text`, so they work for plain and chat comp
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from treadle.data import existing_path
+
 RewardFunction = Callable[..., Sequence[Any]]
 
 __all__ = ["RewardFunction", "RewardFunctionError", "call_reward_function", "completion_text", "exact_match",
-           "overlong_penalty", "regex_format", "reward_name", "score_completions", "weighted_rewards"]
+           "load_reward_funcs", "overlong_penalty", "regex_format", "reward_name", "score_completions",
+           "weighted_rewards"]
 
 
 class RewardFunctionError(ValueError):
@@ -204,3 +210,40 @@ def overlong_penalty(max_length: int, soft_cache: int) -> RewardFunction:
         return [max(-1.0, min(0.0, (start - len(ids)) / soft_cache)) for ids in completion_ids]
 
     return overlong_penalty
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading reward functions by name (configs)
+# ---------------------------------------------------------------------------------------------------------
+def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list[RewardFunction]:
+    """Callables from dotted paths (``package.module.function``) or ``file.py:function`` (a path relative to
+    the working directory or ``base_dir``), as a config names them. ValueError names what is missing."""
+    if not spec:
+        raise ValueError("the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
+                        "[treadle.toy.addition_reward]")
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    return [_import_callable(str(s), base_dir) for s in specs]
+
+
+def _import_callable(spec: str, base_dir: Path):
+    if ":" in spec:
+        file, _, name = spec.rpartition(":")
+        path = existing_path(file, base_dir)
+        if path is None:
+            raise ValueError(f"reward function {spec}: file {file} not found")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module_name, _, name = spec.rpartition(".")
+        try:
+            module = importlib.import_module(module_name) if module_name else None
+        except ImportError as error:
+            raise ValueError(f"reward function {spec}: cannot import {module_name} ({error})") from None
+        if module is None:
+            raise ValueError(f"reward function {spec!r} must be a dotted path (package.module.function) or "
+                            f"file.py:function")
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec}: {module.__name__} has no function {name!r}")
+    return fn

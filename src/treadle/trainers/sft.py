@@ -30,7 +30,6 @@ How this departs from TRL's SFTTrainer (v0.2x):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import (column_names, encode_prompts, encode_texts, is_conversation, pad_token_id,
                           right_padded, split_chat_completion, with_eos)
+from treadle.models import load_model
 from treadle.trainer import Trainer
 
 TOKENIZE_CHUNK = 1000  # rows tokenised per tokenizer call: big enough for the fast tokenizer's batching
@@ -79,7 +79,7 @@ class SFTTrainer(Trainer):
                  optimizers=(None, None)):
         args = self.check_args(args)  # needed before super().__init__: the datasets are tokenised first
         if isinstance(model, str):
-            model, processing_class = self.load_model(model, processing_class)
+            model, processing_class = load_model(model, tokenizer=processing_class)
         self.args = args
         self.processing_class = processing_class
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
@@ -91,19 +91,6 @@ class SFTTrainer(Trainer):
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
 
     # ---- building -----------------------------------------------------------------------------------------
-    @staticmethod
-    def load_model(path: str, processing_class=None):
-        """(model, tokenizer) from a local folder in transformers layout; never downloads."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if not os.path.isdir(path):
-            raise ValueError(f"model {path!r} is not a local folder; pass a model object or a folder written "
-                             f"by save_pretrained")
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return model, processing_class
-
     def prepare_dataset(self, dataset, name: str = "train"):
         """Tokenise ``dataset`` once (with a progress bar), truncate to ``max_length`` and pack if asked.
         Returns a ``datasets.Dataset`` with ``input_ids``, ``completion_mask`` (and ``position_ids`` when
