@@ -286,3 +286,15 @@ def _describe(annotation: Any, plural: bool = False) -> str:
 
 
 __all__ = ["TrainingArguments", "field"]
+
+
+def check_config(args, config_class: type, trainer: str):
+    """``args``, or ``config_class()`` when None; a config of another class is refused with the fix (every
+    trainer names its config class; ``Trainer.check_args``)."""
+    if args is None:
+        return config_class()
+    if not isinstance(args, config_class):
+        name = config_class.__name__
+        raise TypeError(f"{trainer} needs a {name}, got {type(args).__name__}; build one with "
+                        f"{name}(**your_args.to_dict())")
+    return args

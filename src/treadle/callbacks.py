@@ -72,6 +72,18 @@ class TrainerState:
     is_world_process_zero: bool = True
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)  # callback name -> its saved state
 
+    @classmethod
+    def for_run(cls, args, **plan) -> "TrainerState":
+        """The state at the start of a run with ``args``: its cadence, batch shape and process layout, and the
+        ``plan`` (``steps_per_epoch``, ``max_steps``, ``num_train_epochs``)."""
+        from treadle import distributed as dist
+
+        return cls(logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
+                   train_batch_size=args.per_device_train_batch_size,
+                   gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=dist.get_world_size(),
+                   is_world_process_zero=dist.is_main_process(), is_local_process_zero=args.local_process_index == 0,
+                   **plan)
+
     def save_to_json(self, path: str) -> None:
         with open(path, "w") as f:
             f.write(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
@@ -82,6 +94,19 @@ class TrainerState:
             data = json.load(f)
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class LoopState:
+    """The loop's bookkeeping that is not ``TrainerState`` (not saved: a step never spans a checkpoint).
+    Created in ``__init__``; outside ``train()`` it describes one lone micro-batch, so that ``training_step``
+    can be called on its own."""
+
+    window_size: int = 1  # micro-batches in the accumulation window of the step in progress
+    micro_items: int | None = None  # loss items of the micro-batch in training_step, counted on its raw batch
+    grad_norm: Any = None  # of the last optimizer step, before clipping
+    last_saved_step: int | None = None
+    last_eval: tuple[int | None, dict | None] = (None, None)  # (step, metrics) of the latest evaluation
 
 
 @dataclass

@@ -191,6 +191,15 @@ def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> Non
 # ---------------------------------------------------------------------------------------------------------
 # RNG
 # ---------------------------------------------------------------------------------------------------------
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def rng_state() -> dict:
     import numpy as np
 
@@ -259,6 +268,30 @@ def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args
         _replace_dir(tmp, final)
     dist.barrier()
     return final
+
+
+def save_run_checkpoint(args, state, eval_metrics: dict | None, **save_kwargs) -> str:
+    """``save_checkpoint`` for a training run: record it as the best when ``eval_metrics`` (of this step) say
+    so, write it, then rotate (the best and the one just written are kept, even when the latter is not the
+    highest step: a run resumed from an older checkpoint while later ones exist)."""
+    path = os.path.join(args.output_dir, f"{PREFIX}{state.global_step}")
+    update_best(state, args, eval_metrics, path)
+    save_checkpoint(args.output_dir, state=state, args=args, **save_kwargs)
+    if dist.is_main_process():
+        rotate(args.output_dir, args.save_total_limit, keep=(state.best_model_checkpoint, path))
+    return path
+
+
+def export_model(model, output_dir: str, processing_class=None) -> None:
+    """Write the final weights (save_pretrained layout for transformers models) and the processing class to
+    ``output_dir``. Every rank must call it (FSDP2 gathers the full weights on rank 0, which writes)."""
+    full_weights = dist.full_state_dict(model)
+    if dist.is_main_process():
+        os.makedirs(output_dir, exist_ok=True)
+        save_weights(model, output_dir, state_dict=full_weights)
+        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+            processing_class.save_pretrained(output_dir)
+    dist.barrier()
 
 
 def read_state(path: str):

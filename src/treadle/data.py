@@ -195,6 +195,25 @@ class RepeatSampler(SeededSampler):
         return None  # repeats are the point here: nothing to discount
 
 
+def seeded_sampler(dataset, *, seed: int, shuffle: bool) -> SeededSampler | None:
+    """A SeededSampler over ``dataset`` for this rank of the process group (None for an iterable dataset)."""
+    if not hasattr(dataset, "__len__"):
+        return None
+    return SeededSampler(len(dataset), seed=seed, shuffle=shuffle, rank=dist.get_rank(),
+                         world_size=dist.get_world_size())
+
+
+def build_dataloader(dataset, args, *, batch_size: int, collate_fn, sampler=None, drop_last: bool = False):
+    """A DataLoader with ``args``' worker settings. Its own generator keeps the global torch RNG untouched, so
+    that starting an epoch mid-way (resume) draws the same dropout masks."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+                      num_workers=args.dataloader_num_workers,
+                      pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
+                      generator=torch.Generator().manual_seed(args.data_seed))
+
+
 @runtime_checkable
 class ResumableSampler(Protocol):
     """A sampler that can start an epoch part-way (SeededSampler and RepeatSampler are): ``start_epoch(epoch,
@@ -306,6 +325,26 @@ def batch_rows(inputs) -> int:
             if isinstance(v, list):
                 return len(v)
     return 1
+
+
+def eval_batches(dataloader, label_name: str) -> Iterator[tuple[Any, int | None]]:
+    """``(batch, keep)`` over an evaluation dataloader. Under several processes the sampler repeats a few rows
+    so that every rank runs as many forwards (``num_real_rows``); a batch holding such rows has their labels
+    set to -100 (no weight in the loss) and ``keep`` = its rows to keep in predictions (None: all)."""
+    real_rows = getattr(getattr(dataloader, "sampler", None), "num_real_rows", lambda: None)()
+    seen = 0
+    for inputs in dataloader:
+        rows = batch_rows(inputs)
+        keep = None if real_rows is None or seen + rows <= real_rows else max(0, real_rows - seen)
+        seen += rows
+        yield (inputs if keep is None else mask_label_rows(inputs, label_name, keep)), keep
+
+
+def to_cpu(x):
+    """A detached CPU copy of a prediction tensor (of the first one, as float, for a tuple of outputs)."""
+    if isinstance(x, tuple):
+        return x[0].detach().float().cpu() if x else None
+    return x.detach().cpu()
 
 
 def mask_label_rows(inputs, label_name: str, keep: int):

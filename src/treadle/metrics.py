@@ -24,12 +24,32 @@ position); names are sorted before reducing, so the order in which they were rec
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from treadle import distributed as dist
 
 Number = float | int | torch.Tensor
+
+
+class EvalPrediction(NamedTuple):
+    """What ``compute_metrics`` receives: numpy arrays gathered over the evaluation set (padded with -100)."""
+
+    predictions: Any
+    label_ids: Any
+
+
+class TrainOutput(NamedTuple):
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+class PredictionOutput(NamedTuple):
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
 
 
 class MetricWindow:
@@ -110,3 +130,40 @@ def _as_tensor(value: Number, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().to(device, torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The training loss in the window
+# ---------------------------------------------------------------------------------------------------------
+def record_loss(window: MetricWindow, step_loss: torch.Tensor, num_items: int | None, *,
+                items_are_global: bool) -> None:
+    """Add one optimizer step's loss (this rank's sum of its micro-batches' losses) to ``window``, weighted so
+    that the logged loss is the mean over every item of the logging window, over all ranks.
+
+    With ``num_items`` (the window's items), ``step_loss`` is this rank's item sum / num_items: the sum goes
+    in as is, and the count once -- from rank 0 when ``num_items`` already counts every rank's items
+    (``average_tokens_across_devices``), from each rank otherwise. Without it, each step is one item per rank
+    (the mean of its micro-batches' means)."""
+    if num_items is None:
+        window.add("loss", step_loss, 1)
+    else:
+        window.add("loss", step_loss * num_items, num_items if dist.is_main_process() or not items_are_global else 0)
+
+
+def fold_loss(state, loss: tuple[float, float]) -> dict[str, float]:
+    """Add a reduced window's (loss sum, items) to the run's totals in ``state`` (for ``train_loss``);
+    ``{"loss": mean}`` (empty when the window had no items)."""
+    total, items = loss
+    state.total_loss_sum += total
+    state.total_loss_items += items
+    return {"loss": total / items} if items else {}
+
+
+def speed_metrics(start_time: float, steps: int, samples: int, state) -> dict[str, float]:
+    """``train_runtime``, samples and steps per second, and ``train_loss`` (the run's item-weighted mean)."""
+    import time
+
+    runtime = time.time() - start_time
+    train_loss = state.total_loss_sum / state.total_loss_items if state.total_loss_items else float("nan")
+    return {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
+            "train_steps_per_second": round(steps / max(runtime, 1e-9), 3), "train_loss": train_loss}

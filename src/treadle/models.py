@@ -127,6 +127,50 @@ def frozen_reference(model: nn.Module, ref_model: nn.Module | None = None, *, de
 # ---------------------------------------------------------------------------------------------------------
 # Kind of model
 # ---------------------------------------------------------------------------------------------------------
+def training_forward_kwargs(forward_params, inputs: dict, num_items_in_batch: int | None = None) -> dict:
+    """Keyword arguments a training forward adds to its inputs: ``use_cache=False`` where the forward takes it
+    (a training forward has no use for a KV cache), and ``num_items_in_batch`` when given."""
+    kwargs = {}
+    if forward_params is not None and "use_cache" in forward_params and "use_cache" not in inputs:
+        kwargs["use_cache"] = False
+    if num_items_in_batch is not None:
+        kwargs["num_items_in_batch"] = num_items_in_batch
+    return kwargs
+
+
+def loss_of(outputs, inputs=None) -> torch.Tensor:
+    """The loss in a model's outputs: a 0-d tensor, a ``loss`` key or attribute, or a 0-d first element.
+    ValueError (naming the inputs) when there is none: the model was given no labels."""
+    if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+        return outputs
+    if isinstance(outputs, dict) or hasattr(outputs, "keys"):
+        loss = outputs.get("loss") if hasattr(outputs, "get") else None
+    elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0:
+        loss = outputs[0]
+    else:
+        loss = getattr(outputs, "loss", None)
+    if loss is None:
+        keys = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+        raise ValueError(f"the model returned no loss (inputs: {keys}); pass labels (a 'labels' column) or "
+                         f"override Trainer.compute_loss to compute it")
+    return loss
+
+
+def logits_of(outputs, ignore_keys=None):
+    """The prediction tensors in a model's outputs: everything but the loss, caches, hidden states, attentions
+    and ``ignore_keys``; one tensor, a tuple of them, or None."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    ignore = {"loss", "past_key_values", "hidden_states", "attentions"} | set(ignore_keys or ())
+    if hasattr(outputs, "items"):
+        values = [v for k, v in outputs.items() if k not in ignore and isinstance(v, torch.Tensor)]
+    else:
+        values = [v for v in outputs if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """Whether the model predicts token t+1 at position t, i.e. shifts its labels inside its own loss.
 

@@ -19,74 +19,30 @@ whether* it happens. The overridable methods, in the order a run calls them:
 =======================  ==========================================================================
 
 The loop itself is ``train`` -> ``_train_epoch`` -> ``_optimizer_step``; see treadle.callbacks for the event
-order. Names and signatures follow ``transformers.Trainer``. Windowed metrics (the training loss, and whatever a
-subclass records with ``self.metrics.add``) live in one ``treadle.metrics.MetricWindow``: reduced over ranks
-once per log, saved with every checkpoint.
+order. Names and signatures follow ``transformers.Trainer``. Windowed metrics (the loss, and what a subclass
+records with ``self.metrics.add``) live in one ``MetricWindow``: reduced once per log, saved in checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import random
 import time
-from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import torch
 
 from treadle import checkpoint as ckpt
 from treadle import distributed as dist
 from treadle import models
-from treadle.arguments import TrainingArguments
-from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
-                               ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
-from treadle.data import (SeededSampler, batch_rows, check_first_batch, collator_for, drop_unused_columns,
-                          epoch_batches, mask_label_rows, plan_steps)
-from treadle.metrics import MetricWindow
+from treadle.arguments import TrainingArguments, check_config
+from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, PreemptionCallback, PrinterCallback,
+                               ProgressCallback, TensorBoardCallback, TrainerControl,
+                               TrainerState)
+from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
+                          epoch_batches, eval_batches, plan_steps, seeded_sampler, to_cpu)
+from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, fold_loss, record_loss,
+                             speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
-
-
-class EvalPrediction(NamedTuple):
-    """What ``compute_metrics`` receives: numpy arrays gathered over the evaluation set (padded with -100)."""
-
-    predictions: Any
-    label_ids: Any
-
-
-class TrainOutput(NamedTuple):
-    global_step: int
-    training_loss: float
-    metrics: dict[str, float]
-
-
-class PredictionOutput(NamedTuple):
-    predictions: Any
-    label_ids: Any
-    metrics: dict[str, float]
-
-
-@dataclass
-class LoopState:
-    """The loop's bookkeeping that is not ``TrainerState`` (not saved: a step never spans a checkpoint).
-    Created in ``__init__``; outside ``train()`` it describes one lone micro-batch, so that ``training_step``
-    can be called on its own."""
-
-    window_size: int = 1  # micro-batches in the accumulation window of the step in progress
-    micro_items: int | None = None  # loss items of the micro-batch in training_step, counted on its raw batch
-    grad_norm: torch.Tensor | None = None  # of the last optimizer step, before clipping
-    last_saved_step: int | None = None
-    last_eval: tuple[int | None, dict | None] = (None, None)  # (step, metrics) of the latest evaluation
-
-
-def set_seed(seed: int) -> None:
-    """Seed python, numpy and torch (all devices)."""
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -127,13 +83,7 @@ class Trainer:
     @classmethod
     def check_args(cls, args):
         """``args``, or ``config_class()`` when None; a config of another class is refused."""
-        if args is None:
-            return cls.config_class()
-        if not isinstance(args, cls.config_class):
-            name = cls.config_class.__name__
-            raise TypeError(f"{cls.__name__} needs a {name}, got {type(args).__name__}; build one with "
-                            f"{name}(**your_args.to_dict())")
-        return args
+        return check_config(args, cls.config_class, cls.__name__)
 
     def _default_callbacks(self) -> list:
         reporting = [ProgressCallback() if not self.args.disable_tqdm else PrinterCallback()]
@@ -185,21 +135,12 @@ class Trainer:
 
     def build_sampler(self, dataset, *, shuffle: bool):
         """A SeededSampler over ``dataset`` for this rank (None for an iterable dataset)."""
-        if not hasattr(dataset, "__len__"):
-            return None
-        return SeededSampler(len(dataset), seed=self.args.data_seed, shuffle=shuffle,
-                             rank=dist.get_rank(), world_size=dist.get_world_size())
+        return seeded_sampler(dataset, seed=self.args.data_seed, shuffle=shuffle)
 
     def build_dataloader(self, dataset, *, batch_size: int, sampler=None, collate_fn=None, drop_last=False):
-        """A DataLoader with the Trainer's collator and worker settings. Its own generator keeps the global
-        torch RNG untouched, so that starting an epoch mid-way (resume) draws the same dropout masks."""
-        from torch.utils.data import DataLoader
-
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                          collate_fn=collate_fn or self.data_collator, drop_last=drop_last,
-                          num_workers=self.args.dataloader_num_workers,
-                          pin_memory=self.args.dataloader_pin_memory and self.args.device.type == "cuda",
-                          generator=torch.Generator().manual_seed(self.args.data_seed))
+        """A DataLoader with the Trainer's collator and worker settings (``data.build_dataloader``)."""
+        return build_dataloader(dataset, self.args, batch_size=batch_size, sampler=sampler,
+                                collate_fn=collate_fn or self.data_collator, drop_last=drop_last)
 
     def signature_columns(self) -> set[str] | None:
         """Dataset columns kept by ``remove_unused_columns``: the model forward's arguments and the label names.
@@ -246,35 +187,26 @@ class Trainer:
         return int(labels.ne(-100).sum())
 
     def get_num_items_in_batch(self, batch_samples: list) -> int | None:
-        """Items (e.g. label tokens) in one whole accumulation window, summed over all ranks; the loss of each
-        micro-batch is divided by it, so accumulation and data parallelism give the big batch's gradient.
-        Called once per optimizer step with the window's micro-batches (after ``prepare_window``), before any
-        ``training_step``."""
+        """Items (e.g. label tokens) in one accumulation window (after ``prepare_window``), summed over all ranks:
+        each micro-batch's loss is divided by it, so accumulation and data parallelism give the big batch's."""
         counts = [self.count_items(b) for b in batch_samples]
         if any(c is None for c in counts):
             return None
-        total = sum(counts)
         if dist.get_world_size() > 1 and self.args.average_tokens_across_devices:
-            total = int(dist.all_reduce_sum(torch.tensor(total, device=self.args.device)).item())
-        return total
+            return int(dist.all_reduce_sum(torch.tensor(sum(counts), device=self.args.device)).item())
+        return sum(counts)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of one micro-batch: summed over its items and divided by ``num_items_in_batch`` (items of
         the whole window, all ranks). With ``num_items_in_batch=None``, the model's own mean loss.
 
-        A forward that names a ``num_items_in_batch`` argument receives it and must return that sum / count.
-        Any other model returns its mean over the micro-batch's items (``count_items``), which is rescaled
-        here to its share of the window: exact for transformers models, whose labels are shifted inside the model
-        (``count_items`` counts them shifted for causal LMs, see ``models.is_causal_lm``).
-        """
-        kwargs = {}
-        if self._forward_params is not None and "use_cache" in self._forward_params and "use_cache" not in inputs:
-            kwargs["use_cache"] = False  # a training forward has no use for a KV cache
-        takes_items = self._forward_params is not None and "num_items_in_batch" in self._forward_params
-        if num_items_in_batch is not None and takes_items:
-            kwargs["num_items_in_batch"] = num_items_in_batch
-        outputs = model(**inputs, **kwargs)
-        loss = _loss_of(outputs, inputs)
+        A forward that names a ``num_items_in_batch`` argument receives it and must return that sum / count. Any
+        other model returns its mean over the micro-batch's items (``count_items``; shifted for causal LMs, see
+        ``models.is_causal_lm``), which is rescaled here to its share of the window."""
+        takes_items = "num_items_in_batch" in (self._forward_params or ())
+        outputs = model(**inputs, **models.training_forward_kwargs(self._forward_params, inputs,
+                                                                   num_items_in_batch if takes_items else None))
+        loss = models.loss_of(outputs, inputs)
         if num_items_in_batch is not None and not takes_items:
             # counted on the raw CPU batch by the loop (no device sync here); a lone call counts now
             items = self.loop.micro_items if self.loop.micro_items is not None else self.count_items(inputs)
@@ -283,18 +215,16 @@ class Trainer:
         return (loss, outputs) if return_outputs else loss
 
     def prepare_inputs(self, inputs):
-        """Move one micro-batch to the device. Subclasses may build inputs here (GRPO generates and scores)."""
-        device = self.args.device
-        if isinstance(inputs, dict):
-            return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                    for k, v in inputs.items()}
-        return inputs
+        """Move one micro-batch to the device (its tensors; other values stay as they are)."""
+        if not isinstance(inputs, dict):
+            return inputs
+        return {k: v.to(self.args.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in inputs.items()}
 
     def autocast(self):
         """bfloat16 autocast around forwards when ``args.bf16`` (CPU and GPU); a no-op otherwise."""
-        if not self.args.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.args.device.type, dtype=torch.bfloat16)
+        bf16 = torch.autocast(device_type=self.args.device.type, dtype=torch.bfloat16) if self.args.bf16 else None
+        return bf16 or contextlib.nullcontext()
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """One micro-batch: prepare, forward, backward. Returns the detached loss (its share of the window; with
@@ -304,10 +234,9 @@ class Trainer:
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None:
             loss = loss / self.loop.window_size  # the model's mean per micro-batch: average them over the window
-        # DDP averages gradients over ranks, but num_items_in_batch already counts every rank's items
-        scale = dist.get_world_size() if num_items_in_batch is not None and self.args.average_tokens_across_devices else 1
-        if loss.requires_grad:
-            (loss * scale if scale != 1 else loss).backward()
+        if loss.requires_grad:  # DDP averages gradients over ranks, but num_items_in_batch counts all ranks' items
+            global_items = num_items_in_batch is not None and self.args.average_tokens_across_devices
+            (loss * dist.get_world_size() if global_items and dist.get_world_size() > 1 else loss).backward()
         return loss.detach()
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -317,7 +246,7 @@ class Trainer:
         newest in output_dir, or a path) continue that run exactly where it stopped."""
         args = self.args
         dist.init_distributed(args.device, args.ddp_timeout)
-        set_seed(args.seed)
+        ckpt.set_seed(args.seed)
         if args.gradient_checkpointing:
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model))
         dataloader = self.get_train_dataloader()
@@ -347,12 +276,8 @@ class Trainer:
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
         """A fresh ``state``, loop state and metrics window; then, when resuming, the checkpoint's."""
         args = self.args
-        self.state = TrainerState(max_steps=max_steps, num_train_epochs=num_epochs, steps_per_epoch=steps_per_epoch,
-                                  logging_steps=args.logging_steps, eval_steps=args.eval_steps,
-                                  save_steps=args.save_steps, train_batch_size=args.per_device_train_batch_size,
-                                  gradient_accumulation_steps=args.gradient_accumulation_steps,
-                                  world_size=dist.get_world_size(), is_world_process_zero=dist.is_main_process(),
-                                  is_local_process_zero=args.local_process_index == 0)
+        self.state = TrainerState.for_run(args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+                                          num_train_epochs=num_epochs)
         self.loop = LoopState()
         self.metrics.clear()
         if resume_path is not None:
@@ -379,9 +304,8 @@ class Trainer:
         self._act_on_control()
 
     def prepare_window(self, batch_samples: list) -> list:
-        """The micro-batches one optimizer step trains on, from the dataloader's raw micro-batches of its
-        accumulation window. Called once per step, before the window's items are counted. The default returns
-        them as they are; GRPOTrainer samples and scores completions here."""
+        """The micro-batches one optimizer step trains on, from its window's raw micro-batches; called once per
+        step, before items are counted. The default returns them as they are (GRPO samples and scores here)."""
         return batch_samples
 
     def _optimizer_step(self, window: list) -> None:
@@ -400,7 +324,8 @@ class Trainer:
             self.loop.micro_items = None
             if not last:
                 self._event("on_substep_end")
-        self._record_loss(torch.stack(losses).double().sum(), num_items)
+        record_loss(self.metrics, torch.stack(losses).double().sum(), num_items,
+                    items_are_global=dist.get_world_size() > 1 and self.args.average_tokens_across_devices)
         self._event("on_pre_optimizer_step")
         if self.args.max_grad_norm > 0:
             self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
@@ -409,18 +334,6 @@ class Trainer:
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
-
-    def _record_loss(self, window_loss: torch.Tensor, num_items: int | None) -> None:
-        """Add one step's loss to the metrics window, weighted by its items, so that the logged loss is the mean
-        over every item of the logging window (over ranks: the all-reduce at log time adds the ranks' sums)."""
-        if num_items is None:  # each micro-batch's mean / window size: one item per step and rank
-            self.metrics.add("loss", window_loss, 1)
-            return
-        # window_loss is this rank's item sum / num_items; num_items counts every rank's items when
-        # average_tokens_across_devices, so only rank 0 adds it to the count then
-        global_items = dist.get_world_size() > 1 and self.args.average_tokens_across_devices
-        self.metrics.add("loss", window_loss * num_items,
-                         num_items if dist.is_main_process() or not global_items else 0)
 
     def _act_on_control(self, defer_save: bool = False) -> None:
         """Log, evaluate and save as the callbacks asked, then clear the flags (``should_save`` survives when
@@ -443,19 +356,12 @@ class Trainer:
         if "loss" not in self.metrics.names("train"):
             return  # no step since the last log
         sums = self.metrics.reduce("train")
-        logs = self._fold_loss(sums.pop("loss"))
+        logs = fold_loss(self.state, sums.pop("loss"))
         if self.loop.grad_norm is not None:
             logs["grad_norm"] = float(self.loop.grad_norm)
         logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
         logs.update({name: total / count for name, (total, count) in sums.items() if count})
         self.log(logs)
-
-    def _fold_loss(self, loss: tuple[float, float]) -> dict[str, float]:
-        """Add a window's (loss sum, items) to the run's totals (``train_loss``); ``{"loss": mean}``."""
-        total, items = loss
-        self.state.total_loss_sum += total
-        self.state.total_loss_items += items
-        return {"loss": total / items} if items else {}
 
     def log(self, logs: dict[str, float]) -> None:
         """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, TensorBoard).
@@ -465,21 +371,17 @@ class Trainer:
 
     def _finish_training(self, start_step: int, start_time: float) -> TrainOutput:
         if "loss" in self.metrics.names("train"):  # steps not logged yet still count in train_loss
-            self._fold_loss(self.metrics.reduce("train")["loss"])
-        runtime = time.time() - start_time
-        steps = self.state.global_step - start_step
-        args = self.args
+            fold_loss(self.state, self.metrics.reduce("train")["loss"])
+        args, steps = self.args, self.state.global_step - start_step
         samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * dist.get_world_size()
-        train_loss = self.state.total_loss_sum / self.state.total_loss_items if self.state.total_loss_items else float("nan")
-        metrics = {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
-                   "train_steps_per_second": round(steps / max(runtime, 1e-9), 3), "train_loss": train_loss}
+        metrics = speed_metrics(start_time, steps, samples, self.state)
         self.log(metrics)
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             ckpt.load_weights(self.model, self.state.best_model_checkpoint)
         self._event("on_train_end")
         if self.preemption.signal is not None:
             raise SystemExit(0)  # preempted: the checkpoint is written, the message printed (PreemptionCallback)
-        return TrainOutput(self.state.global_step, train_loss, metrics)
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -503,34 +405,24 @@ class Trainer:
 
     def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
                         prediction_loss_only=None) -> PredictionOutput:
-        """Run ``prediction_step`` over ``dataloader``, moving predictions to the CPU batch by batch. The loss
-        and every metric recorded in the "eval" window meanwhile (SFT token accuracy, DPO rewards) are reduced
-        over ranks in one all-reduce at the end."""
+        """Run ``prediction_step`` over ``dataloader``, moving predictions to the CPU batch by batch. The loss and
+        what the "eval" window records meanwhile (SFT token accuracy, DPO rewards) are reduced once at the end."""
         if prediction_loss_only is None:  # evaluate(): logits are gathered only when compute_metrics wants them
             prediction_loss_only = self.args.prediction_loss_only or self.compute_metrics is None
         self.metrics.clear("eval")
         preds, labels = [], []
-        # under several processes the sampler repeats a few rows so that every rank runs as many forwards; those
-        # rows get their labels masked (no weight in the loss) and are cut from the predictions
-        real_rows = getattr(getattr(dataloader, "sampler", None), "num_real_rows", lambda: None)()
-        seen = 0
         with models.eval_mode(self.model_wrapped):
-            for inputs in dataloader:
-                rows = batch_rows(inputs)
-                keep = None if real_rows is None or seen + rows <= real_rows else max(0, real_rows - seen)
-                seen += rows
-                if keep is not None:
-                    inputs = mask_label_rows(inputs, self.args.label_names[0], keep)
+            for inputs, keep in eval_batches(dataloader, self.args.label_names[0]):
                 items = self.count_items(inputs)
-                weight = items if items is not None else (rows if keep is None else keep)
+                weight = items if items is not None else (batch_rows(inputs) if keep is None else keep)
                 loss, logits, label = self.prediction_step(self.model_wrapped, inputs, prediction_loss_only,
                                                            ignore_keys=ignore_keys)
                 if loss is not None:  # every rank records it, also with no weight: the windows must match
                     self.metrics.add("loss", loss.double() * weight if weight else 0.0, weight, mode="eval")
                 if logits is not None:
-                    preds.append(_to_cpu(logits)[:keep])
+                    preds.append(to_cpu(logits)[:keep])
                 if label is not None:
-                    labels.append(_to_cpu(label)[:keep])
+                    labels.append(to_cpu(label)[:keep])
                 self._event("on_prediction_step")
         return self._prediction_output(preds, labels, metric_key_prefix)
 
@@ -543,7 +435,7 @@ class Trainer:
         if self.compute_metrics is not None and predictions is not None and label_ids is not None:
             metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
         metrics.update(recorded)
-        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": _to_float(v) for k, v in metrics.items()}
+        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": _as_float(v) for k, v in metrics.items()}
         return PredictionOutput(predictions, label_ids, metrics)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
@@ -559,51 +451,34 @@ class Trainer:
                 loss, outputs = None, model(**inputs)
         if prediction_loss_only:
             return loss, None, None
-        logits = _logits_of(outputs, ignore_keys)
+        logits = models.logits_of(outputs, ignore_keys)
         labels = inputs[self.args.label_names[0]] if has_labels else None
         return loss, logits, labels
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None) -> None:
         """Save the weights (save_pretrained layout for transformers models) and the processing class."""
-        output_dir = output_dir or self.args.output_dir
-        full_weights = dist.full_state_dict(self.model)  # FSDP2: gathered on rank 0 (all ranks take part)
-        if dist.is_main_process():
-            os.makedirs(output_dir, exist_ok=True)
-            ckpt.save_weights(self.model, output_dir, state_dict=full_weights)
-            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(output_dir)
-        dist.barrier()
+        ckpt.export_model(self.model, output_dir or self.args.output_dir, self.processing_class)
 
     def _save_checkpoint(self, metrics: dict | None) -> None:
-        path = os.path.join(self.args.output_dir, f"{ckpt.PREFIX}{self.state.global_step}")
-        ckpt.update_best(self.state, self.args, metrics, path)
         # a preempted run must be resumable: its last checkpoint is whole even with save_only_model
         weights_only = self.args.save_only_model and self.preemption.signal is None
-        extra = {"metrics": self.metrics.state_dict(), "trainer": self.extra_checkpoint_state()}
-        ckpt.save_checkpoint(self.args.output_dir, model=self.model, optimizer=self.optimizer,
-                             scheduler=self.lr_scheduler, state=self.state, args=self.args,
-                             processing_class=self.processing_class, save_only_model=weights_only, extra_state=extra)
-        if dist.is_main_process():
-            # the checkpoint just written is kept even when it is not the highest step (a run resumed from an
-            # older checkpoint while later ones exist)
-            ckpt.rotate(self.args.output_dir, self.args.save_total_limit,
-                        keep=(self.state.best_model_checkpoint, path))
+        ckpt.save_run_checkpoint(self.args, self.state, metrics, model=self.model, optimizer=self.optimizer,
+                                 scheduler=self.lr_scheduler, processing_class=self.processing_class,
+                                 save_only_model=weights_only,
+                                 extra_state={"metrics": self.metrics.state_dict(),
+                                              "trainer": self.extra_checkpoint_state()})
         self.loop.last_saved_step = self.state.global_step
         self._event("on_save")
 
     def _resume(self, path: str) -> None:
-        """Continue the run saved in ``path``: weights, optimizer, scheduler, RNG, state, metrics window and the
-        subclass's extra state. Checked before anything is loaded (``checkpoint.resumed_state``)."""
+        """Continue the run in ``path`` (weights, optimizer, scheduler, RNG, state, metrics, extra state)."""
         state = ckpt.resumed_state(path, self.state)
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         self.state = state
         self.loop.last_saved_step = state.global_step
         extra = ckpt.load_extra_state(path) or {}
         self.metrics.load_state_dict(extra.get("metrics", {}))
-        old_window = state.stateful_callbacks.pop("_log_window", None)  # checkpoints written before the window
-        if old_window and dist.is_main_process():
-            self.metrics.add("loss", old_window["loss_sum"], old_window["items"])
         if extra.get("trainer") is not None:
             self.load_extra_checkpoint_state(extra["trainer"])
 
@@ -617,46 +492,9 @@ class Trainer:
         ``self.state`` and the metrics window are restored)."""
 
 
-# ---------------------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------------------
-def _loss_of(outputs, inputs) -> torch.Tensor:
-    if isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
-        return outputs
-    if isinstance(outputs, dict) or hasattr(outputs, "keys"):
-        loss = outputs.get("loss") if hasattr(outputs, "get") else None
-    elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0:
-        loss = outputs[0]
-    else:
-        loss = getattr(outputs, "loss", None)
-    if loss is None:
-        keys = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
-        raise ValueError(f"the model returned no loss (inputs: {keys}); pass labels (a 'labels' column) or "
-                         f"override Trainer.compute_loss to compute it")
-    return loss
-
-
-def _logits_of(outputs, ignore_keys):
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    ignore = {"loss", "past_key_values", "hidden_states", "attentions"} | set(ignore_keys or ())
-    if hasattr(outputs, "items"):
-        values = [v for k, v in outputs.items() if k not in ignore and isinstance(v, torch.Tensor)]
-    else:
-        values = [v for v in outputs if isinstance(v, torch.Tensor) and v.dim() > 0]
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-def _to_cpu(x):
-    if isinstance(x, tuple):
-        return x[0].detach().float().cpu() if x else None  # the first output (logits) for metrics
-    return x.detach().cpu()
-
-
-def _to_float(v):
+def _as_float(value):
+    """A metric as a float when it is a number (compute_metrics may return anything)."""
     try:
-        return float(v)
+        return float(value)
     except (TypeError, ValueError):
-        return v
+        return value
