@@ -519,69 +519,71 @@ def _attention_kind(model) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
 
 
+class _PreallocatedLayerMixin:
+    """The methods of a DynamicLayer whose keys/values live in buffers sized for the whole generation (mixed
+    into transformers' DynamicLayer by ``_preallocated_layer_class``).
+
+    ``update`` writes the new token's key/value in place and returns views of the filled part, so each
+    step copies (R, H, 1, D) instead of the whole (R, H, T, D) cache that ``torch.cat`` rewrites.
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor, group: int, capacity: int):
+        super().__init__()
+        rows, heads, length, head_dim = keys.shape
+        self._key_buffer = keys.new_empty(rows * group, heads, capacity, head_dim)
+        self._value_buffer = values.new_empty(rows * group, heads, capacity, head_dim)
+        # Broadcasting writes prompt b into rows b*G .. b*G+G-1 without an intermediate repeated copy.
+        self._key_buffer.view(rows, group, heads, capacity, head_dim)[..., :length, :] = keys[:, None]
+        self._value_buffer.view(rows, group, heads, capacity, head_dim)[..., :length, :] = values[:, None]
+        self.device, self.is_initialized = keys.device, True
+        self._set_length(length)
+
+    def _set_length(self, length: int) -> None:
+        self._length = length
+        self.keys = self._key_buffer[:, :, :length]
+        self.values = self._value_buffer[:, :, :length]
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        start, stop = self._length, self._length + key_states.shape[-2]
+        if stop > self._key_buffer.shape[2]:
+            raise RuntimeError(f"preallocated KV cache full ({self._key_buffer.shape[2]} tokens)")
+        self._key_buffer[:, :, start:stop] = key_states
+        self._value_buffer[:, :, start:stop] = value_states
+        self._set_length(stop)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        # Copy only the filled part into fresh, smaller buffers; the old ones are freed.
+        keys, values = self._key_buffer[indices, :, :self._length], self._value_buffer[indices, :, :self._length]
+        capacity = self._key_buffer.shape[2]
+        self._key_buffer = keys.new_empty(len(indices), keys.shape[1], capacity, keys.shape[3])
+        self._value_buffer = values.new_empty(len(indices), values.shape[1], capacity, values.shape[3])
+        self._key_buffer[:, :, :self._length] = keys
+        self._value_buffer[:, :, :self._length] = values
+        self._set_length(self._length)
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self._key_buffer.shape[0], device=self.device)
+                                  .repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self._set_length(self._length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self._set_length(0)
+
+
 @functools.lru_cache(maxsize=None)
 def _preallocated_layer_class():
     """Built on first use so that importing this module does not import transformers."""
     from transformers.cache_utils import DynamicLayer
 
-    class PreallocatedLayer(DynamicLayer):
-        """A DynamicLayer whose keys/values live in buffers sized for the whole generation.
-
-        ``update`` writes the new token's key/value in place and returns views of the filled part, so each
-        step copies (R, H, 1, D) instead of the whole (R, H, T, D) cache that ``torch.cat`` rewrites.
-        """
-
-        def __init__(self, keys: Tensor, values: Tensor, group: int, capacity: int):
-            super().__init__()
-            rows, heads, length, head_dim = keys.shape
-            self._key_buffer = keys.new_empty(rows * group, heads, capacity, head_dim)
-            self._value_buffer = values.new_empty(rows * group, heads, capacity, head_dim)
-            # Broadcasting writes prompt b into rows b*G .. b*G+G-1 without an intermediate repeated copy.
-            self._key_buffer.view(rows, group, heads, capacity, head_dim)[..., :length, :] = keys[:, None]
-            self._value_buffer.view(rows, group, heads, capacity, head_dim)[..., :length, :] = values[:, None]
-            self.device, self.is_initialized = keys.device, True
-            self._set_length(length)
-
-        def _set_length(self, length: int) -> None:
-            self._length = length
-            self.keys = self._key_buffer[:, :, :length]
-            self.values = self._value_buffer[:, :, :length]
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-            start, stop = self._length, self._length + key_states.shape[-2]
-            if stop > self._key_buffer.shape[2]:
-                raise RuntimeError(f"preallocated KV cache full ({self._key_buffer.shape[2]} tokens)")
-            self._key_buffer[:, :, start:stop] = key_states
-            self._value_buffer[:, :, start:stop] = value_states
-            self._set_length(stop)
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self._length
-
-        def batch_select_indices(self, indices: Tensor) -> None:
-            # Copy only the filled part into fresh, smaller buffers; the old ones are freed.
-            keys, values = self._key_buffer[indices, :, :self._length], self._value_buffer[indices, :, :self._length]
-            capacity = self._key_buffer.shape[2]
-            self._key_buffer = keys.new_empty(len(indices), keys.shape[1], capacity, keys.shape[3])
-            self._value_buffer = values.new_empty(len(indices), values.shape[1], capacity, values.shape[3])
-            self._key_buffer[:, :, :self._length] = keys
-            self._value_buffer[:, :, :self._length] = values
-            self._set_length(self._length)
-
-        def reorder_cache(self, beam_idx: Tensor) -> None:
-            self.batch_select_indices(beam_idx)
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            self.batch_select_indices(torch.arange(self._key_buffer.shape[0], device=self.device)
-                                      .repeat_interleave(repeats))
-
-        def crop(self, tokens_to_remove: int) -> None:
-            if tokens_to_remove > 0:
-                raise ValueError("crop takes a negative number of tokens to remove")
-            self._set_length(self._length + tokens_to_remove)
-
-        def reset(self) -> None:
-            self._set_length(0)
-
-    return PreallocatedLayer
+    return type("PreallocatedLayer", (_PreallocatedLayerMixin, DynamicLayer), {})
