@@ -78,7 +78,7 @@ def dpo_loss(
     """
     _check_same_shape(chosen_logps=chosen_logps, rejected_logps=rejected_logps,
                       ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
-    _check_dpo_options(beta, loss_type, label_smoothing)
+    check_dpo_options(beta, loss_type, label_smoothing)
     chosen_logratios = chosen_logps - ref_chosen_logps  # (B,)
     rejected_logratios = rejected_logps - ref_rejected_logps  # (B,)
     h = chosen_logratios - rejected_logratios  # (B,)
@@ -100,9 +100,11 @@ def dpo_loss(
     return losses, metrics
 
 
-def _check_dpo_options(beta: float, loss_type: str, label_smoothing: float) -> None:
+def check_dpo_options(beta: float, loss_type: str, label_smoothing: float) -> None:
+    """The DPO options' rules, in one place: ``dpo_loss`` and ``DPOConfig`` both check with this."""
     if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"unknown DPO loss_type {loss_type!r}; valid: {', '.join(DPO_LOSS_TYPES)}")
+        raise ValueError(f"loss_type={loss_type!r} is not supported; valid: {', '.join(DPO_LOSS_TYPES)} (add an "
+                         f"NLL term on the chosen response with rpo_alpha)")
     if not beta > 0:
         raise ValueError(f"beta must be > 0 (typical 0.1), got {beta}")
     if loss_type == "sigmoid" and not 0 <= label_smoothing <= 0.5:

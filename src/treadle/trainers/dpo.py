@@ -56,7 +56,7 @@ from treadle.arguments import TrainingArguments
 from treadle.data import (column_names, encode_prompt, encode_texts, is_conversation, long_tensor, pad_token_id,
                           require_columns, split_chat_completion, with_eos)
 from treadle.logprobs import token_logps
-from treadle.losses import DPO_LOSS_TYPES, dpo_loss, sft_loss
+from treadle.losses import check_dpo_options, dpo_loss, sft_loss
 from treadle.models import eval_mode, frozen_reference, is_peft_model
 from treadle.trainer import Trainer
 
@@ -104,12 +104,7 @@ class DPOConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r} is not supported; use one of {list(DPO_LOSS_TYPES)} "
-                             f"(add an NLL term on the chosen response with rpo_alpha)")
-        if not self.beta > 0:
-            raise ValueError(f"beta must be > 0 (typical 0.1), got {self.beta}")
-        self._validate_label_smoothing()
+        check_dpo_options(self.beta, self.loss_type, self.label_smoothing)  # the rules dpo_loss applies too
         if self.rpo_alpha < 0:
             raise ValueError(f"rpo_alpha must be >= 0 (0 disables the NLL term, RPO uses 1.0), got {self.rpo_alpha}")
         self._validate_lengths()
@@ -123,16 +118,6 @@ class DPOConfig(TrainingArguments):
             raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be >= 1 (typical 1024), got {self.logprob_chunk_size}")
-
-    def _validate_label_smoothing(self) -> None:
-        eps = self.label_smoothing
-        if self.loss_type == "sigmoid" and not 0 <= eps <= 0.5:
-            raise ValueError(f"label_smoothing for loss_type='sigmoid' must be in [0, 0.5], got {eps}")
-        if self.loss_type == "robust" and not 0 <= eps < 0.5:
-            raise ValueError(f"label_smoothing for loss_type='robust' must be in [0, 0.5), got {eps}")
-        if self.loss_type in ("hinge", "ipo") and eps != 0:
-            raise ValueError(f"loss_type={self.loss_type!r} does not use label_smoothing; set it to 0 "
-                             f"(got {eps}) or use loss_type='sigmoid' or 'robust'")
 
     def _validate_lengths(self) -> None:
         if self.max_length is not None and self.max_length < 2:

@@ -58,7 +58,7 @@ import torch
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import RepeatSampler, encode_prompt, is_conversation, pad_token_id, require_columns
-from treadle.generation import BACKENDS, GenerationOutput, generate_completions
+from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, generate_completions
 from treadle.logprobs import token_logps
 from treadle.losses import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_loss, group_advantages
 from treadle.models import eval_mode, frozen_reference
@@ -140,12 +140,11 @@ class GRPOConfig(TrainingArguments):
         if self.max_prompt_length is not None and (not isinstance(self.max_prompt_length, int)
                                                    or self.max_prompt_length < 1):
             raise ValueError(f"max_prompt_length must be an integer >= 1 or None, got {self.max_prompt_length!r}")
+        # the sampling settings' rules live with the sampler: build its parameters once to check them
+        SamplingParams(num_generations=self.num_generations, max_new_tokens=self.max_completion_length,
+                       eos_token_ids=(), pad_token_id=0, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, repetition_penalty=self.repetition_penalty)
         checks = [
-            (self.temperature > 0, f"temperature must be > 0, got {self.temperature}; 1.0 samples the model as is"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}; 1.0 disables it"),
-            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}; 0 disables it"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}; "
-                                          f"1.0 disables it"),
             (self.beta >= 0, f"beta must be >= 0, got {self.beta}; 0 disables the KL term"),
             (0 <= self.epsilon < 1, f"epsilon must be in [0, 1), got {self.epsilon}; 0.2 is usual"),
             (self.epsilon_high >= 0, f"epsilon_high must be >= 0, got {self.epsilon_high}; e.g. 0.28 (DAPO)"),
