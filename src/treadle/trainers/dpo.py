@@ -31,9 +31,10 @@ Departures from the paper and from TRL's DPOTrainer:
    template has them). Prompt and responses are tokenised separately (as SFTTrainer does).
 6. Implicit prompts: for ``{chosen, rejected}`` rows the prompt is their longest common prefix — of whole
    messages for conversations, of characters for text.
-7. ``logits/chosen`` / ``logits/rejected`` (the mean logit over completion tokens and the vocabulary) are
-   computed from the final hidden state as ``h . mean(W) + mean(b)``, so no ``[B, T, V]`` tensor is built;
-   they are omitted for models without a linear LM head and a ``get_decoder()``.
+7. ``logits/chosen`` / ``logits/rejected`` (the mean logit over completion tokens and the vocabulary) come
+   from the same forward as the log-probs (``token_logps(return_mean_logits=True)``): from the final hidden
+   state as ``h . mean(W) + mean(b)`` on the fast path, so no ``[B, T, V]`` tensor is built; from the logits
+   on the fallback path.
 8. Metrics are averaged over the pairs (logits: the tokens) of the steps since the last log, over all ranks,
    not as a mean of per-step means.
 9. The reference model (a given ``ref_model`` or the frozen copy) always runs in eval mode (no dropout);
