@@ -103,7 +103,7 @@ class LoopState:
     can be called on its own."""
 
     window_size: int = 1  # micro-batches in the accumulation window of the step in progress
-    micro_items: int | None = None  # loss items of the micro-batch in training_step, counted on its raw batch
+    micro_batch: Any = None  # the raw micro-batch in training_step: compute_loss counts its items there if needed
     grad_norm: Any = None  # of the last optimizer step, before clipping
     last_saved_step: int | None = None
     last_eval: tuple[int | None, dict | None] = (None, None)  # (step, metrics) of the latest evaluation

@@ -86,9 +86,8 @@ class Trainer:
         return check_config(args, cls.config_class, cls.__name__)
 
     def _default_callbacks(self) -> list:
-        reporting = [ProgressCallback() if not self.args.disable_tqdm else PrinterCallback()]
-        if {"tensorboard", "all"} & set(self.args.report_to):
-            reporting.append(TensorBoardCallback())
+        reporting = [PrinterCallback() if self.args.disable_tqdm else ProgressCallback()]
+        reporting += [TensorBoardCallback()] if {"tensorboard", "all"} & set(self.args.report_to) else []
         return [cb() for cb in DEFAULT_CALLBACKS] + [self.preemption] + reporting
 
     # ---- callbacks ----------------------------------------------------------------------------------------
@@ -113,8 +112,8 @@ class Trainer:
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
         dataset = self.remove_unused_columns(self.train_dataset, "training")
-        sampler = self.build_sampler(dataset, shuffle=True)
-        return self.build_dataloader(dataset, batch_size=self.args.per_device_train_batch_size, sampler=sampler,
+        return self.build_dataloader(dataset, batch_size=self.args.per_device_train_batch_size,
+                                     sampler=self.build_sampler(dataset, shuffle=True),
                                      drop_last=self.args.dataloader_drop_last)
 
     def get_eval_dataloader(self, eval_dataset=None):
@@ -208,8 +207,10 @@ class Trainer:
                                                                    num_items_in_batch if takes_items else None))
         loss = models.loss_of(outputs, inputs)
         if num_items_in_batch is not None and not takes_items:
-            # counted on the raw CPU batch by the loop (no device sync here); a lone call counts now
-            items = self.loop.micro_items if self.loop.micro_items is not None else self.count_items(inputs)
+            # counted on the raw batch the loop holds (on the CPU: no device sync); a lone call counts its inputs
+            items = self.count_items(self.loop.micro_batch) if self.loop.micro_batch is not None else None
+            if items is None:  # a lone call, or a raw batch that is not countable (a subclass builds the inputs)
+                items = self.count_items(inputs)
             # no item in this micro-batch: the model's mean is 0/0; it contributes nothing to the window
             loss = loss * (items / num_items_in_batch) if items else loss.new_zeros(())
         return (loss, outputs) if return_outputs else loss
@@ -275,8 +276,7 @@ class Trainer:
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
         """A fresh ``state``, loop state and metrics window; then, when resuming, the checkpoint's."""
-        args = self.args
-        self.state = TrainerState.for_run(args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
+        self.state = TrainerState.for_run(self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
                                           num_train_epochs=num_epochs)
         self.loop = LoopState()
         self.metrics.clear()
@@ -318,12 +318,12 @@ class Trainer:
         losses = []
         for i, inputs in enumerate(window):
             last = i == len(window) - 1
-            self.loop.micro_items = self.count_items(inputs) if num_items is not None else None
+            self.loop.micro_batch = inputs
             with dist.no_sync(self.model_wrapped, skip_sync=not last):
                 losses.append(self.training_step(self.model_wrapped, inputs, num_items))
-            self.loop.micro_items = None
             if not last:
                 self._event("on_substep_end")
+        self.loop.micro_batch, self.loop.window_size = None, 1  # a lone training_step after this: one micro-batch
         record_loss(self.metrics, torch.stack(losses).double().sum(), num_items,
                     items_are_global=dist.get_world_size() > 1 and self.args.average_tokens_across_devices)
         self._event("on_pre_optimizer_step")
