@@ -5,9 +5,9 @@ Trainer does the rest: at log time the window of a mode (``"train"`` or ``"eval"
 ONE all-reduce, turned into means, and emptied; at checkpoint time its ``state_dict()`` is saved with the
 checkpoint, so a resumed run logs exactly the means an uninterrupted run would have logged.
 
-Sums stay tensors on the device between logs: reading a value every micro-step would make the host wait for
-the accelerator. A batch's metrics are added as one ``(M, 2)`` tensor, not M scalar operations (a few dozen
-scalar operations per step cost a visible share of a tiny model's step, benchmarks/trainers.py).
+Sums of tensors stay tensors on the device between logs (reading a value every micro-step would make the host
+wait for the accelerator), each added in place in float64; Python numbers are summed on the host. At a reduction
+the window becomes one ``(M, 2)`` tensor and takes ONE all-reduce.
 
 Every rank must record the same names before a reduction (the all-reduce adds the windows position by
 position); names are sorted before reducing, so the order in which they were recorded does not matter.
@@ -57,48 +57,37 @@ class MetricWindow:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self._names: dict[str, tuple[str, ...]] = {}  # mode -> names, in the row order of _sums
-        self._sums: dict[str, torch.Tensor] = {}  # mode -> (M, 2) float64: sum, count
+        self._sums: dict[str, dict[str, list]] = {}  # mode -> name -> [sum, count]: float64 tensors or floats
 
     def add(self, name: str, total: Number, count: Number = 1, mode: str = "train") -> None:
         """Add ``total`` over ``count`` items to metric ``name`` (its mean is sum of totals / sum of counts)."""
         self.add_many({name: (total, count)}, mode)
 
     def add_many(self, values: Mapping[str, tuple[Number, Number]], mode: str = "train") -> None:
-        """Add ``{name: (total, count)}`` in one tensor operation. Totals and counts may be Python numbers or
-        0-d tensors (kept on their device until the reduction: no host-device sync here)."""
-        if not values:
-            return
-        names = tuple(values)
-        parts = [v for pair in values.values() for v in pair]
-        if any(isinstance(v, torch.Tensor) for v in parts):
-            batch = torch.stack([_as_tensor(v, self.device) for v in parts])
-        else:
-            batch = torch.tensor(parts, dtype=torch.float64)
-        self._merge(mode, names, batch.to(self.device, torch.float64).view(len(names), 2))
-
-    def _merge(self, mode: str, names: tuple[str, ...], batch: torch.Tensor) -> None:
-        old_names = self._names.get(mode)
-        if old_names is None:
-            self._names[mode], self._sums[mode] = names, batch.clone()
-        elif old_names == names:  # the usual case: the same metrics every step
-            self._sums[mode] += batch
-        else:  # new names (a metric that only some batches have): widen the window
-            union = tuple(dict.fromkeys(old_names + names))
-            merged = torch.zeros(len(union), 2, dtype=torch.float64, device=self.device)
-            merged[[union.index(n) for n in old_names]] += self._sums[mode]
-            merged[[union.index(n) for n in names]] += batch
-            self._names[mode], self._sums[mode] = union, merged
+        """Add ``{name: (total, count)}``. Totals and counts may be Python numbers (added on the host, free) or
+        0-d tensors (one in-place add each, in float64 on their device: no host-device sync here)."""
+        window = self._sums.setdefault(mode, {})
+        for name, pair in values.items():
+            entry = window.get(name)
+            if entry is None:
+                window[name] = [_start(v) for v in pair]
+            else:
+                entry[0], entry[1] = _accumulate(entry[0], pair[0]), _accumulate(entry[1], pair[1])
 
     def reduce(self, mode: str = "train") -> dict[str, tuple[float, float]]:
         """``{name: (sum, count)}`` of the window over all ranks (one all-reduce: every rank must call it),
         and an empty window. Names are sorted."""
-        names, sums = self._names.pop(mode, ()), self._sums.pop(mode, None)
-        if sums is None:
+        window = self._sums.pop(mode, None)
+        if not window:
             return {}
-        order = sorted(range(len(names)), key=names.__getitem__)
-        totals = dist.all_reduce_sum(sums[order].to(self.device)).tolist()
-        return {names[i]: (total, count) for i, (total, count) in zip(order, totals)}
+        names = sorted(window)
+        totals = dist.all_reduce_sum(self._stacked(window, names)).tolist()
+        return {name: (total, count) for name, (total, count) in zip(names, totals)}
+
+    def _stacked(self, window: dict[str, list], names: list[str]) -> torch.Tensor:
+        """``(M, 2)`` float64 on the window's device: one row (sum, count) per name."""
+        values = [_as_tensor(v, self.device) for name in names for v in window[name]]
+        return torch.stack(values).view(len(names), 2)
 
     def means(self, mode: str = "train") -> dict[str, float]:
         """The window's mean of each metric over all ranks (see ``reduce``); metrics with no count are left out."""
@@ -106,29 +95,44 @@ class MetricWindow:
 
     def clear(self, mode: str | None = None) -> None:
         """Forget the window of ``mode`` (every mode when None) without reducing it."""
-        for m in [mode] if mode is not None else list(self._sums):
-            self._names.pop(m, None)
-            self._sums.pop(m, None)
+        if mode is None:
+            self._sums.clear()
+        else:
+            self._sums.pop(mode, None)
 
     def names(self, mode: str = "train") -> tuple[str, ...]:
         """The metrics recorded in the window of ``mode`` since its last reduction."""
-        return self._names.get(mode, ())
+        return tuple(self._sums.get(mode, ()))
 
     def state_dict(self) -> dict:
         """This rank's unreduced windows as CPU tensors (for ``torch.save`` / ``weights_only`` loading)."""
-        return {mode: {"names": list(self._names[mode]), "sums": sums.cpu()} for mode, sums in self._sums.items()}
+        return {mode: {"names": list(window), "sums": self._stacked(window, list(window)).cpu()}
+                for mode, window in self._sums.items() if window}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned (on the same rank)."""
         self.clear()
         for mode, saved in state.items():
-            self._names[mode] = tuple(saved["names"])
-            self._sums[mode] = saved["sums"].to(self.device, torch.float64)
+            sums = saved["sums"].to(self.device, torch.float64)
+            self._sums[mode] = {name: [sums[i, 0].clone(), sums[i, 1].clone()] for i, name in enumerate(saved["names"])}
+
+
+def _start(value: Number):
+    """A window's first value: a float64 copy of a tensor (later adds are in place), or a float."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64, copy=True).reshape(())
+    return float(value)
+
+
+def _accumulate(acc, value: Number):
+    if isinstance(acc, torch.Tensor):
+        return acc.add_(value.detach().reshape(()) if isinstance(value, torch.Tensor) else value)
+    return _start(value).add_(acc) if isinstance(value, torch.Tensor) else acc + float(value)
 
 
 def _as_tensor(value: Number, device: torch.device) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return value.detach().to(device, torch.float64).reshape(())
+        return value.to(device, torch.float64).reshape(())
     return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
