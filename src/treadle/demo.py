@@ -168,16 +168,15 @@ def score_heldout(model, tokenizer, dataset, completions_file: Path | None, batc
     from tqdm.auto import tqdm
 
     from treadle import toy
+    from treadle.models import eval_mode
 
     prompts, answers = dataset["prompt"], dataset["answer"]
     completions = []
-    was_training = model.training
-    model.eval()
-    for start in tqdm(range(0, len(prompts), batch_size), desc="held-out accuracy", unit=" batch",
-                      dynamic_ncols=True, leave=False):
-        completions += toy.greedy_completions(model, tokenizer, prompts[start:start + batch_size],
-                                              batch_size=batch_size, max_new_tokens=5)
-    model.train(was_training)
+    with eval_mode(model):
+        for start in tqdm(range(0, len(prompts), batch_size), desc="held-out accuracy", unit=" batch",
+                          dynamic_ncols=True, leave=False):
+            completions += toy.greedy_completions(model, tokenizer, prompts[start:start + batch_size],
+                                                  batch_size=batch_size, max_new_tokens=5)
     correct = [toy.extract_answer(c) == a for c, a in zip(completions, answers)]
     if completions_file is not None:
         with open(completions_file, "w") as f:

@@ -321,10 +321,21 @@ def _clip_metrics(ratio: Tensor, adv: Tensor, mask: Tensor, epsilon_low: float,
     }
 
 
+def check_grpo_options(loss_type: str, beta: float, epsilon_low: float, epsilon_high: float) -> None:
+    """The GRPO loss options' rules, in one place: ``grpo_loss`` and ``GRPOConfig`` both check with this."""
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not supported; valid: {', '.join(GRPO_LOSS_TYPES)}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}; 0 disables the KL term")
+    if not 0 <= epsilon_low < 1:
+        raise ValueError(f"epsilon must be in [0, 1), got {epsilon_low}; 0.2 is usual")
+    if epsilon_high < 0:
+        raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}; e.g. 0.28 (DAPO)")
+
+
 def _check_grpo_inputs(logps, advantages, completion_mask, old_logps, ref_logps, beta, epsilon_low,
                        epsilon_high, loss_type, normalizer, max_completion_length) -> None:
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise ValueError(f"unknown GRPO loss_type {loss_type!r}; valid: {', '.join(GRPO_LOSS_TYPES)}")
+    check_grpo_options(loss_type, beta, epsilon_low, epsilon_high)
     if logps.dim() != 2:
         raise ValueError(f"logps must be (B, T), got shape {tuple(logps.shape)}")
     tensors = {"logps": logps, "completion_mask": completion_mask}
@@ -335,13 +346,9 @@ def _check_grpo_inputs(logps, advantages, completion_mask, old_logps, ref_logps,
     _check_same_shape(**tensors)
     if advantages.shape != logps.shape[:1]:
         raise ValueError(f"advantages must be (B,) = {tuple(logps.shape[:1])}, got {tuple(advantages.shape)}")
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
     if beta > 0 and ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps (the reference model's per-token log-probs); "
                          "pass them or set beta=0")
-    if epsilon_low < 0 or epsilon_high < 0 or epsilon_low >= 1:
-        raise ValueError(f"need 0 <= epsilon_low < 1 and epsilon_high >= 0, got {epsilon_low}, {epsilon_high}")
     # A tensor normalizer is not inspected: reading its value would force a device sync.
     if isinstance(normalizer, (int, float)) and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")

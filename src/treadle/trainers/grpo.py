@@ -60,7 +60,7 @@ from treadle.arguments import TrainingArguments
 from treadle.data import RepeatSampler, encode_prompt, is_conversation, pad_token_id, require_columns
 from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, generate_completions
 from treadle.logprobs import token_logps
-from treadle.losses import GRPO_LOSS_TYPES, SCALE_REWARDS, grpo_loss, group_advantages
+from treadle.losses import SCALE_REWARDS, check_grpo_options, grpo_loss, group_advantages
 from treadle.models import eval_mode, frozen_reference
 from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
 from treadle.trainer import Trainer
@@ -123,8 +123,7 @@ class GRPOConfig(TrainingArguments):
         self._validate_generation_batch()
 
     def _validate_grpo_choices(self) -> None:
-        for name, value, allowed in (("loss_type", self.loss_type, GRPO_LOSS_TYPES),
-                                     ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+        for name, value, allowed in (("scale_rewards", self.scale_rewards, SCALE_REWARDS),
                                      ("generation_backend", self.generation_backend, BACKENDS)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; use one of {list(allowed)}")
@@ -144,14 +143,7 @@ class GRPOConfig(TrainingArguments):
         SamplingParams(num_generations=self.num_generations, max_new_tokens=self.max_completion_length,
                        eos_token_ids=(), pad_token_id=0, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, repetition_penalty=self.repetition_penalty)
-        checks = [
-            (self.beta >= 0, f"beta must be >= 0, got {self.beta}; 0 disables the KL term"),
-            (0 <= self.epsilon < 1, f"epsilon must be in [0, 1), got {self.epsilon}; 0.2 is usual"),
-            (self.epsilon_high >= 0, f"epsilon_high must be >= 0, got {self.epsilon_high}; e.g. 0.28 (DAPO)"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        check_grpo_options(self.loss_type, self.beta, self.epsilon, self.epsilon_high)  # the rules grpo_loss applies
         if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
             raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights}")
 
