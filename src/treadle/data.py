@@ -1,5 +1,6 @@
-"""Data plumbing: collators, seeded (resumable, distributed) samplers, column checks, and the text rules
-that every trainer shares.
+"""Data plumbing: collators, seeded (resumable, distributed) samplers and the epoch iteration and step plan the
+Trainer runs on them, column checks, evaluation batches, the text rules that every trainer shares, and loading
+the datasets a config names (``load_dataset``).
 
 Samplers here are deterministic functions of (seed, epoch, rank): the order of an epoch can be rebuilt in a
 new process, which is what makes resuming mid-epoch exact.

@@ -1,7 +1,7 @@
 """What treadle needs to know about a model, decided in one place.
 
-A leaf module: it imports torch and ``treadle.distributed`` only, never a trainer, and never transformers
-itself (a model that is a transformers model means transformers is imported already). Contracts:
+A leaf module: it imports torch and ``treadle.distributed`` only, never a trainer, and transformers only inside
+``load_model`` (a model that is a transformers model means transformers is imported already). Contracts:
 
 - :func:`forward_signature` -- the argument names a model's ``forward`` takes, read once per class (DDP's
   ``.module`` unwrapped); :func:`forward_parameters` -- the same as the Trainer uses it to keep dataset
@@ -13,6 +13,9 @@ itself (a model that is a transformers model means transformers is imported alre
 - :func:`is_causal_lm` -- whether the model predicts token t+1 at position t (so it shifts its labels).
 - :func:`enable_gradient_checkpointing` -- recompute activations in backward (transformers models only).
 - :func:`unwrapped_for_generation` -- the module to sample from under DDP, FSDP2 or PEFT.
+- :func:`training_forward_kwargs`, :func:`loss_of`, :func:`logits_of` -- what a training forward is given
+  besides its inputs, and where the loss and the predictions are in what it returns.
+- :func:`load_model` -- ``(model, tokenizer)`` from ``toy:<size>`` or a local folder; never downloads.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from treadle import distributed as dist
 
 __all__ = ["ForwardSignature", "enable_gradient_checkpointing", "eval_mode", "forward_parameters",
            "forward_signature", "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model",
-           "unwrapped_for_generation"]
+           "load_model", "logits_of", "loss_of", "training_forward_kwargs", "unwrapped_for_generation"]
 
 
 # ---------------------------------------------------------------------------------------------------------
