@@ -21,14 +21,13 @@ from pathlib import Path
 
 def control(settings, sft_checkpoint: str, out: Path) -> float:
     """Held-out exact match after ``grpo_steps`` more SFT steps from the SFT checkpoint (gold answers)."""
-    from transformers import AutoModelForCausalLM
-
     from treadle import toy
     from treadle.demo import score_heldout
+    from treadle.models import load_model
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     tokenizer = toy.build_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(sft_checkpoint, local_files_only=True)
+    model, _ = load_model(sft_checkpoint, tokenizer=tokenizer)
     args = SFTConfig(output_dir=str(out), max_steps=settings.grpo_steps, seed=settings.seed,
                      learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
                      lr_scheduler_type="cosine", warmup_steps=settings.grpo_warmup, save_strategy="no",

@@ -250,9 +250,13 @@ def scenario_collectives(out: str) -> dict:
         window.add_many({"a": (1.0, 1), "b": (10.0, 2)})
     else:
         window.add_many({"b": (20.0, 2), "a": (3.0, 1)})
+    lonely = MetricWindow()  # rank 1 records nothing (as a rank with no evaluation batch)
+    if rank == 0:
+        lonely.add("only_rank_0", 6.0, 2)
     result = {
         "gather_padded": dist.gather_padded([torch.full((1, rank + 1), float(rank))]).tolist(),
         "metric_means": window.means(),
+        "one_rank_recorded_nothing": lonely.means(),
         "all_reduce_sum": dist.all_reduce_sum(torch.tensor([rank + 1.0])).item(),
         "any_rank_one": dist.any_rank(rank == 1, torch.device("cpu")),
         "any_rank_none": dist.any_rank(False, torch.device("cpu")),

@@ -206,3 +206,15 @@ def test_a_callback_can_stop_training_through_control(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2
     assert torch.isfinite(torch.tensor(trainer.state.log_history[-1]["train_loss"]))
+
+
+def test_a_signal_of_an_earlier_run_does_not_stop_the_next(tmp_path):
+    import signal
+
+    from treadle.callbacks import PreemptionCallback
+
+    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2), train_dataset=lm_rows(8))
+    trainer.preemption.signal = signal.SIGTERM  # as left by a preempted run
+    trainer.pop_callback(PreemptionCallback)  # the user handles signals herself now
+    assert trainer.train().global_step == 2  # no SystemExit
+    assert not any(name.startswith("checkpoint-") for name in os.listdir(tmp_path))

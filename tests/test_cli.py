@@ -174,8 +174,9 @@ def test_datasets_load_from_every_supported_format(tmp_path):
 
 def test_corrupt_json_lines_name_the_line(tmp_path):
     write(tmp_path / "bad.jsonl", json.dumps(ROWS[0]) + "\n{oops\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON") as error:
         load_dataset(str(tmp_path / "bad.jsonl"), kind="sft", split="train")
+    assert str(error.value).startswith(str(tmp_path / "bad.jsonl"))  # said once, not wrapped again
 
 
 def test_toy_datasets_take_the_split_and_kind_of_the_trainer():

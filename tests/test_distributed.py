@@ -159,6 +159,7 @@ def test_collectives_across_two_ranks(job):
             got = json.load(f)
         assert got["gather_padded"] == [[0.0, -100.0], [1.0, 1.0]]  # rank 0's shorter row padded with -100
         assert got["metric_means"] == {"a": 2.0, "b": 7.5}  # (1 + 3) / 2 and (10 + 20) / 4, matched by name
+        assert got["one_rank_recorded_nothing"] == {"only_rank_0": 3.0}  # no hang: rank 1 adds zeros
         assert got["all_reduce_sum"] == 3.0
         assert got["any_rank_one"] is True and got["any_rank_none"] is False
         assert got["gather_objects"] == ["r0", "r1"]

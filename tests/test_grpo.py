@@ -472,6 +472,34 @@ def test_resume_inside_a_generation_buffer_is_exact(tmp_path, tok, dataset):
     assert later(resumed.state.log_history) == later(full.state.log_history)
 
 
+def test_a_checkpoint_in_the_first_release_layout_resumes_exactly(tmp_path, tok, dataset):
+    """Checkpoints written before the metrics window kept the unlogged loss in trainer_state.json and GRPO's
+    buffers and metric sums at the top of extra_state_0.pt. Rewritten into that layout, checkpoint-1 (mid-buffer,
+    mid-logging-window) still resumes into the uninterrupted run's weights and logs."""
+    common = dict(steps_per_generation=2, max_steps=4, save_strategy="steps", save_steps=1, logging_steps=2,
+                  max_completion_length=3, learning_rate=1e-2)
+    full = make_trainer(tmp_path / "full", tok, dataset, **common)
+    full.train()
+    old = tmp_path / "old" / "run" / "checkpoint-1"
+    shutil.copytree(tmp_path / "full" / "run" / "checkpoint-1", old)
+    extra = torch.load(old / "extra_state_0.pt", weights_only=True)
+    window = extra["metrics"]["train"]
+    rows = {name: window["sums"][i].tolist() for i, name in enumerate(window["names"])}
+    loss_sum, items = rows.pop("loss")
+    torch.save({"micro_step": 1, "buffers": extra["trainer"]["buffers"], "metric_sums": rows},
+               old / "extra_state_0.pt")
+    state = json.loads((old / "trainer_state.json").read_text())
+    state["stateful_callbacks"]["_log_window"] = {"loss_sum": loss_sum, "items": items}
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    resumed = make_trainer(tmp_path / "old", tok, dataset, model_seed=5, **common)
+    resumed.train(resume_from_checkpoint=True)
+    for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+    logged = lambda history: [h for h in history if "loss" in h]  # noqa: E731
+    assert [h["step"] for h in logged(resumed.state.log_history)] == [2, 4]
+    assert logged(resumed.state.log_history) == logged(full.state.log_history)  # step 2 holds step 1's window
+
+
 def test_resume_without_the_buffer_warns(tmp_path, tok, dataset):
     common = dict(steps_per_generation=2, max_steps=2, save_strategy="steps", save_steps=1)
     make_trainer(tmp_path, tok, dataset, **common).train()

@@ -190,7 +190,7 @@ def test_token_logps_matches_full_log_softmax(tie, temperature, start):
     upstream = torch.rand(3, 11 - start, generator=torch.Generator().manual_seed(5))
 
     seen = lm_head_positions(model)
-    logps, entropy, _ = token_logps(model, input_ids, attention_mask, temperature=temperature, start=start,
+    logps, entropy = token_logps(model, input_ids, attention_mask, temperature=temperature, start=start,
                                  chunk_size=5, return_entropy=True)
     assert seen == [1]  # the fast path: the head projected one position only
     got = grads_of(model, (logps * upstream).sum())
@@ -208,7 +208,7 @@ def test_token_logps_matches_full_log_softmax(tie, temperature, start):
 def test_token_logps_padding_targets_are_zero():
     model = tiny_llama()
     input_ids, attention_mask = batch()
-    logps, entropy, _ = token_logps(model, input_ids, attention_mask)
+    logps, entropy = token_logps(model, input_ids, attention_mask)
     assert entropy is None
     assert torch.equal(logps[0, :3], torch.zeros(3))  # targets 1..3 are left padding
     assert torch.equal(logps[2, 8:], torch.zeros(3))  # targets 9..11 are right padding
@@ -219,7 +219,7 @@ def test_token_logps_without_attention_mask_and_under_no_grad():
     model = tiny_llama()
     input_ids, _ = batch()
     with torch.no_grad():
-        logps, _, _ = token_logps(model, input_ids)
+        logps, _ = token_logps(model, input_ids)
         expected = plain_logps(model(input_ids).logits[:, :-1], input_ids[:, 1:])
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
 
@@ -227,7 +227,7 @@ def test_token_logps_without_attention_mask_and_under_no_grad():
 def test_token_logps_bf16_model_and_inference_mode():
     model = tiny_llama().to(torch.bfloat16)
     input_ids, attention_mask = batch()
-    logps, _, _ = token_logps(model, input_ids, attention_mask, chunk_size=4)
+    logps, _ = token_logps(model, input_ids, attention_mask, chunk_size=4)
     assert logps.dtype == torch.float32
     got = grads_of(model, logps.sum())
     expected, _ = reference_logps(model, input_ids, attention_mask)  # bf16 logits, float32 softmax
@@ -237,7 +237,7 @@ def test_token_logps_bf16_model_and_inference_mode():
         assert got[name].dtype == torch.bfloat16
         torch.testing.assert_close(got[name], want[name], atol=1e-2, rtol=1e-2, msg=name)
     with torch.inference_mode():
-        again, entropy, _ = token_logps(model, input_ids, attention_mask, return_entropy=True)
+        again, entropy = token_logps(model, input_ids, attention_mask, return_entropy=True)
     torch.testing.assert_close(again, logps.detach())
     assert entropy.shape == logps.shape
 
@@ -258,7 +258,7 @@ class PlainLM(nn.Module):
 def test_token_logps_falls_back_for_a_plain_module():
     model = PlainLM()
     input_ids, _ = batch()
-    logps, entropy, _ = token_logps(model, input_ids, start=2, return_entropy=True)
+    logps, entropy = token_logps(model, input_ids, start=2, return_entropy=True)
     got = grads_of(model, logps.sum())
     logits = model(input_ids)[:, 2:-1]
     expected = plain_logps(logits, input_ids[:, 3:])
@@ -282,7 +282,7 @@ def test_token_logps_detects_a_logit_transform_and_falls_back():
     model = ScaledLlama(tiny_llama().config)
     input_ids, attention_mask = batch()
     with pytest.warns(UserWarning, match="full-logits path"):
-        logps, _, _ = token_logps(model, input_ids, attention_mask)
+        logps, _ = token_logps(model, input_ids, attention_mask)
     expected, _ = reference_logps(model, input_ids, attention_mask)
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
     seen = lm_head_positions(model)
@@ -308,10 +308,29 @@ def test_token_logps_forward_without_logits_to_keep_takes_the_fallback():
     model = WrappedLlama(tiny_llama().config)
     input_ids, attention_mask = batch()
     seen = lm_head_positions(model)
-    logps, _, _ = token_logps(model, input_ids, attention_mask)
+    logps, _ = token_logps(model, input_ids, attention_mask)
     assert seen == [12]
     expected, _ = reference_logps(model, input_ids, attention_mask)
     torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast path", "fallback"])
+def test_mean_logits_come_from_the_same_forward_and_equal_the_full_logits_mean(fast):
+    """DPO's logits/* metrics: the vocabulary mean of each position's logits, from the log-prob forward itself
+    (h . mean(W) on the fast path, the logits' mean on the fallback) -- one forward, no second hook."""
+    model = tiny_llama()
+    if not fast:
+        model.config.final_logit_softcapping = 30.0  # sends token_logps down the full-logits path
+    input_ids, attention_mask = batch()
+    seen = lm_head_positions(model)
+    out = token_logps(model, input_ids, attention_mask, start=2, return_mean_logits=True)
+    assert seen == ([1] if fast else [12])  # one forward either way
+    logps, entropy = out  # unpacks as it always has
+    assert entropy is None and out.logps is logps
+    with torch.no_grad():
+        expected = model(input_ids, attention_mask=attention_mask).logits[:, 2:-1].float().mean(dim=-1)
+    torch.testing.assert_close(out.mean_logits, expected, atol=1e-5, rtol=0)
+    assert token_logps(model, input_ids, attention_mask).mean_logits is None
 
 
 def test_token_logps_through_a_ddp_wrapper(tmp_path):
@@ -326,7 +345,7 @@ def test_token_logps_through_a_ddp_wrapper(tmp_path):
         wrapped = DistributedDataParallel(model)
         input_ids, attention_mask = batch()
         seen = lm_head_positions(model)
-        logps, _, _ = token_logps(wrapped, input_ids, attention_mask, chunk_size=4)
+        logps, _ = token_logps(wrapped, input_ids, attention_mask, chunk_size=4)
         assert seen == [1]
         got = grads_of(model, logps.sum())
         expected, _ = reference_logps(model, input_ids, attention_mask)
@@ -358,7 +377,7 @@ def test_fallback_reads_logits_from_a_plain_dict_output():
     torch.manual_seed(0)
     model = DictLM()
     ids = torch.randint(0, 11, (2, 5))
-    logps, _, _ = token_logps(model, ids)
+    logps, _ = token_logps(model, ids)
     expected = torch.log_softmax(model(ids)["logits"][:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
     torch.testing.assert_close(logps, expected)
 
@@ -376,7 +395,7 @@ def test_small_problems_take_plain_autograd_and_agree_with_the_chunked_path(monk
 
     def run():
         model.zero_grad()
-        logps, entropy, _ = lp.token_logps(model, ids, mask, start=1, return_entropy=True)
+        logps, entropy = lp.token_logps(model, ids, mask, start=1, return_entropy=True)
         logps.sum().backward()
         return logps.detach(), entropy, [p.grad.clone() for p in model.parameters()]
 

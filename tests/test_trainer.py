@@ -419,3 +419,11 @@ def test_training_step_works_on_its_own_outside_train(tmp_path):
     model.zero_grad()
     mean = trainer.training_step(model, batch)  # no item count: the model's own mean
     assert mean.item() == pytest.approx(2 * expected.item(), rel=1e-5)
+
+
+def test_a_window_without_loss_items_logs_nothing(tmp_path):
+    rows = [{**row, "labels": [-100] * len(row["labels"])} for row in lm_rows(8)]
+    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2, per_device_train_batch_size=4), train_dataset=rows)
+    trainer.train()
+    assert [h for h in trainer.state.log_history if "train_loss" not in h] == []  # no {grad_norm, lr} without loss
+    assert math.isnan(trainer.state.log_history[-1]["train_loss"])

@@ -18,7 +18,7 @@ _LAZY = {
     "TrainerControl": "treadle.callbacks",
     "EarlyStoppingCallback": "treadle.callbacks",
     "Trainer": "treadle.trainer",
-    "EvalPrediction": "treadle.trainer",
+    "EvalPrediction": "treadle.metrics",
     "SFTTrainer": "treadle.trainers.sft",
     "SFTConfig": "treadle.trainers.sft",
     "DPOTrainer": "treadle.trainers.dpo",
@@ -47,7 +47,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from treadle.arguments import TrainingArguments
     from treadle.callbacks import (EarlyStoppingCallback, TrainerCallback, TrainerControl,
                                    TrainerState)
-    from treadle.trainer import EvalPrediction, Trainer
+    from treadle.metrics import EvalPrediction
+    from treadle.trainer import Trainer
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
     from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
     from treadle.trainers.sft import SFTConfig, SFTTrainer

@@ -441,8 +441,14 @@ class PreemptionCallback(TrainerCallback):
                 signal.signal(s, handler)
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._stop_if_signalled(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._stop_if_signalled(args, state, control)  # a signal during the epoch's last step's log or evaluation
+
+    def _stop_if_signalled(self, args, state, control) -> None:
         stop = self.signal is not None
-        if state.world_size > 1:  # a collective: every rank calls it at every step
+        if state.world_size > 1:  # a collective: every rank calls it at every step and epoch end
             from treadle import distributed as dist
 
             stop = dist.any_rank(stop, args.device)

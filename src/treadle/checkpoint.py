@@ -332,6 +332,25 @@ def load_extra_state(path: str) -> dict | None:
     return _torch_load(path, name) if os.path.isfile(os.path.join(path, name)) else None
 
 
+def read_run_extra(path: str, state) -> tuple[dict, dict | None]:
+    """This rank's ``(metrics window state, trainer extra state)`` from checkpoint ``path``, whose
+    ``TrainerState`` is ``state``.
+
+    Checkpoints written before the metrics window (the first release) kept the unlogged loss in
+    ``trainer_state.json`` (``_log_window``, already summed over ranks) and a trainer's extra state at the top of
+    ``extra_state_<rank>.pt`` (GRPO: its buffers and its own metric sums): both are read into today's layout,
+    so those runs resume exactly too."""
+    extra = load_extra_state(path) or {}
+    old_window = state.stateful_callbacks.pop("_log_window", None)
+    if "metrics" in extra or "trainer" in extra:
+        return extra.get("metrics", {}), extra.get("trainer")
+    rows = dict(extra.pop("metric_sums", {}))  # name -> [sum, count] of this rank
+    if old_window and dist.is_main_process():  # summed over ranks when saved: rank 0 carries it
+        rows["loss"] = [old_window["loss_sum"], old_window["items"]]
+    sums = torch.tensor([list(map(float, v)) for v in rows.values()], dtype=torch.float64).view(-1, 2)
+    return ({"train": {"names": list(rows), "sums": sums}} if rows else {}), (extra or None)
+
+
 def _load_sharded_checkpoint(path: str, model, optimizer, scheduler, load_rng: bool, state):
     """load_checkpoint for an FSDP2 model: shards through torch.distributed.checkpoint (same world size)."""
     scheduler_state = _torch_load(path, "scheduler.pt") if scheduler is not None else None

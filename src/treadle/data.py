@@ -121,9 +121,9 @@ class SeededSampler(Sampler[int]):
         self.epoch = epoch
         self.skip = skip
 
-    def set_epoch(self, epoch: int) -> None:
-        """torch's sampler convention (``DistributedSampler.set_epoch``): the epoch's order from its start."""
-        self.start_epoch(epoch)
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """torch's sampler convention (``DistributedSampler.set_epoch``), with ``start_epoch``'s ``skip``."""
+        self.start_epoch(epoch, skip)
 
     def epoch_order(self) -> list[int]:
         """This epoch's order of all rows, the same on every rank."""
@@ -500,19 +500,25 @@ def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir
                         f"Dataset.save_to_disk, or toy:addition)")
     import datasets
 
+    readers = {".json": lambda: datasets.Dataset.from_list(_read_json_rows(path)),
+               ".jsonl": lambda: datasets.Dataset.from_list(_read_json_rows(path)),
+               ".csv": lambda: datasets.Dataset.from_csv(str(path)),
+               ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
+    if not path.is_dir() and path.suffix not in readers:
+        raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "
+                         f"or a save_to_disk folder")
     try:
-        if path.is_dir():
-            return _one_split(datasets.load_from_disk(str(path)), split, spec)
-        if path.suffix in (".json", ".jsonl"):
-            return datasets.Dataset.from_list(_read_json_rows(path))
-        if path.suffix == ".csv":
-            return datasets.Dataset.from_csv(str(path))
-        if path.suffix == ".parquet":
-            return datasets.Dataset.from_parquet(str(path))
+        data = datasets.load_from_disk(str(path)) if path.is_dir() else readers[path.suffix]()
+    except DatasetFileError:
+        raise  # our own message names the file and line already
     except (OSError, ValueError, TypeError) as error:  # corrupt files: datasets raises a variety of types
         raise ValueError(f"cannot read dataset {spec}: {str(error).splitlines()[0]}") from None
-    raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} or a "
-                    f"save_to_disk folder")
+    return _one_split(data, split, spec) if path.is_dir() else data
+
+
+class DatasetFileError(ValueError):
+    """A dataset file that is not what its name says (a JSON line that does not parse, no rows), named with its
+    line."""
 
 
 def _toy_dataset(spec: str, *, kind: str, split: str):
@@ -549,11 +555,11 @@ def _read_json_rows(path: Path) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+                    raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
     if isinstance(rows, dict):  # {"column": [values]} layout
         rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not rows:
-        raise ValueError(f"{path} must hold rows: a JSON list of objects, or one JSON object per line")
+        raise DatasetFileError(f"{path} must hold rows: a JSON list of objects, or one JSON object per line")
     return rows
 
 

@@ -143,12 +143,11 @@ def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tupl
 
 def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Path):
     """GRPO from the SFT checkpoint with the exact-match reward; returns (the model, steps, training seconds)."""
-    from transformers import AutoModelForCausalLM
-
     from treadle import toy
+    from treadle.models import load_model
     from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
+    model, _ = load_model(checkpoint, tokenizer=tokenizer)
     args = GRPOConfig(output_dir=str(output_dir), max_steps=settings.grpo_steps, seed=settings.seed,
                       learning_rate=settings.grpo_learning_rate, per_device_train_batch_size=settings.grpo_batch_size,
                       num_generations=settings.num_generations, steps_per_generation=settings.steps_per_generation,

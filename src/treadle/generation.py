@@ -100,7 +100,8 @@ class SamplingParams:
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}; "
                                             "use 1.0 to disable it"),
             (not self.do_sample or self.temperature > 0.0,
-             f"temperature must be > 0 when sampling, got {self.temperature}; use do_sample=False for greedy"),
+             f"temperature must be > 0 when sampling, got {self.temperature}; 1.0 samples the model as is "
+             f"(generate_completions: do_sample=False decodes greedily)"),
         ]
         for ok, message in checks:
             if not ok:

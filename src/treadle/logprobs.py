@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -277,13 +277,29 @@ def _check_temperature(temperature: float) -> None:
 # ---------------------------------------------------------------------------------- causal LM driver
 
 
-class TokenLogps(NamedTuple):
-    """What :func:`token_logps` returns, each ``(B, T - 1 - start)`` aligned with ``input_ids[:, start+1:]``."""
+class TokenLogps(tuple):
+    """What :func:`token_logps` returns, each ``(B, T - 1 - start)`` aligned with ``input_ids[:, start+1:]``.
 
-    logps: Tensor  # log p(token t+1 | tokens <= t), float32 at least; 0 at padded targets
-    entropy: Tensor | None  # of each position's distribution (detached), with ``return_entropy``
-    mean_logits: Tensor | None  # each position's logit averaged over the vocabulary (detached, float32),
-    #                              with ``return_mean_logits`` (DPO's logits/* metrics)
+    It unpacks as ``(logps, entropy)``, as it always has; ``mean_logits`` is an attribute beside them:
+
+    - ``logps``: log p(token t+1 | tokens <= t), float32 at least; 0 at padded targets;
+    - ``entropy``: of each position's distribution (detached), with ``return_entropy``, else None;
+    - ``mean_logits``: each position's logit averaged over the vocabulary (detached, float32), with
+      ``return_mean_logits`` (DPO's ``logits/*`` metrics), else None.
+    """
+
+    def __new__(cls, logps: Tensor, entropy: Tensor | None = None, mean_logits: Tensor | None = None):
+        out = super().__new__(cls, (logps, entropy))
+        out.mean_logits = mean_logits
+        return out
+
+    @property
+    def logps(self) -> Tensor:
+        return self[0]
+
+    @property
+    def entropy(self) -> Tensor | None:
+        return self[1]
 
 
 def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, *,
@@ -306,7 +322,7 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
             from the same forward: ``h . mean(W) + mean(b)`` on the fast path, no ``[B, T, V]`` tensor built.
         forward_kwargs: passed to the model (``position_ids``, ...).
 
-    Returns a :class:`TokenLogps` ``(logps, entropy or None, mean_logits or None)``, float32 (at least)
+    Returns a :class:`TokenLogps`: ``(logps, entropy or None)`` and ``.mean_logits``, float32 (at least)
     ``(B, T - 1 - start)`` aligned with ``input_ids[:, start+1:]``. Targets that are padding
     (``attention_mask == 0``) get log-prob 0 and no gradient; entropy is reported for every position.
     """

@@ -9,8 +9,9 @@ Sums of tensors stay tensors on the device between logs (reading a value every m
 wait for the accelerator), each added in place in float64; Python numbers are summed on the host. At a reduction
 the window becomes one ``(M, 2)`` tensor and takes ONE all-reduce.
 
-Every rank must record the same names before a reduction (the all-reduce adds the windows position by
-position); names are sorted before reducing, so the order in which they were recorded does not matter.
+Under several processes every rank must take part in each reduction (``reduce`` / ``means``), as in any
+collective; the ranks agree on the names first, so a rank may record names in any order, or none at all (one
+with no evaluation batch), without a hang.
 
 >>> window = MetricWindow()
 >>> window.add("accuracy", 3.0, 4.0)
@@ -65,28 +66,32 @@ class MetricWindow:
 
     def add_many(self, values: Mapping[str, tuple[Number, Number]], mode: str = "train") -> None:
         """Add ``{name: (total, count)}``. Totals and counts may be Python numbers (added on the host, free) or
-        0-d tensors (one in-place add each, in float64 on their device: no host-device sync here)."""
+        0-d tensors (one in-place add each, in float64 on the window's device: no host-device sync here)."""
         window = self._sums.setdefault(mode, {})
         for name, pair in values.items():
             entry = window.get(name)
             if entry is None:
-                window[name] = [_start(v) for v in pair]
+                window[name] = [_start(v, self.device) for v in pair]
             else:
-                entry[0], entry[1] = _accumulate(entry[0], pair[0]), _accumulate(entry[1], pair[1])
+                entry[0] = _accumulate(entry[0], pair[0], self.device)
+                entry[1] = _accumulate(entry[1], pair[1], self.device)
 
     def reduce(self, mode: str = "train") -> dict[str, tuple[float, float]]:
-        """``{name: (sum, count)}`` of the window over all ranks (one all-reduce: every rank must call it),
-        and an empty window. Names are sorted."""
-        window = self._sums.pop(mode, None)
-        if not window:
-            return {}
+        """``{name: (sum, count)}`` of the window over all ranks, and an empty window. Names are sorted. Every
+        rank must call it; under several processes the ranks first agree on the names (a rank that recorded
+        none, e.g. one with no evaluation batch, adds zeros), then take one all-reduce."""
+        window = self._sums.pop(mode, {})
         names = sorted(window)
+        if dist.get_world_size() > 1:
+            names = sorted(set().union(*dist.gather_objects(names)))
+        if not names:
+            return {}
         totals = dist.all_reduce_sum(self._stacked(window, names)).tolist()
         return {name: (total, count) for name, (total, count) in zip(names, totals)}
 
     def _stacked(self, window: dict[str, list], names: list[str]) -> torch.Tensor:
-        """``(M, 2)`` float64 on the window's device: one row (sum, count) per name."""
-        values = [_as_tensor(v, self.device) for name in names for v in window[name]]
+        """``(M, 2)`` float64 on the window's device: one row (sum, count) per name (zeros for a name not here)."""
+        values = [_as_tensor(v, self.device) for name in names for v in window.get(name, (0.0, 0.0))]
         return torch.stack(values).view(len(names), 2)
 
     def means(self, mode: str = "train") -> dict[str, float]:
@@ -117,17 +122,18 @@ class MetricWindow:
             self._sums[mode] = {name: [sums[i, 0].clone(), sums[i, 1].clone()] for i, name in enumerate(saved["names"])}
 
 
-def _start(value: Number):
-    """A window's first value: a float64 copy of a tensor (later adds are in place), or a float."""
+def _start(value: Number, device: torch.device):
+    """A window's first value: a float64 copy of a tensor on the window's device (later adds are in place, and a
+    0-d tensor from any device adds into it), or a float."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to(torch.float64, copy=True).reshape(())
+        return value.detach().to(device, torch.float64, copy=True).reshape(())
     return float(value)
 
 
-def _accumulate(acc, value: Number):
+def _accumulate(acc, value: Number, device: torch.device):
     if isinstance(acc, torch.Tensor):
         return acc.add_(value.detach().reshape(()) if isinstance(value, torch.Tensor) else value)
-    return _start(value).add_(acc) if isinstance(value, torch.Tensor) else acc + float(value)
+    return _start(value, device).add_(acc) if isinstance(value, torch.Tensor) else acc + float(value)
 
 
 def _as_tensor(value: Number, device: torch.device) -> torch.Tensor:

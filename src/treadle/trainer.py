@@ -263,8 +263,8 @@ class Trainer:
         handler.train_dataloader = dataloader
         self.model_wrapped.train()
         start_step, start_time = self.state.global_step, time.time()
-        guard = self.preemption.guard() if self.preemption in handler.callbacks else contextlib.nullcontext()
-        with guard:
+        self.preemption.signal = None  # a signal that stopped an earlier run does not stop this one
+        with self.preemption.guard() if self.preemption in handler.callbacks else contextlib.nullcontext():
             self.control._new_training()
             self._event("on_train_begin")
             first_epoch, skip_steps = divmod(self.state.global_step, steps_per_epoch)
@@ -275,7 +275,7 @@ class Trainer:
         return self._finish_training(start_step, start_time)
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
-        """A fresh ``state``, loop state and metrics window; then, when resuming, the checkpoint's."""
+        # a fresh state, loop state and metrics window; then, when resuming, the checkpoint's
         self.state = TrainerState.for_run(self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
                                           num_train_epochs=num_epochs)
         self.loop = LoopState()
@@ -336,8 +336,7 @@ class Trainer:
         self.state.global_step += 1
 
     def _act_on_control(self, defer_save: bool = False) -> None:
-        """Log, evaluate and save as the callbacks asked, then clear the flags (``should_save`` survives when
-        ``defer_save``)."""
+        """Log, evaluate and save as the callbacks asked; clear the flags (``should_save`` lives on if deferred)."""
         step = self.state.global_step
         if self.control.should_log:
             self._log_training_window()
@@ -357,6 +356,8 @@ class Trainer:
             return  # no step since the last log
         sums = self.metrics.reduce("train")
         logs = fold_loss(self.state, sums.pop("loss"))
+        if not logs:
+            return  # the window's micro-batches had no loss item (every label masked): nothing to log
         if self.loop.grad_norm is not None:
             logs["grad_norm"] = float(self.loop.grad_norm)
         logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
@@ -387,8 +388,7 @@ class Trainer:
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Loss (item-weighted mean) and ``compute_metrics`` over the evaluation set; logs the metrics and fires
         ``on_evaluate``. Returns ``{prefix}_loss``, ``{prefix}_<metric>`` ..."""
-        dataloader = self.get_eval_dataloader(eval_dataset)
-        self.callback_handler.eval_dataloader = dataloader
+        self.callback_handler.eval_dataloader = dataloader = self.get_eval_dataloader(eval_dataset)
         output = self.evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self.log(output.metrics)
         self._event("on_evaluate", metrics=output.metrics)
@@ -396,8 +396,7 @@ class Trainer:
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy, padded with -100), labels and metrics on ``test_dataset``; fires ``on_predict``."""
-        dataloader = self.get_test_dataloader(test_dataset)
-        self.callback_handler.eval_dataloader = dataloader
+        self.callback_handler.eval_dataloader = dataloader = self.get_test_dataloader(test_dataset)
         output = self.evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
                                       prediction_loss_only=False)
         self._event("on_predict", metrics=output.metrics)
@@ -477,10 +476,10 @@ class Trainer:
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         self.state = state
         self.loop.last_saved_step = state.global_step
-        extra = ckpt.load_extra_state(path) or {}
-        self.metrics.load_state_dict(extra.get("metrics", {}))
-        if extra.get("trainer") is not None:
-            self.load_extra_checkpoint_state(extra["trainer"])
+        metrics, extra = ckpt.read_run_extra(path, state)
+        self.metrics.load_state_dict(metrics)
+        if extra is not None:
+            self.load_extra_checkpoint_state(extra)
 
     def extra_checkpoint_state(self) -> dict | None:
         """This rank's extra state to keep in each checkpoint (tensors, numbers, strings in lists / dicts), e.g.

@@ -75,8 +75,16 @@ class ChosenRejected(NamedTuple):
     @classmethod
     def split(cls, rows: Tensor) -> "ChosenRejected":
         """The halves of a ``(2B,)`` per-row tensor laid out as DPOCollator stacks rows: chosen, then rejected."""
-        chosen, rejected = rows.chunk(2)
-        return cls(chosen, rejected)
+        pairs = pair_count(rows.shape[0])
+        return cls(rows[:pairs], rows[pairs:])
+
+
+def pair_count(rows: int) -> int:
+    """Pairs in a batch of ``rows`` sequences (the B chosen, then the B rejected): the one rule of the layout."""
+    if rows % 2:
+        raise ValueError(f"a DPO batch holds the chosen sequences then the rejected ones, an even number of rows; "
+                         f"got {rows} (a custom data_collator must stack both halves, as DPOCollator does)")
+    return rows // 2
 
 
 class PairScores(NamedTuple):
@@ -343,7 +351,7 @@ class DPOTrainer(Trainer):
     def count_items(self, inputs: dict) -> int:
         """A DPO loss item is a pair: half the rows of a batch. The inherited ``get_num_items_in_batch`` sums
         this over the accumulation window and over ranks, and ``compute_loss`` divides by that."""
-        return inputs["input_ids"].shape[0] // 2
+        return pair_count(inputs["input_ids"].shape[0])
 
     def get_train_dataloader(self):
         if self.args.precompute_ref_log_probs:
@@ -464,11 +472,6 @@ class DPOTrainer(Trainer):
         with torch.no_grad(), self.autocast():
             loss = self.compute_loss(model, inputs)
         return loss.detach().float(), None, None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------------------
 
 
 __all__ = ["DPOConfig", "DPOTrainer", "DPOCollator", "tokenize_row", "split_implicit_prompt"]

@@ -416,7 +416,7 @@ class GRPOTrainer(Trainer):
         """``losses.grpo_loss`` on one slice; ``num_items_in_batch`` is the window's normaliser (``dapo``: its
         completion tokens, ``grpo``: its completions, both over all ranks)."""
         args = self.args
-        logps, entropy, _ = self._completion_logps(model, inputs, return_entropy=True)  # (B, C) each
+        logps, entropy = self._completion_logps(model, inputs, return_entropy=True)  # (B, C) each
         normalizer = num_items_in_batch if args.loss_type in ("grpo", "dapo") else None
         loss, metrics = grpo_loss(logps, inputs["advantages"], inputs["completion_mask"],
                                   old_logps=inputs.get("old_logps"), ref_logps=inputs.get("ref_logps"),

@@ -79,7 +79,7 @@ class SFTTrainer(Trainer):
                  optimizers=(None, None)):
         args = self.check_args(args)  # needed before super().__init__: the datasets are tokenised first
         if isinstance(model, str):
-            model, processing_class = load_model(model, tokenizer=processing_class)
+            model, processing_class = self.load_model(model, processing_class, seed=args.seed)
         self.args = args
         self.processing_class = processing_class
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
@@ -91,6 +91,12 @@ class SFTTrainer(Trainer):
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
 
     # ---- building -----------------------------------------------------------------------------------------
+    @staticmethod
+    def load_model(path: str, processing_class=None, seed: int = 0):
+        """(model, tokenizer) from a local folder in transformers layout or ``toy:<size>`` (``models.load_model``;
+        never downloads); the tokenizer is read from the folder unless given."""
+        return load_model(path, tokenizer=processing_class, seed=seed)
+
     def prepare_dataset(self, dataset, name: str = "train"):
         """Tokenise ``dataset`` once (with a progress bar), truncate to ``max_length`` and pack if asked.
         Returns a ``datasets.Dataset`` with ``input_ids``, ``completion_mask`` (and ``position_ids`` when
