@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from treadle.models import eval_mode, forward_signature, is_transformers_model, unwrapped_for_generation
+from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
 
 __all__ = [
     "GenerationOutput",
@@ -311,12 +311,9 @@ def _resolve_backend(backend: str, model) -> str:
 
 def _fast_path_problem(model) -> str | None:
     """Why the fast path cannot run ``model``, or None when it can."""
-    if not is_transformers_model(model):
-        return f"{type(model).__name__} is not a transformers PreTrainedModel"
-    if getattr(model.config, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported"
-    if not model.can_generate():
-        return f"{type(model).__name__} has no language-modelling head (can_generate() is False)"
+    problem = causal_lm_problem(model)
+    if problem is not None:
+        return problem
     signature = forward_signature(model)
     if _cache_argument(model) is None or "position_ids" not in signature or "attention_mask" not in signature:
         return "its forward() does not take a KV cache, position_ids and attention_mask"

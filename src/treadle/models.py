@@ -10,7 +10,8 @@ A leaf module: it imports torch and ``treadle.distributed`` only, never a traine
   the block raises.
 - :func:`frozen_reference` -- a reference model for DPO / GRPO: on the device, in eval mode, no parameter
   requiring grad. :func:`is_peft_model` -- whether a policy can be its own reference (adapters disabled).
-- :func:`is_causal_lm` -- whether the model predicts token t+1 at position t (so it shifts its labels).
+- :func:`is_causal_lm` -- whether the model predicts token t+1 at position t (so it shifts its labels);
+  :func:`causal_lm_problem` -- why a model is not a transformers causal LM (generation's fast path asks it).
 - :func:`enable_gradient_checkpointing` -- recompute activations in backward (transformers models only).
 - :func:`unwrapped_for_generation` -- the module to sample from under DDP, FSDP2 or PEFT.
 - :func:`training_forward_kwargs`, :func:`loss_of`, :func:`logits_of` -- what a training forward is given
@@ -33,7 +34,7 @@ from torch import nn
 from treadle import distributed as dist
 
 __all__ = ["ForwardSignature", "enable_gradient_checkpointing", "eval_mode", "forward_parameters",
-           "forward_signature", "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model",
+           "forward_signature", "frozen_reference", "causal_lm_problem", "is_causal_lm", "is_peft_model", "is_transformers_model",
            "load_model", "logits_of", "loss_of", "training_forward_kwargs", "unwrapped_for_generation"]
 
 
@@ -187,9 +188,18 @@ def is_causal_lm(model: nn.Module) -> bool:
         inner = inner.get_base_model()
     if not is_transformers_model(inner):
         return type(inner).__name__.endswith(("ForCausalLM", "LMHeadModel"))
-    if getattr(inner.config, "is_encoder_decoder", False):
-        return False
-    return bool(inner.can_generate())
+    return causal_lm_problem(inner) is None
+
+
+def causal_lm_problem(model: nn.Module) -> str | None:
+    """Why ``model`` is not a transformers causal LM (a decoder that can generate), or None when it is."""
+    if not is_transformers_model(model):
+        return f"{type(model).__name__} is not a transformers PreTrainedModel"
+    if getattr(model.config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    if not model.can_generate():
+        return f"{type(model).__name__} has no language-modelling head (can_generate() is False)"
+    return None
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
