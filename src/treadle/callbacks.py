@@ -423,7 +423,6 @@ class PreemptionCallback(TrainerCallback):
 
     @contextlib.contextmanager
     def guard(self):
-        self.signal = None
         if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
             yield
             return

@@ -500,9 +500,8 @@ def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir
                         f"Dataset.save_to_disk, or toy:addition)")
     import datasets
 
-    readers = {".json": lambda: datasets.Dataset.from_list(_read_json_rows(path)),
-               ".jsonl": lambda: datasets.Dataset.from_list(_read_json_rows(path)),
-               ".csv": lambda: datasets.Dataset.from_csv(str(path)),
+    json_rows = lambda: datasets.Dataset.from_list(_read_json_rows(path))  # noqa: E731
+    readers = {".json": json_rows, ".jsonl": json_rows, ".csv": lambda: datasets.Dataset.from_csv(str(path)),
                ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
     if not path.is_dir() and path.suffix not in readers:
         raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "

@@ -96,7 +96,7 @@ class MetricWindow:
 
     def means(self, mode: str = "train") -> dict[str, float]:
         """The window's mean of each metric over all ranks (see ``reduce``); metrics with no count are left out."""
-        return {name: total / count for name, (total, count) in self.reduce(mode).items() if count}
+        return means_of(self.reduce(mode))
 
     def clear(self, mode: str | None = None) -> None:
         """Forget the window of ``mode`` (every mode when None) without reducing it."""
@@ -120,6 +120,11 @@ class MetricWindow:
         for mode, saved in state.items():
             sums = saved["sums"].to(self.device, torch.float64)
             self._sums[mode] = {name: [sums[i, 0].clone(), sums[i, 1].clone()] for i, name in enumerate(saved["names"])}
+
+
+def means_of(sums: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """``{name: sum / count}`` of reduced ``(sum, count)`` pairs; metrics with no count are left out."""
+    return {name: total / count for name, (total, count) in sums.items() if count}
 
 
 def _start(value: Number, device: torch.device):

@@ -36,12 +36,11 @@ from treadle import distributed as dist
 from treadle import models
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, PreemptionCallback, PrinterCallback,
-                               ProgressCallback, TensorBoardCallback, TrainerControl,
-                               TrainerState)
+                               ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, seeded_sampler, to_cpu)
-from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, fold_loss, record_loss,
-                             speed_metrics)
+from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, fold_loss, means_of,
+                             record_loss, speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
 
 
@@ -361,7 +360,7 @@ class Trainer:
         if self.loop.grad_norm is not None:
             logs["grad_norm"] = float(self.loop.grad_norm)
         logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
-        logs.update({name: total / count for name, (total, count) in sums.items() if count})
+        logs.update(means_of(sums))
         self.log(logs)
 
     def log(self, logs: dict[str, float]) -> None:
@@ -416,7 +415,7 @@ class Trainer:
                 weight = items if items is not None else (batch_rows(inputs) if keep is None else keep)
                 loss, logits, label = self.prediction_step(self.model_wrapped, inputs, prediction_loss_only,
                                                            ignore_keys=ignore_keys)
-                if loss is not None:  # every rank records it, also with no weight: the windows must match
+                if loss is not None:  # a batch of repeated rows only (no weight) adds 0, not its 0/0 mean
                     self.metrics.add("loss", loss.double() * weight if weight else 0.0, weight, mode="eval")
                 if logits is not None:
                     preds.append(to_cpu(logits)[:keep])
