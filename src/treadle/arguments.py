@@ -28,6 +28,7 @@ class TrainingArguments:
     # --- where things go
     output_dir: str = "trainer_output"  # checkpoints, metrics.jsonl and plots land here
     run_name: str | None = None  # a label for loggers (TensorBoard); defaults to output_dir's name
+    overwrite_output_dir: bool = False  # a new run may delete an earlier run's files in output_dir (see treadle.runs)
 
     # --- how long
     num_train_epochs: float = 3.0  # passes over the training set; fractional values stop mid-epoch
@@ -46,6 +47,7 @@ class TrainingArguments:
     adam_beta2: float = 0.999  # AdamW second-moment decay
     adam_epsilon: float = 1e-8  # AdamW denominator guard
     max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    skip_nonfinite_steps: int = 0  # steps whose loss is NaN/inf that may be skipped (not applied) before stopping
 
     # --- schedule
     lr_scheduler_type: str = "linear"  # "constant", "constant_with_warmup", "linear" or "cosine"
@@ -90,6 +92,7 @@ class TrainingArguments:
     ddp_timeout: float | None = None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
 
     def __post_init__(self) -> None:
+        _validate_types(self)
         self._validate_choices()
         self._validate_numbers()
         if self.eval_steps is None:
@@ -122,6 +125,8 @@ class TrainingArguments:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.eval_steps is not None and (not isinstance(self.eval_steps, int) or self.eval_steps < 1):
             raise ValueError(f"eval_steps must be an integer >= 1 (or None for logging_steps), got {self.eval_steps!r}")
+        if self.skip_nonfinite_steps < 0:
+            raise ValueError(f"skip_nonfinite_steps must be >= 0, got {self.skip_nonfinite_steps}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ValueError("nothing to train: set max_steps > 0 or num_train_epochs > 0")
         if self.learning_rate < 0:
@@ -286,6 +291,22 @@ def _describe(annotation: Any, plural: bool = False) -> str:
 
 
 __all__ = ["TrainingArguments", "field"]
+
+FINITE_FIELDS = ("learning_rate", "num_train_epochs", "weight_decay", "adam_epsilon", "warmup_steps")  # inf refused
+
+
+def _validate_types(config) -> None:
+    """Every field of ``config`` (any subclass) as its annotation wants it, with from_mapping's rules (so a
+    number given as a string is read as one); ValueError naming the field otherwise. NaN is refused in every
+    number field, an infinity in ``FINITE_FIELDS``: a loop would train on it without a word."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if f.name not in hints:
+            continue
+        value = _field_value(f.name, getattr(config, f.name), hints[f.name])
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and f.name in FINITE_FIELDS)):
+            raise ValueError(f"{f.name} must be a finite number, got {value}")
+        setattr(config, f.name, value)
 
 
 def check_config(args, config_class: type, trainer: str):

@@ -71,14 +71,19 @@ class TrainerState:
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)  # callback name -> its saved state
+    trainer_class: str | None = None  # the Trainer class of the run (resuming with another one is refused)
+    config_fingerprint: str | None = None  # of the settings that shape the run (treadle.runs.config_fingerprint)
+    nonfinite_steps_skipped: int = 0  # steps skipped for a NaN / inf loss (args.skip_nonfinite_steps)
 
     @classmethod
     def for_run(cls, args, **plan) -> "TrainerState":
         """The state at the start of a run with ``args``: its cadence, batch shape and process layout, and the
         ``plan`` (``steps_per_epoch``, ``max_steps``, ``num_train_epochs``)."""
         from treadle import distributed as dist
+        from treadle.runs import config_fingerprint
 
         return cls(logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
+                   config_fingerprint=config_fingerprint(args),
                    train_batch_size=args.per_device_train_batch_size,
                    gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=dist.get_world_size(),
                    is_world_process_zero=dist.is_main_process(), is_local_process_zero=args.local_process_index == 0,
@@ -410,7 +415,8 @@ class EarlyStoppingCallback(TrainerCallback):
 
 
 class PreemptionCallback(TrainerCallback):
-    """SIGTERM / Ctrl-C: finish the current optimizer step, save a whole checkpoint, end training cleanly.
+    """SIGTERM / Ctrl-C: finish the current optimizer step, save a whole checkpoint, end training, then raise
+    (``raise_if_stopped``: the Trainer calls it after ``on_train_end``).
 
     ``guard()`` (the Trainer runs ``train`` inside it) installs the handlers in the main thread and restores
     the previous ones afterwards. A signal only records itself (``signal``); at the next step end this callback
@@ -457,12 +463,72 @@ class PreemptionCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.signal is not None and state.is_world_process_zero:
-            from treadle.checkpoint import latest_checkpoint
+            from treadle.checkpoint import path_for
 
             print(f"treadle: stopped by {signal.Signals(self.signal).name} after step {state.global_step}; "
-                  f"checkpoint: {latest_checkpoint(args.output_dir)}. Resume with "
+                  f"checkpoint: {path_for(args.output_dir, state.global_step)}. Resume with "
                   f"trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`).",
                   file=sys.stderr, flush=True)
 
+    def raise_if_stopped(self, args, state) -> None:
+        """After ``on_train_end`` of a run a signal stopped (its checkpoint written): raise
+        ``errors.Interrupted`` (Ctrl-C, a KeyboardInterrupt) or ``errors.Preempted`` (SIGTERM, exit 143)."""
+        if self.signal is not None:
+            from treadle.checkpoint import path_for
+            from treadle.errors import stopped_by
 
-DEFAULT_CALLBACKS = (FlowCallback, MetricsFileCallback)
+            raise stopped_by(self.signal, state.global_step, path_for(args.output_dir, state.global_step))
+
+
+class RunSummaryCallback(TrainerCallback):
+    """A header when training starts (model, parameters trainable / total, rows, steps and where that number
+    comes from, the effective batch, the output folder) and a summary when it ends (train loss, the last and
+    the best evaluation, the best checkpoint). Printed by the main process, on stdout."""
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if state.is_world_process_zero:
+            print(run_header(args, state, model, train_dataloader), flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print(run_summary(args, state), flush=True)
+
+
+def run_header(args, state, model, dataloader) -> str:
+    params = list(model.parameters()) if model is not None else []
+    total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    name = type(model).__name__ + (f" ({model.name_or_path})" if getattr(model, "name_or_path", "") else "")
+    rows = len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else "?"
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * state.world_size
+    plan = (f"max_steps={args.max_steps}" if args.max_steps > 0 else
+            f"num_train_epochs={args.num_train_epochs:g} x {state.steps_per_epoch} steps per epoch, as max_steps="
+            f"{args.max_steps} asks")
+    start = f", resuming at step {state.global_step}" if state.global_step else ""
+    return "\n".join([
+        f"treadle: {state.trainer_class or 'Trainer'} run",
+        f"  model   {name}: {total:,} parameters, {trainable:,} trainable",
+        f"  data    {rows if isinstance(rows, str) else f'{rows:,}'} rows; {per_step} rows per step "
+        f"({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulated x "
+        f"{state.world_size} processes)",
+        f"  steps   {state.max_steps} ({plan}){start}",
+        f"  output  {args.output_dir}"])
+
+
+def run_summary(args, state) -> str:
+    history = state.log_history
+    done = "finished" if state.global_step >= state.max_steps else "stopped"
+    parts = [f"treadle: {done} at step {state.global_step} of {state.max_steps}"]
+    final = next((h for h in reversed(history) if "train_loss" in h), None)
+    if final is not None:
+        parts.append(format_logs({"train_loss": final["train_loss"]}))
+    last_eval = next((h for h in reversed(history) if any(k.startswith("eval_") for k in h)), None)
+    if last_eval is not None:
+        shown = {k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))}
+        parts.append(f"last eval (step {last_eval['step']}): {format_logs(shown)}")
+    if state.best_model_checkpoint:
+        parts.append(f"best {args.metric_for_best_model} {state.best_metric:.4g} at step {state.best_global_step}: "
+                     f"{state.best_model_checkpoint}")
+    return "; ".join(parts)
+
+
+DEFAULT_CALLBACKS = (FlowCallback, MetricsFileCallback, RunSummaryCallback)

@@ -65,6 +65,11 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def path_for(output_dir: str, step: int) -> str:
+    """Where the checkpoint of ``step`` lives: ``output_dir/checkpoint-<step>``."""
+    return os.path.join(output_dir, f"{PREFIX}{step}")
+
+
 def latest_checkpoint(output_dir: str) -> str | None:
     found = list_checkpoints(output_dir)
     return found[-1][1] if found else None
@@ -415,15 +420,21 @@ def _read_json(path: str, directory: str) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
 RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                     "is_world_process_zero", "is_local_process_zero")  # taken from the new run, not the saved one
+                     "is_world_process_zero", "is_local_process_zero", "config_fingerprint")  # taken from the new run, not the saved one
 
 
-def resumed_state(path: str, current):
+def resumed_state(path: str, current, args=None):
     """The TrainerState to continue from checkpoint ``path``, checked against the ``current`` run's before
-    anything is loaded: a different batch size, accumulation, number of processes or dataset length would
-    not continue the run exactly, so it is refused (CheckpointError) and the model stays as it was. The run's
-    length and cadence come from the current arguments (a resumed run may be asked to go further)."""
+    anything is loaded: another Trainer class (an SFT run continued by DPO would mix two losses), or a
+    different batch size, accumulation, number of processes or dataset length would not continue the run
+    exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
+    come from the current arguments (a resumed run may be asked to go further); other settings that changed
+    (``args`` against the checkpoint's training_args.json) are named in a note."""
     state = read_state(path)
+    if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
+        raise CheckpointError(f"checkpoint {path} was written by {state.trainer_class}, and this run is "
+                              f"{current.trainer_class}: resuming would mix two trainings; start a new run in "
+                              f"another output_dir from its weights (model: {path})")
     mismatches = [f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
                   for name in RESUME_MUST_MATCH if getattr(state, name) != getattr(current, name)]
     if mismatches:
@@ -432,7 +443,19 @@ def resumed_state(path: str, current):
                               f"from its weights (model.from_pretrained({path!r}))")
     for name in RUN_LENGTH_FIELDS:
         setattr(state, name, getattr(current, name))
+    if dist.is_main_process():
+        _announce_resume(path, state, args)
     return state
+
+
+def _announce_resume(path: str, state, args) -> None:
+    from treadle.runs import changed_settings
+
+    changed = []
+    if args is not None and os.path.isfile(os.path.join(path, ARGS_FILE)):
+        changed = changed_settings(_read_json(os.path.join(path, ARGS_FILE), path), args)
+    note = f"; settings changed since: {', '.join(changed)}" if changed else ""
+    print(f"treadle: resuming from {path} at step {state.global_step} of {state.max_steps}{note}", file=sys.stderr)
 
 
 def update_best(state, args, metrics: dict | None, path: str) -> None:

@@ -1,16 +1,18 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
     treadle demo [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
-    treadle train CONFIG.yaml [--resume] [--key value ...]
+    treadle train CONFIG.yaml [--resume [CHECKPOINT]] [--key value ...]
     treadle report RUN_DIR
+    (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
 ``demo`` (treadle.demo) fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy
 on held-out problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file:
 the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset`` and ``reward_funcs`` say what to train, every
 other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``; ``--key value``
 overrides one). ``report`` redraws the plots of a run folder and prints a summary. A mistake a user can make (a
-missing file, an unknown key ...) is one line on stderr and exit status 2; anything else is a bug and shows its
-traceback.
+missing file, an unknown key, a run folder in use ... see ``treadle.errors.is_user_error``) is one line on stderr
+and exit status 2; anything else is a bug and shows its traceback. A run stopped by SIGTERM or Ctrl-C saves a
+checkpoint, prints the command that resumes it and exits 143 or 130 (docs/runs.md).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
+
+from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
 
 # trainer name -> (module, trainer class, config class, toy dataset kind)
 TRAINERS = {
@@ -29,10 +34,6 @@ TRAINERS = {
     "grpo": ("treadle.trainers.grpo", "GRPOTrainer", "GRPOConfig", "rl"),
 }
 RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs")  # the keys that are not config fields
-
-
-class UserError(Exception):
-    """A mistake in the command line, a config or a path: reported as one line, exit status 2."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -45,6 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="treadle", description="Train language models: SFT, DPO and GRPO on one short loop.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or TREADLE_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # the demo's numbers have no default here: a flag left out is absent from args, so DemoSettings' own default
     # applies and treadle.demo is imported only when the demo runs
@@ -58,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    train.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                       help="continue from the newest checkpoint in output_dir, or from CHECKPOINT")
     report = commands.add_parser("report", help="redraw the plots of a run folder and print its summary")
     report.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl), or a folder of runs")
     return parser
@@ -67,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command in ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
+    debug = os.environ.get("TREADLE_DEBUG", "0") not in ("", "0")
     try:
         args, extra = parser.parse_known_args(argv)
+        debug = debug or args.debug
         if extra and args.command != "train":
             raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `treadle {args.command} --help`)")
         if args.command == "demo":
@@ -76,26 +81,40 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return run_train(args.config, extra, resume=args.resume)
         return run_report(args.run_dir)
-    except UserError as error:
-        print(f"treadle: error: {error}", file=sys.stderr)
+    except Exception as error:
+        if debug or not is_user_error(error):
+            raise
+        print(one_line(error), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training began, or a second Ctrl-C: no checkpoint of the step in progress
+        print("treadle: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        return 130
 
 
 # ---------------------------------------------------------------------------------------------------------
 # treadle train
 # ---------------------------------------------------------------------------------------------------------
-def run_train(config_path: str, overrides: list[str], *, resume: bool = False) -> int:
+def run_train(config_path: str, overrides: list[str], *, resume: bool | str | None = None) -> int:
+    """Train the config at ``config_path``; the run folder is checked before anything is loaded."""
+    from treadle.runs import check_run_folder
+
     config = load_config(config_path, overrides)
+    output_dir = str(config.get("output_dir") or default_output_dir(config))
     checkpoint = None
     if resume:  # before building anything: a run with nothing to resume fails at once
-        from treadle.checkpoint import CheckpointError, resolve
+        from treadle.checkpoint import resolve
 
-        try:
-            checkpoint = resolve(True, str(config.get("output_dir") or default_output_dir(config)))
-        except CheckpointError as error:
-            raise UserError(str(error)) from None
+        checkpoint = resolve(resume, output_dir)
+    model = str(config.get("model") or "")
+    check_run_folder(output_dir, resume=checkpoint is not None, overwrite=config.get("overwrite_output_dir") is True,
+                     model_dir=None if model.startswith("toy:") else model)
     trainer = build_trainer(config, base_dir=Path(config_path).parent)
-    trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+    except (Preempted, Interrupted) as stop:  # its checkpoint is written: say how to go on
+        print(f"treadle: resume with: {shlex.join(['treadle', 'train', config_path, *overrides, '--resume'])}",
+              file=sys.stderr)
+        return stop.exit_status
     trainer.save_model()
     output_dir = trainer.args.output_dir
     if trainer.state.is_world_process_zero:  # under torchrun, one report, not one per rank
@@ -183,6 +202,8 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
             raise UserError(f"the config has no {key}: key (see examples/{name}.yaml)")
     module_name, trainer_class, config_class, kind = TRAINERS[name]
     module = importlib.import_module(module_name)
+    from treadle.data import require_eval_dataset
+
     config_cls = getattr(module, config_class)
     fields = {k: v for k, v in config.items() if k not in RUN_KEYS}
     fields.setdefault("output_dir", default_output_dir(config))
@@ -190,6 +211,7 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         args = config_cls.from_mapping(fields, other_keys=RUN_KEYS, context=f"trainer {name}")
     except (ValueError, TypeError) as error:
         raise UserError(f"{config_class}: {error}") from None
+    require_eval_dataset(args, config.get("eval_dataset") or None)  # before the datasets and the model load
     if name != "grpo" and config.get("reward_funcs"):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
     try:
@@ -235,6 +257,11 @@ def run_report(run_dir: str) -> int:
     root = Path(run_dir)
     if not root.exists():
         raise UserError(f"run folder {run_dir} not found")
+    if root.is_file():
+        if root.name != report.METRICS_FILE:
+            raise UserError(f"{run_dir} is a file; treadle report takes a run folder (an output_dir holding "
+                            f"{report.METRICS_FILE}), e.g. treadle report {root.parent}")
+        root = root.parent
     runs = [root] if (root / report.METRICS_FILE).is_file() else sorted(
         p for p in root.iterdir() if (p / report.METRICS_FILE).is_file())
     if not runs:

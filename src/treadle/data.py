@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import Sampler
 
 from treadle import distributed as dist
+from treadle.errors import PreflightError
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -358,6 +359,15 @@ def mask_label_rows(inputs, label_name: str, keep: int):
     return {**inputs, label_name: labels}
 
 
+def require_eval_dataset(args, eval_dataset) -> None:
+    """Refuse, before any work, an ``eval_strategy`` that would evaluate with no evaluation dataset."""
+    if args.eval_strategy != "no" and eval_dataset is None:
+        from treadle.errors import PreflightError
+
+        raise PreflightError(f"eval_strategy={args.eval_strategy!r} but there is no evaluation dataset; give one "
+                             f"(eval_dataset: in a config, eval_dataset= in Python) or set eval_strategy: no")
+
+
 def require_columns(dataset, required: Sequence[str], *, what: str, fix: str = "") -> None:
     """Fail before training when ``dataset`` lacks a column that ``what`` needs."""
     names = column_names(dataset)
@@ -500,9 +510,12 @@ def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir
                         f"Dataset.save_to_disk, or toy:addition)")
     import datasets
 
-    json_rows = lambda: datasets.Dataset.from_list(_read_json_rows(path))  # noqa: E731
-    readers = {".json": json_rows, ".jsonl": json_rows, ".csv": lambda: datasets.Dataset.from_csv(str(path)),
-               ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
+    def from_rows(rows: list[dict]):  # checked before datasets infers (and refuses) a column type
+        check_text_columns(rows, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
+        return datasets.Dataset.from_list(rows)
+
+    readers = {".json": lambda: from_rows(_read_json_rows(path)), ".jsonl": lambda: from_rows(_read_jsonl_rows(path)),
+               ".csv": lambda: _read_csv(path), ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
     if not path.is_dir() and path.suffix not in readers:
         raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "
                          f"or a save_to_disk folder")
@@ -512,12 +525,35 @@ def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir
         raise  # our own message names the file and line already
     except (OSError, ValueError, TypeError) as error:  # corrupt files: datasets raises a variety of types
         raise ValueError(f"cannot read dataset {spec}: {str(error).splitlines()[0]}") from None
-    return _one_split(data, split, spec) if path.is_dir() else data
+    data = _one_split(data, split, spec) if path.is_dir() else data
+    check_text_columns(data, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
+    return data
 
 
-class DatasetFileError(ValueError):
-    """A dataset file that is not what its name says (a JSON line that does not parse, no rows), named with its
-    line."""
+class DatasetFileError(PreflightError):
+    """A dataset file that is not what its name says (a JSON line that does not parse, no rows, a column of the
+    wrong type), named with its line or row."""
+
+
+FIRST_LINE = {".jsonl": 1, ".csv": 2}  # the file line of row 0, where rows are lines (a CSV has a header)
+TEXT_COLUMNS = {"sft": ("prompt", "completion", "text", "messages"), "preference": ("prompt", "chosen", "rejected"),
+                "rl": ("prompt",)}  # per toy-dataset kind: the columns that hold text (or chat messages)
+
+
+def check_text_columns(dataset, columns, *, source: str, first_row: int = 0) -> None:
+    """Refuse a row whose text column holds something else than text or chat messages (a number, null ...),
+    naming ``source``, the row (numbered from ``first_row``: 1 for the lines of a JSONL file) and the column.
+    ``dataset``: a ``datasets.Dataset`` or a list of row dicts."""
+    rows = dataset if isinstance(dataset, list) else None
+    present = [c for c in columns if (rows is not None and any(c in r for r in rows)) or
+               (rows is None and c in (column_names(dataset) or ()))]
+    for column in present:
+        for i, value in enumerate([r.get(column) for r in rows] if rows is not None else dataset[column]):
+            if not (isinstance(value, str) or is_conversation(value)):
+                where = f"line {i + first_row}" if first_row else f"row {i}"
+                what = "nothing (null / empty)" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
+                raise DatasetFileError(f"{source}, {where}: column {column!r} holds {what}, not text (or chat "
+                                       f"messages); fix that row or drop it")
 
 
 def _toy_dataset(spec: str, *, kind: str, split: str):
@@ -544,22 +580,57 @@ def existing_path(spec: str, base_dir: Path) -> Path | None:
 
 
 def _read_json_rows(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    """The rows of a .json file: a list of objects, or one object of equal-length column lists."""
     try:
-        rows = json.loads(text)
-    except json.JSONDecodeError:  # not one document: JSON lines
-        rows = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-    if isinstance(rows, dict):  # {"column": [values]} layout
-        rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not rows:
-        raise DatasetFileError(f"{path} must hold rows: a JSON list of objects, or one JSON object per line")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise DatasetFileError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); a .json dataset is one JSON "
+                               f"document (JSON lines go in a .jsonl file)") from None
+    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        lengths = {k: len(v) for k, v in data.items()}
+        if len(set(lengths.values())) != 1:
+            raise DatasetFileError(f"{path} holds columns of different lengths {lengths}; give every column one "
+                                   f"value per row, or write a list of row objects")
+        data = [dict(zip(data, values)) for values in zip(*data.values())]
+    if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
+        raise DatasetFileError(f"{path} must hold rows: a JSON list of objects ([{{\"prompt\": ...}}, ...]) or an "
+                               f"object of equal-length column lists ({{\"prompt\": [...], ...}}); got "
+                               f"{_shape_of(data)}")
+    return data
+
+
+def _read_jsonl_rows(path: Path) -> list[dict]:
+    """The rows of a .jsonl file: one JSON object per non-empty line, always (a one-line file is one row)."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        if not isinstance(row, dict):
+            raise DatasetFileError(f"{path}:{number}: a JSON lines dataset holds one object per line, got "
+                                   f"{_shape_of(row)}")
+        rows.append(row)
+    if not rows:
+        raise DatasetFileError(f"{path} holds no rows; write one JSON object per line")
     return rows
+
+
+def _shape_of(value) -> str:
+    if isinstance(value, list):
+        return "an empty list" if not value else f"a list of {type(value[0]).__name__}"
+    return "an object that is not columns of lists" if isinstance(value, dict) else type(value).__name__
+
+
+def _read_csv(path: Path):
+    """A CSV file with every column read as text (a CSV has no types: "3" as a completion is text); an empty
+    cell is null, which ``check_text_columns`` refuses in a text column."""
+    import datasets
+    import pandas
+
+    return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=str), preserve_index=False)
 
 
 def _one_split(data, split: str, spec: str):

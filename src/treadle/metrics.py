@@ -182,3 +182,61 @@ def speed_metrics(start_time: float, steps: int, samples: int, state) -> dict[st
     train_loss = state.total_loss_sum / state.total_loss_items if state.total_loss_items else float("nan")
     return {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3), "train_loss": train_loss}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A loss that is not a number
+# ---------------------------------------------------------------------------------------------------------
+NONFINITE_FIX = ("lower learning_rate, keep max_grad_norm > 0 (clipping), check the data (e.g. rows with no "
+                 "loss token), or set skip_nonfinite_steps: N to skip up to N such steps; a checkpoint from before "
+                 "it can be resumed (treadle train CONFIG --resume PATH)")
+
+
+def check_logged_loss(logs: dict[str, float], state) -> None:
+    """Stop (NonFiniteLossError) when the loss logged at ``state.global_step`` is NaN or infinite: nothing is
+    saved after it, and the message names the steps of the logging window."""
+    import math
+
+    from treadle.errors import NonFiniteLossError
+
+    loss = logs.get("loss", logs.get("train_loss"))
+    if loss is None or math.isfinite(loss):
+        return
+    logged = [h["step"] for h in state.log_history if "loss" in h]
+    first = logged[-1] + 1 if logged else 1
+    steps = f"step {state.global_step}" if first >= state.global_step else f"steps {first}-{state.global_step}"
+    raise NonFiniteLossError(f"the training loss became {loss} ({steps}); the run stopped without saving "
+                             f"after it; {NONFINITE_FIX}")
+
+
+def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
+    """Whether the optimizer step now ending must be skipped: its loss (this rank's, or any rank's) is NaN or
+    infinite and ``args.skip_nonfinite_steps`` allows one more skip (counted in ``state``). Past the budget:
+    NonFiniteLossError. One host-device sync per step, only when ``skip_nonfinite_steps`` > 0."""
+    import sys
+
+    from treadle.errors import NonFiniteLossError
+
+    bad = not bool(torch.isfinite(step_loss))
+    if dist.get_world_size() > 1:
+        bad = dist.any_rank(bad, step_loss.device)
+    if not bad:
+        return False
+    step = state.global_step + 1
+    state.nonfinite_steps_skipped += 1
+    if state.nonfinite_steps_skipped > args.skip_nonfinite_steps:
+        raise NonFiniteLossError(f"the training loss was NaN or infinite at step {step}, the "
+                                 f"{state.nonfinite_steps_skipped}th such step (skip_nonfinite_steps="
+                                 f"{args.skip_nonfinite_steps}); {NONFINITE_FIX}")
+    if dist.is_main_process():
+        print(f"treadle: step {step}: the loss is not finite; step skipped ({state.nonfinite_steps_skipped} of "
+              f"skip_nonfinite_steps={args.skip_nonfinite_steps})", file=sys.stderr)
+    return True
+
+
+def as_float(value):
+    """A metric as a float when it is a number (compute_metrics may return anything)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value

@@ -35,7 +35,7 @@ from treadle import distributed as dist
 
 __all__ = ["ForwardSignature", "enable_gradient_checkpointing", "eval_mode", "forward_parameters",
            "forward_signature", "frozen_reference", "causal_lm_problem", "is_causal_lm", "is_peft_model", "is_transformers_model",
-           "load_model", "logits_of", "loss_of", "training_forward_kwargs", "unwrapped_for_generation"]
+           "load_model", "max_positions", "logits_of", "loss_of", "training_forward_kwargs", "unwrapped_for_generation"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -202,6 +202,17 @@ def causal_lm_problem(model: nn.Module) -> str | None:
     return None
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's config says it takes (``max_position_embeddings`` or GPT-2's
+    ``n_positions``), None when it names none."""
+    config = getattr(dist.unwrap_model(model), "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute activations in backward instead of storing them (non-reentrant); turns the KV cache off.
 
@@ -291,6 +302,7 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, trust_remote_code: b
                          f"save_pretrained) or toy:tiny")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model_folder(spec, needs_tokenizer=tokenizer is None)
     options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         if tokenizer is None:
@@ -298,4 +310,53 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, trust_remote_code: b
         model = AutoModelForCausalLM.from_pretrained(spec, **options)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot load a model and tokenizer from {spec}: {str(error).splitlines()[0]}") from None
+    check_vocabulary(model, tokenizer, spec)
     return model, tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_model_folder(path: str, *, needs_tokenizer: bool = True) -> None:
+    """Refuse (ValueError) a model folder without tokenizer files (when no tokenizer is given) or with a
+    truncated ``.safetensors`` file (shorter than its own header says), before transformers reads it."""
+    import os
+
+    names = set(os.listdir(path))
+    if needs_tokenizer and not names & set(TOKENIZER_FILES):
+        raise ValueError(f"model folder {path} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:2])}); save the "
+                         f"tokenizer there too (tokenizer.save_pretrained({path!r}))")
+    for name in sorted(n for n in names if n.endswith(".safetensors")):
+        problem = _safetensors_problem(os.path.join(path, name))
+        if problem:
+            raise ValueError(f"{os.path.join(path, name)} is {problem}; copy or save the model again")
+
+
+def _safetensors_problem(path: str) -> str | None:
+    """What is wrong with a .safetensors file's framing (8-byte header length, JSON header, data), or None."""
+    import json
+    import os
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or 8 + length > size:
+            return f"truncated ({size} bytes, not even its header)"
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            return "not a safetensors file (its header is not JSON)"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    expected = 8 + length + end
+    return f"truncated ({size} bytes of the {expected} its header describes)" if expected > size else None
+
+
+def check_vocabulary(model: nn.Module, tokenizer, where: str = "the model") -> None:
+    """Refuse a tokenizer whose ids go past the model's input embedding (an IndexError at the first forward)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and tokenizer is not None and len(tokenizer) > rows:
+        raise ValueError(f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
+                         f"{rows} rows; use the tokenizer saved with this model, or resize the embedding "
+                         f"(model.resize_token_embeddings(len(tokenizer))) and save both")

@@ -233,13 +233,20 @@ def _import_callable(spec: str, base_dir: Path):
             raise ValueError(f"reward function {spec}: file {file} not found")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except SyntaxError as error:
+            raise ValueError(f"reward function {spec}: {path} line {error.lineno}: {error.msg}; fix the "
+                             f"file") from error
+        except Exception as error:  # the file's own code failed at import: the user's to fix, not treadle's
+            raise ValueError(f"reward function {spec}: importing {path} raised {type(error).__name__}: {error}; fix "
+                             f"the file (--debug shows the traceback)") from error
     else:
         module_name, _, name = spec.rpartition(".")
         try:
             module = importlib.import_module(module_name) if module_name else None
-        except ImportError as error:
-            raise ValueError(f"reward function {spec}: cannot import {module_name} ({error})") from None
+        except (ImportError, SyntaxError) as error:
+            raise ValueError(f"reward function {spec}: cannot import {module_name} ({error})") from error
         if module is None:
             raise ValueError(f"reward function {spec!r} must be a dotted path (package.module.function) or "
                             f"file.py:function")

@@ -33,14 +33,14 @@ import torch
 
 from treadle import checkpoint as ckpt
 from treadle import distributed as dist
-from treadle import models
+from treadle import models, runs
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, PreemptionCallback, PrinterCallback,
                                ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
-                          epoch_batches, eval_batches, plan_steps, seeded_sampler, to_cpu)
-from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, fold_loss, means_of,
-                             record_loss, speed_metrics)
+                          epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, to_cpu)
+from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, as_float, check_logged_loss,
+                             fold_loss, means_of, record_loss, skip_nonfinite_step, speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
 
 
@@ -242,11 +242,17 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------------------
     @dist.rank_errors  # under torchrun an exception names the rank that raised it
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
-        """Train for ``max_steps`` (or ``num_train_epochs``); with ``resume_from_checkpoint`` (True: the
-        newest in output_dir, or a path) continue that run exactly where it stopped."""
+        """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
+        output_dir, or a path) continues that run exactly. The run folder is checked and locked first (runs.py)."""
+        resume_path = ckpt.resolve(resume_from_checkpoint, self.args.output_dir)
+        with runs.claim_run_folder(self.args, resume=resume_path is not None, model=self.model):
+            return self._train(resume_path)
+
+    def _train(self, resume_path: str | None) -> TrainOutput:
         args = self.args
         dist.init_distributed(args.device, args.ddp_timeout)
         ckpt.set_seed(args.seed)
+        require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model))
         dataloader = self.get_train_dataloader()
@@ -256,7 +262,7 @@ class Trainer:
         self.model_wrapped = dist.wrap_model(self.model, args)
         self.create_optimizer()
         self.create_scheduler(max_steps, self.optimizer)
-        self._start_run(steps_per_epoch, max_steps, num_epochs, ckpt.resolve(resume_from_checkpoint, args.output_dir))
+        self._start_run(steps_per_epoch, max_steps, num_epochs, resume_path)
         handler = self.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         handler.train_dataloader = dataloader
@@ -276,7 +282,7 @@ class Trainer:
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
         # a fresh state, loop state and metrics window; then, when resuming, the checkpoint's
         self.state = TrainerState.for_run(self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
-                                          num_train_epochs=num_epochs)
+                                          num_train_epochs=num_epochs, trainer_class=type(self).__name__)
         self.loop = LoopState()
         self.metrics.clear()
         if resume_path is not None:
@@ -323,13 +329,15 @@ class Trainer:
             if not last:
                 self._event("on_substep_end")
         self.loop.micro_batch, self.loop.window_size = None, 1  # a lone training_step after this: one micro-batch
-        record_loss(self.metrics, torch.stack(losses).double().sum(), num_items,
-                    items_are_global=dist.get_world_size() > 1 and self.args.average_tokens_across_devices)
-        self._event("on_pre_optimizer_step")
-        if self.args.max_grad_norm > 0:
-            self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-        self.optimizer.step()
-        self._event("on_optimizer_step")
+        step_loss = torch.stack(losses).double().sum()
+        if not (self.args.skip_nonfinite_steps and skip_nonfinite_step(step_loss, self.state, self.args)):
+            record_loss(self.metrics, step_loss, num_items,
+                        items_are_global=dist.get_world_size() > 1 and self.args.average_tokens_across_devices)
+            self._event("on_pre_optimizer_step")
+            if self.args.max_grad_norm > 0:
+                self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            self.optimizer.step()
+            self._event("on_optimizer_step")
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
@@ -357,6 +365,7 @@ class Trainer:
         logs = fold_loss(self.state, sums.pop("loss"))
         if not logs:
             return  # the window's micro-batches had no loss item (every label masked): nothing to log
+        check_logged_loss(logs, self.state)
         if self.loop.grad_norm is not None:
             logs["grad_norm"] = float(self.loop.grad_norm)
         logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
@@ -371,7 +380,7 @@ class Trainer:
 
     def _finish_training(self, start_step: int, start_time: float) -> TrainOutput:
         if "loss" in self.metrics.names("train"):  # steps not logged yet still count in train_loss
-            fold_loss(self.state, self.metrics.reduce("train")["loss"])
+            check_logged_loss(fold_loss(self.state, self.metrics.reduce("train")["loss"]), self.state)
         args, steps = self.args, self.state.global_step - start_step
         samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * dist.get_world_size()
         metrics = speed_metrics(start_time, steps, samples, self.state)
@@ -379,8 +388,7 @@ class Trainer:
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             ckpt.load_weights(self.model, self.state.best_model_checkpoint)
         self._event("on_train_end")
-        if self.preemption.signal is not None:
-            raise SystemExit(0)  # preempted: the checkpoint is written, the message printed (PreemptionCallback)
+        self.preemption.raise_if_stopped(args, self.state)  # a signal: its checkpoint is written, its message printed
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     # ---- evaluation ---------------------------------------------------------------------------------------
@@ -433,7 +441,7 @@ class Trainer:
         if self.compute_metrics is not None and predictions is not None and label_ids is not None:
             metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
         metrics.update(recorded)
-        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": _as_float(v) for k, v in metrics.items()}
+        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": as_float(v) for k, v in metrics.items()}
         return PredictionOutput(predictions, label_ids, metrics)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
@@ -471,7 +479,7 @@ class Trainer:
 
     def _resume(self, path: str) -> None:
         """Continue the run in ``path`` (weights, optimizer, scheduler, RNG, state, metrics, extra state)."""
-        state = ckpt.resumed_state(path, self.state)
+        state = ckpt.resumed_state(path, self.state, self.args)
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         self.state = state
         self.loop.last_saved_step = state.global_step
@@ -489,10 +497,3 @@ class Trainer:
         """Restore what ``extra_checkpoint_state`` returned, when resuming (after weights, optimizer, RNG,
         ``self.state`` and the metrics window are restored)."""
 
-
-def _as_float(value):
-    """A metric as a float when it is a number (compute_metrics may return anything)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return value

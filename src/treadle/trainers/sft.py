@@ -30,6 +30,7 @@ How this departs from TRL's SFTTrainer (v0.2x):
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +38,9 @@ import torch
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import (column_names, encode_prompts, encode_texts, is_conversation, pad_token_id,
-                          right_padded, split_chat_completion, with_eos)
-from treadle.models import load_model
+from treadle.data import (check_text_columns, column_names, encode_prompts, encode_texts, is_conversation,
+                          pad_token_id, require_eval_dataset, right_padded, split_chat_completion, with_eos)
+from treadle.models import load_model, max_positions
 from treadle.trainer import Trainer
 
 TOKENIZE_CHUNK = 1000  # rows tokenised per tokenizer call: big enough for the fast tokenizer's batching
@@ -78,9 +79,10 @@ class SFTTrainer(Trainer):
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None)):
         args = self.check_args(args)  # needed before super().__init__: the datasets are tokenised first
+        require_eval_dataset(args, eval_dataset)  # before the tokenising, which takes a while
         if isinstance(model, str):
             model, processing_class = self.load_model(model, processing_class, seed=args.seed)
-        self.args = args
+        self.args = args = fit_max_length(args, model)
         self.processing_class = processing_class
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
         eval_dataset = self.prepare_dataset(eval_dataset, "eval") if eval_dataset is not None else None
@@ -113,7 +115,10 @@ class SFTTrainer(Trainer):
             rows = self._pretokenized_rows(dataset)
         else:
             rows = self._tokenize_rows(dataset, columns, name)
-        rows = [self._truncate(ids, mask) for ids, mask in rows]
+        rows = truncate_rows(rows, self.args.max_length, name=name)
+        if self.args.completion_only_loss is False and "prompt" in columns and "input_ids" not in columns:
+            # prompt/completion rows are tokenised with the prompt masked, so that truncation could find it
+            rows = [(ids, [1] * len(ids)) for ids, _ in rows]
         if self.args.packing:
             return Dataset.from_dict(pack_rows(rows, self.args.max_length))
         return Dataset.from_dict({"input_ids": [r[0] for r in rows], "completion_mask": [r[1] for r in rows]})
@@ -129,6 +134,9 @@ class SFTTrainer(Trainer):
             raise ValueError(f"SFTTrainer needs processing_class (a tokenizer) to tokenise the {name} dataset, or "
                              f"a dataset that is already tokenised (an input_ids column)")
         form = dataset_form(columns, self.args.dataset_text_field)
+        text_columns = {"prompt_completion": ("prompt", "completion"), "messages": ("messages",)}
+        check_text_columns(dataset, text_columns.get(form, (self.args.dataset_text_field,)),
+                           source=f"the {name} dataset")
         from tqdm.auto import tqdm
 
         rows: list[tuple[list[int], list[int]]] = []
@@ -143,16 +151,11 @@ class SFTTrainer(Trainer):
 
     def _tokenize_chunk(self, chunk: dict[str, list], form: str) -> list[tuple[list[int], list[int]]]:
         if form == "prompt_completion":
-            return tokenize_prompt_completion(self.processing_class, chunk["prompt"], chunk["completion"],
-                                              completion_only=self.args.completion_only_loss is not False)
+            return tokenize_prompt_completion(self.processing_class, chunk["prompt"], chunk["completion"])
         if form == "messages":
             return tokenize_messages(self.processing_class, chunk["messages"],
                                      assistant_only=self.args.assistant_only_loss)
         return tokenize_text(self.processing_class, chunk[self.args.dataset_text_field])
-
-    def _truncate(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
-        limit = self.args.max_length
-        return (ids[:limit], mask[:limit]) if limit is not None else (ids, mask)
 
     # ---- hooks --------------------------------------------------------------------------------------------
     def signature_columns(self) -> set[str] | None:
@@ -247,6 +250,48 @@ def tokenize_messages(tokenizer, conversations: list, *, assistant_only: bool = 
                              f"{{% endgeneration %}} around assistant turns")
         rows.append((list(ids), mask))
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Length
+# ---------------------------------------------------------------------------------------------------------
+def fit_max_length(args: SFTConfig, model) -> SFTConfig:
+    """``args`` with ``max_length`` capped at the model's maximum positions (a note says so)."""
+    limit = max_positions(model)
+    if limit is None or args.max_length is None or args.max_length <= limit:
+        return args
+    if dist.is_main_process():
+        print(f"treadle: max_length={args.max_length} is more than the {limit} positions {type(model).__name__} "
+              f"takes; using max_length={limit}", file=sys.stderr)
+    return args.replace(max_length=limit)
+
+
+def truncate_rows(rows: list[tuple[list[int], list[int]]], max_length: int | None, *,
+                  name: str = "train") -> list[tuple[list[int], list[int]]]:
+    """Rows of at most ``max_length`` tokens. A row that begins with tokens without loss (a prompt) loses tokens
+    from the prompt's left, so that what carries the loss survives whole; a row whose loss part alone is longer
+    than ``max_length`` is refused (ValueError naming it). Other rows (text) keep their start. One note on
+    stderr counts the rows cut."""
+    if max_length is None:
+        return rows
+    out, cut, too_long = [], 0, []
+    for i, (ids, mask) in enumerate(rows):
+        if len(ids) <= max_length:
+            out.append((ids, mask))
+            continue
+        cut += 1
+        prompt = next((j for j, m in enumerate(mask) if m), 0)  # leading tokens without loss; 0: none (or no loss)
+        start = len(ids) - max_length if prompt else 0
+        if prompt and start > prompt:
+            too_long.append(f"row {i}: {len(ids) - prompt} completion tokens")
+        out.append((ids[start:start + max_length], mask[start:start + max_length]))
+    if too_long:
+        raise ValueError(f"{len(too_long)} {name} rows have a completion longer than max_length={max_length} by "
+                         f"itself ({'; '.join(too_long[:3])}); raise max_length or shorten those completions")
+    if cut and dist.is_main_process():
+        print(f"treadle: {cut} of {len(rows)} {name} rows are longer than max_length={max_length}: cut to it, prompts "
+              f"from the left (the completion stays whole), text rows at the end", file=sys.stderr)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
