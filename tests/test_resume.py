@@ -26,6 +26,7 @@ import _resume_worker as worker
 from treadle import checkpoint as ckpt
 from treadle.callbacks import TrainerCallback
 from treadle.data import SeededSampler
+from treadle.errors import Interrupted, Preempted
 from treadle.trainer import Trainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
@@ -155,9 +156,13 @@ class _SignalSelf(TrainerCallback):
         self.train_end_steps.append(state.global_step)
 
 
-@pytest.mark.parametrize("signum, save_only_model", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+@pytest.mark.parametrize("signum, save_only_model, raised", [(signal.SIGTERM, False, Preempted),
+                                                             (signal.SIGINT, True, Interrupted)],
                          ids=["SIGTERM", "Ctrl-C with save_only_model"])
-def test_a_signal_mid_step_checkpoints_that_step_and_exits_0(tmp_path, reference, capsys, signum, save_only_model):
+def test_a_signal_mid_step_checkpoints_that_step_then_raises(tmp_path, reference, capsys, signum, save_only_model,
+                                                             raised):
+    """SIGTERM raises Preempted (a SystemExit with code 143), Ctrl-C Interrupted (a KeyboardInterrupt): never a
+    SystemExit(0) that would tell a script or an orchestrator the run had finished."""
     out = str(tmp_path / "run")
     sender = _SignalSelf(4, signum)
     handler_before = signal.getsignal(signum)
@@ -166,11 +171,13 @@ def test_a_signal_mid_step_checkpoints_that_step_and_exits_0(tmp_path, reference
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as worker.run, to compare with the reference
     try:
-        with pytest.raises(SystemExit) as stopped:
+        with pytest.raises(raised) as stopped:
             trainer.train()
     finally:
         torch.set_num_threads(threads)
-    assert stopped.value.code == 0
+    assert stopped.value.exit_status == 128 + signum and stopped.value.step == 4
+    assert stopped.value.checkpoint == os.path.join(out, "checkpoint-4")
+    assert (stopped.value.code == 143) if signum == signal.SIGTERM else not isinstance(stopped.value, SystemExit)
     assert sender.train_end_steps == [4]  # on_train_end fired after step 4, no step 5 begun
     assert signal.getsignal(signum) is handler_before  # the Trainer's handler is gone
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [4]
@@ -350,9 +357,9 @@ def test_sigkill_during_a_save_leaves_earlier_checkpoints_and_no_complete_folder
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_step_saves_and_exits_cleanly(interrupted):
+def test_sigterm_finishes_the_step_saves_and_exits_143(interrupted):
     term = interrupted["term"]
-    assert term["returncode"] == 0
+    assert term["returncode"] == 143  # 128 + SIGTERM: an orchestrator sees a preempted job, not a finished one
     assert term["first"]["steps"] == [1, 2, 3, 4, 5, 6, 7]  # step 7 was finished, no step 8 begun
     assert term["first"]["train_end_step"] == 7  # on_train_end fired
     assert term["checkpoints"] == [3, 6, 7]
