@@ -185,7 +185,7 @@ def test_model_vocabulary_smaller_than_the_tokenizer(work, model_dir):
                                             ("1 / 0\n", "raised ZeroDivisionError: division by zero")])
 def test_reward_file_that_does_not_import(work, source, needle):
     (work / "rewards.py").write_text(source)
-    config = write_config(work, trainer="grpo", reward_funcs=["rewards.py:reward"])
+    config = write_config(work, trainer="grpo", reward_funcs=["rewards.py:reward"], num_generations=2)
     assert needle in error_line(treadle("train", config, cwd=work))
 
 
@@ -357,3 +357,23 @@ def test_truncation_keeps_the_completion_and_cuts_the_prompt_from_the_left(capsy
     assert "2 of 3 train rows are longer than max_length=4" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"1 train rows have a completion longer than max_length=1 by itself"):
         truncate_rows(rows[:1], 1)
+
+
+def test_skip_nonfinite_steps_skips_within_its_budget_then_stops(capsys):
+    import torch
+
+    from treadle.callbacks import TrainerState
+    from treadle.errors import NonFiniteLossError
+    from treadle.metrics import skip_nonfinite_step
+
+    args, state = TrainingArgumentsStub(skip_nonfinite_steps=1), TrainerState(global_step=4)
+    assert skip_nonfinite_step(torch.tensor(1.5), state, args) is False
+    assert skip_nonfinite_step(torch.tensor(float("inf")), state, args) is True
+    assert "step 5: the loss is not finite; step skipped (1 of skip_nonfinite_steps=1)" in capsys.readouterr().err
+    with pytest.raises(NonFiniteLossError, match=r"NaN or infinite at step 5: 2 such steps, more than skip_nonfinite_steps=1"):
+        skip_nonfinite_step(torch.tensor(float("nan")), state, args)
+
+
+class TrainingArgumentsStub:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)

@@ -246,10 +246,10 @@ def plan_steps(dataloader, args) -> tuple[int, int, int]:
         batches = len(dataloader)
     except TypeError:
         if args.max_steps <= 0:
-            raise ValueError("the training dataset has no length (an iterable dataset): set max_steps") from None
+            raise PreflightError("the training dataset has no length (an iterable dataset): set max_steps") from None
         return args.max_steps, args.max_steps, 1
     if batches == 0:
-        raise ValueError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
+        raise PreflightError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
                          f"{dataloader.batch_size} and drop_last={dataloader.drop_last}")
     steps_per_epoch = math.ceil(batches / accum)
     if args.max_steps > 0:
@@ -263,7 +263,7 @@ def check_first_batch(dataloader, label_names: Sequence[str] | None = None) -> N
     its loss from labels)."""
     dataset = dataloader.dataset
     if hasattr(dataset, "__len__") and len(dataset) == 0:
-        raise ValueError("the training dataset is empty")
+        raise PreflightError("the training dataset is empty; give it rows")
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         return  # an iterable dataset: its first batch fails on its own, in the loop
     rows = [dataset[i] for i in range(min(2, len(dataset)))]
@@ -271,10 +271,10 @@ def check_first_batch(dataloader, label_names: Sequence[str] | None = None) -> N
         batch = dataloader.collate_fn(rows)
     except Exception as e:
         columns = column_names(dataset) or (list(rows[0]) if isinstance(rows[0], dict) else "?")
-        raise ValueError(f"the data collator failed on the first training rows (columns: {columns}): "
+        raise PreflightError(f"the data collator failed on the first training rows (columns: {columns}): "
                          f"{type(e).__name__}: {e}") from e
     if label_names and isinstance(batch, dict) and not any(k in batch for k in label_names):
-        raise ValueError(f"the model needs {list(label_names)} to compute its loss but the training batches only "
+        raise PreflightError(f"the model needs {list(label_names)} to compute its loss but the training batches only "
                          f"have {sorted(batch)}; add a labels column (for causal LMs, labels = input_ids with "
                          f"-100 on ignored tokens), or override compute_loss")
 

@@ -225,9 +225,9 @@ def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
     step = state.global_step + 1
     state.nonfinite_steps_skipped += 1
     if state.nonfinite_steps_skipped > args.skip_nonfinite_steps:
-        raise NonFiniteLossError(f"the training loss was NaN or infinite at step {step}, the "
-                                 f"{state.nonfinite_steps_skipped}th such step (skip_nonfinite_steps="
-                                 f"{args.skip_nonfinite_steps}); {NONFINITE_FIX}")
+        raise NonFiniteLossError(f"the training loss was NaN or infinite at step {step}: "
+                                 f"{state.nonfinite_steps_skipped} such steps, more than skip_nonfinite_steps="
+                                 f"{args.skip_nonfinite_steps} allows; {NONFINITE_FIX}")
     if dist.is_main_process():
         print(f"treadle: step {step}: the loss is not finite; step skipped ({state.nonfinite_steps_skipped} of "
               f"skip_nonfinite_steps={args.skip_nonfinite_steps})", file=sys.stderr)
