@@ -273,8 +273,9 @@ def test_overwrite_output_dir_deletes_exactly_the_run_files(work, earlier_run):
     (work / "run" / "notes.txt").write_text("mine")
     result = treadle("train", write_config(work, max_steps=1, overwrite_output_dir=True), cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "overwrite_output_dir: deleting 16 entries of the earlier run in run: checkpoint-1, checkpoint-2, " \
-           in result.stderr
+    (deleted,) = [line for line in result.stderr.splitlines() if "overwrite_output_dir: deleting" in line]
+    assert "entries of the earlier run in run: checkpoint-1, checkpoint-2, config.json, " in deleted
+    assert "metrics.jsonl, model.safetensors, plots, tokenizer.json" in deleted and "notes.txt" not in deleted
     assert (work / "run" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in (work / "run").glob("checkpoint-*")) == ["checkpoint-1"]
 
