@@ -378,3 +378,12 @@ def test_skip_nonfinite_steps_skips_within_its_budget_then_stops(capsys):
 class TrainingArgumentsStub:
     def __init__(self, **fields):
         self.__dict__.update(fields)
+
+
+def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
+    """Root (as in CI containers) writes anywhere, so the permission answer is faked: the rule is what counts."""
+    from treadle import runs
+
+    monkeypatch.setattr(runs.os, "access", lambda path, mode: False)
+    with pytest.raises(runs.RunFolderError, match=r"output_dir .*/new/run is not writable \(.* refuses writes\)"):
+        runs.check_run_folder(str(tmp_path / "new" / "run"), resume=False)
