@@ -83,7 +83,8 @@ def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
         path = latest_checkpoint(output_dir)
         if path is None:
             raise CheckpointError(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
-                                  f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming")
+                                  f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming (with "
+                                  f"overwrite_output_dir: true if the folder holds an earlier run's files)")
         return path
     path = str(resume_from_checkpoint)
     if not os.path.isdir(path):
