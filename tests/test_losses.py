@@ -274,8 +274,9 @@ def test_grpo_ratio_one_gradient_is_reinforce():
     torch.testing.assert_close(logps.grad, -adv[:, None] * mask / 30)
 
 
-def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, normalizer, length):
-    """Token-by-token plain-Python version of the documented formula."""
+def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, normalizer, length,
+                    bias_correction=True):
+    """Token-by-token plain-Python version of the documented formula (the k3 term times r when bias-corrected)."""
     B, T = len(logps), len(logps[0])
     per_seq, total, count = [], 0.0, 0
     for b in range(B):
@@ -288,7 +289,7 @@ def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_ty
             a = adv[b]
             value = -min(r * a, min(max(r, 1 - eps_low), 1 + eps_high) * a)
             d = ref[b][j] - logps[b][j]
-            value += beta * (math.exp(d) - d - 1)
+            value += beta * (math.exp(d) - d - 1) * (r if bias_correction else 1.0)
             seq += value
         per_seq.append(seq / max(n, 1))
         total += seq
@@ -302,8 +303,9 @@ def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_ty
     return total / (normalizer or count)
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_grpo_matches_plain_reference(loss_type):
+def test_grpo_matches_plain_reference(loss_type, bias_correction):
     g = torch.Generator().manual_seed(3)
     logps = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
     old = logps + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.3
@@ -311,9 +313,10 @@ def test_grpo_matches_plain_reference(loss_type):
     adv = torch.randn(3, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     loss, _ = grpo_loss(logps, adv, mask, old_logps=old, ref_logps=ref, beta=0.05, epsilon_low=0.1,
-                        epsilon_high=0.25, loss_type=loss_type, max_completion_length=7)
+                        epsilon_high=0.25, loss_type=loss_type, max_completion_length=7,
+                        use_bias_correction_kl=bias_correction)
     expected = _reference_grpo(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
-                               0.05, 0.1, 0.25, loss_type, None, 7)
+                               0.05, 0.1, 0.25, loss_type, None, 7, bias_correction)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
 
 
