@@ -318,6 +318,24 @@ def sft_loss(chosen_logps_sum: Tensor, chosen_token_counts: Tensor) -> Tensor:
     return -chosen_logps_sum / counts
 
 
+def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *, margin: Tensor | None = None,
+                       center_rewards_coefficient: float | None = None) -> Tensor:
+    """Per-pair reward-model loss ``(B,)``: ``-logσ(r_c - r_r - margin) + c (r_c + r_r)²`` (Bradley–Terry, with
+    the optional ``margin`` ``(B,)`` of Llama 2 and the centring term of https://arxiv.org/abs/2312.09244).
+
+    >>> bradley_terry_loss(torch.tensor([0.0]), torch.tensor([0.0])).tolist()  # log 2 for a tie
+    [0.6931471824645996]
+    """
+    _check_same_shape(chosen_rewards=chosen_rewards, rejected_rewards=rejected_rewards)
+    difference = chosen_rewards - rejected_rewards  # (B,)
+    if margin is not None:
+        difference = difference - margin.to(difference.dtype)
+    losses = -F.logsigmoid(difference)
+    if center_rewards_coefficient is not None:
+        losses = losses + center_rewards_coefficient * (chosen_rewards + rejected_rewards) ** 2
+    return losses
+
+
 # ------------------------------------------------------------------------------------------ GRPO family
 
 
@@ -576,7 +594,7 @@ def _policy_term(loss_type: str, ratio: Tensor, adv: Tensor, safe_logps: Tensor,
         flags = (ratio.detach() > epsilon_high) & (adv > 0)
         return -weight * adv * safe_logps, {"cispo_clip_ratio": _fraction(flags, mask)}
     if loss_type == "sapo":  # soft gate: sigma(tau (r - 1)) * 4 / tau has value 1 and slope 1 at r = 1
-        tau = torch.where(adv > 0, tau_pos, tau_neg)  # (B, 1)
+        tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # (B, 1), adv's dtype
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, {}
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     if delta is not None:  # two-sided clipping: cap the unclipped ratio too (after the clipped one is taken)

@@ -58,8 +58,8 @@ from torch import Tensor
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import (column_names, encode_prompt, encode_texts, is_conversation, long_tensor, pad_token_id,
-                          require_columns, split_chat_completion, with_eos)
+from treadle.data import (column_names, encode_prompt_responses, is_conversation, long_tensor, pad_token_id,
+                          require_columns)
 from treadle.logprobs import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.models import eval_mode, frozen_reference, is_peft_model
@@ -226,11 +226,8 @@ def _tokenize_texts(tokenizer, prompt, chosen, rejected, index: int) -> tuple[li
         raise ValueError(f"row {index}: prompt, chosen and rejected must all be text or all be lists of chat "
                          f"messages, got {type(prompt).__name__}, {type(chosen).__name__}, "
                          f"{type(rejected).__name__}")
-    responses = [split_chat_completion(tokenizer, prompt, r)[1] if chat else r for r in (chosen, rejected)]
-    chosen_ids, rejected_ids = encode_texts(tokenizer, responses, special_tokens=False)
-    if not chat:  # a chat response ends the way the template ends an assistant turn
-        chosen_ids, rejected_ids = (with_eos(ids, tokenizer.eos_token_id) for ids in (chosen_ids, rejected_ids))
-    return encode_prompt(tokenizer, prompt), chosen_ids, rejected_ids
+    prompt_ids, (chosen_ids, rejected_ids) = encode_prompt_responses(tokenizer, prompt, (chosen, rejected))
+    return prompt_ids, chosen_ids, rejected_ids
 
 
 def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], index: int, *, max_length,
