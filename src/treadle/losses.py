@@ -241,10 +241,12 @@ def ld_token_weights(chosen_mask: Tensor, rejected_mask: Tensor, ld_alpha: float
     >>> c.tolist(), r.tolist()
     ([[1.0, 0.5, 0.5]], [[1.0, 0.0, 0.0]])
     """
+    dtype = chosen_mask.dtype if chosen_mask.is_floating_point() else torch.get_default_dtype()
+
     def weights(mask: Tensor, shared: Tensor) -> Tensor:
         position = mask.cumsum(dim=1)  # (B, T) 1-based index among completion tokens
         inside = mask.bool()
-        return torch.where(inside & (position <= shared), 1.0, torch.where(inside, float(ld_alpha), 0.0))
+        return (inside & (position <= shared)).to(dtype) + ld_alpha * (inside & (position > shared)).to(dtype)
 
     shared = torch.minimum(chosen_mask.sum(dim=1), rejected_mask.sum(dim=1)).unsqueeze(1)  # (B, 1)
     return weights(chosen_mask, shared), weights(rejected_mask, shared)
