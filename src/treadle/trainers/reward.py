@@ -107,6 +107,11 @@ class RewardTrainer(Trainer):
                                                                                 len(row[ID_COLUMNS[2]])) <= limit)
         return dataset
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        if eval_dataset is not None:
+            eval_dataset = self.prepare_dataset(eval_dataset, "eval")
+        return super().get_eval_dataloader(eval_dataset)
+
     def signature_columns(self) -> set[str]:
         return set(ID_COLUMNS) | {"margin"}
 
