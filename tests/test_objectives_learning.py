@@ -129,3 +129,39 @@ def test_trainer_wpo_weights_and_ld_sums_equal_a_full_softmax_by_hand(tmp_path, 
                                rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(torch.cat(scores.logps).double(), ld, rtol=1e-4, atol=1e-5)
     assert not torch.equal(lengths[:4], lengths[4:])  # the pairs differ in length: the tails count
+
+
+def test_configs_validate_the_table_and_keep_trls_shapes(tmp_path):
+    out = str(tmp_path)
+    assert DPOConfig(output_dir=out).loss_type == ["sigmoid"]  # a list after __post_init__, as TRL
+    args = DPOConfig.from_mapping({"output_dir": out, "loss_type": ["sigmoid", "sft"], "loss_weights": [1, 0.5]})
+    assert args.loss_type == ["sigmoid", "sft"] and args.loss_weights == [1, 0.5]
+    for fields, message in [(dict(loss_type=["sigmoid", "nope"]), "loss_type='nope'"),
+                            (dict(loss_type=["sigmoid"], loss_weights=[1.0, 2.0]), "loss_weights"),
+                            (dict(ld_alpha=1.5), "ld_alpha"), (dict(f_divergence_type="kl"), "f_divergence_type"),
+                            (dict(loss_type="aot", use_weighting=True), "use_weighting")]:
+        with pytest.raises(ValueError, match=message):
+            DPOConfig(output_dir=out, **fields)
+    grpo = GRPOConfig(output_dir=out)
+    assert (grpo.importance_sampling_level, grpo.use_bias_correction_kl, grpo.sapo_temperature_neg,
+            grpo.multi_objective_aggregation, grpo.advantage_estimator) == ("token", True, 1.05,
+                                                                            "sum_then_normalize", "grpo")
+    for fields, message in [(dict(importance_sampling_level="batch"), "importance_sampling_level"),
+                            (dict(multi_objective_aggregation="mean"), "multi_objective_aggregation"),
+                            (dict(advantage_estimator="ppo"), "advantage_estimator"),
+                            (dict(advantage_estimator="rloo", multi_objective_aggregation="normalize_then_sum"),
+                             "GDPO"),
+                            (dict(loss_type="vespo"), "loss_type"), (dict(top_entropy_quantile=2.0), "top_entropy")]:
+        with pytest.raises(ValueError, match=message):
+            GRPOConfig(output_dir=out, **fields)
+    with pytest.warns(UserWarning, match="epsilon_high=5.0"):
+        GRPOConfig(output_dir=out, loss_type="cispo")
+
+
+def test_grpo_trainer_counts_cispo_items_as_tokens_and_sapo_items_as_completions(tmp_path, tok):
+    inputs = {"completion_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])}
+    for loss_type, items in (("cispo", 5), ("sapo", 2), ("dapo", 5), ("grpo", 2), ("bnpo", None)):
+        args = GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, epsilon_high=5.0, num_generations=2,
+                          per_device_train_batch_size=2)
+        trainer = GRPOTrainer(toy.build_model("tiny", tokenizer=tok), digits, args=args, processing_class=tok)
+        assert trainer.count_items(inputs) == items, loss_type
