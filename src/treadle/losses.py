@@ -384,7 +384,8 @@ def group_advantages(
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; valid: {', '.join(SCALE_REWARDS)}")
     if advantage_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage_estimator {advantage_estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(f"unknown advantage_estimator {advantage_estimator!r}; "
+                         f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
     rewards = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32))
     grouped = rewards.view(-1, num_generations)  # (N/G, G)
     group_mean = grouped.mean(dim=1, keepdim=True)  # (N/G, 1)

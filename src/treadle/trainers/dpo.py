@@ -120,7 +120,7 @@ class DPOConfig(TrainingArguments):
     ld_alpha: float | None = None  # LD-DPO: weight in [0, 1] of tokens past the shorter response; None: plain sums
     use_weighting: bool = False  # WPO: weigh each pair by the policy's probability of it (one extra no-grad forward)
     discopop_tau: float = 0.05  # τ of loss_type="discopop" (the paper's 0.05)
-    f_divergence_type: str = "reverse_kl"  # f-DPO: "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
+    f_divergence_type: str = "reverse_kl"  # f-DPO "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
     f_alpha_divergence_coef: float = 0.5  # α of "alpha_divergence"
 
     def __post_init__(self) -> None:

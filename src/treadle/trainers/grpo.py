@@ -123,12 +123,12 @@ class GRPOConfig(TrainingArguments):
 
     # --- objective table (issue 17): names and defaults of TRL 1.16's GRPOConfig; see docs/grpo.md
     importance_sampling_level: str = "token"  # "token", or "sequence": one ratio per sequence (GSPO)
-    delta: float | None = None  # two-sided clip: cap the ratio at delta (> 1 + epsilon_high) also for A < 0 (INTELLECT-2)
+    delta: float | None = None  # two-sided clip: also cap the ratio at delta (> 1 + epsilon_high) when A < 0
     sapo_temperature_pos: float = 1.0  # τ of SAPO's soft gate for A > 0 (loss_type="sapo")
     sapo_temperature_neg: float = 1.05  # τ of SAPO's soft gate for A <= 0
-    top_entropy_quantile: float = 1.0  # ρ: only the top-ρ tokens by entropy carry the policy loss (paper 0.2); 1.0 all
-    off_policy_mask_threshold: float | None = None  # δ: drop A < 0 sequences that drifted > δ from the sampler (e.g. 0.5)
-    use_bias_correction_kl: bool = True  # k3 term times the ratio: the unbiased KL gradient (DeepSeek-V3.2; TRL default)
+    top_entropy_quantile: float = 1.0  # ρ: only the top-ρ tokens by entropy carry the policy loss (paper: 0.2)
+    off_policy_mask_threshold: float | None = None  # δ: drop A < 0 sequences that drifted > δ from the sampler
+    use_bias_correction_kl: bool = True  # k3 term times the ratio: the unbiased KL gradient (DeepSeek-V3.2)
     multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum": per-reward normalisation (GDPO)
     advantage_estimator: str = "grpo"  # baseline: "grpo" the group mean, "rloo" the mean of the other G - 1 rewards
 
