@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from matplotlib.figure import Figure
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"  # GRPO's sampled completions (log_completions=True), one JSON record a line
 TRAINING_KEYS = ("loss", "learning_rate", "grad_norm", "mean_token_accuracy")
 RL_PREFIXES = ("reward", "frac_reward", "kl", "entropy", "clip_ratio", "completions/", "logps/", "logits/")
 SUMMARY_PREFIXES = ("train_", "total_flos")  # one value at the end of a run: a table row, not a plot
