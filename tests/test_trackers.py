@@ -18,7 +18,8 @@ import pytest
 
 from treadle import toy
 from treadle.arguments import TrainingArguments
-from treadle.trackers import TRACKERS, completions_table, is_installed, resolve_report_to, tracker_callbacks
+from treadle.report import completions_table
+from treadle.trackers import TRACKERS, is_installed, resolve_report_to, tracker_callbacks
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
 # Trackio reads its folder once, when first imported: point it at a temporary one before anything imports it
@@ -60,16 +61,6 @@ def test_wandb_log_model_end_is_refused(monkeypatch):
     monkeypatch.setenv("WANDB_LOG_MODEL", "end")
     with pytest.raises(ValueError, match="unset it, or use WANDB_LOG_MODEL=checkpoint"):
         tracker_callbacks(["wandb"])
-
-
-def test_completions_table_has_a_column_per_reward():
-    records = [{"step": 0, "prompt": "1+1=", "completion": "2", "rewards": {"a": 1.0, "b": None}, "advantage": 0.5},
-               {"step": 1, "prompt": [{"role": "user", "content": "hi"}], "completion": "x",
-                "rewards": {"a": 0.0, "b": 2.0}, "advantage": -0.5}]
-    columns, rows = completions_table(records)
-    assert columns == ["step", "prompt", "completion", "a", "b", "advantage"]
-    assert rows == [[0, "1+1=", "2", 1.0, None, 0.5],
-                    [1, '[{"role": "user", "content": "hi"}]', "x", 0.0, 2.0, -0.5]]
 
 
 # ------------------------------------------------------------------------------------------ one real run

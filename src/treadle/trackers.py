@@ -26,6 +26,7 @@ import json
 import os
 
 from treadle.callbacks import TrainerCallback
+from treadle.report import COMPLETIONS_FILE, completions_table, plot_run
 
 # report_to name -> (module that must import, pip package, transformers callback); the order "all" lists them in
 TRACKERS = {
@@ -108,8 +109,6 @@ class TrackerMedia(TrainerCallback):
     def _new_completions(self, output_dir: str, step: int) -> list[dict]:
         """The completions.jsonl records sampled in [tabled_step, step) (a record's step is the global step
         before the optimizer step that trains on it)."""
-        from treadle.report import COMPLETIONS_FILE
-
         path = os.path.join(output_dir, COMPLETIONS_FILE)
         if not os.path.exists(path):
             return []
@@ -131,28 +130,12 @@ class TrackerMedia(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
-        from treadle.report import plot_run
-
         try:
             paths = plot_run(args.output_dir)
         except ValueError:  # nothing logged: no plots
             return
         for name, callback in self.trackers.items():
             SENDERS[name].images(callback, paths, state.global_step)
-
-
-def completions_table(records: list[dict]) -> tuple[list[str], list[list]]:
-    """(columns, rows) of completions.jsonl records: step, prompt, completion, one column per reward function,
-    advantage. A chat prompt or completion (a list of messages) is written as JSON."""
-    rewards = list(dict.fromkeys(name for r in records for name in r.get("rewards", {})))
-    columns = ["step", "prompt", "completion", *rewards, "advantage"]
-    rows = [[r.get("step"), _text(r.get("prompt")), _text(r.get("completion")),
-             *(r.get("rewards", {}).get(name) for name in rewards), r.get("advantage")] for r in records]
-    return columns, rows
-
-
-def _text(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
