@@ -307,3 +307,12 @@ def test_overlay_page_lists_last_values_and_the_arguments_that_differ(tmp_path):
     assert "<tr><td class=t>loss</td><td class=n>0.5</td><td class=n>1</td></tr>" in page
     assert "<tr><td class=t>learning_rate</td><td class=n>0.001</td><td class=n>0.0003</td></tr>" in page
     assert "<td class=t>seed</td>" not in page  # the same in both runs
+
+
+def test_an_overlay_names_a_metric_unchanged_in_every_run_once():
+    steps = [1, 2]
+    panels = {"kl": {"a: kl": (steps, [0.0, 0.0]), "b: kl": (steps, [0.0, 0.0])},
+              "lr": {"a: lr": (steps, [1.0, 1.0]), "b: lr": (steps, [2.0, 2.0])}}
+    figure = report.build_figure("t", panels, runs=["a", "b"])
+    text = " ".join(figure.get_supxlabel().split())
+    assert text == "unchanged over the run: kl = 0 (2 logs, every run); a: lr = 1 (2 logs); b: lr = 2 (2 logs)"

@@ -121,7 +121,8 @@ def panel_layout(series: Series) -> dict[str, dict[str, list[str]]]:
             if total in series:
                 grouped[key] = total
     overlaid = {f"eval_{key}" for key in series if not key.startswith("eval_") and f"eval_{key}" in series}
-    for key in [k for k in TRAINING_KEYS if k in series] + [k for k in series if k not in TRAINING_KEYS]:
+    first = [k for k in (*TRAINING_KEYS, "reward", "reward_std") if k in series]  # the panels people look at first
+    for key in first + [k for k in series if k not in first]:
         if key.startswith(SUMMARY_PREFIXES) or key in overlaid:
             continue
         figure = ("training" if key in TRAINING_KEYS else "eval" if key.startswith("eval_")
@@ -201,8 +202,8 @@ def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, run
     if not panels:
         raise ValueError("build_figure needs at least one panel")
     drawn = {name: lines for name, lines in panels.items() if not all(map(_is_constant, lines.values()))}
-    unchanged = [_constant_text(label, values) for name, lines in panels.items() if name not in drawn
-                 for label, (_, values) in lines.items()]
+    unchanged = _unchanged_text([(label, values) for name, lines in panels.items() if name not in drawn
+                                 for label, (_, values) in lines.items()], runs)
     columns = max(1, min(columns, len(drawn)))
     rows = math.ceil(len(drawn) / columns)
     figure = Figure(figsize=(4.6 * columns, 3.3 * rows + 0.6 + 0.25 * len(unchanged) // 3) if drawn
@@ -228,8 +229,18 @@ def _is_constant(line: tuple[list[float], list[float]]) -> bool:
     return all(v == values[0] or (math.isnan(v) and math.isnan(values[0])) for v in values)
 
 
-def _constant_text(label: str, values: list[float]) -> str:
-    return f"{label} = {values[0]:.4g} ({len(values)} log{'s' if len(values) > 1 else ''})"
+def _unchanged_text(lines: list[tuple[str, list[float]]], runs: list[str] | None) -> list[str]:
+    """"kl = 0 (12 logs)" per unchanged series; in an overlay, one "(..., every run)" for a metric the same in all."""
+    texts = []
+    for label, values in lines:
+        metric, shown = _metric(label, runs), f"{values[0]:.4g} ({len(values)} log{'s' if len(values) > 1 else ''}"
+        same = [v for lab, v in lines if _metric(lab, runs) == metric and v[0] == values[0] and len(v) == len(values)]
+        if runs and len(same) == len(runs):
+            text = f"{metric} = {shown}, every run)"
+        else:
+            text = f"{label} = {shown})"
+        texts += [text] if text not in texts else []
+    return texts
 
 
 def _wrap(text: str, width: int) -> str:
@@ -408,7 +419,7 @@ def write_html(run_dir: str | Path, *, plots: list[Path] | None = None, completi
     events = read_events(path)
     plots = plot_run(path) if plots is None else plots
     name = path.parent.name
-    rows = [[key, count, *(_fmt(v) for v in values)] for key, count, *values in summary_rows(collect_series(events))]
+    rows = [list(row) for row in summary_rows(collect_series(events))]
     sections = [f"<p class=note>{html.escape(str(path))}: {_span(events)}</p>",
                 "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
                 "<h2>Summary</h2>" + _table(["metric", "count", "first", "last", "min", "max"], rows)]
@@ -433,7 +444,7 @@ def write_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     labels = [_run_label(Path(d), run_dirs) for d in run_dirs]
     series = [collect_series(read_events(d)) for d in run_dirs]
     metrics = list(dict.fromkeys(key for s in series for key in s))
-    last = [[key, *(_fmt(s[key][1][-1]) if key in s else "" for s in series)] for key in metrics]
+    last = [[key, *(s[key][1][-1] if key in s else None for s in series)] for key in metrics]
     configs = [read_config(d) or {} for d in run_dirs]
     keys = list(dict.fromkeys(k for c in configs for k in c))
     differ = [[k, *(_value(c.get(k, "")) for c in configs)] for k in keys
@@ -467,13 +478,13 @@ def _table(columns: list[str], rows: list[list]) -> str:
 def _cell(value: Any) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"<td class=n>{_fmt(value)}</td>"
-    text = "" if value is None else str(value)
-    numeric = text.replace(".", "", 1).replace("-", "", 1).replace("e", "", 1).isdigit()
-    return f"<td class={'n' if numeric else 't'}>{html.escape(text)}</td>"
+    return f"<td class=t>{html.escape('' if value is None else str(value))}</td>"
 
 
-def _value(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+def _value(value: Any) -> Any:
+    """A config value for a table cell: a number as itself, anything else as it reads in JSON."""
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return value if numeric or isinstance(value, str) else json.dumps(value)
 
 
 def _fmt(value: float) -> str:
