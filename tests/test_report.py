@@ -112,7 +112,12 @@ def test_eval_loss_is_drawn_dashed_in_the_loss_panel(tmp_path):
     train, evaluation = axes.get_lines()
     assert list(train.get_ydata()) == LOSS and list(evaluation.get_ydata()) == EVAL_LOSS
     assert list(evaluation.get_xdata()) == [2, 4] and evaluation.get_linestyle() == "--"
-    assert train.get_color() == evaluation.get_color()  # one metric, one colour
+    assert train.get_color() != evaluation.get_color()  # a lone pair: two colours
+    # with several metrics in a panel (GRPO's rewards), each metric has one colour, its evaluation dashed
+    figure = report.build_figure("t", {"reward": {"reward": ([1, 2], [0.0, 1.0]), "eval_reward": ([2], [0.5]),
+                                                  "rewards/a/mean": ([1, 2], [1.0, 0.0])}})
+    total, total_eval, function = figure.axes[0].get_lines()
+    assert total.get_color() == total_eval.get_color() != function.get_color()
     assert [t.get_text() for t in axes.get_legend().get_texts()] == ["loss", "eval_loss"]
 
 

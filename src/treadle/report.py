@@ -263,8 +263,10 @@ def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
     bases = list(dict.fromkeys(_base(label, runs) for label in lines))
     for label, (steps, values) in lines.items():
         run = label.split(": ", 1)[0] if runs else None
-        colour = colours[(runs.index(run) if runs else bases.index(_base(label, runs))) % len(colours)]
-        style = "--" if _metric(label, runs).startswith("eval_") else "-"
+        evaluation = _metric(label, runs).startswith("eval_")
+        index = runs.index(run) if runs else bases.index(_base(label, runs)) + (evaluation and len(bases) == 1)
+        colour = colours[index % len(colours)]  # a lone training / eval pair in two colours, else one per metric
+        style = "--" if evaluation else "-"
         if runs and len(bases) > 1:  # several metrics of each run in one panel: each its own line style
             style = ["-", "--", ":", "-."][bases.index(_base(label, runs)) % 4] if style == "-" else (0, (1, 3))
         if len(values) >= SMOOTH_FROM and _is_noisy(values):
