@@ -231,3 +231,58 @@ def test_trackio_local_database_holds_config_metrics_table_and_plots(run):
         columns, rows = table_of_steps(run["completions"], step - LOG_EVERY, step)
         assert [[r[c] for c in columns] for r in stored["_value"]] == rows
     assert any("plots/training" in row for row in logs)
+
+
+# ------------------------------------------------------------------------------------------ TrackerMedia alone
+class FakeExperiment:
+    """Records what Comet's Experiment receives (comet_ml is not installed here: it needs an account)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log_table(self, filename, tabular_data=None, headers=False):
+        self.calls.append(("table", filename, tabular_data, headers))
+
+    def log_image(self, image_data, name=None, step=None):
+        self.calls.append(("image", image_data, name, step))
+
+
+class FakeCometCallback:
+    def __init__(self):
+        self._experiment = FakeExperiment()
+
+
+def write_completions(path, steps):
+    with open(path, "a") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "prompt": "p", "completion": str(step), "rewards": {"r": 1.0},
+                                "advantage": 0.0}) + "\n")
+
+
+def test_media_sends_each_completion_once_and_rereads_the_file_after_a_resume(tmp_path):
+    from treadle.callbacks import TrainerState
+    from treadle.trackers import TrackerMedia
+
+    comet = FakeCometCallback()
+    media = TrackerMedia({"comet_ml": comet})
+    args = TrainingArguments(output_dir=str(tmp_path))
+    state = TrainerState()
+    media.on_train_begin(args, state, None)
+    write_completions(tmp_path / "completions.jsonl", [0, 1])
+    state.global_step = 2
+    media.on_log(args, state, None, logs={"loss": 1.0})
+    media.on_log(args, state, None, logs={"eval_loss": 1.0})  # the same step again: nothing new
+    write_completions(tmp_path / "completions.jsonl", [2, 3])  # a step that crashed before its log
+    state = TrainerState(global_step=2)  # resumed from the checkpoint of step 2: GRPO rewrites the file
+    (tmp_path / "completions.jsonl").write_text("")
+    write_completions(tmp_path / "completions.jsonl", [0, 1, 2, 3])
+    media.on_train_begin(args, state, None)
+    state.global_step = 4
+    media.on_log(args, state, None, logs={"loss": 1.0})
+    assert [(c[1], [row[0] for row in c[2]]) for c in comet._experiment.calls] == [
+        ("completions_step_000002.csv", [0, 1]), ("completions_step_000004.csv", [2, 3])]
+    assert comet._experiment.calls[0][3] == ["step", "prompt", "completion", "r", "advantage"]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" +
+                                            json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    media.on_train_end(args, state, None)
+    assert comet._experiment.calls[-1] == ("image", str(tmp_path / "plots" / "training.png"), "plots/training", 4)

@@ -94,6 +94,7 @@ class TrackerMedia(TrainerCallback):
         self.offset = 0  # bytes of completions.jsonl already read
 
     def on_train_begin(self, args, state, control, **kwargs):
+        # a resumed run rewrites completions.jsonl (records from its step on are dropped): read it from the start
         self.tabled_step, self.offset = state.global_step, 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -112,8 +113,6 @@ class TrackerMedia(TrainerCallback):
         path = os.path.join(output_dir, COMPLETIONS_FILE)
         if not os.path.exists(path):
             return []
-        if os.path.getsize(path) < self.offset:  # rewritten (a resumed run cut it back): read it again
-            self.offset = 0
         with open(path, "rb") as f:
             f.seek(self.offset)
             lines = f.read().splitlines(keepends=True)
