@@ -117,7 +117,8 @@ def test_eval_loss_is_drawn_dashed_in_the_loss_panel(tmp_path):
     figure = report.build_figure("t", {"reward": {"reward": ([1, 2], [0.0, 1.0]), "eval_reward": ([2], [0.5]),
                                                   "rewards/a/mean": ([1, 2], [1.0, 0.0])}})
     total, total_eval, function = figure.axes[0].get_lines()
-    assert total.get_color() == total_eval.get_color() != function.get_color()
+    assert total.get_color() == total_eval.get_color() == "0.6" != function.get_color()
+    assert total.get_linewidth() > function.get_linewidth() and total.get_zorder() < function.get_zorder()
     assert [t.get_text() for t in axes.get_legend().get_texts()] == ["loss", "eval_loss"]
 
 

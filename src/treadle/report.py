@@ -263,12 +263,15 @@ def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
     bases = list(dict.fromkeys(_base(label, runs) for label in lines))
     for label, (steps, values) in lines.items():
         run = label.split(": ", 1)[0] if runs else None
-        evaluation = _metric(label, runs).startswith("eval_")
-        index = runs.index(run) if runs else bases.index(_base(label, runs)) + (evaluation and len(bases) == 1)
-        colour = colours[index % len(colours)]  # a lone training / eval pair in two colours, else one per metric
+        evaluation, base = _metric(label, runs).startswith("eval_"), _base(label, runs)
+        # a lone training / eval pair in two colours; else one colour per metric, and a total (GRPO's reward) a wide
+        # grey band under the functions' lines, so that a function equal to the total does not hide it
+        index = runs.index(run) if runs else bases.index(base) + (evaluation and len(bases) == 1)
+        total = not runs and len(bases) > 1 and base == name
+        colour = "0.6" if total else colours[(index - (len(bases) > 1 and not runs)) % len(colours)]
         style = "--" if evaluation else "-"
         if runs and len(bases) > 1:  # several metrics of each run in one panel: each its own line style
-            style = ["-", "--", ":", "-."][bases.index(_base(label, runs)) % 4] if style == "-" else (0, (1, 3))
+            style = ["-", "--", ":", "-."][bases.index(base) % 4] if style == "-" else (0, (1, 3))
         if len(values) >= SMOOTH_FROM and _is_noisy(values):
             axes.plot(steps, values, color=colour, alpha=0.3, linewidth=0.8, linestyle=style)
             axes.plot(steps, _moving_average(values, max(3, len(values) // 25)), color=colour, linewidth=1.8,
@@ -276,8 +279,10 @@ def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
             smoothed = True
         else:
             marker = "o" if len(values) <= MARKERS_UP_TO else None
-            axes.plot(steps, values, color=colour, marker=marker, markersize=3.5, linewidth=1.4, linestyle=style,
-                      label=label)
+            axes.plot(steps, values, color=colour, marker=None if total else marker, markersize=3.5,
+                      linewidth=5 if total else 1.4, alpha=0.6 if total else 1.0, linestyle=style,
+                      label=f"{label} (total)" if total else label,
+                      zorder=1 if total else 2)
     last = next(iter(lines.values()))[1][-1]
     axes.set_title(f"{name}   (last: {last:.4g})" if len(lines) == 1 else name, fontsize=10)
     axes.set_xlabel("step")
