@@ -209,7 +209,7 @@ def test_sft_example_trains_saves_and_plots(tmp_path, capsys):
     assert any("eval_loss" in e for e in events)
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert (out / "checkpoint-6").is_dir()
-    assert {p.name for p in (out / "plots").iterdir()} >= {"training.png", "eval.png"}
+    assert {p.name for p in (out / "plots").iterdir()} >= {"training.png"}  # eval_loss is drawn over the loss
     assert "plots in" in stdout
     # the saved folder is a model for the next run
     from transformers import AutoModelForCausalLM
