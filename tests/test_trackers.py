@@ -23,7 +23,7 @@ from treadle.trackers import TRACKERS, is_installed, resolve_report_to, tracker_
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
 # Trackio reads its folder once, when first imported: point it at a temporary one before anything imports it
-os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="treadle-trackio-"))
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="treadle-trackio-")
 
 SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
 STEPS, LOG_EVERY = 4, 2
@@ -80,7 +80,9 @@ def run(tmp_path_factory):
     if not trackers:
         pytest.skip("no tracker installed (pip install 'treadle[trackers,tensorboard]')")
     root = tmp_path_factory.mktemp("trackers")
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_CONFIG_DIR": str(root / "wandb-config"),
+           "WANDB_CACHE_DIR": str(root / "wandb-cache"), "WANDB_DATA_DIR": str(root / "wandb-data"),
+           "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
            "WANDB_PROJECT": "treadle-test", "MLFLOW_TRACKING_URI": (root / "mlruns").as_uri(),
            "MLFLOW_ALLOW_FILE_STORE": "true", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "GRADIO_ANALYTICS_ENABLED": "False", "DO_NOT_TRACK": "1"}
@@ -265,13 +267,14 @@ def test_media_sends_each_completion_once_and_rereads_the_file_after_a_resume(tm
 
     comet = FakeCometCallback()
     media = TrackerMedia({"comet_ml": comet})
-    args = TrainingArguments(output_dir=str(tmp_path))
+    args = GRPOConfig(output_dir=str(tmp_path), log_completions=True)
     state = TrainerState()
     media.on_train_begin(args, state, None)
     write_completions(tmp_path / "completions.jsonl", [0, 1])
     state.global_step = 2
     media.on_log(args, state, None, logs={"loss": 1.0})
     media.on_log(args, state, None, logs={"eval_loss": 1.0})  # the same step again: nothing new
+    media.on_log(args.replace(log_completions=False), TrainerState(global_step=3), None, logs={"loss": 1.0})
     write_completions(tmp_path / "completions.jsonl", [2, 3])  # a step that crashed before its log
     state = TrainerState(global_step=2)  # resumed from the checkpoint of step 2: GRPO rewrites the file
     (tmp_path / "completions.jsonl").write_text("")

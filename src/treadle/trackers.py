@@ -98,8 +98,9 @@ class TrackerMedia(TrainerCallback):
         self.tabled_step, self.offset = state.global_step, 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or state.global_step <= self.tabled_step:
-            return
+        if not getattr(args, "log_completions", False) or not state.is_world_process_zero \
+                or state.global_step <= self.tabled_step:
+            return  # (a run without log_completions may share its folder with an older run's completions)
         rows = self._new_completions(args.output_dir, state.global_step)
         self.tabled_step = state.global_step
         if rows:
