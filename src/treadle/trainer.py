@@ -31,17 +31,16 @@ import time
 
 import torch
 
-from treadle import checkpoint as ckpt
-from treadle import distributed as dist
-from treadle import models, runs
+from treadle import checkpoint as ckpt, distributed as dist, models, runs
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, PreemptionCallback, PrinterCallback,
-                               ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
+                               ProgressCallback, TrainerControl, TrainerState)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, to_cpu)
 from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, as_float, check_logged_loss,
                              fold_loss, means_of, record_loss, skip_nonfinite_step, speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
+from treadle.trackers import tracker_callbacks
 
 
 class Trainer:
@@ -86,7 +85,7 @@ class Trainer:
 
     def _default_callbacks(self) -> list:
         reporting = [PrinterCallback() if self.args.disable_tqdm else ProgressCallback()]
-        reporting += [TensorBoardCallback()] if {"tensorboard", "all"} & set(self.args.report_to) else []
+        reporting += tracker_callbacks(self.args.report_to)  # W&B, MLflow, ... (treadle.trackers)
         return [cb() for cb in DEFAULT_CALLBACKS] + [self.preemption] + reporting
 
     # ---- callbacks ----------------------------------------------------------------------------------------
@@ -373,7 +372,7 @@ class Trainer:
         self.log(logs)
 
     def log(self, logs: dict[str, float]) -> None:
-        """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, TensorBoard).
+        """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, trackers).
         Override to add or reshape metrics; call ``super().log(logs)`` at the end."""
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._event("on_log", logs=logs)
