@@ -385,3 +385,13 @@ def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(runs.os, "access", lambda path, mode: False)
     with pytest.raises(runs.RunFolderError, match=r"output_dir .*/new/run is not writable \(.* refuses writes\)"):
         runs.check_run_folder(str(tmp_path / "new" / "run"), resume=False)
+
+
+def test_evaluations_before_training_are_not_an_earlier_run(tmp_path):
+    """evaluate() before train() logs at step 0 into metrics.jsonl; that alone does not make the folder a run's."""
+    from treadle import runs
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "epoch": 0, "eval_loss": 1.0}) + "\n")
+    assert runs.run_files(str(tmp_path)) == []
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "epoch": 0.5, "loss": 1.0}) + "\n")
+    assert runs.run_files(str(tmp_path)) == ["metrics.jsonl"]

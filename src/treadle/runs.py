@@ -51,8 +51,23 @@ def run_files(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     names = [n for n in os.listdir(output_dir) if n in RUN_FILE_NAMES or RUN_FILE_PATTERN.fullmatch(n)]
+    if "metrics.jsonl" in names and not _has_training_records(os.path.join(output_dir, "metrics.jsonl")):
+        names.remove("metrics.jsonl")  # only evaluate() before training logged there: no run yet
     return sorted(names, key=lambda n: (not n.startswith("checkpoint-"), int(n.rpartition("-")[2])
                                         if n.startswith("checkpoint-") else 0, n))
+
+
+def _has_training_records(path: str) -> bool:
+    """Whether a metrics.jsonl logged any training (a step after 0, a loss), not only evaluations before it."""
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return True  # a line cut by a crash: a run was writing here
+            if not isinstance(record, dict) or record.get("step", 0) or "loss" in record or "train_loss" in record:
+                return True
+    return False
 
 
 def _listing(names: list[str], most: int = 6) -> str:
