@@ -89,6 +89,9 @@ class TrainingArguments:
     average_tokens_across_devices: bool = True  # normalise the loss by items summed over all ranks
     ddp_timeout: float | None = None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
 
+    # --- PEFT / LoRA (a trainer's peft_config; docs/peft.md)
+    merge_adapters: bool = False  # save_model also writes the adapters merged into the base, in output_dir/merged
+
     def __post_init__(self) -> None:
         self._validate_choices()
         self._validate_numbers()

@@ -61,7 +61,7 @@ from treadle.data import RepeatSampler, encode_prompt, is_conversation, pad_toke
 from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, generate_completions
 from treadle.logprobs import token_logps
 from treadle.losses import SCALE_REWARDS, check_grpo_options, grpo_loss, group_advantages
-from treadle.models import eval_mode, frozen_reference
+from treadle.models import eval_mode, frozen_reference, reference_of
 from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
 from treadle.trainer import Trainer
 
@@ -198,7 +198,7 @@ class GRPOTrainer(Trainer):
 
     def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
                  args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None), ref_model=None):
+                 callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None):
         args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
         self.reward_funcs = _reward_list(reward_funcs)
         self.reward_weights = _reward_weights(args.reward_weights, self.reward_funcs)
@@ -206,14 +206,15 @@ class GRPOTrainer(Trainer):
         _check_dataset(train_dataset, args)
         super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers)
+                         optimizers=optimizers, peft_config=peft_config)
         self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
         self.pad_token_id = pad_token_id(processing_class)
         self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices (this rank's rows)
         self._completions_file_checked = False
 
     def build_reference_model(self, ref_model=None):
-        """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now."""
+        """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now; None
+        for a PEFT model, which is its own reference with its adapters disabled (no second copy)."""
         return frozen_reference(self.model, ref_model, device=self.args.device)
 
     # ---- data -------------------------------------------------------------------------------------------
@@ -392,8 +393,9 @@ class GRPOTrainer(Trainer):
         batch = {k: v.to(device) for k, v in batch.items()}
         if self._needs_old_logps():
             batch["old_logps"] = self._frozen_logps(self.model, batch)
-        if self.ref_model is not None:
-            batch["ref_logps"] = self._frozen_logps(self.ref_model, batch)
+        if self.args.beta > 0:
+            with reference_of(self.model, self.ref_model) as reference:  # a PEFT policy: adapters disabled
+                batch["ref_logps"] = self._frozen_logps(reference, batch)
         return batch
 
     @torch.no_grad()
