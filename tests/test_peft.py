@@ -26,6 +26,15 @@ COMMON = dict(disable_tqdm=True, save_strategy="no", per_device_train_batch_size
               logging_steps=1, report_to="none")
 
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: a second thread only adds synchronisation (seconds per step on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 @pytest.fixture(scope="module")
 def tok():
     return toy.build_tokenizer()
@@ -212,37 +221,38 @@ import json, sys, torch
 torch.set_num_threads(1)
 sys.path.insert(0, {tests!r})
 import test_peft as t
-from treadle import toy
-tok = toy.build_tokenizer()
-spec = json.loads(sys.argv[1])
-trainer = t.build("sft", __import__("pathlib").Path(spec["dir"]), tok, max_steps=4, save_strategy="steps",
-                  save_steps=2, peft_config=t.lora(lora_dropout=0.3), stop=spec.get("stop"))
-trainer.train(resume_from_checkpoint=spec.get("resume"))
-print(json.dumps([e["loss"] for e in trainer.state.log_history if "loss" in e]))
+print(json.dumps(t.resume_run(sys.argv[1], sys.argv[2])))
 """
+
+
+def resume_run(output_dir: str, resume: str | None = None, stop: int | None = None) -> list[float]:
+    """Four SFT steps of a LoRA run with LoRA dropout on (so the RNG state matters), checkpoints every 2."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same reduction order as the resuming process
+    try:
+        trainer = build("sft", Path(output_dir), toy.build_tokenizer(), max_steps=4, save_strategy="steps",
+                        save_steps=2, peft_config=lora(lora_dropout=0.3), stop=stop)
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        torch.set_num_threads(threads)
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 @pytest.mark.slow
 def test_a_lora_run_resumes_exactly_in_a_new_process(tmp_path):
-    """Four steps in one go vs two steps, then a new interpreter resuming from checkpoint-2 (LoRA dropout on,
-    so the RNG state matters)."""
-    script = tmp_path / "run.py"
-    script.write_text(RESUME_SCRIPT.format(tests=str(ROOT / "tests")))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-
-    def run(**spec):
-        proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    full = run(dir=str(tmp_path / "a"))
-    run(dir=str(tmp_path / "b"), stop=2)
-    resumed = run(dir=str(tmp_path / "b"), resume=str(tmp_path / "b" / "sft" / "checkpoint-2"))
-    assert len(full) == 4 and resumed == full
+    """Four steps in one go vs two steps, then a new interpreter resuming from checkpoint-2."""
     from safetensors.torch import load_file
 
+    full = resume_run(str(tmp_path / "a"))
+    resume_run(str(tmp_path / "b"), stop=2)
+    script = tmp_path / "run.py"
+    script.write_text(RESUME_SCRIPT.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "b"), str(tmp_path / "b" / "sft" / "checkpoint-2")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(full) == 4 and resumed == full
     a = load_file(str(tmp_path / "a" / "sft" / "checkpoint-4" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "b" / "sft" / "checkpoint-4" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -66,18 +66,26 @@ _SIGNATURES: weakref.WeakKeyDictionary[type, ForwardSignature] = weakref.WeakKey
 
 
 def forward_signature(model: nn.Module) -> ForwardSignature:
-    """The signature of ``model.forward`` (of ``model.module.forward`` for a DDP wrapper), cached per class.
+    """The signature of ``model.forward`` (of ``model.module.forward`` for a DDP wrapper, of the transformers
+    model's under PEFT adapters, which pass every keyword on), cached per class.
 
     A forward assigned to the instance itself (as hook libraries do) is read every time: it is not its
     class's.
     """
-    inner = getattr(model, "module", model)  # DDP keeps the user's model in .module
+    inner = _forward_owner(model)
     if "forward" in getattr(inner, "__dict__", {}):
         return _read_signature(inner.forward)
     signature = _SIGNATURES.get(type(inner))
     if signature is None:
         signature = _SIGNATURES[type(inner)] = _read_signature(inner.forward)
     return signature
+
+
+def _forward_owner(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)  # DDP keeps the user's model in .module
+    if callable(getattr(inner, "get_base_model", None)):  # PEFT: its forward hands every keyword to the base
+        inner = inner.get_base_model()
+    return inner
 
 
 def _read_signature(forward) -> ForwardSignature:
@@ -94,7 +102,7 @@ def forward_parameters(model: nn.Module) -> set[str] | None:
     parameters are the answer even though it has ``**kwargs``.
     """
     signature = forward_signature(model)
-    if signature.takes_var_keyword and not is_transformers_model(getattr(model, "module", model)):
+    if signature.takes_var_keyword and not is_transformers_model(_forward_owner(model)):
         return None
     return set(signature.names)
 
