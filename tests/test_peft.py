@@ -291,12 +291,11 @@ def test_cli_trains_a_lora_run_and_merges_it(tmp_path, capsys):
 
     from treadle.cli import main
 
-    config = tmp_path / "lora.yaml"
-    config.write_text(f"trainer: sft\nmodel: toy:tiny\ndataset: toy:addition\noutput_dir: {tmp_path / 'run'}\n"
-                      "max_steps: 2\ndisable_tqdm: true\nsave_strategy: 'no'\nlogging_steps: 1\nlearning_rate: 0.01\n"
-                      "peft:\n  r: 4\n  lora_alpha: 8\n  target_modules: all-linear\n  init_lora_weights: false\n")
-    assert main(["train", str(config)]) == 0
+    config = ROOT / "examples" / "lora.yaml"
     run = tmp_path / "run"
+    assert main(["train", str(config), "--output_dir", str(run), "--max_steps", "2", "--disable_tqdm", "true",
+                 "--merge_adapters", "false"]) == 0
+    assert not (run / "merged").exists()
     with open(run / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == "toy:tiny"
     assert main(["merge", str(run)]) == 0
@@ -304,6 +303,7 @@ def test_cli_trains_a_lora_run_and_merges_it(tmp_path, capsys):
     adapted = peft.PeftModel.from_pretrained(toy.build_model("tiny", seed=42), str(run))
     merged = AutoModelForCausalLM.from_pretrained(str(run / "merged"))
     torch.testing.assert_close(logits(merged), logits(adapted), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits(merged), logits(toy.build_model("tiny", seed=42)), atol=1e-4)  # it trained
     assert main(["merge", str(tmp_path)]) == 2  # no adapter there: one line, exit 2
     assert "holds no adapter_config.json" in capsys.readouterr().err
 
