@@ -42,7 +42,7 @@ def main(argv=None):
     model = models.apply_peft(toy.build_model(args.size, tokenizer=tokenizer),
                               LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM",
                                          init_lora_weights=False)).to(args.device)
-    prompts = [tokenizer.encode(f"{a}+{b}=") for a, b in zip(range(10, 10 + args.prompts), range(50, 50 + args.prompts))]
+    prompts = [tokenizer.encode(f"{10 + i}+{50 + i}=") for i in range(args.prompts)]
     sample = dict(num_generations=args.generations, max_new_tokens=args.tokens, eos_token_id=None,
                   pad_token_id=tokenizer.pad_token_id, do_sample=False)
 

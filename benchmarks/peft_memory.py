@@ -99,7 +99,8 @@ def measure_one(trainer_name: str, mode: str, size: str, device: str, output_dir
     reference = getattr(trainer, "ref_model", None)
     ref_bytes = sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
     return {"trainer": trainer_name, "mode": mode, "peak_mib": peak, "trainable": trainable, "total": total,
-            "reference_copy_mib": ref_bytes / MiB, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "reference_copy_mib": ref_bytes / MiB,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e][:1]}
 
 
@@ -122,7 +123,7 @@ def main(argv=None):
                                   capture_output=True, text=True, check=True)
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     print(f"toy:{args.size} on {args.device}; peak tensor memory during build + 3 training steps, above the base model")
-    print(f"| trainer | mode | trainable / total params | reference copy (MiB) | peak (MiB) | peak RSS (MiB) |")
+    print("| trainer | mode | trainable / total params | reference copy (MiB) | peak (MiB) | peak RSS (MiB) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['trainer']} | {r['mode']} | {r['trainable']:,} / {r['total']:,} | {r['reference_copy_mib']:.1f} | "

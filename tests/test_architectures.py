@@ -24,7 +24,8 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128)),
     "qwen2": ("Qwen2Config", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128)),
     "qwen3": ("Qwen3Config", dict(**SMALL, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)),
-    "mistral": ("MistralConfig", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128, sliding_window=16)),
+    "mistral": ("MistralConfig", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128,
+                                      sliding_window=16)),
     "gemma2": ("Gemma2Config", dict(**SMALL, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                                     sliding_window=16)),
     "phi3": ("Phi3Config", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128,
@@ -33,7 +34,8 @@ ARCHITECTURES = {
                                 attn_pdrop=0.0)),
     "gpt_neox": ("GPTNeoXConfig", dict(**SMALL, max_position_embeddings=128)),
 }
-PROMPTS = [[TOK.bos_token_id] + TOK.encode("12+34=", add_special_tokens=False), TOK.encode("7+8=", add_special_tokens=False)]
+PROMPTS = [[TOK.bos_token_id] + TOK.encode("12+34=", add_special_tokens=False),
+           TOK.encode("7+8=", add_special_tokens=False)]
 
 
 
@@ -155,7 +157,8 @@ class _NoCacheLlama(transformers.LlamaForCausalLM):
 def test_auto_falls_back_to_hf_with_one_line_saying_why():
     config = transformers.LlamaConfig(**SPECIAL, **SMALL, num_key_value_heads=2, max_position_embeddings=128)
     model = _NoCacheLlama(config).eval()
-    with pytest.warns(UserWarning, match="generation_backend='auto' uses 'hf' for _NoCacheLlama: its forward") as record:
+    fallback = "generation_backend='auto' uses 'hf' for _NoCacheLlama: its forward"
+    with pytest.warns(UserWarning, match=fallback) as record:
         out = generate_completions(model, PROMPTS, num_generations=1, max_new_tokens=4, eos_token_id=None,
                                    pad_token_id=TOK.pad_token_id, do_sample=False)
     assert len(record) == 1 and "\n" not in str(record[0].message)

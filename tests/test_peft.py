@@ -15,7 +15,8 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from treadle import TrainerCallback, DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, models, toy  # noqa: E402
+from treadle import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer,  # noqa: E402
+                     TrainerCallback, models, toy)
 from treadle.generation import generate_completions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,8 +249,8 @@ def test_a_lora_run_resumes_exactly_in_a_new_process(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(RESUME_SCRIPT.format(tests=str(ROOT / "tests")))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "b"), str(tmp_path / "b" / "sft" / "checkpoint-2")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, str(script), str(tmp_path / "b"), str(tmp_path / "b" / "sft" / "checkpoint-2")]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(full) == 4 and resumed == full

@@ -7,12 +7,11 @@
 
 ``demo`` (treadle.demo) fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy
 on held-out problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file:
-the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping,
-``models.lora_config``) say what to train, every
-other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``; ``--key value``
-overrides one). ``report`` redraws the plots of a run folder and prints a summary. ``merge`` writes a LoRA run's adapter merged into its base model (``RUN_DIR/merged``). A mistake a user can make (a
-missing file, an unknown key ...) is one line on stderr and exit status 2; anything else is a bug and shows its
-traceback.
+the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping)
+say what to train, every other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``;
+``--key value`` overrides one). ``report`` redraws the plots of a run folder and prints a summary; ``merge``
+writes a LoRA run's adapter merged into its base model. A mistake a user can make (a missing file, an unknown
+key ...) is one line on stderr and exit status 2; anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ TRAINERS = {
     "dpo": ("treadle.trainers.dpo", "DPOTrainer", "DPOConfig", "preference"),
     "grpo": ("treadle.trainers.grpo", "GRPOTrainer", "GRPOConfig", "rl"),
 }
-RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft")  # the keys that are not config fields
+RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft")  # keys that are not config fields
 
 
 class UserError(Exception):
