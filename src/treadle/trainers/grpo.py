@@ -191,7 +191,8 @@ class GRPOTrainer(Trainer):
     list[float | None]`` (see treadle.rewards). ``train_dataset`` needs a ``prompt`` column (text, or chat
     messages rendered with the tokenizer's chat template); every other column reaches the reward functions.
     ``processing_class`` is the tokenizer (required). ``ref_model`` is used when ``args.beta > 0`` (default: a
-    frozen copy of ``model`` taken at construction).
+    frozen copy of ``model`` taken at construction; for a PEFT model, e.g. with ``peft_config``, the model itself
+    with its adapters disabled).
     """
 
     config_class = GRPOConfig
