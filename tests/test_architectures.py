@@ -166,3 +166,21 @@ def test_auto_falls_back_to_hf_with_one_line_saying_why():
         want = model.generate(input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False,
                               eos_token_id=None, pad_token_id=TOK.pad_token_id)[0, len(PROMPTS[0]):]
     assert out.completion_ids[0].tolist() == want.tolist()
+
+
+def test_lora_dpo_step_with_the_adapters_off_reference(arch, tmp_path):
+    """LoRA on every linear layer of each family: one DPO step, the reference being the policy with its
+    adapters disabled (no copy), log 2 at step 0, only adapter weights changed."""
+    peft = pytest.importorskip("peft")
+    model = build(arch).train()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = DPOTrainer(model, args=DPOConfig(**{**COMMON, "output_dir": str(tmp_path)}), train_dataset=PAIRS,
+                         processing_class=TOK, peft_config=peft.LoraConfig(r=2, target_modules="all-linear"))
+    trainer.train()
+    assert trainer.ref_model is None
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(0.6931472, abs=1e-5)
+    after = trainer.model.get_base_model().state_dict()
+    lora = [k for k in after if "lora_B" in k]
+    assert lora and all(after[k].abs().sum() > 0 for k in lora)  # B starts at 0: each one trained
+    frozen = {k.replace(".base_layer", ""): v for k, v in after.items() if "lora_" not in k}
+    assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], v) for k, v in base.items())

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -353,7 +354,9 @@ def apply_peft(model: nn.Module, peft_config, *, seed: int = 0) -> nn.Module:
         raise ValueError("the model is already a PEFT model and peft_config was given too; pass the base model "
                          "with peft_config, or the PEFT model with peft_config=None")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`: noise at every LoRA start-up
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed)
         model = peft.get_peft_model(model, peft_config)
     if dist.is_main_process():
