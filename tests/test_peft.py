@@ -102,6 +102,28 @@ def test_each_trainer_with_peft_config_trains_only_the_adapters(tmp_path, tok, k
         assert changed == (name in adapters), f"{name}: changed={changed}"
 
 
+def test_reward_trainer_with_a_sequence_classification_lora(tmp_path, tok):
+    """RewardTrainer takes peft_config too: LoRA with task_type SEQ_CLS trains the adapters and the score head
+    (peft's modules_to_save for classifiers), nothing else."""
+    from test_reward_trainer import PAIRS as REWARD_PAIRS
+    from test_reward_trainer import tiny_reward_model
+
+    from treadle.trainers.reward import RewardConfig, RewardTrainer
+
+    model = tiny_reward_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = RewardTrainer(model, args=RewardConfig(**{**COMMON, "output_dir": str(tmp_path)}),
+                            train_dataset=[{"margin": 0.0, **r} for r in REWARD_PAIRS], processing_class=tok,
+                            peft_config=lora(task_type="SEQ_CLS"))
+    trainer.train()
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n or "score" in n for n in trained)
+    after = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+             for k, v in trainer.model.state_dict().items() if "lora_" not in k and "modules_to_save" not in k}
+    after = {k.replace(".original_module", ""): v for k, v in after.items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # the base model and its original head
+
+
 def test_trainable_and_total_parameters_are_printed_and_counted(tok, capsys):
     model = toy.build_model("tiny", tokenizer=tok)
     total = sum(p.numel() for p in model.parameters())  # tied embeddings count once
