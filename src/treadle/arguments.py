@@ -100,6 +100,9 @@ class TrainingArguments:
     trackio_static_space_id: str | bool | None = None  # a read-only Space frozen after training; False: none
     hub_private_repo: bool | None = None  # Spaces Trackio creates are private; None: the account's default
 
+    # --- PEFT / LoRA (a trainer's peft_config; docs/peft.md)
+    merge_adapters: bool = False  # save_model also writes the adapters merged into the base, in output_dir/merged
+
     def __post_init__(self) -> None:
         _validate_types(self)
         self._validate_choices()

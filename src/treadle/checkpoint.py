@@ -2,7 +2,8 @@
 
 Layout of ``output_dir/checkpoint-<global_step>/``::
 
-    model.safetensors (or the save_pretrained layout of a transformers model, config.json included)
+    model.safetensors (or the save_pretrained layout of a transformers model, config.json included;
+                    for a PEFT model its adapter: adapter_model.safetensors + adapter_config.json)
     optimizer.pt  scheduler.pt      torch.save of state dicts (tensors and numbers only)
     model_sharded/ optimizer_sharded/   under FSDP2, instead of the weights and optimizer.pt: every rank's
                                     shards, written by torch.distributed.checkpoint (resume at the same world size)
@@ -32,6 +33,7 @@ import sys
 import torch
 
 from treadle import distributed as dist
+from treadle import models
 
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -39,6 +41,7 @@ STATE_FILE = "trainer_state.json"
 ARGS_FILE = "training_args.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+ADAPTER_FILE = "adapter_model.safetensors"  # what a PEFT model's save_pretrained writes instead of the weights
 
 
 class CheckpointError(RuntimeError):
@@ -160,7 +163,9 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
     if os.path.isfile(index):
         files = sorted(set(_read_json(index, directory)["weight_map"].values()))
     else:
-        files = [WEIGHTS_FILE]
+        adapter_only = os.path.isfile(os.path.join(directory, ADAPTER_FILE)) and not os.path.isfile(
+            os.path.join(directory, WEIGHTS_FILE))
+        files = [ADAPTER_FILE if adapter_only else WEIGHTS_FILE]
     state = {}
     for name in files:
         path = os.path.join(directory, name)
@@ -176,8 +181,9 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
 
 def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> None:
     """Copy ``state`` into ``model`` after checking that it fits: names and shapes are checked first, so a
-    mismatch leaves the model untouched."""
-    params = dict(model.state_dict(keep_vars=True))
+    mismatch leaves the model untouched. A PEFT model takes its adapter weights, named as peft saves them."""
+    peft = models.is_peft_model(model)
+    params = models.adapter_state_dict(model) if peft else dict(model.state_dict(keep_vars=True))
     unexpected = [k for k in state if k not in params]
     if unexpected:
         raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys {unexpected[:5]}")
@@ -191,7 +197,10 @@ def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> Non
              if v.shape != params[k].shape]
     if wrong:
         raise CheckpointError(f"weights in {directory!r} do not fit this model: shapes differ: {wrong[:5]}")
-    model.load_state_dict(state, strict=False)
+    if peft:
+        models.load_adapter_state_dict(model, state)
+    else:
+        model.load_state_dict(state, strict=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,15 +297,28 @@ def save_run_checkpoint(args, state, eval_metrics: dict | None, **save_kwargs) -
     return path
 
 
-def export_model(model, output_dir: str, processing_class=None) -> None:
-    """Write the final weights (save_pretrained layout for transformers models) and the processing class to
-    ``output_dir``. Every rank must call it (FSDP2 gathers the full weights on rank 0, which writes)."""
+def export_model(model, output_dir: str, processing_class=None, args=None) -> None:
+    """Write the final weights (save_pretrained layout for transformers models; a PEFT model's adapter), the
+    processing class and ``args`` (``training_args.json``) to ``output_dir``. With ``args.merge_adapters``, a
+    PEFT model is also written merged, as a plain transformers model, to ``output_dir/merged``. Every rank
+    must call it (FSDP2 gathers the full weights on rank 0, which writes)."""
+    merge = getattr(args, "merge_adapters", False) and models.is_peft_model(model)
+    if merge and dist.is_fsdp(model):
+        raise ValueError("merge_adapters=True cannot merge an FSDP-sharded model; train with merge_adapters=False, "
+                         f"then run `treadle merge {output_dir}`")
     full_weights = dist.full_state_dict(model)
     if dist.is_main_process():
         os.makedirs(output_dir, exist_ok=True)
         save_weights(model, output_dir, state_dict=full_weights)
+        folders = [output_dir] + ([os.path.join(output_dir, models.MERGED_DIR)] if merge else [])
+        if merge:
+            save_weights(models.merged_model(model), folders[1])
         if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-            processing_class.save_pretrained(output_dir)
+            for folder in folders:
+                processing_class.save_pretrained(folder)
+        if args is not None:
+            with open(os.path.join(output_dir, ARGS_FILE), "w") as f:
+                f.write(args.to_json_string() + "\n")
     dist.barrier()
 
 

@@ -3,17 +3,19 @@
     treadle demo [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
+    treadle merge RUN_DIR [--output-dir DIR]
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
 ``demo`` (treadle.demo) fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy
 on held-out problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file:
-the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset`` and ``reward_funcs`` say what to train, every
-other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``; ``--key value``
-overrides one). ``report`` redraws the plots of a run folder, writes its report.html and prints a summary; given
-several folders it also overlays them (plots and report.html in ``--output-dir``). A mistake a user can make (a
-missing file, an unknown key, a run folder in use ... see ``treadle.errors.is_user_error``) is one line on stderr
-and exit status 2; anything else is a bug and shows its traceback. A run stopped by SIGTERM or Ctrl-C saves a
-checkpoint, prints the command that resumes it and exits 143 or 130 (docs/runs.md).
+the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping)
+say what to train, every other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``;
+``--key value`` overrides one). ``report`` redraws the plots of a run folder, writes its report.html and prints a
+summary; given several folders it also overlays them (plots and report.html in ``--output-dir``). ``merge``
+writes a LoRA run's adapter merged into its base model. A mistake a user can make (a missing file, an unknown
+key, a run folder in use ... see ``treadle.errors.is_user_error``) is one line on stderr and exit status 2;
+anything else is a bug and shows its traceback. A run stopped by SIGTERM or Ctrl-C saves a checkpoint, prints
+the command that resumes it and exits 143 or 130 (docs/runs.md).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ TRAINERS = {
     "dpo": ("treadle.trainers.dpo", "DPOTrainer", "DPOConfig", "preference"),
     "grpo": ("treadle.trainers.grpo", "GRPOTrainer", "GRPOConfig", "rl"),
 }
-RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs")  # the keys that are not config fields
+RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft")  # keys that are not config fields
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "several runs are also overlaid")
     report.add_argument("run_dir", nargs="+", help="a run's output_dir (holding metrics.jsonl), or a folder of runs")
     report.add_argument("--output-dir", help="where the overlay of several runs goes (default: <their folder>/compare)")
+    merge = commands.add_parser("merge", help="merge a LoRA run's adapter into its base model (a transformers folder)")
+    merge.add_argument("run_dir", help="a folder holding adapter_config.json (a LoRA run's output_dir)")
+    merge.add_argument("--output-dir", default=None, help="where the merged model goes (default: RUN_DIR/merged)")
     return parser
 
 
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args)
         if args.command == "train":
             return run_train(args.config, extra, resume=args.resume)
+        if args.command == "merge":
+            return run_merge(args.run_dir, args.output_dir)
         return run_report(args.run_dir, args.output_dir)
     except Exception as error:
         if debug or not is_user_error(error):
@@ -220,7 +227,7 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
     try:
         kwargs = load_run_objects(config, kind=kind, seed=args.seed, base_dir=base_dir)
-    except ValueError as error:  # a path, a row or a name that is wrong
+    except (ValueError, ImportError) as error:  # a path, a row or a name that is wrong; peft not installed
         raise UserError(str(error)) from None
     try:
         return getattr(module, trainer_class)(args=args, **kwargs)
@@ -232,7 +239,7 @@ def load_run_objects(config: dict[str, Any], *, kind: str, seed: int, base_dir: 
     """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and
     tokenizer -- the cheap ones first, so that a typo in a path fails before a model is loaded."""
     from treadle.data import load_dataset
-    from treadle.models import load_model
+    from treadle.models import load_model, lora_config
     from treadle.rewards import load_reward_funcs
 
     kwargs: dict[str, Any] = {}
@@ -242,6 +249,8 @@ def load_run_objects(config: dict[str, Any], *, kind: str, seed: int, base_dir: 
     evaluation = config.get("eval_dataset")
     if evaluation:
         kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind, split="test", base_dir=base_dir)
+    if config.get("peft") is not None:
+        kwargs["peft_config"] = lora_config(config["peft"])
     kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=seed)
     return kwargs
 
@@ -283,6 +292,16 @@ def run_report(run_dirs: list[str], output_dir: str | None = None) -> int:
             out = Path(output_dir or Path(os.path.commonpath([str(r.resolve()) for r in runs])) / "compare")
             print(f"treadle: {len(runs)} runs overlaid in {report.write_overlay(runs, out)}")
     except ValueError as error:
+        raise UserError(str(error)) from None
+    return 0
+
+
+def run_merge(run_dir: str, output_dir: str | None) -> int:
+    from treadle.models import merge_adapter_folder
+
+    try:
+        print(f"treadle: merged model saved in {merge_adapter_folder(run_dir, output_dir)}")
+    except (ValueError, ImportError) as error:
         raise UserError(str(error)) from None
     return 0
 

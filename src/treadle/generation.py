@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -306,6 +307,8 @@ def _resolve_backend(backend: str, model) -> str:
     if not callable(getattr(model, "generate", None)):
         raise ValueError(f"{type(model).__name__} cannot generate: the fast path refuses it ({problem}) and it "
                          "has no `generate` method. Pass a transformers causal LM (e.g. LlamaForCausalLM).")
+    if backend == "auto":  # the architecture matrix (tests/test_architectures.py) lists who takes the fast path
+        warnings.warn(f"generation_backend='auto' uses 'hf' for {type(model).__name__}: {problem}", stacklevel=4)
     return "hf"
 
 

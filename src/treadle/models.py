@@ -17,6 +17,12 @@ A leaf module: it imports torch and ``treadle.distributed`` only, never a traine
 - :func:`training_forward_kwargs`, :func:`loss_of`, :func:`logits_of` -- what a training forward is given
   besides its inputs, and where the loss and the predictions are in what it returns.
 - :func:`load_model` -- ``(model, tokenizer)`` from ``toy:<size>`` or a local folder; never downloads.
+- PEFT (the optional ``peft`` library, ``pip install 'treadle[peft]'``): :func:`apply_peft` wraps a model
+  for a ``peft_config`` (what every trainer's ``peft_config`` does), :func:`lora_config` builds a
+  ``LoraConfig`` from a YAML mapping, :func:`disable_adapter` is the policy as its own reference,
+  :func:`adapter_state_dict` / :func:`load_adapter_state_dict` are what a checkpoint holds of it,
+  :func:`merged_model` / :func:`merge_adapter_folder` give a plain transformers model with the adapters
+  merged in, :func:`parameter_counts` the trainable / total parameters.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -33,9 +40,11 @@ from torch import nn
 
 from treadle import distributed as dist
 
-__all__ = ["ForwardSignature", "enable_gradient_checkpointing", "eval_mode", "forward_parameters",
-           "forward_signature", "frozen_reference", "causal_lm_problem", "is_causal_lm", "is_peft_model", "is_transformers_model",
-           "load_model", "max_positions", "logits_of", "loss_of", "training_forward_kwargs", "unwrapped_for_generation"]
+__all__ = ["ForwardSignature", "adapter_state_dict", "apply_peft", "causal_lm_problem", "disable_adapter",
+           "enable_gradient_checkpointing", "eval_mode", "forward_parameters", "forward_signature",
+           "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model", "load_adapter_state_dict",
+           "load_model", "logits_of", "lora_config", "loss_of", "max_positions", "merge_adapter_folder",
+           "merged_model", "parameter_counts", "reference_of", "training_forward_kwargs", "unwrapped_for_generation"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -58,18 +67,26 @@ _SIGNATURES: weakref.WeakKeyDictionary[type, ForwardSignature] = weakref.WeakKey
 
 
 def forward_signature(model: nn.Module) -> ForwardSignature:
-    """The signature of ``model.forward`` (of ``model.module.forward`` for a DDP wrapper), cached per class.
+    """The signature of ``model.forward`` (of ``model.module.forward`` for a DDP wrapper, of the transformers
+    model's under PEFT adapters, which pass every keyword on), cached per class.
 
     A forward assigned to the instance itself (as hook libraries do) is read every time: it is not its
     class's.
     """
-    inner = getattr(model, "module", model)  # DDP keeps the user's model in .module
+    inner = _forward_owner(model)
     if "forward" in getattr(inner, "__dict__", {}):
         return _read_signature(inner.forward)
     signature = _SIGNATURES.get(type(inner))
     if signature is None:
         signature = _SIGNATURES[type(inner)] = _read_signature(inner.forward)
     return signature
+
+
+def _forward_owner(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)  # DDP keeps the user's model in .module
+    if callable(getattr(inner, "get_base_model", None)):  # PEFT: its forward hands every keyword to the base
+        inner = inner.get_base_model()
+    return inner
 
 
 def _read_signature(forward) -> ForwardSignature:
@@ -86,7 +103,7 @@ def forward_parameters(model: nn.Module) -> set[str] | None:
     parameters are the answer even though it has ``**kwargs``.
     """
     signature = forward_signature(model)
-    if signature.takes_var_keyword and not is_transformers_model(getattr(model, "module", model)):
+    if signature.takes_var_keyword and not is_transformers_model(_forward_owner(model)):
         return None
     return set(signature.names)
 
@@ -119,9 +136,12 @@ def is_peft_model(model: nn.Module) -> bool:
     return callable(getattr(dist.unwrap_model(model), "disable_adapter", None))
 
 
-def frozen_reference(model: nn.Module, ref_model: nn.Module | None = None, *, device) -> nn.Module:
+def frozen_reference(model: nn.Module, ref_model: nn.Module | None = None, *, device) -> nn.Module | None:
     """The reference model of DPO / GRPO: ``ref_model``, or a deep copy of the unwrapped ``model`` as it is
-    now; moved to ``device``, in eval mode (no dropout) and with no parameter requiring grad."""
+    now; moved to ``device``, in eval mode (no dropout) and with no parameter requiring grad. None for a PEFT
+    ``model`` without ``ref_model``: it is its own reference (:func:`disable_adapter`), no copy is held."""
+    if ref_model is None and is_peft_model(model):
+        return None
     reference = ref_model if ref_model is not None else copy.deepcopy(dist.unwrap_model(model))
     reference = reference.to(device).eval()
     reference.requires_grad_(False)
@@ -230,6 +250,8 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
                          f"torch.utils.checkpoint.checkpoint yourself")
     if hasattr(model, "config"):
         model.config.use_cache = False
+    if is_peft_model(model):  # frozen embeddings: a reentrant checkpoint (set by the user) would see no grad
+        model.enable_input_require_grads()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -296,7 +318,9 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, trust_remote_code: b
         if size not in toy.MODEL_SIZES:
             raise ValueError(f"unknown toy model {spec!r}; use one of {['toy:' + s for s in toy.MODEL_SIZES]}")
         tokenizer = tokenizer if tokenizer is not None else toy.build_tokenizer()
-        return toy.build_model(size, seed=seed, tokenizer=tokenizer), tokenizer
+        model = toy.build_model(size, seed=seed, tokenizer=tokenizer)
+        model.name_or_path = spec  # an adapter trained on it names its base (adapter_config.json; treadle merge)
+        return model, tokenizer
     if not os.path.isdir(spec):
         raise ValueError(f"model folder {spec} not found; use a local folder in transformers layout (written by "
                          f"save_pretrained) or toy:tiny")
@@ -360,3 +384,140 @@ def check_vocabulary(model: nn.Module, tokenizer, where: str = "the model") -> N
         raise ValueError(f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
                          f"{rows} rows; use the tokenizer saved with this model, or resize the embedding "
                          f"(model.resize_token_embeddings(len(tokenizer))) and save both")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PEFT (LoRA): optional, imported only when a peft_config or a PEFT model is used
+# ---------------------------------------------------------------------------------------------------------
+PEFT_INSTALL = "pip install 'treadle[peft]'"
+MERGED_DIR = "merged"  # where merge_adapters / `treadle merge` write the merged model, inside the run folder
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise ImportError(f"peft_config needs the peft library, which is not installed: {PEFT_INSTALL}") from None
+    return peft
+
+
+def apply_peft(model: nn.Module, peft_config, *, seed: int = 0) -> nn.Module:
+    """``model`` wrapped by ``peft.get_peft_model`` for ``peft_config`` (only the adapters train), as TRL's
+    trainers do; ``model`` itself when ``peft_config`` is None. The adapters' initial weights depend on
+    ``seed`` only (the caller's RNG is left as it was). Prints trainable / total parameters."""
+    if peft_config is None:
+        return model
+    peft = _peft()
+    if not isinstance(peft_config, peft.PeftConfig):
+        raise TypeError(f"peft_config must be a peft config (e.g. peft.LoraConfig(r=8, target_modules='all-linear')), "
+                        f"got {type(peft_config).__name__}; a YAML mapping goes through treadle.models.lora_config")
+    if is_peft_model(model):
+        raise ValueError("the model is already a PEFT model and peft_config was given too; pass the base model "
+                         "with peft_config, or the PEFT model with peft_config=None")
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`: noise at every LoRA start-up
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(model, peft_config)
+    if dist.is_main_process():
+        trainable, total = parameter_counts(model)
+        print(f"treadle: {peft_config.peft_type.value} adapters: {trainable:,} trainable of {total:,} parameters "
+              f"({100 * trainable / total:.2f}%)", flush=True)
+    return model
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of the unwrapped ``model``; a tied weight counts once."""
+    params = {id(p): p for p in dist.unwrap_model(model).parameters()}.values()
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def lora_config(mapping: dict):
+    """A ``peft.LoraConfig`` for a causal LM from a YAML mapping (``r``, ``lora_alpha``, ``lora_dropout``,
+    ``target_modules`` -- a list or ``all-linear`` --, ``modules_to_save``, any other LoraConfig field)."""
+    import dataclasses
+
+    peft = _peft()
+    if not isinstance(mapping, dict):
+        raise ValueError(f"peft: must be a mapping (r: 8, lora_alpha: 16, target_modules: all-linear), "
+                         f"got {type(mapping).__name__}")
+    known = {f.name for f in dataclasses.fields(peft.LoraConfig)}
+    unknown = sorted(set(mapping) - known)
+    if unknown:
+        raise ValueError(f"peft: unknown LoraConfig key(s) {unknown}; common keys are r, lora_alpha, lora_dropout, "
+                         f"target_modules (a list or all-linear) and modules_to_save")
+    try:
+        return peft.LoraConfig(**{"task_type": "CAUSAL_LM", **mapping})
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"peft: {error}") from None
+
+
+@contextlib.contextmanager
+def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
+    """The (unwrapped) PEFT ``model`` with its adapters disabled inside the block: the base model, used as the
+    DPO / GRPO reference without a second copy of the weights. Gradients are the caller's business."""
+    inner = dist.unwrap_model(model)
+    if not is_peft_model(inner):
+        raise ValueError(f"{type(inner).__name__} has no adapters to disable; pass a ref_model or a PEFT model")
+    with inner.disable_adapter():
+        yield inner
+
+
+@contextlib.contextmanager
+def reference_of(model: nn.Module, ref_model: nn.Module | None = None) -> Iterator[nn.Module]:
+    """The model that scores reference log-probs: ``ref_model`` when there is one, else the PEFT ``model``
+    with its adapters disabled (:func:`disable_adapter`)."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    with disable_adapter(model) as base:
+        yield base
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter weights of a PEFT model (and its ``modules_to_save``), named as peft saves them."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(dist.unwrap_model(model))
+
+
+def load_adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy adapter weights named as :func:`adapter_state_dict` names them into the PEFT ``model``."""
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(dist.unwrap_model(model), state)
+
+
+def merged_model(model: nn.Module) -> nn.Module:
+    """A plain transformers model with the adapters merged into the base weights, built from a copy: the PEFT
+    ``model`` keeps training as it was (the copy costs one model's memory for as long as it is kept)."""
+    return copy.deepcopy(dist.unwrap_model(model)).merge_and_unload()
+
+
+def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str:
+    """Merge the adapter saved in ``adapter_dir`` (``adapter_config.json``; a run folder) into its base model
+    (``base_model_name_or_path``: a local folder or ``toy:<size>``, built with the run's seed) and write a
+    transformers model folder to ``output_dir`` (default ``adapter_dir/merged``); returns its path."""
+    import json
+    import os
+
+    peft = _peft()
+    config_path = os.path.join(adapter_dir, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{adapter_dir} holds no adapter_config.json: is it the output_dir of a run with peft:?")
+    with open(config_path) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config_path} names no base_model_name_or_path; merge in Python: "
+                         f"PeftModel.from_pretrained(base_model, {adapter_dir!r}).merge_and_unload()")
+    args_path, seed = os.path.join(adapter_dir, "training_args.json"), 0
+    if os.path.isfile(args_path):  # a toy base is rebuilt from the run's seed, as `treadle train` built it
+        with open(args_path) as f:
+            seed = json.load(f).get("seed", 0)
+    model, tokenizer = load_model(base, seed=seed)
+    merged = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    output_dir = output_dir or os.path.join(adapter_dir, MERGED_DIR)
+    merged.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir

@@ -54,12 +54,12 @@ class Trainer:
 
     def __init__(self, model=None, args: TrainingArguments | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None)):
+                 optimizers=(None, None), peft_config=None):
         if model is None:
             raise ValueError(f"{type(self).__name__} needs a model")
         self.args = self.check_args(args)
         dist.init_distributed(self.args.device, self.args.ddp_timeout)  # under torchrun: the group exists before any data work
-        self.model = model.to(self.args.device)
+        self.model = models.apply_peft(model, peft_config, seed=self.args.seed).to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
         self.data_collator = data_collator if data_collator is not None else collator_for(processing_class)
@@ -462,8 +462,8 @@ class Trainer:
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None) -> None:
-        """Save the weights (save_pretrained layout for transformers models) and the processing class."""
-        ckpt.export_model(self.model, output_dir or self.args.output_dir, self.processing_class)
+        """Save the weights (save_pretrained layout; a PEFT model's adapter), the processing class and the args."""
+        ckpt.export_model(self.model, output_dir or self.args.output_dir, self.processing_class, self.args)
 
     def _save_checkpoint(self, metrics: dict | None) -> None:
         # a preempted run must be resumable: its last checkpoint is whole even with save_only_model

@@ -62,7 +62,7 @@ from treadle.data import (column_names, encode_prompt_responses, is_conversation
                           require_columns)
 from treadle.logprobs import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
-from treadle.models import eval_mode, frozen_reference, is_peft_model
+from treadle.models import disable_adapter, eval_mode, frozen_reference, is_peft_model
 from treadle.trainer import Trainer
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -287,13 +287,14 @@ class DPOTrainer(Trainer):
 
     def __init__(self, model=None, ref_model=None, args: DPOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
-                 callbacks=None, optimizers=(None, None)):
+                 callbacks=None, optimizers=(None, None), peft_config=None):
         args = self.check_args(args)  # needed before super().__init__: the collator's pad id
         if model is not None and ref_model is model:
             raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
                              "or a separate model")
         collator = data_collator if data_collator is not None else DPOCollator(pad_token_id(processing_class, args.padding_value))
-        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers)
+        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
+                         peft_config)
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
         self.ref_model = self.build_reference_model(ref_model)
@@ -305,8 +306,6 @@ class DPOTrainer(Trainer):
 
     def build_reference_model(self, ref_model):
         """The given ``ref_model``, None for a PEFT policy, else a frozen copy of the policy (eval mode)."""
-        if ref_model is None and self.is_peft_model():
-            return None
         return frozen_reference(self.model, ref_model, device=self.args.device)
 
     def free_reference_model(self) -> None:
@@ -322,8 +321,7 @@ class DPOTrainer(Trainer):
         if self.ref_model is not None:
             return self.completion_logps(self.ref_model, inputs).logps
         if self.is_peft_model():
-            base = dist.unwrap_model(self.model)
-            with base.disable_adapter():
+            with disable_adapter(self.model) as base:
                 return self.completion_logps(base, inputs).logps
         else:
             raise RuntimeError("no reference model: precompute_ref_log_probs=True freed it after computing the "

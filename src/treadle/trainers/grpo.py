@@ -68,7 +68,7 @@ from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, gener
 from treadle.logprobs import token_logps
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages)
-from treadle.models import eval_mode, frozen_reference
+from treadle.models import eval_mode, frozen_reference, reference_of
 from treadle.report import COMPLETIONS_FILE
 from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
 from treadle.trainer import Trainer
@@ -227,14 +227,15 @@ class GRPOTrainer(Trainer):
     list[float | None]`` (see treadle.rewards). ``train_dataset`` needs a ``prompt`` column (text, or chat
     messages rendered with the tokenizer's chat template); every other column reaches the reward functions.
     ``processing_class`` is the tokenizer (required). ``ref_model`` is used when ``args.beta > 0`` (default: a
-    frozen copy of ``model`` taken at construction).
+    frozen copy of ``model`` taken at construction; for a PEFT model, e.g. with ``peft_config``, the model itself
+    with its adapters disabled).
     """
 
     config_class = GRPOConfig
 
     def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
                  args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None), ref_model=None):
+                 callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None):
         args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
         self.reward_funcs = _reward_list(reward_funcs)
         self.reward_weights = _reward_weights(args.reward_weights, self.reward_funcs)
@@ -242,14 +243,15 @@ class GRPOTrainer(Trainer):
         _check_dataset(train_dataset, args)
         super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers)
+                         optimizers=optimizers, peft_config=peft_config)
         self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
         self.pad_token_id = pad_token_id(processing_class)
         self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices (this rank's rows)
         self._completions_file_checked = False
 
     def build_reference_model(self, ref_model=None):
-        """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now."""
+        """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now; None
+        for a PEFT model, which is its own reference with its adapters disabled (no second copy)."""
         return frozen_reference(self.model, ref_model, device=self.args.device)
 
     # ---- data -------------------------------------------------------------------------------------------
@@ -432,8 +434,9 @@ class GRPOTrainer(Trainer):
         batch = {k: v.to(device) for k, v in batch.items()}
         if self._needs_old_logps():
             batch["old_logps"] = self._frozen_logps(self.model, batch)
-        if self.ref_model is not None:
-            batch["ref_logps"] = self._frozen_logps(self.ref_model, batch)
+        if self.args.beta > 0:
+            with reference_of(self.model, self.ref_model) as reference:  # a PEFT policy: adapters disabled
+                batch["ref_logps"] = self._frozen_logps(reference, batch)
         return batch
 
     @torch.no_grad()

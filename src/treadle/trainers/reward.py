@@ -77,10 +77,11 @@ class RewardTrainer(Trainer):
 
     def __init__(self, model=None, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None)):
+                 optimizers=(None, None), peft_config=None):
         args = self.check_args(args)
         collator = data_collator if data_collator is not None else RewardCollator(pad_token_id(processing_class))
-        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers)
+        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
+                         peft_config)
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
 

@@ -77,7 +77,7 @@ class SFTTrainer(Trainer):
 
     def __init__(self, model=None, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None)):
+                 optimizers=(None, None), peft_config=None):
         args = self.check_args(args)  # needed before super().__init__: the datasets are tokenised first
         require_eval_dataset(args, eval_dataset)  # before the tokenising, which takes a while
         if isinstance(model, str):
@@ -90,7 +90,8 @@ class SFTTrainer(Trainer):
             data_collator = SFTCollator(pad_token_id=pad_token_id(processing_class))
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
-                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                         peft_config=peft_config)
 
     # ---- building -----------------------------------------------------------------------------------------
     @staticmethod
