@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -43,6 +45,7 @@ from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwr
 
 __all__ = [
     "GenerationOutput",
+    "MultiTurnOutput",
     "SamplingParams",
     "apply_repetition_penalty",
     "apply_temperature",
@@ -50,6 +53,7 @@ __all__ = [
     "apply_top_p",
     "completion_masks",
     "generate_completions",
+    "generate_turns",
     "left_pad",
     "process_logits",
     "sample_next_tokens",
@@ -570,6 +574,15 @@ class _PreallocatedLayerMixin:
         self.batch_select_indices(torch.arange(self._key_buffer.shape[0], device=self.device)
                                   .repeat_interleave(repeats))
 
+    def reserve(self, capacity: int) -> None:
+        """Move the filled part into buffers that hold ``capacity`` tokens (multi-turn rows need more room)."""
+        keys, values = self.keys, self.values
+        self._key_buffer = keys.new_empty(keys.shape[0], keys.shape[1], capacity, keys.shape[3])
+        self._value_buffer = values.new_empty(values.shape[0], values.shape[1], capacity, values.shape[3])
+        self._key_buffer[:, :, :self._length] = keys
+        self._value_buffer[:, :, :self._length] = values
+        self._set_length(self._length)
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
@@ -585,3 +598,197 @@ def _preallocated_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     return type("PreallocatedLayer", (_PreallocatedLayerMixin, DynamicLayer), {})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Multi-turn sampling: one KV cache kept across turns (used by treadle.rollouts).
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class MultiTurnOutput(GenerationOutput):
+    """A :class:`GenerationOutput` whose completions interleave sampled turns with fed (environment) tokens."""
+
+    sampled_mask: Tensor  # (B*G, C) 1 on tokens the model sampled, 0 on fed tokens and padding
+    sampled_logps: Tensor  # (B*G, C) log-prob of each sampled token under the processed scores; 0 elsewhere
+
+
+# respond(row, turn_ids) -> Future or value: the tokens to feed after the turn, or None when the rollout is over
+Respond = Callable[[int, list[int]], "Future | list[int] | None"]
+
+
+def generate_turns(model, prompts: list[list[int]], respond: Respond, *, num_generations: int,
+                   max_new_tokens: int, eos_token_id: int | list[int] | None, pad_token_id: int,
+                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+                   do_sample: bool = True, generator: torch.Generator | None = None) -> MultiTurnOutput:
+    """Multi-turn sampling on the fast path, with each row's KV cache kept across turns.
+
+    Rows are laid out as in :func:`generate_completions` (prompt b's rollouts are rows b*G .. b*G+G-1). A
+    model turn ends at EOS; then ``respond(row, turn_ids)`` is called (``turn_ids``: the turn's tokens, EOS
+    included) and returns, now or as a ``concurrent.futures.Future``, the token ids to feed next (an
+    environment's observation, maybe empty) or None when the rollout is over. Fed tokens go through the same
+    batched forward as sampled ones, one per step, so only the new tokens are prefilled, never the transcript;
+    a row whose future is not done yet sits out (a masked column) while the other rows keep sampling.
+    ``max_new_tokens`` bounds sampled plus fed tokens per row: a turn cut by it, or an observation that does
+    not fit (then dropped, as TRL does), marks the row truncated. Raises ValueError for a model the fast path
+    cannot run (``treadle.rollouts`` then re-prefills each turn through ``generate_completions``).
+    """
+    params = SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens,
+                            eos_token_ids=_eos_tuple(eos_token_id), pad_token_id=pad_token_id,
+                            temperature=temperature, top_p=top_p, top_k=top_k,
+                            repetition_penalty=repetition_penalty, do_sample=do_sample)
+    _check_prompts(prompts)
+    with unwrapped_for_generation(model) as inner, eval_mode(model), torch.no_grad():
+        _resolve_backend("fast", inner)
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, _model_device(inner))
+        rows = _decode_turns(inner, prompt_ids, prompt_mask, params, respond, generator)
+    return _turns_output(prompt_ids, prompt_mask, rows, params)
+
+
+def _turns_output(prompt_ids: Tensor, prompt_mask: Tensor, rows: _TurnRows, params: SamplingParams
+                  ) -> MultiTurnOutput:
+    """Right-pad the per-row token lists into a MultiTurnOutput."""
+    device, group = prompt_ids.device, params.num_generations
+    width = max(1, max(len(t) for t in rows.tokens))
+    ids = torch.full((len(rows.tokens), width), params.pad_token_id, dtype=torch.long)
+    mask, sampled_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    logps = torch.zeros(ids.shape, dtype=torch.float32)
+    for row, (t, s, lp) in enumerate(zip(rows.tokens, rows.sampled, rows.logps)):
+        ids[row, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        mask[row, :len(t)] = 1
+        sampled_mask[row, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        logps[row, :len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
+    return MultiTurnOutput(prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
+                           prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
+                           completion_ids=ids.to(device), completion_mask=mask.to(device),
+                           is_truncated=torch.tensor(rows.truncated, device=device),
+                           sampled_mask=sampled_mask.to(device), sampled_logps=logps.to(device))
+
+
+_SAMPLE, _FEED, _WAIT, _DONE = range(4)
+
+
+class _TurnRows:
+    """Host-side state of every output row: its mode, its tokens so far, what it waits for or feeds next."""
+
+    def __init__(self, rows: int, params: SamplingParams, respond: Respond):
+        self.params, self.respond = params, respond
+        self.mode = [_SAMPLE] * rows
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.sampled: list[list[int]] = [[] for _ in range(rows)]
+        self.logps: list[list[float]] = [[] for _ in range(rows)]
+        self.turn_start = [0] * rows
+        self.pending: dict[int, Any] = {}  # row -> Future of its observation
+        self.queue: dict[int, list[int]] = {}  # row -> observation tokens still to feed
+        self.truncated = [False] * rows
+
+    def emit(self, row: int, sampled_token: int, logp: float) -> int | None:
+        """The token row ``row`` adds this step (sampled or fed), or None when it sits out."""
+        mode = self.mode[row]
+        if mode == _SAMPLE:
+            token, is_sampled = sampled_token, 1
+        elif mode == _FEED:
+            token, is_sampled, logp = self.queue[row].pop(0), 0, 0.0
+        else:
+            return None
+        self.tokens[row].append(token)
+        self.sampled[row].append(is_sampled)
+        self.logps[row].append(logp)
+        room = self.params.max_new_tokens - len(self.tokens[row])
+        if mode == _SAMPLE and token in self.params.eos_token_ids:
+            turn = self.tokens[row][self.turn_start[row]:]
+            self.pending[row], self.mode[row] = self.respond(row, turn), _WAIT
+        elif mode == _SAMPLE and room == 0:
+            self.finish(row, truncated=True)
+        elif mode == _FEED and not self.queue[row]:
+            self.start_turn(row)
+        return token
+
+    def start_turn(self, row: int) -> None:
+        self.queue.pop(row, None)
+        self.mode[row], self.turn_start[row] = _SAMPLE, len(self.tokens[row])
+        if len(self.tokens[row]) >= self.params.max_new_tokens:
+            self.finish(row, truncated=True)
+
+    def finish(self, row: int, truncated: bool) -> None:
+        self.mode[row], self.truncated[row] = _DONE, truncated
+
+    def collect(self, block: bool) -> None:
+        """Move rows whose observation has arrived to feeding it (or to done); ``block``: wait for at least one."""
+        if block and self.pending:
+            futures.wait([f for f in self.pending.values() if isinstance(f, Future)],
+                         return_when=futures.FIRST_COMPLETED)
+        for row, value in list(self.pending.items()):
+            if isinstance(value, Future):
+                if not value.done():
+                    continue
+                value = value.result()
+            del self.pending[row]
+            if value is None:
+                self.finish(row, truncated=False)
+            elif len(self.tokens[row]) + len(value) >= self.params.max_new_tokens:
+                self.finish(row, truncated=True)  # no room for the observation and a reply: drop it
+            elif value:
+                self.mode[row], self.queue[row] = _FEED, list(value)
+            else:
+                self.start_turn(row)
+
+
+def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, respond: Respond,
+                  generator: torch.Generator | None) -> _TurnRows:
+    """The multi-turn decode loop; returns every row's tokens, sampled flags, log-probs and truncation."""
+    group, width = params.num_generations, prompt_ids.shape[1]
+    cache_name = _cache_argument(model)
+    logits, cache = _prefill(model, prompt_ids, prompt_mask, cache_name)
+    capacity = width + params.max_new_tokens  # grown when rows that sat out used more columns
+    _expand_cache(cache, group, capacity=capacity)
+    state = _DecodeState.start(prompt_ids, prompt_mask, logits, params)  # 2-D mask: waiting rows leave holes
+    rows = _TurnRows(len(state.row_ids), params, respond)
+    column = width
+    while True:
+        active = [int(r) for r in state.row_ids.tolist() if rows.mode[r] != _DONE]
+        rows.collect(block=bool(active) and all(rows.mode[r] == _WAIT for r in active))
+        scores = process_logits(state.logits, params, state.seen)
+        sampled = sample_next_tokens(scores, params.do_sample, generator)
+        logps = scores.log_softmax(dim=-1).gather(1, sampled[:, None]).squeeze(1)
+        emitted = [rows.emit(r, t, lp) for r, t, lp in zip(state.row_ids.tolist(), sampled.tolist(), logps.tolist())]
+        real = torch.tensor([t is not None for t in emitted], device=prompt_ids.device)
+        state.unfinished = torch.tensor([rows.mode[r] != _DONE for r in state.row_ids.tolist()],
+                                        device=prompt_ids.device)
+        if not bool(state.unfinished.any()):
+            break
+        next_tokens = torch.tensor([params.pad_token_id if t is None else t for t in emitted],
+                                   device=prompt_ids.device)
+        if state.seen is not None:
+            state.seen[real.nonzero().squeeze(1), next_tokens[real]] = True
+        if column + 1 > state.attention_mask.shape[1]:
+            capacity = _grow_turn_buffers(cache, state, capacity)
+        state.attention_mask[:, column] = real.to(state.attention_mask.dtype)
+        state.next_tokens = next_tokens
+        keep = state.unfinished.nonzero().squeeze(1)
+        if len(keep) < len(state.unfinished) and len(keep) >= (1 - _SHRINK_FRACTION) * len(state.unfinished):
+            keep = None  # too few finished rows to pay for a compaction yet
+        if keep is not None:
+            cache.batch_select_indices(keep)
+            for name in ("seen", "attention_mask", "positions", "row_ids", "next_tokens", "logits"):
+                if getattr(state, name) is not None:
+                    setattr(state, name, getattr(state, name)[keep])
+            real = real[keep]
+        out = model(**{cache_name: cache}, input_ids=state.next_tokens[:, None],
+                    attention_mask=state.attention_mask[:, :column + 1], position_ids=state.positions[:, None],
+                    use_cache=True)
+        # a row that sat out keeps the logits of its last real token (its next real step may sample from them)
+        state.logits = torch.where(real[:, None], out.logits[:, -1], state.logits)
+        state.positions += real.long()
+        column += 1
+    return rows
+
+
+def _grow_turn_buffers(cache, state: _DecodeState, capacity: int) -> int:
+    """Double the KV buffers and the attention mask (rows that sat out used columns beyond the first estimate)."""
+    capacity *= 2
+    for layer in getattr(cache, "layers", []):
+        if isinstance(layer, _PreallocatedLayerMixin):
+            layer.reserve(capacity)
+    extra = state.attention_mask.new_zeros(state.attention_mask.shape[0], capacity - state.attention_mask.shape[1])
+    state.attention_mask = torch.cat([state.attention_mask, extra], dim=1)
+    return capacity
