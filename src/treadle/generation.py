@@ -54,6 +54,7 @@ __all__ = [
     "completion_masks",
     "generate_completions",
     "generate_turns",
+    "pack_turns",
     "left_pad",
     "process_logits",
     "sample_next_tokens",
@@ -609,7 +610,7 @@ class MultiTurnOutput(GenerationOutput):
     """A :class:`GenerationOutput` whose completions interleave sampled turns with fed (environment) tokens."""
 
     sampled_mask: Tensor  # (B*G, C) 1 on tokens the model sampled, 0 on fed tokens and padding
-    sampled_logps: Tensor  # (B*G, C) log-prob of each sampled token under the processed scores; 0 elsewhere
+    sampled_logps: Tensor | None  # (B*G, C) each sampled token's log-prob (processed scores), else 0; None: not kept
 
 
 # respond(row, turn_ids) -> Future or value: the tokens to feed after the turn, or None when the rollout is over
@@ -641,27 +642,31 @@ def generate_turns(model, prompts: list[list[int]], respond: Respond, *, num_gen
         _resolve_backend("fast", inner)
         prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, _model_device(inner))
         rows = _decode_turns(inner, prompt_ids, prompt_mask, params, respond, generator)
-    return _turns_output(prompt_ids, prompt_mask, rows, params)
+    return pack_turns(prompt_ids, prompt_mask, num_generations, rows.tokens, rows.sampled, rows.truncated,
+                      pad_token_id, rows.logps)
 
 
-def _turns_output(prompt_ids: Tensor, prompt_mask: Tensor, rows: _TurnRows, params: SamplingParams
-                  ) -> MultiTurnOutput:
-    """Right-pad the per-row token lists into a MultiTurnOutput."""
-    device, group = prompt_ids.device, params.num_generations
-    width = max(1, max(len(t) for t in rows.tokens))
-    ids = torch.full((len(rows.tokens), width), params.pad_token_id, dtype=torch.long)
+def pack_turns(prompt_ids: Tensor, prompt_mask: Tensor, group: int, tokens: list[list[int]],
+               sampled: list[list[int]], truncated: list[bool], pad_token_id: int,
+               logps: list[list[float]] | None = None) -> MultiTurnOutput:
+    """A MultiTurnOutput from the distinct prompts (B, P) and each row's completion tokens, sampled flags,
+    truncation and (optionally) sampled-token log-probs, right-padded."""
+    device = prompt_ids.device
+    width = max(1, max(len(t) for t in tokens))
+    ids = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
     mask, sampled_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    logps = torch.zeros(ids.shape, dtype=torch.float32)
-    for row, (t, s, lp) in enumerate(zip(rows.tokens, rows.sampled, rows.logps)):
+    logp_tensor = torch.zeros(ids.shape, dtype=torch.float32)
+    for row, (t, s) in enumerate(zip(tokens, sampled)):
         ids[row, :len(t)] = torch.as_tensor(t, dtype=torch.long)
         mask[row, :len(t)] = 1
         sampled_mask[row, :len(s)] = torch.as_tensor(s, dtype=torch.long)
-        logps[row, :len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
+        if logps is not None:
+            logp_tensor[row, :len(logps[row])] = torch.as_tensor(logps[row], dtype=torch.float32)
     return MultiTurnOutput(prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
                            prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
                            completion_ids=ids.to(device), completion_mask=mask.to(device),
-                           is_truncated=torch.tensor(rows.truncated, device=device),
-                           sampled_mask=sampled_mask.to(device), sampled_logps=logps.to(device))
+                           is_truncated=torch.tensor(truncated, device=device), sampled_mask=sampled_mask.to(device),
+                           sampled_logps=logp_tensor.to(device) if logps is not None else None)
 
 
 _SAMPLE, _FEED, _WAIT, _DONE = range(4)
