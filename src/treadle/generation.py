@@ -686,27 +686,28 @@ class _TurnRows:
         self.queue: dict[int, list[int]] = {}  # row -> observation tokens still to feed
         self.truncated = [False] * rows
 
-    def emit(self, row: int, sampled_token: int, logp: float) -> int | None:
-        """The token row ``row`` adds this step (sampled or fed), or None when it sits out."""
+    def emit(self, row: int, sampled_token: int, logp: float) -> list[int]:
+        """The tokens row ``row`` adds this step: its sampled token, its whole observation (prefilled in one
+        step), or none when it waits or is done."""
         mode = self.mode[row]
-        if mode == _SAMPLE:
-            token, is_sampled = sampled_token, 1
-        elif mode == _FEED:
-            token, is_sampled, logp = self.queue[row].pop(0), 0, 0.0
-        else:
-            return None
-        self.tokens[row].append(token)
-        self.sampled[row].append(is_sampled)
+        if mode == _FEED:
+            tokens = self.queue.pop(row)
+            self.tokens[row] += tokens
+            self.sampled[row] += [0] * len(tokens)
+            self.logps[row] += [0.0] * len(tokens)
+            self.start_turn(row)
+            return tokens
+        if mode != _SAMPLE:
+            return []
+        self.tokens[row].append(sampled_token)
+        self.sampled[row].append(1)
         self.logps[row].append(logp)
-        room = self.params.max_new_tokens - len(self.tokens[row])
-        if mode == _SAMPLE and token in self.params.eos_token_ids:
+        if sampled_token in self.params.eos_token_ids:
             turn = self.tokens[row][self.turn_start[row]:]
             self.pending[row], self.mode[row] = self.respond(row, turn), _WAIT
-        elif mode == _SAMPLE and room == 0:
+        elif len(self.tokens[row]) >= self.params.max_new_tokens:
             self.finish(row, truncated=True)
-        elif mode == _FEED and not self.queue[row]:
-            self.start_turn(row)
-        return token
+        return [sampled_token]
 
     def start_turn(self, row: int) -> None:
         self.queue.pop(row, None)
@@ -740,8 +741,12 @@ class _TurnRows:
 
 def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, respond: Respond,
                   generator: torch.Generator | None) -> _TurnRows:
-    """The multi-turn decode loop; returns every row's tokens, sampled flags, log-probs and truncation."""
-    group, width = params.num_generations, prompt_ids.shape[1]
+    """The multi-turn decode loop; returns every row's tokens, sampled flags, log-probs and truncation.
+
+    Each step feeds every row what it adds: one sampled token, a whole observation, or nothing (a row that
+    waits or is done). The step's input is (R, k) for the longest addition k, right-padded with masked columns.
+    """
+    group, width, device = params.num_generations, prompt_ids.shape[1], prompt_ids.device
     cache_name = _cache_argument(model)
     logits, cache = _prefill(model, prompt_ids, prompt_mask, cache_name)
     capacity = width + params.max_new_tokens  # grown when rows that sat out used more columns
@@ -750,41 +755,43 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
     rows = _TurnRows(len(state.row_ids), params, respond)
     column = width
     while True:
-        active = [int(r) for r in state.row_ids.tolist() if rows.mode[r] != _DONE]
-        rows.collect(block=bool(active) and all(rows.mode[r] == _WAIT for r in active))
+        row_ids = state.row_ids.tolist()
+        active = [r for r in row_ids if rows.mode[r] != _DONE]
+        if not active:
+            break
+        rows.collect(block=all(rows.mode[r] == _WAIT for r in active))
         scores = process_logits(state.logits, params, state.seen)
         sampled = sample_next_tokens(scores, params.do_sample, generator)
         logps = scores.log_softmax(dim=-1).gather(1, sampled[:, None]).squeeze(1)
-        emitted = [rows.emit(r, t, lp) for r, t, lp in zip(state.row_ids.tolist(), sampled.tolist(), logps.tolist())]
-        real = torch.tensor([t is not None for t in emitted], device=prompt_ids.device)
-        state.unfinished = torch.tensor([rows.mode[r] != _DONE for r in state.row_ids.tolist()],
-                                        device=prompt_ids.device)
-        if not bool(state.unfinished.any()):
-            break
-        next_tokens = torch.tensor([params.pad_token_id if t is None else t for t in emitted],
-                                   device=prompt_ids.device)
+        added = [rows.emit(r, t, lp) for r, t, lp in zip(row_ids, sampled.tolist(), logps.tolist())]
+        step = max(len(a) for a in added)
+        if step == 0:
+            continue  # every row is waiting (or just finished): nothing to feed
+        inputs = torch.tensor([a + [params.pad_token_id] * (step - len(a)) for a in added], device=device)
+        lengths = torch.tensor([len(a) for a in added], device=device)  # (R,)
+        real = torch.arange(step, device=device)[None, :] < lengths[:, None]  # (R, k)
         if state.seen is not None:
-            state.seen[real.nonzero().squeeze(1), next_tokens[real]] = True
-        if column + 1 > state.attention_mask.shape[1]:
+            state.seen |= token_presence(inputs, real, state.seen.shape[1])
+        while column + step > state.attention_mask.shape[1]:
             capacity = _grow_turn_buffers(cache, state, capacity)
-        state.attention_mask[:, column] = real.to(state.attention_mask.dtype)
-        state.next_tokens = next_tokens
-        keep = state.unfinished.nonzero().squeeze(1)
-        if len(keep) < len(state.unfinished) and len(keep) >= (1 - _SHRINK_FRACTION) * len(state.unfinished):
-            keep = None  # too few finished rows to pay for a compaction yet
-        if keep is not None:
-            cache.batch_select_indices(keep)
-            for name in ("seen", "attention_mask", "positions", "row_ids", "next_tokens", "logits"):
+        state.attention_mask[:, column:column + step] = real.to(state.attention_mask.dtype)
+        keep = torch.tensor([rows.mode[r] != _DONE for r in row_ids], device=device).nonzero().squeeze(1)
+        if len(keep) == 0:
+            break
+        if len(keep) < len(row_ids) and len(keep) < (1 - _SHRINK_FRACTION) * len(row_ids):
+            cache.batch_select_indices(keep)  # enough rows have finished to pay for a compaction
+            for name in ("seen", "attention_mask", "positions", "row_ids", "logits"):
                 if getattr(state, name) is not None:
                     setattr(state, name, getattr(state, name)[keep])
-            real = real[keep]
-        out = model(**{cache_name: cache}, input_ids=state.next_tokens[:, None],
-                    attention_mask=state.attention_mask[:, :column + 1], position_ids=state.positions[:, None],
+            inputs, lengths, real = inputs[keep], lengths[keep], real[keep]
+        out = model(**{cache_name: cache}, input_ids=inputs, attention_mask=state.attention_mask[:, :column + step],
+                    position_ids=state.positions[:, None] + torch.arange(step, device=device)[None, :],
                     use_cache=True)
-        # a row that sat out keeps the logits of its last real token (its next real step may sample from them)
-        state.logits = torch.where(real[:, None], out.logits[:, -1], state.logits)
-        state.positions += real.long()
-        column += 1
+        last = out.logits[torch.arange(len(lengths), device=device), (lengths - 1).clamp(min=0)]  # (R, V)
+        # a row that added nothing keeps the logits of its last real token (its next step may sample from them)
+        state.logits = torch.where(lengths[:, None] > 0, last, state.logits)
+        state.positions += lengths
+        column += step
     return rows
 
 
