@@ -43,7 +43,7 @@ class ToolsDemoSettings:
     grpo_learning_rate: float = 1e-3
     num_generations: int = 8  # G: rollouts per prompt
     grpo_batch_size: int = 128  # rollouts per GRPO step: 16 prompts x G
-    max_completion_length: int = 48  # sampled plus tool tokens per rollout
+    max_completion_length: int = 64  # sampled plus tool tokens per rollout (a solved problem takes ~52)
 
     def __post_init__(self) -> None:
         if self.sft_steps < 1 or self.grpo_steps < 1 or self.eval_size < 1:

@@ -575,15 +575,6 @@ class _PreallocatedLayerMixin:
         self.batch_select_indices(torch.arange(self._key_buffer.shape[0], device=self.device)
                                   .repeat_interleave(repeats))
 
-    def reserve(self, capacity: int) -> None:
-        """Move the filled part into buffers that hold ``capacity`` tokens (multi-turn rows need more room)."""
-        keys, values = self.keys, self.values
-        self._key_buffer = keys.new_empty(keys.shape[0], keys.shape[1], capacity, keys.shape[3])
-        self._value_buffer = values.new_empty(values.shape[0], values.shape[1], capacity, values.shape[3])
-        self._key_buffer[:, :, :self._length] = keys
-        self._value_buffer[:, :, :self._length] = values
-        self._set_length(self._length)
-
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative number of tokens to remove")
@@ -744,16 +735,22 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
     """The multi-turn decode loop; returns every row's tokens, sampled flags, log-probs and truncation.
 
     Each step feeds every row what it adds: one sampled token, a whole observation, or nothing (a row that
-    waits or is done). The step's input is (R, k) for the longest addition k, right-padded with masked columns.
+    waits or is done). The cache is ragged: row r writes its k_r new keys at its own length, so a waiting row
+    costs no columns, and the step's (R, 1, k, T) mask says which slots each query may read.
     """
     group, width, device = params.num_generations, prompt_ids.shape[1], prompt_ids.device
     cache_name = _cache_argument(model)
     logits, cache = _prefill(model, prompt_ids, prompt_mask, cache_name)
-    capacity = width + params.max_new_tokens  # grown when rows that sat out used more columns
-    _expand_cache(cache, group, capacity=capacity)
-    state = _DecodeState.start(prompt_ids, prompt_mask, logits, params)  # 2-D mask: waiting rows leave holes
+    capacity = width + params.max_new_tokens + 1  # the last slot takes the padding of ragged writes
+    if not _expand_cache(cache, group, capacity=capacity):
+        raise ValueError("multi-turn sampling with a kept KV cache needs plain full-attention layers; "
+                         "use treadle.rollouts.reprefill_turns (generation_backend='hf') for this model")
+    writes = _RaggedWrites.attach(cache)
+    state = _DecodeState.start(prompt_ids, prompt_mask, logits, params)
+    valid = torch.zeros(len(state.row_ids), capacity, dtype=torch.bool, device=device)  # slots holding a token
+    valid[:, :width] = prompt_mask.bool().repeat_interleave(group, dim=0)
+    slots = torch.full_like(state.positions, width)  # (R,) next free slot of each row
     rows = _TurnRows(len(state.row_ids), params, respond)
-    column = width
     while True:
         row_ids = state.row_ids.tolist()
         active = [r for r in row_ids if rows.mode[r] != _DONE]
@@ -765,42 +762,82 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
         logps = scores.log_softmax(dim=-1).gather(1, sampled[:, None]).squeeze(1)
         added = [rows.emit(r, t, lp) for r, t, lp in zip(row_ids, sampled.tolist(), logps.tolist())]
         step = max(len(a) for a in added)
-        if step == 0:
-            continue  # every row is waiting (or just finished): nothing to feed
+        keep = torch.tensor([rows.mode[r] != _DONE for r in row_ids], device=device).nonzero().squeeze(1)
+        if step == 0 or len(keep) == 0:
+            continue  # every row is waiting, or all are done: nothing to feed
         inputs = torch.tensor([a + [params.pad_token_id] * (step - len(a)) for a in added], device=device)
         lengths = torch.tensor([len(a) for a in added], device=device)  # (R,)
-        real = torch.arange(step, device=device)[None, :] < lengths[:, None]  # (R, k)
-        if state.seen is not None:
-            state.seen |= token_presence(inputs, real, state.seen.shape[1])
-        while column + step > state.attention_mask.shape[1]:
-            capacity = _grow_turn_buffers(cache, state, capacity)
-        state.attention_mask[:, column:column + step] = real.to(state.attention_mask.dtype)
-        keep = torch.tensor([rows.mode[r] != _DONE for r in row_ids], device=device).nonzero().squeeze(1)
-        if len(keep) == 0:
-            break
-        if len(keep) < len(row_ids) and len(keep) < (1 - _SHRINK_FRACTION) * len(row_ids):
-            cache.batch_select_indices(keep)  # enough rows have finished to pay for a compaction
-            for name in ("seen", "attention_mask", "positions", "row_ids", "logits"):
+        if len(keep) < (1 - _SHRINK_FRACTION) * len(row_ids):  # enough rows finished to pay for a compaction
+            cache.batch_select_indices(keep)
+            for name in ("seen", "positions", "row_ids", "logits"):
                 if getattr(state, name) is not None:
                     setattr(state, name, getattr(state, name)[keep])
-            inputs, lengths, real = inputs[keep], lengths[keep], real[keep]
-        out = model(**{cache_name: cache}, input_ids=inputs, attention_mask=state.attention_mask[:, :column + step],
-                    position_ids=state.positions[:, None] + torch.arange(step, device=device)[None, :],
-                    use_cache=True)
+            inputs, lengths, valid, slots = inputs[keep], lengths[keep], valid[keep], slots[keep]
+        offsets = torch.arange(step, device=device)[None, :]  # (1, k)
+        real = offsets < lengths[:, None]  # (R, k)
+        if state.seen is not None:
+            state.seen |= token_presence(inputs, real, state.seen.shape[1])
+        index = (slots[:, None] + offsets).clamp(max=capacity - 1)  # (R, k) where each new key goes
+        valid[torch.arange(len(slots), device=device)[:, None].expand_as(index)[real], index[real]] = True
+        span = int((slots + step).clamp(max=capacity).max())
+        readable = valid[:, None, :span] & (torch.arange(span, device=device)[None, None, :] <= index[:, :, None])
+        dtype = _model_dtype(model)
+        mask = torch.zeros(readable.shape, dtype=dtype, device=device).masked_fill(
+            ~readable, torch.finfo(dtype).min)[:, None]  # (R, 1, k, T) additive: eager and SDPA read it alike
+        writes.index, writes.span = index, span
+        out = model(**{cache_name: cache}, input_ids=inputs, attention_mask=mask,
+                    position_ids=state.positions[:, None] + offsets, use_cache=True)
         last = out.logits[torch.arange(len(lengths), device=device), (lengths - 1).clamp(min=0)]  # (R, V)
         # a row that added nothing keeps the logits of its last real token (its next step may sample from them)
         state.logits = torch.where(lengths[:, None] > 0, last, state.logits)
         state.positions += lengths
-        column += step
+        slots += lengths
     return rows
 
 
-def _grow_turn_buffers(cache, state: _DecodeState, capacity: int) -> int:
-    """Double the KV buffers and the attention mask (rows that sat out used columns beyond the first estimate)."""
-    capacity *= 2
-    for layer in getattr(cache, "layers", []):
-        if isinstance(layer, _PreallocatedLayerMixin):
-            layer.reserve(capacity)
-    extra = state.attention_mask.new_zeros(state.attention_mask.shape[0], capacity - state.attention_mask.shape[1])
-    state.attention_mask = torch.cat([state.attention_mask, extra], dim=1)
-    return capacity
+def _model_dtype(model) -> torch.dtype:
+    param = next(iter(model.parameters()), None)
+    return param.dtype if param is not None else torch.float32
+
+
+class _RaggedWrites:
+    """Where each row's new keys go in this step, shared by every layer of one cache (set by the decode loop)."""
+
+    index: Tensor  # (R, k) slot of each new key; padding goes to the last, never-read slot
+    span: int  # slots that attention reads this step
+
+    @classmethod
+    def attach(cls, cache) -> "_RaggedWrites":
+        writes = cls()
+        ragged = _ragged_layer_class()
+        for layer in cache.layers:
+            layer.__class__, layer.writes = ragged, writes  # a preallocated layer that writes row by row
+            layer.clear_unfilled()
+        return writes
+
+
+class _RaggedLayerMixin:
+    """``update`` writes each row's keys/values at that row's own slots (``writes.index``) and returns views of
+    the first ``writes.span`` slots; which slots a query may read is the attention mask's business."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
+        self._key_buffer[rows, :, self.writes.index] = key_states.transpose(1, 2)
+        self._value_buffer[rows, :, self.writes.index] = value_states.transpose(1, 2)
+        self._set_length(self.writes.span)
+        return self.keys, self.values
+
+    def clear_unfilled(self) -> None:
+        # Slots a row has not written yet are read (with zero weight) by rows that have: they must hold numbers,
+        # not the garbage of an empty buffer, since 0 * NaN is NaN.
+        self._key_buffer[:, :, self._length:] = 0
+        self._value_buffer[:, :, self._length:] = 0
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.clear_unfilled()
+
+
+@functools.lru_cache(maxsize=None)
+def _ragged_layer_class():
+    return type("RaggedLayer", (_RaggedLayerMixin, _preallocated_layer_class()), {})
