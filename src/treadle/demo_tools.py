@@ -1,12 +1,12 @@
 """``treadle demo --task tools``: the tiny model learns to use a calculator tool for 3-digit addition.
 
 The tiny toy model cannot learn 3-digit addition in a few minutes on a CPU, but it can learn to *call* the
-``add`` tool (``treadle.toy.add``) and copy the result. ``run_tools_demo(ToolsDemoSettings(...), output_dir)``:
+``calc`` tool (``treadle.toy.calc``) and copy the result. ``run_tools_demo(ToolsDemoSettings(...), output_dir)``:
 
 1. builds the toy model and scores it (untrained);
 2. a short SFT warm start on ``sft_problems`` tool-using transcripts (``toy.tool_transcripts``: the call, then
    the answer after the tool's result), then scores it;
-3. GRPO from there with ``tools=[toy.add]`` and the exact-match reward: multi-turn rollouts, loss on the
+3. GRPO from there with ``tools=[toy.calc]`` and the exact-match reward: multi-turn rollouts, loss on the
    model's tokens only (``treadle.rollouts``), then scores it;
 4. the control without tools: the same SFT and GRPO budget on the direct answers (``123+456=`` -> ``579``),
    rolled out and scored without tools.
@@ -63,7 +63,7 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
     start = time.time()
     tokenizer = toy.build_tokenizer()
     test = toy.load_task("tools", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    print(f"treadle demo --task tools: the {settings.model_size} toy model learns to call add() for 3-digit "
+    print(f"treadle demo --task tools: the {settings.model_size} toy model learns to call calc() for 3-digit "
           f"addition (SFT warm start, then GRPO with the tool); run folder {out}", flush=True)
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     rows = [("untrained", score_tools(model, tokenizer, test, settings, out / "untrained.jsonl"), 0, 0.0)]
@@ -108,7 +108,7 @@ def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir
 
 
 def tools_grpo(model, tokenizer, settings: ToolsDemoSettings, output_dir: Path, *, use_tools: bool):
-    """GRPO ``model`` in place with the exact-match reward, with or without the ``add`` tool; returns (steps,
+    """GRPO ``model`` in place with the exact-match reward, with or without the ``calc`` tool; returns (steps,
     seconds)."""
     from treadle import toy
     from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
@@ -120,7 +120,7 @@ def tools_grpo(model, tokenizer, settings: ToolsDemoSettings, output_dir: Path, 
                       save_strategy="no", log_completions=use_tools, disable_tqdm=True)
     trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
                           train_dataset=toy.load_task("tools", "train", kind="rl", seed=settings.seed),
-                          tools=[toy.add] if use_tools else None)
+                          tools=[toy.calc] if use_tools else None)
     start = time.time()
     trainer.train()
     if trainer.rollout_runner is not None:
@@ -130,13 +130,13 @@ def tools_grpo(model, tokenizer, settings: ToolsDemoSettings, output_dir: Path, 
 
 def score_tools(model, tokenizer, dataset, settings: ToolsDemoSettings, completions_file: Path | None = None, *,
                 use_tools: bool = True, batch_size: int = 250) -> float:
-    """Greedy held-out exact match: each problem rolled out (with the ``add`` tool unless ``use_tools`` is
+    """Greedy held-out exact match: each problem rolled out (with the ``calc`` tool unless ``use_tools`` is
     False), its last model turn compared with the answer. Writes the transcripts to ``completions_file``."""
     from treadle import toy
     from treadle.generation import generate_completions
     from treadle.rollouts import RolloutRunner
 
-    runner = RolloutRunner(tokenizer, tools=[toy.add]) if use_tools else None
+    runner = RolloutRunner(tokenizer, tools=[toy.calc]) if use_tools else None
     rows, answers = [dict(r) for r in dataset], dataset["answer"]
     finals, transcripts = [], []
     for start in range(0, len(rows), batch_size):

@@ -678,17 +678,8 @@ class _TurnRows:
         self.truncated = [False] * rows
 
     def emit(self, row: int, sampled_token: int, logp: float) -> list[int]:
-        """The tokens row ``row`` adds this step: its sampled token, its whole observation (prefilled in one
-        step), or none when it waits or is done."""
-        mode = self.mode[row]
-        if mode == _FEED:
-            tokens = self.queue.pop(row)
-            self.tokens[row] += tokens
-            self.sampled[row] += [0] * len(tokens)
-            self.logps[row] += [0.0] * len(tokens)
-            self.start_turn(row)
-            return tokens
-        if mode != _SAMPLE:
+        """The token row ``row`` adds this sampling step: its sampled token, or none unless it is sampling."""
+        if self.mode[row] != _SAMPLE:
             return []
         self.tokens[row].append(sampled_token)
         self.sampled[row].append(1)
@@ -699,6 +690,15 @@ class _TurnRows:
         elif len(self.tokens[row]) >= self.params.max_new_tokens:
             self.finish(row, truncated=True)
         return [sampled_token]
+
+    def feed(self, row: int) -> list[int]:
+        """The observation row ``row`` adds now (all of it); the row then samples its next turn."""
+        tokens = self.queue.pop(row)
+        self.tokens[row] += tokens
+        self.sampled[row] += [0] * len(tokens)
+        self.logps[row] += [0.0] * len(tokens)
+        self.start_turn(row)
+        return tokens
 
     def start_turn(self, row: int) -> None:
         self.queue.pop(row, None)
@@ -730,69 +730,100 @@ class _TurnRows:
                 self.start_turn(row)
 
 
+# Observations are prefilled in a separate forward of the rows that have one ready. A row waits (costing nothing)
+# until enough rows are ready to share that forward: a quarter of the active rows, or every row not waiting.
+_FEED_FRACTION = 0.25
+
+
 def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, respond: Respond,
                   generator: torch.Generator | None) -> _TurnRows:
     """The multi-turn decode loop; returns every row's tokens, sampled flags, log-probs and truncation.
 
-    Each step feeds every row what it adds: one sampled token, a whole observation, or nothing (a row that
-    waits or is done). The cache is ragged: row r writes its k_r new keys at its own length, so a waiting row
-    costs no columns, and the step's (R, 1, k, T) mask says which slots each query may read.
+    Each iteration: collect the observations that have arrived; if enough rows have one, prefill them in one
+    forward of those rows only; then one sampling step of every row (a row that waits or is done adds nothing).
     """
-    group, width, device = params.num_generations, prompt_ids.shape[1], prompt_ids.device
-    cache_name = _cache_argument(model)
-    logits, cache = _prefill(model, prompt_ids, prompt_mask, cache_name)
-    capacity = width + params.max_new_tokens + 1  # the last slot takes the padding of ragged writes
-    if not _expand_cache(cache, group, capacity=capacity):
-        raise ValueError("multi-turn sampling with a kept KV cache needs plain full-attention layers; "
-                         "use treadle.rollouts.reprefill_turns (generation_backend='hf') for this model")
-    writes = _RaggedWrites.attach(cache)
-    state = _DecodeState.start(prompt_ids, prompt_mask, logits, params)
-    valid = torch.zeros(len(state.row_ids), capacity, dtype=torch.bool, device=device)  # slots holding a token
-    valid[:, :width] = prompt_mask.bool().repeat_interleave(group, dim=0)
-    slots = torch.full_like(state.positions, width)  # (R,) next free slot of each row
-    rows = _TurnRows(len(state.row_ids), params, respond)
+    decoder = _RaggedDecoder(model, prompt_ids, prompt_mask, params)
+    rows = _TurnRows(len(decoder.state.row_ids), params, respond)
     while True:
-        row_ids = state.row_ids.tolist()
-        active = [r for r in row_ids if rows.mode[r] != _DONE]
+        row_ids = decoder.state.row_ids.tolist()
+        modes = [rows.mode[r] for r in row_ids]
+        active = sum(m != _DONE for m in modes)
         if not active:
             break
-        rows.collect(block=all(rows.mode[r] == _WAIT for r in active))
+        rows.collect(block=all(m in (_WAIT, _DONE) for m in modes))
+        modes = [rows.mode[r] for r in row_ids]
+        ready = [i for i, m in enumerate(modes) if m == _FEED]
+        if ready and (len(ready) >= _FEED_FRACTION * active or _SAMPLE not in modes):
+            decoder.forward([rows.feed(row_ids[i]) for i in ready], subset=ready)
+        if _SAMPLE not in [rows.mode[r] for r in row_ids]:
+            continue
+        state = decoder.state
         scores = process_logits(state.logits, params, state.seen)
         sampled = sample_next_tokens(scores, params.do_sample, generator)
         logps = scores.log_softmax(dim=-1).gather(1, sampled[:, None]).squeeze(1)
         added = [rows.emit(r, t, lp) for r, t, lp in zip(row_ids, sampled.tolist(), logps.tolist())]
-        step = max(len(a) for a in added)
-        keep = torch.tensor([rows.mode[r] != _DONE for r in row_ids], device=device).nonzero().squeeze(1)
-        if step == 0 or len(keep) == 0:
-            continue  # every row is waiting, or all are done: nothing to feed
-        inputs = torch.tensor([a + [params.pad_token_id] * (step - len(a)) for a in added], device=device)
-        lengths = torch.tensor([len(a) for a in added], device=device)  # (R,)
+        keep = [i for i, r in enumerate(row_ids) if rows.mode[r] != _DONE]
+        if not keep:
+            break
         if len(keep) < (1 - _SHRINK_FRACTION) * len(row_ids):  # enough rows finished to pay for a compaction
-            cache.batch_select_indices(keep)
-            for name in ("seen", "positions", "row_ids", "logits"):
-                if getattr(state, name) is not None:
-                    setattr(state, name, getattr(state, name)[keep])
-            inputs, lengths, valid, slots = inputs[keep], lengths[keep], valid[keep], slots[keep]
-        offsets = torch.arange(step, device=device)[None, :]  # (1, k)
-        real = offsets < lengths[:, None]  # (R, k)
-        if state.seen is not None:
-            state.seen |= token_presence(inputs, real, state.seen.shape[1])
-        index = (slots[:, None] + offsets).clamp(max=capacity - 1)  # (R, k) where each new key goes
-        valid[torch.arange(len(slots), device=device)[:, None].expand_as(index)[real], index[real]] = True
-        span = int((slots + step).clamp(max=capacity).max())
-        readable = valid[:, None, :span] & (torch.arange(span, device=device)[None, None, :] <= index[:, :, None])
-        dtype = _model_dtype(model)
-        mask = torch.zeros(readable.shape, dtype=dtype, device=device).masked_fill(
-            ~readable, torch.finfo(dtype).min)[:, None]  # (R, 1, k, T) additive: eager and SDPA read it alike
-        writes.index, writes.span = index, span
-        out = model(**{cache_name: cache}, input_ids=inputs, attention_mask=mask,
-                    position_ids=state.positions[:, None] + offsets, use_cache=True)
-        last = out.logits[torch.arange(len(lengths), device=device), (lengths - 1).clamp(min=0)]  # (R, V)
-        # a row that added nothing keeps the logits of its last real token (its next step may sample from them)
-        state.logits = torch.where(lengths[:, None] > 0, last, state.logits)
-        state.positions += lengths
-        slots += lengths
+            decoder.compact(torch.tensor(keep, device=decoder.device))
+            added = [added[i] for i in keep]
+        decoder.forward(added)
     return rows
+
+
+class _RaggedDecoder:
+    """The batch's KV cache (ragged: row r writes its new keys at its own next slot, so a waiting row costs no
+    columns) with the per-row state; ``forward`` runs some rows' new tokens through the model."""
+
+    def __init__(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams):
+        group, width, self.device = params.num_generations, prompt_ids.shape[1], prompt_ids.device
+        self.model, self.cache_name, self.pad = model, _cache_argument(model), params.pad_token_id
+        logits, self.cache = _prefill(model, prompt_ids, prompt_mask, self.cache_name)
+        self.capacity = width + params.max_new_tokens + 1  # the last slot takes the padding of ragged writes
+        if not _expand_cache(self.cache, group, capacity=self.capacity):
+            raise ValueError("multi-turn sampling with a kept KV cache needs plain full-attention layers; "
+                             "use treadle.rollouts.reprefill_turns (generation_backend='hf') for this model")
+        self.writes = _RaggedWrites.attach(self.cache)
+        self.state = _DecodeState.start(prompt_ids, prompt_mask, logits, params)
+        self.valid = torch.zeros(len(self.state.row_ids), self.capacity, dtype=torch.bool, device=self.device)
+        self.valid[:, :width] = prompt_mask.bool().repeat_interleave(group, dim=0)  # slots holding a token
+        self.slots = torch.full_like(self.state.positions, width)  # (R,) next free slot of each row
+        self.dtype = _model_dtype(model)
+
+    def compact(self, keep: Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        for name in ("seen", "positions", "row_ids", "logits"):
+            if getattr(self.state, name) is not None:
+                setattr(self.state, name, getattr(self.state, name)[keep])
+        self.valid, self.slots = self.valid[keep], self.slots[keep]
+
+    def forward(self, added: list[list[int]], subset: list[int] | None = None) -> None:
+        """Run ``added[i]`` (maybe empty) through the model for row ``subset[i]`` (default: row i of all)."""
+        state, device = self.state, self.device
+        rows = torch.arange(len(added), device=device) if subset is None else torch.tensor(subset, device=device)
+        step = max(len(a) for a in added)
+        inputs = torch.tensor([a + [self.pad] * (step - len(a)) for a in added], device=device)  # (r, k)
+        lengths = torch.tensor([len(a) for a in added], device=device)  # (r,)
+        offsets = torch.arange(step, device=device)[None, :]
+        real = offsets < lengths[:, None]  # (r, k)
+        if state.seen is not None:
+            state.seen[rows] |= token_presence(inputs, real, state.seen.shape[1])
+        index = (self.slots[rows, None] + offsets).clamp(max=self.capacity - 1)  # (r, k) where new keys go
+        self.valid[rows[:, None].expand_as(index)[real], index[real]] = True
+        span = int((self.slots[rows] + step).clamp(max=self.capacity).max())
+        readable = self.valid[rows, None, :span] & (torch.arange(span, device=device)[None, None, :]
+                                                    <= index[:, :, None])  # (r, k, T)
+        mask = torch.zeros(readable.shape, dtype=self.dtype, device=device).masked_fill(
+            ~readable, torch.finfo(self.dtype).min)[:, None]  # (r, 1, k, T) additive: eager and SDPA read it alike
+        self.writes.rows, self.writes.index, self.writes.span = (None if subset is None else rows), index, span
+        out = self.model(**{self.cache_name: self.cache}, input_ids=inputs, attention_mask=mask,
+                         position_ids=state.positions[rows, None] + offsets, use_cache=True)
+        last = out.logits[torch.arange(len(added), device=device), (lengths - 1).clamp(min=0)]  # (r, V)
+        # a row that added nothing keeps the logits of its last real token (its next step may sample from them)
+        state.logits[rows] = torch.where(lengths[:, None] > 0, last.to(state.logits.dtype), state.logits[rows])
+        state.positions[rows] += lengths
+        self.slots[rows] += lengths
 
 
 def _model_dtype(model) -> torch.dtype:
@@ -803,7 +834,8 @@ def _model_dtype(model) -> torch.dtype:
 class _RaggedWrites:
     """Where each row's new keys go in this step, shared by every layer of one cache (set by the decode loop)."""
 
-    index: Tensor  # (R, k) slot of each new key; padding goes to the last, never-read slot
+    rows: Tensor | None  # (r,) the rows of this forward; None: all
+    index: Tensor  # (r, k) slot of each new key; padding goes to the last, never-read slot
     span: int  # slots that attention reads this step
 
     @classmethod
@@ -821,11 +853,14 @@ class _RaggedLayerMixin:
     the first ``writes.span`` slots; which slots a query may read is the attention mask's business."""
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        rows = torch.arange(key_states.shape[0], device=key_states.device)[:, None]
-        self._key_buffer[rows, :, self.writes.index] = key_states.transpose(1, 2)
-        self._value_buffer[rows, :, self.writes.index] = value_states.transpose(1, 2)
-        self._set_length(self.writes.span)
-        return self.keys, self.values
+        subset = self.writes.rows
+        rows = torch.arange(key_states.shape[0], device=key_states.device) if subset is None else subset
+        self._key_buffer[rows[:, None], :, self.writes.index] = key_states.transpose(1, 2)
+        self._value_buffer[rows[:, None], :, self.writes.index] = value_states.transpose(1, 2)
+        self._set_length(max(self._length, self.writes.span))
+        if subset is None:
+            return self._key_buffer[:, :, :self.writes.span], self._value_buffer[:, :, :self.writes.span]
+        return self._key_buffer[subset, :, :self.writes.span], self._value_buffer[subset, :, :self.writes.span]
 
     def clear_unfilled(self) -> None:
         # Slots a row has not written yet are read (with zero weight) by rows that have: they must hold numbers,

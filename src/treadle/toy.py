@@ -187,31 +187,49 @@ def _tools(split: str, rng: random.Random) -> list[Problem]:
             for a, b in _tools_pairs(split)]
 
 
-def add(a: int, b: int) -> int:
-    """The calculator of task ``tools``: returns a + b for two integers a and b."""
-    return a + b
+def calc(expression: str) -> int:
+    """The calculator of task ``tools``: the value of an integer expression with + - * and parentheses, e.g.
+    calc("123+456") returns 579."""
+    import ast
+    import operator
+
+    operators = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in operators:
+            return operators[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(f"calc takes integers with + - * and parentheses, got {expression!r}")
+
+    try:
+        return value(ast.parse(expression, mode="eval").body)
+    except SyntaxError:
+        raise ValueError(f"calc cannot parse {expression!r}") from None
 
 
 def tool_transcripts(dataset: Dataset) -> Dataset:
-    """SFT rows (prompt, completion) that show task ``tools`` solved with the ``add`` tool, in the tagged call
+    """SFT rows (prompt, completion) that show task ``tools`` solved with the ``calc`` tool, in the tagged call
     format of ``treadle.rollouts``: two rows per problem, one per model turn, so that only the model's turns
     are trained on (the tool's result is in the second row's prompt)::
 
-        "123+456="                                          -> "<call>add(123,456)</call>"
-        "123+456=<call>add(123,456)</call></s><result>579</result>" -> "579"
+        "123+456="                                                  -> '<call>calc("123+456")</call>'
+        '123+456=<call>calc("123+456")</call></s><result>579</result>' -> "579"
     """
     from datasets import Dataset
 
     rows = []
     for prompt, answer in zip(dataset["prompt"], dataset["answer"]):
-        call = f"<call>add({prompt[:-1].replace('+', ',')})</call>"
+        call = f'<call>calc("{prompt.rstrip("=")}")</call>'
         rows.append({"prompt": prompt, "completion": call})
         rows.append({"prompt": f"{prompt}{call}{EOS_TOKEN}<result>{answer}</result>", "completion": answer})
     return Dataset.from_list(rows)
 
 
 # name -> builder(split, rng) -> problems in a fixed order; load_task shuffles and formats them.
-# "tools": 3-digit addition, which the tiny model cannot learn in minutes but can solve with the `add` tool.
+# "tools": 3-digit addition, which the tiny model cannot learn in minutes but can solve with the `calc` tool.
 TASKS: dict[str, Callable[[str, random.Random], list[Problem]]] = {"addition": _addition, "tools": _tools}
 KINDS = ("sft", "preference", "rl", "chat")
 
