@@ -25,6 +25,7 @@ import os
 import time
 from pathlib import Path
 
+from treadle.callbacks import TrainerCallback
 from treadle.report import print_plots
 
 
@@ -35,10 +36,13 @@ class ToolsDemoSettings:
     seed: int = 0  # model initialisation, data order and sampling
     model_size: str = "tiny"  # a treadle.toy.MODEL_SIZES key
     eval_size: int = 500  # held-out problems scored after each stage
-    sft_problems: int = 256  # tool-using transcripts in the warm start (two SFT rows each)
-    sft_steps: int = 150  # SFT steps: enough to learn the call format, not to copy reliably
-    sft_learning_rate: float = 2e-3
-    sft_batch_size: int = 32
+    sft_problems: int = 4000  # tool-using transcripts in the warm start (two SFT rows each)
+    sft_steps: int = 800  # at most this many SFT steps
+    sft_target_accuracy: float = 0.2  # stop SFT once this fraction of a probe of training problems is solved
+    sft_probe_size: int = 100  # training problems in the probe (rolled out with the tool)
+    sft_check_every: int = 50  # SFT steps between probes
+    sft_learning_rate: float = 5e-3  # copying digits "clicks" after 300-400 steps at this rate
+    sft_batch_size: int = 64
     grpo_steps: int = 60  # GRPO optimizer steps
     grpo_learning_rate: float = 1e-3
     num_generations: int = 8  # G: rollouts per prompt
@@ -69,13 +73,14 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
     rows = [("untrained", score_tools(model, tokenizer, test, settings, out / "untrained.jsonl"), 0, 0.0)]
     sft_rows = toy.tool_transcripts(toy.load_task("tools", "train", kind="rl", n=settings.sft_problems,
                                                   seed=settings.seed))
-    steps, seconds = tools_sft(model, tokenizer, sft_rows, settings, out / "sft")
+    probe = toy.load_task("tools", "train", kind="rl", n=settings.sft_probe_size, seed=settings.seed + 1)
+    steps, seconds = tools_sft(model, tokenizer, sft_rows, settings, out / "sft", probe=probe)
     rows.append(("after SFT", score_tools(model, tokenizer, test, settings, out / "sft.jsonl"), steps, seconds))
     steps, seconds = tools_grpo(model, tokenizer, settings, out / "grpo", use_tools=True)
     rows.append(("GRPO + tool", score_tools(model, tokenizer, test, settings, out / "grpo.jsonl"), steps, seconds))
     control = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     direct = toy.load_task("tools", "train", kind="sft", n=settings.sft_problems, seed=settings.seed)
-    sft_steps, sft_seconds = tools_sft(control, tokenizer, direct, settings, out / "control_sft")
+    sft_steps, sft_seconds = tools_sft(control, tokenizer, direct, settings, out / "control_sft", max_steps=steps)
     steps, seconds = tools_grpo(control, tokenizer, settings, out / "control_grpo", use_tools=False)
     rows.append(("no-tool ctrl", score_tools(control, tokenizer, test, settings, out / "control.jsonl",
                                              use_tools=False), sft_steps + steps, sft_seconds + seconds))
@@ -93,15 +98,31 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
     return 0
 
 
-def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir: Path) -> tuple[int, float]:
-    """SFT ``model`` in place on ``dataset`` (prompt, completion) for ``sft_steps``; returns (steps, seconds)."""
+class _StopWithTool(TrainerCallback):
+    """Stops SFT once greedy rollouts with the tool solve ``sft_target_accuracy`` of ``probe`` (training problems),
+    checked every ``sft_check_every`` steps: when the tiny model "gets" copying varies with the seed."""
+
+    def __init__(self, probe, tokenizer, settings: ToolsDemoSettings):
+        self.probe, self.tokenizer, self.settings = probe, tokenizer, settings
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.settings.sft_check_every == 0 and state.global_step < state.max_steps:
+            if score_tools(model, self.tokenizer, self.probe, self.settings) >= self.settings.sft_target_accuracy:
+                control.should_training_stop = True
+
+
+def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir: Path, *, probe=None,
+              max_steps: int | None = None) -> tuple[int, float]:
+    """SFT ``model`` in place on ``dataset`` (prompt, completion) for ``max_steps`` (default ``sft_steps``), or
+    until the model solves ``sft_target_accuracy`` of ``probe`` with the tool; returns (steps, seconds)."""
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir=str(output_dir), max_steps=settings.sft_steps, seed=settings.seed,
+    stop = [] if probe is None else [_StopWithTool(probe, tokenizer, settings)]
+    args = SFTConfig(output_dir=str(output_dir), max_steps=max_steps or settings.sft_steps, seed=settings.seed,
                      learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
                      lr_scheduler_type="constant_with_warmup", warmup_steps=0.05, logging_steps=10,
                      save_strategy="no", max_length=64, disable_tqdm=True)
-    trainer = SFTTrainer(model, args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = SFTTrainer(model, args, train_dataset=dataset, processing_class=tokenizer, callbacks=stop)
     start = time.time()
     trainer.train()
     return trainer.state.global_step, time.time() - start
