@@ -323,9 +323,14 @@ class RolloutRunner:
         kwargs = dict(num_generations=group, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id, generator=generator, **sampling)
         respond = lambda row, turn_ids: self.pool.submit(step, row, turn_ids)  # noqa: E731
-        if backend != "hf" and (backend == "fast" or _fast_path_ok(model)):
-            generation = generate_turns(model, distinct, respond, **kwargs)
-        else:
+        generation = None
+        if backend != "hf":
+            try:
+                generation = generate_turns(model, distinct, respond, **kwargs)
+            except ValueError:  # raised before any turn when the fast path cannot run this model
+                if backend == "fast":
+                    raise
+        if generation is None:
             generation = reprefill_turns(model, distinct, respond, backend=backend, **kwargs)
         return self._output(generation, envs, chat, observations, rewards)
 
@@ -390,12 +395,6 @@ def _as_tuple(eos_token_id) -> tuple[int, ...]:
     if eos_token_id is None:
         return ()
     return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-
-
-def _fast_path_ok(model) -> bool:
-    from treadle.generation import _fast_path_problem  # noqa: PLC0415 - the rule lives there
-
-    return _fast_path_problem(model) is None
 
 
 def rollout_metrics(transcripts: list[list[dict]], truncated: list[bool], envs: list,
