@@ -10,6 +10,10 @@ The 10,000 ordered pairs are split once, by the fixed ``SPLIT_SEED``, into 9,000
 pairs. A pair and its commuted twin (``12+34`` and ``34+12``) always land in the same split, so the test
 accuracy measures arithmetic rather than recall of the swapped problem.
 
+Task ``tools``: 3-digit addition (``"123+456="`` -> ``"579"``; 20,000 train and 1,000 test problems, split the same
+way), which the tiny model cannot learn in minutes but can solve by calling the ``calc`` tool
+(``treadle demo --task tools``; ``tool_transcripts`` are its SFT rows).
+
 Heavy libraries (transformers, datasets, tokenizers) are imported inside the functions that use them so
 that ``import treadle`` stays cheap.
 """
