@@ -143,6 +143,34 @@ def test_bad_runner_arguments_say_how_to_fix_them(tok):
                                                    max_new_tokens=40, eos_token_id=EOS, pad_token_id=0)
 
 
+def test_chat_prompts_get_template_turns_and_the_json_call_format(tok):
+    runner = RolloutRunner(tok, tools=[add])
+    assert runner.call_format == "tagged"  # the toy template has no tool-call format
+    ids = runner.observation_ids("<result>5</result>", "tool", chat=True)
+    assert tok.decode(ids) == "<|tool|><result>5</result>\n<|assistant|>"  # a tool turn, then the next prompt
+
+    def mul(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: the first factor
+            b: the second factor
+        """
+        return a * b
+
+    hermes = toy.build_tokenizer()
+    hermes.chat_template = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}{% endfor %}</tools>"
+                            "{% endif %}" + toy.CHAT_TEMPLATE + "{# answers in <tool_call> tags #}")
+    with pytest.raises(TypeError, match="'add' cannot be described to the chat template"):
+        RolloutRunner(hermes, tools=[add])  # no Args: section
+    runner = RolloutRunner(hermes, tools=[mul])
+    assert runner.call_format == "json"
+    prompt = runner.encode_prompts([[{"role": "user", "content": "6*7="}]], None)[0]
+    assert hermes.decode(prompt) == "<tools>mul</tools><|user|>6*7=\n<|assistant|>"
+    env = runner.new_environment()
+    assert env.step('<tool_call>{"name": "mul", "arguments": {"a": 6, "b": 7}}</tool_call>') == ("42", None, False)
+
+
 # --------------------------------------------------------------------------------------------------- sampling
 def test_kv_cache_kept_across_turns_equals_re_prefilling_each_turn(tok):
     """Greedy rollouts through generate_turns (one cache, observations fed) and through one generate_completions

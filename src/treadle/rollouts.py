@@ -252,6 +252,8 @@ class RolloutRunner:
         self.tool_names = [check_tool(fn) for fn in self.tools]  # refused here, naming the tool
         template = getattr(tokenizer, "chat_template", None) or ""
         self.call_format = call_format if call_format != "auto" else ("json" if "<tool_call>" in template else "tagged")
+        if self.call_format == "json":
+            _check_json_schemas(self.tools)
         self.tool_options = dict(call_format=self.call_format, max_tool_calling_iterations=max_tool_calling_iterations,
                                  tool_timeout=tool_timeout)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="treadle-env")
@@ -361,6 +363,19 @@ class RolloutRunner:
     def close(self) -> None:
         """Stop the thread pool (a tool still running past its timeout is left to finish on its own)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_json_schemas(tools: list) -> None:
+    """The chat template gets each tool as a JSON schema (transformers' ``get_json_schema``), which needs every
+    argument described in the docstring; refuse a tool without, naming it."""
+    from transformers.utils import get_json_schema
+
+    for fn in tools:
+        try:
+            get_json_schema(fn)
+        except Exception as e:
+            raise TypeError(f"tool {fn.__name__!r} cannot be described to the chat template: {e}. Describe every "
+                            f"argument in an 'Args:' section of its docstring (Google style)") from None
 
 
 def _with_first_observation(prompt, observation: str):
