@@ -768,7 +768,8 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
         if len(keep) < (1 - _SHRINK_FRACTION) * len(row_ids):  # enough rows finished to pay for a compaction
             decoder.compact(torch.tensor(keep, device=decoder.device))
             added = [added[i] for i in keep]
-        decoder.forward(added)
+        if any(added):  # else the rows that sampled have all finished and the others wait: nothing to run
+            decoder.forward(added)
     return rows
 
 
