@@ -72,12 +72,12 @@ from treadle.logprobs import token_logps
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages)
 from treadle.models import eval_mode, frozen_reference
+from treadle.report import COMPLETIONS_FILE
 from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
 from treadle.rollouts import RolloutRunner
 from treadle.trainer import Trainer
 
 STATE_KEY = "GRPOTrainer"  # our entry in TrainerState.stateful_callbacks
-COMPLETIONS_FILE = "completions.jsonl"
 
 
 @dataclass
