@@ -1,6 +1,6 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
+    treadle demo [--task addition|tools] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
+    demo.add_argument("--task", choices=("addition", "tools"), help="addition (default), or tools: 3-digit addition "
+                      "with a calculator tool, learnt by GRPO with multi-turn rollouts")
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
@@ -314,11 +316,16 @@ def run_demo(args: argparse.Namespace) -> int:
     from treadle import demo
 
     given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
+    settings_class, run = demo.DemoSettings, demo.run_demo
+    if getattr(args, "task", "addition") == "tools":
+        from treadle import demo_tools
+
+        settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
     try:
-        settings = demo.DemoSettings(**given)
+        settings = settings_class(**given)
     except ValueError as error:
         raise UserError(str(error)) from None
-    return demo.run_demo(settings, args.output_dir)
+    return run(settings, args.output_dir)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -34,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -44,6 +46,7 @@ from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwr
 
 __all__ = [
     "GenerationOutput",
+    "MultiTurnOutput",
     "SamplingParams",
     "apply_repetition_penalty",
     "apply_temperature",
@@ -51,6 +54,8 @@ __all__ = [
     "apply_top_p",
     "completion_masks",
     "generate_completions",
+    "generate_turns",
+    "pack_turns",
     "left_pad",
     "process_logits",
     "sample_next_tokens",
@@ -588,3 +593,290 @@ def _preallocated_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     return type("PreallocatedLayer", (_PreallocatedLayerMixin, DynamicLayer), {})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Multi-turn sampling: one KV cache kept across turns (used by treadle.rollouts).
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass
+class MultiTurnOutput(GenerationOutput):
+    """A :class:`GenerationOutput` whose completions interleave sampled turns with fed (environment) tokens."""
+
+    sampled_mask: Tensor  # (B*G, C) 1 on tokens the model sampled, 0 on fed tokens and padding
+    sampled_logps: Tensor | None  # (B*G, C) each sampled token's log-prob (processed scores), else 0; None: not kept
+
+
+# respond(row, turn_ids) -> Future or value: the tokens to feed after the turn, or None when the rollout is over
+Respond = Callable[[int, list[int]], "Future | list[int] | None"]
+
+
+def generate_turns(model, prompts: list[list[int]], respond: Respond, *, num_generations: int,
+                   max_new_tokens: int, eos_token_id: int | list[int] | None, pad_token_id: int,
+                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
+                   do_sample: bool = True, generator: torch.Generator | None = None) -> MultiTurnOutput:
+    """Multi-turn sampling on the fast path, with each row's KV cache kept across turns.
+
+    Rows are laid out as in :func:`generate_completions` (prompt b's rollouts are rows b*G .. b*G+G-1). A
+    model turn ends at EOS; then ``respond(row, turn_ids)`` is called (``turn_ids``: the turn's tokens, EOS
+    included) and returns, now or as a ``concurrent.futures.Future``, the token ids to feed next (an
+    environment's observation, maybe empty) or None when the rollout is over. Fed tokens go through the same
+    batched forward as sampled ones, one per step, so only the new tokens are prefilled, never the transcript;
+    a row whose future is not done yet sits out (a masked column) while the other rows keep sampling.
+    ``max_new_tokens`` bounds sampled plus fed tokens per row: a turn cut by it, or an observation that does
+    not fit (then dropped, as TRL does), marks the row truncated. Raises ValueError for a model the fast path
+    cannot run (``treadle.rollouts`` then re-prefills each turn through ``generate_completions``).
+    """
+    params = SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens,
+                            eos_token_ids=_eos_tuple(eos_token_id), pad_token_id=pad_token_id,
+                            temperature=temperature, top_p=top_p, top_k=top_k,
+                            repetition_penalty=repetition_penalty, do_sample=do_sample)
+    _check_prompts(prompts)
+    with unwrapped_for_generation(model) as inner, eval_mode(model), torch.no_grad():
+        _resolve_backend("fast", inner)
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, _model_device(inner))
+        rows = _decode_turns(inner, prompt_ids, prompt_mask, params, respond, generator)
+    return pack_turns(prompt_ids, prompt_mask, num_generations, rows.tokens, rows.sampled, rows.truncated,
+                      pad_token_id, rows.logps)
+
+
+def pack_turns(prompt_ids: Tensor, prompt_mask: Tensor, group: int, tokens: list[list[int]],
+               sampled: list[list[int]], truncated: list[bool], pad_token_id: int,
+               logps: list[list[float]] | None = None) -> MultiTurnOutput:
+    """A MultiTurnOutput from the distinct prompts (B, P) and each row's completion tokens, sampled flags,
+    truncation and (optionally) sampled-token log-probs, right-padded."""
+    device = prompt_ids.device
+    width = max(1, max(len(t) for t in tokens))
+    ids = torch.full((len(tokens), width), pad_token_id, dtype=torch.long)
+    mask, sampled_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    logp_tensor = torch.zeros(ids.shape, dtype=torch.float32)
+    for row, (t, s) in enumerate(zip(tokens, sampled)):
+        ids[row, :len(t)] = torch.as_tensor(t, dtype=torch.long)
+        mask[row, :len(t)] = 1
+        sampled_mask[row, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        if logps is not None:
+            logp_tensor[row, :len(logps[row])] = torch.as_tensor(logps[row], dtype=torch.float32)
+    return MultiTurnOutput(prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
+                           prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
+                           completion_ids=ids.to(device), completion_mask=mask.to(device),
+                           is_truncated=torch.tensor(truncated, device=device), sampled_mask=sampled_mask.to(device),
+                           sampled_logps=logp_tensor.to(device) if logps is not None else None)
+
+
+_SAMPLE, _FEED, _WAIT, _DONE = range(4)
+
+
+class _TurnRows:
+    """Host-side state of every output row: its mode, its tokens so far, what it waits for or feeds next."""
+
+    def __init__(self, rows: int, params: SamplingParams, respond: Respond):
+        self.params, self.respond = params, respond
+        self.mode = [_SAMPLE] * rows
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.sampled: list[list[int]] = [[] for _ in range(rows)]
+        self.logps: list[list[float]] = [[] for _ in range(rows)]
+        self.turn_start = [0] * rows
+        self.pending: dict[int, Any] = {}  # row -> Future of its observation
+        self.queue: dict[int, list[int]] = {}  # row -> observation tokens still to feed
+        self.truncated = [False] * rows
+
+    def emit(self, row: int, sampled_token: int, logp: float) -> list[int]:
+        """The token row ``row`` adds this sampling step: its sampled token, or none unless it is sampling."""
+        if self.mode[row] != _SAMPLE:
+            return []
+        self.tokens[row].append(sampled_token)
+        self.sampled[row].append(1)
+        self.logps[row].append(logp)
+        if sampled_token in self.params.eos_token_ids:
+            turn = self.tokens[row][self.turn_start[row]:]
+            self.pending[row], self.mode[row] = self.respond(row, turn), _WAIT
+        elif len(self.tokens[row]) >= self.params.max_new_tokens:
+            self.finish(row, truncated=True)
+        return [sampled_token]
+
+    def feed(self, row: int) -> list[int]:
+        """The observation row ``row`` adds now (all of it); the row then samples its next turn."""
+        tokens = self.queue.pop(row)
+        self.tokens[row] += tokens
+        self.sampled[row] += [0] * len(tokens)
+        self.logps[row] += [0.0] * len(tokens)
+        self.start_turn(row)
+        return tokens
+
+    def start_turn(self, row: int) -> None:
+        self.queue.pop(row, None)
+        self.mode[row], self.turn_start[row] = _SAMPLE, len(self.tokens[row])
+        if len(self.tokens[row]) >= self.params.max_new_tokens:
+            self.finish(row, truncated=True)
+
+    def finish(self, row: int, truncated: bool) -> None:
+        self.mode[row], self.truncated[row] = _DONE, truncated
+
+    def collect(self, block: bool) -> None:
+        """Move rows whose observation has arrived to feeding it (or to done); ``block``: wait for at least one."""
+        if block and self.pending:
+            futures.wait([f for f in self.pending.values() if isinstance(f, Future)],
+                         return_when=futures.FIRST_COMPLETED)
+        for row, value in list(self.pending.items()):
+            if isinstance(value, Future):
+                if not value.done():
+                    continue
+                value = value.result()
+            del self.pending[row]
+            if value is None:
+                self.finish(row, truncated=False)
+            elif len(self.tokens[row]) + len(value) >= self.params.max_new_tokens:
+                self.finish(row, truncated=True)  # no room for the observation and a reply: drop it
+            elif value:
+                self.mode[row], self.queue[row] = _FEED, list(value)
+            else:
+                self.start_turn(row)
+
+
+# Observations are prefilled in a separate forward of the rows that have one ready. A row waits (costing nothing)
+# until enough rows are ready to share that forward: a quarter of the active rows, or every row not waiting.
+_FEED_FRACTION = 0.25
+
+
+def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, respond: Respond,
+                  generator: torch.Generator | None) -> _TurnRows:
+    """The multi-turn decode loop; returns every row's tokens, sampled flags, log-probs and truncation.
+
+    Each iteration: collect the observations that have arrived; if enough rows have one, prefill them in one
+    forward of those rows only; then one sampling step of every row (a row that waits or is done adds nothing).
+    """
+    decoder = _RaggedDecoder(model, prompt_ids, prompt_mask, params)
+    rows = _TurnRows(len(decoder.state.row_ids), params, respond)
+    while True:
+        row_ids = decoder.state.row_ids.tolist()
+        modes = [rows.mode[r] for r in row_ids]
+        active = sum(m != _DONE for m in modes)
+        if not active:
+            break
+        rows.collect(block=all(m in (_WAIT, _DONE) for m in modes))
+        modes = [rows.mode[r] for r in row_ids]
+        ready = [i for i, m in enumerate(modes) if m == _FEED]
+        if ready and (len(ready) >= _FEED_FRACTION * active or _SAMPLE not in modes):
+            decoder.forward([rows.feed(row_ids[i]) for i in ready], subset=ready)
+        if _SAMPLE not in [rows.mode[r] for r in row_ids]:
+            continue
+        state = decoder.state
+        scores = process_logits(state.logits, params, state.seen)
+        sampled = sample_next_tokens(scores, params.do_sample, generator)
+        logps = scores.log_softmax(dim=-1).gather(1, sampled[:, None]).squeeze(1)
+        added = [rows.emit(r, t, lp) for r, t, lp in zip(row_ids, sampled.tolist(), logps.tolist())]
+        keep = [i for i, r in enumerate(row_ids) if rows.mode[r] != _DONE]
+        if not keep:
+            break
+        if len(keep) < (1 - _SHRINK_FRACTION) * len(row_ids):  # enough rows finished to pay for a compaction
+            decoder.compact(torch.tensor(keep, device=decoder.device))
+            added = [added[i] for i in keep]
+        if any(added):  # else the rows that sampled have all finished and the others wait: nothing to run
+            decoder.forward(added)
+    return rows
+
+
+class _RaggedDecoder:
+    """The batch's KV cache (ragged: row r writes its new keys at its own next slot, so a waiting row costs no
+    columns) with the per-row state; ``forward`` runs some rows' new tokens through the model."""
+
+    def __init__(self, model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams):
+        group, width, self.device = params.num_generations, prompt_ids.shape[1], prompt_ids.device
+        self.model, self.cache_name, self.pad = model, _cache_argument(model), params.pad_token_id
+        logits, self.cache = _prefill(model, prompt_ids, prompt_mask, self.cache_name)
+        self.capacity = width + params.max_new_tokens + 1  # the last slot takes the padding of ragged writes
+        if not _expand_cache(self.cache, group, capacity=self.capacity):
+            raise ValueError("multi-turn sampling with a kept KV cache needs plain full-attention layers; "
+                             "use treadle.rollouts.reprefill_turns (generation_backend='hf') for this model")
+        self.writes = _RaggedWrites.attach(self.cache)
+        self.state = _DecodeState.start(prompt_ids, prompt_mask, logits, params)
+        self.valid = torch.zeros(len(self.state.row_ids), self.capacity, dtype=torch.bool, device=self.device)
+        self.valid[:, :width] = prompt_mask.bool().repeat_interleave(group, dim=0)  # slots holding a token
+        self.slots = torch.full_like(self.state.positions, width)  # (R,) next free slot of each row
+        self.dtype = _model_dtype(model)
+
+    def compact(self, keep: Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        for name in ("seen", "positions", "row_ids", "logits"):
+            if getattr(self.state, name) is not None:
+                setattr(self.state, name, getattr(self.state, name)[keep])
+        self.valid, self.slots = self.valid[keep], self.slots[keep]
+
+    def forward(self, added: list[list[int]], subset: list[int] | None = None) -> None:
+        """Run ``added[i]`` (maybe empty) through the model for row ``subset[i]`` (default: row i of all)."""
+        state, device = self.state, self.device
+        rows = torch.arange(len(added), device=device) if subset is None else torch.tensor(subset, device=device)
+        step = max(len(a) for a in added)
+        inputs = torch.tensor([a + [self.pad] * (step - len(a)) for a in added], device=device)  # (r, k)
+        lengths = torch.tensor([len(a) for a in added], device=device)  # (r,)
+        offsets = torch.arange(step, device=device)[None, :]
+        real = offsets < lengths[:, None]  # (r, k)
+        if state.seen is not None:
+            state.seen[rows] |= token_presence(inputs, real, state.seen.shape[1])
+        index = (self.slots[rows, None] + offsets).clamp(max=self.capacity - 1)  # (r, k) where new keys go
+        self.valid[rows[:, None].expand_as(index)[real], index[real]] = True
+        span = int((self.slots[rows] + step).clamp(max=self.capacity).max())
+        readable = self.valid[rows, None, :span] & (torch.arange(span, device=device)[None, None, :]
+                                                    <= index[:, :, None])  # (r, k, T)
+        mask = torch.zeros(readable.shape, dtype=self.dtype, device=device).masked_fill(
+            ~readable, torch.finfo(self.dtype).min)[:, None]  # (r, 1, k, T) additive: eager and SDPA read it alike
+        self.writes.rows, self.writes.index, self.writes.span = (None if subset is None else rows), index, span
+        out = self.model(**{self.cache_name: self.cache}, input_ids=inputs, attention_mask=mask,
+                         position_ids=state.positions[rows, None] + offsets, use_cache=True)
+        last = out.logits[torch.arange(len(added), device=device), (lengths - 1).clamp(min=0)]  # (r, V)
+        # a row that added nothing keeps the logits of its last real token (its next step may sample from them)
+        state.logits[rows] = torch.where(lengths[:, None] > 0, last.to(state.logits.dtype), state.logits[rows])
+        state.positions[rows] += lengths
+        self.slots[rows] += lengths
+
+
+def _model_dtype(model) -> torch.dtype:
+    param = next(iter(model.parameters()), None)
+    return param.dtype if param is not None else torch.float32
+
+
+class _RaggedWrites:
+    """Where each row's new keys go in this step, shared by every layer of one cache (set by the decode loop)."""
+
+    rows: Tensor | None  # (r,) the rows of this forward; None: all
+    index: Tensor  # (r, k) slot of each new key; padding goes to the last, never-read slot
+    span: int  # slots that attention reads this step
+
+    @classmethod
+    def attach(cls, cache) -> "_RaggedWrites":
+        writes = cls()
+        ragged = _ragged_layer_class()
+        for layer in cache.layers:
+            layer.__class__, layer.writes = ragged, writes  # a preallocated layer that writes row by row
+            layer.clear_unfilled()
+        return writes
+
+
+class _RaggedLayerMixin:
+    """``update`` writes each row's keys/values at that row's own slots (``writes.index``) and returns views of
+    the first ``writes.span`` slots; which slots a query may read is the attention mask's business."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        subset = self.writes.rows
+        rows = torch.arange(key_states.shape[0], device=key_states.device) if subset is None else subset
+        self._key_buffer[rows[:, None], :, self.writes.index] = key_states.transpose(1, 2)
+        self._value_buffer[rows[:, None], :, self.writes.index] = value_states.transpose(1, 2)
+        self._set_length(max(self._length, self.writes.span))
+        if subset is None:
+            return self._key_buffer[:, :, :self.writes.span], self._value_buffer[:, :, :self.writes.span]
+        return self._key_buffer[subset, :, :self.writes.span], self._value_buffer[subset, :, :self.writes.span]
+
+    def clear_unfilled(self) -> None:
+        # Slots a row has not written yet are read (with zero weight) by rows that have: they must hold numbers,
+        # not the garbage of an empty buffer, since 0 * NaN is NaN.
+        self._key_buffer[:, :, self._length:] = 0
+        self._value_buffer[:, :, self._length:] = 0
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.clear_unfilled()
+
+
+@functools.lru_cache(maxsize=None)
+def _ragged_layer_class():
+    return type("RaggedLayer", (_RaggedLayerMixin, _preallocated_layer_class()), {})

@@ -10,6 +10,10 @@ The 10,000 ordered pairs are split once, by the fixed ``SPLIT_SEED``, into 9,000
 pairs. A pair and its commuted twin (``12+34`` and ``34+12``) always land in the same split, so the test
 accuracy measures arithmetic rather than recall of the swapped problem.
 
+Task ``tools``: 3-digit addition (``"123+456="`` -> ``"579"``; 20,000 train and 1,000 test problems, split the same
+way), which the tiny model cannot learn in minutes but can solve by calling the ``calc`` tool
+(``treadle demo --task tools``; ``tool_transcripts`` are its SFT rows).
+
 Heavy libraries (transformers, datasets, tokenizers) are imported inside the functions that use them so
 that ``import treadle`` stays cheap.
 """
@@ -165,8 +169,72 @@ def _addition(split: str, rng: random.Random) -> list[Problem]:
     return problems
 
 
+TOOLS_TRAIN_PAIRS, TOOLS_TEST_PAIRS = 20000, 1000  # of the 810,000 ordered 3-digit pairs
+
+
+def _tools_pairs(split: str) -> list[tuple[int, int]]:
+    """Ordered 3-digit pairs (a, b) of one split of task ``tools``: 20,000 train, 1,000 test, disjoint (a pair
+    and its commuted twin always land in the same split), fixed by ``SPLIT_SEED``."""
+    rng = random.Random(f"tools/{SPLIT_SEED}")
+    chosen: dict[tuple[int, int], None] = {}
+    while len(chosen) < (TOOLS_TRAIN_PAIRS + TOOLS_TEST_PAIRS) // 2:
+        a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
+        if a != b:
+            chosen.setdefault((min(a, b), max(a, b)), None)
+    unordered = list(chosen)
+    part = unordered[:TOOLS_TEST_PAIRS // 2] if split == "test" else unordered[TOOLS_TEST_PAIRS // 2:]
+    return sorted([(a, b) for a, b in part] + [(b, a) for a, b in part])
+
+
+def _tools(split: str, rng: random.Random) -> list[Problem]:
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b), "rejected": addition_wrong_answer(a, b, rng)}
+            for a, b in _tools_pairs(split)]
+
+
+def calc(expression: str) -> int:
+    """The calculator of task ``tools``: the value of an integer expression with + - * and parentheses, e.g.
+    calc("123+456") returns 579."""
+    import ast
+    import operator
+
+    operators = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in operators:
+            return operators[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(f"calc takes integers with + - * and parentheses, got {expression!r}")
+
+    try:
+        return value(ast.parse(expression, mode="eval").body)
+    except SyntaxError:
+        raise ValueError(f"calc cannot parse {expression!r}") from None
+
+
+def tool_transcripts(dataset: Dataset) -> Dataset:
+    """SFT rows (prompt, completion) that show task ``tools`` solved with the ``calc`` tool, in the tagged call
+    format of ``treadle.rollouts``: two rows per problem, one per model turn, so that only the model's turns
+    are trained on (the tool's result is in the second row's prompt)::
+
+        "123+456="                                                  -> '<call>calc("123+456")</call>'
+        '123+456=<call>calc("123+456")</call></s><result>579</result>' -> "579"
+    """
+    from datasets import Dataset
+
+    rows = []
+    for prompt, answer in zip(dataset["prompt"], dataset["answer"]):
+        call = f'<call>calc("{prompt.rstrip("=")}")</call>'
+        rows.append({"prompt": prompt, "completion": call})
+        rows.append({"prompt": f"{prompt}{call}{EOS_TOKEN}<result>{answer}</result>", "completion": answer})
+    return Dataset.from_list(rows)
+
+
 # name -> builder(split, rng) -> problems in a fixed order; load_task shuffles and formats them.
-TASKS: dict[str, Callable[[str, random.Random], list[Problem]]] = {"addition": _addition}
+# "tools": 3-digit addition, which the tiny model cannot learn in minutes but can solve with the `calc` tool.
+TASKS: dict[str, Callable[[str, random.Random], list[Problem]]] = {"addition": _addition, "tools": _tools}
 KINDS = ("sft", "preference", "rl", "chat")
 
 
@@ -235,7 +303,7 @@ def addition_reward(prompts: list, completions: list, answer: list, **kwargs: An
     return [float(extract_answer(c) == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
 
 
-REWARDS: dict[str, Callable[..., list[float]]] = {"addition": addition_reward}
+REWARDS: dict[str, Callable[..., list[float]]] = {"addition": addition_reward, "tools": addition_reward}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
     RLOOTrainer advantages), not a separate trainer: TRL's RLOOTrainer also puts a first-order KL into the reward
     and uses one ratio per sequence; here the KL stays the k3 loss term (``beta``) and GSPO's
     ``importance_sampling_level="sequence"`` gives a per-sequence ratio.
+13. Multi-turn rollouts (``tools=`` as in TRL; ``env_factory=`` takes treadle's ``reset``/``step`` environments,
+    not TRL's tool-method environments, hence the different name) keep each row's KV cache across turns and
+    train only on sampled tokens (treadle.rollouts).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, 
 from treadle.models import eval_mode, frozen_reference, reference_of
 from treadle.report import COMPLETIONS_FILE
 from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
+from treadle.rollouts import RolloutRunner
 from treadle.trainer import Trainer
 
 STATE_KEY = "GRPOTrainer"  # our entry in TrainerState.stateful_callbacks
@@ -131,6 +135,12 @@ class GRPOConfig(TrainingArguments):
     use_bias_correction_kl: bool = True  # k3 term times the ratio: the unbiased KL gradient (DeepSeek-V3.2)
     multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum": per-reward normalisation (GDPO)
     advantage_estimator: str = "grpo"  # baseline: "grpo" the group mean, "rloo" the mean of the other G - 1 rewards
+
+    # --- multi-turn rollouts: tools and environments (treadle.rollouts; used when tools= or env_factory= is given)
+    max_tool_calling_iterations: int | None = None  # TRL's name: most turns with tool calls per rollout; None: no cap
+    tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
+    tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
+    rollout_workers: int = 8  # threads that step the environments (run the tools) of a batch concurrently
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -229,14 +239,23 @@ class GRPOTrainer(Trainer):
     ``processing_class`` is the tokenizer (required). ``ref_model`` is used when ``args.beta > 0`` (default: a
     frozen copy of ``model`` taken at construction; for a PEFT model, e.g. with ``peft_config``, the model itself
     with its adapters disabled).
+
+    Multi-turn rollouts (treadle.rollouts, docs/agents.md): ``tools`` (annotated, docstring'd functions the model
+    calls, TRL's argument) or ``env_factory`` (a callable returning a fresh ``rollouts.Environment`` per rollout).
+    Observation tokens are in the context but masked out of the loss; ``rollout`` is the hook to override.
     """
 
     config_class = GRPOConfig
 
     def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
                  args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None):
+                 callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None, tools=None,
+                 env_factory=None):
         args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
+        self.rollout_runner = None if tools is None and env_factory is None else RolloutRunner(
+            processing_class, tools=tools, env_factory=env_factory, call_format=args.tool_call_format,
+            max_tool_calling_iterations=args.max_tool_calling_iterations, tool_timeout=args.tool_timeout,
+            workers=args.rollout_workers)
         self.reward_funcs = _reward_list(reward_funcs)
         self.reward_weights = _reward_weights(args.reward_weights, self.reward_funcs)
         _check_tokenizer(processing_class)
@@ -371,7 +390,7 @@ class GRPOTrainer(Trainer):
         self._record_generation_metrics(metrics, all_rewards, sample)
         if args.log_completions:
             self._log_completions(sample, rewards, local_advantages)
-        loss_mask = sample["completion_mask"]
+        loss_mask = sample.get("sampled_mask", sample["completion_mask"])  # multi-turn: no loss on observations
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~sample["is_truncated"]).unsqueeze(1).to(loss_mask.dtype)
         return [self._build_slice(sample, loss_mask, local_advantages, s) for s in range(args.steps_per_generation)]
@@ -379,6 +398,8 @@ class GRPOTrainer(Trainer):
     def _sample(self, rows: list[dict], generator: torch.Generator) -> dict[str, Any]:
         """Tokenise the rows' prompts, sample one completion per row, decode. Rows that hold whole groups
         (the same prompt G times in a row) are sampled as distinct prompts x G: each prompt is prefilled once."""
+        if self.rollout_runner is not None:
+            return self.rollout(rows, generator)
         group = self.args.num_generations
         prompts = [row["prompt"] for row in rows]
         columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
@@ -396,6 +417,27 @@ class GRPOTrainer(Trainer):
                 "completion_lists": completion_lists, "prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
                 "completion_ids": out.completion_ids, "completion_mask": out.completion_mask,
                 "is_truncated": out.is_truncated}
+
+    def rollout(self, rows: list[dict], generator: torch.Generator) -> dict[str, Any]:
+        """Multi-turn rollouts (``tools=`` or ``env_factory=``; treadle.rollouts), one per row: the hook to override
+        for another agent loop. Returns what single-turn sampling returns plus ``sampled_mask`` (1 on sampled
+        tokens: the loss mask), ``transcripts`` and ``rollout_metrics``; the reward functions also get the
+        ``transcript`` and ``env_reward`` columns."""
+        args = self.args
+        out = self.rollout_runner.run(
+            self.model_wrapped, rows, num_generations=args.num_generations, max_new_tokens=args.max_completion_length,
+            eos_token_id=self.processing_class.eos_token_id, pad_token_id=self.pad_token_id,
+            max_prompt_length=args.max_prompt_length, generator=generator, backend=args.generation_backend,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty)
+        columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
+        columns.update(transcript=out.transcripts, env_reward=out.env_rewards)
+        g = out.generation
+        return {"prompts": [row["prompt"] for row in rows], "columns": columns, "completions": out.completions,
+                "completion_lists": out.completion_lists, "prompt_ids": g.prompt_ids, "prompt_mask": g.prompt_mask,
+                "completion_ids": g.completion_ids, "completion_mask": g.completion_mask,
+                "is_truncated": g.is_truncated, "sampled_mask": g.sampled_mask, "transcripts": out.transcripts,
+                "rollout_metrics": out.metrics}
 
     def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
         """Token ids of each prompt (``treadle.data.encode_prompt``: text with the tokenizer's special tokens,
@@ -496,7 +538,7 @@ class GRPOTrainer(Trainer):
                        "completions/min_length": (float(lengths.min()), 1),
                        "completions/max_length": (float(lengths.max()), 1),
                        "completions/clipped_ratio": (float(truncated.mean()), 1)})
-        self.metrics.add_many(record)
+        self.metrics.add_many({**record, **sample.get("rollout_metrics", {})})
 
     def _log_completions(self, sample: dict, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """Append this generation's completions (all ranks) to output_dir/completions.jsonl, from rank 0."""
@@ -505,6 +547,8 @@ class GRPOTrainer(Trainer):
                     "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, r)}, "advantage": a}
                    for p, c, r, a in zip(sample["prompts"], sample["completions"], rewards.tolist(),
                                          advantages.tolist())]
+        for record, transcript in zip(records, sample.get("transcripts", ())):
+            record["transcript"] = transcript  # multi-turn: every turn with its role
         records = [r for part in dist.gather_objects(records) for r in part]
         if not dist.is_main_process():
             return

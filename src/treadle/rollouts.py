@@ -1,0 +1,477 @@
+"""Multi-turn rollouts for online RL: the model talks to an environment (or calls tools) over several turns.
+
+Contract. An **environment** is any object with two methods (:class:`Environment`)::
+
+    reset(row: dict) -> str                                  # the first observation, appended to the prompt
+    step(text: str) -> (observation: str, reward: float | None, done: bool)
+
+One instance serves one rollout (``env_factory()`` is called once per rollout). A rollout is: the prompt (plus
+the first observation), then model turns that each end at EOS; after each turn ``step`` gets the turn's text
+(special tokens dropped) and answers with an observation that is appended as a turn of ``env.role`` (default
+``"user"``), a reward (summed over the rollout into the ``env_reward`` column; None: no opinion) and whether
+the rollout is over. It also ends when ``max_completion_length`` tokens (sampled plus observation tokens) are
+used up: then it is *truncated*, and an observation that does not fit is dropped.
+
+**Threads.** The environments of a batch run concurrently in a thread pool (``rollout_workers`` threads):
+the steps of one rollout never overlap, but steps of *different* instances do, so whatever instances share
+(a module-level cache, a client, a tool's global state) must be thread-safe. Sampling goes on meanwhile: a
+rollout waiting for its environment sits out while the others keep sampling (``generation.generate_turns``).
+
+**Tools** are built on it: :class:`ToolEnvironment` parses the calls in a model turn, runs the functions and
+answers with their results as a ``"tool"`` turn; a turn without a call ends the rollout. A tool is a plain
+Python function with type-annotated parameters and a docstring (refused at construction otherwise). Call
+formats (:data:`CALL_FORMATS`):
+
+- ``"tagged"`` (the toy tokenizer, and any tokenizer without a tool-call chat template)::
+
+      model:  <call>add(123, 456)</call></s>        NAME(ARGS), the arguments Python literals, keywords allowed
+      tool:   <result>579</result>                  or <result>error: ...</result>
+
+- ``"json"`` (chat templates in the Hermes/Qwen style, chosen by ``"auto"`` when the template mentions
+  ``<tool_call>``): ``<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>``, the result
+  rendered by the chat template as a ``{"role": "tool"}`` message, the tools' schemas passed to the template.
+
+A malformed call, an unknown tool, wrong arguments, a tool that raises or runs past ``tool_timeout`` seconds
+all become a tool turn with the error text (the model can learn from it) and count as failed calls; none
+crashes training. After ``max_tool_calling_iterations`` turns with calls (TRL's name and meaning) the next
+call ends the rollout unanswered.
+
+**Training on the right tokens.** Observation tokens are in the context but not trained on: the rollout's
+``sampled_mask`` is 1 exactly on the tokens the model sampled, and ``GRPOTrainer`` uses it as its
+``completion_mask``, so the loss, the old / reference log-probs' use and the entropy cover only those.
+
+**What reward functions get.** ``completions`` is the last model turn's text (for chat prompts, the list of
+messages the rollout added, as TRL gives), ``completion_ids`` every completion token (observations included),
+``transcript`` the messages (``role``, ``content``) the rollout added after the prompt, ``env_reward`` the
+environment's summed reward (None when it gave none); :func:`environment_reward` is the reward function that
+returns it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from treadle.data import encode_prompts, is_conversation
+from treadle.generation import MultiTurnOutput, generate_completions, generate_turns, left_pad, pack_turns
+
+__all__ = ["CALL_FORMATS", "Environment", "RolloutOutput", "RolloutRunner", "ToolEnvironment", "check_tool",
+           "environment_reward", "rollout_metrics"]
+
+CALL_FORMATS = ("auto", "tagged", "json")
+
+
+class Environment(Protocol):
+    """What a multi-turn environment provides; see the module docstring for the contract."""
+
+    def reset(self, row: dict) -> str: ...
+
+    def step(self, text: str) -> tuple[str, float | None, bool]: ...
+
+
+def environment_reward(env_reward: list, **kwargs) -> list[float | None]:
+    """A reward function that returns the environment's summed per-step rewards (the ``env_reward`` column)."""
+    return list(env_reward)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tools
+# ---------------------------------------------------------------------------------------------------------
+def check_tool(fn) -> str:
+    """The name of tool ``fn``; raises TypeError naming it unless it is a named function with a docstring and
+    a type annotation on every parameter (the model learns the call from them, as with TRL's tools)."""
+    name = getattr(fn, "__name__", None)
+    if not callable(fn) or not name or name == "<lambda>":
+        raise TypeError(f"tool {fn!r} must be a named function (def name(...)), not a lambda or an object")
+    if not inspect.getdoc(fn):
+        raise TypeError(f"tool {name!r} has no docstring; add one that says what it does and what each argument is")
+    missing = [p for p, v in inspect.signature(fn).parameters.items()
+               if v.annotation is inspect.Parameter.empty and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)]
+    if missing:
+        raise TypeError(f"tool {name!r} has parameters without a type annotation: {missing}; annotate them "
+                        f"(e.g. def {name}({missing[0]}: int) -> int)")
+    return name
+
+
+class ToolError(Exception):
+    """A call that could not run: its message is what the model reads in the tool turn."""
+
+
+_TAGGED = re.compile(r"<call>(.*?)(?:</call>|$)", re.DOTALL)
+_JSON = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_tagged_call(source: str) -> tuple[str, list, dict]:
+    """``'add(1, b=2)'`` -> ``('add', [1], {'b': 2})``; raises ToolError when it is not NAME(literal args)."""
+    try:
+        node = ast.parse(source.strip(), mode="eval").body
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+            raise ValueError("not a call")
+        args = [ast.literal_eval(a) for a in node.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        if len(kwargs) != len(node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
+            raise ValueError("no *args or **kwargs")
+    except (SyntaxError, ValueError, TypeError) as e:
+        raise ToolError(f"malformed call {source.strip()!r}: write <call>NAME(ARG, ..., KEY=VALUE)</call> with "
+                        f"Python literal arguments ({e})") from None
+    return node.func.id, args, kwargs
+
+
+def parse_json_call(source: str) -> tuple[str, list, dict]:
+    """``'{"name": "add", "arguments": {"a": 1}}'`` -> ``('add', [], {'a': 1})``; ToolError when malformed."""
+    try:
+        call = json.loads(source)
+        name, arguments = call["name"], call.get("arguments", {})
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise ValueError("name must be a string and arguments an object")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ToolError(f"malformed call {source.strip()!r}: write <tool_call>{{\"name\": ..., \"arguments\": "
+                        f"{{...}}}}</tool_call> ({e})") from None
+    return name, [], arguments
+
+
+def call_with_timeout(fn, args: list, kwargs: dict, timeout: float | None):
+    """``fn(*args, **kwargs)``, or ToolError when it raises or is still running after ``timeout`` seconds
+    (it is then abandoned on its daemon thread: Python cannot stop a thread)."""
+    name = getattr(fn, "__name__", "tool")
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ToolError(f"wrong arguments for {name}: {e}") from None
+    box: dict[str, Any] = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except Exception as e:  # the model reads the error; training goes on
+            box["error"] = e
+
+    if timeout is None:
+        run()
+    else:
+        worker = threading.Thread(target=run, name=f"treadle-tool-{name}", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            raise ToolError(f"{name} timed out after {timeout:g} s")
+    if "error" in box:
+        raise ToolError(f"{name} raised {type(box['error']).__name__}: {box['error']}")
+    return box["value"]
+
+
+class ToolEnvironment:
+    """The environment behind ``tools=``: runs the calls of each model turn and answers with their results.
+
+    Counts ``calls``, ``failed_calls`` and ``calls_by_tool`` for the metrics. One instance per rollout."""
+
+    role = "tool"
+
+    def __init__(self, tools: Sequence[Callable], *, call_format: str = "tagged",
+                 max_tool_calling_iterations: int | None = None, tool_timeout: float | None = 10.0):
+        if call_format not in ("tagged", "json"):
+            raise ValueError(f"call_format must be 'tagged' or 'json', got {call_format!r}")
+        self.tools = {check_tool(fn): fn for fn in tools}
+        self.call_format, self.max_iterations, self.timeout = call_format, max_tool_calling_iterations, tool_timeout
+        self.calls, self.failed_calls, self.iterations = 0, 0, 0
+        self.calls_by_tool: Counter[str] = Counter()
+
+    def reset(self, row: dict) -> str:
+        return ""
+
+    def step(self, text: str) -> tuple[str, float | None, bool]:
+        found = (_TAGGED if self.call_format == "tagged" else _JSON).findall(text)
+        if not found or (self.max_iterations is not None and self.iterations >= self.max_iterations):
+            return "", None, True
+        self.iterations += 1
+        results = [self._run(source) for source in found]
+        if self.call_format == "tagged":
+            return "".join(f"<result>{r}</result>" for r in results), None, False
+        return "\n".join(results), None, False
+
+    def _run(self, source: str) -> str:
+        self.calls += 1
+        parse = parse_tagged_call if self.call_format == "tagged" else parse_json_call
+        try:
+            name, args, kwargs = parse(source)
+            if name not in self.tools:
+                raise ToolError(f"unknown tool {name!r}; the tools are {sorted(self.tools)}")
+            self.calls_by_tool[name] += 1
+            return str(call_with_timeout(self.tools[name], args, kwargs, self.timeout))
+        except ToolError as e:
+            self.failed_calls += 1
+            return f"error: {e}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running rollouts
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class RolloutOutput:
+    """One batch of rollouts, row i from ``rows[i]``; ``generation`` holds the tensors (see MultiTurnOutput)."""
+
+    generation: MultiTurnOutput
+    completions: list  # what reward functions get as ``completions`` (see the module docstring)
+    completion_lists: list[list[int]]  # every completion token of each row, observations included
+    transcripts: list[list[dict[str, str]]]  # the messages each rollout added after the prompt
+    env_rewards: list[float | None]  # summed per-step environment rewards, None when there were none
+    metrics: dict[str, tuple[float, float]] = field(default_factory=dict)  # (sum, count) per metric
+
+
+class RolloutRunner:
+    """Runs batches of multi-turn rollouts for a tokenizer and either ``tools`` or an ``env_factory``.
+
+    Owns the thread pool the environments step in; ``run`` is the whole rollout of a batch of dataset rows."""
+
+    def __init__(self, tokenizer, *, tools: Sequence[Callable] | None = None, env_factory=None,
+                 call_format: str = "auto", max_tool_calling_iterations: int | None = None,
+                 tool_timeout: float | None = 10.0, workers: int = 8):
+        if (tools is None) == (env_factory is None):
+            raise ValueError("pass either tools=[functions] or env_factory=<callable returning an Environment>, "
+                             "not both (an environment can call your functions itself) and not neither")
+        if call_format not in CALL_FORMATS:
+            raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
+        if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence) or not tools):
+            raise TypeError(f"tools must be a non-empty list of functions, got {tools!r}")
+        if env_factory is not None and not callable(env_factory):
+            raise TypeError(f"env_factory must be a callable that returns a new environment, got {env_factory!r}")
+        if not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"rollout_workers must be an integer >= 1, got {workers!r}")
+        if tool_timeout is not None and not tool_timeout > 0:
+            raise ValueError(f"tool_timeout must be > 0 seconds (or None for no limit), got {tool_timeout!r}")
+        self.tokenizer, self.env_factory = tokenizer, env_factory
+        self.tools = list(tools or [])
+        self.tool_names = [check_tool(fn) for fn in self.tools]  # refused here, naming the tool
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.call_format = call_format if call_format != "auto" else ("json" if "<tool_call>" in template else "tagged")
+        if self.call_format == "json":
+            _check_json_schemas(self.tools)
+        self.tool_options = dict(call_format=self.call_format, max_tool_calling_iterations=max_tool_calling_iterations,
+                                 tool_timeout=tool_timeout)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="treadle-env")
+
+    def new_environment(self):
+        """A fresh environment for one rollout."""
+        if self.env_factory is not None:
+            return self.env_factory()
+        return ToolEnvironment(self.tools, **self.tool_options)
+
+    def encode_prompts(self, prompts: list, max_prompt_length: int | None) -> list[list[int]]:
+        """Token ids of each prompt, cut to its last ``max_prompt_length``; chat prompts see the tools' schemas
+        when the call format is the chat template's (``"json"``)."""
+        if self.call_format == "json" and self.tools and all(is_conversation(p) for p in prompts):
+            texts = [self.tokenizer.apply_chat_template(list(p), tools=self.tools, add_generation_prompt=True,
+                                                        tokenize=False) for p in prompts]
+            ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        else:
+            ids = encode_prompts(self.tokenizer, prompts)
+        return [i[-max_prompt_length:] if max_prompt_length else i for i in ids]
+
+    def observation_ids(self, text: str, role: str, chat: bool) -> list[int]:
+        """The tokens an observation adds: its text (text prompts), or a ``role`` turn rendered by the chat
+        template up to the next generation prompt (chat prompts)."""
+        if not chat:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+        before = self.tokenizer.apply_chat_template(base, tokenize=False)
+        after = self.tokenizer.apply_chat_template(base + [{"role": role, "content": text}], tokenize=False,
+                                                   add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(f"the chat template does not render a {role!r} turn by appending to the conversation "
+                             f"({before!r} is not a prefix of {after!r}); give the rows as text prompts")
+        return list(self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"])
+
+    def run(self, model, rows: list[dict], *, num_generations: int, max_new_tokens: int, eos_token_id,
+            pad_token_id: int, max_prompt_length: int | None = None, generator: torch.Generator | None = None,
+            backend: str = "auto", **sampling) -> RolloutOutput:
+        """Roll out one environment per row (rows holding the same prompt ``num_generations`` times in a row are
+        sampled as distinct prompts x G). ``backend``: "fast"/"auto" keep each row's KV cache across turns
+        (``generate_turns``; "auto" falls back when the model cannot), "hf" re-prefills the whole transcript each
+        turn through ``generate_completions``. ``sampling``: temperature, top_p, top_k, repetition_penalty,
+        do_sample as in ``generate_completions``."""
+        envs = [self.new_environment() for _ in rows]
+        firsts = list(self.pool.map(lambda env, row: env.reset(row), envs, rows))
+        prompts = [_with_first_observation(row["prompt"], first) for row, first in zip(rows, firsts)]
+        chat = [is_conversation(p) for p in prompts]
+        prompt_ids = self.encode_prompts(prompts, max_prompt_length)
+        group = num_generations
+        grouped = len(rows) % group == 0 and all(prompt_ids[i] == prompt_ids[i - i % group] for i in range(len(rows)))
+        distinct, group = (prompt_ids[::group], group) if grouped else (prompt_ids, 1)
+        observations: list[list[str]] = [[] for _ in rows]
+        rewards: list[list[float]] = [[] for _ in rows]
+
+        def step(row: int, turn_ids: list[int]) -> list[int] | None:
+            text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+            try:
+                observation, reward, done = envs[row].step(text)
+            except Exception as e:
+                raise RuntimeError(f"{type(envs[row]).__name__}.step raised {type(e).__name__}: {e} on the turn "
+                                   f"{text!r}; an environment should answer bad input with an observation") from e
+            if reward is not None:
+                rewards[row].append(float(reward))
+            if done:
+                return None
+            observations[row].append(observation)
+            return self.observation_ids(observation, getattr(envs[row], "role", "user"), chat[row])
+
+        kwargs = dict(num_generations=group, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                      pad_token_id=pad_token_id, generator=generator, **sampling)
+        respond = lambda row, turn_ids: self.pool.submit(step, row, turn_ids)  # noqa: E731
+        generation = None
+        if backend != "hf":
+            try:
+                generation = generate_turns(model, distinct, respond, **kwargs)
+            except ValueError:  # raised before any turn when the fast path cannot run this model
+                if backend == "fast":
+                    raise
+        if generation is None:
+            generation = reprefill_turns(model, distinct, respond, backend=backend, **kwargs)
+        return self._output(generation, envs, chat, observations, rewards)
+
+    def _output(self, generation: MultiTurnOutput, envs: list, chat: list[bool], observations: list[list[str]],
+                rewards: list[list[float]]) -> RolloutOutput:
+        eos = set(_as_tuple(self.tokenizer.eos_token_id))
+        lengths = generation.completion_mask.sum(dim=1).tolist()
+        completion_lists = [ids[:n] for ids, n in zip(generation.completion_ids.tolist(), lengths)]
+        sampled = generation.sampled_mask.tolist()
+        transcripts, completions = [], []
+        for row, ids in enumerate(completion_lists):
+            turns = _model_turns(ids, sampled[row], eos)
+            texts = self.tokenizer.batch_decode(turns, skip_special_tokens=True) if turns else [""]
+            role = getattr(envs[row], "role", "user")
+            messages = []
+            for i, text in enumerate(texts):
+                messages.append({"role": "assistant", "content": text})
+                if i + 1 < len(texts):  # the observation after turn i is in the context iff a turn i+1 exists
+                    messages.append({"role": role, "content": observations[row][i]})
+            transcripts.append(messages)
+            completions.append(messages if chat[row] else texts[-1])
+        env_rewards = [sum(r) if r else None for r in rewards]
+        return RolloutOutput(generation=generation, completions=completions, completion_lists=completion_lists,
+                             transcripts=transcripts, env_rewards=env_rewards,
+                             metrics=rollout_metrics(transcripts, generation.is_truncated.tolist(), envs,
+                                                     self.tool_names))
+
+    def close(self) -> None:
+        """Stop the thread pool (a tool still running past its timeout is left to finish on its own)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_json_schemas(tools: list) -> None:
+    """The chat template gets each tool as a JSON schema (transformers' ``get_json_schema``), which needs every
+    argument described in the docstring; refuse a tool without, naming it."""
+    from transformers.utils import get_json_schema
+
+    for fn in tools:
+        try:
+            get_json_schema(fn)
+        except Exception as e:
+            raise TypeError(f"tool {fn.__name__!r} cannot be described to the chat template: {e}. Describe every "
+                            f"argument in an 'Args:' section of its docstring (Google style)") from None
+
+
+def _with_first_observation(prompt, observation: str):
+    """The prompt the model sees: text + the observation, or chat messages with it appended to the last one."""
+    if not observation:
+        return prompt
+    if is_conversation(prompt):
+        messages = [dict(m) for m in prompt]
+        messages[-1]["content"] = messages[-1]["content"] + observation
+        return messages
+    return prompt + observation
+
+
+def _model_turns(ids: list[int], sampled: list[int], eos: set[int]) -> list[list[int]]:
+    """The model's turns in a completion: maximal runs of sampled tokens, each ending at (and keeping) an EOS."""
+    turns: list[list[int]] = []
+    current: list[int] | None = None
+    for token, is_sampled in zip(ids, sampled):
+        if not is_sampled:
+            current = None
+            continue
+        if current is None:
+            current = []
+            turns.append(current)
+        current.append(token)
+        if token in eos:
+            current = None
+    return turns
+
+
+def _as_tuple(eos_token_id) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return ()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+
+
+def rollout_metrics(transcripts: list[list[dict]], truncated: list[bool], envs: list,
+                    tool_names: Sequence[str] = ()) -> dict[str, tuple[float, float]]:
+    """``{name: (sum, count)}`` of one batch: model turns per rollout, truncated fraction and, for tools, calls
+    per rollout (``tools/call_frequency``, TRL's name), failed calls per rollout, failed / all calls
+    (``tools/failure_frequency``, TRL's name) and each tool's calls per rollout."""
+    n = len(transcripts)
+    record = {"rollouts/turns": (sum(sum(m["role"] == "assistant" for m in t) for t in transcripts), n),
+              "rollouts/truncated": (sum(truncated), n)}
+    tool_envs = [e for e in envs if isinstance(e, ToolEnvironment)]
+    if tool_envs:
+        calls, failed = sum(e.calls for e in tool_envs), sum(e.failed_calls for e in tool_envs)
+        record.update({"tools/call_frequency": (calls, n), "tools/failed_calls": (failed, n),
+                       "tools/failure_frequency": (failed, calls)})
+        for name in tool_names:
+            record[f"tools/{name}/calls"] = (sum(e.calls_by_tool[name] for e in tool_envs), n)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The baseline (and the fallback for models the fast path cannot run): re-prefill the transcript each turn
+# ---------------------------------------------------------------------------------------------------------
+def reprefill_turns(model, prompts: list[list[int]], respond, *, num_generations: int, max_new_tokens: int,
+                    eos_token_id, pad_token_id: int, backend: str = "auto", **sampling) -> MultiTurnOutput:
+    """``generate_turns``'s contract, one ``generate_completions`` call per turn on every active row's whole
+    transcript: simple and engine-agnostic, but every turn prefills everything again, and a turn starts only
+    when every row's environment has answered."""
+    eos = set(_as_tuple(eos_token_id))
+    rows = len(prompts) * num_generations
+    base = [p for p in prompts for _ in range(num_generations)]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    sampled: list[list[int]] = [[] for _ in range(rows)]
+    truncated = [False] * rows
+    active, turn = list(range(rows)), 0
+    while active:
+        room = max(max_new_tokens - len(tokens[r]) for r in active)
+        contexts = prompts if turn == 0 else [base[r] + tokens[r] for r in active]
+        out = generate_completions(model, contexts, num_generations=num_generations if turn == 0 else 1,
+                                   max_new_tokens=room, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                   backend=backend, **sampling)
+        lengths = out.completion_mask.sum(dim=1).tolist()
+        answers = {}
+        for i, r in enumerate(active):
+            new = out.completion_ids[i, :lengths[i]].tolist()[:max_new_tokens - len(tokens[r])]
+            tokens[r] += new
+            sampled[r] += [1] * len(new)
+            if new and new[-1] in eos:
+                answers[r] = respond(r, new)
+            else:
+                truncated[r] = True
+        active = []
+        for r, answer in answers.items():
+            value = answer.result() if hasattr(answer, "result") else answer
+            if value is None:
+                continue
+            if len(tokens[r]) + len(value) >= max_new_tokens:
+                truncated[r] = True
+                continue
+            tokens[r] += value
+            sampled[r] += [0] * len(value)
+            active.append(r)
+        turn += 1
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, next(iter(model.parameters())).device)
+    return pack_turns(prompt_ids, prompt_mask, num_generations, tokens, sampled, truncated, pad_token_id)
