@@ -245,8 +245,8 @@ def test_a_row_waiting_on_its_environment_does_not_stall_the_others(tok):
 
 
 # --------------------------------------------------------------------------------------------------- GRPO
-def grpo(tmp_path, tok, reward, **kwargs):
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+def grpo(tmp_path, tok, reward, run="run", **kwargs):
+    args = GRPOConfig(output_dir=str(tmp_path / run), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=16, max_steps=1, learning_rate=1e-3, disable_tqdm=True,
                       save_strategy="no", logging_steps=1, log_completions=True, rollout_workers=2)
     return GRPOTrainer(chatty_model(tok, eos_bias=4.0), reward, args=args, processing_class=tok,
@@ -294,7 +294,7 @@ def test_grpo_records_transcripts_columns_and_metrics(tmp_path, tok):
     assert len(records) == 4 and records[0]["transcript"] == seen["transcript"][0]
     assert {m["role"] for r in records for m in r["transcript"]} <= {"assistant", "user"}
 
-    with_tools = grpo(tmp_path, tok, judge, tools=[add])
+    with_tools = grpo(tmp_path, tok, judge, run="tools", tools=[add])
     with_tools.train()
     logged = with_tools.state.log_history[0]
     assert {"tools/call_frequency", "tools/failed_calls", "tools/add/calls"} <= set(logged)
