@@ -182,3 +182,33 @@ def speed_metrics(start_time: float, steps: int, samples: int, state) -> dict[st
     train_loss = state.total_loss_sum / state.total_loss_items if state.total_loss_items else float("nan")
     return {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
             "train_steps_per_second": round(steps / max(runtime, 1e-9), 3), "train_loss": train_loss}
+
+
+def count_input_tokens(batches: list, how: str, device, pad_token_id: int | None = None) -> int:
+    """Input tokens in ``batches`` (one accumulation window), summed over ranks, as transformers counts them for
+    ``include_num_input_tokens_seen``: ``"all"`` counts every ``input_ids`` entry (padding too), ``"non_padding"``
+    the ``attention_mask`` ones (else the ids that are not ``pad_token_id``); ``"no"`` counts nothing (0)."""
+    if how == "no":
+        return 0
+    total = 0
+    for batch in batches:
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if not isinstance(ids, torch.Tensor):
+            raise ValueError("include_num_input_tokens_seen needs batches with an 'input_ids' tensor; set it to 'no'")
+        if how == "all":
+            total += ids.numel()
+        elif isinstance(batch.get("attention_mask"), torch.Tensor):
+            total += int(batch["attention_mask"].sum())
+        else:
+            total += int(ids.ne(pad_token_id).sum()) if pad_token_id is not None else ids.numel()
+    if dist.get_world_size() > 1:
+        total = int(dist.all_reduce_sum(torch.tensor(total, device=device)).item())
+    return total
+
+
+def as_float(value):
+    """A metric as a float when it is a number (compute_metrics may return anything)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value

@@ -39,8 +39,8 @@ from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, Pr
                                ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, seeded_sampler, to_cpu)
-from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, fold_loss, means_of,
-                             record_loss, speed_metrics)
+from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, as_float,
+                             count_input_tokens, fold_loss, means_of, record_loss, speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
 
 
@@ -170,7 +170,7 @@ class Trainer:
             self.lr_scheduler = build_scheduler(
                 self.args.lr_scheduler_type, optimizer or self.optimizer,
                 num_warmup_steps=self.args.num_warmup_steps(num_training_steps),
-                num_training_steps=num_training_steps)
+                num_training_steps=num_training_steps, scheduler_kwargs=self.args.lr_scheduler_kwargs)
         return self.lr_scheduler
 
     # ---- the loss -----------------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Trainer:
         dist.init_distributed(args.device, args.ddp_timeout)
         ckpt.set_seed(args.seed)
         if args.gradient_checkpointing:
-            models.enable_gradient_checkpointing(dist.unwrap_model(self.model))
+            models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
         dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
         check_first_batch(dataloader, self.args.label_names if needs_labels else None)
@@ -266,6 +266,7 @@ class Trainer:
         with self.preemption.guard() if self.preemption in handler.callbacks else contextlib.nullcontext():
             self.control._new_training()
             self._event("on_train_begin")
+            self._act_on_control()  # e.g. eval_on_start (FlowCallback)
             first_epoch, skip_steps = divmod(self.state.global_step, steps_per_epoch)
             for epoch in range(first_epoch, num_epochs):
                 if self.control.should_training_stop or self.state.global_step >= max_steps:
@@ -312,6 +313,8 @@ class Trainer:
         self.control._new_step()
         self._event("on_step_begin")
         window = self.prepare_window(window)
+        self.state.num_input_tokens_seen += count_input_tokens(window, self.args.include_num_input_tokens_seen,
+                                                               self.args.device, getattr(self.processing_class, "pad_token_id", None))
         self.loop.window_size = len(window)
         num_items = self.get_num_items_in_batch(window)
         losses = []
@@ -366,6 +369,8 @@ class Trainer:
     def log(self, logs: dict[str, float]) -> None:
         """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, TensorBoard).
         Override to add or reshape metrics; call ``super().log(logs)`` at the end."""
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._event("on_log", logs=logs)
 
@@ -433,7 +438,7 @@ class Trainer:
         if self.compute_metrics is not None and predictions is not None and label_ids is not None:
             metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
         metrics.update(recorded)
-        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": _as_float(v) for k, v in metrics.items()}
+        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": as_float(v) for k, v in metrics.items()}
         return PredictionOutput(predictions, label_ids, metrics)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
@@ -488,11 +493,3 @@ class Trainer:
     def load_extra_checkpoint_state(self, state: dict) -> None:
         """Restore what ``extra_checkpoint_state`` returned, when resuming (after weights, optimizer, RNG,
         ``self.state`` and the metrics window are restored)."""
-
-
-def _as_float(value):
-    """A metric as a float when it is a number (compute_metrics may return anything)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return value
