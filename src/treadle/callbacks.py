@@ -106,6 +106,7 @@ class LoopState:
     window_size: int = 1  # micro-batches in the accumulation window of the step in progress
     micro_batch: Any = None  # the raw micro-batch in training_step: compute_loss counts its items there if needed
     grad_norm: Any = None  # of the last optimizer step, before clipping
+    learning_rate: float | None = None  # the learning rate the last optimizer step used
     last_saved_step: int | None = None
     last_eval: tuple[int | None, dict | None] = (None, None)  # (step, metrics) of the latest evaluation
 

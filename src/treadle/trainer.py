@@ -333,6 +333,7 @@ class Trainer:
             self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
         self.optimizer.step()
         self._event("on_optimizer_step")
+        self.loop.learning_rate = self.lr_scheduler.get_last_lr()[0]  # the step's own lr: logged, as transformers
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
@@ -362,7 +363,7 @@ class Trainer:
             return  # the window's micro-batches had no loss item (every label masked): nothing to log
         if self.loop.grad_norm is not None:
             logs["grad_norm"] = float(self.loop.grad_norm)
-        logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        logs["learning_rate"] = self.loop.learning_rate
         logs.update(means_of(sums))
         self.log(logs)
 
