@@ -104,3 +104,92 @@ def test_dpo_losses_and_reward_metrics_match_trl(tmp_path, tokenizer, loss_type)
     keys = ["loss", "grad_norm", "learning_rate"] + (REWARD_METRICS if loss_type != "ipo" else [])
     assert_same_logs(train_logs(theirs), train_logs(ours), keys)
     assert_same_weights(theirs, ours)
+
+
+# ---- GRPO -------------------------------------------------------------------------------------------------------
+TRL_GRPO_LOSSES = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
+GROUP, MAX_COMPLETION = 4, 6
+# the completions both trainers train on, in order: EOS (id 2) ends some; the others are cut at MAX_COMPLETION
+FIXED = [[14, 15, 2], [16, 2], [20, 21, 22, 23, 24, 25], [17, 18, 19, 2], [14, 14, 2], [30, 31, 2],
+         [15, 2], [40, 41, 42, 43, 44, 45], [16, 2], [16, 2], [16, 2], [16, 2]]  # the last group: zero std
+GRPO_METRICS = ["loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
+                "rewards/fixed_reward/mean", "rewards/fixed_reward/std", "completions/mean_length",
+                "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl", "entropy",
+                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+
+
+def fixed_reward(completion_ids, **kwargs):
+    return [float(len(ids) % 3) + 0.5 * (ids[0] % 2) for ids in completion_ids]
+
+
+def fixed_completions(count: int, start: int) -> list[list[int]]:
+    return [FIXED[(start + i) % len(FIXED)] for i in range(count)]
+
+
+class FixedCompletions(treadle.GRPOTrainer):
+    """treadle's GRPO trainer sampling nothing: ``generate`` hands out the FIXED completions in order."""
+
+    handed_out = 0
+
+    def generate(self, prompt_ids, *, num_generations, generator=None):
+        rows = [ids for ids in prompt_ids for _ in range(num_generations)]
+        completions = fixed_completions(len(rows), self.handed_out)
+        self.handed_out += len(rows)
+        width, pad = max(map(len, completions)), self.pad_token_id
+        prompts = torch.tensor(rows)  # one prompt for every row: no padding
+        ids = torch.tensor([c + [pad] * (width - len(c)) for c in completions])
+        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
+        truncated = torch.tensor([c[-1] != 2 for c in completions])
+        return GenerationOutput(prompts, torch.ones_like(prompts), ids, mask, truncated)
+
+
+def trl_rollout(tokenizer):
+    """TRL's ``rollout_func`` handing out the same FIXED completions in the same order."""
+    from treadle.data import encode_prompt
+
+    state = {"handed_out": 0}
+
+    def rollout(prompts, trainer):
+        completions = fixed_completions(len(prompts), state["handed_out"])
+        state["handed_out"] += len(prompts)
+        return {"prompt_ids": [encode_prompt(tokenizer, p) for p in prompts], "completion_ids": completions,
+                "logprobs": [[0.0] * len(c) for c in completions]}
+
+    return rollout
+
+
+@pytest.mark.parametrize("loss_type", sorted(set(losses.GRPO_LOSS_TYPES) & TRL_GRPO_LOSSES))
+def test_grpo_losses_and_metrics_match_trl_on_fixed_completions(tmp_path, tokenizer, loss_type, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    # TRL shuffles the rows of a generation before cutting it into micro-batches; treadle keeps them in order (a
+    # documented departure: it changes which rows share a micro-batch, so per-micro-batch means, not the gradient of
+    # dapo / grpo). Keep TRL's order too, so that every micro-batch holds the same rows in both.
+    monkeypatch.setattr("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch)
+    # one prompt repeated: the order in which either trainer draws its rows cannot matter
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": "12+34="}] * 8)
+    toy.build_model("tiny", tokenizer=tokenizer).save_pretrained(tmp_path / "init")  # TRL loads its reference
+    kwargs = dict(COMMON, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2, steps_per_generation=2,
+                  num_iterations=2, num_generations=GROUP, max_completion_length=MAX_COMPLETION, beta=0.1,
+                  epsilon=0.02, loss_type=loss_type, scale_rewards="group", temperature=1.0, max_steps=3)
+    ours_args = treadle.GRPOConfig(output_dir=str(tmp_path / "t"), max_prompt_length=None, **kwargs)
+    bias_correction = getattr(ours_args, "use_bias_correction_kl", False)  # TRL's default is True (issue 17)
+    theirs = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
+                             processing_class=tokenizer, train_dataset=rows, rollout_func=trl_rollout(tokenizer),
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_bias_correction_kl=bias_correction,
+                                                 **TRL_ONLY, **kwargs))
+    theirs.train()
+    ours = FixedCompletions(AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
+                            args=ours_args, train_dataset=rows, processing_class=tokenizer)
+    ours.train()
+    mine, trls = train_logs(ours), train_logs(theirs)
+    assert [h["step"] for h in mine] == [h["step"] for h in trls] == [1, 2, 3]
+    for step, (a, b) in enumerate(zip(trls, mine), start=1):
+        keys = [k for k in GRPO_METRICS if k in a or k in b]
+        assert [k for k in keys if k in a] == [k for k in keys if k in b], step
+        assert [b[k] for k in keys] == pytest.approx([a[k] for k in keys], abs=1e-4), (step, keys)
+    assert trls[1]["clip_ratio/region_mean"] > 0  # the second pass over a generation clips
+    assert_same_weights(theirs, ours)
