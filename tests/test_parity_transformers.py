@@ -12,7 +12,7 @@ import torch
 
 from conftest import lm_rows, tiny_llama
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5.24")  # train_sampling_strategy
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
 import treadle  # noqa: E402

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-trl = pytest.importorskip("trl")
+trl = pytest.importorskip("trl", minversion="1.16")  # rollout_func, use_bias_correction_kl
 pytest.importorskip("accelerate")
 
 import treadle  # noqa: E402
