@@ -144,7 +144,8 @@ def test_eval_save_log_cadence_and_warmup_fraction(tmp_path):
     assert [s for s, _ in evals["treadle"]] == [s for s, _ in evals["hf"]] == [0, 3, 6, 7]
     assert [v for _, v in evals["treadle"]] == pytest.approx([v for _, v in evals["hf"]], abs=1e-4)
     # rotation keeps the best and the newest of checkpoints 3, 6, 7 in both
-    kept = {name: sorted(d for d in os.listdir(tmp_path / name) if d.startswith("checkpoint")) for name in ("hf", "treadle")}
+    kept = {name: sorted(d for d in os.listdir(tmp_path / name) if d.startswith("checkpoint"))
+            for name in ("hf", "treadle")}
     assert kept["treadle"] == kept["hf"] and len(kept["hf"]) == 2 and "checkpoint-7" in kept["hf"]
     assert os.path.basename(ours.state.best_model_checkpoint) == os.path.basename(hf.state.best_model_checkpoint)
     # logged training windows: 2, 4, 6 in both; treadle also logs the leftover window at the last step (a documented

@@ -69,7 +69,8 @@ def test_sft_completion_only_loss_matches_trl(tmp_path, tokenizer):
                             args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), train_sampling_strategy="sequential",
                                                **TRL_ONLY, **kwargs))
     theirs.train()
-    ours = in_order(treadle.SFTTrainer)(copy.deepcopy(model), treadle.SFTConfig(output_dir=str(tmp_path / "t"), **kwargs),
+    ours = in_order(treadle.SFTTrainer)(copy.deepcopy(model),
+                                         treadle.SFTConfig(output_dir=str(tmp_path / "t"), **kwargs),
                                          train_dataset=rows, processing_class=tokenizer)
     ours.train()
     # mean_token_accuracy: treadle's counts every token of the window alike, TRL's averages per-micro-batch
@@ -165,7 +166,8 @@ GRPO_CASES = [(loss_type, {}) for loss_type in sorted(set(losses.GRPO_LOSS_TYPES
 ]
 
 
-@pytest.mark.parametrize("loss_type, extra", GRPO_CASES, ids=[f"{t}-{'-'.join(e) or 'defaults'}" for t, e in GRPO_CASES])
+@pytest.mark.parametrize("loss_type, extra", GRPO_CASES,
+                         ids=[f"{t}-{'-'.join(e) or 'defaults'}" for t, e in GRPO_CASES])
 def test_grpo_losses_and_metrics_match_trl_on_fixed_completions(tmp_path, tokenizer, loss_type, extra, monkeypatch):
     from transformers import AutoModelForCausalLM
 
