@@ -67,7 +67,8 @@ def test_invalid_combinations_say_how_to_fix(kwargs, message):
 def test_round_trip_through_json():
     import json
 
-    args = TrainingArguments(learning_rate=3e-4, lr_scheduler_type=SCHEDULERS[-1])
+    args = TrainingArguments(learning_rate=3e-4, lr_scheduler_type=SCHEDULERS[-1],
+                             lr_scheduler_kwargs={"num_decay_steps": 3}, optim="sgd", optim_args="momentum=0.9")
     again = TrainingArguments(**json.loads(args.to_json_string()))
     assert again == args
 

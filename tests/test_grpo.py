@@ -365,7 +365,11 @@ def test_metrics_and_completions_file(tmp_path, tok, dataset):
     assert logs["reward"] == pytest.approx(statistics.mean(weighted))
     assert logs["rewards/length_reward/mean"] == pytest.approx(statistics.mean(raw))
     stats = group_stats(weighted, 4)
-    assert logs["reward_std"] == pytest.approx(statistics.mean(s for _, s in stats))
+    # reward_std as TRL 1.16: the std of each generation's rewards (then the mean over the 2 generations);
+    # reward_group_std: the mean of the groups' stds
+    assert logs["reward_std"] == pytest.approx(statistics.mean([statistics.stdev(weighted[:8]),
+                                                                statistics.stdev(weighted[8:])]))
+    assert logs["reward_group_std"] == pytest.approx(statistics.mean(s for _, s in stats))
     assert logs["frac_reward_zero_std"] == pytest.approx(statistics.mean(float(s == 0) for _, s in stats))
     advantages = [(w - stats[i // 4][0]) / (stats[i // 4][1] + 1e-4) for i, w in enumerate(weighted)]
     assert [r["advantage"] for r in records] == pytest.approx(advantages, abs=1e-5)

@@ -19,8 +19,11 @@ from typing import Any
 
 from treadle.trackers import resolve_report_to
 
-OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd")
-SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "adamw_bnb_8bit",
+              "paged_adamw_8bit")  # treadle.optim.build_optimizer
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+TOKEN_COUNTS = ("no", "all", "non_padding")  # include_num_input_tokens_seen
 STRATEGIES = ("no", "steps", "epoch")
 FSDP_MODES = ("", "full_shard")
 
@@ -42,7 +45,7 @@ class TrainingArguments:
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step (exact: see Trainer.compute_loss)
 
     # --- optimizer
-    optim: str = "adamw"  # "adamw" (torch AdamW), "adamw_torch_fused" or "sgd"
+    optim: str = "adamw"  # "adamw" (= "adamw_torch"), "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit"...
     learning_rate: float = 5e-5  # peak learning rate, reached after warm-up
     weight_decay: float = 0.0  # decoupled weight decay, applied to matrices only (not biases / norms)
     adam_beta1: float = 0.9  # AdamW first-moment decay
@@ -52,8 +55,8 @@ class TrainingArguments:
     skip_nonfinite_steps: int = 0  # steps whose loss is NaN/inf that may be skipped (not applied) before stopping
 
     # --- schedule
-    lr_scheduler_type: str = "linear"  # "constant", "constant_with_warmup", "linear" or "cosine"
-    warmup_steps: float = 0  # steps of linear warm-up; a float in (0, 1) is a fraction of all steps
+    lr_scheduler_type: str = "linear"  # transformers' names: "linear", "cosine", "constant_with_warmup"... (SCHEDULERS)
+    warmup_steps: float = 0  # steps of linear warm-up from 0; a float in (0, 1) is a fraction of all steps
 
     # --- logging, evaluation, saving (cadence lives in treadle.callbacks.FlowCallback)
     logging_strategy: str = "steps"  # "no", "steps" or "epoch"
@@ -103,8 +106,25 @@ class TrainingArguments:
     # --- PEFT / LoRA (a trainer's peft_config; docs/peft.md)
     merge_adapters: bool = False  # save_model also writes the adapters merged into the base, in output_dir/merged
 
+    # --- more of transformers' names, same meaning (docs/coming-from-transformers-and-trl.md)
+    lr_scheduler_kwargs: dict[str, Any] | None = None  # schedule options, e.g. {"min_lr_rate": 0.1}; see optim.py
+    optim_args: str | None = None  # "momentum=0.9,nesterov=True": SGD's settings (no momentum without it)
+    eval_on_start: bool = False  # evaluate once before the first step (checks the evaluation set-up early)
+    eval_delay: float = 0  # no evaluation before this many steps (epochs when eval_strategy="epoch")
+    include_num_input_tokens_seen: str | bool = "no"  # "all", "non_padding" (True = "all"): log num_input_tokens_seen
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None  # for checkpoint(); default {"use_reentrant": False}
+
+    def __new__(cls, *args, **kwargs):
+        # a transformers field treadle does not have: say what to do instead (the generated __init__ would only
+        # say "unexpected keyword argument")
+        refused = sorted(set(kwargs) & set(NOT_SUPPORTED))
+        if refused:
+            raise ValueError(f"{refused[0]} is not supported by treadle: {NOT_SUPPORTED[refused[0]]}")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         _validate_types(self)
+        self._validate_transformers_names()
         self._validate_choices()
         self._validate_numbers()
         if self.eval_steps is None:
@@ -115,6 +135,25 @@ class TrainingArguments:
         if self.data_seed is None:
             self.data_seed = self.seed
         self._validate_best_model()
+
+    def _validate_transformers_names(self) -> None:
+        if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' bool form
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        if self.include_num_input_tokens_seen not in TOKEN_COUNTS:
+            raise ValueError(f"include_num_input_tokens_seen={self.include_num_input_tokens_seen!r} is not supported; "
+                             f"use one of {list(TOKEN_COUNTS)} (or True / False)")
+        if self.eval_delay < 0:
+            raise ValueError(f"eval_delay must be >= 0, got {self.eval_delay}")
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # transformers accepts JSON text, as a command line gives it
+                setattr(self, name, value := json.loads(value))
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a mapping (e.g. {{}}), got {value!r}")
+        from treadle.optim import check_scheduler_kwargs, optimizer_options
+
+        check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)  # names a pointer for the refused
+        optimizer_options(self.optim, self.optim_args)
 
     def _validate_choices(self) -> None:
         for name, value, allowed in (
@@ -230,6 +269,8 @@ class TrainingArguments:
         """
         known = cls.field_names()
         for key in mapping:
+            if key in NOT_SUPPORTED and key not in known:
+                raise ValueError(f"{key} is not supported by treadle: {NOT_SUPPORTED[key]}")
             if key not in known:
                 close = difflib.get_close_matches(key, sorted(known | set(other_keys)), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else f"; see the fields of {cls.__name__}"
@@ -300,6 +341,36 @@ def _describe(annotation: Any, plural: bool = False) -> str:
     names = _SCALARS.get(annotation)
     return names[plural] if names else getattr(annotation, "__name__", str(annotation))
 
+
+# transformers fields that treadle refuses, with what to do instead (TrainingArguments.__new__, from_mapping)
+NOT_SUPPORTED = {
+    "fp16": "use bf16=True (bfloat16 autocast needs no loss scaling)",
+    "fp16_full_eval": "use bf16=True (evaluation runs under the same autocast as training)",
+    "bf16_full_eval": "bf16=True already evaluates under bfloat16 autocast",
+    "tf32": "set torch.backends.cuda.matmul.allow_tf32 = True before training",
+    "torch_compile": "treadle does not compile the model; compile submodules yourself (e.g. "
+                     "layer.compile() on each decoder layer) before passing the model",
+    "activation_checkpointing": "use gradient_checkpointing=True (transformers 5's older name, same behaviour)",
+    "activation_checkpointing_kwargs": "use gradient_checkpointing_kwargs",
+    "eval_accumulation_steps": "not needed: evaluation moves predictions to the CPU after every batch",
+    "neftune_noise_alpha": "NEFTune is not built in; add noise to the input embeddings in a forward hook",
+    "group_by_length": "length-grouped sampling is not built in; override Trainer.build_sampler",
+    "train_sampling_strategy": "treadle shuffles with a seeded sampler; override Trainer.build_sampler for another",
+    "label_smoothing_factor": "override Trainer.compute_loss with a smoothed cross-entropy",
+    "torch_empty_cache_steps": "call torch.cuda.empty_cache() from a callback's on_step_end",
+    "auto_find_batch_size": "set per_device_train_batch_size and gradient_accumulation_steps yourself",
+    "deepspeed": "use fsdp='full_shard' (FSDP2) for sharded training",
+    "fsdp_config": "fsdp='full_shard' needs no config",
+    "push_to_hub": "call model.push_to_hub(...) after training",
+    "use_liger_kernel": "not built in",
+    "logging_nan_inf_filter": "treadle logs the loss as it is (a NaN is shown, not hidden)",
+    "resume_from_checkpoint": "pass it to train(resume_from_checkpoint=...) (or `treadle train --resume`)",
+    "do_train": "not needed: call train() / evaluate() / predict()",
+    "do_eval": "not needed: set eval_strategy, or call evaluate()",
+    "do_predict": "not needed: call predict()",
+    "use_cpu": "treadle uses the GPU when there is one; hide it with CUDA_VISIBLE_DEVICES=''",
+    "optim_target_modules": "GaLore / APOLLO optimizers are not built in",
+}
 
 __all__ = ["TrainingArguments", "field"]
 

@@ -68,6 +68,7 @@ class TrainerState:
     best_model_checkpoint: str | None = None
     total_loss_sum: float = 0.0  # item-weighted loss summed over the whole run (survives resumes)
     total_loss_items: float = 0.0
+    num_input_tokens_seen: int = 0  # counted when args.include_num_input_tokens_seen is not "no"
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)  # callback name -> its saved state
@@ -115,6 +116,7 @@ class LoopState:
     window_size: int = 1  # micro-batches in the accumulation window of the step in progress
     micro_batch: Any = None  # the raw micro-batch in training_step: compute_loss counts its items there if needed
     grad_norm: Any = None  # of the last optimizer step, before clipping
+    learning_rate: float | None = None  # the learning rate the last optimizer step used
     last_saved_step: int | None = None
     last_eval: tuple[int | None, dict | None] = (None, None)  # (step, metrics) of the latest evaluation
 
@@ -225,7 +227,14 @@ class CallbackHandler:
 # Built-in callbacks
 # ---------------------------------------------------------------------------------------------------------
 class FlowCallback(TrainerCallback):
-    """The cadence of logging, evaluation and saving (so the loop holds no ``step % N``)."""
+    """The cadence of logging, evaluation and saving (so the loop holds no ``step % N``). As transformers 5's
+    ``DefaultFlowCallback``, except that the last step also logs what the window holds (transformers leaves out
+    a last window that does not end on a ``logging_steps`` multiple)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.eval_on_start:
+            control.should_evaluate = True
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
@@ -233,8 +242,10 @@ class FlowCallback(TrainerCallback):
             control.should_log = True
         if args.logging_strategy == "steps" and step % state.logging_steps == 0:
             control.should_log = True
-        if args.eval_strategy == "steps" and step % state.eval_steps == 0:
-            control.should_evaluate = True
+        if args.eval_strategy == "steps" and step >= args.eval_delay:
+            # the last step evaluates too when it is not a multiple of eval_steps (transformers 5)
+            if step % state.eval_steps == 0 or step >= state.max_steps:
+                control.should_evaluate = True
         if args.save_strategy == "steps" and step % state.save_steps == 0:
             control.should_save = True
         if step >= state.max_steps:
@@ -246,7 +257,7 @@ class FlowCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         if args.logging_strategy == "epoch":
             control.should_log = True
-        if args.eval_strategy == "epoch":
+        if args.eval_strategy == "epoch" and state.epoch >= args.eval_delay:
             control.should_evaluate = True
         if args.save_strategy == "epoch":
             control.should_save = True

@@ -234,6 +234,30 @@ def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
     return True
 
 
+def count_input_tokens(batches: list, args, tokenizer=None) -> int:
+    """Input tokens in ``batches`` (one accumulation window), summed over ranks, as transformers counts them for
+    ``args.include_num_input_tokens_seen``: ``"all"`` counts every ``input_ids`` entry (padding too),
+    ``"non_padding"`` the ``attention_mask`` ones (else the ids that are not the tokenizer's pad token); ``"no"``
+    counts nothing (0)."""
+    how, pad_token_id = args.include_num_input_tokens_seen, getattr(tokenizer, "pad_token_id", None)
+    if how == "no":
+        return 0
+    total = 0
+    for batch in batches:
+        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+        if not isinstance(ids, torch.Tensor):
+            raise ValueError("include_num_input_tokens_seen needs batches with an 'input_ids' tensor; set it to 'no'")
+        if how == "all":
+            total += ids.numel()
+        elif isinstance(batch.get("attention_mask"), torch.Tensor):
+            total += int(batch["attention_mask"].sum())
+        else:
+            total += int(ids.ne(pad_token_id).sum()) if pad_token_id is not None else ids.numel()
+    if dist.get_world_size() > 1:
+        total = int(dist.all_reduce_sum(torch.tensor(total, device=args.device)).item())
+    return total
+
+
 def as_float(value):
     """A metric as a float when it is a number (compute_metrics may return anything)."""
     try:

@@ -233,13 +233,15 @@ def max_positions(model: nn.Module) -> int | None:
     return None
 
 
-def enable_gradient_checkpointing(model: nn.Module) -> None:
-    """Recompute activations in backward instead of storing them (non-reentrant); turns the KV cache off.
+def enable_gradient_checkpointing(model: nn.Module, kwargs: dict | None = None) -> None:
+    """Recompute activations in backward instead of storing them; turns the KV cache off. ``kwargs`` (the
+    ``gradient_checkpointing_kwargs`` argument) go to ``torch.utils.checkpoint``; by default non-reentrant.
 
     Raises ValueError for a model without transformers' checkpointing switch.
     """
     model = dist.unwrap_model(model)
-    kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
+    if kwargs is None:
+        kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2 name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):

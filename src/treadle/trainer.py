@@ -38,7 +38,7 @@ from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, Pr
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, to_cpu)
 from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, as_float, check_logged_loss,
-                             fold_loss, means_of, record_loss, skip_nonfinite_step, speed_metrics)
+                             count_input_tokens, fold_loss, means_of, record_loss, skip_nonfinite_step, speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
 from treadle.trackers import tracker_callbacks
 
@@ -169,7 +169,7 @@ class Trainer:
             self.lr_scheduler = build_scheduler(
                 self.args.lr_scheduler_type, optimizer or self.optimizer,
                 num_warmup_steps=self.args.num_warmup_steps(num_training_steps),
-                num_training_steps=num_training_steps)
+                num_training_steps=num_training_steps, scheduler_kwargs=self.args.lr_scheduler_kwargs)
         return self.lr_scheduler
 
     # ---- the loss -----------------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ class Trainer:
         ckpt.set_seed(args.seed)
         require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
-            models.enable_gradient_checkpointing(dist.unwrap_model(self.model))
+            models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
         dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
         check_first_batch(dataloader, self.args.label_names if needs_labels else None)
@@ -271,6 +271,7 @@ class Trainer:
         with self.preemption.guard() if self.preemption in handler.callbacks else contextlib.nullcontext():
             self.control._new_training()
             self._event("on_train_begin")
+            self._act_on_control()  # e.g. eval_on_start (FlowCallback)
             first_epoch, skip_steps = divmod(self.state.global_step, steps_per_epoch)
             for epoch in range(first_epoch, num_epochs):
                 if self.control.should_training_stop or self.state.global_step >= max_steps:
@@ -317,6 +318,7 @@ class Trainer:
         self.control._new_step()
         self._event("on_step_begin")
         window = self.prepare_window(window)
+        self.state.num_input_tokens_seen += count_input_tokens(window, self.args, self.processing_class)
         self.loop.window_size = len(window)
         num_items = self.get_num_items_in_batch(window)
         losses = []
@@ -337,6 +339,7 @@ class Trainer:
                 self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
             self.optimizer.step()
             self._event("on_optimizer_step")
+            self.loop.learning_rate = self.lr_scheduler.get_last_lr()[0]  # the step's own lr: logged, as transformers
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
@@ -367,13 +370,15 @@ class Trainer:
         check_logged_loss(logs, self.state)
         if self.loop.grad_norm is not None:
             logs["grad_norm"] = float(self.loop.grad_norm)
-        logs["learning_rate"] = self.lr_scheduler.get_last_lr()[0]
+        logs["learning_rate"] = self.loop.learning_rate
         logs.update(means_of(sums))
         self.log(logs)
 
     def log(self, logs: dict[str, float]) -> None:
         """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, trackers).
         Override to add or reshape metrics; call ``super().log(logs)`` at the end."""
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._event("on_log", logs=logs)
 
@@ -434,8 +439,7 @@ class Trainer:
     def _prediction_output(self, preds: list, labels: list, prefix: str) -> PredictionOutput:
         recorded = self.metrics.means("eval")
         loss = recorded.pop("loss", None)
-        predictions = dist.gather_padded(preds) if preds else None
-        label_ids = dist.gather_padded(labels) if labels else None
+        predictions, label_ids = (dist.gather_padded(parts) if parts else None for parts in (preds, labels))
         metrics = {"loss": loss} if loss is not None else {}
         if self.compute_metrics is not None and predictions is not None and label_ids is not None:
             metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
@@ -480,8 +484,7 @@ class Trainer:
         """Continue the run in ``path`` (weights, optimizer, scheduler, RNG, state, metrics, extra state)."""
         state = ckpt.resumed_state(path, self.state, self.args)
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
-        self.state = state
-        self.loop.last_saved_step = state.global_step
+        self.state, self.loop.last_saved_step = state, state.global_step
         metrics, extra = ckpt.read_run_extra(path, state)
         self.metrics.load_state_dict(metrics)
         if extra is not None:
@@ -495,4 +498,3 @@ class Trainer:
     def load_extra_checkpoint_state(self, state: dict) -> None:
         """Restore what ``extra_checkpoint_state`` returned, when resuming (after weights, optimizer, RNG,
         ``self.state`` and the metrics window are restored)."""
-

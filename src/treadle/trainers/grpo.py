@@ -526,6 +526,12 @@ class GRPOTrainer(Trainer):
     def _record_generation_metrics(self, metrics: dict, all_rewards: torch.Tensor, sample: dict) -> None:
         """Reward and length statistics of one generation, over all ranks (means over generations at log time)."""
         record = {name: (float(value), 1) for name, value in metrics.items()}
+        # reward_std means what TRL's means: the std of the whole generation's rewards; the mean of the groups'
+        # stds (what group scaling divides by) is logged as reward_group_std
+        if "reward_std" in record:
+            record["reward_group_std"] = record.pop("reward_std")
+        total = weighted_rewards(all_rewards, self.reward_weights)  # (W*N,)
+        record["reward_std"] = (float(total.std()) if total.numel() > 1 else 0.0, 1)
         for j, fn in enumerate(self.reward_funcs):
             column = all_rewards[:, j]
             scored = column[~column.isnan()]
