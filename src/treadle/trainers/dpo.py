@@ -40,6 +40,11 @@ Departures from the paper and from TRL's DPOTrainer:
 9. The reference model (a given ``ref_model`` or the frozen copy) always runs in eval mode (no dropout);
    a PEFT policy with adapters disabled runs in the policy's mode. ``precompute_ref_log_probs`` runs on every
    rank over the whole dataset (no sharding) and always in eval mode.
+10. ``padding_free`` (TRL's name) is on by default, where TRL's is off: the policy and reference forwards run on
+   the chosen and rejected sequences packed side by side without padding (``logprobs.token_logps``), which gives
+   the same log-probs and gradients as the padded forward with no work on padding, on any attention
+   implementation (TRL's needs flash attention). It falls back to padded forwards where a one-time check finds
+   it inexact.
 """
 
 from __future__ import annotations
@@ -110,6 +115,9 @@ class DPOConfig(TrainingArguments):
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then free the reference
     dataset_num_proc: int | None = None  # processes for tokenising datasets; None tokenises in this process
     logprob_chunk_size: int = 1024  # rows per chunk of the memory-bounded log-softmax (treadle.logprobs)
+
+    # --- padding-free forwards (issue 18)
+    padding_free: bool = True  # pack the 2B sequences without padding for the log-prob forwards (exact)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -410,7 +418,7 @@ class DPOTrainer(Trainer):
         # Predictions before the earliest response token are never needed: skip their log-softmax.
         start = int(completion_mask.argmax(dim=1).min()) - 1
         out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
-                          return_mean_logits=with_logits)  # (2B, T-1-start) each
+                          return_mean_logits=with_logits, padding_free=self.args.padding_free)  # (2B, T-1-start) each
         mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
         logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
         return PairScores(ChosenRejected.split((out.logps * mask).sum(dim=1)), ChosenRejected.split(mask.sum(dim=1)),

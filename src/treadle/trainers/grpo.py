@@ -41,6 +41,11 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
    completion that no function scores is an error, not a NaN.
 10. ``evaluate()`` samples G completions per evaluation prompt and reports their mean rewards; there is no
     evaluation loss.
+11. ``padding_free`` (TRL's name) is on by default: the training, old and reference log-prob forwards run on
+    the micro-batch's rows packed side by side without padding (``logprobs.token_logps(padding_free=True)``,
+    the packing rule of ``treadle.data``), which gives the same log-probs and gradients as the padded forward
+    and skips the work on padding. It falls back to padded forwards where a one-time check finds it inexact.
+    TRL's GRPO has no such option.
 """
 
 from __future__ import annotations
@@ -111,6 +116,9 @@ class GRPOConfig(TrainingArguments):
     # --- rewards and records
     reward_weights: list[float] | None = None  # one weight per reward function; None weighs each 1.0
     log_completions: bool = False  # append prompt, completion, rewards, advantage to output_dir/completions.jsonl
+
+    # --- padding-free training forwards (issue 18)
+    padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -409,7 +417,7 @@ class GRPOTrainer(Trainer):
         start = ids.shape[1] - batch["completion_mask"].shape[1] - 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
-                           return_entropy=return_entropy, position_ids=positions)
+                           return_entropy=return_entropy, position_ids=positions, padding_free=self.args.padding_free)
 
     # ---- the loss ---------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
