@@ -616,11 +616,13 @@ def quiet():
         yield
 
 
-def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str, cpu: int | None
-                 ) -> tuple[dict[str, float], dict[str, dict]]:
+def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str, cpu: int | None,
+                 summary: Callable = None) -> tuple[dict[str, float], dict[str, dict]]:
     """Run the contenders in threads that take turns step by step, all on CPU ``cpu`` (None: wherever the
     system puts them); {name: seconds per step, see ``seconds_per_step``} (NaN for a contender that failed:
-    the error is printed and the others go on), and {name: the settings it reported}."""
+    the error is printed and the others go on), and {name: the settings it reported}. ``summary(steps, work)``
+    replaces ``seconds_per_step``."""
+    summary = summary or seconds_per_step
     baton = Baton(len(runners))
     watches = [Stopwatch(baton, i) for i in range(len(runners))]
     errors: dict[str, str] = {}
@@ -652,7 +654,7 @@ def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str,
     for (name, _), watch in zip(runners, watches):
         if name not in errors and len(watch.steps) < work.steps:
             errors[name] = f"made {len(watch.steps)} optimizer steps, expected {work.steps}"
-        out[name] = float("nan") if name in errors else seconds_per_step(watch.steps, work)
+        out[name] = float("nan") if name in errors else summary(watch.steps, work)
     for name, error in errors.items():
         print(f"  {name} failed on {size} {work.name}: {error}", file=sys.stderr)
     return out, {name: watch.settings for (name, _), watch in zip(runners, watches) if name not in errors}
