@@ -40,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from treadle import distributed as dist
 from treadle.data import pack_padded_batch
-from treadle.models import eval_mode, forward_signature
+from treadle.models import eval_mode, forward_signature, is_transformers_model
 
 IGNORE_INDEX = -100
 # Config attributes of transformers models that transform logits after the LM head.
@@ -383,7 +384,8 @@ def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start:
 
     Exact (the same attention, positions and targets as the padded forward) when: the model takes
     ``position_ids`` and separates rows by them (checked numerically once per model, in eval mode, against the
-    padded forward on the first batch); the positions the padded forward would use count from each row's first
+    padded forward on the first batch; under FSDP2, where the check's forwards would be collectives, a
+    transformers model is trusted to); the positions the padded forward would use count from each row's first
     real token (the given ``position_ids``, or no left padding when none are given); and every target that
     counts has a real token before it. A batch without padding runs padded: there is nothing to remove.
     """
@@ -398,6 +400,10 @@ def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start:
     if given is None and not bool(real[:, 0].all()) or given is not None and not bool((given == ranks)[real].all()):
         return None
     kwargs = {k: v for k, v in forward_kwargs.items() if k != "position_ids"}
+    if base not in _PADDING_FREE_CHECKED and dist.is_fsdp(base):
+        # the check's extra forwards gather shards: a rank whose first batch had no padding would skip them and
+        # hang the others. Sharded, trust transformers' rule (rows separated by their position ids).
+        _PADDING_FREE_CHECKED[base] = is_transformers_model(base)
     if base not in _PADDING_FREE_CHECKED:
         _PADDING_FREE_CHECKED[base] = _padding_free_is_exact(base, input_ids, attention_mask, start, options,
                                                              forward_kwargs)
