@@ -13,6 +13,7 @@ from torch import nn
 from treadle import toy
 from treadle.data import best_fit_bins, pack_padded_batch
 from treadle.logprobs import token_logps
+from treadle.losses import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -139,7 +140,7 @@ def test_a_model_that_leaks_across_packed_rows_falls_back_to_padded_with_a_warni
 
 
 # ---- GRPO: every loss type, accumulation, old and reference log-probs -------------------------------------
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 def test_grpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_type):
     from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
@@ -161,7 +162,8 @@ def test_grpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_typ
         args.padding_free = True
         assert torch.allclose(trainer._frozen_logps(trainer.ref_model, batch), batch["ref_logps"], **TOL)
         micro_batches.append(batch)
-    items = int(sum(b["completion_mask"].sum() for b in micro_batches)) if loss_type == "dapo" else 8
+    tokens = int(sum(b["completion_mask"].sum() for b in micro_batches))
+    items = 8 if loss_type == "grpo" else tokens
     results = []
     for padding_free in (False, True):
         args.padding_free = padding_free
@@ -178,8 +180,7 @@ def test_grpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_typ
 
 
 # ---- DPO: every loss type, chosen and rejected of different lengths --------------------------------------
-@pytest.mark.parametrize("loss_type, rpo_alpha", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.0),
-                                                  ("sigmoid", 1.0)])
+@pytest.mark.parametrize("loss_type, rpo_alpha", [(t, 0.0) for t in DPO_LOSS_TYPES] + [("sigmoid", 1.0)])
 def test_dpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_type, rpo_alpha):
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
 
@@ -187,7 +188,7 @@ def test_dpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_type
             {"prompt": "5+5=", "chosen": "ten, as everyone knows by now", "rejected": "1"},
             {"prompt": "99+1+1000=", "chosen": "1100", "rejected": "11"}]
     args = DPOConfig(output_dir=str(tmp_path), loss_type=loss_type, rpo_alpha=rpo_alpha,
-                     label_smoothing=0.1 if loss_type == "robust" else 0.0, per_device_train_batch_size=3,
+                     label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0), per_device_train_batch_size=3,
                      disable_tqdm=True, report_to="none")
     trainer = DPOTrainer(tiny(tok), args=args, train_dataset=rows, processing_class=tok)
     with torch.no_grad():  # a reference that differs from the policy
