@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -58,7 +59,10 @@ def main() -> None:
         sft, grpo = stages["after SFT"], stages["after GRPO"]
         checkpoint = str(root / f"seed{seed}" / "sft" / f"checkpoint-{sft['steps']}")
         rows.append((seed, sft["accuracy"], grpo["accuracy"], control(settings, checkpoint, root / f"control{seed}")))
-    print(f"\nsettings: {DemoSettings()} (seed varies); runs in {root}\n")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _machine import machine_header
+
+    print(f"\n{machine_header()}\nsettings: {DemoSettings()} (seed varies); runs in {root}\n")
     print("| seed | after SFT | after GRPO | GRPO gain | control: 200 more SFT steps instead |")
     print("|---:|---:|---:|---:|---:|")
     for seed, sft, grpo, ctrl in rows:

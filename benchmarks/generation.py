@@ -10,8 +10,12 @@ how TRL's GRPO samples. The contenders run interleaved so that noise from other 
 Prints a markdown table: median and best completions/s of each, and the ratio of the medians. On a shared
 machine ``--threads 1`` gives steadier numbers (two contending intra-op threads slow both sides erratically).
 
-Measured on the team's 2-core CPU box under load from other jobs (``--threads 1``, 7 repeats): speed-up of
-the medians 2.35x / 2.00x (tiny, 16 / 64 new tokens) and 2.51x / 2.21x (small); across runs 1.6x-2.5x.
+A second table splits one decode step (one new token for every active row) into the model's forward and the
+rest (sampling, bookkeeping), for treadle and for ``generate``, timed with forward hooks on the model: the
+forward is the floor of any sampler that calls the model once per token, so ``generate``'s step time over
+treadle's forward time is the most that removing all of treadle's own per-token work could give.
+
+Figures and the commands that produced them: README.md ("Performance") and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 
 from treadle.generation import generate_completions  # noqa: E402
 
@@ -85,6 +90,41 @@ def measure(model, prompts, group, new_tokens, eos, pad, repeats: int) -> dict[s
     return rates
 
 
+class ForwardClock:
+    """Forward hooks on the model: the start and end time of every top-level forward call."""
+
+    def __init__(self, model):
+        self.spans: list[tuple[float, float]] = []
+        self.handles = [model.register_forward_pre_hook(lambda *_: self.spans.append((time.perf_counter(), 0.0))),
+                        model.register_forward_hook(lambda *_: self._end())]
+
+    def _end(self) -> None:
+        start, _ = self.spans[-1]
+        self.spans[-1] = (start, time.perf_counter())
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def decode_step_costs(fn, model, prompts, group, new_tokens, eos, pad, repeats: int) -> tuple[float, float, int]:
+    """(seconds per decode step, of which the model's forward, steps per call): medians over ``repeats`` calls.
+    A decode step is every forward after the first (the prefill), with the sampling that follows it."""
+    steps, forwards, counts = [], [], []
+    for _ in range(repeats):
+        clock = ForwardClock(model)
+        fn(model, prompts, group, new_tokens, eos, pad)
+        end = time.perf_counter()
+        clock.close()
+        decode = clock.spans[1:]
+        if not decode:
+            continue
+        steps.append((end - clock.spans[0][1]) / len(decode))
+        forwards.append(sum(e - s for s, e in decode) / len(decode))
+        counts.append(len(decode))
+    return statistics.median(steps), statistics.median(forwards), int(statistics.median(counts))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model only, 16 new tokens, 3 repeats")
@@ -101,11 +141,13 @@ def main(argv=None) -> None:
     repeats = 3 if args.quick else args.repeats
     eos, pad = 2, 0
 
+    print(machine_header() + "\n")
     print(f"B={args.batch} prompts of ~{args.prompt_length} tokens, G={args.group}, sampling T=1, EOS id {eos}, "
           f"repeats={repeats}, torch threads={torch.get_num_threads()}\n")
     print("| model | new tokens | transformers median / best (compl/s) | treadle median / best (compl/s) "
           "| speed-up (median) |")
     print("|---|---|---|---|---|")
+    costs = {}
     for name in models:
         model = build_model(*MODELS[name])
         prompts = make_prompts(args.batch, args.prompt_length, MODELS[name][3])
@@ -115,6 +157,16 @@ def main(argv=None) -> None:
             ratio = statistics.median(fast) / statistics.median(hf)
             print(f"| {name} | {new_tokens} | {statistics.median(hf):.0f} / {max(hf):.0f} "
                   f"| {statistics.median(fast):.0f} / {max(fast):.0f} | {ratio:.2f}x |", flush=True)
+            costs[(name, new_tokens)] = [decode_step_costs(fn, model, prompts, args.group, new_tokens, eos, pad,
+                                                           repeats) for fn in (run_hf, run_fast)]
+    rows = args.batch * args.group
+    print(f"\nOne decode step ({rows} rows, one new token each; medians): the model's forward is the floor\n")
+    print("| model | new tokens | transformers ms/step (forward) | treadle ms/step (forward) | treadle µs per sampled "
+          "token | treadle non-forward share | floor: transformers step / treadle forward |")
+    print("|---|---|---|---|---:|---:|---:|")
+    for (name, new_tokens), ((hf_step, hf_fwd, _), (step, fwd, _)) in costs.items():
+        print(f"| {name} | {new_tokens} | {1000 * hf_step:.2f} ({1000 * hf_fwd:.2f}) | {1000 * step:.2f} "
+              f"({1000 * fwd:.2f}) | {1e6 * step / rows:.0f} | {1 - fwd / step:.0%} | {hf_step / fwd:.2f}x |")
 
 
 if __name__ == "__main__":

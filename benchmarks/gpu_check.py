@@ -30,6 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 
 from treadle import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from treadle import distributed as dist  # noqa: E402
@@ -187,6 +188,8 @@ def main(argv=None) -> int:
 
 def report(results: list[dict], failures: list[str], opts) -> None:
     memory_key = "peak_gpu_memory_gib" if not opts.cpu_smoke else "peak_process_rss_gib"
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() and not opts.cpu_smoke else ""
+    print(f"\n{machine_header()}{gpu}")
     print(f"\n{'mode':6} {'wrapper':28} {'params(M)':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {memory_key:>21} "
           f"{'loss first -> last':>20}")
     for r in results:

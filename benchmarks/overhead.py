@@ -19,6 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 
 SIZES = {  # name: (hidden, layers, heads, vocab, seq_len, batch)
     "tiny": (64, 2, 4, 128, 64, 8),
@@ -154,6 +155,7 @@ def main() -> None:
             print(f"round {r + 1}/{rounds} {name:22s} median {statistics.median(summarise(samples, warmup)):8.2f} ms",
                   file=sys.stderr)
     base = statistics.median(results["plain PyTorch"])
+    print(f"\n{machine_header()}")
     print(f"\n### Per-step overhead, {size} model, batch {SIZES[size][-1]} x {SIZES[size][4]} tokens, "
           f"{rounds} rounds x {opts.steps - warmup} timed steps, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads\n")

@@ -1,6 +1,6 @@
 """Run every benchmark in this folder, one after the other, and print all their tables at the end.
 
-    python benchmarks/run_all.py            # the full runs (about 45 minutes on 2 CPU cores)
+    python benchmarks/run_all.py            # the full runs (about 80 minutes on 2 quiet CPU cores)
     python benchmarks/run_all.py --quick    # each benchmark's quick mode: checks that everything runs
     python benchmarks/run_all.py --only trainers,startup
 
@@ -29,7 +29,7 @@ SPECIAL = {
     "logprob_memory": {"full": [], "quick": ["--small"]},
     "gpu_check": {"full": [], "quick": [], "cpu": ["--cpu-smoke"]},  # on a machine without CUDA: a smoke run
 }
-ORDER = ["startup", "overhead", "trainers", "generation", "logprob_memory", "gpu_check"]  # others come after
+ORDER = ["startup", "overhead", "trainers", "packing", "generation", "logprob_memory", "gpu_check"]  # others come after
 
 
 def discover() -> list[str]:

@@ -109,6 +109,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds")
     opts = parser.parse_args()
     rounds = 2 if opts.quick else opts.rounds
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _machine import machine_header
+
+    print(machine_header())
     print_table("Import time (fresh interpreter)", measure(IMPORTS, rounds), "import torch")
     print_table("Interpreter start to the end of the first optimizer step (tiny model)",
                 measure(FIRST_STEP, rounds), "transformers Trainer")

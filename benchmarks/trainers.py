@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 
 LR = 1e-5
 BATCH = 8  # rows (SFT), pairs (DPO) or completions (GRPO) per optimizer step
@@ -205,18 +206,93 @@ def plain_optimizer(model, steps: int):
 
 
 def optimizer_step(model, optimizer, scheduler) -> None:
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    """Clip, step and schedule; with no scheduler (the bare loop), no clipping either."""
+    if scheduler is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    scheduler.step()
+    if scheduler is not None:
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plain PyTorch loops
+# Settings: what every contender reports beside its row, and which of them must match
 # ---------------------------------------------------------------------------------------------------------
-def plain_sft(work: Workload, size: str, steps: int, tick: Callable[[], None]) -> None:
+# Every contender of a run must do the same work: these settings must be equal in all of them...
+MUST_MATCH = ("loss", "batch", "sampled tokens", "optimizer")
+# ...and these in all of them but the row that shows TRL as its defaults configure it (labelled as such).
+MUST_MATCH_COMPARED = ("precision", "grad checkpointing")
+TRL_DEFAULTS = "TRL defaults (bf16 autocast + grad ckpt)"
+
+
+def loss_label(work: Workload) -> str:
+    return {"sft": "completion-token NLL", "dpo": f"sigmoid DPO, beta {BETA_DPO}",
+            "grpo": f"dapo, eps {EPSILON}, beta 0"}[work.kind]
+
+
+def plain_settings(work: Workload, bare: bool) -> dict:
+    return {"precision": "float32", "grad checkpointing": False, "loss": loss_label(work), "batch": BATCH,
+            "optimizer": "AdamW for-loop", "clip": "none" if bare else 1.0, "schedule": "none" if bare else "linear",
+            "data": "index permutation" if bare or work.kind == "grpo" else "DataLoader"}
+
+
+def optimizer_label(optimizer) -> str:
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+    defaults = optimizer.defaults
+    kind = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
+    return f"{type(optimizer).__name__} {kind}"
+
+
+def trainer_settings(work: Workload, trainer, model) -> dict:
+    """Settings read from a treadle or TRL trainer after it trained: what it did, not what was asked."""
+    args = trainer.args
+    history = {k: v for record in trainer.state.log_history for k, v in record.items()}
+    out = {"precision": "bf16 autocast" if args.bf16 else str(next(model.parameters()).dtype).replace("torch.", ""),
+           "grad checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+           "loss": loss_label(work) if _loss_matches(work, args) else f"other: {getattr(args, 'loss_type', '?')}",
+           "batch": args.per_device_train_batch_size * args.gradient_accumulation_steps,
+           "optimizer": optimizer_label(trainer.optimizer), "clip": args.max_grad_norm,
+           "schedule": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)), "data": "DataLoader"}
+    if work.kind == "grpo":
+        out["sampled tokens"] = history.get("completions/mean_length", float("nan"))
+    return out
+
+
+def _loss_matches(work: Workload, args) -> bool:
+    loss_type = getattr(args, "loss_type", None)
+    if work.kind == "dpo":
+        return loss_type in ("sigmoid", ["sigmoid"]) and args.beta == BETA_DPO
+    if work.kind == "grpo":
+        return loss_type == "dapo" and args.beta == 0.0 and args.epsilon == EPSILON
+    return getattr(args, "completion_only_loss", True) in (True, None) and loss_type in (None, "nll")
+
+
+def check_settings(size: str, work: Workload, settings: dict[str, dict]) -> None:
+    """Raise if two contenders of one run did different work (see MUST_MATCH)."""
+    for keys, names in ((MUST_MATCH, list(settings)), (MUST_MATCH_COMPARED, [n for n in settings if n != TRL_DEFAULTS])):
+        for key in keys:
+            values = {name: settings[name].get(key) for name in names if settings[name]}
+            if len({repr(v) for v in values.values()}) > 1:
+                raise AssertionError(f"{size} {work.name}: the contenders differ in {key!r}: {values}; they must do "
+                                     "the same work")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plain PyTorch loops: "bare" (an index permutation, no clipping, no schedule) and "plain" (a DataLoader for
+# SFT / DPO, clipping at 1.0 and a linear schedule, as the trainers do)
+# ---------------------------------------------------------------------------------------------------------
+def batches(examples: list, collate: Callable, bare: bool):
+    """Shuffled batches of BATCH examples: a DataLoader, or (bare) an index permutation and the collate call."""
     from torch.utils.data import DataLoader
 
+    if not bare:
+        return DataLoader(examples, batch_size=BATCH, shuffle=True, collate_fn=collate,
+                          generator=torch.Generator().manual_seed(0))
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(0)).tolist()
+    return (collate([examples[i] for i in order[k:k + BATCH]]) for k in range(0, len(order) - BATCH + 1, BATCH))
+
+
+def plain_sft(work: Workload, size: str, steps: int, clock, bare: bool = False) -> None:
     tokenizer, model = build(size)
     eos = tokenizer.eos_token_id
     examples = []
@@ -230,14 +306,13 @@ def plain_sft(work: Workload, size: str, steps: int, tick: Callable[[], None]) -
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                 "labels": torch.tensor([labels for _, labels in batch])}
 
-    loader = DataLoader(examples, batch_size=BATCH, shuffle=True, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(0))
+    clock.settings.update(plain_settings(work, bare))
     optimizer, scheduler = plain_optimizer(model, steps)
-    for batch in loader:
+    for batch in batches(examples, collate, bare):
         loss = model(**batch, use_cache=False).loss
         loss.backward()
-        optimizer_step(model, optimizer, scheduler)
-        tick()
+        optimizer_step(model, optimizer, None if bare else scheduler)
+        clock.tick()
 
 
 def sequence_logps(model, input_ids, attention_mask, completion_mask):
@@ -247,10 +322,8 @@ def sequence_logps(model, input_ids, attention_mask, completion_mask):
     return (logps * completion_mask[:, 1:]).sum(dim=1)
 
 
-def plain_dpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) -> None:
+def plain_dpo(work: Workload, size: str, steps: int, clock, bare: bool = False) -> None:
     import copy
-
-    from torch.utils.data import DataLoader
 
     tokenizer, model = build(size)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
@@ -267,18 +340,17 @@ def plain_dpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) -
         completion_mask = torch.tensor([[0.0] * len(p) + [1.0] * len(c) for p, c in sequences])
         return ids, torch.ones_like(ids), completion_mask
 
-    loader = DataLoader(pairs, batch_size=BATCH, shuffle=True, collate_fn=collate,
-                        generator=torch.Generator().manual_seed(0))
+    clock.settings.update(plain_settings(work, bare))
     optimizer, scheduler = plain_optimizer(model, steps)
-    for ids, mask, completion_mask in loader:
+    for ids, mask, completion_mask in batches(pairs, collate, bare):
         policy = sequence_logps(model, ids, mask, completion_mask)
         with torch.no_grad():
             ref = sequence_logps(reference, ids, mask, completion_mask)
         chosen, rejected = (policy - ref).chunk(2)
         loss = -F.logsigmoid(BETA_DPO * (chosen - rejected)).mean()
         loss.backward()
-        optimizer_step(model, optimizer, scheduler)
-        tick()
+        optimizer_step(model, optimizer, None if bare else scheduler)
+        clock.tick()
 
 
 def completion_logps(model, input_ids, attention_mask, prompt_length: int):
@@ -289,7 +361,7 @@ def completion_logps(model, input_ids, attention_mask, prompt_length: int):
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, completion[:, :, None]).squeeze(-1)
 
 
-def plain_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) -> None:
+def plain_grpo(work: Workload, size: str, steps: int, clock, bare: bool = False) -> None:
     from treadle.generation import generate_completions
     from treadle.toy import addition_reward
 
@@ -299,6 +371,8 @@ def plain_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) 
     generator = torch.Generator().manual_seed(0)
     prompts_per_generation = BATCH * work.spg // GROUP
     optimizer, scheduler = plain_optimizer(model, steps)
+    sampled = []
+    clock.settings.update(plain_settings(work, bare))
     for cycle in range(steps // work.spg):
         chosen = [rows[i] for i in order[cycle * prompts_per_generation:(cycle + 1) * prompts_per_generation]]
         out = generate_completions(model, [tokenizer(r["prompt"])["input_ids"] for r in chosen],
@@ -306,6 +380,7 @@ def plain_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) 
                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                                    temperature=1.0, generator=generator, backend="fast")
         lengths = out.completion_mask.sum(dim=1).tolist()
+        sampled += lengths
         texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
                                        skip_special_tokens=True)
         rewards = torch.tensor(addition_reward([r["prompt"] for r in chosen for _ in range(GROUP)], texts,
@@ -328,19 +403,20 @@ def plain_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None]) 
             per_token = -torch.min(ratio * advantage, ratio.clamp(1 - EPSILON, 1 + EPSILON) * advantage)
             loss = (per_token * completion_mask[s]).sum() / completion_mask[s].sum().clamp(min=1)
             loss.backward()
-            optimizer_step(model, optimizer, scheduler)
-            tick()
+            optimizer_step(model, optimizer, None if bare else scheduler)
+            clock.settings["sampled tokens"] = statistics.fmean(sampled)
+            clock.tick()
 
 
 # ---------------------------------------------------------------------------------------------------------
 # treadle
 # ---------------------------------------------------------------------------------------------------------
-def _treadle_clock(tick: Callable[[], None]):
+def _treadle_clock(clock):
     from treadle import TrainerCallback
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            tick()
+            clock.tick()
 
     return Clock()
 
@@ -352,108 +428,110 @@ def _common(output_dir: str, steps: int) -> dict:
                 save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
 
 
-def treadle_sft(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
+def treadle_sft(work: Workload, size: str, steps: int, clock, output_dir: str) -> None:
     from treadle import SFTConfig, SFTTrainer
 
     tokenizer, model = build(size)
-    clock = _treadle_clock(tick)
     args = SFTConfig(**_common(output_dir, steps), max_length=SFT_PROMPT + 4)
     trainer = SFTTrainer(model, args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
-                         callbacks=[clock])
+                         callbacks=[_treadle_clock(clock)])
     trainer.train()
+    clock.settings.update(trainer_settings(work, trainer, model))
 
 
-def treadle_dpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
+def treadle_dpo(work: Workload, size: str, steps: int, clock, output_dir: str) -> None:
     from treadle import DPOConfig, DPOTrainer
 
     tokenizer, model = build(size)
-    clock = _treadle_clock(tick)
     args = DPOConfig(**_common(output_dir, steps), beta=BETA_DPO, max_length=128, max_prompt_length=96)
     trainer = DPOTrainer(model, args=args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
-                         callbacks=[clock])
+                         callbacks=[_treadle_clock(clock)])
     trainer.train()
+    clock.settings.update(trainer_settings(work, trainer, model))
 
 
-def treadle_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
+def treadle_grpo(work: Workload, size: str, steps: int, clock, output_dir: str) -> None:
     from treadle import GRPOConfig, GRPOTrainer
     from treadle.toy import addition_reward
 
     tokenizer, model = build(size, sampled_lengths=False)
-    clock = _treadle_clock(tick)
     args = GRPOConfig(**_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
                       max_completion_length=work.completion_length, max_prompt_length=None, temperature=1.0,
                       beta=0.0, epsilon=EPSILON, loss_type="dapo", scale_rewards="group")
     trainer = GRPOTrainer(model, reward_funcs=addition_reward, args=args, train_dataset=rows_for(work, steps),
-                          processing_class=tokenizer, callbacks=[clock])
+                          processing_class=tokenizer, callbacks=[_treadle_clock(clock)])
     trainer.train()
+    clock.settings.update(trainer_settings(work, trainer, model))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# TRL
+# TRL: float32 without checkpointing (the compared row), or as its defaults configure it (bf16=True, which on
+# a CPU is bfloat16 autocast, and gradient_checkpointing=True: a separate, labelled row)
 # ---------------------------------------------------------------------------------------------------------
-def _trl_clock(tick: Callable[[], None]):
+def _trl_clock(clock):
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            tick()
+            clock.tick()
 
     return Clock()
 
 
-def _trl_common(output_dir: str, steps: int) -> dict:
+def _trl_common(output_dir: str, steps: int, defaults: bool) -> dict:
     # optim: transformers defaults to the fused AdamW kernel; the others run torch's for-loop AdamW
+    precision = {} if defaults else dict(bf16=False, gradient_checkpointing=False)
     return dict(_common(output_dir, steps), use_cpu=True, dataloader_pin_memory=False, optim="adamw_torch",
-                warmup_steps=0, gradient_accumulation_steps=1)
+                warmup_steps=0, gradient_accumulation_steps=1, **precision)
 
 
-def trl_sft(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
+def trl_sft(work: Workload, size: str, steps: int, clock, output_dir: str, defaults: bool = False) -> None:
     import trl
     from datasets import Dataset
 
     tokenizer, model = build(size)
-    clock = _trl_clock(tick)
-    args = trl.SFTConfig(**_trl_common(output_dir, steps), max_length=SFT_PROMPT + 4, packing=False)
+    args = trl.SFTConfig(**_trl_common(output_dir, steps, defaults), max_length=SFT_PROMPT + 4, packing=False)
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows_for(work, steps)),
-                             processing_class=tokenizer, callbacks=[clock])
+                             processing_class=tokenizer, callbacks=[_trl_clock(clock)])
     trainer.train()
+    clock.settings.update(trainer_settings(work, trainer, model))
 
 
-def trl_dpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
+def trl_dpo(work: Workload, size: str, steps: int, clock, output_dir: str, defaults: bool = False) -> None:
     import copy
 
     import trl
     from datasets import Dataset
 
     tokenizer, model = build(size)
-    clock = _trl_clock(tick)
-    args = trl.DPOConfig(**_trl_common(output_dir, steps), beta=BETA_DPO, max_length=128, loss_type=["sigmoid"],
-                         precompute_ref_log_probs=False)
+    args = trl.DPOConfig(**_trl_common(output_dir, steps, defaults), beta=BETA_DPO, max_length=128,
+                         loss_type=["sigmoid"], precompute_ref_log_probs=False)
     # TRL reloads its reference from the model's hub id when none is given; ours has none, so pass the copy
     # that treadle and the plain loop make themselves
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args,
                              train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
-                             callbacks=[clock])
+                             callbacks=[_trl_clock(clock)])
     trainer.train()
+    clock.settings.update(trainer_settings(work, trainer, model))
 
 
-def trl_grpo(work: Workload, size: str, steps: int, tick: Callable[[], None], output_dir: str) -> None:
+def trl_grpo(work: Workload, size: str, steps: int, clock, output_dir: str, defaults: bool = False) -> None:
     import trl
     from datasets import Dataset
 
     from treadle.toy import addition_reward
 
     tokenizer, model = build(size, sampled_lengths=False)
-    clock = _trl_clock(tick)
-    args = trl.GRPOConfig(**_trl_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
-                          max_completion_length=work.completion_length, temperature=1.0, top_p=1.0, top_k=0,
-                          beta=0.0, epsilon=EPSILON, loss_type="dapo", scale_rewards="group", num_iterations=1,
-                          log_completions=False)
+    args = trl.GRPOConfig(**_trl_common(output_dir, steps, defaults), num_generations=GROUP,
+                          steps_per_generation=work.spg, max_completion_length=work.completion_length,
+                          temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=EPSILON, loss_type="dapo",
+                          scale_rewards="group", num_iterations=1, log_completions=False)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=addition_reward, args=args,
                               train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
-                              callbacks=[clock])
+                              callbacks=[_trl_clock(clock)])
     trainer.train()
+    clock.settings.update(trainer_settings(work, trainer, model))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -465,14 +543,23 @@ def trl_installed() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
-def contenders(kind: str, with_trl: bool, twin: bool = False) -> dict[str, Callable]:
+ROWS = ("bare loop", "plain PyTorch", "plain PyTorch (twin)", "treadle", "TRL float32", TRL_DEFAULTS)
+
+
+def contenders(kind: str, with_trl: bool, twin: bool = False, trl_defaults: bool = True) -> dict[str, Callable]:
+    """{row name: fn(work, size, steps, clock, output_dir)} for one workload kind, in ROWS order."""
     plain = {"sft": plain_sft, "dpo": plain_dpo, "grpo": plain_grpo}[kind]
-    out = {"plain PyTorch": lambda work, size, steps, tick, _dir: plain(work, size, steps, tick),
-           "treadle": {"sft": treadle_sft, "dpo": treadle_dpo, "grpo": treadle_grpo}[kind]}
+    out = {"bare loop": lambda work, size, steps, clock, _dir: plain(work, size, steps, clock, bare=True),
+           "plain PyTorch": lambda work, size, steps, clock, _dir: plain(work, size, steps, clock)}
     if twin:  # the plain loop again: its ratio to the first is the noise floor of this run
         out["plain PyTorch (twin)"] = out["plain PyTorch"]
+    out["treadle"] = {"sft": treadle_sft, "dpo": treadle_dpo, "grpo": treadle_grpo}[kind]
     if with_trl:
-        out["TRL"] = {"sft": trl_sft, "dpo": trl_dpo, "grpo": trl_grpo}[kind]
+        trl = {"sft": trl_sft, "dpo": trl_dpo, "grpo": trl_grpo}[kind]
+        out["TRL float32"] = trl
+        if trl_defaults:
+            out[TRL_DEFAULTS] = lambda work, size, steps, clock, output_dir: trl(work, size, steps, clock, output_dir,
+                                                                                 defaults=True)
     return out
 
 
@@ -507,6 +594,7 @@ class Stopwatch:
         self.baton, self.player = baton, player
         self.steps: list[float] = []
         self.resumed = 0.0
+        self.settings: dict = {}  # what the contender reports it did (see MUST_MATCH)
 
     def start(self) -> None:
         self.baton.wait(self.player)
@@ -528,11 +616,13 @@ def quiet():
         yield
 
 
-def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str, cpu: int | None
-                 ) -> dict[str, float]:
+def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str, cpu: int | None,
+                 summary: Callable = None) -> tuple[dict[str, float], dict[str, dict]]:
     """Run the contenders in threads that take turns step by step, all on CPU ``cpu`` (None: wherever the
     system puts them); {name: seconds per step, see ``seconds_per_step``} (NaN for a contender that failed:
-    the error is printed and the others go on)."""
+    the error is printed and the others go on), and {name: the settings it reported}. ``summary(steps, work)``
+    replaces ``seconds_per_step``."""
+    summary = summary or seconds_per_step
     baton = Baton(len(runners))
     watches = [Stopwatch(baton, i) for i in range(len(runners))]
     errors: dict[str, str] = {}
@@ -547,7 +637,7 @@ def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str,
             watch.start()
             with tempfile.TemporaryDirectory(prefix="treadle-bench-") as output_dir:
                 torch.manual_seed(0)
-                fn(work, size, work.steps, watch.tick, output_dir)
+                fn(work, size, work.steps, watch, output_dir)
         except Exception as e:  # a peer that cannot run this configuration: reported, not fatal
             errors[name] = f"{type(e).__name__}: {e}"
         finally:
@@ -564,10 +654,10 @@ def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str,
     for (name, _), watch in zip(runners, watches):
         if name not in errors and len(watch.steps) < work.steps:
             errors[name] = f"made {len(watch.steps)} optimizer steps, expected {work.steps}"
-        out[name] = float("nan") if name in errors else seconds_per_step(watch.steps, work)
+        out[name] = float("nan") if name in errors else summary(watch.steps, work)
     for name, error in errors.items():
         print(f"  {name} failed on {size} {work.name}: {error}", file=sys.stderr)
-    return out
+    return out, {name: watch.settings for (name, _), watch in zip(runners, watches) if name not in errors}
 
 
 def single_malloc_arena() -> bool:
@@ -583,43 +673,63 @@ def single_malloc_arena() -> bool:
 
 
 def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool, cpu: int | None,
-            twin: bool = False) -> dict:
-    """{(size, workload name): {contender: [seconds per step, one per round]}}."""
+            twin: bool = False, trl_defaults: bool = True) -> tuple[dict, dict]:
+    """({(size, workload name): {contender: [seconds per step, one per round]}}, {same key: {contender:
+    settings}}); raises as soon as two contenders of a run did different work (``check_settings``)."""
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
+    settings: dict[tuple[str, str], dict[str, dict]] = {}
     for r in range(rounds):
         for size in sizes:
             for work in works:
-                runners = list(contenders(work.kind, with_trl, twin).items())
+                runners = list(contenders(work.kind, with_trl, twin, trl_defaults).items())
                 shift = r % len(runners)  # rotate who steps first
                 runners = runners[shift:] + runners[:shift]
-                cell = results.setdefault((size, work.name), {name: [] for name, _ in sorted(runners)})
-                for name, seconds in run_lockstep(runners, work, size, cpu).items():
-                    cell[name].append(seconds)
+                cell = results.setdefault((size, work.name), {name: [] for name in ROWS
+                                                              if name in dict(runners)})
+                seconds, reported = run_lockstep(runners, work, size, cpu)
+                check_settings(size, work, reported)
+                settings.setdefault((size, work.name), {}).update(reported)
+                for name, value in seconds.items():
+                    cell[name].append(value)
                 line = "  ".join(f"{n} {1000 * v[-1]:.1f}" for n, v in cell.items())
                 print(f"round {r + 1}/{rounds} {size:5s} {work.name:14s} ms/step: {line}", file=sys.stderr, flush=True)
-    return results
+    return results, settings
 
 
-def table(results: dict, works: list[Workload], rounds: int) -> str:
+def settings_label(settings: dict, kind: str) -> str:
+    """The contender's settings, short, for its row."""
+    if not settings:
+        return "(failed)"
+    parts = [settings["precision"], "ckpt" if settings["grad checkpointing"] else "no ckpt",
+             f"clip {settings['clip']}", f"sched {settings['schedule']}", settings["data"], settings["optimizer"]]
+    if kind == "grpo":
+        parts.append(f"{settings['sampled tokens']:.1f} tok/compl")
+    return ", ".join(str(p) for p in parts)
+
+
+def ratio_to(samples: list[float], floor: list[float] | None) -> str:
+    """Median over rounds of each round's ratio to the floor's figure in that round."""
+    ratios = [s / f for s, f in zip(samples, floor or []) if s == s and f == f]
+    return f"{statistics.median(ratios):.3f}x" if ratios else ""
+
+
+def table(results: dict, settings: dict, works: list[Workload]) -> str:
     by_name = {w.name: w for w in works}
-    lines = ["| model | workload | contender | median ms/step | best ms/step | throughput (median) | vs plain "
-             "(median of rounds) |", "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | workload | contender | median ms/step | best ms/step | throughput (median) | vs bare loop | "
+             "vs plain PyTorch | settings |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for (size, name), cell in results.items():
-        items, unit = items_per_step(by_name[name])
-        plain = cell["plain PyTorch"]
-        for contender in ("plain PyTorch", "plain PyTorch (twin)", "treadle", "TRL"):
-            samples = cell.get(contender)
-            if samples is None:
-                continue
+        work = by_name[name]
+        items, unit = items_per_step(work)
+        for contender, samples in cell.items():
+            label = settings_label(settings.get((size, name), {}).get(contender, {}), work.kind)
             ok = [s for s in samples if s == s]
             if not ok:
-                lines.append(f"| {size} | {name} | {contender} | failed | | | |")
+                lines.append(f"| {size} | {name} | {contender} | failed | | | | | |")
                 continue
             med = statistics.median(ok)
-            ratios = [s / p for s, p in zip(samples, plain) if s == s and p == p]
-            ratio = f"{statistics.median(ratios):.3f}x" if contender != "plain PyTorch" and ratios else "1"
             lines.append(f"| {size} | {name} | {contender} | {1000 * med:.1f} | {1000 * min(ok):.1f} | "
-                         f"{items / med:,.0f} {unit} | {ratio} |")
+                         f"{items / med:,.0f} {unit} | {ratio_to(samples, cell.get('bare loop'))} | "
+                         f"{ratio_to(samples, cell.get('plain PyTorch'))} | {label} |")
     return "\n".join(lines)
 
 
@@ -637,6 +747,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when installed")
     parser.add_argument("--twin", action="store_true", help="also run a second plain loop: its ratio to the "
                                                              "first shows how far apart two equal contenders land")
+    parser.add_argument("--no-trl-defaults", action="store_true", help="skip the row of TRL as its defaults "
+                                                                         "configure it (bf16 autocast + grad ckpt)")
     parser.add_argument("--json", default=None, help="also write the raw seconds per step to this file")
     opts = parser.parse_args(argv)
     single_malloc_arena()  # before any thread allocates
@@ -652,7 +764,8 @@ def main(argv=None) -> None:
     if cpu is None and hasattr(os, "sched_getaffinity"):
         cpu = min(os.sched_getaffinity(0))
     cpu = None if cpu is None or cpu < 0 else cpu
-    results = measure(sizes, works, rounds, with_trl, cpu, opts.twin)
+    header = machine_header()
+    results, settings = measure(sizes, works, rounds, with_trl, cpu, opts.twin, not opts.no_trl_defaults)
     versions = f"torch {torch.__version__}"
     if with_trl:
         import transformers
@@ -663,7 +776,10 @@ def main(argv=None) -> None:
     print(f"\n### Trainers: ms per optimizer step vs a plain PyTorch loop ({time.strftime('%Y-%m-%d')}, "
           f"{rounds} rounds in lockstep on {where}, {torch.get_num_threads()} torch thread(s), {versions}, "
           f"{time.time() - start:.0f} s)\n")
-    print(table(results, works, rounds))
+    print(header + "\n")
+    print(table(results, settings, works))
+    print(f"\nEvery run asserted that its contenders match in {', '.join(MUST_MATCH)} and (all but the "
+          f"{TRL_DEFAULTS!r} row) in {', '.join(MUST_MATCH_COMPARED)}.")
     if not with_trl:
         why = "skipped (--no-trl)" if opts.no_trl else "not installed (pip install -e '.[bench]')"
         print(f"\nTRL {why}: its rows are left out.")

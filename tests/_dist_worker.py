@@ -8,7 +8,7 @@ one-process reference in its own process with exactly the same model, data and a
 
 Scenarios: ``collectives`` (the helpers of treadle.distributed), ``trainer`` (DDP, then a resume from a
 mid-run checkpoint), ``fsdp`` (the same under FSDP2), ``error`` (rank 1 raises), ``stuck`` (rank 1 raises but
-stays alive), ``sft``, ``dpo``, ``grpo``. SCENARIO may list several, comma-separated, run one after another
+stays alive), ``sft``, ``dpo``, ``grpo`` (and ``*_padded``: the same with ``padding_free=False``). SCENARIO may list several, comma-separated, run one after another
 in the same processes (one launch costs seconds of imports).
 """
 
@@ -172,6 +172,16 @@ def scenario_grpo(out: str, **overrides) -> dict:
             "final_step": trainer.state.global_step, "wrapper": type(trainer.model_wrapped).__name__}
 
 
+def scenario_dpo_padded(out: str) -> dict:
+    """DPO with padded forwards: the padding-free default must give the same losses and weights."""
+    return scenario_dpo(out, padding_free=False)
+
+
+def scenario_grpo_padded(out: str) -> dict:
+    """GRPO with padded forwards: the padding-free default must give the same losses and weights."""
+    return scenario_grpo(out, padding_free=False)
+
+
 def scenario_grpo_fsdp(out: str) -> dict:
     """GRPO with the policy sharded by FSDP2: generation must gather the shards on every rank alike."""
     return scenario_grpo(out, fsdp="full_shard")
@@ -269,7 +279,8 @@ def scenario_collectives(out: str) -> dict:
 
 SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "fsdp": scenario_fsdp,
              "error": scenario_error, "stuck": scenario_stuck, "sft": scenario_sft, "dpo": scenario_dpo,
-             "dpo_precomputed": scenario_dpo_precomputed, "grpo": scenario_grpo, "grpo_fsdp": scenario_grpo_fsdp}
+             "dpo_precomputed": scenario_dpo_precomputed, "grpo": scenario_grpo, "grpo_fsdp": scenario_grpo_fsdp,
+             "dpo_padded": scenario_dpo_padded, "grpo_padded": scenario_grpo_padded}
 
 
 def main(argv: list[str]) -> None:

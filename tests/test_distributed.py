@@ -108,7 +108,8 @@ def available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-TRAINER_SCENARIOS = {"sft": "sft", "dpo": "dpo", "dpo_precomputed": "dpo", "grpo": "grpo", "grpo_fsdp": "grpo"}
+TRAINER_SCENARIOS = {"sft": "sft", "dpo": "dpo", "dpo_precomputed": "dpo", "grpo": "grpo", "grpo_fsdp": "grpo",
+                     "dpo_padded": "dpo", "grpo_padded": "grpo"}
 GOOD_SCENARIOS = ["collectives", "trainer", "fsdp"] + [
     name for name, module in TRAINER_SCENARIOS.items() if available(f"treadle.trainers.{module}")]
 
@@ -312,6 +313,19 @@ def test_grpo_under_fsdp2_samples_and_learns_as_under_ddp(job):
     assert fsdp["rewards"] == ddp["rewards"]
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=LOSS_RTOL, abs=1e-7)
     assert_same_weights(load_weights(job / "grpo_fsdp" / "final"), load_weights(job / "grpo" / "final"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dpo", "grpo"])
+def test_padding_free_under_two_processes_equals_padded(job, name):
+    """The 2-process runs with padding-free forwards (the default) and with padded ones: same losses, same
+    weights (GRPO: the same samples too, so the same rewards)."""
+    if not available(f"treadle.trainers.{name}"):
+        pytest.skip(f"treadle.trainers.{name} does not exist yet")
+    packed, padded = result(job, name), result(job, f"{name}_padded")
+    assert packed["losses"] == pytest.approx(padded["losses"], rel=1e-5, abs=1e-7)
+    assert packed.get("rewards") == padded.get("rewards")
+    assert_same_weights(load_weights(job / name / "final"), load_weights(job / f"{name}_padded" / "final"))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -638,7 +638,9 @@ def test_golden_losses_of_a_fixed_seed(tmp_path, tok):
     metrics to the Trainer's window: any change to sampling, rewards, advantages, the loss or the loop shows."""
     trainer = golden_run(tmp_path, tok)
     trainer.train()
-    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_GRPO, rel=1e-5)
+    # abs: the padding-free forward (default) sums in another order; a near-zero loss moved by 3e-8
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_GRPO, rel=1e-5,
+                                                                                          abs=1e-7)
     assert {"kl", "entropy", "reward", "completions/mean_length"} <= set(trainer.state.log_history[0])
 
 

@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from treadle.models import forward_signature
+from treadle import distributed as dist
+from treadle.data import pack_padded_batch
+from treadle.models import eval_mode, forward_signature, is_transformers_model
 
 IGNORE_INDEX = -100
 # Config attributes of transformers models that transform logits after the LM head.
@@ -50,6 +52,8 @@ _LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logi
 SMALL_LOGITS = 1 << 20
 # Result of the one-time numeric check of the fast path, per model (weak: does not keep models alive).
 _FAST_PATH_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+# Result of the one-time check that a padding-free forward reproduces the padded one, per model (weak).
+_PADDING_FREE_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 # ------------------------------------------------------------------------------ selective log-softmax
@@ -304,7 +308,7 @@ class TokenLogps(tuple):
 
 def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                 temperature: float = 1.0, start: int = 0, chunk_size: int = 1024,
-                return_entropy: bool = False, return_mean_logits: bool = False,
+                return_entropy: bool = False, return_mean_logits: bool = False, padding_free: bool = False,
                 **forward_kwargs: Any) -> TokenLogps:
     """Per-token log-probs of a causal LM's own input: ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
 
@@ -320,16 +324,26 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
         return_entropy: also return the per-position entropy (detached).
         return_mean_logits: also return the per-position mean logit over the vocabulary (detached), taken
             from the same forward: ``h . mean(W) + mean(b)`` on the fast path, no ``[B, T, V]`` tensor built.
+        padding_free: run the forward on the real tokens only (``attention_mask == 1``), the rows packed side by
+            side without padding (``data.pack_padded_batch``; position ids restart in each row, attention cannot
+            cross rows), and compute log-probs only at the targets that count. Same results as the padded
+            forward; taken where that is exact (see ``_padding_free_logps``), else the padded forward runs.
         forward_kwargs: passed to the model (``position_ids``, ...).
 
     Returns a :class:`TokenLogps`: ``(logps, entropy or None)`` and ``.mean_logits``, float32 (at least)
     ``(B, T - 1 - start)`` aligned with ``input_ids[:, start+1:]``. Targets that are padding
-    (``attention_mask == 0``) get log-prob 0 and no gradient; entropy is reported for every position.
+    (``attention_mask == 0``) get log-prob 0 and no gradient; entropy and mean logits are reported for every
+    position (0 at padded targets when the forward was padding-free).
     """
     seq_len = input_ids.shape[1]
     if not 0 <= start < seq_len - 1:
         raise ValueError(f"start must satisfy 0 <= start < T - 1 = {seq_len - 1}, got {start}")
     _check_temperature(temperature)
+    if padding_free and attention_mask is not None and attention_mask.dim() == 2:
+        packed = _padding_free_logps(model, input_ids, attention_mask, start, (temperature, chunk_size,
+                                     return_entropy, return_mean_logits), forward_kwargs)
+        if packed is not None:
+            return packed
     labels = input_ids[:, start + 1:]  # (B, T-1-start)
     if attention_mask is not None and attention_mask.dim() == 2:
         labels = labels.masked_fill(attention_mask[:, start + 1:] == 0, IGNORE_INDEX)
@@ -343,17 +357,108 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
                                   return_entropy, return_mean_logits, forward_kwargs)
     hidden = hidden[:, start:-1]  # (B, T-1-start, H)
     mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
-    rows = labels.numel()
-    if rows <= chunk_size and rows * head.weight.shape[0] <= SMALL_LOGITS:
-        logps, entropy = _small_token_logps(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1),
-                                            temperature, return_entropy)
-    else:
-        result = chunked_token_logps(hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
-                                     bias=head.bias, temperature=temperature, chunk_size=chunk_size,
-                                     return_entropy=return_entropy)
-        logps, entropy = result if return_entropy else (result, None)
+    logps, entropy = _hidden_token_logps(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1),
+                                         temperature, chunk_size, return_entropy)
     entropy = None if entropy is None else entropy.view(labels.shape)
     return TokenLogps(logps.view(labels.shape), entropy, mean_logits)
+
+
+def _hidden_token_logps(hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float, chunk_size: int,
+                        return_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """``(N, H)`` final hidden states and ``(N,)`` labels -> ``(N,)`` log-probs (and entropies): in one piece
+    (``_small_token_logps``) up to ``chunk_size`` rows and ``SMALL_LOGITS`` logits, else chunked."""
+    rows = labels.numel()
+    if rows <= chunk_size and rows * head.weight.shape[0] <= SMALL_LOGITS:
+        return _small_token_logps(hidden, head, labels, temperature, return_entropy)
+    result = chunked_token_logps(hidden, head.weight, labels, bias=head.bias, temperature=temperature,
+                                 chunk_size=chunk_size, return_entropy=return_entropy)
+    return result if return_entropy else (result, None)
+
+
+# ------------------------------------------------------------------------------- padding-free forwards
+
+
+def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start: int, options: tuple,
+                        forward_kwargs: dict) -> TokenLogps | None:
+    """:func:`token_logps` through a padding-free forward, or None where the padded forward must run.
+
+    Exact (the same attention, positions and targets as the padded forward) when: the model takes
+    ``position_ids`` and separates rows by them (checked numerically once per model, in eval mode, against the
+    padded forward on the first batch; under FSDP2, where the check's forwards would be collectives, a
+    transformers model is trusted to); the positions the padded forward would use count from each row's first
+    real token (the given ``position_ids``, or no left padding when none are given); and every target that
+    counts has a real token before it. A batch without padding runs padded: there is nothing to remove.
+    """
+    base = getattr(model, "module", model)
+    if _PADDING_FREE_CHECKED.get(base) is False or "position_ids" not in forward_signature(base):
+        return None
+    real = attention_mask.bool()  # (B, T)
+    if bool(real.all()) or bool((real[:, start + 1:] & ~real[:, start:-1]).any()):
+        return None
+    given = forward_kwargs.get("position_ids")
+    ranks = real.long().cumsum(dim=1) - 1  # (B, T): the position of each real token in its row
+    if given is None and not bool(real[:, 0].all()) or given is not None and not bool((given == ranks)[real].all()):
+        return None
+    kwargs = {k: v for k, v in forward_kwargs.items() if k != "position_ids"}
+    if base not in _PADDING_FREE_CHECKED and dist.is_fsdp(base):
+        # the check's extra forwards gather shards: a rank whose first batch had no padding would skip them and
+        # hang the others. Sharded, trust transformers' rule (rows separated by their position ids).
+        _PADDING_FREE_CHECKED[base] = is_transformers_model(base)
+    if base not in _PADDING_FREE_CHECKED:
+        _PADDING_FREE_CHECKED[base] = _padding_free_is_exact(base, input_ids, attention_mask, start, options,
+                                                             forward_kwargs)
+        if not _PADDING_FREE_CHECKED[base]:
+            warnings.warn(f"{type(base).__name__}: a padding-free forward (rows packed with restarting position "
+                          "ids) does not reproduce the padded one; using padded forwards", stacklevel=3)
+            return None
+    return _packed_token_logps(model, base, input_ids, real, start, options, kwargs)
+
+
+def _packed_token_logps(model, base, input_ids: Tensor, real: Tensor, start: int, options: tuple,
+                        kwargs: dict) -> TokenLogps:
+    """One forward over ``data.pack_padded_batch(input_ids, real)``; log-probs only at the real targets of
+    ``input_ids[:, start+1:]``, each predicted from the real token before it in its own row, scattered back into
+    the padded ``(B, T-1-start)`` layout (0 elsewhere)."""
+    temperature, chunk_size, return_entropy, return_mean_logits = options
+    packed = pack_padded_batch(input_ids, real)
+    targets = real[:, start + 1:]  # (B, T') the targets that count
+    labels = input_ids[:, start + 1:][targets]  # (M,)
+    rows = packed.index[:, start:-1][targets]  # (M,) where each target's predicting token sits, flat
+    kwargs = {**kwargs, "position_ids": packed.position_ids}
+    head = _fast_path_head(base)
+    hidden = None if head is None else _final_hidden_states(model, base, head, packed.input_ids, None, kwargs)
+    if hidden is not None:
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # (M, H)
+        logps, entropy = _hidden_token_logps(hidden, head, labels, temperature, chunk_size, return_entropy)
+        mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
+    else:
+        logits = _output_logits(model(packed.input_ids, **_model_kwargs(base, None, kwargs)))
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (M, V)
+        logps = selective_log_softmax(logits, labels, temperature=temperature)
+        entropy = _entropy(logits, temperature) if return_entropy else None
+        mean_logits = logits.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None
+
+    def unpack(values: Tensor | None) -> Tensor | None:  # (M,) -> (B, T'), zeros at the other targets
+        return None if values is None else values.new_zeros(targets.shape).masked_scatter(targets, values)
+
+    return TokenLogps(unpack(logps), unpack(entropy), unpack(mean_logits))
+
+
+@torch.no_grad()
+def _padding_free_is_exact(base, input_ids: Tensor, attention_mask: Tensor, start: int, options: tuple,
+                           forward_kwargs: dict) -> bool:
+    """Whether ``base`` gives the same log-probs packed as padded on this batch (eval mode: no dropout)."""
+    temperature, chunk_size = options[:2]
+    kwargs = {k: v for k, v in forward_kwargs.items() if k != "position_ids"}
+    with eval_mode(base):
+        padded = token_logps(base, input_ids, attention_mask, start=start, temperature=temperature,
+                             chunk_size=chunk_size, **forward_kwargs).logps
+        packed = _packed_token_logps(base, base, input_ids, attention_mask.bool(), start,
+                                     (temperature, chunk_size, False, False), kwargs).logps
+    low_precision = torch.is_autocast_enabled(input_ids.device.type) or any(
+        p.dtype != torch.float32 and p.is_floating_point() for p in base.parameters())
+    tolerance = 5e-2 if low_precision else 1e-4
+    return torch.allclose(packed.float(), padded.float(), rtol=tolerance, atol=tolerance)
 
 
 @torch.no_grad()
@@ -447,15 +552,20 @@ def _model_kwargs(base: nn.Module, attention_mask: Tensor | None, forward_kwargs
 def _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start, return_entropy,
                        return_mean_logits, forward_kwargs) -> TokenLogps:
     """Fallback: the model's full logits, then :func:`selective_log_softmax` (no log-softmax copy)."""
-    outputs = model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))
-    logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)
-    if logits is None:
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    logits = _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs)))
     logits = logits[:, start:-1]  # (B, T-1-start, V), a view
     logps = selective_log_softmax(logits, labels, temperature=temperature)
     entropy = _entropy(logits, temperature) if return_entropy else None
     mean_logits = logits.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None
     return TokenLogps(logps, entropy, mean_logits)
+
+
+def _output_logits(outputs) -> Tensor:
+    """The logits of a model's output: the tensor itself, ``.logits``, ``["logits"]`` or the first element."""
+    logits = outputs if isinstance(outputs, Tensor) else getattr(outputs, "logits", None)
+    if logits is None:
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+    return logits
 
 
 @torch.no_grad()

@@ -44,6 +44,11 @@ Departures from the paper and from TRL's DPOTrainer:
     chosen response averaged over pairs (TRL: one token mean over the batch), like ``rpo_alpha``; ``sigmoid``
     keeps cDPO's ``label_smoothing`` (TRL 1.16's ignores it). WPO (``use_weighting``) takes its weights from one
     extra no-grad forward with full logits; TRL's fused head returns them from the training forward.
+11. ``padding_free`` (TRL's name) is on by default, where TRL's is off: the policy and reference forwards run on
+    the chosen and rejected sequences packed side by side without padding (``logprobs.token_logps``), which gives
+    the same log-probs and gradients as the padded forward with no work on padding, on any attention
+    implementation (TRL's needs flash attention). It falls back to padded forwards where a one-time check finds
+    it inexact.
 """
 
 from __future__ import annotations
@@ -122,6 +127,9 @@ class DPOConfig(TrainingArguments):
     discopop_tau: float = 0.05  # τ of loss_type="discopop" (the paper's 0.05)
     f_divergence_type: str = "reverse_kl"  # f-DPO "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
     f_alpha_divergence_coef: float = 0.5  # α of "alpha_divergence"
+
+    # --- padding-free forwards (issue 18)
+    padding_free: bool = True  # pack the 2B sequences without padding for the log-prob forwards (exact)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -421,7 +429,7 @@ class DPOTrainer(Trainer):
         # Predictions before the earliest response token are never needed: skip their log-softmax.
         start = int(completion_mask.argmax(dim=1).min()) - 1
         out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
-                          return_mean_logits=with_logits)  # (2B, T-1-start) each
+                          return_mean_logits=with_logits, padding_free=self.args.padding_free)  # (2B, T-1-start) each
         mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
         logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
         weights = mask

@@ -50,6 +50,11 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
 13. Multi-turn rollouts (``tools=`` as in TRL; ``env_factory=`` takes treadle's ``reset``/``step`` environments,
     not TRL's tool-method environments, hence the different name) keep each row's KV cache across turns and
     train only on sampled tokens (treadle.rollouts).
+14. ``padding_free`` (TRL's name) is on by default: the training, old and reference log-prob forwards run on
+    the micro-batch's rows packed side by side without padding (``logprobs.token_logps(padding_free=True)``,
+    the packing rule of ``treadle.data``), which gives the same log-probs and gradients as the padded forward
+    and skips the work on padding. It falls back to padded forwards where a one-time check finds it inexact.
+    TRL's GRPO has no such option.
 """
 
 from __future__ import annotations
@@ -141,6 +146,9 @@ class GRPOConfig(TrainingArguments):
     tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
     tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
     rollout_workers: int = 8  # threads that step the environments (run the tools) of a batch concurrently
+
+    # --- padding-free training forwards (issue 18)
+    padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -494,7 +502,7 @@ class GRPOTrainer(Trainer):
         start = ids.shape[1] - batch["completion_mask"].shape[1] - 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
-                           return_entropy=return_entropy, position_ids=positions)
+                           return_entropy=return_entropy, position_ids=positions, padding_free=self.args.padding_free)
 
     # ---- the loss ---------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

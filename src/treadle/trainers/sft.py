@@ -38,8 +38,9 @@ import torch
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import (check_text_columns, column_names, encode_prompts, encode_texts, is_conversation,
-                          pad_token_id, require_eval_dataset, right_padded, split_chat_completion, with_eos)
+from treadle.data import (best_fit_bins, check_text_columns, column_names, encode_prompts, encode_texts,
+                          is_conversation, pad_token_id, require_eval_dataset, right_padded, split_chat_completion,
+                          with_eos)
 from treadle.models import load_model, max_positions
 from treadle.trainer import Trainer
 
@@ -303,26 +304,10 @@ def pack_rows(rows: list[tuple[list[int], list[int]]], max_length: int) -> dict[
 
     Returns columns ``input_ids``, ``completion_mask`` and ``position_ids`` (0, 1, ... restarting at each
     packed row). The first token of every packed row gets mask 0: its label would be predicted from the end of
-    the row before it. Rows must already be at most ``max_length`` long.
+    the row before it. Rows must already be at most ``max_length`` long. The bins and the position rule are
+    ``treadle.data``'s (``best_fit_bins``; the packing rule), shared with GRPO's and DPO's padding-free forwards.
     """
-    import bisect
-
-    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (space left, bin index), sorted: best fit = the smallest that fits
-    for i in order:
-        size = len(rows[i][0])
-        if size > max_length:
-            raise ValueError(f"row {i} has {size} tokens, more than max_length={max_length}; truncate first")
-        at = bisect.bisect_left(free, (size, -1))
-        if at == len(free):
-            bins.append([i])
-            space, index = max_length - size, len(bins) - 1
-        else:
-            space, index = free.pop(at)
-            bins[index].append(i)
-            space -= size
-        bisect.insort(free, (space, index))
+    bins = best_fit_bins([len(ids) for ids, _ in rows], max_length)
     packed: dict[str, list[list[int]]] = {"input_ids": [], "completion_mask": [], "position_ids": []}
     for members in bins:
         ids, mask, positions = [], [], []
