@@ -94,6 +94,10 @@ def test_evaluation_settings_default_to_trainings_and_are_checked():
         GRPOConfig(eval_temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         GRPOConfig(eval_top_p=0.0)
+    for metric, fix in (("pass@4", "eval_pass_at_k"), ("eval_greedy/accuracy", "eval_greedy=True")):
+        with pytest.raises(ValueError, match=f"metric_for_best_model='{metric}' is not evaluated.*{fix}"):
+            GRPOConfig(num_generations=4, metric_for_best_model=metric)
+    assert GRPOConfig(num_generations=4, eval_pass_at_k=[1, 4], metric_for_best_model="eval_pass@4").greater_is_better
 
 
 # ------------------------------------------------------------------------------------------ known policies

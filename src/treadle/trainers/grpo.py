@@ -157,6 +157,11 @@ class GRPOConfig(TrainingArguments):
         SamplingParams(num_generations=n, max_new_tokens=self.max_completion_length, eos_token_ids=(), pad_token_id=0,
                        temperature=self.eval_temperature or 1.0, top_p=self.eval_top_p, top_k=self.eval_top_k,
                        do_sample=self.eval_temperature > 0)
+        best = (self.metric_for_best_model or "").removeprefix("eval_")
+        missing_k = best.startswith("pass@") and best[5:] not in {str(k) for k in ks}
+        if missing_k or (best.startswith("greedy/") and not self.eval_greedy):
+            raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r} is not evaluated: add its k to "
+                             f"eval_pass_at_k={ks} (pass@k) or set eval_greedy=True (greedy/...)")
 
     def _validate_grpo_choices(self) -> None:
         for name, value, allowed in (("scale_rewards", self.scale_rewards, SCALE_REWARDS),
