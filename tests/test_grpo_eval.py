@@ -98,6 +98,8 @@ def test_evaluation_settings_default_to_trainings_and_are_checked():
         with pytest.raises(ValueError, match=f"metric_for_best_model='{metric}' is not evaluated.*{fix}"):
             GRPOConfig(num_generations=4, metric_for_best_model=metric)
     assert GRPOConfig(num_generations=4, eval_pass_at_k=[1, 4], metric_for_best_model="eval_pass@4").greater_is_better
+    with pytest.raises(ValueError, match="no loss: set metric_for_best_model='pass@1'"):
+        GRPOConfig(load_best_model_at_end=True, eval_strategy="steps", eval_steps=5, save_steps=5)
 
 
 # ------------------------------------------------------------------------------------------ known policies

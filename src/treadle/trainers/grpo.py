@@ -158,6 +158,9 @@ class GRPOConfig(TrainingArguments):
                        temperature=self.eval_temperature or 1.0, top_p=self.eval_top_p, top_k=self.eval_top_k,
                        do_sample=self.eval_temperature > 0)
         best = (self.metric_for_best_model or "").removeprefix("eval_")
+        if best == "loss":  # also TrainingArguments' default under load_best_model_at_end
+            raise ValueError("GRPO's evaluation reports no loss: set metric_for_best_model='pass@1' (keeps the "
+                             "policy that solved most) or 'reward'")
         missing_k = best.startswith("pass@") and best[5:] not in {str(k) for k in ks}
         if missing_k or (best.startswith("greedy/") and not self.eval_greedy):
             raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r} is not evaluated: add its k to "
