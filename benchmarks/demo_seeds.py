@@ -6,7 +6,7 @@ as a control, continues SFT from the same SFT checkpoint for as many steps as GR
 as a GRPO step's prompts). Every score is ``GRPOTrainer.evaluate()`` on the same 1,000 held-out problems (the
 demo's ``evaluate_heldout``): greedy exact match, and after GRPO also pass@1 and pass@4 of 4 samples per problem.
 
-    python benchmarks/demo_seeds.py --seeds 0,1,2,3,4,5      # ~1.5 minutes per seed on one free core
+    python benchmarks/demo_seeds.py --seeds 0,1,2,3,4,5      # a few minutes per seed
 
 Prints a markdown table (seed, after SFT, after GRPO, GRPO gain, sampled pass@1 / pass@4 after GRPO, control),
 the gain's minimum, mean and maximum over the seeds, and the settings it used.
