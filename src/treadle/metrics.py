@@ -13,6 +13,9 @@ Under several processes every rank must take part in each reduction (``reduce`` 
 collective; the ranks agree on the names first, so a rank may record names in any order, or none at all (one
 with no evaluation batch), without a hang.
 
+The module also holds the run's other metric rules: the training loss's weighting (``record_loss``), speed
+metrics, and the unbiased pass@k estimator of GRPO's evaluation (``pass_at_k``, ``pass_at_k_sums``).
+
 >>> window = MetricWindow()
 >>> window.add("accuracy", 3.0, 4.0)
 >>> window.add_many({"accuracy": (1.0, 4.0), "length": (12.0, 3.0)})
