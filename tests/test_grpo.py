@@ -623,7 +623,8 @@ def golden_run(tmp_path, tok):
     """spg 4 over windows of 2 micro-steps (old log-probs), beta 0.04 (a reference): every part of the loss."""
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=1, save_strategy="no", disable_tqdm=True,
                       seed=0, learning_rate=1e-3, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=4, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.04)
+                      max_completion_length=4, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.04,
+                      use_bias_correction_kl=False)  # recorded with the plain k3 term (before issue 17)
     return GRPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
                        train_dataset=toy.load_task("addition", kind="rl", n=64), processing_class=tok)
 

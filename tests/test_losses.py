@@ -274,8 +274,9 @@ def test_grpo_ratio_one_gradient_is_reinforce():
     torch.testing.assert_close(logps.grad, -adv[:, None] * mask / 30)
 
 
-def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, normalizer, length):
-    """Token-by-token plain-Python version of the documented formula."""
+def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, normalizer, length,
+                    bias_correction=True):
+    """Token-by-token plain-Python version of the documented formula (the k3 term times r when bias-corrected)."""
     B, T = len(logps), len(logps[0])
     per_seq, total, count = [], 0.0, 0
     for b in range(B):
@@ -288,7 +289,7 @@ def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_ty
             a = adv[b]
             value = -min(r * a, min(max(r, 1 - eps_low), 1 + eps_high) * a)
             d = ref[b][j] - logps[b][j]
-            value += beta * (math.exp(d) - d - 1)
+            value += beta * (math.exp(d) - d - 1) * (r if bias_correction else 1.0)
             seq += value
         per_seq.append(seq / max(n, 1))
         total += seq
@@ -302,8 +303,9 @@ def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_ty
     return total / (normalizer or count)
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_grpo_matches_plain_reference(loss_type):
+def test_grpo_matches_plain_reference(loss_type, bias_correction):
     g = torch.Generator().manual_seed(3)
     logps = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
     old = logps + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.3
@@ -311,9 +313,10 @@ def test_grpo_matches_plain_reference(loss_type):
     adv = torch.randn(3, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     loss, _ = grpo_loss(logps, adv, mask, old_logps=old, ref_logps=ref, beta=0.05, epsilon_low=0.1,
-                        epsilon_high=0.25, loss_type=loss_type, max_completion_length=7)
+                        epsilon_high=0.25, loss_type=loss_type, max_completion_length=7,
+                        use_bias_correction_kl=bias_correction)
     expected = _reference_grpo(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
-                               0.05, 0.1, 0.25, loss_type, None, 7)
+                               0.05, 0.1, 0.25, loss_type, None, 7, bias_correction)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
 
 
@@ -362,3 +365,188 @@ def test_grpo_validation():
         grpo_loss(LOGPS, A, MASK, normalizer=0)
     with pytest.raises(ValueError, match=r"\(B, T\)"):
         grpo_loss(LOGPS[0], A, MASK[0])
+
+
+# ------------------------------------------------------------------ the objective table (issue 17), by hand
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+# PAIR with 2 chosen and 4 rejected tokens: chosen log-ratio 1, rejected -0.5, beta 0.1.
+COUNTS = dict(chosen_counts=t(2.0), rejected_counts=t(4.0))
+DPO_HAND = {
+    # per-token means: 1/2 - (-0.5/4) = 0.625 -> -log sigmoid(0.0625)
+    "sigmoid_norm": softplus(-0.0625),
+    "apo_zero": 1 - sigmoid(0.1) + sigmoid(-0.05),  # 0.462537...
+    "apo_down": sigmoid(0.1) + 1 - sigmoid(0.15),
+    "bco_pair": softplus(-0.1) + softplus(-0.05),  # -log s(b*1) - log s(-b*(-0.5))
+    "sppo_hard": (1 - 5) ** 2 + (-0.5 + 5) ** 2,  # 36.25
+    "nca_pair": softplus(-0.1) + 0.5 * softplus(0.1) + 0.5 * softplus(-0.05),
+    "discopop": softplus(-0.15) * (1 - sigmoid(3)) + math.exp(-0.15) * sigmoid(3),  # tau 0.05: z / tau = 3
+    "aot": softplus(-0.15),  # one pair: sorting changes nothing, (pc - pr) - (rc - rr) = 1.5
+    "sft": 0.5,  # -pc / 2 chosen tokens
+}
+
+
+@pytest.mark.parametrize("loss_type", list(DPO_HAND))
+def test_dpo_table_hand_values(loss_type):
+    losses, metrics = dpo_loss(**PAIR, **COUNTS, beta=0.1, loss_type=loss_type)
+    assert losses.item() == pytest.approx(DPO_HAND[loss_type], abs=1e-12)
+    assert metrics["chosen_rewards"].item() == pytest.approx(0.1)  # always beta * summed log-ratio
+
+
+def test_dpo_exo_pair_hand_value():
+    eps, z = 1e-3, 0.15
+    expected = sigmoid(z) * (-softplus(-z) - math.log(1 - eps)) + sigmoid(-z) * (-softplus(z) - math.log(eps))
+    losses, _ = dpo_loss(**PAIR, beta=0.1, loss_type="exo_pair", label_smoothing=eps)
+    assert losses.item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_dpo_loss_list_with_weights_is_the_weighted_sum():  # MPO
+    losses, _ = dpo_loss(**PAIR, **COUNTS, beta=0.1, loss_type=["sigmoid", "sft"], loss_weights=[0.8, 0.2])
+    assert losses.item() == pytest.approx(0.8 * softplus(-0.15) + 0.2 * 0.5, abs=1e-12)
+    unweighted, _ = dpo_loss(**PAIR, **COUNTS, beta=0.1, loss_type=["sigmoid", "sppo_hard"])
+    assert unweighted.item() == pytest.approx(softplus(-0.15) + 36.25, abs=1e-12)
+
+
+def test_dpo_f_divergence_forward_kl():
+    # f'(t) = 1 - 1/t: chosen 1 - e^-1 = 0.632121, rejected 1 - e^0.5 = -0.648721 -> z = 0.1 * 1.280842
+    losses, metrics = dpo_loss(**PAIR, beta=0.1, f_divergence_type="forward_kl")
+    z = 0.1 * ((1 - math.exp(-1)) - (1 - math.exp(0.5)))
+    assert losses.item() == pytest.approx(softplus(-z), abs=1e-12)
+    assert metrics["logits"].item() == pytest.approx(z, abs=1e-12)
+
+
+def test_ld_token_weights_and_wpo_weights_by_hand():
+    from treadle.losses import ld_token_weights, wpo_weights
+    chosen = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]])  # 3 and 2 tokens (prompt/padding 0)
+    rejected = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])  # 2 and 4 tokens
+    c, r = ld_token_weights(chosen, rejected, 0.25)
+    assert c.tolist() == [[0, 1, 1, 0.25, 0], [1, 1, 0, 0, 0]]
+    assert r.tolist() == [[1, 1, 0, 0, 0], [1, 1, 0.25, 0.25, 0]]
+    assert wpo_weights(t(-0.5), t(-1.0)).item() == pytest.approx(math.exp(-1.5))
+
+
+def test_dpo_table_validation():
+    with pytest.raises(ValueError, match="loss_weights has 1 entries for 2"):
+        dpo_loss(**PAIR, loss_type=["sigmoid", "ipo"], loss_weights=[1.0])
+    with pytest.raises(ValueError, match="exo_pair.*1e-3"):
+        dpo_loss(**PAIR, loss_type="exo_pair")
+    with pytest.raises(ValueError, match="f_divergence_type='js_divergence' works only"):
+        dpo_loss(**PAIR, loss_type="bco_pair", f_divergence_type="js_divergence")
+    with pytest.raises(ValueError, match="both chosen_counts and rejected_counts"):
+        dpo_loss(**PAIR, loss_type="ipo", chosen_counts=t(1.0))
+    # a list where one loss uses label_smoothing accepts it; hinge alone refuses it
+    dpo_loss(**PAIR, loss_type=["robust", "hinge"], label_smoothing=0.1)
+
+
+def test_bradley_terry_loss_by_hand():
+    from treadle.losses import bradley_terry_loss
+    losses = bradley_terry_loss(t(1.0, 0.5), t(0.0, 1.5), margin=t(0.5, 0.0), center_rewards_coefficient=0.01)
+    # pair 0: -log s(1 - 0 - 0.5) + 0.01 * 1^2; pair 1: -log s(-1) + 0.01 * 2^2
+    assert losses.tolist() == pytest.approx([softplus(-0.5) + 0.01, softplus(1.0) + 0.04], abs=1e-12)
+
+
+def test_rloo_leave_one_out_advantages():
+    adv, _ = group_advantages(t(1.0, 0.0, 2.0), 3, scale_rewards="none", advantage_estimator="rloo")
+    # baselines (0 + 2)/2 = 1, (1 + 2)/2 = 1.5, (1 + 0)/2 = 0.5
+    assert adv.tolist() == pytest.approx([0.0, -1.5, 1.5])
+    grpo, _ = group_advantages(t(1.0, 0.0, 2.0), 3, scale_rewards="none")
+    torch.testing.assert_close(adv, grpo * 3 / 2)  # G/(G-1) times the group-mean advantage
+    with pytest.raises(ValueError, match="advantage_estimator"):
+        group_advantages(t(1.0, 0.0), 2, advantage_estimator="ppo")
+
+
+def test_decoupled_advantages_gdpo_by_hand():
+    from treadle.losses import decoupled_advantages
+    rewards = t(1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0).view(4, 2)  # (N=4, F=2), G = 2: f0 1,0,1,1; f1 0,1,0,0
+    # group 0: f0 (1, 0) -> +-0.5/(s + eps), f1 (0, 1) -> -+0.5/(s + eps) with s = sqrt(0.5); weights (1, 2)
+    # group 1: constant -> 0. Sums: -u, u, 0, 0 with u = 0.5/(s + eps); then (x - 0)/(std + eps)
+    u = 0.5 / (math.sqrt(0.5) + 1e-4)
+    sums = [-u, u, 0.0, 0.0]
+    std = statistics.stdev(sums)
+    adv = decoupled_advantages(rewards, [1.0, 2.0], 2)
+    assert adv.tolist() == pytest.approx([x / (std + 1e-4) for x in sums], abs=1e-12)
+
+
+def test_gspo_sequence_level_ratio():
+    logps, old = _clipped_example()
+    r0, r1 = math.sqrt(0.75), 0.825 ** (1 / 3)  # exp of the mean log-ratio of each row; both inside [0.8, 1.2]
+    loss, metrics = grpo_loss(logps, A, MASK, old_logps=old, importance_sampling_level="sequence")
+    assert loss.item() == pytest.approx((2 * -r0 + 3 * 2 * r1) / 5, abs=1e-12)
+    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, importance_sampling_level="sequence", loss_type="grpo")
+    assert loss.item() == pytest.approx((-r0 + 2 * r1) / 2, abs=1e-12)
+    assert metrics["clip_ratio/region_mean"].item() == 0.0
+
+
+def test_two_sided_clip_delta():
+    logps, old = _clipped_example()
+    # delta 1.4 caps r = 1.5 of the A = -2 row: -min(-2.8, -2.4) = 2.8 instead of 3 -> sum 5.1 - 0.2
+    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, delta=1.4)
+    assert loss.item() == pytest.approx(4.9 / 5, abs=1e-12)
+
+
+def test_cispo_by_hand():
+    logps, old = _clipped_example()
+    # w = min(r, 1.2), no gradient: row 0 (1.2, 0.5), row 1 (1.2, 0.5, 1.1); per token -w A logp:
+    # 1.2, 1.0 | -1.2, -1.5, -5.5 -> sum -6.0 over 5 tokens
+    loss, metrics = grpo_loss(logps, A, MASK, old_logps=old, loss_type="cispo", epsilon_high=1.2)
+    assert loss.item() == pytest.approx(-6.0 / 5, abs=1e-12)
+    assert metrics["cispo_clip_ratio"].item() == pytest.approx(1 / 5)  # r 1.5 > 1.2 with A > 0
+    loss.backward()
+    expected = torch.tensor([[-1.2, -0.5, 0.0], [2.4, 1.0, 2.2]], dtype=torch.float64) / 5  # -w A / 5
+    torch.testing.assert_close(logps.grad, expected)
+
+
+def test_sapo_by_hand():
+    logps, old = _clipped_example()
+    row0 = [-sigmoid(r - 1) * 4 for r in (1.5, 0.5)]  # tau_pos 1, A = 1
+    row1 = [2 * sigmoid(1.05 * (r - 1)) * 4 / 1.05 for r in (1.5, 0.5, 1.1)]  # tau_neg 1.05, A = -2
+    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, loss_type="sapo")
+    assert loss.item() == pytest.approx((sum(row0) / 2 + sum(row1) / 3) / 2, abs=1e-12)  # grpo aggregation
+
+
+def test_top_entropy_quantile_keeps_the_high_entropy_tokens():
+    entropies = t(0.1, 0.9, 9.0, 0.5, 0.3, 0.7).view(2, 3)  # 9.0 is padding
+    # completion-token entropies (0.1, 0.9, 0.5, 0.3, 0.7): the 0.6 quantile is 0.58 -> keep 0.9 and 0.7
+    loss, _ = grpo_loss(LOGPS, A, MASK, entropies=entropies, top_entropy_quantile=0.4)
+    assert loss.item() == pytest.approx((-1 + 2) / 5, abs=1e-12)  # ratio 1: per-token -A; still / 5 tokens
+    with pytest.raises(ValueError, match="needs entropies"):
+        grpo_loss(LOGPS, A, MASK, top_entropy_quantile=0.4)
+
+
+def test_off_policy_mask_drops_drifted_negative_sequences():
+    logps, old = _clipped_example()
+    # mean(old - logp): row 0 -ln(0.75)/2 = 0.144 (A > 0: kept), row 1 -ln(0.825)/3 = 0.064 (A < 0)
+    kept, _ = grpo_loss(logps, A, MASK, old_logps=old, off_policy_mask_threshold=0.1)
+    assert kept.item() == pytest.approx(5.1 / 5, abs=1e-12)
+    dropped, _ = grpo_loss(logps, A, MASK, old_logps=old, off_policy_mask_threshold=0.05)
+    assert dropped.item() == pytest.approx(-1.7 / 5, abs=1e-12)  # row 1 gone, normaliser unchanged
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_bias_corrected_kl_gradient(bias_correction):
+    # A = 0, on-policy: only the KL term. d = ref - logp. Corrected: d(r k3)/dlogp = k3 + 1 - e^d = -d;
+    # plain: 1 - e^d. Both times beta / 5 tokens. The value is the same (r = 1).
+    logps = LOGPS.clone().requires_grad_()
+    ref = LOGPS + t(-1.0, 0.5, 0.0, 0.0, 0.3, -0.2).view(2, 3)
+    loss, metrics = grpo_loss(logps, torch.zeros(2, dtype=torch.float64), MASK, ref_logps=ref, beta=0.1,
+                              use_bias_correction_kl=bias_correction)
+    d = (ref - LOGPS) * MASK
+    assert loss.item() == pytest.approx(0.1 * float(((torch.exp(d) - d - 1) * MASK).sum()) / 5, abs=1e-12)
+    loss.backward()
+    expected = (-d if bias_correction else 1 - torch.exp(d)) * MASK * 0.1 / 5
+    torch.testing.assert_close(logps.grad, expected)
+
+
+def test_grpo_table_validation():
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        grpo_loss(LOGPS, A, MASK, importance_sampling_level="batch")
+    with pytest.raises(ValueError, match="delta"):
+        grpo_loss(LOGPS, A, MASK, delta=0.9)
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        grpo_loss(LOGPS, A, MASK, top_entropy_quantile=1.5)
+    with pytest.raises(ValueError, match="sapo_temperature"):
+        grpo_loss(LOGPS, A, MASK, loss_type="sapo", sapo_temperature_neg=0.0)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        grpo_loss(LOGPS, A, MASK, off_policy_mask_threshold=-1.0)

@@ -25,6 +25,8 @@ _LAZY = {
     "DPOConfig": "treadle.trainers.dpo",
     "GRPOTrainer": "treadle.trainers.grpo",
     "GRPOConfig": "treadle.trainers.grpo",
+    "RewardTrainer": "treadle.trainers.reward",
+    "RewardConfig": "treadle.trainers.reward",
 }
 
 __all__ = sorted(_LAZY)
@@ -51,4 +53,5 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from treadle.trainer import Trainer
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
     from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+    from treadle.trainers.reward import RewardConfig, RewardTrainer
     from treadle.trainers.sft import SFTConfig, SFTTrainer

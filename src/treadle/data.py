@@ -403,6 +403,18 @@ def split_chat_completion(tokenizer, prompt, completion) -> tuple[str, str]:
     return prompt_text, full_text[len(prompt_text):]
 
 
+def encode_prompt_responses(tokenizer, prompt, responses: Sequence) -> tuple[list[int], list[list[int]]]:
+    """Token ids of a prompt and of responses to it, tokenised separately (the preference and reward-model rule):
+    the prompt by ``encode_prompt``; a chat response (a list of messages, after chat-message prompts) as the
+    template renders it after the prompt; a text response without special tokens, eos appended unless present."""
+    chat = is_conversation(prompt)
+    texts = [split_chat_completion(tokenizer, prompt, r)[1] if chat else r for r in responses]
+    ids = encode_texts(tokenizer, texts, special_tokens=False)
+    if not chat:  # a chat response ends the way the template ends an assistant turn
+        ids = [with_eos(x, tokenizer.eos_token_id) for x in ids]
+    return encode_prompt(tokenizer, prompt), ids
+
+
 def encode_texts(tokenizer, texts: Sequence[str], *, special_tokens: bool) -> list[list[int]]:
     """Token ids of each text, with or without the tokenizer's special tokens, in one batched call."""
     if not texts:

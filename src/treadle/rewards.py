@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from treadle.data import existing_path
+from treadle.data import encode_prompt_responses, existing_path, pad_token_id, right_padded
 
 RewardFunction = Callable[..., Sequence[Any]]
 
 __all__ = ["RewardFunction", "RewardFunctionError", "call_reward_function", "completion_text", "exact_match",
-           "load_reward_funcs", "overlong_penalty", "regex_format", "reward_name", "score_completions",
-           "weighted_rewards"]
+           "from_reward_model", "load_reward_funcs", "overlong_penalty", "regex_format", "reward_name",
+           "score_completions", "weighted_rewards"]
 
 
 class RewardFunctionError(ValueError):
@@ -210,6 +210,51 @@ def overlong_penalty(max_length: int, soft_cache: int) -> RewardFunction:
         return [max(-1.0, min(0.0, (start - len(ids)) / soft_cache)) for ids in completion_ids]
 
     return overlong_penalty
+
+
+def from_reward_model(model, tokenizer=None, *, batch_size: int = 32, device=None,
+                      name: str | None = None) -> RewardFunction:
+    """A trained reward model as a reward function: each completion's reward is the model's score of prompt +
+    completion, tokenised as ``RewardTrainer`` tokenised its pairs (``data.encode_prompt_responses``).
+
+    ``model``: a folder saved by ``RewardTrainer.save_model`` (or any ``AutoModelForSequenceClassification``
+    with one label; its tokenizer is loaded from the same folder), or a loaded model, then with ``tokenizer``.
+    Scores ``batch_size`` completions per forward, without gradients, in eval mode, on ``device`` (default:
+    where the model is). Logged as ``name`` (default: the folder's name, else ``reward_model``).
+
+    >>> # reward = from_reward_model("runs/rm/final")
+    >>> # GRPOTrainer(policy, [reward, toy.addition_reward], args=..., train_dataset=..., processing_class=tok)
+    """
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        name = name or Path(model).name
+        tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(model))
+        model = AutoModelForSequenceClassification.from_pretrained(str(model))
+    if tokenizer is None:
+        raise ValueError("from_reward_model(model) with a loaded model needs tokenizer=<its tokenizer>")
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    pad, device = pad_token_id(tokenizer), next(model.parameters()).device
+
+    @torch.no_grad()
+    def reward(prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        rows = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            prompt_ids, (completion_ids,) = encode_prompt_responses(tokenizer, prompt, [completion])
+            rows.append(prompt_ids + completion_ids)
+        scores = []
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            width = max(len(r) for r in chunk)
+            ids = right_padded(chunk, width, pad).to(device)
+            mask = right_padded([[1] * len(r) for r in chunk], width, 0).to(device)
+            scores += model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
+        return scores
+
+    reward.__name__ = reward.__qualname__ = name or "reward_model"
+    return reward
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ Departures from the paper and from TRL's DPOTrainer:
 9. The reference model (a given ``ref_model`` or the frozen copy) always runs in eval mode (no dropout);
    a PEFT policy with adapters disabled runs in the policy's mode. ``precompute_ref_log_probs`` runs on every
    rank over the whole dataset (no sharding) and always in eval mode.
+10. ``loss_type`` is a list after ``__post_init__`` (as TRL). The ``sft`` entry is each pair's per-token NLL of its
+    chosen response averaged over pairs (TRL: one token mean over the batch), like ``rpo_alpha``; ``sigmoid``
+    keeps cDPO's ``label_smoothing`` (TRL 1.16's ignores it). WPO (``use_weighting``) takes its weights from one
+    extra no-grad forward with full logits; TRL's fused head returns them from the training forward.
 """
 
 from __future__ import annotations
@@ -54,10 +58,10 @@ from torch import Tensor
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import (column_names, encode_prompt, encode_texts, is_conversation, long_tensor, pad_token_id,
-                          require_columns, split_chat_completion, with_eos)
+from treadle.data import (column_names, encode_prompt_responses, is_conversation, long_tensor, pad_token_id,
+                          require_columns)
 from treadle.logprobs import token_logps
-from treadle.losses import check_dpo_options, dpo_loss, sft_loss
+from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.models import eval_mode, frozen_reference, is_peft_model
 from treadle.trainer import Trainer
 
@@ -100,7 +104,7 @@ class DPOConfig(TrainingArguments):
     """TrainingArguments plus the DPO fields (names as in TRL's DPOConfig)."""
 
     beta: float = 0.1  # β: strength of the implicit KL to the reference; 0.1 typical, smaller drifts further
-    loss_type: str = "sigmoid"  # "sigmoid" (DPO / cDPO), "ipo", "hinge" or "robust" (see treadle.losses)
+    loss_type: str | list[str] = "sigmoid"  # a name or a list of names (MPO); stored as a list, as TRL (docs/dpo.md)
     label_smoothing: float = 0.0  # ε, assumed rate of flipped labels (cDPO / robust); 0 trusts the labels
     rpo_alpha: float = 0.0  # α, weight of an NLL term on the chosen response (RPO uses 1.0); 0 disables it
     max_length: int | None = 1024  # prompt + response tokens kept per sequence; None keeps everything
@@ -111,9 +115,21 @@ class DPOConfig(TrainingArguments):
     dataset_num_proc: int | None = None  # processes for tokenising datasets; None tokenises in this process
     logprob_chunk_size: int = 1024  # rows per chunk of the memory-bounded log-softmax (treadle.logprobs)
 
+    # --- objective table (issue 17): names and defaults of TRL 1.16's DPOConfig; see docs/dpo.md
+    loss_weights: list[float] | None = None  # one weight per entry of loss_type (MPO: [0.8, 0.2, 1.0]); None: 1.0 each
+    ld_alpha: float | None = None  # LD-DPO: weight in [0, 1] of tokens past the shorter response; None: plain sums
+    use_weighting: bool = False  # WPO: weigh each pair by the policy's probability of it (one extra no-grad forward)
+    discopop_tau: float = 0.05  # τ of loss_type="discopop" (the paper's 0.05)
+    f_divergence_type: str = "reverse_kl"  # f-DPO "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
+    f_alpha_divergence_coef: float = 0.5  # α of "alpha_divergence"
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_dpo_options(self.beta, self.loss_type, self.label_smoothing)  # the rules dpo_loss applies too
+        self.loss_type = list(dpo_loss_types(self.loss_type))  # one name or a list; a list from here on, as TRL
+        check_dpo_options(self.beta, self.loss_type, self.label_smoothing, loss_weights=self.loss_weights,
+                          ld_alpha=self.ld_alpha, discopop_tau=self.discopop_tau, use_weighting=self.use_weighting,
+                          f_divergence_type=self.f_divergence_type,
+                          f_alpha_divergence_coef=self.f_alpha_divergence_coef)  # the rules dpo_loss applies too
         if self.rpo_alpha < 0:
             raise ValueError(f"rpo_alpha must be >= 0 (0 disables the NLL term, RPO uses 1.0), got {self.rpo_alpha}")
         self._validate_lengths()
@@ -210,11 +226,8 @@ def _tokenize_texts(tokenizer, prompt, chosen, rejected, index: int) -> tuple[li
         raise ValueError(f"row {index}: prompt, chosen and rejected must all be text or all be lists of chat "
                          f"messages, got {type(prompt).__name__}, {type(chosen).__name__}, "
                          f"{type(rejected).__name__}")
-    responses = [split_chat_completion(tokenizer, prompt, r)[1] if chat else r for r in (chosen, rejected)]
-    chosen_ids, rejected_ids = encode_texts(tokenizer, responses, special_tokens=False)
-    if not chat:  # a chat response ends the way the template ends an assistant turn
-        chosen_ids, rejected_ids = (with_eos(ids, tokenizer.eos_token_id) for ids in (chosen_ids, rejected_ids))
-    return encode_prompt(tokenizer, prompt), chosen_ids, rejected_ids
+    prompt_ids, (chosen_ids, rejected_ids) = encode_prompt_responses(tokenizer, prompt, (chosen, rejected))
+    return prompt_ids, chosen_ids, rejected_ids
 
 
 def _truncate(prompt: list[int], chosen: list[int], rejected: list[int], index: int, *, max_length,
@@ -413,28 +426,50 @@ class DPOTrainer(Trainer):
                           return_mean_logits=with_logits)  # (2B, T-1-start) each
         mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
         logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
-        return PairScores(ChosenRejected.split((out.logps * mask).sum(dim=1)), ChosenRejected.split(mask.sum(dim=1)),
-                          logit_sums)
+        weights = mask
+        if self.args.ld_alpha is not None:  # LD-DPO: the tail past the shorter response weighs ld_alpha
+            weights = torch.cat(ld_token_weights(*ChosenRejected.split(mask), self.args.ld_alpha)).to(mask.dtype)
+        return PairScores(ChosenRejected.split((out.logps * weights).sum(dim=1)),
+                          ChosenRejected.split(mask.sum(dim=1)), logit_sums)
 
     def pair_losses(self, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
-                    ref_rejected_logps: Tensor, chosen_counts: Tensor, rejected_counts: Tensor
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
+                    ref_rejected_logps: Tensor, chosen_counts: Tensor, rejected_counts: Tensor,
+                    pair_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-pair losses ``(B,)`` and detached ``(B,)`` metrics from summed completion log-probs ``(B,)`` and
-        completion token counts ``(B,)``: ``losses.dpo_loss`` (on per-token means for ``ipo``), plus
-        ``rpo_alpha`` times the chosen response's per-token NLL (``losses.sft_loss``)."""
+        completion token counts ``(B,)``: ``losses.dpo_loss`` (every type of the ``loss_type`` list, weighted by
+        ``loss_weights``), times ``pair_weights`` ``(B,)`` (WPO) when given, plus ``rpo_alpha`` times the chosen
+        response's per-token NLL (``losses.sft_loss``)."""
         args = self.args
-        policy, reference = (chosen_logps, rejected_logps), (ref_chosen_logps, ref_rejected_logps)
-        if args.loss_type == "ipo":
-            counts = (chosen_counts.clamp(min=1), rejected_counts.clamp(min=1))
-            policy = tuple(p / c for p, c in zip(policy, counts))
-            reference = tuple(r / c for r, c in zip(reference, counts))
-        losses, metrics = dpo_loss(*policy, *reference, beta=args.beta, loss_type=args.loss_type,
-                                   label_smoothing=args.label_smoothing)
+        types = dpo_loss_types(args.loss_type)
+        losses, metrics = dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=args.beta,
+                                   loss_type=types, label_smoothing=args.label_smoothing,
+                                   loss_weights=args.loss_weights, chosen_counts=chosen_counts,
+                                   rejected_counts=rejected_counts, discopop_tau=args.discopop_tau,
+                                   f_divergence_type=args.f_divergence_type,
+                                   f_alpha_divergence_coef=args.f_alpha_divergence_coef)
+        if "ipo" in types:  # rewards on IPO's per-token scale (module docstring, 2)
+            metrics["chosen_rewards"] = metrics["chosen_rewards"] / chosen_counts.clamp(min=1)
+            metrics["rejected_rewards"] = metrics["rejected_rewards"] / rejected_counts.clamp(min=1)
+        if pair_weights is not None:
+            losses = losses * pair_weights
         if args.rpo_alpha > 0:
             nll = sft_loss(chosen_logps, chosen_counts)  # (B,)
             losses = losses + args.rpo_alpha * nll
             metrics["nll_loss"] = nll.detach()
         return losses, metrics
+
+    @torch.no_grad()
+    def wpo_pair_weights(self, model, inputs: dict[str, Tensor]) -> Tensor:
+        """WPO's per-pair weights ``(B,)`` (``losses.wpo_weights``). Needs ``log Σ_v p(v)²`` at every completion
+        position, so this runs one extra forward without gradient and holds its full ``(2B, T, V)`` logits."""
+        ids, completion_mask = inputs["input_ids"], inputs["completion_mask"]  # (2B, T)
+        logits = model(input_ids=ids, attention_mask=inputs["attention_mask"]).logits[:, :-1].float()  # (2B, T-1, V)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        token = log_probs.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (2B, T-1)
+        aligned = token - torch.logsumexp(2 * log_probs, dim=-1)  # log p(y_t) - log sum_v p(v)^2
+        mask = completion_mask[:, 1:].to(aligned.dtype)
+        means = (aligned * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # (2B,)
+        return wpo_weights(*ChosenRejected.split(means))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Sum of the per-pair losses of this micro-batch divided by ``num_items_in_batch`` (the pairs of the
@@ -444,7 +479,8 @@ class DPOTrainer(Trainer):
             reference = ChosenRejected(*(inputs[k].to(policy.logps.chosen.dtype) for k in REF_COLUMNS))
         else:
             reference = self.reference_logps(inputs)
-        losses, metrics = self.pair_losses(*policy.logps, *reference, *policy.counts)
+        pair_weights = self.wpo_pair_weights(model, inputs) if self.args.use_weighting else None
+        losses, metrics = self.pair_losses(*policy.logps, *reference, *policy.counts, pair_weights=pair_weights)
         self.record_metrics(policy, metrics, mode="train" if model.training else "eval")
         loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else len(losses))
         return (loss, metrics) if return_outputs else loss

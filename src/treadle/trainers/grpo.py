@@ -44,6 +44,12 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
     on the sampled completions (its contract: ``rewards.check_compute_metrics``). ``per_device_eval_batch_size``
     counts prompts (TRL: completions). Evaluation draws from its own seeded generators and restores the global
     RNG states, so a run with evaluations trains exactly the weights of one without.
+11. ``top_entropy_quantile`` takes the entropy quantile over this rank's micro-batch (TRL gathers the
+    micro-batch's entropies from every rank first); identical on one process.
+12. RLOO is an advantage estimator here (``advantage_estimator="rloo"``, with ``scale_rewards="none"`` for TRL's
+    RLOOTrainer advantages), not a separate trainer: TRL's RLOOTrainer also puts a first-order KL into the reward
+    and uses one ratio per sequence; here the KL stays the k3 loss term (``beta``) and GSPO's
+    ``importance_sampling_level="sequence"`` gives a per-sequence ratio.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ from treadle.arguments import TrainingArguments
 from treadle.data import RepeatSampler, column_names, encode_prompt, is_conversation, pad_token_id, require_columns
 from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, generate_completions
 from treadle.logprobs import token_logps
-from treadle.losses import SCALE_REWARDS, check_grpo_options, grpo_loss, group_advantages
+from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
+                            check_grpo_options, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages)
 from treadle.metrics import means_of, pass_at_k_sums
 from treadle.models import eval_mode, frozen_reference
 from treadle.rewards import (METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, check_compute_metrics,
@@ -89,7 +96,9 @@ class GRPOConfig(TrainingArguments):
     Loss types (how the per-token losses are reduced; see ``losses.grpo_loss``): ``grpo`` the mean over
     sequences of each sequence's token mean (the paper); ``bnpo`` the token mean of each micro-batch;
     ``dr_grpo`` the token sum / (batch × max_completion_length) (Dr. GRPO); ``dapo`` the token sum / the
-    completion tokens of the whole accumulation window on all ranks (DAPO; the default).
+    completion tokens of the whole accumulation window on all ranks (DAPO; the default). ``cispo`` (MiniMax-M1)
+    reduces like ``dapo`` and ``sapo`` (soft gates) like ``grpo``, as in TRL; the other objectives of the table
+    (GSPO, two-sided clipping, entropy and off-policy masks, GDPO, RLOO) are the last block of fields.
     """
 
     learning_rate: float = 1e-6  # RL fine-tuning of a trained policy wants small steps (TRL's default)
@@ -110,13 +119,24 @@ class GRPOConfig(TrainingArguments):
     beta: float = 0.0  # β: weight of the k3 KL to the reference model; 0 creates no reference (DAPO, Dr. GRPO)
     epsilon: float = 0.2  # ε (ε_low): the ratio is clipped below at 1 - ε
     epsilon_high: float | None = None  # ε_high: the ratio is clipped above at 1 + ε_high; None: epsilon (DAPO: 0.28)
-    loss_type: str = "dapo"  # "grpo", "bnpo", "dr_grpo" or "dapo" (see the class docstring)
+    loss_type: str = "dapo"  # "grpo", "bnpo", "dr_grpo", "dapo", "cispo" or "sapo" (see the class docstring)
     scale_rewards: str = "group"  # divide advantages by the "group" std (GRPO), the "batch" std, or "none" (Dr. GRPO)
     mask_truncated_completions: bool = False  # completions without EOS get no loss (DAPO's overlong filtering)
 
     # --- rewards and records
     reward_weights: list[float] | None = None  # one weight per reward function; None weighs each 1.0
     log_completions: bool = False  # append prompt, completion, rewards, advantage to output_dir/completions.jsonl
+
+    # --- objective table (issue 17): names and defaults of TRL 1.16's GRPOConfig; see docs/grpo.md
+    importance_sampling_level: str = "token"  # "token", or "sequence": one ratio per sequence (GSPO)
+    delta: float | None = None  # two-sided clip: also cap the ratio at delta (> 1 + epsilon_high) when A < 0
+    sapo_temperature_pos: float = 1.0  # τ of SAPO's soft gate for A > 0 (loss_type="sapo")
+    sapo_temperature_neg: float = 1.05  # τ of SAPO's soft gate for A <= 0
+    top_entropy_quantile: float = 1.0  # ρ: only the top-ρ tokens by entropy carry the policy loss (paper: 0.2)
+    off_policy_mask_threshold: float | None = None  # δ: drop A < 0 sequences that drifted > δ from the sampler
+    use_bias_correction_kl: bool = True  # k3 term times the ratio: the unbiased KL gradient (DeepSeek-V3.2)
+    multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum": per-reward normalisation (GDPO)
+    advantage_estimator: str = "grpo"  # baseline: "grpo" the group mean, "rloo" the mean of the other G - 1 rewards
 
     # --- evaluation: what RL optimises, on sampled (and greedy) completions of eval_dataset (docs/grpo.md)
     num_generations_eval: int | None = None  # n: samples per evaluation prompt (TRL's name); None: num_generations
@@ -133,6 +153,7 @@ class GRPOConfig(TrainingArguments):
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        self._validate_objective_table()
         self._validate_grpo_choices()
         self._validate_grpo_numbers()
         self._validate_generation_batch()
@@ -171,6 +192,21 @@ class GRPOConfig(TrainingArguments):
                                      ("generation_backend", self.generation_backend, BACKENDS)):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; use one of {list(allowed)}")
+
+    def _validate_objective_table(self) -> None:
+        check_grpo_extras(self.importance_sampling_level, self.delta, self.sapo_temperature_pos,
+                          self.sapo_temperature_neg, self.top_entropy_quantile, self.off_policy_mask_threshold)
+        for name, allowed in (("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS),
+                              ("advantage_estimator", ADVANTAGE_ESTIMATORS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; use one of {list(allowed)}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator == "rloo":
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' (GDPO) forms its own advantages; "
+                             "use it with advantage_estimator='grpo'")
+        if self.loss_type == "cispo" and self.epsilon_high < 1:
+            warnings.warn(f"loss_type='cispo' caps the importance ratio itself at epsilon_high={self.epsilon_high}, "
+                          f"below 1, so every token's weight is capped (as in TRL); ScaleRL uses epsilon_high=5.0",
+                          stacklevel=3)
 
     def _validate_grpo_numbers(self) -> None:
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
@@ -324,9 +360,10 @@ class GRPOTrainer(Trainer):
         """A slice's loss items: completion tokens (``dapo``) or completions (``grpo``); None for ``bnpo`` and
         ``dr_grpo``, whose per-micro-batch means the loop averages. The inherited ``get_num_items_in_batch``
         sums it over the window and the ranks."""
-        if self.args.loss_type == "dapo":
+        aggregation = grpo_aggregation(self.args.loss_type)  # cispo counts like dapo, sapo like grpo
+        if aggregation == "dapo":
             return int(inputs["completion_mask"].sum())
-        return inputs["completion_mask"].shape[0] if self.args.loss_type == "grpo" else None
+        return inputs["completion_mask"].shape[0] if aggregation == "grpo" else None
 
     def get_num_items_in_batch(self, batch_samples: list) -> int | None:
         total = super().get_num_items_in_batch(batch_samples)
@@ -379,7 +416,10 @@ class GRPOTrainer(Trainer):
                                     columns=sample["columns"], step=step)  # (N, F)
         all_rewards = _gather_rows(rewards)  # (W*N, F)
         advantages, metrics = group_advantages(weighted_rewards(all_rewards, self.reward_weights),
-                                               args.num_generations, scale_rewards=args.scale_rewards)
+                                               args.num_generations, scale_rewards=args.scale_rewards,
+                                               advantage_estimator=args.advantage_estimator)
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward normalised on its own
+            advantages = decoupled_advantages(all_rewards, self.reward_weights, args.num_generations)
         rank, rows_here = dist.get_rank(), len(rows)
         local_advantages = advantages[rank * rows_here:(rank + 1) * rows_here]  # (N,)
         self._record_generation_metrics(metrics, all_rewards, sample)
@@ -475,16 +515,25 @@ class GRPOTrainer(Trainer):
         completion tokens, ``grpo``: its completions, both over all ranks)."""
         args = self.args
         logps, entropy = self._completion_logps(model, inputs, return_entropy=True)  # (B, C) each
-        normalizer = num_items_in_batch if args.loss_type in ("grpo", "dapo") else None
+        normalizer = num_items_in_batch if grpo_aggregation(args.loss_type) in ("grpo", "dapo") else None
         loss, metrics = grpo_loss(logps, inputs["advantages"], inputs["completion_mask"],
                                   old_logps=inputs.get("old_logps"), ref_logps=inputs.get("ref_logps"),
                                   beta=args.beta, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
                                   loss_type=args.loss_type, normalizer=normalizer,
-                                  max_completion_length=args.max_completion_length)
+                                  max_completion_length=args.max_completion_length, **self.objective_options(entropy))
         mask = inputs["completion_mask"].to(entropy.dtype)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         self.metrics.add_many({name: (value, 1) for name, value in metrics.items()})  # means over micro-steps
         return (loss, {"logps": logps}) if return_outputs else loss
+
+    def objective_options(self, entropy: torch.Tensor) -> dict:
+        """The ``grpo_loss`` options of the objective table (issue 17), from the config; ``entropy`` ``(B, C)``."""
+        args = self.args
+        return dict(importance_sampling_level=args.importance_sampling_level, delta=args.delta,
+                    sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+                    use_bias_correction_kl=args.use_bias_correction_kl, entropies=entropy.detach(),
+                    top_entropy_quantile=args.top_entropy_quantile,
+                    off_policy_mask_threshold=args.off_policy_mask_threshold)
 
     # ---- metrics and records ----------------------------------------------------------------------------
     def _record_generation_metrics(self, metrics: dict, all_rewards: torch.Tensor, sample: dict) -> None:
