@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev,tensorboard]'
+	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev,tensorboard,trackers]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -75,7 +75,7 @@ def test_checkpoint_layout(trained):
     files = set(os.listdir(path))
     assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
             "trainer_state.json", "training_args.json", "tokenizer.json", "tokenizer_config.json"} <= files
-    assert sorted(os.listdir(path.parent)) == ["checkpoint-2", "metrics.jsonl"]  # no temporary folder left
+    assert sorted(os.listdir(path.parent)) == ["checkpoint-2", "metrics.jsonl", "training_args.json"]  # no temp folder
 
 
 def test_every_checkpoint_file_reads_without_unpickling(trained):

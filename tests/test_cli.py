@@ -209,7 +209,7 @@ def test_sft_example_trains_saves_and_plots(tmp_path, capsys):
     assert any("eval_loss" in e for e in events)
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert (out / "checkpoint-6").is_dir()
-    assert {p.name for p in (out / "plots").iterdir()} >= {"training.png", "eval.png"}
+    assert {p.name for p in (out / "plots").iterdir()} >= {"training.png"}  # eval_loss is drawn over the loss
     assert "plots in" in stdout
     # the saved folder is a model for the next run
     from transformers import AutoModelForCausalLM
@@ -259,3 +259,18 @@ def test_report_redraws_plots_and_prints_a_summary(tmp_path, capsys):
     (tmp_path / "other" / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
     code, out, _ = run(["report", tmp_path], capsys)
     assert code == 0 and out.count("4 events") == 2
+
+
+def test_report_of_several_runs_writes_each_report_and_their_overlay(tmp_path, capsys):
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / name).mkdir()
+        write(tmp_path / name / "metrics.jsonl", "".join(json.dumps({"step": s, "loss": scale / s}) + "\n"
+                                                         for s in (1, 2, 3)))
+    code, out, _ = run(["report", tmp_path / "a", tmp_path / "b"], capsys)
+    assert code == 0 and out.count("3 events") == 2
+    assert (tmp_path / "a" / "report.html").is_file() and (tmp_path / "b" / "report.html").is_file()
+    assert f"2 runs overlaid in {tmp_path / 'compare' / 'report.html'}" in out
+    assert (tmp_path / "compare" / "training.png").is_file()
+    code, out, _ = run(["report", tmp_path / "a", tmp_path / "b", "--output-dir", tmp_path / "elsewhere"], capsys)
+    assert code == 0 and (tmp_path / "elsewhere" / "report.html").is_file()
+    assert_user_error(["report", tmp_path / "a", tmp_path / "none"], capsys, "not found")

@@ -2,7 +2,6 @@
 
 import contextlib
 import math
-import time
 
 import pytest
 import torch
@@ -422,7 +421,6 @@ def test_short_run_with_accumulation_changes_every_parameter_and_never_the_refer
 def test_toy_preference_task_reaches_high_reward_accuracy(tmp_path, tokenizer):
     """On 64 addition problems (toy.load_task, preference kind) the policy learns to prefer the right sums of its
     training pairs over plausible wrong ones, relative to its frozen starting point."""
-    started = time.time()
     pairs = toy.load_task("addition", kind="preference", n=64, seed=0)
     trainer = DPOTrainer(toy.build_model("tiny", seed=0), args=make_args(
         tmp_path, max_steps=50, per_device_train_batch_size=16, learning_rate=5e-3, beta=1.0,
@@ -431,7 +429,6 @@ def test_toy_preference_task_reaches_high_reward_accuracy(tmp_path, tokenizer):
     accuracies = [h["rewards/accuracies"] for h in trainer.state.log_history if "rewards/accuracies" in h]
     assert accuracies[0] < 0.8 and accuracies[-1] > 0.9, accuracies
     assert trainer.evaluate(pairs)["eval_rewards/accuracies"] > 0.9
-    assert time.time() - started < 60
 
 
 # ------------------------------------------------------------------------------------ golden regression

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle.trackers import resolve_report_to
+
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 STRATEGIES = ("no", "steps", "epoch")
@@ -64,7 +66,7 @@ class TrainingArguments:
     load_best_model_at_end: bool = False  # reload the best checkpoint's weights when training ends
     metric_for_best_model: str | None = None  # e.g. "loss" or "eval_accuracy"; default "loss" when needed
     greater_is_better: bool | None = None  # direction of metric_for_best_model; default: False for losses
-    report_to: str | list[str] = "none"  # extra loggers: "tensorboard", "all" or "none" (metrics.jsonl is always on)
+    report_to: str | list[str] = "none"  # trackers: wandb, mlflow, trackio, comet_ml, tensorboard, "all" or "none"
     disable_tqdm: bool = False  # print logs as lines instead of progress bars
     prediction_loss_only: bool = False  # evaluate() skips gathering logits and labels
 
@@ -89,13 +91,19 @@ class TrainingArguments:
     average_tokens_across_devices: bool = True  # normalise the loss by items summed over all ranks
     ddp_timeout: float | None = None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
 
+    # --- experiment trackers (report_to; treadle.trackers): transformers' names, read by its Trackio callback
+    project: str = "huggingface"  # the Trackio project the run is logged in (W&B reads $WANDB_PROJECT)
+    trackio_space_id: str | None = None  # a Hugging Face Space to log to live; None logs locally only
+    trackio_bucket_id: str | None = None  # the Hugging Face Bucket behind that Space; None lets Trackio choose
+    trackio_static_space_id: str | bool | None = None  # a read-only Space frozen after training; False: none
+    hub_private_repo: bool | None = None  # Spaces Trackio creates are private; None: the account's default
+
     def __post_init__(self) -> None:
         self._validate_choices()
         self._validate_numbers()
         if self.eval_steps is None:
             self.eval_steps = self.logging_steps
-        if isinstance(self.report_to, str):
-            self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
+        self.report_to = resolve_report_to(self.report_to)
         if self.label_names is None:
             self.label_names = ["labels"]
         if self.data_seed is None:

@@ -72,6 +72,11 @@ class TrainerState:
     is_world_process_zero: bool = True
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)  # callback name -> its saved state
 
+    # --- read by transformers' tracker callbacks (treadle.trackers); treadle runs no hyper-parameter search
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
+
     @classmethod
     def for_run(cls, args, **plan) -> "TrainerState":
         """The state at the start of a run with ``args``: its cadence, batch shape and process layout, and the
@@ -316,7 +321,8 @@ class ProgressCallback(TrainerCallback):
 
 
 class MetricsFileCallback(TrainerCallback):
-    """Appends every log event to ``output_dir/metrics.jsonl`` (one JSON object a line, with step and epoch).
+    """Appends every log event to ``output_dir/metrics.jsonl`` (one JSON object a line, with step and epoch),
+    and writes the run's arguments beside it (``training_args.json``) when training begins.
 
     On resume the file is cut back to the resumed step, so the file never holds a step twice."""
 
@@ -324,6 +330,12 @@ class MetricsFileCallback(TrainerCallback):
         return os.path.join(args.output_dir, "metrics.jsonl")
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:  # the run's config beside its metrics (report.html shows it)
+            from treadle.checkpoint import ARGS_FILE
+
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, ARGS_FILE), "w") as f:
+                f.write(args.to_json_string() + "\n")
         if not state.is_world_process_zero or not os.path.exists(self.path(args)):
             return
         kept = []
@@ -345,34 +357,6 @@ class MetricsFileCallback(TrainerCallback):
         record = {"step": state.global_step, "epoch": round(state.epoch, 6), **logs}
         with open(self.path(args), "a") as f:
             f.write(json.dumps(record, default=float) + "\n")
-
-
-class TensorBoardCallback(TrainerCallback):
-    """Writes each logged scalar to TensorBoard (``report_to="tensorboard"``) under output_dir/runs."""
-
-    def __init__(self):
-        self.writer = None
-
-    def _writer(self, args):
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=os.path.join(args.output_dir, "runs", args.run_name or "run"))
-        return self.writer
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        writer = self._writer(args)
-        for key, value in logs.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                writer.add_scalar(key if "/" in key else f"train/{key}", value, state.global_step)
-        writer.flush()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
 
 
 class EarlyStoppingCallback(TrainerCallback):

@@ -2,13 +2,14 @@
 
     treadle demo [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
     treadle train CONFIG.yaml [--resume] [--key value ...]
-    treadle report RUN_DIR
+    treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
 
 ``demo`` (treadle.demo) fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy
 on held-out problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file:
 the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset`` and ``reward_funcs`` say what to train, every
 other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``; ``--key value``
-overrides one). ``report`` redraws the plots of a run folder and prints a summary. A mistake a user can make (a
+overrides one). ``report`` redraws the plots of a run folder, writes its report.html and prints a summary; given
+several folders it also overlays them (plots and report.html in ``--output-dir``). A mistake a user can make (a
 missing file, an unknown key ...) is one line on stderr and exit status 2; anything else is a bug and shows its
 traceback.
 """
@@ -59,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
-    report = commands.add_parser("report", help="redraw the plots of a run folder and print its summary")
-    report.add_argument("run_dir", help="a run's output_dir (holding metrics.jsonl), or a folder of runs")
+    report = commands.add_parser("report", help="redraw a run's plots, write its report.html, print its summary; "
+                                                "several runs are also overlaid")
+    report.add_argument("run_dir", nargs="+", help="a run's output_dir (holding metrics.jsonl), or a folder of runs")
+    report.add_argument("--output-dir", help="where the overlay of several runs goes (default: <their folder>/compare)")
     return parser
 
 
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args)
         if args.command == "train":
             return run_train(args.config, extra, resume=args.resume)
-        return run_report(args.run_dir)
+        return run_report(args.run_dir, args.output_dir)
     except UserError as error:
         print(f"treadle: error: {error}", file=sys.stderr)
         return 2
@@ -228,24 +231,31 @@ def default_output_dir(config: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # treadle report
 # ---------------------------------------------------------------------------------------------------------
-def run_report(run_dir: str) -> int:
-    """Plots and a summary for ``run_dir``, or for each run folder directly inside it (a demo folder)."""
+def run_report(run_dirs: list[str], output_dir: str | None = None) -> int:
+    """Plots, report.html and a summary for each run folder (or each run folder directly inside one: a demo
+    folder); with several folders, their overlay too."""
     from treadle import report
 
-    root = Path(run_dir)
-    if not root.exists():
-        raise UserError(f"run folder {run_dir} not found")
-    runs = [root] if (root / report.METRICS_FILE).is_file() else sorted(
-        p for p in root.iterdir() if (p / report.METRICS_FILE).is_file())
-    if not runs:
-        raise UserError(f"{run_dir} holds no {report.METRICS_FILE} (nor do its subfolders): is it the output_dir of "
-                        f"a treadle run?")
-    for run in runs:
-        try:
+    runs = []
+    for run_dir in run_dirs:
+        root = Path(run_dir)
+        if not root.exists():
+            raise UserError(f"run folder {run_dir} not found")
+        found = [root] if (root / report.METRICS_FILE).is_file() else sorted(
+            p for p in root.iterdir() if (p / report.METRICS_FILE).is_file())
+        if not found:
+            raise UserError(f"{run_dir} holds no {report.METRICS_FILE} (nor do its subfolders): is it the output_dir "
+                            f"of a treadle run?")
+        runs += found
+    try:
+        for run in runs:
             print(report.summarize(run))
-        except ValueError as error:
-            raise UserError(str(error)) from None
-        report.print_plots(run)
+            print(f"treadle: report in {report.write_html(run, plots=report.print_plots(run))}")
+        if len(run_dirs) > 1:
+            out = Path(output_dir or Path(os.path.commonpath([str(r.resolve()) for r in runs])) / "compare")
+            print(f"treadle: {len(runs)} runs overlaid in {report.write_overlay(runs, out)}")
+    except ValueError as error:
+        raise UserError(str(error)) from None
     return 0
 
 

@@ -20,6 +20,8 @@ canvas is used, so nothing here touches pyplot's global state or needs a display
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import math
 from pathlib import Path
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from matplotlib.figure import Figure
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"  # GRPO's sampled completions (log_completions=True), one JSON record a line
 TRAINING_KEYS = ("loss", "learning_rate", "grad_norm", "mean_token_accuracy")
 RL_PREFIXES = ("reward", "frac_reward", "kl", "entropy", "clip_ratio", "completions/", "logps/", "logits/")
 SUMMARY_PREFIXES = ("train_", "total_flos")  # one value at the end of a run: a table row, not a plot
@@ -102,20 +105,34 @@ def collect_series(events: list[dict[str, Any]]) -> Series:
     return series
 
 
-def panel_layout(series: Series) -> dict[str, list[str]]:
-    """Figure name -> the metrics drawn in it, one panel each; figures without metrics are left out."""
-    layout: dict[str, list[str]] = {name: [] for name in FIGURE_TITLES}
-    layout["training"] = [key for key in TRAINING_KEYS if key in series]
+def panel_layout(series: Series) -> dict[str, dict[str, list[str]]]:
+    """Figure name -> panel name -> the metrics drawn in that panel; figures without metrics are left out.
+
+    A panel is named after its metric and also draws, dashed, the evaluation of the same metric (``eval_loss``
+    over ``loss``). GRPO's reward panel draws the total (``reward``) and each reward function's mean
+    (``rewards/<fn>/mean``), its ``reward_std`` panel each function's std.
+    """
+    layout: dict[str, dict[str, list[str]]] = {name: {} for name in FIGURE_TITLES}
+    grouped = {}  # rewards/<fn>/mean -> "reward", rewards/<fn>/std -> "reward_std" (when the total is logged)
     for key in series:
-        if key in TRAINING_KEYS or key.startswith(SUMMARY_PREFIXES):
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "rewards" and parts[2] in ("mean", "std"):
+            total = "reward" if parts[2] == "mean" else "reward_std"
+            if total in series:
+                grouped[key] = total
+    overlaid = {f"eval_{key}" for key in series if not key.startswith("eval_") and f"eval_{key}" in series}
+    first = [k for k in (*TRAINING_KEYS, "reward", "reward_std") if k in series]  # the panels people look at first
+    for key in first + [k for k in series if k not in first]:
+        if key.startswith(SUMMARY_PREFIXES) or key in overlaid:
             continue
-        if key.startswith("eval_"):
-            layout["eval"].append(key)
-        elif key.startswith(RL_PREFIXES):
-            layout["rewards"].append(key)
-        else:
-            layout["other"].append(key)
-    return {name: keys for name, keys in layout.items() if keys}
+        figure = ("training" if key in TRAINING_KEYS else "eval" if key.startswith("eval_")
+                  else "rewards" if key.startswith(RL_PREFIXES) else "other")
+        panel = layout[figure].setdefault(grouped.get(key, key), [])
+        panel += [key] + ([f"eval_{key}"] if f"eval_{key}" in overlaid else [])
+    for panels in layout.values():  # a total drawn before its functions, whatever order they came in
+        for name, keys in panels.items():
+            keys.sort(key=lambda k: k.removeprefix("eval_") != name)
+    return {name: panels for name, panels in layout.items() if panels}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,9 +146,9 @@ def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[
     out = Path(out_dir) if out_dir is not None else path.parent / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, keys in panel_layout(series).items():
+    for name, panels in panel_layout(series).items():
         title = f"{FIGURE_TITLES[name]} - {path.parent.name}"
-        figure = build_figure(title, {key: series[key] for key in keys})
+        figure = build_figure(title, {panel: {key: series[key] for key in keys} for panel, keys in panels.items()})
         target = out / f"{name}.png"
         figure.savefig(target, dpi=110)
         written.append(target)
@@ -145,26 +162,91 @@ def print_plots(run_dir: str | Path) -> list[Path]:
     return paths
 
 
-def build_figure(title: str, series: Series, *, columns: int = 3) -> Figure:
-    """One figure with a panel per series, in a grid of up to ``columns`` columns; no empty panels."""
+def plot_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Draw several runs in the same panels (one colour per run, named by its folder) as PNGs in ``out_dir``;
+    return their paths. Each figure and panel is there when any run has its metrics."""
+    runs = {_run_label(Path(d), run_dirs): collect_series(read_events(d)) for d in run_dirs}
+    layouts = {label: panel_layout(series) for label, series in runs.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in FIGURE_TITLES:
+        panels: dict[str, Series] = {}
+        for label, layout in layouts.items():
+            for panel, keys in layout.get(name, {}).items():
+                lines = panels.setdefault(panel, {})
+                lines.update({f"{label}: {key}": runs[label][key] for key in keys})
+        if panels:
+            figure = build_figure(f"{FIGURE_TITLES[name]} - {len(runs)} runs", panels, runs=list(runs))
+            figure.savefig(out / f"{name}.png", dpi=110)
+            written.append(out / f"{name}.png")
+    return written
+
+
+def _run_label(path: Path, run_dirs) -> str:
+    """A run's name in an overlay: its folder's name, with the parent's when two runs share a name."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    resolved = path.resolve()
+    return resolved.name if names.count(resolved.name) == 1 else f"{resolved.parent.name}/{resolved.name}"
+
+
+def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, runs: list[str] | None = None
+                 ) -> Figure:
+    """One figure with a panel per entry of ``panels`` (panel name -> the series drawn in it), in a grid of up to
+    ``columns`` columns; no empty panels. A panel whose every series never changed is not drawn: it becomes a
+    line of text under the panels ("unchanged: clip_ratio = 0 (12 logs)"). Evaluation series (``eval_*``) are
+    dashed; with ``runs`` (an overlay; series labelled ``"<run>: <metric>"``) each run has one colour."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    if not series:
-        raise ValueError("build_figure needs at least one series")
-    columns = min(columns, len(series))
-    rows = math.ceil(len(series) / columns)
-    figure = Figure(figsize=(4.6 * columns, 3.3 * rows + 0.6), layout="constrained")
+    if not panels:
+        raise ValueError("build_figure needs at least one panel")
+    drawn = {name: lines for name, lines in panels.items() if not all(map(_is_constant, lines.values()))}
+    unchanged = _unchanged_text([(label, values) for name, lines in panels.items() if name not in drawn
+                                 for label, (_, values) in lines.items()], runs)
+    columns = max(1, min(columns, len(drawn)))
+    rows = math.ceil(len(drawn) / columns)
+    figure = Figure(figsize=(4.6 * columns, 3.3 * rows + 0.6 + 0.25 * len(unchanged) // 3) if drawn
+                    else (9.0, 1.2 + 0.25 * len(unchanged) // 2), layout="constrained")
     FigureCanvasAgg(figure)  # render with Agg whatever backend the user's matplotlib is set to
-    grid = figure.add_gridspec(rows, columns)
     smoothed = False
-    for index, (key, (steps, values)) in enumerate(series.items()):
-        axes = figure.add_subplot(grid[index // columns, index % columns])
-        smoothed |= _draw_panel(axes, key, steps, values)
+    if drawn:
+        grid = figure.add_gridspec(rows, columns)
+        for index, (name, lines) in enumerate(drawn.items()):
+            axes = figure.add_subplot(grid[index // columns, index % columns])
+            smoothed |= _draw_panel(axes, name, lines, runs)
+    if unchanged:
+        figure.supxlabel(_wrap("unchanged over the run: " + ";  ".join(unchanged), 60 * columns if drawn else 120),
+                         fontsize=9, color="dimgray")
     if smoothed:
         title += "\n(faint: logged values, solid: moving average)"
     figure.suptitle(title, fontsize=13, fontweight="bold")
     return figure
+
+
+def _is_constant(line: tuple[list[float], list[float]]) -> bool:
+    values = line[1]
+    return all(v == values[0] or (math.isnan(v) and math.isnan(values[0])) for v in values)
+
+
+def _unchanged_text(lines: list[tuple[str, list[float]]], runs: list[str] | None) -> list[str]:
+    """"kl = 0 (12 logs)" per unchanged series; in an overlay, one "(..., every run)" for a metric the same in all."""
+    texts = []
+    for label, values in lines:
+        metric, shown = _metric(label, runs), f"{values[0]:.4g} ({len(values)} log{'s' if len(values) > 1 else ''}"
+        same = [v for lab, v in lines if _metric(lab, runs) == metric and v[0] == values[0] and len(v) == len(values)]
+        if runs and len(same) == len(runs):
+            text = f"{metric} = {shown}, every run)"
+        else:
+            text = f"{label} = {shown})"
+        texts += [text] if text not in texts else []
+    return texts
+
+
+def _wrap(text: str, width: int) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
 
 
 MARKERS_UP_TO = 30  # with this few points, mark each one
@@ -172,25 +254,55 @@ SMOOTH_FROM = 50  # with this many points, a noisy curve also gets a moving aver
 NOISY = 0.02  # noisy: the median step-to-step change exceeds this fraction of the value range
 
 
-def _draw_panel(axes, key: str, steps: list[float], values: list[float]) -> bool:
-    """Plot one metric; return whether a moving average was drawn over the raw curve."""
+def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
+    """Plot the series of one panel; return whether a moving average was drawn over a raw curve."""
     from matplotlib.ticker import MaxNLocator
 
-    smooth = len(values) >= SMOOTH_FROM and _is_noisy(values)
-    if smooth:
-        axes.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=0.8)
-        axes.plot(steps, _moving_average(values, max(3, len(values) // 25)), color="tab:blue",
-                  linewidth=1.8)
-    else:
-        marker = "o" if len(values) <= MARKERS_UP_TO else None
-        axes.plot(steps, values, color="tab:blue", marker=marker, markersize=3.5, linewidth=1.4)
-    axes.set_title(f"{key}   (last: {values[-1]:.4g})", fontsize=10)
+    colours = [f"C{i}" for i in range(10)]
+    smoothed = False
+    bases = list(dict.fromkeys(_base(label, runs) for label in lines))
+    for label, (steps, values) in lines.items():
+        run = label.split(": ", 1)[0] if runs else None
+        evaluation, base = _metric(label, runs).startswith("eval_"), _base(label, runs)
+        # a lone training / eval pair in two colours; else one colour per metric, and a total (GRPO's reward) a wide
+        # grey band under the functions' lines, so that a function equal to the total does not hide it
+        index = runs.index(run) if runs else bases.index(base) + (evaluation and len(bases) == 1)
+        total = not runs and len(bases) > 1 and base == name
+        colour = "0.6" if total else colours[(index - (len(bases) > 1 and not runs)) % len(colours)]
+        style = "--" if evaluation else "-"
+        if runs and len(bases) > 1:  # several metrics of each run in one panel: each its own line style
+            style = ["-", "--", ":", "-."][bases.index(base) % 4] if style == "-" else (0, (1, 3))
+        if len(values) >= SMOOTH_FROM and _is_noisy(values):
+            axes.plot(steps, values, color=colour, alpha=0.3, linewidth=0.8, linestyle=style)
+            axes.plot(steps, _moving_average(values, max(3, len(values) // 25)), color=colour, linewidth=1.8,
+                      linestyle=style, label=label)
+            smoothed = True
+        else:
+            marker = "o" if len(values) <= MARKERS_UP_TO else None
+            axes.plot(steps, values, color=colour, marker=None if total else marker, markersize=3.5,
+                      linewidth=5 if total else 1.4, alpha=0.6 if total else 1.0, linestyle=style,
+                      label=f"{label} (total)" if total else label,
+                      zorder=1 if total else 2)
+    last = next(iter(lines.values()))[1][-1]
+    axes.set_title(f"{name}   (last: {last:.4g})" if len(lines) == 1 else name, fontsize=10)
     axes.set_xlabel("step")
-    axes.set_ylabel(key)
+    axes.set_ylabel(name)
     axes.grid(True, alpha=0.35)
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
-    return smooth
+    if len(lines) > 1:
+        axes.legend(fontsize=7, loc="best")
+    return smoothed
+
+
+def _metric(label: str, runs: list[str] | None) -> str:
+    """The metric a line label names (an overlay's labels are "<run>: <metric>")."""
+    return label.split(": ", 1)[1] if runs else label
+
+
+def _base(label: str, runs: list[str] | None) -> str:
+    """The metric a line draws, its evaluation and training series counted as one."""
+    return _metric(label, runs).removeprefix("eval_")
 
 
 def _is_noisy(values: list[float]) -> bool:
@@ -220,21 +332,166 @@ def summarize(run_dir: str | Path) -> str:
     left out of min and max)."""
     path = metrics_path(run_dir)
     events = read_events(path)
-    series = collect_series(events)
-    steps = [event["step"] for event in events]
-    header = f"{path}: {len(events)} events, steps {_fmt(min(steps))}..{_fmt(max(steps))}"
-    epochs = [event["epoch"] for event in events if _is_number(event.get("epoch"))]
-    if epochs:
-        header += f", epochs {_fmt(min(epochs))}..{_fmt(max(epochs))}"
-    width = max([len("metric"), *map(len, series)])
-    lines = [header, f"{'metric':<{width}}  {'count':>6}  " + "  ".join(
+    rows = summary_rows(collect_series(events))
+    width = max([len("metric"), *(len(row[0]) for row in rows)])
+    lines = [f"{path}: {_span(events)}", f"{'metric':<{width}}  {'count':>6}  " + "  ".join(
         f"{name:>12}" for name in ("first", "last", "min", "max"))]
+    for key, count, *values in rows:
+        lines.append(f"{key:<{width}}  {count:>6}  " + "  ".join(f"{_fmt(v):>12}" for v in values))
+    return "\n".join(lines)
+
+
+def summary_rows(series: Series) -> list[tuple]:
+    """(metric, count, first, last, min, max) per metric; NaNs count, but are left out of min and max."""
+    rows = []
     for key, (_, values) in series.items():
         finite = [v for v in values if not math.isnan(v)]
         low, high = (min(finite), max(finite)) if finite else (math.nan, math.nan)
-        cells = "  ".join(f"{_fmt(v):>12}" for v in (values[0], values[-1], low, high))
-        lines.append(f"{key:<{width}}  {len(values):>6}  {cells}")
-    return "\n".join(lines)
+        rows.append((key, len(values), values[0], values[-1], low, high))
+    return rows
+
+
+def _span(events: list[dict[str, Any]]) -> str:
+    """"8 events, steps 1..5, epochs 0.2..1": what a run's metrics.jsonl covers."""
+    steps = [event["step"] for event in events]
+    text = f"{len(events)} events, steps {_fmt(min(steps))}..{_fmt(max(steps))}"
+    epochs = [event["epoch"] for event in events if _is_number(event.get("epoch"))]
+    return text + (f", epochs {_fmt(min(epochs))}..{_fmt(max(epochs))}" if epochs else "")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampled completions and the config
+# ----------------------------------------------------------------------------------------------------
+
+def read_completions(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's completions.jsonl (GRPO with ``log_completions``); [] when there is none. A line
+    cut short by a crash is skipped."""
+    path = metrics_path(run_dir).parent / COMPLETIONS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return [r for r in records if isinstance(r, dict)]
+
+
+def completions_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list]]:
+    """(columns, rows) of completions.jsonl records: step, prompt, completion, one column per reward function,
+    advantage. A chat prompt or completion (a list of messages) is written as JSON."""
+    rewards = list(dict.fromkeys(name for r in records for name in r.get("rewards", {})))
+    columns = ["step", "prompt", "completion", *rewards, "advantage"]
+    rows = [[r.get("step"), _text(r.get("prompt")), _text(r.get("completion")),
+             *(r.get("rewards", {}).get(name) for name in rewards), r.get("advantage")] for r in records]
+    return columns, rows
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def read_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """The arguments a run was trained with (``training_args.json`` beside metrics.jsonl); None when absent."""
+    from treadle.checkpoint import ARGS_FILE
+
+    path = metrics_path(run_dir).parent / ARGS_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# report.html: one self-contained page (plots embedded), for one run or an overlay of several
+# ----------------------------------------------------------------------------------------------------
+
+COMPLETIONS_SHOWN = 20  # the last N sampled completions report.html lists
+STYLE = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1500px}"
+         "table{border-collapse:collapse;font-size:13px;margin:8px 0 24px}"
+         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}"
+         "th{background:#f2f2f2}td.n{text-align:right;font-variant-numeric:tabular-nums}"
+         "td.t{white-space:pre-wrap;font-family:monospace;max-width:520px}img{max-width:100%;margin:6px 0}"
+         "h2{margin-top:28px;border-bottom:1px solid #ddd}.note{color:#666}")
+
+
+def write_html(run_dir: str | Path, *, plots: list[Path] | None = None, completions: int = COMPLETIONS_SHOWN
+               ) -> Path:
+    """Write ``report.html`` beside the run's metrics.jsonl: the plots (embedded; ``plots``, or drawn now with
+    ``plot_run``), the summary table, the config, and the last ``completions`` sampled completions. Returns its
+    path."""
+    path = metrics_path(run_dir)
+    events = read_events(path)
+    plots = plot_run(path) if plots is None else plots
+    name = path.parent.name
+    rows = [list(row) for row in summary_rows(collect_series(events))]
+    sections = [f"<p class=note>{html.escape(str(path))}: {_span(events)}</p>",
+                "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
+                "<h2>Summary</h2>" + _table(["metric", "count", "first", "last", "min", "max"], rows)]
+    config = read_config(path)
+    sections.append("<h2>Config</h2>" + (_table(["argument", "value"], [[k, _value(v)] for k, v in config.items()])
+                                          if config else "<p class=note>no training_args.json in the run folder</p>"))
+    records = read_completions(path)
+    if records:
+        shown = records[-completions:]
+        sections.append(f"<h2>Sampled completions</h2><p class=note>the last {len(shown)} of {len(records)}</p>"
+                        + _table(*completions_table(shown)))
+    target = path.parent / "report.html"
+    target.write_text(_page(f"treadle run {name}", sections), encoding="utf-8")
+    return target
+
+
+def write_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
+    """Overlay several runs: the plots (``plot_overlay``) and ``report.html`` in ``out_dir`` with the plots, the
+    last value of every metric side by side, and the arguments that differ between the runs. Returns its path."""
+    out = Path(out_dir)
+    plots = plot_overlay(run_dirs, out)
+    labels = [_run_label(Path(d), run_dirs) for d in run_dirs]
+    series = [collect_series(read_events(d)) for d in run_dirs]
+    metrics = list(dict.fromkeys(key for s in series for key in s))
+    last = [[key, *(s[key][1][-1] if key in s else None for s in series)] for key in metrics]
+    configs = [read_config(d) or {} for d in run_dirs]
+    keys = list(dict.fromkeys(k for c in configs for k in c))
+    differ = [[k, *(_value(c.get(k, "")) for c in configs)] for k in keys
+              if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
+    sections = ["<p class=note>" + "<br>".join(html.escape(f"{label}: {Path(d)}") for label, d in zip(labels, run_dirs))
+                + "</p>", "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
+                "<h2>Last values</h2>" + _table(["metric", *labels], last),
+                "<h2>Arguments that differ</h2>" + (_table(["argument", *labels], differ) if differ
+                                                     else "<p class=note>none (or no training_args.json)</p>")]
+    target = out / "report.html"
+    target.write_text(_page(f"treadle: {len(labels)} runs", sections), encoding="utf-8")
+    return target
+
+
+def _page(title: str, sections: list[str]) -> str:
+    return (f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>\n")
+
+
+def _image(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<div><img alt="{html.escape(path.stem)}" src="data:image/png;base64,{data}"></div>'
+
+
+def _table(columns: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"<td class=n>{_fmt(value)}</td>"
+    return f"<td class=t>{html.escape('' if value is None else str(value))}</td>"
+
+
+def _value(value: Any) -> Any:
+    """A config value for a table cell: a number as itself, anything else as it reads in JSON."""
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return value if numeric or isinstance(value, str) else json.dumps(value)
 
 
 def _fmt(value: float) -> str:

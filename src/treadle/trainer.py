@@ -36,12 +36,13 @@ from treadle import distributed as dist
 from treadle import models
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, PreemptionCallback, PrinterCallback,
-                               ProgressCallback, TensorBoardCallback, TrainerControl, TrainerState)
+                               ProgressCallback, TrainerControl, TrainerState)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, seeded_sampler, to_cpu)
 from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, fold_loss, means_of,
                              record_loss, speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
+from treadle.trackers import tracker_callbacks
 
 
 class Trainer:
@@ -86,7 +87,7 @@ class Trainer:
 
     def _default_callbacks(self) -> list:
         reporting = [PrinterCallback() if self.args.disable_tqdm else ProgressCallback()]
-        reporting += [TensorBoardCallback()] if {"tensorboard", "all"} & set(self.args.report_to) else []
+        reporting += tracker_callbacks(self.args.report_to)  # W&B, MLflow, ... (treadle.trackers)
         return [cb() for cb in DEFAULT_CALLBACKS] + [self.preemption] + reporting
 
     # ---- callbacks ----------------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ class Trainer:
         self.log(logs)
 
     def log(self, logs: dict[str, float]) -> None:
-        """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, TensorBoard).
+        """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, trackers).
         Override to add or reshape metrics; call ``super().log(logs)`` at the end."""
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._event("on_log", logs=logs)

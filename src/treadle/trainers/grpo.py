@@ -74,12 +74,12 @@ from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, 
                             check_grpo_options, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages)
 from treadle.metrics import means_of, pass_at_k_sums
 from treadle.models import eval_mode, frozen_reference
+from treadle.report import COMPLETIONS_FILE
 from treadle.rewards import (METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, check_compute_metrics,
                              reward_name, score_completions, weighted_rewards)
 from treadle.trainer import Trainer
 
 STATE_KEY = "GRPOTrainer"  # our entry in TrainerState.stateful_callbacks
-COMPLETIONS_FILE = "completions.jsonl"
 
 
 @dataclass

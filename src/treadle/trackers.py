@@ -1,0 +1,238 @@
+"""Experiment trackers (``report_to``): W&B, MLflow, Trackio, Comet and TensorBoard.
+
+Each tracker is transformers' own integration callback (``transformers.integrations.WandbCallback``, ...),
+run unchanged on treadle's Trainer: treadle's arguments and state carry the fields those callbacks read
+(``project``, ``trackio_*``, ``hub_private_repo``; ``TrainerState.trial_name`` ...), so a run lands in the
+tracker exactly where a transformers / TRL run of the same arguments would, under the same metric names
+(``train/loss``, ``eval/loss``, ``train/rewards/<fn>/mean``). They send the config (every argument), every
+logged metric at its step, evaluation metrics and the end-of-run summary.
+
+``TrackerMedia`` sends what those callbacks do not:
+
+- GRPO's sampled completions (``log_completions=True``): at every log, the rows written to
+  ``completions.jsonl`` since the last one, as a table (step, prompt, completion, each reward, advantage):
+  a W&B Table, a Trackio Table, an MLflow JSON artifact ``completions/step_<N>.json``, a TensorBoard text
+  (markdown table), a Comet table;
+- the run's plots (treadle.report) as images when training ends.
+
+A name that is not a tracker is refused when the arguments are built; a tracker that is not installed is refused
+when the Trainer is built, before training, with the pip command that installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+from treadle.callbacks import TrainerCallback
+from treadle.report import COMPLETIONS_FILE, completions_table, plot_run
+
+# report_to name -> (module that must import, pip package, transformers callback); the order "all" lists them in
+TRACKERS = {
+    "wandb": ("wandb", "wandb", "WandbCallback"),
+    "mlflow": ("mlflow", "mlflow-skinny", "MLflowCallback"),
+    "trackio": ("trackio", "trackio", "TrackioCallback"),
+    "comet_ml": ("comet_ml", "comet_ml", "CometCallback"),
+    "tensorboard": ("tensorboard", "tensorboard", "TensorBoardCallback"),
+}
+
+
+def resolve_report_to(report_to) -> list[str]:
+    """``report_to`` as a list of tracker names, as transformers reads it: a name or a list of names; ``"all"``:
+    every installed tracker; ``"none"`` (or None, ``""``, ``[]``): none. ValueError naming the valid names.
+
+    >>> resolve_report_to("none"), resolve_report_to(["wandb", "mlflow"])
+    ([], ['wandb', 'mlflow'])
+    """
+    names = [report_to] if isinstance(report_to, str) else report_to
+    if names is None or names in ([], [""], ["none"]):
+        return []
+    if names == ["all"]:
+        return [name for name in TRACKERS if is_installed(name)]
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"report_to must be a tracker name or a list of them, got {report_to!r}")
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"report_to={report_to!r}: {', '.join(map(repr, unknown))} is not a tracker treadle "
+                         f"supports; use some of {sorted(TRACKERS)}, or 'all' / 'none'")
+    return list(dict.fromkeys(names))  # each tracker once, in the order given
+
+
+def is_installed(name: str) -> bool:
+    """Whether tracker ``name``'s library can be imported (without importing it)."""
+    return importlib.util.find_spec(TRACKERS[name][0]) is not None
+
+
+def tracker_callbacks(report_to: list[str]) -> list:
+    """The callbacks that report a run to ``report_to``'s trackers: ``TrackerMedia`` first (its images must reach
+    a tracker before the tracker's own ``on_train_end`` closes the run), then transformers' callback of each.
+    ValueError, with the pip command, for a tracker that is not installed."""
+    missing = [name for name in report_to if not is_installed(name)]
+    if missing:
+        packages = " ".join(TRACKERS[name][1] for name in missing)
+        raise ValueError(f"report_to asks for {', '.join(missing)}, not installed; install with "
+                         f"`pip install {packages}` (or `pip install 'treadle[trackers]'`), or drop it from report_to")
+    if "wandb" in report_to and os.environ.get("WANDB_LOG_MODEL", "false").lower() == "end":
+        raise ValueError("WANDB_LOG_MODEL=end builds a transformers.Trainer to save the model, which treadle's "
+                         "arguments cannot do; unset it, or use WANDB_LOG_MODEL=checkpoint")
+    if not report_to:
+        return []
+    from transformers import integrations
+
+    trackers = {name: getattr(integrations, TRACKERS[name][2])() for name in report_to}
+    return [TrackerMedia(trackers), *trackers.values()]
+
+
+class TrackerMedia(TrainerCallback):
+    """GRPO's sampled completions (a table at every log) and the run's plots (images at the end) for the trackers
+    in ``trackers`` (report_to name -> that tracker's transformers callback, which holds its run)."""
+
+    def __init__(self, trackers: dict):
+        self.trackers = trackers
+        self.tabled_step = 0  # completions sampled before this step have been sent
+        self.offset = 0  # bytes of completions.jsonl already read
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        # a resumed run rewrites completions.jsonl (records from its step on are dropped): read it from the start
+        self.tabled_step, self.offset = state.global_step, 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not getattr(args, "log_completions", False) or not state.is_world_process_zero \
+                or state.global_step <= self.tabled_step:
+            return  # (a run without log_completions may share its folder with an older run's completions)
+        rows = self._new_completions(args.output_dir, state.global_step)
+        self.tabled_step = state.global_step
+        if rows:
+            table = completions_table(rows)
+            for name, callback in self.trackers.items():
+                SENDERS[name].table(callback, table, state.global_step)
+
+    def _new_completions(self, output_dir: str, step: int) -> list[dict]:
+        """The completions.jsonl records sampled in [tabled_step, step) (a record's step is the global step
+        before the optimizer step that trains on it)."""
+        path = os.path.join(output_dir, COMPLETIONS_FILE)
+        if not os.path.exists(path):
+            return []
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            lines = f.read().splitlines(keepends=True)
+        whole = [line for line in lines if line.endswith(b"\n")]  # a line still being written waits
+        self.offset += sum(map(len, whole))
+        records = []
+        for line in whole:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return [r for r in records if self.tabled_step <= r.get("step", -1) < step]
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        try:
+            paths = plot_run(args.output_dir)
+        except ValueError:  # nothing logged: no plots
+            return
+        for name, callback in self.trackers.items():
+            SENDERS[name].images(callback, paths, state.global_step)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# How each tracker receives a table and images (through the run its transformers callback holds)
+# ---------------------------------------------------------------------------------------------------------
+class _Wandb:
+    @staticmethod
+    def table(callback, table, step):
+        wandb = callback._wandb
+        if wandb.run is not None:
+            columns, rows = table
+            wandb.log({"completions": wandb.Table(columns=columns, data=rows), "train/global_step": step})
+
+    @staticmethod
+    def images(callback, paths, step):
+        wandb = callback._wandb
+        if wandb.run is not None:
+            wandb.log({f"plots/{p.stem}": wandb.Image(str(p)) for p in paths} | {"train/global_step": step})
+
+
+class _Mlflow:
+    @staticmethod
+    def table(callback, table, step):
+        mlflow = callback._ml_flow
+        if mlflow.active_run() is not None:
+            columns, rows = table
+            mlflow.log_dict({"columns": columns, "data": rows}, f"completions/step_{step:06d}.json")
+
+    @staticmethod
+    def images(callback, paths, step):
+        mlflow = callback._ml_flow
+        if mlflow.active_run() is not None:
+            for path in paths:
+                mlflow.log_artifact(str(path), artifact_path="plots")
+
+
+class _Trackio:
+    @staticmethod
+    def table(callback, table, step):
+        if callback._initialized:
+            columns, rows = table
+            callback._trackio.log({"completions": callback._trackio.Table(columns=columns, data=rows),
+                                   "train/global_step": step})
+
+    @staticmethod
+    def images(callback, paths, step):
+        if callback._initialized:
+            trackio = callback._trackio
+            trackio.log({f"plots/{p.stem}": trackio.Image(str(p)) for p in paths} | {"train/global_step": step})
+
+
+class _Comet:
+    @staticmethod
+    def table(callback, table, step):
+        if callback._experiment is not None:
+            columns, rows = table
+            callback._experiment.log_table(f"completions_step_{step:06d}.csv", tabular_data=rows, headers=columns)
+
+    @staticmethod
+    def images(callback, paths, step):
+        if callback._experiment is not None:
+            for path in paths:
+                callback._experiment.log_image(str(path), name=f"plots/{path.stem}", step=step)
+
+
+class _TensorBoard:
+    @staticmethod
+    def table(callback, table, step):
+        if callback.tb_writer is not None:
+            callback.tb_writer.add_text("completions", markdown_table(*table), step)
+            callback.tb_writer.flush()
+
+    @staticmethod
+    def images(callback, paths, step):
+        if callback.tb_writer is not None:
+            from matplotlib.image import imread
+
+            for path in paths:
+                callback.tb_writer.add_image(f"plots/{path.stem}", imread(path)[..., :3], step, dataformats="HWC")
+            callback.tb_writer.flush()
+
+
+SENDERS = {"wandb": _Wandb, "mlflow": _Mlflow, "trackio": _Trackio, "comet_ml": _Comet, "tensorboard": _TensorBoard}
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """A markdown table (TensorBoard's text plugin renders it); ``|`` and newlines in cells are escaped.
+
+    >>> print(markdown_table(["a", "b"], [[1, "x|y"]]))
+    | a | b |
+    |---|---|
+    | 1 | x\\|y |
+    """
+    def cell(value):
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
