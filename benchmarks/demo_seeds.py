@@ -3,11 +3,13 @@
 For each seed it runs the demo (SFT warm start, then GRPO from the SFT checkpoint; see ``treadle.demo``) and,
 as a control, continues SFT from the same SFT checkpoint for as many steps as GRPO ran, with GRPO's schedule
 (``grpo_warmup`` warm-up, cosine decay to 0), the SFT learning rate and batch (64 problems per step, as many
-as a GRPO step's prompts). All three are greedy exact match on the same 1,000 held-out problems.
+as a GRPO step's prompts). Every score is ``GRPOTrainer.evaluate()`` on the same 1,000 held-out problems (the
+demo's ``evaluate_heldout``): greedy exact match, and after GRPO also pass@1 and pass@4 of 4 samples per problem.
 
-    python benchmarks/demo_seeds.py --seeds 0,1,2      # ~1 minute per seed on one core
+    python benchmarks/demo_seeds.py --seeds 0,1,2,3,4,5      # a few minutes per seed
 
-Prints a markdown table (seed, after SFT, after GRPO, GRPO gain, control) and the settings it used.
+Prints a markdown table (seed, after SFT, after GRPO, GRPO gain, sampled pass@1 / pass@4 after GRPO, control),
+the gain's minimum, mean and maximum over the seeds, and the settings it used.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 def control(settings, sft_checkpoint: str, out: Path) -> float:
     """Held-out exact match after ``grpo_steps`` more SFT steps from the SFT checkpoint (gold answers)."""
     from treadle import toy
-    from treadle.demo import score_heldout
+    from treadle.demo import ACCURACY, evaluate_heldout
     from treadle.models import load_model
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
@@ -35,8 +37,13 @@ def control(settings, sft_checkpoint: str, out: Path) -> float:
                      logging_steps=50, max_length=32, disable_tqdm=True)
     SFTTrainer(model, args, train_dataset=toy.load_task("addition", "train", seed=settings.seed),
                processing_class=tokenizer).train()
-    test = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    return score_heldout(model, tokenizer, test, None)
+    return evaluate_heldout(model, tokenizer, settings, out / "heldout")[ACCURACY]
+
+
+def last_eval(run: Path) -> dict:
+    """The last evaluation event of a run's metrics.jsonl (the final model's held-out metrics)."""
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [e for e in events if "eval_pass@1" in e][-1]
 
 
 def main() -> None:
@@ -58,15 +65,22 @@ def main() -> None:
         stages = {s["stage"]: s for s in json.loads((root / f"seed{seed}" / "results.json").read_text())["stages"]}
         sft, grpo = stages["after SFT"], stages["after GRPO"]
         checkpoint = str(root / f"seed{seed}" / "sft" / f"checkpoint-{sft['steps']}")
-        rows.append((seed, sft["accuracy"], grpo["accuracy"], control(settings, checkpoint, root / f"control{seed}")))
+        final = last_eval(root / f"seed{seed}" / "grpo")
+        rows.append((seed, sft["accuracy"], grpo["accuracy"], final["eval_pass@1"], final["eval_pass@4"],
+                     control(settings, checkpoint, root / f"control{seed}")))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _machine import machine_header
 
     print(f"\n{machine_header()}\nsettings: {DemoSettings()} (seed varies); runs in {root}\n")
-    print("| seed | after SFT | after GRPO | GRPO gain | control: 200 more SFT steps instead |")
-    print("|---:|---:|---:|---:|---:|")
-    for seed, sft, grpo, ctrl in rows:
-        print(f"| {seed} | {sft:.1%} | {grpo:.1%} | {100 * (grpo - sft):+.1f} | {ctrl:.1%} |")
+    print("| seed | after SFT | after GRPO | GRPO gain (points) | after GRPO, sampled pass@1 / pass@4 "
+          "| control: 200 more SFT steps instead |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for seed, sft, grpo, pass1, pass4, ctrl in rows:
+        print(f"| {seed} | {sft:.1%} | {grpo:.1%} | {100 * (grpo - sft):+.1f} | {pass1:.1%} / {pass4:.1%} "
+              f"| {ctrl:.1%} |")
+    gains = [100 * (grpo - sft) for _, sft, grpo, *_ in rows]
+    print(f"\nGRPO gain over {len(gains)} seeds: min {min(gains):+.1f}, mean {sum(gains) / len(gains):+.1f}, "
+          f"max {max(gains):+.1f} points")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ def test_settings_refuse_counts_below_one(field):
 @pytest.mark.slow
 def test_a_short_demo_writes_the_run_folder(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert demo.run_demo(demo.DemoSettings(sft_steps=20, grpo_steps=2, eval_size=40), str(out)) == 0
+    settings = demo.DemoSettings(sft_steps=20, grpo_steps=3, eval_size=40, eval_every=2)
+    assert demo.run_demo(settings, str(out)) == 0
     stdout = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     assert [s["stage"] for s in results["stages"]] == ["untrained", "after SFT", "after GRPO"]
@@ -26,34 +27,24 @@ def test_a_short_demo_writes_the_run_folder(tmp_path, capsys):
     for stage in ("sft", "grpo"):
         assert (out / stage / "metrics.jsonl").is_file()
         assert (out / stage / "plots" / "training.png").is_file()
-        lines = (out / stage / "heldout_completions.jsonl").read_text().splitlines()
-        records = [json.loads(line) for line in lines]
-        assert len(records) == 40
-        accuracy = next(s["accuracy"] for s in results["stages"] if s["stage"] == f"after {stage.upper()}")
-        assert accuracy == sum(r["correct"] for r in records) / 40
+    # every score is GRPOTrainer.evaluate()'s greedy exact match: before GRPO's first step, every 2 steps, at the end
+    evals = [e for e in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines())
+             if demo.ACCURACY in e]
+    assert [e["step"] for e in evals] == [0, 2, 3]
+    assert [(p["step"], p["accuracy"]) for p in results["grpo_curve"]] == [(e["step"], e[demo.ACCURACY]) for e in evals]
+    accuracy = {s["stage"]: s["accuracy"] for s in results["stages"]}
+    assert (accuracy["after SFT"], accuracy["after GRPO"]) == (evals[0][demo.ACCURACY], evals[-1][demo.ACCURACY])
+    assert {"eval_pass@1", "eval_pass@4", "eval_reward"} <= set(evals[-1])
+    assert (out / "grpo" / "plots" / "eval.png").is_file()  # the held-out accuracy over GRPO steps
+    untrained = json.loads((out / "untrained" / "metrics.jsonl").read_text())
+    assert accuracy["untrained"] == untrained[demo.ACCURACY]
     sft = next(s for s in results["stages"] if s["stage"] == "after SFT")
     assert sft["steps"] <= 20 and (out / "sft" / f"checkpoint-{sft['steps']}").is_dir()
-    assert (out / "grpo" / "checkpoint-2").is_dir()
+    assert (out / "grpo" / "checkpoint-3").is_dir()
     assert (out / "grpo" / "completions.jsonl").is_file()
     assert "held-out exact match" in stdout and "after GRPO" in stdout
+    assert "held-out greedy exact match over GRPO steps: 0: " in stdout
     assert stdout.count("treadle: plots in") == 2  # one line per stage
-
-
-def test_heldout_scoring_agrees_with_toy_exact_match(tmp_path, monkeypatch):
-    from treadle import toy
-
-    tokenizer, model = toy.build_tokenizer(), toy.build_model("tiny", seed=3)
-    data = toy.load_task("addition", "test", kind="rl", n=30)
-    answers = dict(zip(data["prompt"], data["answer"]))
-
-    def fake_greedy(model, tokenizer, prompts, **kw):  # right for every third prompt, else off by one
-        return [answers[p] + "\n" if i % 3 == 0 else str(int(answers[p]) + 1) for i, p in enumerate(prompts)]
-
-    monkeypatch.setattr(toy, "greedy_completions", fake_greedy)
-    ours = demo.score_heldout(model, tokenizer, data, tmp_path / "c.jsonl", batch_size=6)
-    assert ours == toy.exact_match_accuracy(model, tokenizer, data, batch_size=30) == 10 / 30
-    records = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
-    assert [r["correct"] for r in records] == [i % 6 % 3 == 0 for i in range(30)]
 
 
 def test_results_table_layout():

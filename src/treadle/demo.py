@@ -4,17 +4,21 @@
 
 1. builds the toy model and tokenizer (``treadle.toy``) and scores the untrained model;
 2. SFT on the training problems until greedy exact match on a probe of *training* problems reaches
-   ``sft_target_accuracy`` (``StopAtAccuracy``) or ``sft_steps`` run out, then scores the model;
-3. GRPO from the SFT checkpoint with the exact-match reward for ``grpo_steps`` steps, then scores it.
+   ``sft_target_accuracy`` (``StopAtAccuracy``) or ``sft_steps`` run out;
+3. GRPO from the SFT checkpoint with the exact-match reward for ``grpo_steps`` steps, scoring the held-out
+   problems before its first step (the SFT model) and every ``eval_every`` steps (the accuracy curve).
 
-Every score is greedy exact match on the same ``eval_size`` held-out test problems (at most 1,000, the whole
-test split). It prints a start line, each stage's plots and the before/after table (``results_table``), and
-writes into the run folder (default ``runs/demo-<time>``)::
+Every score is ``GRPOTrainer.evaluate()`` on the same ``eval_size`` held-out test problems (at most 1,000, the
+whole test split) with the exact-match reward, the path any GRPO user has: the table shows greedy exact match
+(``eval_greedy/accuracy``); the logs also hold pass@1 and pass@k of ``num_generations_eval`` samples per problem.
+It prints a start line, each stage's plots, the accuracy curve and the before/after table (``results_table``),
+and writes into the run folder (default ``runs/demo-<time>``)::
 
-    results.json             the settings; per stage its accuracy, steps and training seconds
-    sft/, grpo/              each a trainer output_dir (metrics.jsonl, checkpoint-N/, plots/) plus
-                             heldout_completions.jsonl: prompt, completion, answer, correct per held-out problem
-    grpo/completions.jsonl   the sampled completions with their rewards (log_completions)
+    results.json             the settings; per stage its accuracy, steps and training seconds; the curve
+    untrained/               metrics.jsonl of the untrained model's evaluation
+    sft/, grpo/              each a trainer output_dir (metrics.jsonl, checkpoint-N/, plots/); grpo's
+                             eval_* metrics over its steps are drawn in grpo/plots/eval.png
+    grpo/completions.jsonl   the sampled training completions with their rewards (log_completions)
 
 Unless OMP_NUM_THREADS is set, torch runs on one thread (see ``run_demo``). torch, transformers and the
 trainers are imported inside the functions, so importing this module stays cheap.
@@ -34,7 +38,7 @@ from treadle.report import print_plots
 
 @dataclasses.dataclass
 class DemoSettings:
-    """What ``treadle demo`` trains; tuned on 2 CPU cores (README: figures for seeds 0, 1, 2).
+    """What ``treadle demo`` trains; tuned on 2 CPU cores (README: figures for seeds 0 to 5).
 
     SFT is a warm start: it stops as soon as the model solves ``sft_target_accuracy`` of a probe of *training*
     problems (never the held-out ones). When the tiny model "gets" addition varies a lot with the seed (after
@@ -57,11 +61,15 @@ class DemoSettings:
     grpo_batch_size: int = 512  # completions per GRPO step: 64 prompts x G; fewer prompts make it noisy
     steps_per_generation: int = 1  # optimizer steps fed by one generation
     temperature: float = 1.0  # sampling temperature during GRPO
+    eval_every: int = 25  # GRPO steps between held-out evaluations (the accuracy curve)
+    num_generations_eval: int = 4  # samples per held-out problem for pass@1 and pass@4 (greedy is extra)
 
     def __post_init__(self) -> None:
         # named by their `treadle demo` flags: the command line is where these come from
         if self.sft_steps < 1 or self.grpo_steps < 1 or self.eval_size < 1:
             raise ValueError("--sft-steps, --grpo-steps and --eval-size must be >= 1")
+        if self.eval_every < 1 or self.num_generations_eval < 1:
+            raise ValueError("eval_every and num_generations_eval must be >= 1")
 
 
 class StopAtAccuracy(TrainerCallback):
@@ -97,25 +105,26 @@ def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     tokenizer = toy.build_tokenizer()
-    test = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
+    problems = min(settings.eval_size, 1000)  # the held-out problems every stage is scored on
     print(f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition; "
           f"run folder {out}", flush=True)
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
-    rows = [("untrained", score_heldout(model, tokenizer, test, None), 0, 0.0)]
-    checkpoint, steps, seconds = demo_sft(model, tokenizer, settings, out / "sft")
-    rows.append(("after SFT", score_heldout(model, tokenizer, test, out / "sft" / "heldout_completions.jsonl"),
-                 steps, seconds))
-    model, steps, seconds = demo_grpo(checkpoint, tokenizer, settings, out / "grpo")
-    rows.append(("after GRPO", score_heldout(model, tokenizer, test, out / "grpo" / "heldout_completions.jsonl"),
-                 steps, seconds))
+    untrained = evaluate_heldout(model, tokenizer, settings, out / "untrained")
+    rows = [("untrained", untrained[ACCURACY], 0, 0.0)]
+    checkpoint, sft_steps, sft_seconds = demo_sft(model, tokenizer, settings, out / "sft")
+    model, curve, steps, seconds = demo_grpo(checkpoint, tokenizer, settings, out / "grpo")
+    rows += [("after SFT", curve[0][1], sft_steps, sft_seconds), ("after GRPO", curve[-1][1], steps, seconds)]
     (out / "results.json").write_text(json.dumps(
-        {"settings": dataclasses.asdict(settings), "heldout_problems": len(test),
+        {"settings": dataclasses.asdict(settings), "heldout_problems": problems,
          "stages": [{"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
                     for name, accuracy, steps, seconds in rows],
+         "grpo_curve": [{"step": step, "accuracy": accuracy} for step, accuracy in curve],
          "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
     for run in (out / "sft", out / "grpo"):
         print_plots(run)
-    print(results_table(rows, len(test)))
+    print("held-out greedy exact match over GRPO steps: "
+          + ", ".join(f"{step}: {accuracy:.1%}" for step, accuracy in curve))
+    print(results_table(rows, problems))
     print(f"treadle demo: done in {time.time() - start:.0f} s; results in {out / 'results.json'}; "
           f"see `treadle report {out}`")
     return 0
@@ -141,47 +150,55 @@ def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tupl
     return os.path.join(output_dir, f"checkpoint-{steps}"), steps, time.time() - start
 
 
+ACCURACY = "eval_greedy/accuracy"  # the demo's score: greedy exact match on the held-out problems
+
+
 def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Path):
-    """GRPO from the SFT checkpoint with the exact-match reward; returns (the model, steps, training seconds)."""
-    from treadle import toy
+    """GRPO from the SFT checkpoint with the exact-match reward, evaluated on the held-out problems before its
+    first step and every ``eval_every`` steps; returns (the model, the curve [(step, accuracy)], steps, seconds)."""
     from treadle.models import load_model
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
-    args = GRPOConfig(output_dir=str(output_dir), max_steps=settings.grpo_steps, seed=settings.seed,
-                      learning_rate=settings.grpo_learning_rate, per_device_train_batch_size=settings.grpo_batch_size,
-                      num_generations=settings.num_generations, steps_per_generation=settings.steps_per_generation,
-                      temperature=settings.temperature, max_completion_length=4, lr_scheduler_type="cosine",
-                      warmup_steps=settings.grpo_warmup, logging_steps=max(1, settings.grpo_steps // 40),
-                      save_steps=settings.grpo_steps, log_completions=True)
-    trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
-                          train_dataset=toy.load_task("addition", "train", kind="rl", seed=settings.seed))
+    trainer = heldout_trainer(model, tokenizer, settings, output_dir, max_steps=settings.grpo_steps,
+                              learning_rate=settings.grpo_learning_rate, lr_scheduler_type="cosine",
+                              warmup_steps=settings.grpo_warmup, logging_steps=max(1, settings.grpo_steps // 40),
+                              save_strategy="steps", save_steps=settings.grpo_steps, log_completions=True,
+                              eval_strategy="steps",
+                              eval_steps=settings.eval_every)
+    curve = [(0, trainer.evaluate()[ACCURACY])]  # the SFT model (train() starts a new log_history)
     start = time.time()
     trainer.train()
-    return model, trainer.state.global_step, time.time() - start
+    seconds = time.time() - start  # training time, evaluations included
+    if trainer.state.global_step % settings.eval_every:
+        trainer.evaluate()  # the last point is always the final model
+    curve += [(h["step"], h[ACCURACY]) for h in trainer.state.log_history if ACCURACY in h]
+    return model, curve, trainer.state.global_step, seconds
 
 
-def score_heldout(model, tokenizer, dataset, completions_file: Path | None, batch_size: int = 250) -> float:
-    """Greedy exact-match accuracy on ``dataset`` (prompt, answer), with a progress bar; the completions go to
-    ``completions_file`` as JSON lines when given."""
-    from tqdm.auto import tqdm
-
+def heldout_trainer(model, tokenizer, settings: DemoSettings, output_dir: Path, **overrides):
+    """The demo's GRPOTrainer: the exact-match reward, GRPO's settings, and the held-out problems as
+    ``eval_dataset``, scored greedily (``eval_greedy``) and by pass@1 / pass@n of ``num_generations_eval``
+    samples; ``overrides`` are further GRPOConfig fields (the training run's)."""
     from treadle import toy
-    from treadle.models import eval_mode
+    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    prompts, answers = dataset["prompt"], dataset["answer"]
-    completions = []
-    with eval_mode(model):
-        for start in tqdm(range(0, len(prompts), batch_size), desc="held-out accuracy", unit=" batch",
-                          dynamic_ncols=True, leave=False):
-            completions += toy.greedy_completions(model, tokenizer, prompts[start:start + batch_size],
-                                                  batch_size=batch_size, max_new_tokens=5)
-    correct = [toy.extract_answer(c) == a for c, a in zip(completions, answers)]
-    if completions_file is not None:
-        with open(completions_file, "w") as f:
-            for p, c, a, ok in zip(prompts, completions, answers, correct):
-                f.write(json.dumps({"prompt": p, "completion": c, "answer": a, "correct": ok}) + "\n")
-    return sum(correct) / len(correct)
+    n = settings.num_generations_eval
+    values = dict(output_dir=str(output_dir), seed=settings.seed, per_device_train_batch_size=settings.grpo_batch_size,
+                  num_generations=settings.num_generations, steps_per_generation=settings.steps_per_generation,
+                  temperature=settings.temperature, max_completion_length=4, save_strategy="no",
+                  num_generations_eval=n, eval_pass_at_k=sorted({1, n}), eval_greedy=True,
+                  per_device_eval_batch_size=250)
+    values.update(overrides)
+    test = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
+    return GRPOTrainer(model, reward_funcs=toy.addition_reward, args=GRPOConfig(**values), processing_class=tokenizer,
+                       train_dataset=toy.load_task("addition", "train", kind="rl", seed=settings.seed),
+                       eval_dataset=test)
+
+
+def evaluate_heldout(model, tokenizer, settings: DemoSettings, output_dir: Path) -> dict[str, float]:
+    """``GRPOTrainer.evaluate()`` of ``model`` on the held-out problems (its metrics also go to
+    ``output_dir/metrics.jsonl``): ``eval_greedy/accuracy`` is the demo's score."""
+    return heldout_trainer(model, tokenizer, settings, output_dir).evaluate()
 
 
 def results_table(rows: list[tuple[str, float, int, float]], problems: int) -> str:

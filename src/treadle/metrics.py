@@ -13,6 +13,9 @@ Under several processes every rank must take part in each reduction (``reduce`` 
 collective; the ranks agree on the names first, so a rank may record names in any order, or none at all (one
 with no evaluation batch), without a hang.
 
+The module also holds the run's other metric rules: the training loss's weighting (``record_loss``), speed
+metrics, and the unbiased pass@k estimator of GRPO's evaluation (``pass_at_k``, ``pass_at_k_sums``).
+
 >>> window = MetricWindow()
 >>> window.add("accuracy", 3.0, 4.0)
 >>> window.add_many({"accuracy": (1.0, 4.0), "length": (12.0, 3.0)})
@@ -24,6 +27,7 @@ with no evaluation batch), without a hang.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -264,3 +268,38 @@ def as_float(value):
         return float(value)
     except (TypeError, ValueError):
         return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pass@k: how often a policy solves a problem in k tries (GRPO evaluation)
+# ---------------------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` pass (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code", https://arxiv.org/abs/2107.03374, eq. 1): the probability that at least
+    one of ``k`` samples drawn without replacement from the ``n`` passes, ``1 - C(n - c, k) / C(n, k)``.
+    Exact integer binomials, so any ``n`` is safe. Its mean over problems estimates pass@k without the bias of
+    ``1 - (1 - c/n)^k``.
+
+    >>> pass_at_k(8, 2, 1)  # pass@1 is the fraction that passes
+    0.25
+    >>> round(pass_at_k(8, 2, 4), 6)  # 1 - C(6, 4) / C(8, 4) = 1 - 15 / 70
+    0.785714
+    >>> pass_at_k(8, 5, 4)  # fewer than k failures: some pass in every draw of 4
+    1.0
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_k_sums(rewards: torch.Tensor, threshold: float, ks) -> dict[int, tuple[float, int]]:
+    """``{k: (sum over problems of pass@k, problems)}`` for ``rewards`` ``(P, n)``: n sampled rewards per problem,
+    NaN where unscored; a sample passes when its reward >= ``threshold``. A problem with fewer than k scored
+    samples has no pass@k estimate and is left out of that k's count (sums, so that batches and ranks add up)."""
+    scored = (~rewards.isnan()).sum(dim=1).tolist()  # (P,)
+    passed = (rewards >= threshold).sum(dim=1).tolist()  # NaN >= t is False: unscored never passes
+    out = {}
+    for k in ks:
+        values = [pass_at_k(n, c, k) for n, c in zip(scored, passed) if n >= k]
+        out[k] = (sum(values), len(values))
+    return out

@@ -258,6 +258,55 @@ def from_reward_model(model, tokenizer=None, *, batch_size: int = 32, device=Non
 
 
 # ---------------------------------------------------------------------------------------------------------
+# compute_metrics for online RL: custom metrics on the sampled evaluation completions
+# ---------------------------------------------------------------------------------------------------------
+METRICS_ARGUMENTS = ("prompts", "completions", "completion_ids", "rewards", "reward")
+
+
+def check_compute_metrics(fn, columns=()) -> None:
+    """Refuse a ``compute_metrics`` that cannot be called by the GRPO contract (at trainer construction)::
+
+        compute_metrics(prompts, completions, completion_ids, rewards, reward, **columns) -> dict[str, float]
+
+    called with keyword arguments once per evaluation, over the whole evaluation set (every rank's rows):
+    ``prompts``, ``completions`` and ``completion_ids`` as reward functions get them (each prompt
+    ``num_generations_eval`` times in a row); ``rewards`` maps each reward function's name to its values
+    (None where it had no opinion); ``reward`` is the weighted total of each completion; ``columns`` are the
+    evaluation set's other columns. It returns ``{name: number}``, logged as ``eval_<name>``. ``columns``: the
+    names known now (the eval dataset's), checked too."""
+    import inspect
+
+    if not callable(fn):
+        raise TypeError(f"compute_metrics={fn!r} is not callable; pass a function "
+                        f"fn({', '.join(METRICS_ARGUMENTS)}, **columns) -> dict[str, float]")
+    names = [*METRICS_ARGUMENTS, *(c for c in columns if c != "prompt")]
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(names))
+    except TypeError as error:
+        raise TypeError(f"compute_metrics {reward_name(fn)!r} cannot be called as fn({', '.join(names)}) "
+                        f"({error}); give it these keyword parameters or **kwargs") from None
+    except ValueError:  # a builtin without a signature: checked when called
+        return
+
+
+def call_compute_metrics(fn, **arguments) -> dict[str, float]:
+    """Call ``compute_metrics`` by the contract (see ``check_compute_metrics``) and check that it returned
+    ``{str: number}``; the numbers come back as floats."""
+    out = fn(**arguments)
+    if not isinstance(out, dict):
+        raise TypeError(f"compute_metrics {reward_name(fn)!r} returned {type(out).__name__}; return a dict "
+                        f"{{metric name: number}}")
+    metrics = {}
+    for key, value in out.items():
+        try:
+            metrics[str(key)] = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"compute_metrics {reward_name(fn)!r} returned {key!r}: {value!r}, which is not a "
+                            f"number; return numbers only (they are logged and plotted)") from None
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Loading reward functions by name (configs)
 # ---------------------------------------------------------------------------------------------------------
 def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list[RewardFunction]:

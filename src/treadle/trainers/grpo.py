@@ -39,8 +39,11 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
    generation buffer, so that resuming continues the run exactly even in the middle of a buffer.
 9. Rewards come from Python functions only (no reward models by name); ``None`` means "no opinion" and a
    completion that no function scores is an error, not a NaN.
-10. ``evaluate()`` samples G completions per evaluation prompt and reports their mean rewards; there is no
-    evaluation loss.
+10. ``evaluate()`` reports what RL optimises, not a loss: mean rewards and pass@k (Chen et al. 2021) of
+    ``num_generations_eval`` samples per prompt, greedy accuracy when ``eval_greedy``, and ``compute_metrics``
+    on the sampled completions (its contract: ``rewards.check_compute_metrics``). ``per_device_eval_batch_size``
+    counts prompts (TRL: completions). Evaluation draws from its own seeded generators and restores the global
+    RNG states, so a run with evaluations trains exactly the weights of one without.
 11. ``top_entropy_quantile`` takes the entropy quantile over this rank's micro-batch (TRL gathers the
     micro-batch's entropies from every rank first); identical on one process.
 12. RLOO is an advantage estimator here (``advantage_estimator="rloo"``, with ``scale_rewards="none"`` for TRL's
@@ -64,21 +67,24 @@ import math
 import os
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
+from treadle import checkpoint as ckpt
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import RepeatSampler, encode_prompt, is_conversation, pad_token_id, require_columns
+from treadle.data import RepeatSampler, column_names, encode_prompt, is_conversation, pad_token_id, require_columns
 from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, generate_completions
 from treadle.logprobs import token_logps
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages)
+from treadle.metrics import means_of, pass_at_k_sums
 from treadle.models import eval_mode, frozen_reference, reference_of
 from treadle.report import COMPLETIONS_FILE
-from treadle.rewards import RewardFunction, reward_name, score_completions, weighted_rewards
+from treadle.rewards import (METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, check_compute_metrics,
+                             reward_name, score_completions, weighted_rewards)
 from treadle.rollouts import RolloutRunner
 from treadle.trainer import Trainer
 
@@ -150,6 +156,15 @@ class GRPOConfig(TrainingArguments):
     # --- padding-free training forwards (issue 18)
     padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
 
+    # --- evaluation: what RL optimises, on sampled (and greedy) completions of eval_dataset (docs/grpo.md)
+    num_generations_eval: int | None = None  # n: samples per evaluation prompt (TRL's name); None: num_generations
+    eval_temperature: float | None = None  # evaluation sampling temperature; 0 decodes greedily; None: temperature
+    eval_top_p: float | None = None  # evaluation nucleus mass; None: top_p
+    eval_top_k: int | None = None  # evaluation top-k; None: top_k
+    eval_pass_at_k: list[int] = field(default_factory=lambda: [1])  # log eval_pass@k for each k, 1 <= k <= n
+    eval_success_threshold: float = 1.0  # a completion passes when its reward >= this (1.0: exact-match rewards)
+    eval_greedy: bool = False  # also decode each prompt greedily: eval_greedy/reward, eval_greedy/accuracy
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.steps_per_generation is None:
@@ -160,6 +175,35 @@ class GRPOConfig(TrainingArguments):
         self._validate_grpo_choices()
         self._validate_grpo_numbers()
         self._validate_generation_batch()
+        self._resolve_eval_settings()
+
+    def _resolve_eval_settings(self) -> None:
+        """Evaluation sampling defaults to training's (None), then obeys the same rules."""
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, f"eval_{name}") is None:
+                setattr(self, f"eval_{name}", getattr(self, name))
+        n, ks = self.num_generations_eval, self.eval_pass_at_k
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_generations_eval must be an integer >= 1 (samples per evaluation prompt), got {n!r}")
+        if not isinstance(ks, (list, tuple)) or not ks or not all(isinstance(k, int) and 1 <= k <= n for k in ks):
+            raise ValueError(f"eval_pass_at_k must be a non-empty list of integers in 1..num_generations_eval={n}, "
+                             f"got {ks!r}; e.g. eval_pass_at_k=[1, {n}] (raise num_generations_eval for a larger k)")
+        if not math.isfinite(float(self.eval_success_threshold)) or self.eval_temperature < 0:
+            raise ValueError(f"eval_success_threshold must be finite and eval_temperature >= 0 (0: greedy), got "
+                             f"{self.eval_success_threshold!r} and {self.eval_temperature!r}")
+        SamplingParams(num_generations=n, max_new_tokens=self.max_completion_length, eos_token_ids=(), pad_token_id=0,
+                       temperature=self.eval_temperature or 1.0, top_p=self.eval_top_p, top_k=self.eval_top_k,
+                       do_sample=self.eval_temperature > 0)
+        best = (self.metric_for_best_model or "").removeprefix("eval_")
+        if best == "loss":  # also TrainingArguments' default under load_best_model_at_end
+            raise ValueError("GRPO's evaluation reports no loss: set metric_for_best_model='pass@1' (keeps the "
+                             "policy that solved most) or 'reward'")
+        missing_k = best.startswith("pass@") and best[5:] not in {str(k) for k in ks}
+        if missing_k or (best.startswith("greedy/") and not self.eval_greedy):
+            raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r} is not evaluated: add its k to "
+                             f"eval_pass_at_k={ks} (pass@k) or set eval_greedy=True (greedy/...)")
 
     def _validate_grpo_choices(self) -> None:
         for name, value, allowed in (("scale_rewards", self.scale_rewards, SCALE_REWARDS),
@@ -251,15 +295,20 @@ class GRPOTrainer(Trainer):
     Multi-turn rollouts (treadle.rollouts, docs/agents.md): ``tools`` (annotated, docstring'd functions the model
     calls, TRL's argument) or ``env_factory`` (a callable returning a fresh ``rollouts.Environment`` per rollout).
     Observation tokens are in the context but masked out of the loss; ``rollout`` is the hook to override.
+
+    ``compute_metrics(prompts, completions, completion_ids, rewards, reward, **columns) -> dict`` adds custom
+    evaluation metrics (``rewards.check_compute_metrics``).
     """
 
     config_class = GRPOConfig
 
     def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
                  args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None, tools=None,
-                 env_factory=None):
+                 callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None, compute_metrics=None,
+                 tools=None, env_factory=None):
         args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
+        if compute_metrics is not None:
+            check_compute_metrics(compute_metrics, column_names(eval_dataset) or ())
         self.rollout_runner = None if tools is None and env_factory is None else RolloutRunner(
             processing_class, tools=tools, env_factory=env_factory, call_format=args.tool_call_format,
             max_tool_calling_iterations=args.max_tool_calling_iterations, tool_timeout=args.tool_timeout,
@@ -270,7 +319,7 @@ class GRPOTrainer(Trainer):
         _check_dataset(train_dataset, args)
         super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers, peft_config=peft_config)
+                         optimizers=optimizers, peft_config=peft_config, compute_metrics=compute_metrics)
         self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
         self.pad_token_id = pad_token_id(processing_class)
         self._buffers: dict[int, list[dict]] = {}  # generation index -> its slices (this rank's rows)
@@ -366,17 +415,26 @@ class GRPOTrainer(Trainer):
 
     # ---- generation and scoring ---------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], *, num_generations: int,
-                 generator: torch.Generator | None = None) -> GenerationOutput:
-        """Sample ``num_generations`` completions for each distinct prompt (token ids) with the config's
-        sampling settings; rows come back grouped (prompt b's completions are rows b*G .. b*G+G-1). The one
-        place where training samples: override it to plug in another engine."""
+                 generator: torch.Generator | None = None, mode: str = "train") -> GenerationOutput:
+        """Sample ``num_generations`` completions for each distinct prompt (token ids) with the sampling settings
+        of ``mode`` (``sampling_settings``); rows come back grouped (prompt b's completions are rows b*G ..
+        b*G+G-1). The one place where training and evaluation sample: override it to plug in another engine."""
         args = self.args
         return generate_completions(self.model_wrapped, prompt_ids, num_generations=num_generations,
                                     max_new_tokens=args.max_completion_length,
                                     eos_token_id=self.processing_class.eos_token_id, pad_token_id=self.pad_token_id,
-                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                    repetition_penalty=args.repetition_penalty, do_sample=True,
-                                    generator=generator, backend=args.generation_backend)
+                                    repetition_penalty=args.repetition_penalty, generator=generator,
+                                    backend=args.generation_backend, **self.sampling_settings(mode))
+
+    def sampling_settings(self, mode: str = "train") -> dict[str, Any]:
+        """``temperature``, ``top_p``, ``top_k`` and ``do_sample`` of ``mode``: "train" (the config's), "eval"
+        (its ``eval_*`` fields; temperature 0 decodes greedily) or "greedy" (argmax)."""
+        args = self.args
+        if mode == "train":
+            return {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "do_sample": True}
+        temperature = args.eval_temperature if mode == "eval" else 0.0
+        return {"temperature": temperature or 1.0, "top_p": args.eval_top_p, "top_k": args.eval_top_k,
+                "do_sample": temperature > 0}
 
     def generate_and_score(self, rows: list[dict], generation: int) -> list[dict]:
         """Sample one completion per row, score all rows of all ranks, and return the buffer: a list of
@@ -403,19 +461,21 @@ class GRPOTrainer(Trainer):
             loss_mask = loss_mask * (~sample["is_truncated"]).unsqueeze(1).to(loss_mask.dtype)
         return [self._build_slice(sample, loss_mask, local_advantages, s) for s in range(args.steps_per_generation)]
 
-    def _sample(self, rows: list[dict], generator: torch.Generator) -> dict[str, Any]:
-        """Tokenise the rows' prompts, sample one completion per row, decode. Rows that hold whole groups
-        (the same prompt G times in a row) are sampled as distinct prompts x G: each prompt is prefilled once."""
+    def _sample(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> dict[str, Any]:
+        """Tokenise the rows' prompts, sample one completion per row (``mode``: see ``sampling_settings``), decode.
+        Rows that hold whole groups (the same prompt G times in a row) are sampled as distinct prompts x G: each
+        prompt is prefilled once. With tools or an environment, ``rollout`` samples instead."""
         if self.rollout_runner is not None:
-            return self.rollout(rows, generator)
-        group = self.args.num_generations
+            return self.rollout(rows, generator, mode=mode)
+        group = self._group_size(mode)
         prompts = [row["prompt"] for row in rows]
         columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
         prompt_ids = self._tokenize_prompts(prompts)
         grouped = len(rows) % group == 0 and all(prompt_ids[i] == prompt_ids[i - i % group]
                                                  for i in range(len(rows)))
         distinct = prompt_ids[::group] if grouped else prompt_ids
-        out = self.generate(distinct, num_generations=group if grouped else 1, generator=generator)
+        settings = {"mode": mode} if mode != "train" else {}  # an engine written for training only still trains
+        out = self.generate(distinct, num_generations=group if grouped else 1, generator=generator, **settings)
         lengths = out.completion_mask.sum(dim=1).tolist()
         completion_lists = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
         texts = self.processing_class.batch_decode(completion_lists, skip_special_tokens=True)
@@ -426,18 +486,21 @@ class GRPOTrainer(Trainer):
                 "completion_ids": out.completion_ids, "completion_mask": out.completion_mask,
                 "is_truncated": out.is_truncated}
 
-    def rollout(self, rows: list[dict], generator: torch.Generator) -> dict[str, Any]:
-        """Multi-turn rollouts (``tools=`` or ``env_factory=``; treadle.rollouts), one per row: the hook to override
-        for another agent loop. Returns what single-turn sampling returns plus ``sampled_mask`` (1 on sampled
-        tokens: the loss mask), ``transcripts`` and ``rollout_metrics``; the reward functions also get the
-        ``transcript`` and ``env_reward`` columns."""
+    def _group_size(self, mode: str) -> int:
+        """Completions per prompt in ``mode``: ``num_generations`` (train), ``num_generations_eval`` (eval), 1."""
+        return {"train": self.args.num_generations, "eval": self.args.num_generations_eval}.get(mode, 1)
+
+    def rollout(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> dict[str, Any]:
+        """Multi-turn rollouts (``tools=`` or ``env_factory=``; treadle.rollouts), one per row, sampled as ``mode``
+        says (``sampling_settings``): the hook to override for another agent loop. Returns what single-turn
+        sampling returns plus ``sampled_mask`` (1 on sampled tokens: the loss mask), ``transcripts`` and
+        ``rollout_metrics``; the reward functions also get the ``transcript`` and ``env_reward`` columns."""
         args = self.args
         out = self.rollout_runner.run(
-            self.model_wrapped, rows, num_generations=args.num_generations, max_new_tokens=args.max_completion_length,
+            self.model_wrapped, rows, num_generations=self._group_size(mode), max_new_tokens=args.max_completion_length,
             eos_token_id=self.processing_class.eos_token_id, pad_token_id=self.pad_token_id,
             max_prompt_length=args.max_prompt_length, generator=generator, backend=args.generation_backend,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            repetition_penalty=args.repetition_penalty)
+            repetition_penalty=args.repetition_penalty, **self.sampling_settings(mode))
         columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
         columns.update(transcript=out.transcripts, env_reward=out.env_rewards)
         g = out.generation
@@ -587,39 +650,83 @@ class GRPOTrainer(Trainer):
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Sample ``num_generations`` completions for each evaluation prompt (seeded by ``args.seed``: the same
-        samples for the same weights) and report ``<prefix>_reward``, ``<prefix>_rewards/<name>/mean`` and
-        ``<prefix>_completions/mean_length``. Logs them and fires ``on_evaluate``."""
+        """Sample ``num_generations_eval`` completions for each evaluation prompt with the evaluation sampling
+        settings (and one greedy completion when ``eval_greedy``), score them with every reward function, and
+        report, for the weighted total and for each function: ``<prefix>_reward`` / ``_rewards/<name>/mean`` (mean
+        reward), ``_pass@k`` / ``_rewards/<name>/pass@k`` (unbiased pass@k, ``eval_pass_at_k``; a completion passes
+        when its reward >= ``eval_success_threshold``), ``_greedy/reward`` / ``_greedy/accuracy`` / ``_greedy/
+        rewards/<name>/mean|accuracy``, ``_completions/mean_length``, and what ``compute_metrics`` returns.
+        Sampling is seeded by (seed, batch, rank): the same samples for the same weights; the global RNG states
+        are restored afterwards. Logs the metrics and fires ``on_evaluate``."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset with a 'prompt' column")
         require_columns(dataset, ["prompt"], what="GRPOTrainer.evaluate")
         loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
                                        sampler=self.build_sampler(dataset, shuffle=False), collate_fn=_keep_rows)
+        self.callback_handler.eval_dataloader = loader
         self.metrics.clear("eval")
-        for index, rows in enumerate(loader):
-            self._score_eval_batch(rows, index)
-        sums = self.metrics.reduce("eval")  # one all-reduce for every metric
-        metrics = {f"{metric_key_prefix}_{name}": total / count if count else math.nan
-                   for name, (total, count) in sums.items()}
+        rng = ckpt.rng_state()  # reward functions and compute_metrics may draw from the global RNGs
+        try:
+            samples = [self._score_eval_batch(rows, index) for index, rows in enumerate(loader)]
+            custom = self._custom_eval_metrics(samples) if self.compute_metrics is not None else {}
+        finally:
+            ckpt.set_rng_state(rng)
+        recorded = {**means_of(self.metrics.reduce("eval")), **custom}  # one all-reduce for every metric
+        metrics = {f"{metric_key_prefix}_{name}": value for name, value in recorded.items()}
         self.log(metrics)
         self.control = self.callback_handler.call_event("on_evaluate", self.args, self.state, self.control,
                                                         metrics=metrics)
         return metrics
 
-    def _score_eval_batch(self, rows: list[dict], index: int) -> None:
-        """Sample G completions per prompt of ``rows`` and record their rewards and lengths ("eval" window)."""
-        repeated = [row for row in rows for _ in range(self.args.num_generations)]
-        sample = self._sample(repeated, self._generator("eval", index))
+    def _score_eval_batch(self, rows: list[dict], index: int) -> dict | None:
+        """Sample n completions per prompt of ``rows`` (and a greedy one with ``eval_greedy``), and record their
+        rewards, pass@k and lengths in the "eval" window; returns the samples when ``compute_metrics`` needs them."""
+        args, n, names = self.args, self.args.num_generations_eval, [reward_name(fn) for fn in self.reward_funcs]
+        repeated = [row for row in rows for _ in range(n)]
+        sample, rewards = self._sample_and_score(repeated, self._generator("eval", index), mode="eval")  # (N, F)
+        record = {"completions/mean_length": (sample["completion_mask"].sum(), len(repeated)),
+                  **_reward_sums(rewards, self.reward_weights, names, n, args.eval_pass_at_k,
+                                 args.eval_success_threshold)}
+        if args.eval_greedy:
+            _, greedy = self._sample_and_score(rows, None, mode="greedy")
+            record.update({f"greedy/{key}": pair for key, pair in _reward_sums(
+                greedy, self.reward_weights, names, 1, [1], args.eval_success_threshold, "accuracy").items()})
+        self.metrics.add_many(record, mode="eval")
+        self.callback_handler.call_event("on_prediction_step", self.args, self.state, self.control)
+        if self.compute_metrics is None:
+            return None
+        return {"prompts": sample["prompts"], "completions": sample["completions"],
+                "completion_ids": sample["completion_lists"], "rewards": rewards.tolist(), "columns": sample["columns"]}
+
+    def _sample_and_score(self, rows: list[dict], generator: torch.Generator | None, mode: str):
+        """``(sample, rewards)``: one completion per row sampled in ``mode``, and every function's float64 rewards
+        ``(N, F)`` (NaN: no opinion)."""
+        sample = self._sample(rows, generator, mode=mode)
         rewards = score_completions(self.reward_funcs, self.reward_weights, prompts=sample["prompts"],
                                     completions=sample["completions"], completion_ids=sample["completion_lists"],
-                                    columns=sample["columns"], step=self.state.global_step).double()  # (N, F)
-        scored, n = ~rewards.isnan(), float(len(repeated))
-        record = {"reward": (weighted_rewards(rewards, self.reward_weights).sum(), n),
-                  "completions/mean_length": (sample["completion_mask"].sum(), n)}
-        for j, fn in enumerate(self.reward_funcs):
-            record[f"rewards/{reward_name(fn)}/mean"] = (rewards[:, j].nan_to_num(0.0).sum(), scored[:, j].sum())
-        self.metrics.add_many(record, mode="eval")
+                                    columns=sample["columns"], step=self.state.global_step)
+        return sample, rewards.double()
+
+    def _custom_eval_metrics(self, batches: list[dict | None]) -> dict[str, float]:
+        """``compute_metrics`` on every sampled evaluation completion of every rank (called on each rank with the
+        same arguments, so every rank logs the same values)."""
+        mine = [b for b in batches if b is not None]
+        parts = [b for rank_batches in dist.gather_objects(mine) for b in rank_batches]
+        names = [reward_name(fn) for fn in self.reward_funcs]
+        rewards = torch.tensor([r for b in parts for r in b["rewards"]], dtype=torch.float64).view(-1, len(names))
+        columns = {key: [v for b in parts for v in b["columns"][key]] for key in (parts[0]["columns"] if parts else ())}
+        clash = sorted(set(columns) & set(METRICS_ARGUMENTS))
+        if clash:
+            raise ValueError(f"evaluation column(s) {clash} clash with compute_metrics' own arguments "
+                             f"{list(METRICS_ARGUMENTS)}; rename the column(s)")
+        return call_compute_metrics(
+            self.compute_metrics, prompts=[p for b in parts for p in b["prompts"]],
+            completions=[c for b in parts for c in b["completions"]],
+            completion_ids=[ids for b in parts for ids in b["completion_ids"]],
+            rewards={name: [None if math.isnan(v) else v for v in rewards[:, j].tolist()]
+                     for j, name in enumerate(names)},
+            reward=weighted_rewards(rewards, self.reward_weights).tolist(), **columns)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         raise NotImplementedError("GRPOTrainer has no per-batch prediction step: use trainer.evaluate() for "
@@ -674,6 +781,21 @@ def _check_dataset(dataset, args: GRPOConfig) -> None:
                              f"{args.generation_batch_size} x world_size {args.world_size} / num_generations "
                              f"{args.num_generations}) but the dataset has {len(dataset)} rows; use more rows, "
                              f"a smaller per_device_train_batch_size or steps_per_generation")
+
+
+def _reward_sums(rewards: torch.Tensor, weights: list[float], names: list[str], group: int, ks, threshold: float,
+                 pass_key: str = "pass@{k}") -> dict[str, tuple[float, int]]:
+    """``{metric: (sum, count)}`` of the mean reward and pass@k of the weighted total (``reward``, ``pass@k``) and
+    of each function (``rewards/<name>/mean``, ``rewards/<name>/pass@k``) for ``rewards`` ``(N, F)``, N = prompts x
+    ``group`` samples in a row; unscored (NaN) samples count in no mean and never pass."""
+    columns = [("reward", "", weighted_rewards(rewards, weights))]  # (N,) each
+    columns += [(f"rewards/{name}/mean", f"rewards/{name}/", rewards[:, j]) for j, name in enumerate(names)]
+    out = {}
+    for mean_key, stem, values in columns:
+        out[mean_key] = (float(values.nan_to_num(0.0).sum()), int((~values.isnan()).sum()))
+        for k, pair in pass_at_k_sums(values.view(-1, group), threshold, ks).items():
+            out[stem + pass_key.format(k=k)] = pair
+    return out
 
 
 def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
