@@ -320,3 +320,32 @@ def test_a_slow_environment_is_not_a_slow_test(tok):
                eos_token_id=EOS, pad_token_id=0)
     assert peak[0] > 1
     runner.close()
+
+
+def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
+    """evaluate() with an environment samples num_generations_eval multi-turn rollouts per prompt at the evaluation
+    temperature (and one greedy rollout per prompt with eval_greedy), so its rewards see transcripts, as training's
+    do."""
+    calls = []
+
+    def judge(completions, transcript, **kwargs):
+        calls.append(transcript)
+        return [float(len(t)) for t in transcript]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
+                      num_generations_eval=3, eval_pass_at_k=[1, 3], eval_greedy=True, eval_temperature=0.5,
+                      max_completion_length=16, max_steps=1, disable_tqdm=True, save_strategy="no", rollout_workers=2)
+    rows = toy.load_task("addition", kind="rl", n=8)
+    trainer = GRPOTrainer(chatty_model(tok, eos_bias=4.0), judge, args=args, processing_class=tok,
+                          train_dataset=rows, eval_dataset=rows.select(range(2)), env_factory=Counter)
+    run, settings = trainer.rollout_runner.run, []
+    trainer.rollout_runner.run = lambda *a, **k: settings.append(k) or run(*a, **k)
+    metrics = trainer.evaluate()
+    sampled, greedy = calls
+    assert [(s["num_generations"], s["temperature"], s["do_sample"]) for s in settings] == [(3, 0.5, True),
+                                                                                         (1, 1.0, False)]
+    assert len(sampled) == 6 and len(greedy) == 2
+    assert any(len(t) > 1 for t in sampled)  # the environment answered and the rollout went on
+    assert metrics["eval_reward"] == pytest.approx(sum(len(t) for t in sampled) / 6)
+    assert metrics["eval_greedy/reward"] == pytest.approx(sum(len(t) for t in greedy) / 2)
+    trainer.rollout_runner.close()
