@@ -168,9 +168,7 @@ def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Pa
     curve = [(0, trainer.evaluate()[ACCURACY])]  # the SFT model (train() starts a new log_history)
     start = time.time()
     trainer.train()
-    seconds = time.time() - start  # training time, evaluations included
-    if trainer.state.global_step % settings.eval_every:
-        trainer.evaluate()  # the last point is always the final model
+    seconds = time.time() - start  # training time, evaluations included (the last step always evaluates)
     curve += [(h["step"], h[ACCURACY]) for h in trainer.state.log_history if ACCURACY in h]
     return model, curve, trainer.state.global_step, seconds
 
