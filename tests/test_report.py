@@ -322,3 +322,17 @@ def test_an_overlay_names_a_metric_unchanged_in_every_run_once():
     figure = report.build_figure("t", panels, runs=["a", "b"])
     text = " ".join(figure.get_supxlabel().split())
     assert text == "unchanged over the run: kl = 0 (2 logs, every run); a: lr = 1 (2 logs); b: lr = 2 (2 logs)"
+
+
+def test_a_metric_equal_to_an_earlier_one_shares_its_panel():
+    """One reward function: its greedy accuracy equals the total's at every step, so it is drawn in that panel;
+    a metric equal only at some steps, a constant one, and a training metric equal to an evaluation one keep
+    their own places."""
+    events = [{"step": s, "eval_greedy/accuracy": a, "eval_greedy/rewards/f/accuracy": a, "eval_pass@1": p,
+               "eval_other": a if s else 0.9, "eval_const": 0.5, "frac": a} for s, a, p in
+              [(0, 0.2, 0.1), (10, 0.4, 0.3), (20, 0.5, 0.35)]]
+    layout = report.panel_layout(report.collect_series(events))
+    assert layout["eval"]["eval_greedy/accuracy"] == ["eval_greedy/accuracy", "eval_greedy/rewards/f/accuracy"]
+    assert {"eval_pass@1", "eval_other", "eval_const"} <= set(layout["eval"])
+    assert "eval_greedy/rewards/f/accuracy" not in layout["eval"]
+    assert [keys for panels in layout.values() for name, keys in panels.items() if name == "frac"] == [["frac"]]

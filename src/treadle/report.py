@@ -110,7 +110,9 @@ def panel_layout(series: Series) -> dict[str, dict[str, list[str]]]:
 
     A panel is named after its metric and also draws, dashed, the evaluation of the same metric (``eval_loss``
     over ``loss``). GRPO's reward panel draws the total (``reward``) and each reward function's mean
-    (``rewards/<fn>/mean``), its ``reward_std`` panel each function's std.
+    (``rewards/<fn>/mean``), its ``reward_std`` panel each function's std. A metric that changes over the run
+    and equals an earlier one at every step (one reward function: ``eval_greedy/rewards/<fn>/accuracy`` and
+    ``eval_greedy/accuracy``) is drawn in that one's panel, not in a panel of its own.
     """
     layout: dict[str, dict[str, list[str]]] = {name: {} for name in FIGURE_TITLES}
     grouped = {}  # rewards/<fn>/mean -> "reward", rewards/<fn>/std -> "reward_std" (when the total is logged)
@@ -121,6 +123,7 @@ def panel_layout(series: Series) -> dict[str, dict[str, list[str]]]:
             if total in series:
                 grouped[key] = total
     overlaid = {f"eval_{key}" for key in series if not key.startswith("eval_") and f"eval_{key}" in series}
+    grouped.update(_same_as_earlier(series, skip=grouped.keys() | overlaid))
     first = [k for k in (*TRAINING_KEYS, "reward", "reward_std") if k in series]  # the panels people look at first
     for key in first + [k for k in series if k not in first]:
         if key.startswith(SUMMARY_PREFIXES) or key in overlaid:
@@ -133,6 +136,22 @@ def panel_layout(series: Series) -> dict[str, dict[str, list[str]]]:
         for name, keys in panels.items():
             keys.sort(key=lambda k: k.removeprefix("eval_") != name)
     return {name: panels for name, panels in layout.items() if panels}
+
+
+def _same_as_earlier(series: Series, skip) -> dict[str, str]:
+    """{key: the first earlier metric with the same steps and values (its panel)}, for metrics that change and
+    are not in ``skip`` (already drawn in another metric's panel)."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for key, line in series.items():
+        if key in skip or key.startswith(SUMMARY_PREFIXES) or len(line[0]) < 2 or _is_constant(line):
+            continue
+        signature = (key.startswith("eval_"), tuple(line[0]), tuple(line[1]))  # training and eval stay apart
+        if signature in first:
+            out[key] = first[signature]
+        else:
+            first[signature] = key
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
