@@ -244,6 +244,58 @@ def test_a_row_waiting_on_its_environment_does_not_stall_the_others(tok):
     executor.shutdown()
 
 
+def test_sampled_rollouts_do_not_depend_on_when_the_environment_answers(tok):
+    """The same seed gives the same transcripts whether each observation is ready at once or arrives after a
+    random delay from a thread (so that rows sit out different sampling steps): a row's draws are keyed by its
+    own position, not by the step. Rows must actually have waited for the check to mean something."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, executor, rng = chatty_model(tok, eos_bias=3.0), ThreadPoolExecutor(4), random.Random(0)
+    turns, waited = {}, []
+
+    def observation(row):
+        turns[row] = turns.get(row, 0) + 1
+        return None if turns[row] > 2 else tok(f"[{row}]")["input_ids"]
+
+    def late(row):
+        time.sleep(rng.choice([0.0, 0.005, 0.02]))
+        return observation(row)
+
+    def respond_late(row, turn_ids):
+        future = executor.submit(late, row)
+        waited.append(not future.done())
+        return future
+
+    outs = []
+    for respond in (lambda row, turn_ids: observation(row), respond_late):
+        turns.clear()
+        outs.append(generate_turns(model, [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]], respond,
+                                   num_generations=4, max_new_tokens=48, eos_token_id=EOS, pad_token_id=0,
+                                   temperature=1.0, generator=torch.Generator().manual_seed(3)))
+    executor.shutdown()
+    assert any(waited) and (outs[0].sampled_mask.sum(1) > 0).all()
+    assert torch.equal(outs[0].completion_ids, outs[1].completion_ids)
+    assert torch.equal(outs[0].sampled_mask, outs[1].sampled_mask)
+
+
+def test_multi_turn_sampling_draws_from_the_model_distribution(tok):
+    """The first sampled token of 6,000 rollouts of one prompt: its frequencies match the softmax of the model's
+    scores at temperature 0.8 by Pearson's chi-square (V - 1 degrees of freedom: mean V - 1, sd sqrt(2(V - 1));
+    a sampler off by one token, or ignoring the temperature, is hundreds of sds away)."""
+    model = chatty_model(tok).eval()
+    prompt = tok("12+34=")["input_ids"]
+    out = generate_turns(model, [prompt], lambda row, turn_ids: None, num_generations=6000, max_new_tokens=1,
+                         eos_token_id=EOS, pad_token_id=0, temperature=0.8,
+                         generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    expected = (logits / 0.8).softmax(-1)
+    counts = torch.bincount(out.completion_ids[:, 0], minlength=len(expected)).double()
+    chi2, dof = float(((counts - 6000 * expected) ** 2 / (6000 * expected)).sum()), len(expected) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5, chi2
+
+
 # --------------------------------------------------------------------------------------------------- GRPO
 def grpo(tmp_path, tok, reward, run="run", **kwargs):
     args = GRPOConfig(output_dir=str(tmp_path / run), per_device_train_batch_size=4, num_generations=2,

@@ -747,6 +747,7 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
     """
     decoder = _RaggedDecoder(model, prompt_ids, prompt_mask, params)
     rows = _TurnRows(len(decoder.state.row_ids), params, respond)
+    draws = _RowDraws(len(rows.mode), params, generator, decoder.device)
     while True:
         row_ids = decoder.state.row_ids.tolist()
         modes = [rows.mode[r] for r in row_ids]
@@ -762,7 +763,7 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
             continue
         state = decoder.state
         scores = process_logits(state.logits, params, state.seen)
-        sampled = sample_next_tokens(scores, params.do_sample, generator)
+        sampled = draws.sample(scores, [(r, min(len(rows.tokens[r]), params.max_new_tokens - 1)) for r in row_ids])
         logps = scores.log_softmax(dim=-1).gather(1, sampled[:, None]).squeeze(1)
         added = [rows.emit(r, t, lp) for r, t, lp in zip(row_ids, sampled.tolist(), logps.tolist())]
         keep = [i for i, r in enumerate(row_ids) if rows.mode[r] != _DONE]
@@ -774,6 +775,31 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
         if any(added):  # else the rows that sampled have all finished and the others wait: nothing to run
             decoder.forward(added)
     return rows
+
+
+class _RowDraws:
+    """The random numbers of multi-turn sampling, one uniform per (row, position in its completion), drawn from
+    ``generator`` up front: which token a row samples at a position does not depend on which other rows were
+    sampling at that step, so a rollout whose tool answered a step later samples the same tokens (reproducible
+    whatever the threads' timing). A token is drawn by inverting its row's cumulative distribution, which is
+    exactly the categorical distribution of the scores; greedy decoding takes the argmax."""
+
+    def __init__(self, rows: int, params: SamplingParams, generator: torch.Generator | None, device):
+        self.do_sample = params.do_sample
+        where = generator.device if generator is not None else device
+        self.uniforms = (torch.rand((rows, params.max_new_tokens), generator=generator, device=where).to(device)
+                         if self.do_sample else None)
+
+    def sample(self, scores: Tensor, keys: list[tuple[int, int]]) -> Tensor:
+        """(N,) tokens from processed scores (N, V); ``keys``: each score row's (output row, position). Rows
+        that are not sampling (waiting, done) get a draw too, which nobody reads."""
+        if not self.do_sample:
+            return scores.argmax(dim=-1)
+        rows, positions = zip(*keys)
+        u = self.uniforms[list(rows), list(positions)]  # (N,)
+        cdf = scores.float().softmax(dim=-1).cumsum(dim=-1)  # (N, V)
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        return tokens.clamp(max=scores.shape[-1] - 1)  # right=True: never a token of probability 0
 
 
 class _RaggedDecoder:
