@@ -297,10 +297,10 @@ def test_multi_turn_sampling_draws_from_the_model_distribution(tok):
 
 
 # --------------------------------------------------------------------------------------------------- GRPO
-def grpo(tmp_path, tok, reward, run="run", **kwargs):
+def grpo(tmp_path, tok, reward, run="run", workers=2, **kwargs):
     args = GRPOConfig(output_dir=str(tmp_path / run), per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=16, max_steps=1, learning_rate=1e-3, disable_tqdm=True,
-                      save_strategy="no", logging_steps=1, log_completions=True, rollout_workers=2)
+                      save_strategy="no", logging_steps=1, log_completions=True, rollout_workers=workers)
     return GRPOTrainer(chatty_model(tok, eos_bias=4.0), reward, args=args, processing_class=tok,
                        train_dataset=toy.load_task("addition", kind="rl", n=8), **kwargs)
 
@@ -401,3 +401,24 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
     assert metrics["eval_reward"] == pytest.approx(sum(len(t) for t in sampled) / 6)
     assert metrics["eval_greedy/reward"] == pytest.approx(sum(len(t) for t in greedy) / 2)
     trainer.rollout_runner.close()
+
+
+def test_rollout_workers_zero_steps_in_the_loop_and_a_seed_trains_the_same_weights(tmp_path, tok):
+    """rollout_workers=0: no thread pool, the environment runs in the sampling loop's thread, and two runs of one
+    seed train bit-identical weights; a negative count is refused."""
+    threads = set()
+
+    class Recorder(Counter):
+        def step(self, text):
+            threads.add(threading.current_thread().name)
+            return super().step(text)
+
+    weights = []
+    for run in ("a", "b"):
+        trainer = grpo(tmp_path, tok, environment_reward, run=run, workers=0, env_factory=Recorder)
+        trainer.train()
+        weights.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
+    assert threads == {threading.main_thread().name}
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    with pytest.raises(ValueError, match="rollout_workers must be an integer >= 0"):
+        RolloutRunner(tok, env_factory=Counter, workers=-1)

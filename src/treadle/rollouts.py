@@ -16,6 +16,11 @@ used up: then it is *truncated*, and an observation that does not fit is dropped
 the steps of one rollout never overlap, but steps of *different* instances do, so whatever instances share
 (a module-level cache, a client, a tool's global state) must be thread-safe. Sampling goes on meanwhile: a
 rollout waiting for its environment sits out while the others keep sampling (``generation.generate_turns``).
+Each row's random draws are keyed by its own position, so the same seed samples the same tokens whenever its
+environment answers; but which rows share a forward then depends on the threads' timing, and a batched forward
+can differ in the last bit with its batch, which can flip a later draw. ``rollout_workers=0`` steps the
+environments in the sampling loop instead: the same seed gives the same rollouts bit for bit (right for fast
+tools such as a calculator; a slow environment then holds up every row).
 
 **Tools** are built on it: :class:`ToolEnvironment` parses the calls in a model turn, runs the functions and
 answers with their results as a ``"tool"`` turn; a turn without a call ends the rollout. A tool is a plain
@@ -243,8 +248,9 @@ class RolloutRunner:
             raise TypeError(f"tools must be a non-empty list of functions, got {tools!r}")
         if env_factory is not None and not callable(env_factory):
             raise TypeError(f"env_factory must be a callable that returns a new environment, got {env_factory!r}")
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"rollout_workers must be an integer >= 1, got {workers!r}")
+        if not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"rollout_workers must be an integer >= 0 (0: step the environments in the sampling "
+                             f"loop), got {workers!r}")
         if tool_timeout is not None and not tool_timeout > 0:
             raise ValueError(f"tool_timeout must be > 0 seconds (or None for no limit), got {tool_timeout!r}")
         self.tokenizer, self.env_factory = tokenizer, env_factory
@@ -256,7 +262,7 @@ class RolloutRunner:
             _check_json_schemas(self.tools)
         self.tool_options = dict(call_format=self.call_format, max_tool_calling_iterations=max_tool_calling_iterations,
                                  tool_timeout=tool_timeout)
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="treadle-env")
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="treadle-env") if workers else None
 
     def new_environment(self):
         """A fresh environment for one rollout."""
@@ -298,7 +304,7 @@ class RolloutRunner:
         turn through ``generate_completions``. ``sampling``: temperature, top_p, top_k, repetition_penalty,
         do_sample as in ``generate_completions``."""
         envs = [self.new_environment() for _ in rows]
-        firsts = list(self.pool.map(lambda env, row: env.reset(row), envs, rows))
+        firsts = list((self.pool.map if self.pool else map)(lambda env, row: env.reset(row), envs, rows))
         prompts = [_with_first_observation(row["prompt"], first) for row, first in zip(rows, firsts)]
         chat = [is_conversation(p) for p in prompts]
         prompt_ids = self.encode_prompts(prompts, max_prompt_length)
@@ -324,7 +330,7 @@ class RolloutRunner:
 
         kwargs = dict(num_generations=group, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                       pad_token_id=pad_token_id, generator=generator, **sampling)
-        respond = lambda row, turn_ids: self.pool.submit(step, row, turn_ids)  # noqa: E731
+        respond = step if self.pool is None else (lambda row, turn_ids: self.pool.submit(step, row, turn_ids))
         generation = None
         if backend != "hf":
             try:
@@ -362,7 +368,8 @@ class RolloutRunner:
 
     def close(self) -> None:
         """Stop the thread pool (a tool still running past its timeout is left to finish on its own)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _check_json_schemas(tools: list) -> None:

@@ -151,7 +151,7 @@ class GRPOConfig(TrainingArguments):
     max_tool_calling_iterations: int | None = None  # TRL's name: most turns with tool calls per rollout; None: no cap
     tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
     tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
-    rollout_workers: int = 8  # threads that step the environments (run the tools) of a batch concurrently
+    rollout_workers: int = 8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
 
     # --- padding-free training forwards (issue 18)
     padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
