@@ -1,5 +1,7 @@
-"""``treadle demo --task tools``: the calculator, the SFT transcripts, the toy task's split and the CLI dispatch (the
-whole demo is measured in the README, not run here)."""
+"""``treadle demo --task tools``: the calculator, the SFT transcripts, the toy task's split, the CLI dispatch, the
+held-out scorer (GRPOTrainer.evaluate) and a short run of the whole demo (its figures are measured in the README)."""
+
+import json
 
 import pytest
 
@@ -47,3 +49,34 @@ def test_the_cli_runs_the_tools_demo_and_keeps_the_default(monkeypatch):
     assert (task, settings.seed, settings.grpo_steps, default_task) == ("tools", 3, 7, "addition")
     with pytest.raises(ValueError, match="--sft-steps"):
         demo_tools.ToolsDemoSettings(sft_steps=0)
+
+
+def test_the_score_is_evaluate_and_the_written_transcripts_agree_with_it(tmp_path, monkeypatch):
+    """score_tools is GRPOTrainer.evaluate()'s greedy eval_pass@1 under the exact-match reward (here replaced by
+    one that passes the problems with an even answer), and the transcripts it writes mark the same problems."""
+    tok = toy.build_tokenizer()
+    test = toy.load_task("tools", "test", kind="rl", n=12)
+    monkeypatch.setattr(toy, "addition_reward", lambda completions, answer, **k: [float(int(a) % 2 == 0)
+                                                                                  for a in answer])
+    model = toy.build_model("tiny", tokenizer=tok, seed=0)
+    score = demo_tools.score_tools(model, tok, test, demo_tools.ToolsDemoSettings(), tmp_path / "scored.jsonl")
+    records = [json.loads(line) for line in open(tmp_path / "scored.jsonl")]
+    assert [r["prompt"] for r in records] == test["prompt"] and [r["answer"] for r in records] == test["answer"]
+    assert [r["correct"] for r in records] == [int(a) % 2 == 0 for a in test["answer"]]
+    assert score == pytest.approx(sum(int(a) % 2 == 0 for a in test["answer"]) / 12) and 0 < score < 1
+    assert all(r["transcript"][0]["role"] == "assistant" for r in records)
+
+
+@pytest.mark.slow
+def test_a_short_tools_demo_writes_its_run_folder(tmp_path):
+    settings = demo_tools.ToolsDemoSettings(eval_size=16, sft_problems=64, sft_steps=4, sft_probe_size=8,
+                                            sft_check_every=2, grpo_steps=2, grpo_batch_size=16)
+    assert demo_tools.run_tools_demo(settings, str(tmp_path)) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    stages = {s["stage"]: s for s in results["stages"]}
+    assert list(stages) == ["untrained", "after SFT", "GRPO + tool", "no-tool ctrl"]
+    assert stages["GRPO + tool"]["steps"] == 2 and results["heldout_problems"] == 16
+    for name, stage in zip(("untrained", "sft", "grpo", "control"), stages.values()):
+        records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+        assert len(records) == 16 and stage["accuracy"] == sum(r["correct"] for r in records) / 16
+    assert (tmp_path / "grpo" / "metrics.jsonl").is_file() and (tmp_path / "grpo" / "plots" / "training.png").is_file()
