@@ -39,3 +39,22 @@ def model():
 @pytest.fixture
 def rows():
     return lm_rows()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The toy character tokenizer (treadle.toy), built once per module."""
+    from treadle import toy
+
+    return toy.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models: their matrices gain nothing from a second thread, which on
+    a loaded machine only adds synchronisation (seconds per step). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

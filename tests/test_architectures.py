@@ -38,14 +38,7 @@ PROMPTS = [[TOK.bos_token_id] + TOK.encode("12+34=", add_special_tokens=False),
            TOK.encode("7+8=", add_special_tokens=False)]
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: a second thread only adds synchronisation (seconds per step on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 def build(name: str, seed: int = 0):
     config_name, fields = ARCHITECTURES[name]

@@ -16,12 +16,7 @@ COMMON = dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, di
               logging_steps=1, report_to="none")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

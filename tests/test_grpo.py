@@ -20,11 +20,6 @@ EOS = 2  # the toy tokenizer's eos id
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def dataset():
     return toy.load_task("addition", kind="rl", n=32)
 

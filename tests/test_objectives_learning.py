@@ -17,18 +17,7 @@ from treadle.trainers.dpo import DPOConfig, DPOTrainer
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a loaded machine threads make them many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def digits(completion_ids, **kwargs):

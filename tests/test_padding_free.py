@@ -18,11 +18,6 @@ from treadle.losses import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer()
-
-
 def tiny(tok, attn: str = "sdpa", seed: int = 0):
     model = toy.build_model("tiny", tokenizer=tok, seed=seed)
     model.config._attn_implementation = attn

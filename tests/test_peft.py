@@ -27,18 +27,7 @@ COMMON = dict(disable_tqdm=True, save_strategy="no", per_device_train_batch_size
               logging_steps=1, report_to="none")
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: a second thread only adds synchronisation (seconds per step on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-@pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lora(**overrides):

@@ -33,18 +33,7 @@ def tiny_reward_model(seed=0):
         return LlamaForSequenceClassification(config)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a loaded machine threads make them many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_trainer(tmp_path, tok, rows=PAIRS, model=None, **overrides):

@@ -18,11 +18,6 @@ from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 EOS = 2  # the toy tokenizer's eos id
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return toy.build_tokenizer()
-
-
 def chatty_model(tok, seed=0, eos_bias=2.5):
     """The tiny toy model with a bias on the EOS logit, so that its random turns end after a few tokens. The bias
     lives in the LM head, where both sampling and treadle.logprobs read it."""
