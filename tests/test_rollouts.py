@@ -417,3 +417,24 @@ def test_rollout_workers_zero_steps_in_the_loop_and_a_seed_trains_the_same_weigh
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     with pytest.raises(ValueError, match="rollout_workers must be an integer >= 0"):
         RolloutRunner(tok, env_factory=Counter, workers=-1)
+
+
+def test_an_observation_longer_than_the_model_is_tokenised_without_a_tokenizer_warning():
+    """A tool answer longer than the model's positions is the decode loop's to drop (it cannot fit in the rollout),
+    not a tokenizer matter: transformers' "sequence length is longer than the specified maximum" warning stays
+    silent (it used to appear once in every tools demo)."""
+    import logging
+
+    fresh = toy.build_tokenizer()  # the warning is given once per tokenizer
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        runner = RolloutRunner(fresh, env_factory=Counter, workers=0)
+        ids = runner.observation_ids("9" * (fresh.model_max_length + 10), "user", chat=False)
+    finally:
+        logger.removeHandler(handler)
+    assert len(ids) == fresh.model_max_length + 10
+    assert not [m for m in seen if "longer than the specified maximum" in m]

@@ -284,8 +284,10 @@ class RolloutRunner:
     def observation_ids(self, text: str, role: str, chat: bool) -> list[int]:
         """The tokens an observation adds: its text (text prompts), or a ``role`` turn rendered by the chat
         template up to the next generation prompt (chat prompts)."""
+        # verbose=False: an observation longer than the model's positions is not a tokenizer matter; the decode
+        # loop drops one that does not fit in max_completion_length
         if not chat:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+            return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) if text else []
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         before = self.tokenizer.apply_chat_template(base, tokenize=False)
         after = self.tokenizer.apply_chat_template(base + [{"role": role, "content": text}], tokenize=False,
@@ -293,7 +295,7 @@ class RolloutRunner:
         if not after.startswith(before):
             raise ValueError(f"the chat template does not render a {role!r} turn by appending to the conversation "
                              f"({before!r} is not a prefix of {after!r}); give the rows as text prompts")
-        return list(self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(after[len(before):], add_special_tokens=False, verbose=False)["input_ids"])
 
     def run(self, model, rows: list[dict], *, num_generations: int, max_new_tokens: int, eos_token_id,
             pad_token_id: int, max_prompt_length: int | None = None, generator: torch.Generator | None = None,
