@@ -139,16 +139,14 @@ def tools_grpo(model, tokenizer, settings: ToolsDemoSettings, output_dir: Path, 
     args = GRPOConfig(output_dir=str(output_dir), max_steps=settings.grpo_steps, seed=settings.seed,
                       learning_rate=settings.grpo_learning_rate, per_device_train_batch_size=settings.grpo_batch_size,
                       num_generations=settings.num_generations, max_completion_length=settings.max_completion_length,
-                      temperature=settings.temperature, lr_scheduler_type="constant_with_warmup", warmup_steps=0.1, logging_steps=5,
-                      save_strategy="no", log_completions=use_tools, disable_tqdm=True,
+                      temperature=settings.temperature, lr_scheduler_type="constant_with_warmup", warmup_steps=0.1,
+                      logging_steps=5, save_strategy="no", log_completions=use_tools, disable_tqdm=True,
                       rollout_workers=0)  # calc takes microseconds: stepping it in the loop makes a seed exact
     trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
                           train_dataset=toy.load_task("tools", "train", kind="rl", seed=settings.seed),
                           tools=[toy.calc] if use_tools else None)
     start = time.time()
-    trainer.train()
-    if trainer.rollout_runner is not None:
-        trainer.rollout_runner.close()
+    trainer.train()  # rollout_workers=0: no thread pool to close
     return trainer.state.global_step, time.time() - start
 
 
@@ -178,8 +176,4 @@ def score_tools(model, tokenizer, dataset, settings: ToolsDemoSettings, completi
         trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
                               eval_dataset=dataset, tools=[toy.calc] if use_tools else None,
                               compute_metrics=write_transcripts if completions_file is not None else None)
-        try:
-            return trainer.evaluate()["eval_pass@1"]
-        finally:
-            if trainer.rollout_runner is not None:
-                trainer.rollout_runner.close()
+        return trainer.evaluate()["eval_pass@1"]  # rollout_workers=0: no thread pool to close

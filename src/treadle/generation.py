@@ -53,6 +53,7 @@ __all__ = [
     "apply_top_k",
     "apply_top_p",
     "completion_masks",
+    "distinct_prompts",
     "generate_completions",
     "generate_turns",
     "pack_turns",
@@ -194,6 +195,15 @@ def sample_next_tokens(scores: Tensor, do_sample: bool, generator: torch.Generat
 # ---------------------------------------------------------------------------------------------------------
 # Inputs and outputs.
 # ---------------------------------------------------------------------------------------------------------
+
+def distinct_prompts(prompt_ids: list[list[int]], group: int) -> tuple[list[list[int]], int]:
+    """``(distinct prompts, completions per prompt)`` for rows that may hold whole groups: when every run of
+    ``group`` rows repeats one prompt, each prompt once and ``group`` (the layout :func:`generate_completions`
+    returns); otherwise every row's prompt and 1."""
+    grouped = len(prompt_ids) % group == 0 and all(prompt_ids[i] == prompt_ids[i - i % group]
+                                                   for i in range(len(prompt_ids)))
+    return (prompt_ids[::group], group) if grouped else (prompt_ids, 1)
+
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu"
              ) -> tuple[Tensor, Tensor]:
@@ -763,7 +773,7 @@ def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampli
             continue
         state = decoder.state
         scores = process_logits(state.logits, params, state.seen)
-        sampled = draws.sample(scores, [(r, min(len(rows.tokens[r]), params.max_new_tokens - 1)) for r in row_ids])
+        sampled = draws.sample(scores, row_ids, [len(rows.tokens[r]) for r in row_ids])
         logps = scores.log_softmax(dim=-1).gather(1, sampled[:, None]).squeeze(1)
         added = [rows.emit(r, t, lp) for r, t, lp in zip(row_ids, sampled.tolist(), logps.tolist())]
         keep = [i for i, r in enumerate(row_ids) if rows.mode[r] != _DONE]
@@ -790,13 +800,14 @@ class _RowDraws:
         self.uniforms = (torch.rand((rows, params.max_new_tokens), generator=generator, device=where).to(device)
                          if self.do_sample else None)
 
-    def sample(self, scores: Tensor, keys: list[tuple[int, int]]) -> Tensor:
-        """(N,) tokens from processed scores (N, V); ``keys``: each score row's (output row, position). Rows
-        that are not sampling (waiting, done) get a draw too, which nobody reads."""
+    def sample(self, scores: Tensor, rows: list[int], positions: list[int]) -> Tensor:
+        """(N,) tokens from processed scores (N, V) of output ``rows`` at ``positions`` in their completions.
+        Rows that are not sampling (waiting, done: maybe at the end of their budget) get a draw too, which
+        nobody reads."""
         if not self.do_sample:
             return scores.argmax(dim=-1)
-        rows, positions = zip(*keys)
-        u = self.uniforms[list(rows), list(positions)]  # (N,)
+        last = self.uniforms.shape[1] - 1
+        u = self.uniforms[rows, [min(p, last) for p in positions]]  # (N,)
         cdf = scores.float().softmax(dim=-1).cumsum(dim=-1)  # (N, V)
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         return tokens.clamp(max=scores.shape[-1] - 1)  # right=True: never a token of probability 0

@@ -67,7 +67,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from treadle.data import encode_prompts, is_conversation
-from treadle.generation import MultiTurnOutput, generate_completions, generate_turns, left_pad, pack_turns
+from treadle.generation import (MultiTurnOutput, distinct_prompts, generate_completions, generate_turns, left_pad,
+                                pack_turns)
 
 __all__ = ["CALL_FORMATS", "Environment", "RolloutOutput", "RolloutRunner", "ToolEnvironment", "check_tool",
            "environment_reward", "rollout_metrics"]
@@ -310,9 +311,7 @@ class RolloutRunner:
         prompts = [_with_first_observation(row["prompt"], first) for row, first in zip(rows, firsts)]
         chat = [is_conversation(p) for p in prompts]
         prompt_ids = self.encode_prompts(prompts, max_prompt_length)
-        group = num_generations
-        grouped = len(rows) % group == 0 and all(prompt_ids[i] == prompt_ids[i - i % group] for i in range(len(rows)))
-        distinct, group = (prompt_ids[::group], group) if grouped else (prompt_ids, 1)
+        distinct, group = distinct_prompts(prompt_ids, num_generations)
         observations: list[list[str]] = [[] for _ in rows]
         rewards: list[list[float]] = [[] for _ in rows]
 

@@ -76,7 +76,7 @@ from treadle import checkpoint as ckpt
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import RepeatSampler, column_names, encode_prompt, is_conversation, pad_token_id, require_columns
-from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, generate_completions
+from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, distinct_prompts, generate_completions
 from treadle.logprobs import token_logps
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages)
@@ -277,6 +277,17 @@ def _either(values: list[int]) -> str:
     return " or ".join(str(v) for v in values) if values else "(none)"
 
 
+def _sample_record(rows: list[dict], out: GenerationOutput, completions: list, completion_lists: list,
+                   **extra) -> dict[str, Any]:
+    """What sampling returns (``GRPOTrainer._sample`` and ``rollout``): the rows' prompts and other columns,
+    the decoded completions and their token lists, the generation's tensors, and ``extra`` entries."""
+    return {"prompts": [row["prompt"] for row in rows],
+            "columns": {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"},
+            "completions": completions, "completion_lists": completion_lists, "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_mask, "completion_ids": out.completion_ids,
+            "completion_mask": out.completion_mask, "is_truncated": out.is_truncated, **extra}
+
+
 def _keep_rows(rows: list[dict]) -> list[dict]:
     """The collator: GRPO batches stay lists of dataset rows (prompts are tokenised when sampled)."""
     return rows
@@ -467,24 +478,16 @@ class GRPOTrainer(Trainer):
         prompt is prefilled once. With tools or an environment, ``rollout`` samples instead."""
         if self.rollout_runner is not None:
             return self.rollout(rows, generator, mode=mode)
-        group = self._group_size(mode)
         prompts = [row["prompt"] for row in rows]
-        columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
-        prompt_ids = self._tokenize_prompts(prompts)
-        grouped = len(rows) % group == 0 and all(prompt_ids[i] == prompt_ids[i - i % group]
-                                                 for i in range(len(rows)))
-        distinct = prompt_ids[::group] if grouped else prompt_ids
+        distinct, group = distinct_prompts(self._tokenize_prompts(prompts), self._group_size(mode))
         settings = {"mode": mode} if mode != "train" else {}  # an engine written for training only still trains
-        out = self.generate(distinct, num_generations=group if grouped else 1, generator=generator, **settings)
+        out = self.generate(distinct, num_generations=group, generator=generator, **settings)
         lengths = out.completion_mask.sum(dim=1).tolist()
         completion_lists = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
         texts = self.processing_class.batch_decode(completion_lists, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if is_conversation(p) else t
                        for p, t in zip(prompts, texts)]
-        return {"prompts": prompts, "columns": columns, "completions": completions,
-                "completion_lists": completion_lists, "prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
-                "completion_ids": out.completion_ids, "completion_mask": out.completion_mask,
-                "is_truncated": out.is_truncated}
+        return _sample_record(rows, out, completions, completion_lists)
 
     def _group_size(self, mode: str) -> int:
         """Completions per prompt in ``mode``: ``num_generations`` (train), ``num_generations_eval`` (eval), 1."""
@@ -501,14 +504,11 @@ class GRPOTrainer(Trainer):
             eos_token_id=self.processing_class.eos_token_id, pad_token_id=self.pad_token_id,
             max_prompt_length=args.max_prompt_length, generator=generator, backend=args.generation_backend,
             repetition_penalty=args.repetition_penalty, **self.sampling_settings(mode))
-        columns = {k: [row[k] for row in rows] for k in rows[0] if k != "prompt"}
-        columns.update(transcript=out.transcripts, env_reward=out.env_rewards)
-        g = out.generation
-        return {"prompts": [row["prompt"] for row in rows], "columns": columns, "completions": out.completions,
-                "completion_lists": out.completion_lists, "prompt_ids": g.prompt_ids, "prompt_mask": g.prompt_mask,
-                "completion_ids": g.completion_ids, "completion_mask": g.completion_mask,
-                "is_truncated": g.is_truncated, "sampled_mask": g.sampled_mask, "transcripts": out.transcripts,
-                "rollout_metrics": out.metrics}
+        sample = _sample_record(rows, out.generation, out.completions, out.completion_lists,
+                                sampled_mask=out.generation.sampled_mask, transcripts=out.transcripts,
+                                rollout_metrics=out.metrics)
+        sample["columns"].update(transcript=out.transcripts, env_reward=out.env_rewards)
+        return sample
 
     def _tokenize_prompts(self, prompts: list) -> list[list[int]]:
         """Token ids of each prompt (``treadle.data.encode_prompt``: text with the tokenizer's special tokens,
