@@ -159,12 +159,18 @@ def test_grpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_typ
         micro_batches.append(batch)
     tokens = int(sum(b["completion_mask"].sum() for b in micro_batches))
     items = 8 if loss_type == "grpo" else tokens
+    assert_window_equal_both_ways(trainer, micro_batches, items)  # one window of two micro-batches
+
+
+def assert_window_equal_both_ways(trainer, micro_batches: list, items: int) -> None:
+    """The losses of an accumulation window's micro-batches and the gradients they leave are the same with
+    ``padding_free`` off and on (to TOL)."""
     results = []
     for padding_free in (False, True):
-        args.padding_free = padding_free
+        trainer.args.padding_free = padding_free
         trainer.model.zero_grad()
         losses = []
-        for batch in micro_batches:  # one accumulation window of two micro-batches
+        for batch in micro_batches:
             loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=items)
             loss.backward()
             losses.append(loss.detach())
@@ -191,16 +197,4 @@ def test_dpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_type
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     batches = [trainer.prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in part]))
                for part in ([0, 1], [2])]
-    results = []
-    for padding_free in (False, True):
-        args.padding_free = padding_free
-        trainer.model.zero_grad()
-        losses = []
-        for batch in batches:
-            loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=3)
-            loss.backward()
-            losses.append(loss.detach())
-        results.append((torch.stack(losses), [p.grad.clone() for p in trainer.model.parameters()]))
-    torch.testing.assert_close(results[1][0], results[0][0], **TOL)
-    for g, g2 in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(g2, g, **TOL)
+    assert_window_equal_both_ways(trainer, batches, 3)
