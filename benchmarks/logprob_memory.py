@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
+from _memory import MiB, peak_memory  # noqa: E402
 from treadle.logprobs import chunked_token_logps  # noqa: E402
 
-MiB = 2**20
 
 
 def full_logps(hidden, weight, labels):
@@ -54,32 +54,11 @@ def run(fn, hidden, weight, labels):
     fn(hidden, weight, labels).sum().backward()
 
 
-def peak_cuda(fn, *inputs):
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+def measure(fn, *inputs, device: str):
+    """(peak MiB, seconds) of one forward + backward of ``fn`` on ``inputs``."""
     start = time.perf_counter()
-    run(fn, *inputs)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return (torch.cuda.max_memory_allocated() - before) / MiB, seconds
-
-
-def peak_cpu(fn, *inputs):
-    from torch.profiler import ProfilerActivity, profile
-
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run(fn, *inputs)
-    seconds = time.perf_counter() - start
-    # Allocation records have the name "[memory]" and a signed size (negative for a free).
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak / MiB, seconds
+    _, peak = peak_memory(lambda: run(fn, *inputs), device)
+    return peak, time.perf_counter() - start
 
 
 def main(argv=None):
@@ -98,7 +77,6 @@ def main(argv=None):
     hidden_size = args.hidden or (512 if args.small else 1024)
     dtype = getattr(torch, args.dtype)
     n = batch * args.seq
-    measure = peak_cuda if args.device.startswith("cuda") else peak_cpu
 
     inputs = make_inputs(n, vocab, hidden_size, dtype, args.device)
 
@@ -107,7 +85,7 @@ def main(argv=None):
 
     results, grads = {}, {}
     for name, fn in (("full log-softmax", full_logps), (f"chunked ({args.chunk_size} rows)", chunked)):
-        results[name] = measure(fn, *inputs)
+        results[name] = measure(fn, *inputs, device=args.device)
         grads[name] = (inputs[0].grad.float(), inputs[1].grad.float())
         inputs[0].grad = inputs[1].grad = None
 

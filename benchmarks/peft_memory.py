@@ -27,12 +27,13 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+from _memory import MiB, peak_memory  # noqa: E402  (this folder is on sys.path when a script in it runs)
 
-MiB = 2**20
 MODES = ("lora-adapters-off", "lora-full-copy", "full-ft")
 TRAINERS = ("dpo", "grpo")
 
@@ -74,25 +75,7 @@ def measure_one(trainer_name: str, mode: str, size: str, device: str, output_dir
         trainer.train()
         return trainer
 
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        trainer = run()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - before) / MiB
-    else:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            trainer = run()
-        events = [e for e in prof.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"]
-        live = peak_bytes = 0
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            live += event.nbytes()
-            peak_bytes = max(peak_bytes, live)
-        peak = peak_bytes / MiB
+    trainer, peak = peak_memory(run, device)
     from treadle.models import parameter_counts
 
     trainable, total = parameter_counts(trainer.model)
@@ -109,17 +92,18 @@ def main(argv=None):
     parser.add_argument("--size", default="small", choices=["tiny", "small", "base"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--one", nargs=2, metavar=("TRAINER", "MODE"), help="measure one configuration (internal)")
-    parser.add_argument("--output-dir", default="/tmp/treadle-peft-memory")
+    parser.add_argument("--output-dir", default=None, help="a folder for the runs (default: a new temporary one)")
     args = parser.parse_args(argv)
     if args.one:
         torch.set_num_threads(1)
         print(json.dumps(measure_one(*args.one, args.size, args.device, args.output_dir)))
         return
-    rows = []
+    rows, root = [], args.output_dir or tempfile.mkdtemp(prefix="treadle-peft-memory-")
     for trainer_name in TRAINERS:
-        for mode in MODES:
+        for mode in MODES:  # a run folder belongs to one run: each configuration gets its own
+            run_dir = os.path.join(root, f"{trainer_name}-{mode}")
             proc = subprocess.run([sys.executable, __file__, "--one", trainer_name, mode, "--size", args.size,
-                                   "--device", args.device, "--output-dir", args.output_dir],
+                                   "--device", args.device, "--output-dir", run_dir],
                                   capture_output=True, text=True, check=True)
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     print(f"toy:{args.size} on {args.device}; peak tensor memory during build + 3 training steps, above the base model")

@@ -29,7 +29,7 @@ IMPORTS = {
 # Time from interpreter start to the end of the first optimizer step on the same tiny model and data.
 FIRST_STEP = {
     "treadle Trainer": """
-import time, sys; t0 = time.perf_counter()
+import time, sys, tempfile; t0 = time.perf_counter()
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from treadle import Trainer, TrainingArguments, TrainerCallback
@@ -39,11 +39,11 @@ class Stop(TrainerCallback):
 model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4))
 rows = [{"input_ids": [1, 2, 3, 4] * 8, "labels": [1, 2, 3, 4] * 8}] * 16
-Trainer(model, TrainingArguments(output_dir="/tmp/treadle-startup", max_steps=5, disable_tqdm=True,
+Trainer(model, TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=5, disable_tqdm=True,
         save_strategy="no", logging_steps=100), train_dataset=rows, callbacks=[Stop()]).train()
 """,
     "transformers Trainer": """
-import time, sys; t0 = time.perf_counter()
+import time, sys, tempfile; t0 = time.perf_counter()
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments, TrainerCallback
 class Stop(TrainerCallback):
@@ -52,7 +52,7 @@ class Stop(TrainerCallback):
 model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4))
 rows = [{"input_ids": [1, 2, 3, 4] * 8, "labels": [1, 2, 3, 4] * 8}] * 16
-Trainer(model=model, args=TrainingArguments(output_dir="/tmp/hf-startup", max_steps=5, disable_tqdm=True,
+Trainer(model=model, args=TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=5, disable_tqdm=True,
         save_strategy="no", logging_steps=100, report_to="none", use_cpu=True), train_dataset=rows,
         callbacks=[Stop()]).train()
 """,
