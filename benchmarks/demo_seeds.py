@@ -26,7 +26,7 @@ def control(settings, sft_checkpoint: str, out: Path) -> float:
     """Held-out exact match after ``grpo_steps`` more SFT steps from the SFT checkpoint (gold answers)."""
     from treadle import toy
     from treadle.demo import ACCURACY, evaluate_heldout
-    from treadle.models import load_model
+    from treadle.loading import load_model
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     tokenizer = toy.build_tokenizer()

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 def main(argv=None):
     from peft import LoraConfig
 
-    from treadle import models, toy
+    from treadle import peft as treadle_peft, toy
     from treadle.generation import generate_completions
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -39,7 +39,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     tokenizer = toy.build_tokenizer()
-    model = models.apply_peft(toy.build_model(args.size, tokenizer=tokenizer),
+    model = treadle_peft.apply_peft(toy.build_model(args.size, tokenizer=tokenizer),
                               LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM",
                                          init_lora_weights=False)).to(args.device)
     prompts = [tokenizer.encode(f"{10 + i}+{50 + i}=") for i in range(args.prompts)]

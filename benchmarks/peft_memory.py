@@ -76,7 +76,7 @@ def measure_one(trainer_name: str, mode: str, size: str, device: str, output_dir
         return trainer
 
     trainer, peak = peak_memory(run, device)
-    from treadle.models import parameter_counts
+    from treadle.peft import parameter_counts
 
     trainable, total = parameter_counts(trainer.model)
     reference = getattr(trainer, "ref_model", None)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from treadle import cli
-from treadle.data import load_dataset
-from treadle.rewards import load_reward_funcs
+from treadle.loading import load_dataset
+from treadle.loading import load_reward_funcs
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from treadle import toy
-from treadle.data import (RepeatSampler, SeededSampler, collator_for, encode_prompt, encode_prompts,
-                          is_conversation, long_tensor, pad_token_id, render_chat_prompt, require_columns,
-                          right_padded, split_chat_completion, with_eos)
+from treadle.data import RepeatSampler, SeededSampler, collator_for, require_columns
+from treadle.packing import long_tensor, right_padded
+from treadle.text import (encode_prompt, encode_prompts, is_conversation, pad_token_id, render_chat_prompt,
+                          split_chat_completion, with_eos)
 
 
 def test_seeded_sampler_is_a_function_of_seed_and_epoch():

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from treadle import toy
-from treadle.data import best_fit_bins, pack_padded_batch
+from treadle.packing import best_fit_bins, pack_padded_batch
 from treadle.logprobs import token_logps
 from treadle.losses import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
 

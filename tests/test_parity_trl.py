@@ -147,7 +147,7 @@ class FixedCompletions(treadle.GRPOTrainer):
 
 def trl_rollout(tokenizer):
     """TRL's ``rollout_func`` handing out the same FIXED completions in the same order."""
-    from treadle.data import encode_prompt
+    from treadle.text import encode_prompt
 
     state = {"handed_out": 0}
 

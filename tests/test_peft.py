@@ -16,7 +16,8 @@ import torch
 peft = pytest.importorskip("peft")
 
 from treadle import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer,  # noqa: E402
-                     TrainerCallback, models, toy)
+                     TrainerCallback, toy)
+from treadle import peft as treadle_peft  # noqa: E402
 from treadle.generation import generate_completions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,10 +117,10 @@ def test_reward_trainer_with_a_sequence_classification_lora(tmp_path, tok):
 def test_trainable_and_total_parameters_are_printed_and_counted(tok, capsys):
     model = toy.build_model("tiny", tokenizer=tok)
     total = sum(p.numel() for p in model.parameters())  # tied embeddings count once
-    wrapped = models.apply_peft(model, lora(target_modules=["q_proj", "v_proj"]))
+    wrapped = treadle_peft.apply_peft(model, lora(target_modules=["q_proj", "v_proj"]))
     # per layer: q_proj 64->64 and v_proj 64->64 (4 kv heads of 16), A is r x in, B is out x r
     per_layer = 2 * (4 * 64 + 64 * 4)
-    assert models.parameter_counts(wrapped) == (2 * per_layer, total + 2 * per_layer)
+    assert treadle_peft.parameter_counts(wrapped) == (2 * per_layer, total + 2 * per_layer)
     assert f"{2 * per_layer:,} trainable of {total + 2 * per_layer:,} parameters" in capsys.readouterr().out
 
 
@@ -161,7 +162,7 @@ def test_grpo_kl_reference_is_the_base_model(tmp_path, tok):
 
 # ---- generation samples from the adapted model -------------------------------------------------------------
 def test_fast_generation_samples_from_the_adapted_model(tok):
-    model = models.apply_peft(toy.build_model("tiny", tokenizer=tok), lora(init_lora_weights=False))
+    model = treadle_peft.apply_peft(toy.build_model("tiny", tokenizer=tok), lora(init_lora_weights=False))
     prompts = [[1, 9, 10, 79], [1, 12, 87]]
     out = generate_completions(model, prompts, num_generations=1, max_new_tokens=6, eos_token_id=None,
                                pad_token_id=0, do_sample=False, backend="fast")
@@ -221,11 +222,11 @@ def test_checkpoint_holds_the_adapter_and_loads_back(tmp_path, tok):
     folder = Path(trainer.args.output_dir) / "checkpoint-2"
     assert {"adapter_model.safetensors", "adapter_config.json", "optimizer.pt"} <= set(os.listdir(folder))
     assert not (folder / "model.safetensors").exists()
-    fresh = models.apply_peft(toy.build_model("tiny", tokenizer=tok), lora())
+    fresh = treadle_peft.apply_peft(toy.build_model("tiny", tokenizer=tok), lora())
     ckpt.load_weights(fresh, str(folder))
     torch.testing.assert_close(logits(fresh), logits(trainer.model), rtol=0, atol=0)
     with pytest.raises(ckpt.CheckpointError, match="do not fit"):  # another rank: checked before loading
-        ckpt.load_weights(models.apply_peft(toy.build_model("tiny", tokenizer=tok), lora(r=2)), str(folder))
+        ckpt.load_weights(treadle_peft.apply_peft(toy.build_model("tiny", tokenizer=tok), lora(r=2)), str(folder))
 
 
 RESUME_SCRIPT = """
@@ -272,29 +273,29 @@ def test_a_lora_run_resumes_exactly_in_a_new_process(tmp_path):
 
 # ---- the peft: mapping, errors ---------------------------------------------------------------------------
 def test_lora_config_from_a_yaml_mapping():
-    config = models.lora_config({"r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": "all-linear",
+    config = treadle_peft.lora_config({"r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": "all-linear",
                                  "modules_to_save": ["lm_head"]})
     assert isinstance(config, peft.LoraConfig) and config.task_type == "CAUSAL_LM"
     assert (config.r, config.lora_alpha, config.target_modules) == (8, 16, "all-linear")
     with pytest.raises(ValueError, match="unknown LoraConfig key.*'rank'"):
-        models.lora_config({"rank": 8})
+        treadle_peft.lora_config({"rank": 8})
     with pytest.raises(ValueError, match="must be a mapping"):
-        models.lora_config([8])
+        treadle_peft.lora_config([8])
 
 
 def test_missing_peft_names_the_install_command(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ImportError, match=r"pip install 'treadle\[peft\]'"):
-        models.apply_peft(toy.build_model("tiny", tokenizer=tok), object())
+        treadle_peft.apply_peft(toy.build_model("tiny", tokenizer=tok), object())
 
 
 def test_bad_peft_config_and_double_wrapping_are_refused(tok):
     model = toy.build_model("tiny", tokenizer=tok)
     with pytest.raises(TypeError, match="peft_config must be a peft config"):
-        models.apply_peft(model, {"r": 8})
-    wrapped = models.apply_peft(model, lora())
+        treadle_peft.apply_peft(model, {"r": 8})
+    wrapped = treadle_peft.apply_peft(model, lora())
     with pytest.raises(ValueError, match="already a PEFT model"):
-        models.apply_peft(wrapped, lora())
+        treadle_peft.apply_peft(wrapped, lora())
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from treadle import report
+from treadle import plots, report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -49,7 +49,7 @@ def assert_png(path):
 # ---------------------------------------------------------------------------------------------- reading
 
 def test_series_use_only_the_events_that_have_the_key():
-    series = report.collect_series(sft_events())
+    series = plots.collect_series(sft_events())
     assert series["loss"] == ([1, 2, 3, 4, 5], LOSS)
     assert series["eval_loss"] == ([2, 4], EVAL_LOSS)
     assert series["train_runtime"] == ([5], [3.5])
@@ -57,7 +57,7 @@ def test_series_use_only_the_events_that_have_the_key():
 
 
 def test_panel_layout_sft_draws_eval_loss_over_the_training_loss():
-    layout = report.panel_layout(report.collect_series(sft_events()))
+    layout = plots.panel_layout(plots.collect_series(sft_events()))
     assert layout == {"training": {"loss": ["loss", "eval_loss"], "learning_rate": ["learning_rate"],
                                    "grad_norm": ["grad_norm"]}}
 
@@ -68,7 +68,7 @@ def test_panel_layout_grpo_and_dpo_keys():
             "clip_ratio/region_mean": 0.0, "num_tokens": 640}
     dpo = {"step": 2, "rewards/chosen": 0.3, "rewards/rejected": -0.2, "rewards/accuracies": 0.75,
            "rewards/margins": 0.5, "logps/chosen": -3.0, "logps/rejected": -4.0, "eval_reward": 0.6}
-    layout = report.panel_layout(report.collect_series([grpo, dpo]))
+    layout = plots.panel_layout(plots.collect_series([grpo, dpo]))
     one = lambda *keys: {key: [key] for key in keys}  # noqa: E731 - a panel per metric
     assert layout == {
         "training": {"loss": ["loss"]},
@@ -83,7 +83,7 @@ def test_panel_layout_grpo_and_dpo_keys():
 def test_grpo_reward_panel_holds_every_function_and_the_total_even_when_they_come_first():
     events = [{"step": 1, "rewards/b/mean": 1.0, "rewards/a/mean": 0.0, "rewards/a/std": 0.5, "reward": 1.0,
                "reward_std": 0.5, "eval_rewards/a/mean": 0.2}]
-    layout = report.panel_layout(report.collect_series(events))
+    layout = plots.panel_layout(plots.collect_series(events))
     assert layout == {"rewards": {"reward": ["reward", "rewards/b/mean", "rewards/a/mean", "eval_rewards/a/mean"],
                                   "reward_std": ["reward_std", "rewards/a/std"]}}
 
@@ -106,15 +106,15 @@ def test_print_plots_draws_them_and_says_where(tmp_path, capsys):
 
 
 def test_eval_loss_is_drawn_dashed_in_the_loss_panel(tmp_path):
-    series = report.collect_series(sft_events())
-    figure = report.build_figure("t", {"loss": {k: series[k] for k in ("loss", "eval_loss")}})
+    series = plots.collect_series(sft_events())
+    figure = plots.build_figure("t", {"loss": {k: series[k] for k in ("loss", "eval_loss")}})
     [axes] = figure.axes
     train, evaluation = axes.get_lines()
     assert list(train.get_ydata()) == LOSS and list(evaluation.get_ydata()) == EVAL_LOSS
     assert list(evaluation.get_xdata()) == [2, 4] and evaluation.get_linestyle() == "--"
     assert train.get_color() != evaluation.get_color()  # a lone pair: two colours
     # with several metrics in a panel (GRPO's rewards), each metric has one colour, its evaluation dashed
-    figure = report.build_figure("t", {"reward": {"reward": ([1, 2], [0.0, 1.0]), "eval_reward": ([2], [0.5]),
+    figure = plots.build_figure("t", {"reward": {"reward": ([1, 2], [0.0, 1.0]), "eval_reward": ([2], [0.5]),
                                                   "rewards/a/mean": ([1, 2], [1.0, 0.0])}})
     total, total_eval, function = figure.axes[0].get_lines()
     assert total.get_color() == total_eval.get_color() == "0.6" != function.get_color()
@@ -126,12 +126,12 @@ def test_a_metric_that_never_changed_is_a_line_of_text_not_a_panel():
     steps = [1, 2, 3]
     panels = {"loss": {"loss": (steps, [3.0, 2.0, 1.0])}, "clip_ratio/low_mean": {"clip_ratio/low_mean": (
         steps, [0.0] * 3)}, "kl": {"kl": (steps, [0.25] * 3)}}
-    figure = report.build_figure("t", panels)
+    figure = plots.build_figure("t", panels)
     assert [a.get_ylabel() for a in figure.axes] == ["loss"]
     text = " ".join(figure.get_supxlabel().split())  # wrapped to the figure's width
     assert text == "unchanged over the run: clip_ratio/low_mean = 0 (3 logs); kl = 0.25 (3 logs)"
     # a figure of unchanged metrics only is that text alone
-    figure = report.build_figure("t", {"kl": {"kl": (steps, [0.25] * 3)}})
+    figure = plots.build_figure("t", {"kl": {"kl": (steps, [0.25] * 3)}})
     assert figure.axes == [] and "kl = 0.25 (3 logs)" in figure.get_supxlabel()
 
 
@@ -150,7 +150,7 @@ def test_plot_run_out_dir_and_every_figure(tmp_path):
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
 def test_figure_has_one_labelled_panel_per_series_and_the_right_data(count):
     series = {f"metric_{k}": ([1, 2, 4], [float(k), k + 0.5, k - 1.0]) for k in range(count)}
-    figure = report.build_figure("title", {key: {key: line} for key, line in series.items()})
+    figure = plots.build_figure("title", {key: {key: line} for key, line in series.items()})
     assert len(figure.axes) == count  # no empty panels in the grid
     for axes, (key, (steps, values)) in zip(figure.axes, series.items()):
         assert axes.get_xlabel() == "step" and axes.get_ylabel() == key
@@ -163,7 +163,7 @@ def test_figure_has_one_labelled_panel_per_series_and_the_right_data(count):
 def test_long_noisy_series_get_a_centred_moving_average():
     steps = list(range(100))
     values = [float(s % 2) for s in steps]  # alternating 0, 1: as noisy as it gets
-    figure = report.build_figure("t", {"loss": {"loss": (steps, values)}})
+    figure = plots.build_figure("t", {"loss": {"loss": (steps, values)}})
     raw, smooth = figure.axes[0].get_lines()
     assert list(raw.get_ydata()) == values
     window = 100 // 25  # 4 -> 2 points either side, fewer at the ends
@@ -171,7 +171,7 @@ def test_long_noisy_series_get_a_centred_moving_average():
         near = values[max(0, i - window // 2):i + window // 2 + 1]
         assert smooth.get_ydata()[i] == pytest.approx(sum(near) / len(near))
     # a smooth series of the same length (a learning-rate schedule) is drawn once, unsmoothed
-    figure = report.build_figure("t", {"learning_rate": {"learning_rate": (steps, [1 - s / 100 for s in steps])}})
+    figure = plots.build_figure("t", {"learning_rate": {"learning_rate": (steps, [1 - s / 100 for s in steps])}})
     assert len(figure.axes[0].get_lines()) == 1
 
 
@@ -264,7 +264,7 @@ def embedded_pngs(page):
 def test_completions_table_has_a_column_per_reward():
     records = completion_records()[:1] + [{"step": 1, "prompt": [{"role": "user", "content": "hi"}],
                                            "completion": "x", "rewards": {"len": 2.0}, "advantage": -0.5}]
-    columns, rows = report.completions_table(records)
+    columns, rows = plots.completions_table(records)
     assert columns == ["step", "prompt", "completion", "exact", "len", "advantage"]
     assert rows == [[0, "0+1=<b>", "1", 1.0, None, 0.5],
                     [1, '[{"role": "user", "content": "hi"}]', "x", None, 2.0, -0.5]]
@@ -295,9 +295,9 @@ def test_overlay_draws_each_run_in_its_own_colour(tmp_path):
     paths = report.plot_overlay([a, b], tmp_path / "compare")
     assert paths == [tmp_path / "compare" / "training.png"]
     assert_png(paths[0])
-    series = {run: report.collect_series(report.read_events(tmp_path / run)) for run in ("a", "b")}
+    series = {run: plots.collect_series(plots.read_events(tmp_path / run)) for run in ("a", "b")}
     panels = {"loss": {f"{run}: {key}": series[run][key] for run in ("a", "b") for key in ("loss", "eval_loss")}}
-    [axes] = report.build_figure("t", panels, runs=["a", "b"]).axes
+    [axes] = plots.build_figure("t", panels, runs=["a", "b"]).axes
     lines = {line.get_label(): line for line in axes.get_lines()}
     assert list(lines["b: loss"].get_ydata()) == [2 * v for v in LOSS]
     assert lines["a: loss"].get_color() == lines["a: eval_loss"].get_color() != lines["b: loss"].get_color()
@@ -319,7 +319,7 @@ def test_an_overlay_names_a_metric_unchanged_in_every_run_once():
     steps = [1, 2]
     panels = {"kl": {"a: kl": (steps, [0.0, 0.0]), "b: kl": (steps, [0.0, 0.0])},
               "lr": {"a: lr": (steps, [1.0, 1.0]), "b: lr": (steps, [2.0, 2.0])}}
-    figure = report.build_figure("t", panels, runs=["a", "b"])
+    figure = plots.build_figure("t", panels, runs=["a", "b"])
     text = " ".join(figure.get_supxlabel().split())
     assert text == "unchanged over the run: kl = 0 (2 logs, every run); a: lr = 1 (2 logs); b: lr = 2 (2 logs)"
 
@@ -331,7 +331,7 @@ def test_a_metric_equal_to_an_earlier_one_shares_its_panel():
     events = [{"step": s, "eval_greedy/accuracy": a, "eval_greedy/rewards/f/accuracy": a, "eval_pass@1": p,
                "eval_other": a if s else 0.9, "eval_const": 0.5, "frac": a} for s, a, p in
               [(0, 0.2, 0.1), (10, 0.4, 0.3), (20, 0.5, 0.35)]]
-    layout = report.panel_layout(report.collect_series(events))
+    layout = plots.panel_layout(plots.collect_series(events))
     assert layout["eval"]["eval_greedy/accuracy"] == ["eval_greedy/accuracy", "eval_greedy/rewards/f/accuracy"]
     assert {"eval_pass@1", "eval_other", "eval_const"} <= set(layout["eval"])
     assert "eval_greedy/rewards/f/accuracy" not in layout["eval"]

@@ -336,7 +336,7 @@ def test_learning_rate_of_the_wrong_type_in_python():
 
 
 def test_json_layouts(tmp_path):
-    from treadle.data import load_dataset
+    from treadle.loading import load_dataset
 
     write_jsonl(tmp_path / "one.jsonl", ROWS[:1])  # one line: one row, never columns
     assert load_dataset(str(tmp_path / "one.jsonl")).to_list() == ROWS[:1]

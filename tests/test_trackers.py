@@ -20,7 +20,8 @@ import pytest
 from treadle import toy
 from treadle.arguments import TrainingArguments
 from treadle.report import completions_table
-from treadle.trackers import TRACKERS, is_installed, resolve_report_to, tracker_callbacks
+from treadle.arguments import TRACKERS, is_installed, resolve_report_to
+from treadle.trackers import tracker_callbacks
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
 # Trackio reads its folder once, when first imported: point it at a temporary one before anything imports it

@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "TrainingArguments": "treadle.arguments",
     "TrainerCallback": "treadle.callbacks",
-    "TrainerState": "treadle.callbacks",
-    "TrainerControl": "treadle.callbacks",
+    "TrainerState": "treadle.state",
+    "TrainerControl": "treadle.state",
     "EarlyStoppingCallback": "treadle.callbacks",
     "Trainer": "treadle.trainer",
     "EvalPrediction": "treadle.metrics",
@@ -47,8 +47,8 @@ def __dir__():
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from treadle.arguments import TrainingArguments
-    from treadle.callbacks import (EarlyStoppingCallback, TrainerCallback, TrainerControl,
-                                   TrainerState)
+    from treadle.callbacks import EarlyStoppingCallback, TrainerCallback
+    from treadle.state import TrainerControl, TrainerState
     from treadle.metrics import EvalPrediction
     from treadle.trainer import Trainer
     from treadle.trainers.dpo import DPOConfig, DPOTrainer

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.trackers import resolve_report_to
+from treadle.optim import check_scheduler_kwargs, optimizer_options
 
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "adamw_bnb_8bit",
               "paged_adamw_8bit")  # treadle.optim.build_optimizer
@@ -150,8 +152,6 @@ class TrainingArguments:
                 setattr(self, name, value := json.loads(value))
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a mapping (e.g. {{}}), got {value!r}")
-        from treadle.optim import check_scheduler_kwargs, optimizer_options
-
         check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)  # names a pointer for the refused
         optimizer_options(self.optim, self.optim_args)
 
@@ -401,3 +401,74 @@ def check_config(args, config_class: type, trainer: str):
         raise TypeError(f"{trainer} needs a {name}, got {type(args).__name__}; build one with "
                         f"{name}(**your_args.to_dict())")
     return args
+
+
+# ---------------------------------------------------------------------------------------------------------
+# report_to: the trackers treadle knows (treadle.trackers builds their callbacks)
+# ---------------------------------------------------------------------------------------------------------
+# report_to name -> (module that must import, pip package, transformers callback); the order "all" lists them in
+TRACKERS = {
+    "wandb": ("wandb", "wandb", "WandbCallback"),
+    "mlflow": ("mlflow", "mlflow-skinny", "MLflowCallback"),
+    "trackio": ("trackio", "trackio", "TrackioCallback"),
+    "comet_ml": ("comet_ml", "comet_ml", "CometCallback"),
+    "tensorboard": ("tensorboard", "tensorboard", "TensorBoardCallback"),
+}
+
+
+def resolve_report_to(report_to) -> list[str]:
+    """``report_to`` as a list of tracker names, as transformers reads it: a name or a list of names; ``"all"``:
+    every installed tracker; ``"none"`` (or None, ``""``, ``[]``): none. ValueError naming the valid names.
+
+    >>> resolve_report_to("none"), resolve_report_to(["wandb", "mlflow"])
+    ([], ['wandb', 'mlflow'])
+    """
+    names = [report_to] if isinstance(report_to, str) else report_to
+    if names is None or names in ([], [""], ["none"]):
+        return []
+    if names == ["all"]:
+        return [name for name in TRACKERS if is_installed(name)]
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"report_to must be a tracker name or a list of them, got {report_to!r}")
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"report_to={report_to!r}: {', '.join(map(repr, unknown))} is not a tracker treadle "
+                         f"supports; use some of {sorted(TRACKERS)}, or 'all' / 'none'")
+    return list(dict.fromkeys(names))  # each tracker once, in the order given
+
+
+def is_installed(name: str) -> bool:
+    """Whether tracker ``name``'s library can be imported (without importing it)."""
+    return importlib.util.find_spec(TRACKERS[name][0]) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The settings that shape a run (a resumed run compares them with its checkpoint's)
+# ---------------------------------------------------------------------------------------------------------
+# settings that do not shape the trained weights: a resumed run may change them without a note
+NOT_FINGERPRINTED = frozenset({
+    "output_dir", "run_name", "overwrite_output_dir", "max_steps", "num_train_epochs", "logging_strategy",
+    "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
+    "save_total_limit", "save_only_model", "load_best_model_at_end", "report_to", "disable_tqdm",
+    "per_device_eval_batch_size", "prediction_loss_only", "dataloader_num_workers", "dataloader_pin_memory",
+    "ddp_timeout", "skip_nonfinite_steps"})
+
+
+def fingerprinted_settings(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in NOT_FINGERPRINTED}
+
+
+def config_fingerprint(args) -> str | None:
+    """A short hash of the settings of ``args`` that shape the trained weights (not its cadence or length);
+    None for arguments that are not a TrainingArguments."""
+    if not hasattr(args, "to_dict"):
+        return None
+    text = json.dumps(fingerprinted_settings(args.to_dict()), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def changed_settings(saved: dict, args) -> list[str]:
+    """``name: old -> new`` for each fingerprinted setting of ``args`` that differs from ``saved`` (a
+    checkpoint's training_args.json)."""
+    now = fingerprinted_settings(json.loads(args.to_json_string()))
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in sorted(now.items()) if k in saved and saved[k] != v]

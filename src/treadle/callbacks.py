@@ -30,117 +30,23 @@ callback talks back only by setting fields of the ``TrainerControl`` it receives
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import math
 import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Any
+
+from treadle import distributed as dist, runfiles
+from treadle.checkpoint import path_for
+from treadle.errors import stopped_by
+from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
 EVENTS = (
     "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
     "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
     "on_predict", "on_prediction_step", "on_save", "on_log",
 )
-
-
-@dataclass
-class TrainerState:
-    """What the loop knows about the run; saved as ``trainer_state.json`` in every checkpoint."""
-
-    epoch: float = 0.0  # fractional epoch reached (2.5 = halfway through the third epoch)
-    global_step: int = 0  # optimizer steps done
-    max_steps: int = 0  # optimizer steps this run will do
-    num_train_epochs: int = 0  # epochs this run will start
-    steps_per_epoch: int = 0  # optimizer steps in one pass over the training dataloader
-    logging_steps: int = 10
-    eval_steps: int = 10
-    save_steps: int = 500
-    train_batch_size: int = 0  # per-device micro-batch rows
-    gradient_accumulation_steps: int = 1
-    world_size: int = 1
-    log_history: list[dict[str, Any]] = field(default_factory=list)
-    best_metric: float | None = None
-    best_global_step: int | None = None
-    best_model_checkpoint: str | None = None
-    total_loss_sum: float = 0.0  # item-weighted loss summed over the whole run (survives resumes)
-    total_loss_items: float = 0.0
-    num_input_tokens_seen: int = 0  # counted when args.include_num_input_tokens_seen is not "no"
-    is_local_process_zero: bool = True
-    is_world_process_zero: bool = True
-    stateful_callbacks: dict[str, Any] = field(default_factory=dict)  # callback name -> its saved state
-    trainer_class: str | None = None  # the Trainer class of the run (resuming with another one is refused)
-    config_fingerprint: str | None = None  # of the settings that shape the run (treadle.runs.config_fingerprint)
-    nonfinite_steps_skipped: int = 0  # steps skipped for a NaN / inf loss (args.skip_nonfinite_steps)
-
-    # --- read by transformers' tracker callbacks (treadle.trackers); treadle runs no hyper-parameter search
-    is_hyper_param_search: bool = False
-    trial_name: str | None = None
-    trial_params: dict[str, Any] | None = None
-
-    @classmethod
-    def for_run(cls, args, **plan) -> "TrainerState":
-        """The state at the start of a run with ``args``: its cadence, batch shape and process layout, and the
-        ``plan`` (``steps_per_epoch``, ``max_steps``, ``num_train_epochs``)."""
-        from treadle import distributed as dist
-        from treadle.runs import config_fingerprint
-
-        return cls(logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
-                   config_fingerprint=config_fingerprint(args),
-                   train_batch_size=args.per_device_train_batch_size,
-                   gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=dist.get_world_size(),
-                   is_world_process_zero=dist.is_main_process(), is_local_process_zero=args.local_process_index == 0,
-                   **plan)
-
-    def save_to_json(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
-
-    @classmethod
-    def load_from_json(cls, path: str) -> "TrainerState":
-        with open(path) as f:
-            data = json.load(f)
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-@dataclass
-class LoopState:
-    """The loop's bookkeeping that is not ``TrainerState`` (not saved: a step never spans a checkpoint).
-    Created in ``__init__``; outside ``train()`` it describes one lone micro-batch, so that ``training_step``
-    can be called on its own."""
-
-    window_size: int = 1  # micro-batches in the accumulation window of the step in progress
-    micro_batch: Any = None  # the raw micro-batch in training_step: compute_loss counts its items there if needed
-    grad_norm: Any = None  # of the last optimizer step, before clipping
-    learning_rate: float | None = None  # the learning rate the last optimizer step used
-    last_saved_step: int | None = None
-    last_eval: tuple[int | None, dict | None] = (None, None)  # (step, metrics) of the latest evaluation
-
-
-@dataclass
-class TrainerControl:
-    """The one channel through which callbacks steer the loop."""
-
-    should_training_stop: bool = False
-    should_epoch_stop: bool = False
-    should_save: bool = False
-    should_evaluate: bool = False
-    should_log: bool = False
-
-    def _new_training(self) -> None:
-        self.should_training_stop = False
-
-    def _new_epoch(self) -> None:
-        self.should_epoch_stop = False
-
-    def _new_step(self) -> None:
-        self.should_save = False
-        self.should_evaluate = False
-        self.should_log = False
 
 
 class TrainerCallback:
@@ -343,36 +249,19 @@ class MetricsFileCallback(TrainerCallback):
     On resume the file is cut back to the resumed step, so the file never holds a step twice."""
 
     def path(self, args) -> str:
-        return os.path.join(args.output_dir, "metrics.jsonl")
+        return os.path.join(args.output_dir, runfiles.METRICS_FILE)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:  # the run's config beside its metrics (report.html shows it)
-            from treadle.checkpoint import ARGS_FILE
-
-            os.makedirs(args.output_dir, exist_ok=True)
-            with open(os.path.join(args.output_dir, ARGS_FILE), "w") as f:
-                f.write(args.to_json_string() + "\n")
-        if not state.is_world_process_zero or not os.path.exists(self.path(args)):
+        if not state.is_world_process_zero:
             return
-        kept = []
-        with open(self.path(args)) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a crash mid-write
-                    continue
-                if record.get("step", 0) <= state.global_step and "train_runtime" not in record:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-        with open(self.path(args), "w") as f:
-            f.writelines(kept)
+        runfiles.write_args(args.output_dir, args.to_json_string())  # the run's config beside its metrics
+        # a resumed run logs the steps after its checkpoint again; an earlier run's end-of-run summary goes too
+        runfiles.cut_back(self.path(args), lambda r: r["step"] <= state.global_step and "train_runtime" not in r)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        os.makedirs(args.output_dir, exist_ok=True)
-        record = {"step": state.global_step, "epoch": round(state.epoch, 6), **logs}
-        with open(self.path(args), "a") as f:
-            f.write(json.dumps(record, default=float) + "\n")
+        runfiles.append_records(self.path(args), [{"step": state.global_step, "epoch": round(state.epoch, 6), **logs}])
 
 
 class EarlyStoppingCallback(TrainerCallback):
@@ -449,8 +338,6 @@ class PreemptionCallback(TrainerCallback):
     def _stop_if_signalled(self, args, state, control) -> None:
         stop = self.signal is not None
         if state.world_size > 1:  # a collective: every rank calls it at every step and epoch end
-            from treadle import distributed as dist
-
             stop = dist.any_rank(stop, args.device)
         if stop:
             self.signal = self.signal or signal.SIGTERM  # a peer's signal stops this rank too
@@ -458,8 +345,6 @@ class PreemptionCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.signal is not None and state.is_world_process_zero:
-            from treadle.checkpoint import path_for
-
             print(f"treadle: stopped by {signal.Signals(self.signal).name} after step {state.global_step}; "
                   f"checkpoint: {path_for(args.output_dir, state.global_step)}. Resume with "
                   f"trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`).",
@@ -469,9 +354,6 @@ class PreemptionCallback(TrainerCallback):
         """After ``on_train_end`` of a run a signal stopped (its checkpoint written): raise
         ``errors.Interrupted`` (Ctrl-C, a KeyboardInterrupt) or ``errors.Preempted`` (SIGTERM, exit 143)."""
         if self.signal is not None:
-            from treadle.checkpoint import path_for
-            from treadle.errors import stopped_by
-
             raise stopped_by(self.signal, state.global_step, path_for(args.output_dir, state.global_step))
 
 

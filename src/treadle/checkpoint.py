@@ -33,18 +33,21 @@ import sys
 import torch
 
 from treadle import distributed as dist
-from treadle import models
+from treadle import models, peft as treadle_peft
+from treadle.arguments import changed_settings
+from treadle.errors import UserError
+from treadle.runfiles import ARGS_FILE
+from treadle.state import TrainerState
 
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-checkpoint-"
 STATE_FILE = "trainer_state.json"
-ARGS_FILE = "training_args.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # what a PEFT model's save_pretrained writes instead of the weights
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that is missing, incomplete or corrupt; the message names the file and what to do."""
 
 
@@ -183,7 +186,7 @@ def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> Non
     """Copy ``state`` into ``model`` after checking that it fits: names and shapes are checked first, so a
     mismatch leaves the model untouched. A PEFT model takes its adapter weights, named as peft saves them."""
     peft = models.is_peft_model(model)
-    params = models.adapter_state_dict(model) if peft else dict(model.state_dict(keep_vars=True))
+    params = treadle_peft.adapter_state_dict(model) if peft else dict(model.state_dict(keep_vars=True))
     unexpected = [k for k in state if k not in params]
     if unexpected:
         raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys {unexpected[:5]}")
@@ -198,7 +201,7 @@ def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> Non
     if wrong:
         raise CheckpointError(f"weights in {directory!r} do not fit this model: shapes differ: {wrong[:5]}")
     if peft:
-        models.load_adapter_state_dict(model, state)
+        treadle_peft.load_adapter_state_dict(model, state)
     else:
         model.load_state_dict(state, strict=False)
 
@@ -310,9 +313,9 @@ def export_model(model, output_dir: str, processing_class=None, args=None) -> No
     if dist.is_main_process():
         os.makedirs(output_dir, exist_ok=True)
         save_weights(model, output_dir, state_dict=full_weights)
-        folders = [output_dir] + ([os.path.join(output_dir, models.MERGED_DIR)] if merge else [])
+        folders = [output_dir] + ([os.path.join(output_dir, treadle_peft.MERGED_DIR)] if merge else [])
         if merge:
-            save_weights(models.merged_model(model), folders[1])
+            save_weights(treadle_peft.merged_model(model), folders[1])
         if processing_class is not None and hasattr(processing_class, "save_pretrained"):
             for folder in folders:
                 processing_class.save_pretrained(folder)
@@ -324,8 +327,6 @@ def export_model(model, output_dir: str, processing_class=None, args=None) -> No
 
 def read_state(path: str):
     """The TrainerState saved in checkpoint ``path`` (its ``trainer_state.json``), without loading anything else."""
-    from treadle.callbacks import TrainerState
-
     try:
         return TrainerState.load_from_json(os.path.join(path, STATE_FILE))
     except (OSError, ValueError, TypeError) as e:
@@ -472,8 +473,6 @@ def resumed_state(path: str, current, args=None):
 
 
 def _announce_resume(path: str, state, args) -> None:
-    from treadle.runs import changed_settings
-
     changed = []
     if args is not None and os.path.isfile(os.path.join(path, ARGS_FILE)):
         changed = changed_settings(_read_json(os.path.join(path, ARGS_FILE), path), args)

@@ -21,21 +21,39 @@ the command that resumes it and exits 143 or 130 (docs/runs.md).
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treadle import report, runfiles
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
+from treadle.runs import check_run_folder
 
-# trainer name -> (module, trainer class, config class, toy dataset kind)
-TRAINERS = {
-    "sft": ("treadle.trainers.sft", "SFTTrainer", "SFTConfig", "sft"),
-    "dpo": ("treadle.trainers.dpo", "DPOTrainer", "DPOConfig", "preference"),
-    "grpo": ("treadle.trainers.grpo", "GRPOTrainer", "GRPOConfig", "rl"),
-}
+
+@dataclass(frozen=True)
+class TrainerKind:
+    """What ``trainer: <name>`` in a config builds: the trainer class (its ``config_class`` holds the fields) and
+    the rows it reads (the kind of a ``toy:`` dataset)."""
+
+    trainer: type
+    rows: str  # "sft", "preference" or "rl"
+    takes_reward_funcs: bool = False
+
+
+def trainer_kinds() -> dict[str, TrainerKind]:
+    """The trainers a config can name. Imports them (torch, transformers: seconds), so ``treadle report`` and a
+    config that fails its first checks never pay for it."""
+    from treadle.trainers.dpo import DPOTrainer  # heavy: torch and transformers, only for `treadle train`
+    from treadle.trainers.grpo import GRPOTrainer  # heavy, as above
+    from treadle.trainers.sft import SFTTrainer  # heavy, as above
+
+    return {"sft": TrainerKind(SFTTrainer, "sft"), "dpo": TrainerKind(DPOTrainer, "preference"),
+            "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True)}
+
+
 RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft")  # keys that are not config fields
 
 
@@ -108,13 +126,11 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------------------------------------
 def run_train(config_path: str, overrides: list[str], *, resume: bool | str | None = None) -> int:
     """Train the config at ``config_path``; the run folder is checked before anything is loaded."""
-    from treadle.runs import check_run_folder
-
     config = load_config(config_path, overrides)
     output_dir = str(config.get("output_dir") or default_output_dir(config))
     checkpoint = None
     if resume:  # before building anything: a run with nothing to resume fails at once
-        from treadle.checkpoint import resolve
+        from treadle.checkpoint import resolve  # heavy: torch
 
         checkpoint = resolve(resume, output_dir)
     model, overwrite = str(config.get("model") or ""), config.get("overwrite_output_dir") is True
@@ -131,10 +147,8 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
     trainer.save_model()
     output_dir = trainer.args.output_dir
     if trainer.state.is_world_process_zero:  # under torchrun, one report, not one per rank
-        from treadle.report import print_plots
-
         print(f"treadle: model saved in {output_dir}")
-        print_plots(output_dir)
+        report.print_plots(output_dir)
     return 0
 
 
@@ -206,51 +220,49 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     """The trainer a config describes: the model, tokenizer, datasets and config class it names."""
-    name = config.get("trainer")
-    if name not in TRAINERS:
-        raise UserError(f"unknown trainer {name!r}; set trainer: to one of {sorted(TRAINERS)}"
-                        if name is not None else f"the config has no trainer: key; set it to one of {sorted(TRAINERS)}")
+    from treadle.data import require_eval_dataset  # heavy: torch
+
+    name, kinds = config.get("trainer"), trainer_kinds()
+    if name not in kinds:
+        raise UserError(f"unknown trainer {name!r}; set trainer: to one of {sorted(kinds)}"
+                        if name is not None else f"the config has no trainer: key; set it to one of {sorted(kinds)}")
     for key in ("model", "dataset"):
         if not config.get(key):
             raise UserError(f"the config has no {key}: key (see examples/{name}.yaml)")
-    module_name, trainer_class, config_class, kind = TRAINERS[name]
-    module = importlib.import_module(module_name)
-    from treadle.data import require_eval_dataset
-
-    config_cls = getattr(module, config_class)
+    kind = kinds[name]
+    config_cls, trainer_class = kind.trainer.config_class, kind.trainer.__name__
     fields = {k: v for k, v in config.items() if k not in RUN_KEYS}
     fields.setdefault("output_dir", default_output_dir(config))
     try:
         args = config_cls.from_mapping(fields, other_keys=RUN_KEYS, context=f"trainer {name}")
     except (ValueError, TypeError) as error:
-        raise UserError(f"{config_class}: {error}") from None
+        raise UserError(f"{config_cls.__name__}: {error}") from None
     require_eval_dataset(args, config.get("eval_dataset") or None)  # before the datasets and the model load
-    if name != "grpo" and config.get("reward_funcs"):
+    if not kind.takes_reward_funcs and config.get("reward_funcs"):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
     try:
         kwargs = load_run_objects(config, kind=kind, seed=args.seed, base_dir=base_dir)
     except (ValueError, ImportError) as error:  # a path, a row or a name that is wrong; peft not installed
         raise UserError(str(error)) from None
     try:
-        return getattr(module, trainer_class)(args=args, **kwargs)
-    except (ValueError, TypeError) as error:
+        return kind.trainer(args=args, **kwargs)
+    except ValueError as error:  # the trainers' checks of their inputs; any other exception is a bug: traceback
         raise UserError(f"{trainer_class}: {error}") from None
 
 
-def load_run_objects(config: dict[str, Any], *, kind: str, seed: int, base_dir: Path) -> dict[str, Any]:
+def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, seed: int, base_dir: Path) -> dict[str, Any]:
     """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and
     tokenizer -- the cheap ones first, so that a typo in a path fails before a model is loaded."""
-    from treadle.data import load_dataset
-    from treadle.models import load_model, lora_config
-    from treadle.rewards import load_reward_funcs
+    from treadle.loading import load_dataset, load_model, load_reward_funcs  # heavy: datasets, torch
+    from treadle.peft import lora_config  # heavy: torch
 
     kwargs: dict[str, Any] = {}
-    if config.get("trainer") == "grpo":
+    if kind.takes_reward_funcs:
         kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
-    kwargs["train_dataset"] = load_dataset(str(config["dataset"]), kind=kind, split="train", base_dir=base_dir)
+    kwargs["train_dataset"] = load_dataset(str(config["dataset"]), kind=kind.rows, split="train", base_dir=base_dir)
     evaluation = config.get("eval_dataset")
     if evaluation:
-        kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind, split="test", base_dir=base_dir)
+        kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind.rows, split="test", base_dir=base_dir)
     if config.get("peft") is not None:
         kwargs["peft_config"] = lora_config(config["peft"])
     kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=seed)
@@ -268,22 +280,20 @@ def default_output_dir(config: dict[str, Any]) -> str:
 def run_report(run_dirs: list[str], output_dir: str | None = None) -> int:
     """Plots, report.html and a summary for each run folder (or each run folder directly inside one: a demo
     folder); with several folders, their overlay too."""
-    from treadle import report
-
     runs = []
     for run_dir in run_dirs:
         root = Path(run_dir)
         if not root.exists():
             raise UserError(f"run folder {run_dir} not found")
         if root.is_file():
-            if root.name != report.METRICS_FILE:
+            if root.name != runfiles.METRICS_FILE:
                 raise UserError(f"{run_dir} is a file; treadle report takes a run folder (an output_dir holding "
-                                f"{report.METRICS_FILE}), e.g. treadle report {root.parent}")
+                                f"{runfiles.METRICS_FILE}), e.g. treadle report {root.parent}")
             root = root.parent
-        found = [root] if (root / report.METRICS_FILE).is_file() else sorted(
-            p for p in root.iterdir() if (p / report.METRICS_FILE).is_file())
+        found = [root] if (root / runfiles.METRICS_FILE).is_file() else sorted(
+            p for p in root.iterdir() if (p / runfiles.METRICS_FILE).is_file())
         if not found:
-            raise UserError(f"{run_dir} holds no {report.METRICS_FILE} (nor do its subfolders): is it the output_dir "
+            raise UserError(f"{run_dir} holds no {runfiles.METRICS_FILE} (nor do its subfolders): is it the output_dir "
                             f"of a treadle run?")
         runs += found
     try:
@@ -299,7 +309,7 @@ def run_report(run_dirs: list[str], output_dir: str | None = None) -> int:
 
 
 def run_merge(run_dir: str, output_dir: str | None) -> int:
-    from treadle.models import merge_adapter_folder
+    from treadle.loading import merge_adapter_folder  # heavy: torch, transformers, peft
 
     try:
         print(f"treadle: merged model saved in {merge_adapter_folder(run_dir, output_dir)}")
@@ -313,12 +323,12 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 # ---------------------------------------------------------------------------------------------------------
 def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demo."""
-    from treadle import demo
+    from treadle import demo  # heavy: torch, transformers
 
     given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     if getattr(args, "task", "addition") == "tools":
-        from treadle import demo_tools
+        from treadle import demo_tools  # heavy, as above
 
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
     try:

@@ -1,38 +1,26 @@
 """Data plumbing: collators, seeded (resumable, distributed) samplers and the epoch iteration and step plan the
-Trainer runs on them, column checks, evaluation batches, the text rules that every trainer shares, and loading
-the datasets a config names (``load_dataset``).
+Trainer runs on them, column checks and evaluation batches. The text rules live in ``treadle.text``, token rows to
+tensors (padding, packing, positions) in ``treadle.packing``, loading a dataset a config names in
+``treadle.loading``.
 
 Samplers here are deterministic functions of (seed, epoch, rank): the order of an epoch can be rebuilt in a
 new process, which is what makes resuming mid-epoch exact.
-
-The text rules are pure functions of a tokenizer and rows, one home each (trainers call them, never restate
-them):
-
-- a *conversation* is a list (or tuple) of message dicts with a ``"role"``; anything else is text;
-- a conversation prompt is rendered by the chat template with the generation prompt; a completion is the text
-  the whole chat adds after that prompt, which must be a prefix of it;
-- a text prompt is encoded *with* the tokenizer's special tokens (e.g. a bos), a rendered conversation
-  *without* them (the template wrote its own); completions never get them (they continue a prompt);
-- ``with_eos`` appends eos unless the ids already end with it;
-- padding uses an explicit override, else the tokenizer's pad, else its eos, else 0 (``pad_token_id``).
 """
 
 from __future__ import annotations
 
-import array
 import itertools
-import json
 import math
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from treadle import distributed as dist
 from treadle.errors import PreflightError
+from treadle.text import is_conversation, pad_token_id
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -208,8 +196,6 @@ def seeded_sampler(dataset, *, seed: int, shuffle: bool) -> SeededSampler | None
 def build_dataloader(dataset, args, *, batch_size: int, collate_fn, sampler=None, drop_last: bool = False):
     """A DataLoader with ``args``' worker settings. Its own generator keeps the global torch RNG untouched, so
     that starting an epoch mid-way (resume) draws the same dropout masks."""
-    from torch.utils.data import DataLoader
-
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
                       num_workers=args.dataloader_num_workers,
                       pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
@@ -362,8 +348,6 @@ def mask_label_rows(inputs, label_name: str, keep: int):
 def require_eval_dataset(args, eval_dataset) -> None:
     """Refuse, before any work, an ``eval_strategy`` that would evaluate with no evaluation dataset."""
     if args.eval_strategy != "no" and eval_dataset is None:
-        from treadle.errors import PreflightError
-
         raise PreflightError(f"eval_strategy={args.eval_strategy!r} but there is no evaluation dataset; give one "
                              f"(eval_dataset: in a config, eval_dataset= in Python) or set eval_strategy: no")
 
@@ -378,250 +362,9 @@ def require_columns(dataset, required: Sequence[str], *, what: str, fix: str = "
         raise ValueError(f"{what} needs column(s) {missing} but the dataset has {names}. {fix}".rstrip())
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Text rules (pure functions of a tokenizer and rows)
-# ---------------------------------------------------------------------------------------------------------
-def is_conversation(value) -> bool:
-    """Whether ``value`` is chat messages: a list or tuple of dicts that each have a ``"role"`` (an empty list
-    is an empty chat).
-
-    >>> is_conversation([{"role": "user", "content": "1+1="}]), is_conversation("1+1=")
-    (True, False)
-    """
-    return isinstance(value, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in value)
-
-
-def render_chat_prompt(tokenizer, messages) -> str:
-    """The chat template's text for ``messages`` followed by the generation prompt (what the model answers)."""
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-
-
-def split_chat_completion(tokenizer, prompt, completion) -> tuple[str, str]:
-    """``(prompt_text, completion_text)`` of a chat pair: the prompt rendered with the generation prompt, and
-    the text that the whole chat (prompt messages then completion messages) adds after it.
-
-    Raises ValueError when the rendered prompt is not a prefix of the whole chat, as the completion could
-    then not be split off.
-    """
-    prompt_text = render_chat_prompt(tokenizer, prompt)
-    full_text = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
-    if not full_text.startswith(prompt_text):
-        raise ValueError(f"the chat template renders the prompt with its generation prompt as {prompt_text!r}, "
-                         f"which is not a prefix of the whole conversation {full_text!r}, so the completion "
-                         f"cannot be split off; fix the template (the prompt with add_generation_prompt=True "
-                         f"must begin the whole chat) or give the rows as text")
-    return prompt_text, full_text[len(prompt_text):]
-
-
-def encode_prompt_responses(tokenizer, prompt, responses: Sequence) -> tuple[list[int], list[list[int]]]:
-    """Token ids of a prompt and of responses to it, tokenised separately (the preference and reward-model rule):
-    the prompt by ``encode_prompt``; a chat response (a list of messages, after chat-message prompts) as the
-    template renders it after the prompt; a text response without special tokens, eos appended unless present."""
-    chat = is_conversation(prompt)
-    texts = [split_chat_completion(tokenizer, prompt, r)[1] if chat else r for r in responses]
-    ids = encode_texts(tokenizer, texts, special_tokens=False)
-    if not chat:  # a chat response ends the way the template ends an assistant turn
-        ids = [with_eos(x, tokenizer.eos_token_id) for x in ids]
-    return encode_prompt(tokenizer, prompt), ids
-
-
-def encode_texts(tokenizer, texts: Sequence[str], *, special_tokens: bool) -> list[list[int]]:
-    """Token ids of each text, with or without the tokenizer's special tokens, in one batched call."""
-    if not texts:
-        return []
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special_tokens)["input_ids"]]
-
-
-def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
-    """Token ids of each prompt: text with the tokenizer's special tokens (e.g. a bos); a conversation rendered
-    by ``render_chat_prompt`` and encoded without them, since the template wrote its own."""
-    chat = [is_conversation(p) for p in prompts]
-    texts = [render_chat_prompt(tokenizer, p) if c else p for p, c in zip(prompts, chat)]
-    ids: list[list[int]] = [[] for _ in prompts]
-    for is_chat in (False, True):  # one batched tokenizer call per kind
-        where = [i for i, c in enumerate(chat) if c is is_chat]
-        encoded = encode_texts(tokenizer, [texts[i] for i in where], special_tokens=not is_chat)
-        for i, row in zip(where, encoded):
-            ids[i] = row
-    return ids
-
-
-def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of one prompt (text or chat messages), as ``encode_prompts``."""
-    return encode_prompts(tokenizer, [prompt])[0]
-
-
-def with_eos(ids: list[int], eos_token_id: int | None) -> list[int]:
-    """``ids`` ending with ``eos_token_id`` (appended unless already last; unchanged when it is None).
-
-    >>> with_eos([5, 6], 2), with_eos([5, 2], 2), with_eos([5], None)
-    ([5, 6, 2], [5, 2], [5])
-    """
-    if eos_token_id is None or (ids and ids[-1] == eos_token_id):
-        return ids
-    return ids + [eos_token_id]
-
-
-def pad_token_id(tokenizer, override: int | None = None) -> int:
-    """The id to pad ``input_ids`` with: ``override``, else the tokenizer's pad token, else its eos, else 0.
-
-    Any valid id would do: padded positions are masked from attention and carry no loss. The pad token comes
-    first because it is what the tokenizer itself pads with; eos next because tokenizers without a pad (GPT-2,
-    Llama) conventionally pad with it; 0 last, with a note on stderr when a tokenizer has neither.
-    """
-    if override is not None:
-        return override
-    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if candidate is not None:
-            return candidate
-    if tokenizer is not None:
-        print("treadle: the tokenizer has no pad or eos token; padding with id 0 (padded positions carry no "
-              "loss and are masked from attention)", file=sys.stderr)
-    return 0
-
-
-def long_tensor(values: Sequence[int], shape: tuple[int, ...]) -> torch.Tensor:
-    """An int64 tensor of ``shape`` from a flat sequence of ints (or an ``array.array("q")``).
-
-    Goes through one C array: 3-4x faster than ``torch.tensor`` on Python lists, which for a small model costs
-    more than its forward pass (benchmarks/trainers.py).
-    """
-    try:
-        flat = values if isinstance(values, array.array) else array.array("q", values)
-        return torch.frombuffer(flat, dtype=torch.int64).view(shape).clone()  # clone: owns its memory
-    except (TypeError, ValueError, OverflowError):  # values an int64 C array refuses, or none: the general path
-        return torch.tensor(list(values), dtype=torch.long).view(shape)
-
-
-def right_padded(rows: Sequence[Sequence[int]], width: int, value: int) -> torch.Tensor:
-    """A ``(len(rows), width)`` int64 tensor of the rows, each right-padded with ``value`` (``long_tensor``)."""
-    flat = array.array("q")
-    try:
-        for row in rows:
-            flat.extend(row)
-            flat.extend([value] * (width - len(row)))
-    except TypeError:  # values an int64 C array refuses: long_tensor's general path decides
-        flat = [v for row in rows for v in [*row, *[value] * (width - len(row))]]
-    return long_tensor(flat, (len(rows), width))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Packing: the one rule for rows that share a sequence (SFT's packed dataset, GRPO / DPO padding-free forwards)
-# ---------------------------------------------------------------------------------------------------------
-# Rows packed side by side in one sequence get ``position_ids`` restarting at 0 in each row and no attention mask:
-# transformers then builds a block-diagonal causal mask from the position ids (a new row wherever a position is
-# not the previous one + 1; eager, sdpa and flash attention alike), so no token attends across rows.
-def best_fit_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """Best-fit-decreasing: the indices of ``sizes`` grouped into bins of at most ``capacity``, longest first.
-
-    >>> best_fit_bins([5, 3, 4, 2], 8)
-    [[0, 1], [2, 3]]
-    """
-    import bisect
-
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (space left, bin index), sorted: best fit = the smallest that fits
-    for i in order:
-        size = sizes[i]
-        if size > capacity:
-            raise ValueError(f"row {i} has {size} tokens, more than max_length={capacity} (a packed row's length); "
-                             "truncate first")
-        at = bisect.bisect_left(free, (size, -1))
-        if at == len(free):
-            bins.append([i])
-            space, index = capacity - size, len(bins) - 1
-        else:
-            space, index = free.pop(at)
-            bins[index].append(i)
-            space -= size
-        bisect.insort(free, (space, index))
-    return bins
-
-
-class PackedBatch(NamedTuple):
-    """A padded ``(B, T)`` batch repacked without padding by ``pack_padded_batch``."""
-
-    input_ids: torch.Tensor  # (K, W): the real tokens of the B rows, whole rows side by side in K <= B packed rows
-    position_ids: torch.Tensor  # (K, W): 0, 1, ... restarting at each row (0 in the unused tail of a packed row)
-    index: torch.Tensor  # (B, T): where each real token of the padded batch sits in input_ids.view(-1); 0 at padding
-
-
-def pack_padded_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedBatch:
-    """Repack the real tokens (``attention_mask == 1``) of a padded batch, each row's tokens in their order, into
-    packed rows as wide as its longest row (``best_fit_bins``): a packed row never costs more attention than the
-    padded batch's rows did, and the padding is gone. Positions restart in every row (the packing rule above), so
-    a model called with ``position_ids`` and no attention mask sees each row exactly as it saw it padded, with
-    positions counted from its first real token.
-
-    >>> packed = pack_padded_batch(torch.tensor([[7, 8, 9], [0, 5, 6], [4, 0, 0]]),
-    ...                            torch.tensor([[1, 1, 1], [0, 1, 1], [1, 0, 0]]))
-    >>> packed.input_ids.tolist(), packed.position_ids.tolist()
-    ([[7, 8, 9], [5, 6, 4]], [[0, 1, 2], [0, 1, 0]])
-    """
-    real = attention_mask.bool()  # (B, T)
-    lengths = real.sum(dim=1).tolist()
-    width = max(max(lengths), 1)
-    bins = best_fit_bins(lengths, width)
-    starts = [0] * len(lengths)  # flat start of each row in the packed (K, W) tensor
-    for k, members in enumerate(bins):
-        offset = k * width
-        for i in members:
-            starts[i], offset = offset, offset + lengths[i]
-    ranks = real.long().cumsum(dim=1) - 1  # (B, T): each real token's position in its row
-    index = torch.where(real, torch.tensor(starts, device=real.device)[:, None] + ranks, 0)  # (B, T)
-    flat_ids = input_ids.new_zeros(len(bins) * width)
-    flat_ids[index[real]] = input_ids[real]
-    flat_positions = torch.zeros_like(flat_ids)
-    flat_positions[index[real]] = ranks[real]
-    return PackedBatch(flat_ids.view(len(bins), width), flat_positions.view(len(bins), width), index)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Loading datasets named in a config
-# ---------------------------------------------------------------------------------------------------------
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
-
-
-def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir: Path = Path(".")):
-    """A ``datasets.Dataset`` from ``toy:<task>[:N]`` (the train split for ``dataset``, the held-out test split
-    for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder."""
-    if spec.startswith("toy:"):
-        return _toy_dataset(spec, kind=kind, split=split)
-    path = existing_path(spec, base_dir)
-    if path is None:
-        raise ValueError(f"dataset {spec} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
-                        f"Dataset.save_to_disk, or toy:addition)")
-    import datasets
-
-    def from_rows(rows: list[dict]):  # checked before datasets infers (and refuses) a column type
-        check_text_columns(rows, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
-        return datasets.Dataset.from_list(rows)
-
-    readers = {".json": lambda: from_rows(_read_json_rows(path)), ".jsonl": lambda: from_rows(_read_jsonl_rows(path)),
-               ".csv": lambda: _read_csv(path), ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
-    if not path.is_dir() and path.suffix not in readers:
-        raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "
-                         f"or a save_to_disk folder")
-    try:
-        data = datasets.load_from_disk(str(path)) if path.is_dir() else readers[path.suffix]()
-    except DatasetFileError:
-        raise  # our own message names the file and line already
-    except (OSError, ValueError, TypeError) as error:  # corrupt files: datasets raises a variety of types
-        raise ValueError(f"cannot read dataset {spec}: {str(error).splitlines()[0]}") from None
-    data = _one_split(data, split, spec) if path.is_dir() else data
-    check_text_columns(data, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
-    return data
-
-
 class DatasetFileError(PreflightError):
     """A dataset file that is not what its name says (a JSON line that does not parse, no rows, a column of the
     wrong type), named with its line or row."""
-
-
-FIRST_LINE = {".jsonl": 1, ".csv": 2}  # the file line of row 0, where rows are lines (a CSV has a header)
-TEXT_COLUMNS = {"sft": ("prompt", "completion", "text", "messages"), "preference": ("prompt", "chosen", "rejected"),
-                "rl": ("prompt",)}  # per toy-dataset kind: the columns that hold text (or chat messages)
 
 
 def check_text_columns(dataset, columns, *, source: str, first_row: int = 0) -> None:
@@ -638,90 +381,3 @@ def check_text_columns(dataset, columns, *, source: str, first_row: int = 0) -> 
                 what = "nothing (null / empty)" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
                 raise DatasetFileError(f"{source}, {where}: column {column!r} holds {what}, not text (or chat "
                                        f"messages); fix that row or drop it")
-
-
-def _toy_dataset(spec: str, *, kind: str, split: str):
-    from treadle import toy
-
-    task, _, size = spec.removeprefix("toy:").partition(":")
-    if task not in toy.TASKS:
-        raise ValueError(f"unknown toy task {spec!r}; use one of {['toy:' + t for t in toy.TASKS]}")
-    if size and not size.isdigit():
-        raise ValueError(f"toy dataset {spec!r}: the part after the task is a row count, e.g. toy:{task}:256")
-    try:
-        return toy.load_task(task, split, kind=kind, n=int(size) if size else None)
-    except ValueError as error:
-        raise ValueError(f"toy dataset {spec!r}: {error}") from None
-
-
-def existing_path(spec: str, base_dir: Path) -> Path | None:
-    """``spec`` as given (relative to the working directory) if it exists, else relative to ``base_dir`` (the
-    config's folder), else None."""
-    for candidate in (Path(spec), base_dir / spec):
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def _read_json_rows(path: Path) -> list[dict]:
-    """The rows of a .json file: a list of objects, or one object of equal-length column lists."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise DatasetFileError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); a .json dataset is one JSON "
-                               f"document (JSON lines go in a .jsonl file)") from None
-    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-        lengths = {k: len(v) for k, v in data.items()}
-        if len(set(lengths.values())) != 1:
-            raise DatasetFileError(f"{path} holds columns of different lengths {lengths}; give every column one "
-                                   f"value per row, or write a list of row objects")
-        data = [dict(zip(data, values)) for values in zip(*data.values())]
-    if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
-        raise DatasetFileError(f"{path} must hold rows: a JSON list of objects ([{{\"prompt\": ...}}, ...]) or an "
-                               f"object of equal-length column lists ({{\"prompt\": [...], ...}}); got "
-                               f"{_shape_of(data)}")
-    return data
-
-
-def _read_jsonl_rows(path: Path) -> list[dict]:
-    """The rows of a .jsonl file: one JSON object per non-empty line, always (a one-line file is one row)."""
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-        if not isinstance(row, dict):
-            raise DatasetFileError(f"{path}:{number}: a JSON lines dataset holds one object per line, got "
-                                   f"{_shape_of(row)}")
-        rows.append(row)
-    if not rows:
-        raise DatasetFileError(f"{path} holds no rows; write one JSON object per line")
-    return rows
-
-
-def _shape_of(value) -> str:
-    if isinstance(value, list):
-        return "an empty list" if not value else f"a list of {type(value[0]).__name__}"
-    return "an object that is not columns of lists" if isinstance(value, dict) else type(value).__name__
-
-
-def _read_csv(path: Path):
-    """A CSV file with every column read as text (a CSV has no types: "3" as a completion is text); an empty
-    cell is null, which ``check_text_columns`` refuses in a text column."""
-    import datasets
-    import pandas
-
-    return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=str), preserve_index=False)
-
-
-def _one_split(data, split: str, spec: str):
-    if not hasattr(data, "keys"):  # a Dataset, not a DatasetDict
-        return data
-    wanted = ("train",) if split == "train" else ("test", "validation", "eval")
-    for name in wanted:
-        if name in data:
-            return data[name]
-    raise ValueError(f"dataset folder {spec} holds splits {list(data)}, none of them {' / '.join(wanted)}")

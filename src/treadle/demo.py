@@ -156,7 +156,7 @@ ACCURACY = "eval_greedy/accuracy"  # the demo's score: greedy exact match on the
 def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Path):
     """GRPO from the SFT checkpoint with the exact-match reward, evaluated on the held-out problems before its
     first step and every ``eval_every`` steps; returns (the model, the curve [(step, accuracy)], steps, seconds)."""
-    from treadle.models import load_model
+    from treadle.loading import load_model
 
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
     trainer = heldout_trainer(model, tokenizer, settings, output_dir, max_steps=settings.grpo_steps,

@@ -18,7 +18,6 @@ their traceback); :func:`one_line` is how it prints one.
 from __future__ import annotations
 
 import signal
-import sys
 
 
 class UserError(Exception):
@@ -69,15 +68,11 @@ def stopped_by(signum: int, step: int, checkpoint: str | None) -> BaseException:
     return Interrupted(step, checkpoint) if signum == signal.SIGINT else Preempted(step, checkpoint)
 
 
-USER_ERRORS = (("treadle.errors", "UserError"), ("treadle.checkpoint", "CheckpointError"),
-               ("treadle.rewards", "RewardFunctionError"))  # (module, class) the CLI prints as one line
-
-
 def is_user_error(error: BaseException) -> bool:
-    """Whether the CLI prints ``error`` as one line (exit 2): one of ``USER_ERRORS`` (looked up among the
-    modules already imported: an error of a module never imported cannot have been raised)."""
-    return any(isinstance(error, cls) for cls in (getattr(sys.modules.get(module), name, None)
-                                                  for module, name in USER_ERRORS) if cls is not None)
+    """Whether the CLI prints ``error`` as one line (exit 2): a ``UserError`` (the classes that report a user's
+    mistake subclass it: ``PreflightError``, ``checkpoint.CheckpointError``, ``rewards.RewardFunctionError`` ...).
+    Anything else is a bug and keeps its traceback."""
+    return isinstance(error, UserError)
 
 
 def one_line(error: BaseException) -> str:

@@ -43,6 +43,8 @@ import torch
 from torch import Tensor
 
 from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
+from treadle.packing import position_ids
+from treadle.text import eos_ids
 
 __all__ = [
     "GenerationOutput",
@@ -240,14 +242,6 @@ def completion_masks(raw_ids: Tensor, eos_token_ids: tuple[int, ...], pad_token_
     return completion_ids[:, :keep], completion_mask[:, :keep], is_truncated
 
 
-def _eos_tuple(eos_token_id: int | list[int] | None) -> tuple[int, ...]:
-    if eos_token_id is None:
-        return ()
-    if isinstance(eos_token_id, int):
-        return (eos_token_id,)
-    return tuple(int(t) for t in eos_token_id)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The public entry point.
 # ---------------------------------------------------------------------------------------------------------
@@ -270,7 +264,7 @@ def generate_completions(model, prompts: list[list[int]], *, num_generations: in
     Raises ValueError for bad arguments, and when the chosen backend cannot run this model.
     """
     params = SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens,
-                            eos_token_ids=_eos_tuple(eos_token_id), pad_token_id=pad_token_id,
+                            eos_token_ids=eos_ids(eos_token_id), pad_token_id=pad_token_id,
                             temperature=temperature, top_p=top_p, top_k=top_k,
                             repetition_penalty=repetition_penalty, do_sample=do_sample)
     _check_prompts(prompts)
@@ -429,7 +423,7 @@ def _generate_fast(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampl
 
 def _prefill(model, prompt_ids: Tensor, prompt_mask: Tensor, cache_name: str):
     """Run the B distinct prompts once; returns last-position logits (B, V) and the filled cache."""
-    positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding shifts each prompt to start at 0
+    positions = position_ids(prompt_mask)  # left padding shifts each prompt to start at 0
     kwargs = {}
     signature = forward_signature(model)
     for keep_name in ("logits_to_keep", "num_logits_to_keep"):  # skip the (B, P, V) logits we never read
@@ -638,7 +632,7 @@ def generate_turns(model, prompts: list[list[int]], respond: Respond, *, num_gen
     cannot run (``treadle.rollouts`` then re-prefills each turn through ``generate_completions``).
     """
     params = SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens,
-                            eos_token_ids=_eos_tuple(eos_token_id), pad_token_id=pad_token_id,
+                            eos_token_ids=eos_ids(eos_token_id), pad_token_id=pad_token_id,
                             temperature=temperature, top_p=top_p, top_k=top_k,
                             repetition_penalty=repetition_penalty, do_sample=do_sample)
     _check_prompts(prompts)

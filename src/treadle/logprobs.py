@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from treadle import distributed as dist
-from treadle.data import pack_padded_batch
+from treadle.packing import pack_padded_batch, position_ids
 from treadle.models import eval_mode, forward_signature, is_transformers_model
 
 IGNORE_INDEX = -100
@@ -396,7 +396,7 @@ def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start:
     if bool(real.all()) or bool((real[:, start + 1:] & ~real[:, start:-1]).any()):
         return None
     given = forward_kwargs.get("position_ids")
-    ranks = real.long().cumsum(dim=1) - 1  # (B, T): the position of each real token in its row
+    ranks = position_ids(real)  # (B, T): the position of each real token in its row
     if given is None and not bool(real[:, 0].all()) or given is not None and not bool((given == ranks)[real].all()):
         return None
     kwargs = {k: v for k, v in forward_kwargs.items() if k != "position_ids"}

@@ -1,7 +1,7 @@
 """What treadle needs to know about a model, decided in one place.
 
-A leaf module: it imports torch and ``treadle.distributed`` only, never a trainer, and transformers only inside
-``load_model`` (a model that is a transformers model means transformers is imported already). Contracts:
+It imports torch and ``treadle.distributed`` only, never a trainer, and transformers only inside
+``load_pretrained`` (a model that is a transformers model means transformers is imported already). Contracts:
 
 - :func:`forward_signature` -- the argument names a model's ``forward`` takes, read once per class (DDP's
   ``.module`` unwrapped); :func:`forward_parameters` -- the same as the Trainer uses it to keep dataset
@@ -16,13 +16,7 @@ A leaf module: it imports torch and ``treadle.distributed`` only, never a traine
 - :func:`unwrapped_for_generation` -- the module to sample from under DDP, FSDP2 or PEFT.
 - :func:`training_forward_kwargs`, :func:`loss_of`, :func:`logits_of` -- what a training forward is given
   besides its inputs, and where the loss and the predictions are in what it returns.
-- :func:`load_model` -- ``(model, tokenizer)`` from ``toy:<size>`` or a local folder; never downloads.
-- PEFT (the optional ``peft`` library, ``pip install 'treadle[peft]'``): :func:`apply_peft` wraps a model
-  for a ``peft_config`` (what every trainer's ``peft_config`` does), :func:`lora_config` builds a
-  ``LoraConfig`` from a YAML mapping, :func:`disable_adapter` is the policy as its own reference,
-  :func:`adapter_state_dict` / :func:`load_adapter_state_dict` are what a checkpoint holds of it,
-  :func:`merged_model` / :func:`merge_adapter_folder` give a plain transformers model with the adapters
-  merged in, :func:`parameter_counts` the trainable / total parameters.
+- :func:`load_pretrained` -- ``(model, tokenizer)`` from a local folder; never downloads. PEFT: ``treadle.peft``.
 """
 
 from __future__ import annotations
@@ -30,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import warnings
+import json
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -40,11 +35,10 @@ from torch import nn
 
 from treadle import distributed as dist
 
-__all__ = ["ForwardSignature", "adapter_state_dict", "apply_peft", "causal_lm_problem", "disable_adapter",
+__all__ = ["ForwardSignature", "causal_lm_problem", "check_model_folder", "check_vocabulary",
            "enable_gradient_checkpointing", "eval_mode", "forward_parameters", "forward_signature",
-           "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model", "load_adapter_state_dict",
-           "load_model", "logits_of", "lora_config", "loss_of", "max_positions", "merge_adapter_folder",
-           "merged_model", "parameter_counts", "reference_of", "training_forward_kwargs", "unwrapped_for_generation"]
+           "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model", "load_pretrained",
+           "logits_of", "loss_of", "max_positions", "training_forward_kwargs", "unwrapped_for_generation"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -307,36 +301,24 @@ def _fsdp2_modules(model: nn.Module) -> list:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def load_model(spec: str, *, tokenizer=None, seed: int = 0, trust_remote_code: bool = False):
-    """``(model, tokenizer)`` from ``toy:<size>`` (``treadle.toy``, built here with ``seed``) or a local folder
-    in transformers layout (a causal LM; the tokenizer is read from the folder unless one is given). Never
-    downloads; code in the folder runs only with ``trust_remote_code=True``. ValueError names what is wrong."""
-    import os
-
-    if spec.startswith("toy:"):
-        from treadle import toy
-
-        size = spec.removeprefix("toy:")
-        if size not in toy.MODEL_SIZES:
-            raise ValueError(f"unknown toy model {spec!r}; use one of {['toy:' + s for s in toy.MODEL_SIZES]}")
-        tokenizer = tokenizer if tokenizer is not None else toy.build_tokenizer()
-        model = toy.build_model(size, seed=seed, tokenizer=tokenizer)
-        model.name_or_path = spec  # an adapter trained on it names its base (adapter_config.json; treadle merge)
-        return model, tokenizer
-    if not os.path.isdir(spec):
-        raise ValueError(f"model folder {spec} not found; use a local folder in transformers layout (written by "
+def load_pretrained(path: str, *, tokenizer=None, trust_remote_code: bool = False):
+    """``(model, tokenizer)`` from a local folder in transformers layout (a causal LM; the tokenizer is read from
+    the folder unless one is given). Never downloads; code in the folder runs only with
+    ``trust_remote_code=True``. ValueError names what is wrong. (``toy:<size>`` specs: ``treadle.loading``.)"""
+    if not os.path.isdir(path):
+        raise ValueError(f"model folder {path} not found; use a local folder in transformers layout (written by "
                          f"save_pretrained) or toy:tiny")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers' model classes load ~5 s
 
-    check_model_folder(spec, needs_tokenizer=tokenizer is None)
+    check_model_folder(path, needs_tokenizer=tokenizer is None)
     options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(spec, **options)
-        model = AutoModelForCausalLM.from_pretrained(spec, **options)
+            tokenizer = AutoTokenizer.from_pretrained(path, **options)
+        model = AutoModelForCausalLM.from_pretrained(path, **options)
     except (OSError, ValueError) as error:
-        raise ValueError(f"cannot load a model and tokenizer from {spec}: {str(error).splitlines()[0]}") from None
-    check_vocabulary(model, tokenizer, spec)
+        raise ValueError(f"cannot load a model and tokenizer from {path}: {str(error).splitlines()[0]}") from None
+    check_vocabulary(model, tokenizer, path)
     return model, tokenizer
 
 
@@ -346,8 +328,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_model_folder(path: str, *, needs_tokenizer: bool = True) -> None:
     """Refuse (ValueError) a model folder without tokenizer files (when no tokenizer is given) or with a
     truncated ``.safetensors`` file (shorter than its own header says), before transformers reads it."""
-    import os
-
     names = set(os.listdir(path))
     if needs_tokenizer and not names & set(TOKENIZER_FILES):
         raise ValueError(f"model folder {path} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:2])}); save the "
@@ -360,9 +340,6 @@ def check_model_folder(path: str, *, needs_tokenizer: bool = True) -> None:
 
 def _safetensors_problem(path: str) -> str | None:
     """What is wrong with a .safetensors file's framing (8-byte header length, JSON header, data), or None."""
-    import json
-    import os
-
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -386,140 +363,3 @@ def check_vocabulary(model: nn.Module, tokenizer, where: str = "the model") -> N
         raise ValueError(f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
                          f"{rows} rows; use the tokenizer saved with this model, or resize the embedding "
                          f"(model.resize_token_embeddings(len(tokenizer))) and save both")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# PEFT (LoRA): optional, imported only when a peft_config or a PEFT model is used
-# ---------------------------------------------------------------------------------------------------------
-PEFT_INSTALL = "pip install 'treadle[peft]'"
-MERGED_DIR = "merged"  # where merge_adapters / `treadle merge` write the merged model, inside the run folder
-
-
-def _peft():
-    try:
-        import peft
-    except ImportError:
-        raise ImportError(f"peft_config needs the peft library, which is not installed: {PEFT_INSTALL}") from None
-    return peft
-
-
-def apply_peft(model: nn.Module, peft_config, *, seed: int = 0) -> nn.Module:
-    """``model`` wrapped by ``peft.get_peft_model`` for ``peft_config`` (only the adapters train), as TRL's
-    trainers do; ``model`` itself when ``peft_config`` is None. The adapters' initial weights depend on
-    ``seed`` only (the caller's RNG is left as it was). Prints trainable / total parameters."""
-    if peft_config is None:
-        return model
-    peft = _peft()
-    if not isinstance(peft_config, peft.PeftConfig):
-        raise TypeError(f"peft_config must be a peft config (e.g. peft.LoraConfig(r=8, target_modules='all-linear')), "
-                        f"got {type(peft_config).__name__}; a YAML mapping goes through treadle.models.lora_config")
-    if is_peft_model(model):
-        raise ValueError("the model is already a PEFT model and peft_config was given too; pass the base model "
-                         "with peft_config, or the PEFT model with peft_config=None")
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
-        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`: noise at every LoRA start-up
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        torch.manual_seed(seed)
-        model = peft.get_peft_model(model, peft_config)
-    if dist.is_main_process():
-        trainable, total = parameter_counts(model)
-        print(f"treadle: {peft_config.peft_type.value} adapters: {trainable:,} trainable of {total:,} parameters "
-              f"({100 * trainable / total:.2f}%)", flush=True)
-    return model
-
-
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters of the unwrapped ``model``; a tied weight counts once."""
-    params = {id(p): p for p in dist.unwrap_model(model).parameters()}.values()
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
-
-
-def lora_config(mapping: dict):
-    """A ``peft.LoraConfig`` for a causal LM from a YAML mapping (``r``, ``lora_alpha``, ``lora_dropout``,
-    ``target_modules`` -- a list or ``all-linear`` --, ``modules_to_save``, any other LoraConfig field)."""
-    import dataclasses
-
-    peft = _peft()
-    if not isinstance(mapping, dict):
-        raise ValueError(f"peft: must be a mapping (r: 8, lora_alpha: 16, target_modules: all-linear), "
-                         f"got {type(mapping).__name__}")
-    known = {f.name for f in dataclasses.fields(peft.LoraConfig)}
-    unknown = sorted(set(mapping) - known)
-    if unknown:
-        raise ValueError(f"peft: unknown LoraConfig key(s) {unknown}; common keys are r, lora_alpha, lora_dropout, "
-                         f"target_modules (a list or all-linear) and modules_to_save")
-    try:
-        return peft.LoraConfig(**{"task_type": "CAUSAL_LM", **mapping})
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"peft: {error}") from None
-
-
-@contextlib.contextmanager
-def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
-    """The (unwrapped) PEFT ``model`` with its adapters disabled inside the block: the base model, used as the
-    DPO / GRPO reference without a second copy of the weights. Gradients are the caller's business."""
-    inner = dist.unwrap_model(model)
-    if not is_peft_model(inner):
-        raise ValueError(f"{type(inner).__name__} has no adapters to disable; pass a ref_model or a PEFT model")
-    with inner.disable_adapter():
-        yield inner
-
-
-@contextlib.contextmanager
-def reference_of(model: nn.Module, ref_model: nn.Module | None = None) -> Iterator[nn.Module]:
-    """The model that scores reference log-probs: ``ref_model`` when there is one, else the PEFT ``model``
-    with its adapters disabled (:func:`disable_adapter`)."""
-    if ref_model is not None:
-        yield ref_model
-        return
-    with disable_adapter(model) as base:
-        yield base
-
-
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter weights of a PEFT model (and its ``modules_to_save``), named as peft saves them."""
-    from peft import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(dist.unwrap_model(model))
-
-
-def load_adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy adapter weights named as :func:`adapter_state_dict` names them into the PEFT ``model``."""
-    from peft import set_peft_model_state_dict
-
-    set_peft_model_state_dict(dist.unwrap_model(model), state)
-
-
-def merged_model(model: nn.Module) -> nn.Module:
-    """A plain transformers model with the adapters merged into the base weights, built from a copy: the PEFT
-    ``model`` keeps training as it was (the copy costs one model's memory for as long as it is kept)."""
-    return copy.deepcopy(dist.unwrap_model(model)).merge_and_unload()
-
-
-def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str:
-    """Merge the adapter saved in ``adapter_dir`` (``adapter_config.json``; a run folder) into its base model
-    (``base_model_name_or_path``: a local folder or ``toy:<size>``, built with the run's seed) and write a
-    transformers model folder to ``output_dir`` (default ``adapter_dir/merged``); returns its path."""
-    import json
-    import os
-
-    peft = _peft()
-    config_path = os.path.join(adapter_dir, "adapter_config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"{adapter_dir} holds no adapter_config.json: is it the output_dir of a run with peft:?")
-    with open(config_path) as f:
-        base = json.load(f).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{config_path} names no base_model_name_or_path; merge in Python: "
-                         f"PeftModel.from_pretrained(base_model, {adapter_dir!r}).merge_and_unload()")
-    args_path, seed = os.path.join(adapter_dir, "training_args.json"), 0
-    if os.path.isfile(args_path):  # a toy base is rebuilt from the run's seed, as `treadle train` built it
-        with open(args_path) as f:
-            seed = json.load(f).get("seed", 0)
-    model, tokenizer = load_model(base, seed=seed)
-    merged = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    output_dir = output_dir or os.path.join(adapter_dir, MERGED_DIR)
-    merged.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    return output_dir

@@ -27,8 +27,6 @@ completion through :func:`completion_text`, so they work for plain and chat comp
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -37,16 +35,18 @@ from typing import Any
 
 import torch
 
-from treadle.data import encode_prompt_responses, existing_path, pad_token_id, right_padded
+from treadle.errors import UserError
+from treadle.packing import right_padded
+from treadle.text import encode_prompt_responses, pad_token_id
 
 RewardFunction = Callable[..., Sequence[Any]]
 
 __all__ = ["RewardFunction", "RewardFunctionError", "call_reward_function", "completion_text", "exact_match",
-           "from_reward_model", "load_reward_funcs", "overlong_penalty", "regex_format", "reward_name",
+           "from_reward_model", "overlong_penalty", "regex_format", "reward_name",
            "score_completions", "weighted_rewards"]
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserError, ValueError):
     """A reward function broke the contract; the message names it, the step and one offending sample."""
 
 
@@ -304,47 +304,3 @@ def call_compute_metrics(fn, **arguments) -> dict[str, float]:
             raise TypeError(f"compute_metrics {reward_name(fn)!r} returned {key!r}: {value!r}, which is not a "
                             f"number; return numbers only (they are logged and plotted)") from None
     return metrics
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Loading reward functions by name (configs)
-# ---------------------------------------------------------------------------------------------------------
-def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list[RewardFunction]:
-    """Callables from dotted paths (``package.module.function``) or ``file.py:function`` (a path relative to
-    the working directory or ``base_dir``), as a config names them. ValueError names what is missing."""
-    if not spec:
-        raise ValueError("the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
-                        "[treadle.toy.addition_reward]")
-    specs = [spec] if isinstance(spec, str) else list(spec)
-    return [_import_callable(str(s), base_dir) for s in specs]
-
-
-def _import_callable(spec: str, base_dir: Path):
-    if ":" in spec:
-        file, _, name = spec.rpartition(":")
-        path = existing_path(file, base_dir)
-        if path is None:
-            raise ValueError(f"reward function {spec}: file {file} not found")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except SyntaxError as error:
-            raise ValueError(f"reward function {spec}: {path} line {error.lineno}: {error.msg}; fix the "
-                             f"file") from error
-        except Exception as error:  # the file's own code failed at import: the user's to fix, not treadle's
-            raise ValueError(f"reward function {spec}: importing {path} raised {type(error).__name__}: {error}; fix "
-                             f"the file (--debug shows the traceback)") from error
-    else:
-        module_name, _, name = spec.rpartition(".")
-        try:
-            module = importlib.import_module(module_name) if module_name else None
-        except (ImportError, SyntaxError) as error:
-            raise ValueError(f"reward function {spec}: cannot import {module_name} ({error})") from error
-        if module is None:
-            raise ValueError(f"reward function {spec!r} must be a dotted path (package.module.function) or "
-                            f"file.py:function")
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"reward function {spec}: {module.__name__} has no function {name!r}")
-    return fn

@@ -66,7 +66,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from treadle.data import encode_prompts, is_conversation
+from treadle.text import encode_prompts, eos_ids, is_conversation
 from treadle.generation import (MultiTurnOutput, distinct_prompts, generate_completions, generate_turns, left_pad,
                                 pack_turns)
 
@@ -345,7 +345,7 @@ class RolloutRunner:
 
     def _output(self, generation: MultiTurnOutput, envs: list, chat: list[bool], observations: list[list[str]],
                 rewards: list[list[float]]) -> RolloutOutput:
-        eos = set(_as_tuple(self.tokenizer.eos_token_id))
+        eos = set(eos_ids(self.tokenizer.eos_token_id))
         lengths = generation.completion_mask.sum(dim=1).tolist()
         completion_lists = [ids[:n] for ids, n in zip(generation.completion_ids.tolist(), lengths)]
         sampled = generation.sampled_mask.tolist()
@@ -414,12 +414,6 @@ def _model_turns(ids: list[int], sampled: list[int], eos: set[int]) -> list[list
     return turns
 
 
-def _as_tuple(eos_token_id) -> tuple[int, ...]:
-    if eos_token_id is None:
-        return ()
-    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-
-
 def rollout_metrics(transcripts: list[list[dict]], truncated: list[bool], envs: list,
                     tool_names: Sequence[str] = ()) -> dict[str, tuple[float, float]]:
     """``{name: (sum, count)}`` of one batch: model turns per rollout, truncated fraction and, for tools, calls
@@ -446,7 +440,7 @@ def reprefill_turns(model, prompts: list[list[int]], respond, *, num_generations
     """``generate_turns``'s contract, one ``generate_completions`` call per turn on every active row's whole
     transcript: simple and engine-agnostic, but every turn prefills everything again, and a turn starts only
     when every row's environment has answered."""
-    eos = set(_as_tuple(eos_token_id))
+    eos = set(eos_ids(eos_token_id))
     rows = len(prompts) * num_generations
     base = [p for p in prompts for _ in range(num_generations)]
     tokens: list[list[int]] = [[] for _ in range(rows)]

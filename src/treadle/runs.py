@@ -20,7 +20,6 @@ torch nor a trainer, so the CLI runs it before its slow imports.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -198,13 +197,11 @@ def release_lock(path: str) -> None:
 
 
 @contextlib.contextmanager
-def claim_run_folder(args, *, resume: bool, model=None):
+def claim_run_folder(args, *, resume: bool, model=None, main_process: bool = True):
     """Check ``args.output_dir`` (``check_run_folder``; the model's folder from ``model_folder``), lock it,
     delete what ``args.overwrite_output_dir`` asks (naming it), and hold the lock inside the block. The other
-    processes of a multi-process run do nothing: rank 0 owns the folder."""
-    from treadle import distributed as dist
-
-    if not dist.is_main_process():
+    processes of a multi-process run (``main_process=False``) do nothing: rank 0 owns the folder."""
+    if not main_process:
         yield
         return
     output_dir = args.output_dir
@@ -227,32 +224,3 @@ def model_folder(model) -> str | None:
     """The local folder ``model`` was loaded from (transformers' ``name_or_path``), None when unknown."""
     name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     return name if isinstance(name, str) and name and os.path.isdir(name) else None
-
-
-# settings that do not shape the trained weights: a resumed run may change them without a note
-NOT_FINGERPRINTED = frozenset({
-    "output_dir", "run_name", "overwrite_output_dir", "max_steps", "num_train_epochs", "logging_strategy",
-    "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
-    "save_total_limit", "save_only_model", "load_best_model_at_end", "report_to", "disable_tqdm",
-    "per_device_eval_batch_size", "prediction_loss_only", "dataloader_num_workers", "dataloader_pin_memory",
-    "ddp_timeout", "skip_nonfinite_steps"})
-
-
-def fingerprinted_settings(settings: dict) -> dict:
-    return {k: v for k, v in settings.items() if k not in NOT_FINGERPRINTED}
-
-
-def config_fingerprint(args) -> str | None:
-    """A short hash of the settings of ``args`` that shape the trained weights (not its cadence or length);
-    None for arguments that are not a TrainingArguments."""
-    if not hasattr(args, "to_dict"):
-        return None
-    text = json.dumps(fingerprinted_settings(args.to_dict()), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def changed_settings(saved: dict, args) -> list[str]:
-    """``name: old -> new`` for each fingerprinted setting of ``args`` that differs from ``saved`` (a
-    checkpoint's training_args.json)."""
-    now = fingerprinted_settings(json.loads(args.to_json_string()))
-    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in sorted(now.items()) if k in saved and saved[k] != v]

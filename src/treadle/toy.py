@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from treadle.data import is_conversation, render_chat_prompt
+from treadle.text import is_conversation, render_chat_prompt
 from treadle.models import eval_mode
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only

@@ -21,48 +21,12 @@ when the Trainer is built, before training, with the pip command that installs i
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 
+from treadle.arguments import TRACKERS, is_installed
+from treadle import runfiles
 from treadle.callbacks import TrainerCallback
-from treadle.report import COMPLETIONS_FILE, completions_table, plot_run
-
-# report_to name -> (module that must import, pip package, transformers callback); the order "all" lists them in
-TRACKERS = {
-    "wandb": ("wandb", "wandb", "WandbCallback"),
-    "mlflow": ("mlflow", "mlflow-skinny", "MLflowCallback"),
-    "trackio": ("trackio", "trackio", "TrackioCallback"),
-    "comet_ml": ("comet_ml", "comet_ml", "CometCallback"),
-    "tensorboard": ("tensorboard", "tensorboard", "TensorBoardCallback"),
-}
-
-
-def resolve_report_to(report_to) -> list[str]:
-    """``report_to`` as a list of tracker names, as transformers reads it: a name or a list of names; ``"all"``:
-    every installed tracker; ``"none"`` (or None, ``""``, ``[]``): none. ValueError naming the valid names.
-
-    >>> resolve_report_to("none"), resolve_report_to(["wandb", "mlflow"])
-    ([], ['wandb', 'mlflow'])
-    """
-    names = [report_to] if isinstance(report_to, str) else report_to
-    if names is None or names in ([], [""], ["none"]):
-        return []
-    if names == ["all"]:
-        return [name for name in TRACKERS if is_installed(name)]
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"report_to must be a tracker name or a list of them, got {report_to!r}")
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown:
-        raise ValueError(f"report_to={report_to!r}: {', '.join(map(repr, unknown))} is not a tracker treadle "
-                         f"supports; use some of {sorted(TRACKERS)}, or 'all' / 'none'")
-    return list(dict.fromkeys(names))  # each tracker once, in the order given
-
-
-def is_installed(name: str) -> bool:
-    """Whether tracker ``name``'s library can be imported (without importing it)."""
-    return importlib.util.find_spec(TRACKERS[name][0]) is not None
-
+from treadle.plots import completions_table, plot_run
 
 def tracker_callbacks(report_to: list[str]) -> list:
     """The callbacks that report a run to ``report_to``'s trackers: ``TrackerMedia`` first (its images must reach
@@ -111,20 +75,8 @@ class TrackerMedia(TrainerCallback):
     def _new_completions(self, output_dir: str, step: int) -> list[dict]:
         """The completions.jsonl records sampled in [tabled_step, step) (a record's step is the global step
         before the optimizer step that trains on it)."""
-        path = os.path.join(output_dir, COMPLETIONS_FILE)
-        if not os.path.exists(path):
-            return []
-        with open(path, "rb") as f:
-            f.seek(self.offset)
-            lines = f.read().splitlines(keepends=True)
-        whole = [line for line in lines if line.endswith(b"\n")]  # a line still being written waits
-        self.offset += sum(map(len, whole))
-        records = []
-        for line in whole:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        records, self.offset = runfiles.read_new_records(os.path.join(output_dir, runfiles.COMPLETIONS_FILE),
+                                                         self.offset)
         return [r for r in records if self.tabled_step <= r.get("step", -1) < step]
 
     def on_train_end(self, args, state, control, **kwargs):

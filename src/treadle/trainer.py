@@ -31,15 +31,16 @@ import time
 
 import torch
 
-from treadle import checkpoint as ckpt, distributed as dist, models, runs
+from treadle import checkpoint as ckpt, distributed as dist, models, peft as treadle_peft, runs
 from treadle.arguments import TrainingArguments, check_config
-from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, LoopState, PreemptionCallback, PrinterCallback,
-                               ProgressCallback, TrainerControl, TrainerState)
+from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
+                               ProgressCallback)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, to_cpu)
 from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, as_float, check_logged_loss,
                              count_input_tokens, fold_loss, means_of, record_loss, skip_nonfinite_step, speed_metrics)
 from treadle.optim import build_optimizer, build_scheduler
+from treadle.state import LoopState, TrainerControl, TrainerState
 from treadle.trackers import tracker_callbacks
 
 
@@ -59,7 +60,7 @@ class Trainer:
             raise ValueError(f"{type(self).__name__} needs a model")
         self.args = self.check_args(args)
         dist.init_distributed(self.args.device, self.args.ddp_timeout)  # under torchrun: the group exists before any data work
-        self.model = models.apply_peft(model, peft_config, seed=self.args.seed).to(self.args.device)
+        self.model = treadle_peft.apply_peft(model, peft_config, seed=self.args.seed).to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
         self.data_collator = data_collator if data_collator is not None else collator_for(processing_class)
@@ -244,7 +245,8 @@ class Trainer:
         """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
         output_dir, or a path) continues that run exactly. The run folder is checked and locked first (runs.py)."""
         resume_path = ckpt.resolve(resume_from_checkpoint, self.args.output_dir)
-        with runs.claim_run_folder(self.args, resume=resume_path is not None, model=self.model):
+        with runs.claim_run_folder(self.args, resume=resume_path is not None, model=self.model,
+                                   main_process=dist.is_main_process()):
             return self._train(resume_path)
 
     def _train(self, resume_path: str | None) -> TrainOutput:

@@ -73,16 +73,18 @@ from typing import Any, Sequence
 import torch
 
 from treadle import checkpoint as ckpt
-from treadle import distributed as dist
+from treadle import distributed as dist, runfiles
 from treadle.arguments import TrainingArguments
-from treadle.data import RepeatSampler, column_names, encode_prompt, is_conversation, pad_token_id, require_columns
+from treadle.data import RepeatSampler, column_names, require_columns
+from treadle.text import encode_prompt, is_conversation, pad_token_id
 from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, distinct_prompts, generate_completions
 from treadle.logprobs import token_logps
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages)
 from treadle.metrics import means_of, pass_at_k_sums
-from treadle.models import eval_mode, frozen_reference, reference_of
-from treadle.report import COMPLETIONS_FILE
+from treadle.packing import position_ids
+from treadle.models import eval_mode, frozen_reference
+from treadle.peft import reference_of
 from treadle.rewards import (METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, check_compute_metrics,
                              reward_name, score_completions, weighted_rewards)
 from treadle.rollouts import RolloutRunner
@@ -563,7 +565,7 @@ class GRPOTrainer(Trainer):
         sampling temperature, with positions counted from the first prompt token as during sampling."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         start = ids.shape[1] - batch["completion_mask"].shape[1] - 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        positions = position_ids(mask)
         return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
                            return_entropy=return_entropy, position_ids=positions, padding_free=self.args.padding_free)
 
@@ -629,13 +631,12 @@ class GRPOTrainer(Trainer):
         records = [r for part in dist.gather_objects(records) for r in part]
         if not dist.is_main_process():
             return
-        path = os.path.join(self.args.output_dir, COMPLETIONS_FILE)
-        os.makedirs(self.args.output_dir, exist_ok=True)
+        path = os.path.join(self.args.output_dir, runfiles.COMPLETIONS_FILE)
         if not self._completions_file_checked:
-            _drop_records_from(path, self.state.global_step)  # a resumed run writes those steps again
+            step = self.state.global_step  # a resumed run writes the steps from its checkpoint on again
+            runfiles.cut_back(path, lambda r: r["step"] < step)
             self._completions_file_checked = True
-        with open(path, "a") as f:
-            f.writelines(json.dumps(r, default=float) + "\n" for r in records)
+        runfiles.append_records(path, records)
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def extra_checkpoint_state(self) -> dict:
@@ -803,22 +804,3 @@ def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     if dist.get_world_size() == 1:
         return tensor
     return torch.cat(dist.gather_objects(tensor))
-
-
-def _drop_records_from(path: str, step: int) -> None:
-    """Keep only the records of ``path`` written before ``step`` (no-op when the file does not exist)."""
-    if not os.path.exists(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] < step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (json.JSONDecodeError, KeyError):
-                continue  # a line cut by a crash mid-write
-    with open(path, "w") as f:
-        f.writelines(kept)
-
-
-__all__ = ["GRPOConfig", "GRPOTrainer"]

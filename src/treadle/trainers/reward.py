@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from treadle.arguments import TrainingArguments
-from treadle.data import column_names, pad_token_id, require_columns
+from treadle.data import column_names, require_columns
+from treadle.text import pad_token_id
 from treadle.losses import bradley_terry_loss
 from treadle.trainer import Trainer
 from treadle.trainers.dpo import ID_COLUMNS, ChosenRejected, DPOCollator, pair_count, tokenize_row

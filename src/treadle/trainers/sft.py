@@ -38,10 +38,10 @@ import torch
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import (best_fit_bins, check_text_columns, column_names, encode_prompts, encode_texts,
-                          is_conversation, pad_token_id, require_eval_dataset, right_padded, split_chat_completion,
-                          with_eos)
-from treadle.models import load_model, max_positions
+from treadle.data import check_text_columns, column_names, require_eval_dataset
+from treadle.packing import best_fit_bins, right_padded
+from treadle.text import encode_prompts, encode_texts, is_conversation, pad_token_id, split_chat_completion, with_eos
+from treadle.models import load_pretrained, max_positions
 from treadle.trainer import Trainer
 
 TOKENIZE_CHUNK = 1000  # rows tokenised per tokenizer call: big enough for the fast tokenizer's batching
@@ -97,9 +97,10 @@ class SFTTrainer(Trainer):
     # ---- building -----------------------------------------------------------------------------------------
     @staticmethod
     def load_model(path: str, processing_class=None, seed: int = 0):
-        """(model, tokenizer) from a local folder in transformers layout or ``toy:<size>`` (``models.load_model``;
-        never downloads); the tokenizer is read from the folder unless given."""
-        return load_model(path, tokenizer=processing_class, seed=seed)
+        """(model, tokenizer) from a local folder in transformers layout (``models.load_pretrained``; never
+        downloads); the tokenizer is read from the folder unless given. ``seed`` is unused by a folder (kept for
+        subclasses that build models); a config's ``toy:<size>`` is the CLI's (``treadle.loading.load_model``)."""
+        return load_pretrained(path, tokenizer=processing_class)
 
     def prepare_dataset(self, dataset, name: str = "train"):
         """Tokenise ``dataset`` once (with a progress bar), truncate to ``max_length`` and pack if asked.

@@ -1,0 +1,222 @@
+"""Loading what a config names: datasets (``toy:<task>[:N]``, files, save_to_disk folders), models (``toy:<size>``
+or a local folder), reward functions (dotted paths or ``file.py:function``) and a saved adapter merged into its
+base. The run side: the CLI and the demos call it; the trainers take the loaded objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import datasets
+
+from treadle import peft as treadle_peft, toy
+from treadle.data import DatasetFileError, check_text_columns
+from treadle.models import load_pretrained
+from treadle.rewards import RewardFunction
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+
+
+def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir: Path = Path(".")):
+    """A ``datasets.Dataset`` from ``toy:<task>[:N]`` (the train split for ``dataset``, the held-out test split
+    for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder."""
+    if spec.startswith("toy:"):
+        return _toy_dataset(spec, kind=kind, split=split)
+    path = existing_path(spec, base_dir)
+    if path is None:
+        raise ValueError(f"dataset {spec} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
+                        f"Dataset.save_to_disk, or toy:addition)")
+    def from_rows(rows: list[dict]):  # checked before datasets infers (and refuses) a column type
+        check_text_columns(rows, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
+        return datasets.Dataset.from_list(rows)
+
+    readers = {".json": lambda: from_rows(_read_json_rows(path)), ".jsonl": lambda: from_rows(_read_jsonl_rows(path)),
+               ".csv": lambda: _read_csv(path), ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
+    if not path.is_dir() and path.suffix not in readers:
+        raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "
+                         f"or a save_to_disk folder")
+    try:
+        data = datasets.load_from_disk(str(path)) if path.is_dir() else readers[path.suffix]()
+    except DatasetFileError:
+        raise  # our own message names the file and line already
+    except (OSError, ValueError, TypeError) as error:  # corrupt files: datasets raises a variety of types
+        raise ValueError(f"cannot read dataset {spec}: {str(error).splitlines()[0]}") from None
+    data = _one_split(data, split, spec) if path.is_dir() else data
+    check_text_columns(data, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
+    return data
+
+
+FIRST_LINE = {".jsonl": 1, ".csv": 2}  # the file line of row 0, where rows are lines (a CSV has a header)
+TEXT_COLUMNS = {"sft": ("prompt", "completion", "text", "messages"), "preference": ("prompt", "chosen", "rejected"),
+                "rl": ("prompt",)}  # per toy-dataset kind: the columns that hold text (or chat messages)
+
+
+def _toy_dataset(spec: str, *, kind: str, split: str):
+    task, _, size = spec.removeprefix("toy:").partition(":")
+    if task not in toy.TASKS:
+        raise ValueError(f"unknown toy task {spec!r}; use one of {['toy:' + t for t in toy.TASKS]}")
+    if size and not size.isdigit():
+        raise ValueError(f"toy dataset {spec!r}: the part after the task is a row count, e.g. toy:{task}:256")
+    try:
+        return toy.load_task(task, split, kind=kind, n=int(size) if size else None)
+    except ValueError as error:
+        raise ValueError(f"toy dataset {spec!r}: {error}") from None
+
+
+def existing_path(spec: str, base_dir: Path) -> Path | None:
+    """``spec`` as given (relative to the working directory) if it exists, else relative to ``base_dir`` (the
+    config's folder), else None."""
+    for candidate in (Path(spec), base_dir / spec):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _read_json_rows(path: Path) -> list[dict]:
+    """The rows of a .json file: a list of objects, or one object of equal-length column lists."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise DatasetFileError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); a .json dataset is one JSON "
+                               f"document (JSON lines go in a .jsonl file)") from None
+    if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+        lengths = {k: len(v) for k, v in data.items()}
+        if len(set(lengths.values())) != 1:
+            raise DatasetFileError(f"{path} holds columns of different lengths {lengths}; give every column one "
+                                   f"value per row, or write a list of row objects")
+        data = [dict(zip(data, values)) for values in zip(*data.values())]
+    if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
+        raise DatasetFileError(f"{path} must hold rows: a JSON list of objects ([{{\"prompt\": ...}}, ...]) or an "
+                               f"object of equal-length column lists ({{\"prompt\": [...], ...}}); got "
+                               f"{_shape_of(data)}")
+    return data
+
+
+def _read_jsonl_rows(path: Path) -> list[dict]:
+    """The rows of a .jsonl file: one JSON object per non-empty line, always (a one-line file is one row)."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        if not isinstance(row, dict):
+            raise DatasetFileError(f"{path}:{number}: a JSON lines dataset holds one object per line, got "
+                                   f"{_shape_of(row)}")
+        rows.append(row)
+    if not rows:
+        raise DatasetFileError(f"{path} holds no rows; write one JSON object per line")
+    return rows
+
+
+def _shape_of(value) -> str:
+    if isinstance(value, list):
+        return "an empty list" if not value else f"a list of {type(value[0]).__name__}"
+    return "an object that is not columns of lists" if isinstance(value, dict) else type(value).__name__
+
+
+def _read_csv(path: Path):
+    """A CSV file with every column read as text (a CSV has no types: "3" as a completion is text); an empty
+    cell is null, which ``check_text_columns`` refuses in a text column."""
+    import pandas  # pandas only for CSV files (~0.4 s to import)
+
+    return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=str), preserve_index=False)
+
+
+def _one_split(data, split: str, spec: str):
+    if not hasattr(data, "keys"):  # a Dataset, not a DatasetDict
+        return data
+    wanted = ("train",) if split == "train" else ("test", "validation", "eval")
+    for name in wanted:
+        if name in data:
+            return data[name]
+    raise ValueError(f"dataset folder {spec} holds splits {list(data)}, none of them {' / '.join(wanted)}")
+
+
+# ---- models
+def load_model(spec: str, *, tokenizer=None, seed: int = 0, trust_remote_code: bool = False):
+    """``(model, tokenizer)`` from ``toy:<size>`` (``treadle.toy``, built here with ``seed``) or a local folder
+    in transformers layout (a causal LM; the tokenizer is read from the folder unless one is given). Never
+    downloads; code in the folder runs only with ``trust_remote_code=True``. ValueError names what is wrong."""
+    if spec.startswith("toy:"):
+        size = spec.removeprefix("toy:")
+        if size not in toy.MODEL_SIZES:
+            raise ValueError(f"unknown toy model {spec!r}; use one of {['toy:' + s for s in toy.MODEL_SIZES]}")
+        tokenizer = tokenizer if tokenizer is not None else toy.build_tokenizer()
+        model = toy.build_model(size, seed=seed, tokenizer=tokenizer)
+        model.name_or_path = spec  # an adapter trained on it names its base (adapter_config.json; treadle merge)
+        return model, tokenizer
+    return load_pretrained(spec, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+
+
+def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str:
+    """Merge the adapter saved in ``adapter_dir`` (``adapter_config.json``; a run folder) into its base model
+    (``base_model_name_or_path``: a local folder or ``toy:<size>``, built with the run's seed) and write a
+    transformers model folder to ``output_dir`` (default ``adapter_dir/merged``); returns its path."""
+    peft = treadle_peft.require_peft()
+    config_path = os.path.join(adapter_dir, "adapter_config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{adapter_dir} holds no adapter_config.json: is it the output_dir of a run with peft:?")
+    with open(config_path) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config_path} names no base_model_name_or_path; merge in Python: "
+                         f"PeftModel.from_pretrained(base_model, {adapter_dir!r}).merge_and_unload()")
+    args_path, seed = os.path.join(adapter_dir, "training_args.json"), 0
+    if os.path.isfile(args_path):  # a toy base is rebuilt from the run's seed, as `treadle train` built it
+        with open(args_path) as f:
+            seed = json.load(f).get("seed", 0)
+    model, tokenizer = load_model(base, seed=seed)
+    merged = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    output_dir = output_dir or os.path.join(adapter_dir, treadle_peft.MERGED_DIR)
+    merged.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+# ---- reward functions
+def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list[RewardFunction]:
+    """Callables from dotted paths (``package.module.function``) or ``file.py:function`` (a path relative to
+    the working directory or ``base_dir``), as a config names them. ValueError names what is missing."""
+    if not spec:
+        raise ValueError("the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
+                        "[treadle.toy.addition_reward]")
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    return [_import_callable(str(s), base_dir) for s in specs]
+
+
+def _import_callable(spec: str, base_dir: Path):
+    if ":" in spec:
+        file, _, name = spec.rpartition(":")
+        path = existing_path(file, base_dir)
+        if path is None:
+            raise ValueError(f"reward function {spec}: file {file} not found")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except SyntaxError as error:
+            raise ValueError(f"reward function {spec}: {path} line {error.lineno}: {error.msg}; fix the "
+                             f"file") from error
+        except Exception as error:  # the file's own code failed at import: the user's to fix, not treadle's
+            raise ValueError(f"reward function {spec}: importing {path} raised {type(error).__name__}: {error}; fix "
+                             f"the file (--debug shows the traceback)") from error
+    else:
+        module_name, _, name = spec.rpartition(".")
+        try:
+            module = importlib.import_module(module_name) if module_name else None
+        except (ImportError, SyntaxError) as error:
+            raise ValueError(f"reward function {spec}: cannot import {module_name} ({error})") from error
+        if module is None:
+            raise ValueError(f"reward function {spec!r} must be a dotted path (package.module.function) or "
+                            f"file.py:function")
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec}: {module.__name__} has no function {name!r}")
+    return fn

@@ -1,0 +1,126 @@
+"""The text rules every trainer shares: pure functions of a tokenizer and rows, one home each (trainers call
+them, never restate them):
+
+- a *conversation* is a list (or tuple) of message dicts with a ``"role"``; anything else is text;
+- a conversation prompt is rendered by the chat template with the generation prompt; a completion is the text
+  the whole chat adds after that prompt, which must be a prefix of it;
+- a text prompt is encoded *with* the tokenizer's special tokens (e.g. a bos), a rendered conversation
+  *without* them (the template wrote its own); completions never get them (they continue a prompt);
+- ``with_eos`` appends eos unless the ids already end with it; ``eos_ids`` reads an eos id or ids as a tuple;
+- padding uses an explicit override, else the tokenizer's pad, else its eos, else 0 (``pad_token_id``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def is_conversation(value) -> bool:
+    """Whether ``value`` is chat messages: a list or tuple of dicts that each have a ``"role"`` (an empty list
+    is an empty chat).
+
+    >>> is_conversation([{"role": "user", "content": "1+1="}]), is_conversation("1+1=")
+    (True, False)
+    """
+    return isinstance(value, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def render_chat_prompt(tokenizer, messages) -> str:
+    """The chat template's text for ``messages`` followed by the generation prompt (what the model answers)."""
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
+def split_chat_completion(tokenizer, prompt, completion) -> tuple[str, str]:
+    """``(prompt_text, completion_text)`` of a chat pair: the prompt rendered with the generation prompt, and
+    the text that the whole chat (prompt messages then completion messages) adds after it.
+
+    Raises ValueError when the rendered prompt is not a prefix of the whole chat, as the completion could
+    then not be split off.
+    """
+    prompt_text = render_chat_prompt(tokenizer, prompt)
+    full_text = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+    if not full_text.startswith(prompt_text):
+        raise ValueError(f"the chat template renders the prompt with its generation prompt as {prompt_text!r}, "
+                         f"which is not a prefix of the whole conversation {full_text!r}, so the completion "
+                         f"cannot be split off; fix the template (the prompt with add_generation_prompt=True "
+                         f"must begin the whole chat) or give the rows as text")
+    return prompt_text, full_text[len(prompt_text):]
+
+
+def encode_prompt_responses(tokenizer, prompt, responses: Sequence) -> tuple[list[int], list[list[int]]]:
+    """Token ids of a prompt and of responses to it, tokenised separately (the preference and reward-model rule):
+    the prompt by ``encode_prompt``; a chat response (a list of messages, after chat-message prompts) as the
+    template renders it after the prompt; a text response without special tokens, eos appended unless present."""
+    chat = is_conversation(prompt)
+    texts = [split_chat_completion(tokenizer, prompt, r)[1] if chat else r for r in responses]
+    ids = encode_texts(tokenizer, texts, special_tokens=False)
+    if not chat:  # a chat response ends the way the template ends an assistant turn
+        ids = [with_eos(x, tokenizer.eos_token_id) for x in ids]
+    return encode_prompt(tokenizer, prompt), ids
+
+
+def encode_texts(tokenizer, texts: Sequence[str], *, special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text, with or without the tokenizer's special tokens, in one batched call."""
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=special_tokens)["input_ids"]]
+
+
+def encode_prompts(tokenizer, prompts: Sequence) -> list[list[int]]:
+    """Token ids of each prompt: text with the tokenizer's special tokens (e.g. a bos); a conversation rendered
+    by ``render_chat_prompt`` and encoded without them, since the template wrote its own."""
+    chat = [is_conversation(p) for p in prompts]
+    texts = [render_chat_prompt(tokenizer, p) if c else p for p, c in zip(prompts, chat)]
+    ids: list[list[int]] = [[] for _ in prompts]
+    for is_chat in (False, True):  # one batched tokenizer call per kind
+        where = [i for i, c in enumerate(chat) if c is is_chat]
+        encoded = encode_texts(tokenizer, [texts[i] for i in where], special_tokens=not is_chat)
+        for i, row in zip(where, encoded):
+            ids[i] = row
+    return ids
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of one prompt (text or chat messages), as ``encode_prompts``."""
+    return encode_prompts(tokenizer, [prompt])[0]
+
+
+def with_eos(ids: list[int], eos_token_id: int | None) -> list[int]:
+    """``ids`` ending with ``eos_token_id`` (appended unless already last; unchanged when it is None).
+
+    >>> with_eos([5, 6], 2), with_eos([5, 2], 2), with_eos([5], None)
+    ([5, 6, 2], [5, 2], [5])
+    """
+    if eos_token_id is None or (ids and ids[-1] == eos_token_id):
+        return ids
+    return ids + [eos_token_id]
+
+
+def pad_token_id(tokenizer, override: int | None = None) -> int:
+    """The id to pad ``input_ids`` with: ``override``, else the tokenizer's pad token, else its eos, else 0.
+
+    Any valid id would do: padded positions are masked from attention and carry no loss. The pad token comes
+    first because it is what the tokenizer itself pads with; eos next because tokenizers without a pad (GPT-2,
+    Llama) conventionally pad with it; 0 last, with a note on stderr when a tokenizer has neither.
+    """
+    if override is not None:
+        return override
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return candidate
+    if tokenizer is not None:
+        print("treadle: the tokenizer has no pad or eos token; padding with id 0 (padded positions carry no "
+              "loss and are masked from attention)", file=sys.stderr)
+    return 0
+
+
+def eos_ids(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    """An eos id, a list of them or None (as ``generation_config.eos_token_id`` holds it), as a tuple.
+
+    >>> eos_ids(2), eos_ids([2, 7]), eos_ids(None)
+    ((2,), (2, 7), ())
+    """
+    if eos_token_id is None:
+        return ()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(int(t) for t in eos_token_id)
