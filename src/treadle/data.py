@@ -224,12 +224,13 @@ def epoch_batches(dataloader, epoch: int, skip_batches: int = 0) -> Iterator:
     return itertools.islice(iter(dataloader), skip_batches, None)
 
 
-def plan_steps(dataloader, args) -> tuple[int, int, int]:
-    """(optimizer steps per epoch, total steps, epochs) of a run over ``dataloader``, from its length and
-    ``args`` (``gradient_accumulation_steps``, ``max_steps`` or else ``num_train_epochs``)."""
+def plan_steps(dataloader, args, micro_batches_per_batch: int = 1) -> tuple[int, int, int]:
+    """(optimizer steps per epoch, total steps, epochs) of a run over ``dataloader``, from its length, the
+    micro-batches each of its batches feeds, and ``args`` (``gradient_accumulation_steps``, ``max_steps`` or else
+    ``num_train_epochs``)."""
     accum = args.gradient_accumulation_steps
     try:
-        batches = len(dataloader)
+        batches = len(dataloader) * micro_batches_per_batch
     except TypeError:
         if args.max_steps <= 0:
             raise PreflightError("the training dataset has no length (an iterable dataset): set max_steps") from None

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -259,7 +260,7 @@ class Trainer:
         dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
         check_first_batch(dataloader, self.args.label_names if needs_labels else None)
-        steps_per_epoch, max_steps, num_epochs = plan_steps(dataloader, args)
+        steps_per_epoch, max_steps, num_epochs = plan_steps(dataloader, args, self.micro_batches_per_batch())
         self.model_wrapped = dist.wrap_model(self.model, args)
         self.create_optimizer()
         self.create_scheduler(max_steps, self.optimizer)
@@ -290,15 +291,23 @@ class Trainer:
         if resume_path is not None:
             self._resume(resume_path)
 
-    def _train_epoch(self, dataloader, epoch: int, skip_steps: int) -> None:
+    def micro_batches_per_batch(self) -> int:
+        """Micro-batches one batch of the training dataloader feeds (1; GRPO: ``steps_per_generation * μ``)."""
+        return 1
+
+    def training_windows(self, dataloader, epoch: int, skip_steps: int) -> Iterator[list]:
+        """The accumulation windows (``gradient_accumulation_steps`` micro-batches each) of epoch ``epoch`` from
+        its step ``skip_steps`` on. GRPO overrides it so that one generation batch feeds several steps."""
         accum = self.args.gradient_accumulation_steps
         batches = epoch_batches(dataloader, epoch, skip_steps * accum)
+        while window := list(itertools.islice(batches, accum)):
+            yield window
+
+    def _train_epoch(self, dataloader, epoch: int, skip_steps: int) -> None:
         self.control._new_epoch()
         self._event("on_epoch_begin")
-        for step_in_epoch in range(skip_steps, self.state.steps_per_epoch):
-            window = list(itertools.islice(batches, accum))
-            if not window:
-                break
+        windows = self.training_windows(dataloader, epoch, skip_steps)
+        for step_in_epoch, window in zip(range(skip_steps, self.state.steps_per_epoch), windows):
             self._optimizer_step(window)
             self.state.epoch = epoch + (step_in_epoch + 1) / self.state.steps_per_epoch
             self._event("on_step_end")
