@@ -12,13 +12,13 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 import types
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from treadle import distributed
 from treadle.optim import check_scheduler_kwargs, optimizer_options
 
 OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "adamw_bnb_8bit",
@@ -211,17 +211,17 @@ class TrainingArguments:
     @property
     def world_size(self) -> int:
         """Number of processes (torchrun's WORLD_SIZE, 1 without torchrun)."""
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return distributed.launched("WORLD_SIZE")
 
     @property
     def process_index(self) -> int:
         """This process's global rank (torchrun's RANK, 0 without torchrun)."""
-        return int(os.environ.get("RANK", "0"))
+        return distributed.launched("RANK")
 
     @property
     def local_process_index(self) -> int:
         """This process's rank on its machine (torchrun's LOCAL_RANK)."""
-        return int(os.environ.get("LOCAL_RANK", "0"))
+        return distributed.launched("LOCAL_RANK")
 
     @property
     def train_batch_size(self) -> int:

@@ -134,7 +134,9 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
 
         checkpoint = resolve(resume, output_dir)
     model, overwrite = str(config.get("model") or ""), config.get("overwrite_output_dir") is True
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 owns the folder (and soon holds its lock)
+    from treadle import distributed  # heavy: torch
+
+    if distributed.launched("RANK") == 0:  # under torchrun, rank 0 owns the folder (and soon holds its lock)
         check_run_folder(output_dir, resume=checkpoint is not None, overwrite=overwrite,
                          model_dir=None if model.startswith("toy:") else model)
     trainer = build_trainer(config, base_dir=Path(config_path).parent)

@@ -35,11 +35,20 @@ def is_initialized() -> bool:
 
 
 def get_world_size() -> int:
+    """Processes in the process group (1 without one). Before the group exists: ``launched()``."""
     return dist.get_world_size() if is_initialized() else 1
 
 
 def get_rank() -> int:
+    """This process's rank in the process group (0 without one)."""
     return dist.get_rank() if is_initialized() else 0
+
+
+def launched(name: str = "WORLD_SIZE") -> int:
+    """What torchrun launched, read from its environment before any process group exists (configs are checked,
+    and the CLI claims its run folder, before the Trainer joins the group): ``"WORLD_SIZE"`` (1 without
+    torchrun), ``"RANK"`` or ``"LOCAL_RANK"`` (0 without torchrun)."""
+    return int(os.environ.get(name, "1" if name == "WORLD_SIZE" else "0"))
 
 
 def is_main_process() -> bool:
@@ -67,7 +76,7 @@ def init_distributed(device: torch.device, timeout_s: float | None = None, *, fo
     creates a group even for one process (rendezvous on a free local port when torchrun set none): that is
     how one device runs through DDP or FSDP2 exactly as N devices would (``benchmarks/gpu_check.py``).
     """
-    if is_initialized() or (not force and int(os.environ.get("WORLD_SIZE", "1")) <= 1):
+    if is_initialized() or (not force and launched("WORLD_SIZE") <= 1):
         return
     if force:
         for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),

@@ -347,7 +347,7 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
     labels = input_ids[:, start + 1:]  # (B, T-1-start)
     if attention_mask is not None and attention_mask.dim() == 2:
         labels = labels.masked_fill(attention_mask[:, start + 1:] == 0, IGNORE_INDEX)
-    base = getattr(model, "module", model)  # the module inside a DDP wrapper
+    base = dist.unwrap_model(model)
     head = _fast_path_head(base)
     hidden = None
     if head is not None:
@@ -389,7 +389,7 @@ def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start:
     real token (the given ``position_ids``, or no left padding when none are given); and every target that
     counts has a real token before it. A batch without padding runs padded: there is nothing to remove.
     """
-    base = getattr(model, "module", model)
+    base = dist.unwrap_model(model)
     if _PADDING_FREE_CHECKED.get(base) is False or "position_ids" not in forward_signature(base):
         return None
     real = attention_mask.bool()  # (B, T)

@@ -126,6 +126,11 @@ class MetricWindow:
             self._sums[mode] = {name: [sums[i, 0].clone(), sums[i, 1].clone()] for i, name in enumerate(saved["names"])}
 
 
+def mode_of(model) -> str:
+    """The metrics window a forward of ``model`` records into: "train" in train mode, else "eval"."""
+    return "train" if model.training else "eval"
+
+
 def means_of(sums: Mapping[str, tuple[float, float]]) -> dict[str, float]:
     """``{name: sum / count}`` of reduced ``(sum, count)`` pairs; metrics with no count are left out."""
     return {name: total / count for name, (total, count) in sums.items() if count}

@@ -77,7 +77,7 @@ def forward_signature(model: nn.Module) -> ForwardSignature:
 
 
 def _forward_owner(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)  # DDP keeps the user's model in .module
+    inner = dist.unwrap_model(model)  # DDP keeps the user's model in .module
     if callable(getattr(inner, "get_base_model", None)):  # PEFT: its forward hands every keyword to the base
         inner = inner.get_base_model()
     return inner
@@ -269,10 +269,10 @@ def unwrapped_for_generation(model: nn.Module) -> Iterator[nn.Module]:
     * FSDP1 (``FullyShardedDataParallel``) is refused: its forward cannot run inside
       ``summon_full_params``; wrap with FSDP2 instead.
     """
-    inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-    if type(inner).__name__ == "FullyShardedDataParallel":
+    if type(model).__name__ == "FullyShardedDataParallel":  # before unwrapping: FSDP1 has a .module too
         raise ValueError("FSDP1 (FullyShardedDataParallel) models are not supported for generation; "
                          "shard with FSDP2 (torch.distributed.fsdp.fully_shard) instead")
+    inner = dist.unwrap_model(model)
     if callable(getattr(inner, "get_base_model", None)):
         inner = inner.get_base_model()
     fsdp_modules = _fsdp2_modules(inner)

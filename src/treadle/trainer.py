@@ -4,6 +4,7 @@ Override a method to change *what* happens, register a callback (treadle.callbac
 whether* it happens. The overridable methods, in the order a run calls them:
 
 =======================  ==========================================================================
+``prepare_training``     once per ``train()``, before the dataloader (DPO precomputes reference log-probs)
 ``get_train_dataloader`` once per ``train()``: what a micro-batch is (GRPO loads several steps' prompts)
 ``create_optimizer``     once, unless ``optimizers=(opt, sched)`` was given
 ``create_scheduler``     once, after the optimizer
@@ -106,6 +107,10 @@ class Trainer:
         self.control = self.callback_handler.call_event(name, self.args, self.state, self.control, **kwargs)
 
     # ---- data ---------------------------------------------------------------------------------------------
+    def prepare_training(self) -> None:
+        """Once per ``train()``, after the run folder is claimed and before the dataloader is built: work on the
+        data a run needs first (DPO's ``precompute_ref_log_probs``). The default does nothing."""
+
     def get_train_dataloader(self):
         """The training DataLoader: ``per_device_train_batch_size`` rows, shuffled by a seeded sampler that can
         resume mid-epoch. Override to change what one micro-batch is."""
@@ -191,9 +196,13 @@ class Trainer:
         counts = [self.count_items(b) for b in batch_samples]
         if any(c is None for c in counts):
             return None
-        if dist.get_world_size() > 1 and self.args.average_tokens_across_devices:
+        if self.items_are_global():
             return int(dist.all_reduce_sum(torch.tensor(sum(counts), device=self.args.device)).item())
         return sum(counts)
+
+    def items_are_global(self) -> bool:
+        """Whether ``num_items_in_batch`` counts every rank's items (``average_tokens_across_devices`` under DDP)."""
+        return dist.get_world_size() > 1 and self.args.average_tokens_across_devices
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The loss of one micro-batch: summed over its items and divided by ``num_items_in_batch`` (items of
@@ -236,8 +245,8 @@ class Trainer:
         if num_items_in_batch is None:
             loss = loss / self.loop.window_size  # the model's mean per micro-batch: average them over the window
         if loss.requires_grad:  # DDP averages gradients over ranks, but num_items_in_batch counts all ranks' items
-            global_items = num_items_in_batch is not None and self.args.average_tokens_across_devices
-            (loss * dist.get_world_size() if global_items and dist.get_world_size() > 1 else loss).backward()
+            global_items = num_items_in_batch is not None and self.items_are_global()
+            (loss * dist.get_world_size() if global_items else loss).backward()
         return loss.detach()
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -257,6 +266,7 @@ class Trainer:
         require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
+        self.prepare_training()
         dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
         check_first_batch(dataloader, self.args.label_names if needs_labels else None)
@@ -343,8 +353,7 @@ class Trainer:
         self.loop.micro_batch, self.loop.window_size = None, 1  # a lone training_step after this: one micro-batch
         step_loss = torch.stack(losses).double().sum()
         if not (self.args.skip_nonfinite_steps and skip_nonfinite_step(step_loss, self.state, self.args)):
-            record_loss(self.metrics, step_loss, num_items,
-                        items_are_global=dist.get_world_size() > 1 and self.args.average_tokens_across_devices)
+            record_loss(self.metrics, step_loss, num_items, items_are_global=self.items_are_global())
             self._event("on_pre_optimizer_step")
             if self.args.max_grad_norm > 0:
                 self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)

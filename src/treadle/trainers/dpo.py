@@ -67,6 +67,7 @@ from treadle.data import column_names, require_columns
 from treadle.packing import long_tensor
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.logprobs import token_logps
+from treadle.metrics import mode_of
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.models import eval_mode, frozen_reference, is_peft_model
 from treadle.peft import disable_adapter
@@ -374,10 +375,9 @@ class DPOTrainer(Trainer):
         this over the accumulation window and over ranks, and ``compute_loss`` divides by that."""
         return pair_count(inputs["input_ids"].shape[0])
 
-    def get_train_dataloader(self):
+    def prepare_training(self) -> None:
         if self.args.precompute_ref_log_probs:
             self.precompute_reference_logps()
-        return super().get_train_dataloader()
 
     def get_eval_dataloader(self, eval_dataset=None):
         if eval_dataset is not None:
@@ -489,7 +489,7 @@ class DPOTrainer(Trainer):
             reference = self.reference_logps(inputs)
         pair_weights = self.wpo_pair_weights(model, inputs) if self.args.use_weighting else None
         losses, metrics = self.pair_losses(*policy.logps, *reference, *policy.counts, pair_weights=pair_weights)
-        self.record_metrics(policy, metrics, mode="train" if model.training else "eval")
+        self.record_metrics(policy, metrics, mode=mode_of(model))
         loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else len(losses))
         return (loss, metrics) if return_outputs else loss
 

@@ -37,6 +37,7 @@ from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.text import pad_token_id
 from treadle.losses import bradley_terry_loss
+from treadle.metrics import mode_of
 from treadle.trainer import Trainer
 from treadle.trainers.dpo import ID_COLUMNS, ChosenRejected, DPOCollator, pair_count, tokenize_row
 
@@ -133,7 +134,7 @@ class RewardTrainer(Trainer):
         rewards = ChosenRejected.split(logits.squeeze(-1))  # (B,) each
         losses = bradley_terry_loss(rewards.chosen, rewards.rejected, margin=inputs.get("margin"),
                                     center_rewards_coefficient=self.args.center_rewards_coefficient)
-        self.record_metrics(rewards, mode="train" if model.training else "eval")
+        self.record_metrics(rewards, mode=mode_of(model))
         loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else len(losses))
         return (loss, outputs) if return_outputs else loss
 

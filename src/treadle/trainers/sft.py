@@ -41,6 +41,7 @@ from treadle.arguments import TrainingArguments
 from treadle.data import check_text_columns, column_names, require_eval_dataset
 from treadle.packing import best_fit_bins, right_padded
 from treadle.text import encode_prompts, encode_texts, is_conversation, pad_token_id, split_chat_completion, with_eos
+from treadle.metrics import mode_of
 from treadle.models import load_pretrained, max_positions
 from treadle.trainer import Trainer
 
@@ -182,7 +183,7 @@ class SFTTrainer(Trainer):
         if logits is not None and labels is not None:
             with torch.no_grad():
                 correct, total = token_accuracy_counts(logits, labels)  # stays on the device: no sync per step
-            self.metrics.add("mean_token_accuracy", correct, total, mode="train" if model.training else "eval")
+            self.metrics.add("mean_token_accuracy", correct, total, mode=mode_of(model))
         return (loss, outputs) if return_outputs else loss
 
 
