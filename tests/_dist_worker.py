@@ -132,6 +132,7 @@ def scenario_stuck(out: str) -> dict:
     except RuntimeError:
         if torch.distributed.get_rank() == 1:
             time.sleep(600)  # ended by torchrun once rank 0 has failed
+            open(os.path.join(out, "stuck_rank_1_woke"), "w").close()  # the test asserts this never happens
         raise
     return {}
 

@@ -11,7 +11,7 @@ import torch
 from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, toy
 from treadle import checkpoint as ckpt
 from treadle.generation import _fast_path_problem, generate_completions
-from treadle.logprobs import _FAST_PATH_CHECKED, _fast_path_head, token_logps
+from treadle.logprobs import fast_path_head, fast_path_verified, token_logps
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,9 +91,9 @@ def test_chunked_log_probs_equal_the_full_log_softmax(arch):
     torch.testing.assert_close(got * mask[:, 1:], want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_got, grad_want, rtol=1e-4, atol=1e-5)
     softcapped = getattr(model.config, "final_logit_softcapping", None) is not None
-    assert (_fast_path_head(model) is None) == softcapped  # Gemma's softcap: the exact full-logits path
+    assert (fast_path_head(model) is None) == softcapped  # Gemma's softcap: the exact full-logits path
     if not softcapped:  # the fast path was taken, and its one-time check against the model's logits passed
-        assert _FAST_PATH_CHECKED.get(model) is True
+        assert fast_path_verified(model) is True
 
 
 def test_save_reload_gives_the_same_logits(arch, tmp_path):

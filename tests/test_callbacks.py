@@ -129,6 +129,10 @@ def test_early_stopping_keeps_going_while_improving(tmp_path):
                       train_dataset=lm_rows(8, min_len=10, max_len=10), eval_dataset=lm_rows(8, min_len=10, max_len=10),
                       callbacks=[EarlyStoppingCallback(1)])
     trainer.train()
+    evals = [(e["step"], e["eval_loss"]) for e in trainer.state.log_history if "eval_loss" in e]
+    assert [step for step, _ in evals] == [2, 4, 6, 8]  # the callback saw an evaluation every 2 steps
+    losses = [loss for _, loss in evals]
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:]))  # each one improved: no stop
     assert trainer.state.global_step == 8
 
 

@@ -227,21 +227,23 @@ def test_only_rank_zero_writes_the_run_record(job):
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_an_exception_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
-    code, output, seconds = launch("error", tmp_path, timeout=300)
+    code, output, _ = launch("error", tmp_path, timeout=300)
     assert code != 0
     assert "injected failure in compute_loss" in output
     assert "treadle: raised on rank 1 of 2" in output
-    assert seconds < 240, f"the job took {seconds:.0f} s to end"
+    # rank 0 was ended by rank 1's failure, not by waiting out a collective's timeout (1800 s by default)
+    assert "timed out" not in output.lower()
 
 
 @pytest.mark.slow
 def test_a_rank_stuck_outside_collectives_makes_the_others_time_out(tmp_path):
     # rank 1 fails but sleeps 600 s instead of exiting; rank 0 must give up after TREADLE_DDP_TIMEOUT
-    code, output, seconds = launch("stuck", tmp_path, timeout=400, extra_env={dist.TIMEOUT_ENV: "5"})
+    code, output, _ = launch("stuck", tmp_path, timeout=400, extra_env={dist.TIMEOUT_ENV: "5"})
     assert code != 0
     assert "treadle: raised on rank 0 of 2" in output
     assert "Timed out" in output or "timed out" in output
-    assert seconds < 240, f"the job took {seconds:.0f} s to end"
+    # the job ended while rank 1 was still stuck: it never woke to write its marker
+    assert not (tmp_path / "stuck_rank_1_woke").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ def rows_alone(model, ids, mask, start):
 @pytest.mark.parametrize("fast", [True, False])
 def test_log_probs_entropy_and_gradients_equal_the_padded_forward(tok, attn, fast, monkeypatch):
     if not fast:  # the models-without-the-hidden-state-seam path: full logits, then selective_log_softmax
-        monkeypatch.setattr("treadle.logprobs._fast_path_head", lambda base: None)
+        monkeypatch.setattr("treadle.logprobs.fast_path_head", lambda base: None)
     model = tiny(tok, attn)
     ids, mask, width_p = ragged_batch([9, 1, 4, 12, 2, 6], [30, 1, 3, 2, 17, 8])
     positions = (mask.cumsum(1) - 1).clamp(min=0)

@@ -32,8 +32,12 @@ import os
 import time
 from pathlib import Path
 
+from treadle import toy
 from treadle.callbacks import TrainerCallback
+from treadle.loading import load_model
 from treadle.report import print_plots
+from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 
 @dataclasses.dataclass
@@ -83,7 +87,6 @@ class StopAtAccuracy(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every or state.global_step >= state.max_steps:
             return
-        from treadle import toy
 
         accuracy = toy.exact_match_accuracy(model, self.tokenizer, self.problems, batch_size=256, max_new_tokens=5)
         self.history.append((state.global_step, accuracy))
@@ -93,8 +96,6 @@ class StopAtAccuracy(TrainerCallback):
 
 def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
     """SFT the tiny model on addition, then GRPO from the SFT checkpoint; print held-out accuracy of each."""
-    from treadle import toy
-
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -133,9 +134,6 @@ def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
 def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tuple[str, int, float]:
     """Train ``model`` in place with SFT until the probe target or ``sft_steps``; returns (its checkpoint
     folder, steps, training seconds)."""
-    from treadle import toy
-    from treadle.trainers.sft import SFTConfig, SFTTrainer
-
     train = toy.load_task("addition", "train", seed=settings.seed)
     probe = toy.load_task("addition", "train", kind="rl", n=settings.sft_probe_size, seed=settings.seed + 1)
     stop = StopAtAccuracy(probe, tokenizer, target=settings.sft_target_accuracy, every=settings.sft_check_every)
@@ -156,8 +154,6 @@ ACCURACY = "eval_greedy/accuracy"  # the demo's score: greedy exact match on the
 def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Path):
     """GRPO from the SFT checkpoint with the exact-match reward, evaluated on the held-out problems before its
     first step and every ``eval_every`` steps; returns (the model, the curve [(step, accuracy)], steps, seconds)."""
-    from treadle.loading import load_model
-
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
     trainer = heldout_trainer(model, tokenizer, settings, output_dir, max_steps=settings.grpo_steps,
                               learning_rate=settings.grpo_learning_rate, lr_scheduler_type="cosine",
@@ -177,9 +173,6 @@ def heldout_trainer(model, tokenizer, settings: DemoSettings, output_dir: Path, 
     """The demo's GRPOTrainer: the exact-match reward, GRPO's settings, and the held-out problems as
     ``eval_dataset``, scored greedily (``eval_greedy``) and by pass@1 / pass@n of ``num_generations_eval``
     samples; ``overrides`` are further GRPOConfig fields (the training run's)."""
-    from treadle import toy
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
-
     n = settings.num_generations_eval
     values = dict(output_dir=str(output_dir), seed=settings.seed, per_device_train_batch_size=settings.grpo_batch_size,
                   num_generations=settings.num_generations, steps_per_generation=settings.steps_per_generation,

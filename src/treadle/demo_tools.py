@@ -25,8 +25,12 @@ import os
 import time
 from pathlib import Path
 
+from treadle import toy
 from treadle.callbacks import TrainerCallback
+from treadle.demo import results_table
 from treadle.report import print_plots
+from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 
 @dataclasses.dataclass
@@ -57,8 +61,6 @@ class ToolsDemoSettings:
 
 def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -> int:
     """Warm-start SFT, GRPO with the tool, and the no-tool control; print held-out exact match of each."""
-    from treadle import toy
-
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -93,7 +95,6 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
          "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
     for run in ("sft", "grpo"):
         print_plots(out / run)
-    from treadle.demo import results_table
 
     print(results_table(rows, len(test)))
     print(f"treadle demo --task tools: done in {time.time() - start:.0f} s; results in {out / 'results.json'}")
@@ -117,8 +118,6 @@ def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir
               max_steps: int | None = None) -> tuple[int, float]:
     """SFT ``model`` in place on ``dataset`` (prompt, completion) for ``max_steps`` (default ``sft_steps``), or
     until the model solves ``sft_target_accuracy`` of ``probe`` with the tool; returns (steps, seconds)."""
-    from treadle.trainers.sft import SFTConfig, SFTTrainer
-
     stop = [] if probe is None else [_StopWithTool(probe, tokenizer, settings)]
     args = SFTConfig(output_dir=str(output_dir), max_steps=max_steps or settings.sft_steps, seed=settings.seed,
                      learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
@@ -133,9 +132,6 @@ def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir
 def tools_grpo(model, tokenizer, settings: ToolsDemoSettings, output_dir: Path, *, use_tools: bool):
     """GRPO ``model`` in place with the exact-match reward, with or without the ``calc`` tool; returns (steps,
     seconds)."""
-    from treadle import toy
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
-
     args = GRPOConfig(output_dir=str(output_dir), max_steps=settings.grpo_steps, seed=settings.seed,
                       learning_rate=settings.grpo_learning_rate, per_device_train_batch_size=settings.grpo_batch_size,
                       num_generations=settings.num_generations, max_completion_length=settings.max_completion_length,
@@ -157,9 +153,6 @@ def score_tools(model, tokenizer, dataset, settings: ToolsDemoSettings, completi
     ``use_tools`` is False) and scored by the exact-match reward, so ``eval_pass@1`` is the fraction solved. A
     ``compute_metrics`` writes each transcript to ``completions_file``."""
     import tempfile
-
-    from treadle import toy
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
     def write_transcripts(prompts, completions, reward, answer, transcript=None, **columns):
         with open(completions_file, "w") as f:

@@ -348,7 +348,7 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
     if attention_mask is not None and attention_mask.dim() == 2:
         labels = labels.masked_fill(attention_mask[:, start + 1:] == 0, IGNORE_INDEX)
     base = dist.unwrap_model(model)
-    head = _fast_path_head(base)
+    head = fast_path_head(base)
     hidden = None
     if head is not None:
         hidden = _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
@@ -425,7 +425,7 @@ def _packed_token_logps(model, base, input_ids: Tensor, real: Tensor, start: int
     labels = input_ids[:, start + 1:][targets]  # (M,)
     rows = packed.index[:, start:-1][targets]  # (M,) where each target's predicting token sits, flat
     kwargs = {**kwargs, "position_ids": packed.position_ids}
-    head = _fast_path_head(base)
+    head = fast_path_head(base)
     hidden = None if head is None else _final_hidden_states(model, base, head, packed.input_ids, None, kwargs)
     if hidden is not None:
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # (M, H)
@@ -488,8 +488,14 @@ def _small_token_logps(hidden: Tensor, head: nn.Linear, labels: Tensor, temperat
     return logps, entropy
 
 
-def _fast_path_head(base: nn.Module) -> nn.Linear | None:
-    """The LM head if ``base`` fits the hidden-state fast path, else None."""
+def fast_path_verified(base: nn.Module) -> bool | None:
+    """Whether the fast path's one-time check against ``base``'s own logits passed (None: not checked yet)."""
+    return _FAST_PATH_CHECKED.get(base)
+
+
+def fast_path_head(base: nn.Module) -> nn.Linear | None:
+    """The LM head if ``base`` fits the hidden-state fast path (log-probs from the hidden states in chunks), else
+    None: then ``token_logps`` takes the exact full-logits path."""
     if _FAST_PATH_CHECKED.get(base) is False:
         return None
     get_head, get_decoder = getattr(base, "get_output_embeddings", None), getattr(base, "get_decoder", None)

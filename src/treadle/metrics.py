@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from treadle import distributed as dist
+from treadle.errors import NonFiniteLossError
 
 Number = float | int | torch.Tensor
 
@@ -174,6 +175,39 @@ def record_loss(window: MetricWindow, step_loss: torch.Tensor, num_items: int | 
         window.add("loss", step_loss * num_items, num_items if dist.is_main_process() or not items_are_global else 0)
 
 
+def training_logs(window: MetricWindow, state, grad_norm, learning_rate: float | None) -> dict[str, float] | None:
+    """The log of a training window (one all-reduce): the mean loss, ``grad_norm`` and ``learning_rate`` of the
+    last step, and the mean of every other metric recorded since the last log. None when there is nothing to log
+    (no step since the last log, or no loss item in the window's micro-batches: every label masked)."""
+    if "loss" not in window.names("train"):
+        return None
+    sums = window.reduce("train")
+    logs = fold_loss(state, sums.pop("loss"))
+    if not logs:
+        return None
+    check_logged_loss(logs, state)
+    if grad_norm is not None:
+        logs["grad_norm"] = float(grad_norm)
+    logs["learning_rate"] = learning_rate
+    logs.update(means_of(sums))
+    return logs
+
+
+def prediction_output(preds: list, labels: list, recorded: dict[str, float], compute_metrics,
+                      prefix: str) -> PredictionOutput:
+    """What ``evaluation_loop`` returns: predictions and labels gathered from every rank (padded with -100), and
+    the metrics: the loss and what the "eval" window ``recorded``, ``compute_metrics(EvalPrediction)`` when
+    given, each named ``{prefix}_<name>``."""
+    loss = recorded.pop("loss", None)
+    predictions, label_ids = (dist.gather_padded(parts) if parts else None for parts in (preds, labels))
+    metrics = {"loss": loss} if loss is not None else {}
+    if compute_metrics is not None and predictions is not None and label_ids is not None:
+        metrics.update(compute_metrics(EvalPrediction(predictions, label_ids)))
+    metrics.update(recorded)
+    metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": as_float(v) for k, v in metrics.items()}
+    return PredictionOutput(predictions, label_ids, metrics)
+
+
 def fold_loss(state, loss: tuple[float, float]) -> dict[str, float]:
     """Add a reduced window's (loss sum, items) to the run's totals in ``state`` (for ``train_loss``);
     ``{"loss": mean}`` (empty when the window had no items)."""
@@ -206,8 +240,6 @@ def check_logged_loss(logs: dict[str, float], state) -> None:
     saved after it, and the message names the steps of the logging window."""
     import math
 
-    from treadle.errors import NonFiniteLossError
-
     loss = logs.get("loss", logs.get("train_loss"))
     if loss is None or math.isfinite(loss):
         return
@@ -223,8 +255,6 @@ def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
     infinite and ``args.skip_nonfinite_steps`` allows one more skip (counted in ``state``). Past the budget:
     NonFiniteLossError. One host-device sync per step, only when ``skip_nonfinite_steps`` > 0."""
     import sys
-
-    from treadle.errors import NonFiniteLossError
 
     bad = not bool(torch.isfinite(step_loss))
     if dist.get_world_size() > 1:

@@ -39,8 +39,9 @@ from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCal
                                ProgressCallback)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, to_cpu)
-from treadle.metrics import (EvalPrediction, MetricWindow, PredictionOutput, TrainOutput, as_float, check_logged_loss,
-                             count_input_tokens, fold_loss, means_of, record_loss, skip_nonfinite_step, speed_metrics)
+from treadle.metrics import (MetricWindow, PredictionOutput, TrainOutput, check_logged_loss, count_input_tokens,
+                             fold_loss, prediction_output, record_loss, skip_nonfinite_step, speed_metrics,
+                             training_logs)
 from treadle.optim import build_optimizer, build_scheduler
 from treadle.state import LoopState, TrainerControl, TrainerState
 from treadle.trackers import tracker_callbacks
@@ -108,8 +109,8 @@ class Trainer:
 
     # ---- data ---------------------------------------------------------------------------------------------
     def prepare_training(self) -> None:
-        """Once per ``train()``, after the run folder is claimed and before the dataloader is built: work on the
-        data a run needs first (DPO's ``precompute_ref_log_probs``). The default does nothing."""
+        """Once per ``train()``, before the dataloader is built: work on the data (DPO precomputes reference
+        log-probs). The default does nothing."""
 
     def get_train_dataloader(self):
         """The training DataLoader: ``per_device_train_batch_size`` rows, shuffled by a seeded sampler that can
@@ -293,7 +294,6 @@ class Trainer:
         return self._finish_training(start_step, start_time)
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
-        # a fresh state, loop state and metrics window; then, when resuming, the checkpoint's
         self.state = TrainerState.for_run(self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
                                           num_train_epochs=num_epochs, trainer_class=type(self).__name__)
         self.loop = LoopState()
@@ -381,18 +381,9 @@ class Trainer:
     # ---- logging ------------------------------------------------------------------------------------------
     def _log_training_window(self) -> None:
         """Log the mean loss and the means of every recorded metric since the last log (one all-reduce)."""
-        if "loss" not in self.metrics.names("train"):
-            return  # no step since the last log
-        sums = self.metrics.reduce("train")
-        logs = fold_loss(self.state, sums.pop("loss"))
-        if not logs:
-            return  # the window's micro-batches had no loss item (every label masked): nothing to log
-        check_logged_loss(logs, self.state)
-        if self.loop.grad_norm is not None:
-            logs["grad_norm"] = float(self.loop.grad_norm)
-        logs["learning_rate"] = self.loop.learning_rate
-        logs.update(means_of(sums))
-        self.log(logs)
+        logs = training_logs(self.metrics, self.state, self.loop.grad_norm, self.loop.learning_rate)
+        if logs is not None:
+            self.log(logs)
 
     def log(self, logs: dict[str, float]) -> None:
         """Record ``logs`` in ``state.log_history`` and fire ``on_log`` (printers, metrics.jsonl, trackers).
@@ -454,18 +445,7 @@ class Trainer:
                 if label is not None:
                     labels.append(to_cpu(label)[:keep])
                 self._event("on_prediction_step")
-        return self._prediction_output(preds, labels, metric_key_prefix)
-
-    def _prediction_output(self, preds: list, labels: list, prefix: str) -> PredictionOutput:
-        recorded = self.metrics.means("eval")
-        loss = recorded.pop("loss", None)
-        predictions, label_ids = (dist.gather_padded(parts) if parts else None for parts in (preds, labels))
-        metrics = {"loss": loss} if loss is not None else {}
-        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
-        metrics.update(recorded)
-        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": as_float(v) for k, v in metrics.items()}
-        return PredictionOutput(predictions, label_ids, metrics)
+        return prediction_output(preds, labels, self.metrics.means("eval"), self.compute_metrics, metric_key_prefix)
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """(loss, logits, labels) for one evaluation batch, without gradients. The loss is the model's mean over

@@ -1,0 +1,159 @@
+"""The package's layout (docs/architecture.md), checked on the source with ``ast``: no import cycle (imports inside
+functions count), the core never imports the run side, imports sit at module top, and every file and function
+stays small enough to read."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "treadle"
+# the run side: the command line, what a config names (toy: specs), reports and the demos. The core (the loop,
+# data and models, the maths, online RL, the run folder's own files) never imports these.
+RUN_SIDE = {"treadle.cli", "treadle.__main__", "treadle.loading", "treadle.report", "treadle.demo",
+            "treadle.demo_tools", "treadle.toy"}
+# entry points whose imports inside functions are deliberate: each command imports what it needs (torch and
+# transformers cost seconds), and the package's attributes load lazily (PEP 562)
+LAZY_IMPORTERS = {"treadle.cli"}
+LEAVES = {"treadle.errors": set(), "treadle.runfiles": {"treadle.errors"},
+          "treadle.arguments": {"treadle.optim", "treadle.distributed"}}  # a config imports only its validators
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def resolve(name: str) -> str | None:
+    """The treadle module an import names (``treadle.losses.dpo_loss`` -> ``treadle.losses``), or None."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name if name and name != "treadle" else None
+
+
+def imports(module: str) -> list[tuple[str, int, bool]]:
+    """(imported treadle module, line, inside a function) for every import statement of ``module``."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                names = [f"{base}.{a.name}" for a in child.names]
+            for name in names:
+                target = resolve(name)
+                if target is not None and target != module:
+                    found.append((target, child.lineno, in_function))
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+GRAPH = {m: {target for target, _, _ in imports(m)} for m in MODULES}
+
+
+def cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_the_checker_sees_imports_inside_functions_and_finds_cycles():
+    assert resolve("treadle.losses.dpo_loss") == "treadle.losses" and resolve("torch") is None
+    assert ("treadle.checkpoint", True) in {(target, inside) for target, _, inside in imports("treadle.cli")}
+    saved = {module: set(targets) for module, targets in GRAPH.items()}
+    try:
+        GRAPH["treadle.errors"].add("treadle.runfiles")  # runfiles imports errors: now a circle
+        assert ["treadle.errors", "treadle.runfiles"] in cycles()
+    finally:
+        GRAPH.clear()
+        GRAPH.update(saved)
+
+
+def test_no_import_cycle():
+    assert cycles() == []
+
+
+@pytest.mark.parametrize("module", sorted(set(MODULES) - RUN_SIDE))
+def test_the_core_never_imports_the_run_side(module):
+    assert sorted(GRAPH[module] & RUN_SIDE) == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_of_treadle_sit_at_the_module_top(module):
+    inside = [(target, line) for target, line, in_function in imports(module) if in_function]
+    if module not in LAZY_IMPORTERS:
+        assert inside == [], f"{MODULES[module]}: imports inside functions {inside}"
+        return
+    lines = MODULES[module].read_text().splitlines()
+    unexplained = [line for _, line in inside if "#" not in lines[line - 1]]
+    assert unexplained == [], f"{MODULES[module]}: an import inside a function says why on its line: {unexplained}"
+
+
+@pytest.mark.parametrize("module", sorted(LEAVES))
+def test_leaves_import_only_their_own_validators(module):
+    assert GRAPH[module] <= LEAVES[module]
+
+
+def function_bodies(tree) -> list[tuple[str, int, int]]:
+    """(name, line, body lines without the docstring) of every function."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            if body:
+                out.append((node.name, node.lineno, body[-1].end_lineno - body[0].lineno + 1))
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_files_and_functions_stay_readable(module):
+    path = MODULES[module]
+    lines = len(path.read_text().splitlines())
+    assert lines <= (500 if module == "treadle.trainer" else 600), f"{path}: {lines} lines"
+    long = [(name, line, n) for name, line, n in function_bodies(ast.parse(path.read_text())) if n > 50]
+    assert long == [], f"{path}: function bodies over 50 lines {long}"
