@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from treadle import toy
-from treadle.packing import best_fit_bins, pack_padded_batch
 from treadle.logprobs import token_logps
 from treadle.losses import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
+from treadle.packing import best_fit_bins, pack_padded_batch
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -18,9 +18,9 @@ import tempfile
 import pytest
 
 from treadle import toy
+from treadle.arguments import TRACKERS, is_installed, resolve_report_to
 from treadle.arguments import TrainingArguments
 from treadle.report import completions_table
-from treadle.arguments import TRACKERS, is_installed, resolve_report_to
 from treadle.trackers import tracker_callbacks
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from treadle import distributed as dist
-from treadle.packing import pack_padded_batch, position_ids
 from treadle.models import eval_mode, forward_signature, is_transformers_model
+from treadle.packing import pack_padded_batch, position_ids
 
 IGNORE_INDEX = -100
 # Config attributes of transformers models that transform logits after the LM head.

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from treadle.text import is_conversation, render_chat_prompt
 from treadle.models import eval_mode
+from treadle.text import is_conversation, render_chat_prompt
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from datasets import Dataset

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import os
 
-from treadle.arguments import TRACKERS, is_installed
 from treadle import runfiles
+from treadle.arguments import TRACKERS, is_installed
 from treadle.callbacks import TrainerCallback
 from treadle.plots import completions_table, plot_run
 

@@ -64,13 +64,13 @@ from torch import Tensor
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
-from treadle.packing import long_tensor
-from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.logprobs import token_logps
-from treadle.metrics import mode_of
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
+from treadle.metrics import mode_of
 from treadle.models import eval_mode, frozen_reference, is_peft_model
+from treadle.packing import long_tensor
 from treadle.peft import disable_adapter
+from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 
 TRUNCATION_MODES = ("keep_start", "keep_end")

@@ -35,9 +35,9 @@ from torch import Tensor
 
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
-from treadle.text import pad_token_id
 from treadle.losses import bradley_terry_loss
 from treadle.metrics import mode_of
+from treadle.text import pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.dpo import ID_COLUMNS, ChosenRejected, DPOCollator, pair_count, tokenize_row
 

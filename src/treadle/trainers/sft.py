@@ -39,10 +39,10 @@ import torch
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import check_text_columns, column_names, require_eval_dataset
-from treadle.packing import best_fit_bins, right_padded
-from treadle.text import encode_prompts, encode_texts, is_conversation, pad_token_id, split_chat_completion, with_eos
 from treadle.metrics import mode_of
 from treadle.models import load_pretrained, max_positions
+from treadle.packing import best_fit_bins, right_padded
+from treadle.text import encode_prompts, encode_texts, is_conversation, pad_token_id, split_chat_completion, with_eos
 from treadle.trainer import Trainer
 
 TOKENIZE_CHUNK = 1000  # rows tokenised per tokenizer call: big enough for the fast tokenizer's batching
