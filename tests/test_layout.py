@@ -5,6 +5,7 @@ stays small enough to read."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,11 @@ def test_files_and_functions_stay_readable(module):
     assert lines <= (500 if module == "treadle.trainer" else 600), f"{path}: {lines} lines"
     long = [(name, line, n) for name, line, n in function_bodies(ast.parse(path.read_text())) if n > 50]
     assert long == [], f"{path}: function bodies over 50 lines {long}"
+
+
+def test_the_architecture_page_lists_every_file():
+    page = (SRC.parent / "docs" / "architecture.md").read_text()
+    listed = set(re.findall(r"^- `([\w/]+\.py)`:", page, flags=re.MULTILINE))
+    files = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    assert sorted(files - listed) == [], "files docs/architecture.md does not list"
+    assert sorted(listed - files) == [], "files docs/architecture.md lists that are gone"

@@ -13,6 +13,7 @@ def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *, marg
     """Per-pair reward-model loss ``(B,)``: ``-logσ(r_c - r_r - margin) + c (r_c + r_r)²`` (Bradley–Terry, with
     the optional ``margin`` ``(B,)`` of Llama 2 and the centring term of https://arxiv.org/abs/2312.09244).
 
+    >>> import torch
     >>> bradley_terry_loss(torch.tensor([0.0]), torch.tensor([0.0])).tolist()  # log 2 for a tie
     [0.6931471824645996]
     """
