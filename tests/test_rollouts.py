@@ -10,12 +10,18 @@ import pytest
 import torch
 
 from treadle import toy
-from treadle.generation import generate_turns
+from treadle.generation import SamplingParams, generate_turns
 from treadle.rollouts import (RolloutRunner, ToolEnvironment, check_tool, environment_reward, parse_json_call,
                               parse_tagged_call, rollout_metrics)
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
 EOS = 2  # the toy tokenizer's eos id
+
+
+def settings(num_generations, max_new_tokens, **sampling) -> SamplingParams:
+    """The sampling settings of a rollout batch with the toy tokenizer's EOS and pad ids."""
+    return SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_token_ids=(EOS,),
+                          pad_token_id=0, **sampling)
 
 
 def chatty_model(tok, seed=0, eos_bias=2.5):
@@ -134,8 +140,7 @@ def test_bad_runner_arguments_say_how_to_fix_them(tok):
             raise KeyError("oops")
 
     with pytest.raises(RuntimeError, match="Broken.step raised KeyError"):
-        RolloutRunner(tok, env_factory=Broken).run(chatty_model(tok), [{"prompt": "1+1="}] * 2, num_generations=2,
-                                                   max_new_tokens=40, eos_token_id=EOS, pad_token_id=0)
+        RolloutRunner(tok, env_factory=Broken).run(chatty_model(tok), [{"prompt": "1+1="}] * 2, settings(2, 40))
 
 
 def test_chat_prompts_get_template_turns_and_the_json_call_format(tok):
@@ -173,8 +178,7 @@ def test_kv_cache_kept_across_turns_equals_re_prefilling_each_turn(tok):
     model = chatty_model(tok, eos_bias=6.0)
     runner = RolloutRunner(tok, env_factory=lambda: Counter(turns=2))
     rows = [{"prompt": p} for p in ("12+34=", "12+34=", "7+8=", "7+8=", "99+1=", "99+1=")]
-    outs = [runner.run(model, rows, num_generations=2, max_new_tokens=24, eos_token_id=EOS, pad_token_id=0,
-                       do_sample=False, backend=backend) for backend in ("fast", "hf")]
+    outs = [runner.run(model, rows, settings(2, 24, do_sample=False), backend=backend) for backend in ("fast", "hf")]
     kv, again = (o.generation for o in outs)
     for name in ("completion_ids", "completion_mask", "sampled_mask", "is_truncated", "prompt_ids"):
         assert torch.equal(getattr(kv, name), getattr(again, name)), name
@@ -207,7 +211,7 @@ def test_rollout_log_probs_equal_rescoring_the_whole_transcript(tok):
         2, out.completion_ids[..., None]).squeeze(2)  # (N, C)
     sampled = out.sampled_mask.bool()
     assert (out.completion_mask.bool() & ~sampled).any()  # the transcripts hold observation tokens
-    assert torch.allclose(out.sampled_logps[sampled], reference[sampled], atol=1e-5)
+    assert torch.allclose(out.sampling_logps[sampled], reference[sampled], atol=1e-5)
 
 
 def test_a_row_waiting_on_its_environment_does_not_stall_the_others(tok):
@@ -363,8 +367,7 @@ def test_a_slow_environment_is_not_a_slow_test(tok):
             return "", None, True
 
     runner = RolloutRunner(tok, env_factory=Sleepy, workers=8)
-    runner.run(chatty_model(tok, eos_bias=8.0), [{"prompt": "1+1="}] * 8, num_generations=8, max_new_tokens=8,
-               eos_token_id=EOS, pad_token_id=0)
+    runner.run(chatty_model(tok, eos_bias=8.0), [{"prompt": "1+1="}] * 8, settings(8, 8))
     assert peak[0] > 1
     runner.close()
 
@@ -386,11 +389,10 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
     trainer = GRPOTrainer(chatty_model(tok, eos_bias=4.0), judge, args=args, processing_class=tok,
                           train_dataset=rows, eval_dataset=rows.select(range(2)), env_factory=Counter)
     run, settings = trainer.rollout_runner.run, []
-    trainer.rollout_runner.run = lambda *a, **k: settings.append(k) or run(*a, **k)
+    trainer.rollout_runner.run = lambda model, rows, params, **k: settings.append(params) or run(model, rows, params, **k)
     metrics = trainer.evaluate()
     sampled, greedy = calls
-    assert [(s["num_generations"], s["temperature"], s["do_sample"]) for s in settings] == [(3, 0.5, True),
-                                                                                         (1, 1.0, False)]
+    assert [(s.num_generations, s.temperature, s.do_sample) for s in settings] == [(3, 0.5, True), (1, 1.0, False)]
     assert len(sampled) == 6 and len(greedy) == 2
     assert any(len(t) > 1 for t in sampled)  # the environment answered and the rollout went on
     assert metrics["eval_reward"] == pytest.approx(sum(len(t) for t in sampled) / 6)

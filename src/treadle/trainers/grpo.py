@@ -76,7 +76,7 @@ from treadle import checkpoint as ckpt
 from treadle import distributed as dist, runfiles
 from treadle.arguments import TrainingArguments
 from treadle.data import RepeatSampler, column_names, require_columns
-from treadle.text import encode_prompt, is_conversation, pad_token_id
+from treadle.text import encode_prompt, eos_ids, is_conversation, pad_token_id
 from treadle.generation import BACKENDS, GenerationOutput, SamplingParams, distinct_prompts, generate_completions
 from treadle.logprobs import token_logps
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
@@ -501,11 +501,12 @@ class GRPOTrainer(Trainer):
         sampling returns plus ``sampled_mask`` (1 on sampled tokens: the loss mask), ``transcripts`` and
         ``rollout_metrics``; the reward functions also get the ``transcript`` and ``env_reward`` columns."""
         args = self.args
-        out = self.rollout_runner.run(
-            self.model_wrapped, rows, num_generations=self._group_size(mode), max_new_tokens=args.max_completion_length,
-            eos_token_id=self.processing_class.eos_token_id, pad_token_id=self.pad_token_id,
-            max_prompt_length=args.max_prompt_length, generator=generator, backend=args.generation_backend,
-            repetition_penalty=args.repetition_penalty, **self.sampling_settings(mode))
+        settings = self.sampling_settings(mode)
+        params = SamplingParams(num_generations=self._group_size(mode), max_new_tokens=args.max_completion_length,
+                                eos_token_ids=eos_ids(self.processing_class.eos_token_id),
+                                pad_token_id=self.pad_token_id, repetition_penalty=args.repetition_penalty, **settings)
+        out = self.rollout_runner.run(self.model_wrapped, rows, params, max_prompt_length=args.max_prompt_length,
+                                      generator=generator, backend=args.generation_backend)
         sample = _sample_record(rows, out.generation, out.completions, out.completion_lists,
                                 sampled_mask=out.generation.sampled_mask, transcripts=out.transcripts,
                                 rollout_metrics=out.metrics)
