@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from treadle.generation.cache import attention_kind, cache_argument, expand_cache, prefill
-from treadle.generation.sampling import SamplingParams, process_logits, sample_next_tokens, sampled_logps, token_presence
+from treadle.generation.sampling import (SamplingParams, process_logits, sample_next_tokens, sampled_logps,
+                                         token_presence)
 from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
 from treadle.text import eos_ids
 
