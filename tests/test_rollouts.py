@@ -3,8 +3,9 @@ re-prefilling and against re-scoring the transcript in one plain forward, no los
 GRPO metrics, columns and transcript records."""
 
 import json
+import queue
 import threading
-import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -248,31 +249,41 @@ def test_sampled_rollouts_do_not_depend_on_when_the_environment_answers(tok):
     random delay from a thread (so that rows sit out different sampling steps): a row's draws are keyed by its
     own position, not by the step. Rows must actually have waited for the check to mean something."""
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
-    model, executor, rng = chatty_model(tok, eos_bias=3.0), ThreadPoolExecutor(4), random.Random(0)
-    turns, waited = {}, []
+    model, rng = chatty_model(tok, eos_bias=3.0), random.Random(0)
+    turns, waited, pending = {}, [], queue.SimpleQueue()
 
     def observation(row):
         turns[row] = turns.get(row, 0) + 1
         return None if turns[row] > 2 else tok(f"[{row}]")["input_ids"]
 
-    def late(row):
-        time.sleep(rng.choice([0.0, 0.005, 0.02]))
-        return observation(row)
+    def release_in_shuffled_order():
+        # answers the observations late by order, not by time: each may be put back behind the others twice
+        while (item := pending.get()) is not None:
+            row, future, delays = item
+            if delays and rng.random() < 0.6:
+                pending.put((row, future, delays - 1))
+            else:
+                future.set_result(observation(row))
 
     def respond_late(row, turn_ids):
-        future = executor.submit(late, row)
+        future = Future()
+        pending.put((row, future, 2))
         waited.append(not future.done())
         return future
 
     outs = []
-    for respond in (lambda row, turn_ids: observation(row), respond_late):
-        turns.clear()
-        outs.append(generate_turns(model, [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]], respond,
-                                   num_generations=4, max_new_tokens=48, eos_token_id=EOS, pad_token_id=0,
-                                   temperature=1.0, generator=torch.Generator().manual_seed(3)))
-    executor.shutdown()
+    releaser = threading.Thread(target=release_in_shuffled_order)
+    releaser.start()
+    try:
+        for respond in (lambda row, turn_ids: observation(row), respond_late):
+            turns.clear()
+            outs.append(generate_turns(model, [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]], respond,
+                                       num_generations=4, max_new_tokens=48, eos_token_id=EOS, pad_token_id=0,
+                                       temperature=1.0, generator=torch.Generator().manual_seed(3)))
+    finally:
+        pending.put(None)
+        releaser.join()
     assert any(waited) and (outs[0].sampled_mask.sum(1) > 0).all()
     assert torch.equal(outs[0].completion_ids, outs[1].completion_ids)
     assert torch.equal(outs[0].sampled_mask, outs[1].sampled_mask)
@@ -351,25 +362,50 @@ def test_grpo_records_transcripts_columns_and_metrics(tmp_path, tok):
     assert {"tools/call_frequency", "tools/failed_calls", "tools/add/calls"} <= set(logged)
 
 
-def test_a_slow_environment_is_not_a_slow_test(tok):
-    """Environments step concurrently: 8 rollouts whose single step sleeps 0.2 s each take about 0.2 s, not 1.6 s
-    (no timing is asserted; the overlap is checked through the peak number of concurrent steps)."""
-    active, peak, lock = [0], [0], threading.Lock()
+def test_environments_step_concurrently(tok):
+    """Environments step concurrently: the first two steps of 8 rollouts meet at a barrier, which only threads
+    running side by side can pass (the timeout only turns a sequential runner's hang into a failure)."""
+    meet, lock, index = threading.Barrier(2, timeout=120), threading.Lock(), [0]
 
-    class Sleepy(Counter):
+    class Meeting(Counter):
         def step(self, text):
             with lock:
-                active[0] += 1
-                peak[0] = max(peak[0], active[0])
-            time.sleep(0.2)
-            with lock:
-                active[0] -= 1
+                index[0] += 1
+                first_two = index[0] <= 2
+            if first_two:
+                meet.wait()
             return "", None, True
 
-    runner = RolloutRunner(tok, env_factory=Sleepy, workers=8)
-    runner.run(chatty_model(tok, eos_bias=8.0), [{"prompt": "1+1="}] * 8, settings(8, 8))
-    assert peak[0] > 1
-    runner.close()
+    with RolloutRunner(tok, env_factory=Meeting, workers=8) as runner:
+        runner.run(chatty_model(tok, eos_bias=8.0), [{"prompt": "1+1="}] * 8, settings(8, 8))
+    assert index[0] >= 2 and not meet.broken
+    assert runner.pool is None  # closed with the block
+
+
+def test_a_timed_out_tool_call_does_not_block_and_closing_stops_the_tool_threads():
+    """A call past its timeout becomes an error turn while its thread stays stuck; the next call runs on another
+    thread; ``close()`` ends the idle threads and leaves the stuck one to end when its call returns."""
+    release, started = threading.Event(), threading.Event()
+
+    def stuck(x: int) -> int:
+        """Waits until released."""
+        started.set()
+        release.wait()
+        return x
+
+    runner = RolloutRunner(toy.build_tokenizer(), tools=[add, stuck], tool_timeout=0.05)
+    env = runner.new_environment()
+    try:
+        assert env.step("<call>stuck(1)</call>")[0] == "<result>error: stuck timed out after 0.05 s</result>"
+        assert started.is_set()
+        assert env.step("<call>add(2, 3)</call>")[0] == "<result>5</result>"  # not queued behind the stuck call
+        assert len(runner.tool_pool.threads()) == 2
+    finally:
+        runner.close()
+    alive = runner.tool_pool.threads()
+    assert [t.name for t in alive] == ["treadle-tool-0"]  # only the stuck thread: the idle one was ended
+    release.set()
+    alive[0].join()  # it reads its stop signal once its call returns
 
 
 def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):

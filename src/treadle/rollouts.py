@@ -206,8 +206,9 @@ class ToolPool:
 
     def close(self) -> None:
         with self._lock:
-            threads, self._threads, self._idle = self._threads, [], 0
             stuck = {t for t, f in self._running.items() if f in self._abandoned}
+            threads, self._idle = self._threads, 0
+            self._threads = [t for t in threads if t in stuck]  # still listed (threads()) until their call returns
         for _ in threads:
             self._tasks.put(None)  # one stop per thread; a busy one reads it when its call returns
         for thread in threads:

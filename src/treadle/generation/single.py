@@ -150,7 +150,7 @@ def sample_completions(model, prompts: list[list[int]], params: SamplingParams, 
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         is_truncated=is_truncated,
-        sampling_logps=raw_logps[:, :width] * completion_mask,
+        sampling_logps=torch.where(completion_mask.bool(), raw_logps[:, :width], 0.0),  # after EOS: maybe -inf
     )
 
 
