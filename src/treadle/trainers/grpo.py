@@ -245,7 +245,7 @@ class GRPOTrainer(Trainer):
         ``dr_grpo``, whose per-micro-batch means the loop averages. The inherited ``get_num_items_in_batch``
         sums it over the window and the ranks."""
         aggregation = grpo_aggregation(self.args.loss_type)  # cispo counts like dapo, sapo like grpo
-        mask = Sample.of(inputs).completion_mask
+        mask = inputs["completion_mask"]  # a Sample, or a hand-built dict micro-batch
         if aggregation == "dapo":
             return int(mask.sum())
         return mask.shape[0] if aggregation == "grpo" else None
