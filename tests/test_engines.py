@@ -89,8 +89,8 @@ def test_grpo_trains_and_evaluates_through_the_engine_build_engine_returns(tmp_p
     args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=4, max_steps=2, disable_tqdm=True, save_strategy="no", report_to="none",
                       eval_temperature=0.5, num_generations_eval=2)
-    trainer = WithFixedEngine(toy.build_model("tiny", tokenizer=tok), lambda completions, **kw: [1.0] * len(completions),
-                              args=args, train_dataset=rows, eval_dataset=rows.select(range(2)), processing_class=tok)
+    always_right = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731
+    trainer = WithFixedEngine(toy.build_model("tiny", tokenizer=tok), always_right, args=args, train_dataset=rows, eval_dataset=rows.select(range(2)), processing_class=tok)
     engine = trainer.engine
     try:
         trainer.train()

@@ -425,7 +425,8 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
     trainer = GRPOTrainer(chatty_model(tok, eos_bias=4.0), judge, args=args, processing_class=tok,
                           train_dataset=rows, eval_dataset=rows.select(range(2)), env_factory=Counter)
     run, settings = trainer.rollout_runner.run, []
-    trainer.rollout_runner.run = lambda model, rows, params, **k: settings.append(params) or run(model, rows, params, **k)
+    trainer.rollout_runner.run = lambda model, rows, params, **k: (settings.append(params)
+                                                                   or run(model, rows, params, **k))
     metrics = trainer.evaluate()
     sampled, greedy = calls
     assert [(s.num_generations, s.temperature, s.do_sample) for s in settings] == [(3, 0.5, True), (1, 1.0, False)]
