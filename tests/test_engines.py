@@ -90,7 +90,8 @@ def test_grpo_trains_and_evaluates_through_the_engine_build_engine_returns(tmp_p
                       max_completion_length=4, max_steps=2, disable_tqdm=True, save_strategy="no", report_to="none",
                       eval_temperature=0.5, num_generations_eval=2)
     always_right = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731
-    trainer = WithFixedEngine(toy.build_model("tiny", tokenizer=tok), always_right, args=args, train_dataset=rows, eval_dataset=rows.select(range(2)), processing_class=tok)
+    trainer = WithFixedEngine(toy.build_model("tiny", tokenizer=tok), always_right, args=args, train_dataset=rows,
+                              eval_dataset=rows.select(range(2)), processing_class=tok)
     engine = trainer.engine
     try:
         trainer.train()
