@@ -3,7 +3,7 @@
 Both contenders roll out the same B prompts x G with the same environment: every model turn (ending at EOS) is
 answered with a tool-like observation of ~10 tokens, for ``--turns`` turns, optionally after a random tool
 latency (``--latency-ms``: uniform in [0, 2 x latency]) in the thread pool. "kept" is
-``generation.generate_turns`` (observations fed through the batched decode step, a row waiting on its tool sits
+``generation.turns.sample_turns`` (observations fed through the batched decode step, a row waiting on its tool sits
 out); "re-prefill" is ``rollouts.reprefill_turns`` with the same fast sampler per turn (each turn prefills the
 prompt and every earlier turn again, and waits for every tool of the batch). The random toy models get a bias on
 the EOS logit so that a turn is ~8 tokens. Contenders run interleaved so that load from other processes hits
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from treadle import toy  # noqa: E402
-from treadle.generation import generate_turns  # noqa: E402
+from treadle.generation import SamplingParams, sample_turns  # noqa: E402
 from treadle.rollouts import reprefill_turns  # noqa: E402
 
 EOS = 2
@@ -89,10 +89,10 @@ def main() -> None:
         for repeat in range(repeats):
             for name in (("kept", "re-prefill") if repeat % 2 == 0 else ("re-prefill", "kept")):
                 respond = make_respond(tokenizer, pool, args.turns, args.latency_ms, seed=repeat)
-                run = generate_turns if name == "kept" else reprefill_turns
+                run = sample_turns if name == "kept" else reprefill_turns
+                params = SamplingParams(num_generations=group, max_new_tokens=160, eos_token_ids=(EOS,), pad_token_id=0)
                 start = time.perf_counter()
-                run(model, batch, respond, num_generations=group, max_new_tokens=160, eos_token_id=EOS,
-                    pad_token_id=0, generator=torch.Generator().manual_seed(repeat))
+                run(model, batch, respond, params, generator=torch.Generator().manual_seed(repeat))
                 times[name].append(prompts * group / (time.perf_counter() - start))
         kept, again = statistics.median(times["kept"]), statistics.median(times["re-prefill"])
         print(f"| {size} | {prompts} x {group} | {prompt_len} | {kept:.1f} | {again:.1f} | {kept / again:.2f}x |",

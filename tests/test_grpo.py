@@ -15,6 +15,7 @@ from treadle.callbacks import TrainerCallback
 from treadle.generation import GenerationOutput, completion_masks, left_pad
 from treadle.rewards import RewardFunctionError
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo_data import Sample, Ticket
 
 EOS = 2  # the toy tokenizer's eos id
 
@@ -117,20 +118,32 @@ def test_trainer_checks_its_arguments(tmp_path, tok, dataset):
 
 
 # ------------------------------------------------------------------------------------- data and cadence
-def test_dataloader_batches_hold_whole_groups_repeated_per_micro_step(tmp_path, tok, dataset):
+def test_dataloader_batches_hold_whole_groups_once_per_generation(tmp_path, tok, dataset):
     trainer = make_trainer(tmp_path, tok, dataset, per_device_train_batch_size=4, steps_per_generation=2,
                            num_iterations=3, gradient_accumulation_steps=2)
     loader = trainer.get_train_dataloader()
     batches = [[row["prompt"] for row in rows] for rows in loader]
-    cycle = 2 * 3  # each generation batch is seen by spg * mu micro-steps
-    assert len(loader) == len(batches) == (32 // 2) * cycle  # 8 rows = 2 distinct prompts per generation
-    for start in range(0, len(batches), cycle):
-        batch = batches[start]
+    assert len(loader) == len(batches) == 32 // 2  # 8 rows = 2 distinct prompts per generation, each drawn once
+    for batch in batches:
         assert len(batch) == 4 * 2  # per_device_train_batch_size * steps_per_generation
         assert batch[:4] == [batch[0]] * 4 and batch[4:] == [batch[4]] * 4 and batch[0] != batch[4]
-        assert batches[start:start + cycle] == [batch] * cycle
-    distinct = [p for start in range(0, len(batches), cycle) for p in batches[start][::4]]
+    distinct = [p for batch in batches for p in batch[::4]]
     assert sorted(distinct) == sorted(dataset["prompt"])  # one epoch visits every prompt once
+    assert trainer.micro_batches_per_batch() == 2 * 3  # each generation batch feeds spg * mu micro-steps
+
+
+def test_training_windows_hand_out_each_generation_for_a_whole_cycle_and_resume_inside_one(tmp_path, tok, dataset):
+    trainer = make_trainer(tmp_path, tok, dataset, per_device_train_batch_size=4, steps_per_generation=2,
+                           num_iterations=3, gradient_accumulation_steps=4)
+    loader = trainer.get_train_dataloader()
+    windows = list(trainer.training_windows(loader, epoch=1, skip_steps=0))
+    tickets = [(t.generation, t.micro_step) for w in windows for t in w]
+    assert [len(w) for w in windows] == [4] * 24  # 16 generations x 6 micro-steps / 4 per window
+    assert tickets == [(16 + g, m) for g in range(16) for m in range(6)]  # epoch 1 starts at generation 16
+    assert all(t.rows is w[0].rows for w in windows[:1] for t in w)  # one draw of the rows serves the cycle
+    resumed = list(trainer.training_windows(loader, epoch=1, skip_steps=5))  # 20 micro-steps in: generation 3, m=2
+    assert [(t.generation, t.micro_step) for w in resumed for t in w] == tickets[20:]
+    assert [r["prompt"] for r in resumed[0][0].rows] == [r["prompt"] for r in windows[4][3].rows]
 
 
 @pytest.mark.parametrize("accum, spg, mu, steps, generations, old_logps", [
@@ -159,8 +172,9 @@ def test_generation_runs_once_per_cycle(tmp_path, tok, dataset, accum, spg, mu, 
     assert len(slices) == micro_steps
     assert len(calls) == micro_steps // (spg * mu) == generations
     assert calls == [(spg, 4)] * generations  # 4 * spg rows = spg distinct prompts, each sampled G = 4 times
-    assert all(len(b["advantages"]) == 4 for b in slices)
-    assert all(("old_logps" in b) == old_logps for b in slices)
+    assert all(isinstance(b, Sample) and len(b.advantages) == 4 for b in slices)
+    assert all((b.old_logps is not None) == old_logps for b in slices)
+    assert all(b.sampling_logps.shape == b.completion_mask.shape for b in slices)
 
 
 # ---------------------------------------------------------------------------------------- loss by hand
@@ -404,10 +418,10 @@ def test_mask_truncated_completions(tmp_path, tok, dataset):
     trainer = make_trainer(tmp_path, tok, dataset, mask_truncated_completions=True, max_completion_length=3)
     trainer.generate = fake_generation([[10, EOS, 0], [10, 11, 12], [EOS, 0, 0], [13, 14, EOS]])
     rows = next(iter(trainer.get_train_dataloader()))
-    (batch,) = trainer.prepare_window([rows])
-    completion_attention = batch["attention_mask"][:, -3:]
+    (batch,) = trainer.prepare_window([Ticket(0, rows, 0)])
+    completion_attention = batch.attention_mask[:, -3:]
     assert completion_attention.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
-    assert batch["completion_mask"].tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]]  # row 1: no EOS
+    assert batch.completion_mask.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]]  # row 1: no EOS
 
 
 def test_chat_prompts_use_the_template_and_get_chat_completions(tmp_path, tok, dataset):
@@ -441,7 +455,7 @@ def test_max_prompt_length_keeps_the_end(tmp_path, tok, dataset):
     trainer = make_trainer(tmp_path, tok, dataset, max_prompt_length=3)
     prompt_ids = []
     trainer.generate = lambda ids, **kw: prompt_ids.extend(ids) or fake_generation([[EOS, 0]])(ids, **kw)
-    trainer.prepare_window([next(iter(trainer.get_train_dataloader()))])
+    trainer.prepare_window([Ticket(0, next(iter(trainer.get_train_dataloader())), 0)])
     assert all(len(p) == 3 for p in prompt_ids)
     assert all(tok.decode(p).endswith("=") for p in prompt_ids)
 
@@ -485,7 +499,7 @@ def test_a_checkpoint_in_the_first_release_layout_resumes_exactly(tmp_path, tok,
     window = extra["metrics"]["train"]
     rows = {name: window["sums"][i].tolist() for i, name in enumerate(window["names"])}
     loss_sum, items = rows.pop("loss")
-    torch.save({"micro_step": 1, "buffers": extra["trainer"]["buffers"], "metric_sums": rows},
+    torch.save({"micro_step": 1, "buffers": extra["trainer"]["buffer"]["slices"], "metric_sums": rows},
                old / "extra_state_0.pt")
     state = json.loads((old / "trainer_state.json").read_text())
     state["stateful_callbacks"]["_log_window"] = {"loss_sum": loss_sum, "items": items}

@@ -3,19 +3,26 @@ re-prefilling and against re-scoring the transcript in one plain forward, no los
 GRPO metrics, columns and transcript records."""
 
 import json
+import queue
 import threading
-import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 from treadle import toy
-from treadle.generation import generate_turns
+from treadle.generation import SamplingParams, generate_turns
 from treadle.rollouts import (RolloutRunner, ToolEnvironment, check_tool, environment_reward, parse_json_call,
                               parse_tagged_call, rollout_metrics)
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
 EOS = 2  # the toy tokenizer's eos id
+
+
+def settings(num_generations, max_new_tokens, **sampling) -> SamplingParams:
+    """The sampling settings of a rollout batch with the toy tokenizer's EOS and pad ids."""
+    return SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_token_ids=(EOS,),
+                          pad_token_id=0, **sampling)
 
 
 def chatty_model(tok, seed=0, eos_bias=2.5):
@@ -134,8 +141,7 @@ def test_bad_runner_arguments_say_how_to_fix_them(tok):
             raise KeyError("oops")
 
     with pytest.raises(RuntimeError, match="Broken.step raised KeyError"):
-        RolloutRunner(tok, env_factory=Broken).run(chatty_model(tok), [{"prompt": "1+1="}] * 2, num_generations=2,
-                                                   max_new_tokens=40, eos_token_id=EOS, pad_token_id=0)
+        RolloutRunner(tok, env_factory=Broken).run(chatty_model(tok), [{"prompt": "1+1="}] * 2, settings(2, 40))
 
 
 def test_chat_prompts_get_template_turns_and_the_json_call_format(tok):
@@ -173,8 +179,7 @@ def test_kv_cache_kept_across_turns_equals_re_prefilling_each_turn(tok):
     model = chatty_model(tok, eos_bias=6.0)
     runner = RolloutRunner(tok, env_factory=lambda: Counter(turns=2))
     rows = [{"prompt": p} for p in ("12+34=", "12+34=", "7+8=", "7+8=", "99+1=", "99+1=")]
-    outs = [runner.run(model, rows, num_generations=2, max_new_tokens=24, eos_token_id=EOS, pad_token_id=0,
-                       do_sample=False, backend=backend) for backend in ("fast", "hf")]
+    outs = [runner.run(model, rows, settings(2, 24, do_sample=False), backend=backend) for backend in ("fast", "hf")]
     kv, again = (o.generation for o in outs)
     for name in ("completion_ids", "completion_mask", "sampled_mask", "is_truncated", "prompt_ids"):
         assert torch.equal(getattr(kv, name), getattr(again, name)), name
@@ -207,7 +212,7 @@ def test_rollout_log_probs_equal_rescoring_the_whole_transcript(tok):
         2, out.completion_ids[..., None]).squeeze(2)  # (N, C)
     sampled = out.sampled_mask.bool()
     assert (out.completion_mask.bool() & ~sampled).any()  # the transcripts hold observation tokens
-    assert torch.allclose(out.sampled_logps[sampled], reference[sampled], atol=1e-5)
+    assert torch.allclose(out.sampling_logps[sampled], reference[sampled], atol=1e-5)
 
 
 def test_a_row_waiting_on_its_environment_does_not_stall_the_others(tok):
@@ -244,31 +249,41 @@ def test_sampled_rollouts_do_not_depend_on_when_the_environment_answers(tok):
     random delay from a thread (so that rows sit out different sampling steps): a row's draws are keyed by its
     own position, not by the step. Rows must actually have waited for the check to mean something."""
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
-    model, executor, rng = chatty_model(tok, eos_bias=3.0), ThreadPoolExecutor(4), random.Random(0)
-    turns, waited = {}, []
+    model, rng = chatty_model(tok, eos_bias=3.0), random.Random(0)
+    turns, waited, pending = {}, [], queue.SimpleQueue()
 
     def observation(row):
         turns[row] = turns.get(row, 0) + 1
         return None if turns[row] > 2 else tok(f"[{row}]")["input_ids"]
 
-    def late(row):
-        time.sleep(rng.choice([0.0, 0.005, 0.02]))
-        return observation(row)
+    def release_in_shuffled_order():
+        # answers the observations late by order, not by time: each may be put back behind the others twice
+        while (item := pending.get()) is not None:
+            row, future, delays = item
+            if delays and rng.random() < 0.6:
+                pending.put((row, future, delays - 1))
+            else:
+                future.set_result(observation(row))
 
     def respond_late(row, turn_ids):
-        future = executor.submit(late, row)
+        future = Future()
+        pending.put((row, future, 2))
         waited.append(not future.done())
         return future
 
     outs = []
-    for respond in (lambda row, turn_ids: observation(row), respond_late):
-        turns.clear()
-        outs.append(generate_turns(model, [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]], respond,
-                                   num_generations=4, max_new_tokens=48, eos_token_id=EOS, pad_token_id=0,
-                                   temperature=1.0, generator=torch.Generator().manual_seed(3)))
-    executor.shutdown()
+    releaser = threading.Thread(target=release_in_shuffled_order)
+    releaser.start()
+    try:
+        for respond in (lambda row, turn_ids: observation(row), respond_late):
+            turns.clear()
+            outs.append(generate_turns(model, [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]], respond,
+                                       num_generations=4, max_new_tokens=48, eos_token_id=EOS, pad_token_id=0,
+                                       temperature=1.0, generator=torch.Generator().manual_seed(3)))
+    finally:
+        pending.put(None)
+        releaser.join()
     assert any(waited) and (outs[0].sampled_mask.sum(1) > 0).all()
     assert torch.equal(outs[0].completion_ids, outs[1].completion_ids)
     assert torch.equal(outs[0].sampled_mask, outs[1].sampled_mask)
@@ -347,26 +362,50 @@ def test_grpo_records_transcripts_columns_and_metrics(tmp_path, tok):
     assert {"tools/call_frequency", "tools/failed_calls", "tools/add/calls"} <= set(logged)
 
 
-def test_a_slow_environment_is_not_a_slow_test(tok):
-    """Environments step concurrently: 8 rollouts whose single step sleeps 0.2 s each take about 0.2 s, not 1.6 s
-    (no timing is asserted; the overlap is checked through the peak number of concurrent steps)."""
-    active, peak, lock = [0], [0], threading.Lock()
+def test_environments_step_concurrently(tok):
+    """Environments step concurrently: the first two steps of 8 rollouts meet at a barrier, which only threads
+    running side by side can pass (the timeout only turns a sequential runner's hang into a failure)."""
+    meet, lock, index = threading.Barrier(2, timeout=120), threading.Lock(), [0]
 
-    class Sleepy(Counter):
+    class Meeting(Counter):
         def step(self, text):
             with lock:
-                active[0] += 1
-                peak[0] = max(peak[0], active[0])
-            time.sleep(0.2)
-            with lock:
-                active[0] -= 1
+                index[0] += 1
+                first_two = index[0] <= 2
+            if first_two:
+                meet.wait()
             return "", None, True
 
-    runner = RolloutRunner(tok, env_factory=Sleepy, workers=8)
-    runner.run(chatty_model(tok, eos_bias=8.0), [{"prompt": "1+1="}] * 8, num_generations=8, max_new_tokens=8,
-               eos_token_id=EOS, pad_token_id=0)
-    assert peak[0] > 1
-    runner.close()
+    with RolloutRunner(tok, env_factory=Meeting, workers=8) as runner:
+        runner.run(chatty_model(tok, eos_bias=8.0), [{"prompt": "1+1="}] * 8, settings(8, 8))
+    assert index[0] >= 2 and not meet.broken
+    assert runner.pool is None  # closed with the block
+
+
+def test_a_timed_out_tool_call_does_not_block_and_closing_stops_the_tool_threads():
+    """A call past its timeout becomes an error turn while its thread stays stuck; the next call runs on another
+    thread; ``close()`` ends the idle threads and leaves the stuck one to end when its call returns."""
+    release, started = threading.Event(), threading.Event()
+
+    def stuck(x: int) -> int:
+        """Waits until released."""
+        started.set()
+        release.wait()
+        return x
+
+    runner = RolloutRunner(toy.build_tokenizer(), tools=[add, stuck], tool_timeout=0.05)
+    env = runner.new_environment()
+    try:
+        assert env.step("<call>stuck(1)</call>")[0] == "<result>error: stuck timed out after 0.05 s</result>"
+        assert started.is_set()
+        assert env.step("<call>add(2, 3)</call>")[0] == "<result>5</result>"  # not queued behind the stuck call
+        assert len(runner.tool_pool.threads()) == 2
+    finally:
+        runner.close()
+    alive = runner.tool_pool.threads()
+    assert [t.name for t in alive] == ["treadle-tool-0"]  # only the stuck thread: the idle one was ended
+    release.set()
+    alive[0].join()  # it reads its stop signal once its call returns
 
 
 def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
@@ -386,11 +425,11 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
     trainer = GRPOTrainer(chatty_model(tok, eos_bias=4.0), judge, args=args, processing_class=tok,
                           train_dataset=rows, eval_dataset=rows.select(range(2)), env_factory=Counter)
     run, settings = trainer.rollout_runner.run, []
-    trainer.rollout_runner.run = lambda *a, **k: settings.append(k) or run(*a, **k)
+    trainer.rollout_runner.run = lambda model, rows, params, **k: (settings.append(params)
+                                                                   or run(model, rows, params, **k))
     metrics = trainer.evaluate()
     sampled, greedy = calls
-    assert [(s["num_generations"], s["temperature"], s["do_sample"]) for s in settings] == [(3, 0.5, True),
-                                                                                         (1, 1.0, False)]
+    assert [(s.num_generations, s.temperature, s.do_sample) for s in settings] == [(3, 0.5, True), (1, 1.0, False)]
     assert len(sampled) == 6 and len(greedy) == 2
     assert any(len(t) > 1 for t in sampled)  # the environment answered and the rollout went on
     assert metrics["eval_reward"] == pytest.approx(sum(len(t) for t in sampled) / 6)

@@ -15,7 +15,7 @@ used up: then it is *truncated*, and an observation that does not fit is dropped
 **Threads.** The environments of a batch run concurrently in a thread pool (``rollout_workers`` threads):
 the steps of one rollout never overlap, but steps of *different* instances do, so whatever instances share
 (a module-level cache, a client, a tool's global state) must be thread-safe. Sampling goes on meanwhile: a
-rollout waiting for its environment sits out while the others keep sampling (``generation.generate_turns``).
+rollout waiting for its environment sits out while the others keep sampling (``generation.turns.sample_turns``).
 Each row's random draws are keyed by its own position, so the same seed samples the same tokens whenever its
 environment answers; but which rows share a forward then depends on the threads' timing, and a batched forward
 can differ in the last bit with its batch, which can flip a later draw. ``rollout_workers=0`` steps the
@@ -55,23 +55,27 @@ returns it.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
+import queue
 import re
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
+from treadle.generation.sampling import SamplingParams
+from treadle.generation.single import distinct_prompts, left_pad, model_device, sample_completions
+from treadle.generation.turns import MultiTurnOutput, pack_turns, sample_turns
 from treadle.text import encode_prompts, eos_ids, is_conversation
-from treadle.generation import (MultiTurnOutput, distinct_prompts, generate_completions, generate_turns, left_pad,
-                                pack_turns)
 
-__all__ = ["CALL_FORMATS", "Environment", "RolloutOutput", "RolloutRunner", "ToolEnvironment", "check_tool",
-           "environment_reward", "rollout_metrics"]
+__all__ = ["CALL_FORMATS", "Environment", "RolloutOutput", "RolloutRunner", "ToolEnvironment", "ToolPool",
+           "check_tool", "environment_reward", "rollout_metrics"]
 
 CALL_FORMATS = ("auto", "tagged", "json")
 
@@ -145,53 +149,124 @@ def parse_json_call(source: str) -> tuple[str, list, dict]:
     return name, [], arguments
 
 
-def call_with_timeout(fn, args: list, kwargs: dict, timeout: float | None):
-    """``fn(*args, **kwargs)``, or ToolError when it raises or is still running after ``timeout`` seconds
-    (it is then abandoned on its daemon thread: Python cannot stop a thread)."""
+class ToolPool:
+    """The daemon threads that run tool calls (one per call in flight, reused), owned by whoever closes it: a
+    RolloutRunner for its environments, or a ToolEnvironment made on its own.
+
+    A call still running past its timeout is *abandoned*: Python cannot stop a thread, so its thread stays busy
+    until the function returns and then exits, while later calls get other threads and never wait behind it.
+    Being a daemon, a stuck thread never holds up the interpreter's exit. ``close()`` ends every idle thread (and
+    waits for them) and each busy one as soon as its call returns; a pool can be used again after ``close()``."""
+
+    def __init__(self):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a task and not yet promised one
+        self._threads: list[threading.Thread] = []
+        self._abandoned: set[Future] = set()
+        self._running: dict[threading.Thread, Future] = {}
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if self._idle:
+                self._idle -= 1  # an idle thread takes it
+            else:
+                worker = threading.Thread(target=self._work, name=f"treadle-tool-{len(self._threads)}", daemon=True)
+                self._threads.append(worker)
+                worker.start()
+        self._tasks.put((future, fn, args, kwargs))
+        return future
+
+    def abandon(self, future: Future) -> None:
+        """Give up on ``future`` (timed out): ``close()`` will not wait for its thread."""
+        with self._lock:
+            self._abandoned.add(future)
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, fn, args, kwargs = task
+            with self._lock:
+                self._running[threading.current_thread()] = future
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # the caller turns it into the model's error turn
+                    future.set_exception(e)
+            with self._lock:
+                del self._running[threading.current_thread()]
+                self._abandoned.discard(future)
+                self._idle += 1
+
+    def threads(self) -> list[threading.Thread]:
+        """The pool's live threads (busy or idle)."""
+        with self._lock:
+            return [t for t in self._threads if t.is_alive()]
+
+    def close(self) -> None:
+        with self._lock:
+            stuck = {t for t, f in self._running.items() if f in self._abandoned}
+            threads, self._idle = self._threads, 0
+            self._threads = [t for t in threads if t in stuck]  # still listed (threads()) until their call returns
+        for _ in threads:
+            self._tasks.put(None)  # one stop per thread; a busy one reads it when its call returns
+        for thread in threads:
+            if thread not in stuck:
+                thread.join()
+
+
+def call_with_timeout(fn, args: list, kwargs: dict, timeout: float | None, pool: ToolPool):
+    """``fn(*args, **kwargs)``, or ToolError when it raises or is still running after ``timeout`` seconds (it
+    is then abandoned on its thread of ``pool``; see :class:`ToolPool`). ``timeout=None`` calls it here."""
     name = getattr(fn, "__name__", "tool")
     try:
         inspect.signature(fn).bind(*args, **kwargs)
     except TypeError as e:
         raise ToolError(f"wrong arguments for {name}: {e}") from None
-    box: dict[str, Any] = {}
-
-    def run():
+    try:
+        if timeout is None:
+            return fn(*args, **kwargs)
+        future = pool.submit(fn, *args, **kwargs)
         try:
-            box["value"] = fn(*args, **kwargs)
-        except Exception as e:  # the model reads the error; training goes on
-            box["error"] = e
-
-    if timeout is None:
-        run()
-    else:
-        worker = threading.Thread(target=run, name=f"treadle-tool-{name}", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            raise ToolError(f"{name} timed out after {timeout:g} s")
-    if "error" in box:
-        raise ToolError(f"{name} raised {type(box['error']).__name__}: {box['error']}")
-    return box["value"]
+            return future.result(timeout)
+        except FutureTimeout:
+            pool.abandon(future)
+            raise ToolError(f"{name} timed out after {timeout:g} s") from None
+    except ToolError:
+        raise
+    except Exception as e:  # the model reads the error; training goes on
+        raise ToolError(f"{name} raised {type(e).__name__}: {e}") from None
 
 
 class ToolEnvironment:
     """The environment behind ``tools=``: runs the calls of each model turn and answers with their results.
 
-    Counts ``calls``, ``failed_calls`` and ``calls_by_tool`` for the metrics. One instance per rollout."""
+    Counts ``calls``, ``failed_calls`` and ``calls_by_tool`` for the metrics. One instance per rollout. Calls
+    with a timeout run in ``tool_pool`` (a RolloutRunner passes its own); without one, the environment owns a
+    pool of its own, which ``close()`` closes."""
 
     role = "tool"
 
     def __init__(self, tools: Sequence[Callable], *, call_format: str = "tagged",
-                 max_tool_calling_iterations: int | None = None, tool_timeout: float | None = 10.0):
+                 max_tool_calling_iterations: int | None = None, tool_timeout: float | None = 10.0,
+                 tool_pool: ToolPool | None = None):
         if call_format not in ("tagged", "json"):
             raise ValueError(f"call_format must be 'tagged' or 'json', got {call_format!r}")
         self.tools = {check_tool(fn): fn for fn in tools}
         self.call_format, self.max_iterations, self.timeout = call_format, max_tool_calling_iterations, tool_timeout
         self.calls, self.failed_calls, self.iterations = 0, 0, 0
         self.calls_by_tool: Counter[str] = Counter()
+        self.owns_pool = tool_pool is None
+        self.tool_pool = tool_pool if tool_pool is not None else ToolPool()
 
     def reset(self, row: dict) -> str:
         return ""
+
+    def close(self) -> None:
+        """Close the tool pool if this environment owns it (a runner's pool is the runner's to close)."""
+        if self.owns_pool:
+            self.tool_pool.close()
 
     def step(self, text: str) -> tuple[str, float | None, bool]:
         found = (_TAGGED if self.call_format == "tagged" else _JSON).findall(text)
@@ -211,7 +286,7 @@ class ToolEnvironment:
             if name not in self.tools:
                 raise ToolError(f"unknown tool {name!r}; the tools are {sorted(self.tools)}")
             self.calls_by_tool[name] += 1
-            return str(call_with_timeout(self.tools[name], args, kwargs, self.timeout))
+            return str(call_with_timeout(self.tools[name], args, kwargs, self.timeout, self.tool_pool))
         except ToolError as e:
             self.failed_calls += 1
             return f"error: {e}"
@@ -233,9 +308,12 @@ class RolloutOutput:
 
 
 class RolloutRunner:
-    """Runs batches of multi-turn rollouts for a tokenizer and either ``tools`` or an ``env_factory``.
+    """Runs batches of multi-turn rollouts for a tokenizer and either ``tools`` or an ``env_factory``; ``run`` is
+    the whole rollout of a batch of dataset rows.
 
-    Owns the thread pool the environments step in; ``run`` is the whole rollout of a batch of dataset rows."""
+    Owns its threads: the pool the environments step in (``workers`` threads, started by the first ``run``) and
+    the :class:`ToolPool` its tool calls run in. ``close()`` (or leaving a ``with`` block) stops both; a ``run``
+    after ``close()`` starts them again. GRPOTrainer closes its runner at the end of ``train`` and in ``close()``."""
 
     def __init__(self, tokenizer, *, tools: Sequence[Callable] | None = None, env_factory=None,
                  call_format: str = "auto", max_tool_calling_iterations: int | None = None,
@@ -263,13 +341,25 @@ class RolloutRunner:
             _check_json_schemas(self.tools)
         self.tool_options = dict(call_format=self.call_format, max_tool_calling_iterations=max_tool_calling_iterations,
                                  tool_timeout=tool_timeout)
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="treadle-env") if workers else None
+        self.workers, self.pool = workers, None
+        self.tool_pool = ToolPool()
+
+    def __enter__(self) -> "RolloutRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _environment_pool(self) -> ThreadPoolExecutor | None:
+        if self.pool is None and self.workers:
+            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="treadle-env")
+        return self.pool
 
     def new_environment(self):
         """A fresh environment for one rollout."""
         if self.env_factory is not None:
             return self.env_factory()
-        return ToolEnvironment(self.tools, **self.tool_options)
+        return ToolEnvironment(self.tools, tool_pool=self.tool_pool, **self.tool_options)
 
     def encode_prompts(self, prompts: list, max_prompt_length: int | None) -> list[list[int]]:
         """Token ids of each prompt, cut to its last ``max_prompt_length``; chat prompts see the tools' schemas
@@ -298,20 +388,19 @@ class RolloutRunner:
                              f"({before!r} is not a prefix of {after!r}); give the rows as text prompts")
         return list(self.tokenizer(after[len(before):], add_special_tokens=False, verbose=False)["input_ids"])
 
-    def run(self, model, rows: list[dict], *, num_generations: int, max_new_tokens: int, eos_token_id,
-            pad_token_id: int, max_prompt_length: int | None = None, generator: torch.Generator | None = None,
-            backend: str = "auto", **sampling) -> RolloutOutput:
-        """Roll out one environment per row (rows holding the same prompt ``num_generations`` times in a row are
-        sampled as distinct prompts x G). ``backend``: "fast"/"auto" keep each row's KV cache across turns
-        (``generate_turns``; "auto" falls back when the model cannot), "hf" re-prefills the whole transcript each
-        turn through ``generate_completions``. ``sampling``: temperature, top_p, top_k, repetition_penalty,
-        do_sample as in ``generate_completions``."""
+    def run(self, model, rows: list[dict], params: SamplingParams, *, max_prompt_length: int | None = None,
+            generator: torch.Generator | None = None, backend: str = "auto") -> RolloutOutput:
+        """Roll out one environment per row with the sampling settings ``params`` (rows holding the same prompt
+        ``params.num_generations`` times in a row are sampled as distinct prompts x G, else each row once).
+        ``backend``: "fast"/"auto" keep each row's KV cache across turns (``generation.turns.sample_turns``; "auto"
+        falls back when the model cannot), "hf" re-prefills the whole transcript each turn (``reprefill_turns``)."""
+        pool = self._environment_pool()
         envs = [self.new_environment() for _ in rows]
-        firsts = list((self.pool.map if self.pool else map)(lambda env, row: env.reset(row), envs, rows))
+        firsts = list((pool.map if pool else map)(lambda env, row: env.reset(row), envs, rows))
         prompts = [_with_first_observation(row["prompt"], first) for row, first in zip(rows, firsts)]
         chat = [is_conversation(p) for p in prompts]
         prompt_ids = self.encode_prompts(prompts, max_prompt_length)
-        distinct, group = distinct_prompts(prompt_ids, num_generations)
+        distinct, group = distinct_prompts(prompt_ids, params.num_generations)
         observations: list[list[str]] = [[] for _ in rows]
         rewards: list[list[float]] = [[] for _ in rows]
 
@@ -329,18 +418,17 @@ class RolloutRunner:
             observations[row].append(observation)
             return self.observation_ids(observation, getattr(envs[row], "role", "user"), chat[row])
 
-        kwargs = dict(num_generations=group, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                      pad_token_id=pad_token_id, generator=generator, **sampling)
-        respond = step if self.pool is None else (lambda row, turn_ids: self.pool.submit(step, row, turn_ids))
+        params = dataclasses.replace(params, num_generations=group)
+        respond = step if pool is None else (lambda row, turn_ids: pool.submit(step, row, turn_ids))
         generation = None
         if backend != "hf":
             try:
-                generation = generate_turns(model, distinct, respond, **kwargs)
+                generation = sample_turns(model, distinct, respond, params, generator=generator)
             except ValueError:  # raised before any turn when the fast path cannot run this model
                 if backend == "fast":
                     raise
         if generation is None:
-            generation = reprefill_turns(model, distinct, respond, backend=backend, **kwargs)
+            generation = reprefill_turns(model, distinct, respond, params, generator=generator, backend=backend)
         return self._output(generation, envs, chat, observations, rewards)
 
     def _output(self, generation: MultiTurnOutput, envs: list, chat: list[bool], observations: list[list[str]],
@@ -368,9 +456,12 @@ class RolloutRunner:
                                                      self.tool_names))
 
     def close(self) -> None:
-        """Stop the thread pool (a tool still running past its timeout is left to finish on its own)."""
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the environment threads (waiting for steps in flight) and the tool threads (a tool still running
+        past its timeout is left to finish on its own daemon thread, see :class:`ToolPool`)."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self.tool_pool.close()
 
 
 def _check_json_schemas(tools: list) -> None:
@@ -435,30 +526,32 @@ def rollout_metrics(transcripts: list[list[dict]], truncated: list[bool], envs: 
 # ---------------------------------------------------------------------------------------------------------
 # The baseline (and the fallback for models the fast path cannot run): re-prefill the transcript each turn
 # ---------------------------------------------------------------------------------------------------------
-def reprefill_turns(model, prompts: list[list[int]], respond, *, num_generations: int, max_new_tokens: int,
-                    eos_token_id, pad_token_id: int, backend: str = "auto", **sampling) -> MultiTurnOutput:
-    """``generate_turns``'s contract, one ``generate_completions`` call per turn on every active row's whole
-    transcript: simple and engine-agnostic, but every turn prefills everything again, and a turn starts only
-    when every row's environment has answered."""
-    eos = set(eos_ids(eos_token_id))
+def reprefill_turns(model, prompts: list[list[int]], respond, params: SamplingParams, *,
+                    generator: torch.Generator | None = None, backend: str = "auto") -> MultiTurnOutput:
+    """``generation.turns.sample_turns``'s contract, one single-turn sampling call per turn on every active row's
+    whole transcript: simple and engine-agnostic, but every turn prefills everything again, and a turn starts
+    only when every row's environment has answered."""
+    eos, max_new_tokens, num_generations = set(params.eos_token_ids), params.max_new_tokens, params.num_generations
     rows = len(prompts) * num_generations
     base = [p for p in prompts for _ in range(num_generations)]
     tokens: list[list[int]] = [[] for _ in range(rows)]
     sampled: list[list[int]] = [[] for _ in range(rows)]
+    logps: list[list[float]] = [[] for _ in range(rows)]
     truncated = [False] * rows
     active, turn = list(range(rows)), 0
     while active:
         room = max(max_new_tokens - len(tokens[r]) for r in active)
         contexts = prompts if turn == 0 else [base[r] + tokens[r] for r in active]
-        out = generate_completions(model, contexts, num_generations=num_generations if turn == 0 else 1,
-                                   max_new_tokens=room, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                                   backend=backend, **sampling)
+        turn_params = dataclasses.replace(params, num_generations=num_generations if turn == 0 else 1,
+                                          max_new_tokens=room)
+        out = sample_completions(model, contexts, turn_params, generator=generator, backend=backend)
         lengths = out.completion_mask.sum(dim=1).tolist()
         answers = {}
         for i, r in enumerate(active):
             new = out.completion_ids[i, :lengths[i]].tolist()[:max_new_tokens - len(tokens[r])]
             tokens[r] += new
             sampled[r] += [1] * len(new)
+            logps[r] += out.sampling_logps[i, :len(new)].tolist()
             if new and new[-1] in eos:
                 answers[r] = respond(r, new)
             else:
@@ -473,7 +566,8 @@ def reprefill_turns(model, prompts: list[list[int]], respond, *, num_generations
                 continue
             tokens[r] += value
             sampled[r] += [0] * len(value)
+            logps[r] += [0.0] * len(value)
             active.append(r)
         turn += 1
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, next(iter(model.parameters())).device)
-    return pack_turns(prompt_ids, prompt_mask, num_generations, tokens, sampled, truncated, pad_token_id)
+    prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, model_device(model))
+    return pack_turns(prompt_ids, prompt_mask, num_generations, tokens, sampled, truncated, params.pad_token_id, logps)

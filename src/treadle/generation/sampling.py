@@ -1,0 +1,134 @@
+"""Sampling settings (:class:`SamplingParams`) and logits processing: what distribution a completion is drawn from.
+
+The distribution is transformers' ``generate``: the same logits processors in the same order (repetition
+penalty, then, when sampling, temperature, top-k, top-p), then softmax and a categorical draw. The processors
+are pure functions on ``(N, V)`` float scores; :func:`sampled_logps` gives the log-probs of drawn tokens under
+the processed scores, i.e. of the distribution actually sampled from (what an importance-sampling correction
+against the sampler needs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["SamplingParams", "apply_repetition_penalty", "apply_temperature", "apply_top_k", "apply_top_p",
+           "process_logits", "sample_next_tokens", "sampled_logps", "token_presence"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling settings of one call, validated once; field meanings follow ``GenerationConfig``."""
+
+    num_generations: int  # G completions per prompt
+    max_new_tokens: int
+    eos_token_ids: tuple[int, ...]  # empty: never stop early, every row is truncated
+    pad_token_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
+    top_k: int = 0  # keep the k most likely tokens; 0 disables
+    repetition_penalty: float = 1.0  # CTRL penalty (Keskar et al. 2019); 1 disables
+    do_sample: bool = True  # False: greedy (argmax after the repetition penalty)
+
+    def __post_init__(self):
+        checks = [
+            (self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}; "
+                                        "pass the number of completions wanted per prompt (e.g. 8)"),
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}; "
+                                       "pass the longest completion length you accept (e.g. 64)"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it"),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}; use 0 to disable it"),
+            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}; "
+                                            "use 1.0 to disable it"),
+            (not self.do_sample or self.temperature > 0.0,
+             f"temperature must be > 0 when sampling, got {self.temperature}; 1.0 samples the model as is "
+             f"(generate_completions: do_sample=False decodes greedily)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Logits processors: pure functions on (N, V) float scores, in transformers' order.
+# ---------------------------------------------------------------------------------------------------------
+
+def token_presence(token_ids: Tensor, mask: Tensor, vocab_size: int) -> Tensor:
+    """(N, V) bool: whether each vocabulary id occurs among the unmasked ``token_ids`` (N, T) of its row."""
+    seen = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.bool, device=token_ids.device)
+    # Masked positions are sent to an extra column that is dropped, so padding never counts as seen.
+    index = token_ids.masked_fill(mask == 0, vocab_size).clamp(max=vocab_size)  # (N, T)
+    seen.scatter_(1, index, True)
+    return seen[:, :vocab_size]
+
+
+def apply_repetition_penalty(scores: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """Make already-seen tokens less likely: a positive score is divided by ``penalty``, a negative one multiplied.
+
+    ``scores`` (N, V) are raw logits, ``seen`` (N, V) bool marks the tokens of the prompt (padding excluded) and
+    of the completion so far, as transformers' ``RepetitionPenaltyLogitsProcessor`` does.
+    """
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(seen, penalized, scores)
+
+
+def apply_temperature(scores: Tensor, temperature: float) -> Tensor:
+    """Divide the scores by ``temperature`` (> 1 flattens the distribution, < 1 sharpens it)."""
+    return scores / temperature
+
+
+def apply_top_k(scores: Tensor, top_k: int) -> Tensor:
+    """Keep the ``top_k`` highest scores of each row (ties with the k-th are kept too); the rest become -inf."""
+    k = min(top_k, scores.shape[-1])
+    kth = torch.topk(scores, k, dim=-1).values[:, -1:]  # (N, 1)
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def apply_top_p(scores: Tensor, top_p: float) -> Tensor:
+    """Nucleus filtering: drop the least likely tokens whose total probability is at most ``1 - top_p``.
+
+    Equivalently, keep the smallest set of most likely tokens whose mass reaches ``top_p``. The most likely
+    token is always kept.
+    """
+    ascending, order = torch.sort(scores, dim=-1)  # (N, V)
+    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)  # mass of this token and all less likely ones
+    drop_sorted = mass_below <= 1.0 - top_p
+    drop_sorted[:, -1] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
+    """Turn next-token logits (N, V) into the float32 scores that are sampled from (or argmax-ed).
+
+    Order as in transformers' ``generate``: repetition penalty, then (sampling only) temperature, top-k, top-p.
+    ``seen`` (N, V) is required when ``params.repetition_penalty != 1``.
+    """
+    scores = logits.float()
+    if params.repetition_penalty != 1.0:
+        scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
+    if not params.do_sample:
+        return scores  # the warpers below never change the argmax, and generate skips them when greedy
+    if params.temperature != 1.0:
+        scores = apply_temperature(scores, params.temperature)
+    if params.top_k > 0:
+        scores = apply_top_k(scores, params.top_k)
+    if params.top_p < 1.0:
+        scores = apply_top_p(scores, params.top_p)
+    return scores
+
+
+def sample_next_tokens(scores: Tensor, do_sample: bool, generator: torch.Generator | None = None) -> Tensor:
+    """(N,) next tokens from processed scores (N, V): a multinomial draw, or the argmax when greedy."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def sampled_logps(scores: Tensor, tokens: Tensor) -> Tensor:
+    """(N,) float32 log-probs of ``tokens`` (N,) under the processed scores (N, V): the log-probs of the
+    distribution sampled from (temperature, top-k, top-p applied; greedy: the penalised logits' softmax)."""
+    return scores.float().log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)

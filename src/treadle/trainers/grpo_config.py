@@ -1,0 +1,203 @@
+"""``GRPOConfig``: the arguments of ``GRPOTrainer`` (trainers/grpo.py holds the trainer and its departures)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+from treadle.arguments import TrainingArguments
+from treadle.generation.sampling import SamplingParams
+from treadle.generation.single import BACKENDS
+from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
+                            check_grpo_options)
+
+__all__ = ["GRPOConfig"]
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    """Arguments of ``GRPOTrainer``. Batch semantics (the most asked-about part of every GRPO library):
+
+    - ``per_device_train_batch_size`` counts *completions* per micro-step on one process.
+    - One generation samples ``per_device_train_batch_size * steps_per_generation * world_size`` completions:
+      that many divided by ``num_generations`` distinct prompts, each G times. It must divide evenly.
+    - That buffer feeds ``steps_per_generation`` micro-steps, and is reused ``num_iterations`` times (μ):
+      generation runs once every ``steps_per_generation * num_iterations`` micro-steps.
+    - An optimizer step still takes ``gradient_accumulation_steps`` micro-steps.
+
+    Loss types (how the per-token losses are reduced; see ``losses.grpo_loss``): ``grpo`` the mean over
+    sequences of each sequence's token mean (the paper); ``bnpo`` the token mean of each micro-batch;
+    ``dr_grpo`` the token sum / (batch × max_completion_length) (Dr. GRPO); ``dapo`` the token sum / the
+    completion tokens of the whole accumulation window on all ranks (DAPO; the default). ``cispo`` (MiniMax-M1)
+    reduces like ``dapo`` and ``sapo`` (soft gates) like ``grpo``, as in TRL; the other objectives of the table
+    (GSPO, two-sided clipping, entropy and off-policy masks, GDPO, RLOO) are the last block of fields.
+    """
+
+    learning_rate: float = 1e-6  # RL fine-tuning of a trained policy wants small steps (TRL's default)
+
+    # --- sampling
+    num_generations: int = 8  # G: completions per prompt, the group that forms the baseline; >= 2, often 4-16
+    steps_per_generation: int | None = None  # micro-steps fed by one generation; None: gradient_accumulation_steps
+    num_iterations: int = 1  # μ: passes over each generated buffer (PPO epochs); 1 is fully on-policy
+    max_prompt_length: int | None = 512  # keep the last N prompt tokens; None keeps whole prompts
+    max_completion_length: int = 256  # L: most tokens sampled per completion
+    temperature: float = 1.0  # sampling temperature; the trained log-probs use it too; 0.7-1.0 typical
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1.0 disables
+    top_k: int = 0  # sample among the k most likely tokens; 0 disables
+    repetition_penalty: float = 1.0  # CTRL penalty on tokens already in prompt or completion; 1.0 disables
+    generation_backend: str = "auto"  # "fast" (KV-cache sampler), "hf" (model.generate) or "auto"
+
+    # --- loss
+    beta: float = 0.0  # β: weight of the k3 KL to the reference model; 0 creates no reference (DAPO, Dr. GRPO)
+    epsilon: float = 0.2  # ε (ε_low): the ratio is clipped below at 1 - ε
+    epsilon_high: float | None = None  # ε_high: the ratio is clipped above at 1 + ε_high; None: epsilon (DAPO: 0.28)
+    loss_type: str = "dapo"  # "grpo", "bnpo", "dr_grpo", "dapo", "cispo" or "sapo" (see the class docstring)
+    scale_rewards: str = "group"  # divide advantages by the "group" std (GRPO), the "batch" std, or "none" (Dr. GRPO)
+    mask_truncated_completions: bool = False  # completions without EOS get no loss (DAPO's overlong filtering)
+
+    # --- rewards and records
+    reward_weights: list[float] | None = None  # one weight per reward function; None weighs each 1.0
+    log_completions: bool = False  # append prompt, completion, rewards, advantage to output_dir/completions.jsonl
+
+    # --- objective table (issue 17): names and defaults of TRL 1.16's GRPOConfig; see docs/grpo.md
+    importance_sampling_level: str = "token"  # "token", or "sequence": one ratio per sequence (GSPO)
+    delta: float | None = None  # two-sided clip: also cap the ratio at delta (> 1 + epsilon_high) when A < 0
+    sapo_temperature_pos: float = 1.0  # τ of SAPO's soft gate for A > 0 (loss_type="sapo")
+    sapo_temperature_neg: float = 1.05  # τ of SAPO's soft gate for A <= 0
+    top_entropy_quantile: float = 1.0  # ρ: only the top-ρ tokens by entropy carry the policy loss (paper: 0.2)
+    off_policy_mask_threshold: float | None = None  # δ: drop A < 0 sequences that drifted > δ from the sampler
+    use_bias_correction_kl: bool = True  # k3 term times the ratio: the unbiased KL gradient (DeepSeek-V3.2)
+    multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum": per-reward normalisation (GDPO)
+    advantage_estimator: str = "grpo"  # baseline: "grpo" the group mean, "rloo" the mean of the other G - 1 rewards
+
+    # --- multi-turn rollouts: tools and environments (treadle.rollouts; used when tools= or env_factory= is given)
+    max_tool_calling_iterations: int | None = None  # TRL's name: most turns with tool calls per rollout; None: no cap
+    tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
+    tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
+    rollout_workers: int = 8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
+
+    # --- padding-free training forwards (issue 18)
+    padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
+
+    # --- evaluation: what RL optimises, on sampled (and greedy) completions of eval_dataset (docs/grpo.md)
+    num_generations_eval: int | None = None  # n: samples per evaluation prompt (TRL's name); None: num_generations
+    eval_temperature: float | None = None  # evaluation sampling temperature; 0 decodes greedily; None: temperature
+    eval_top_p: float | None = None  # evaluation nucleus mass; None: top_p
+    eval_top_k: int | None = None  # evaluation top-k; None: top_k
+    eval_pass_at_k: list[int] = field(default_factory=lambda: [1])  # log eval_pass@k for each k, 1 <= k <= n
+    eval_success_threshold: float = 1.0  # a completion passes when its reward >= this (1.0: exact-match rewards)
+    eval_greedy: bool = False  # also decode each prompt greedily: eval_greedy/reward, eval_greedy/accuracy
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        self._validate_objective_table()
+        self._validate_grpo_choices()
+        self._validate_grpo_numbers()
+        self._validate_generation_batch()
+        self._resolve_eval_settings()
+
+    def _resolve_eval_settings(self) -> None:
+        """Evaluation sampling defaults to training's (None), then obeys the same rules."""
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, f"eval_{name}") is None:
+                setattr(self, f"eval_{name}", getattr(self, name))
+        n, ks = self.num_generations_eval, self.eval_pass_at_k
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"num_generations_eval must be an integer >= 1 (samples per evaluation prompt), got {n!r}")
+        if not isinstance(ks, (list, tuple)) or not ks or not all(isinstance(k, int) and 1 <= k <= n for k in ks):
+            raise ValueError(f"eval_pass_at_k must be a non-empty list of integers in 1..num_generations_eval={n}, "
+                             f"got {ks!r}; e.g. eval_pass_at_k=[1, {n}] (raise num_generations_eval for a larger k)")
+        if not math.isfinite(float(self.eval_success_threshold)) or self.eval_temperature < 0:
+            raise ValueError(f"eval_success_threshold must be finite and eval_temperature >= 0 (0: greedy), got "
+                             f"{self.eval_success_threshold!r} and {self.eval_temperature!r}")
+        SamplingParams(num_generations=n, max_new_tokens=self.max_completion_length, eos_token_ids=(), pad_token_id=0,
+                       temperature=self.eval_temperature or 1.0, top_p=self.eval_top_p, top_k=self.eval_top_k,
+                       do_sample=self.eval_temperature > 0)
+        best = (self.metric_for_best_model or "").removeprefix("eval_")
+        if best == "loss":  # also TrainingArguments' default under load_best_model_at_end
+            raise ValueError("GRPO's evaluation reports no loss: set metric_for_best_model='pass@1' (keeps the "
+                             "policy that solved most) or 'reward'")
+        missing_k = best.startswith("pass@") and best[5:] not in {str(k) for k in ks}
+        if missing_k or (best.startswith("greedy/") and not self.eval_greedy):
+            raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r} is not evaluated: add its k to "
+                             f"eval_pass_at_k={ks} (pass@k) or set eval_greedy=True (greedy/...)")
+
+    def _validate_grpo_choices(self) -> None:
+        for name, value, allowed in (("scale_rewards", self.scale_rewards, SCALE_REWARDS),
+                                     ("generation_backend", self.generation_backend, BACKENDS)):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported; use one of {list(allowed)}")
+
+    def _validate_objective_table(self) -> None:
+        check_grpo_extras(self.importance_sampling_level, self.delta, self.sapo_temperature_pos,
+                          self.sapo_temperature_neg, self.top_entropy_quantile, self.off_policy_mask_threshold)
+        for name, allowed in (("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS),
+                              ("advantage_estimator", ADVANTAGE_ESTIMATORS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; use one of {list(allowed)}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator == "rloo":
+            raise ValueError("multi_objective_aggregation='normalize_then_sum' (GDPO) forms its own advantages; "
+                             "use it with advantage_estimator='grpo'")
+        if self.loss_type == "cispo" and self.epsilon_high < 1:
+            warnings.warn(f"loss_type='cispo' caps the importance ratio itself at epsilon_high={self.epsilon_high}, "
+                          f"below 1, so every token's weight is capped (as in TRL); ScaleRL uses epsilon_high=5.0",
+                          stacklevel=3)
+
+    def _validate_grpo_numbers(self) -> None:
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise ValueError(f"num_generations must be an integer >= 2 (a group needs at least two completions "
+                             f"for a baseline), got {self.num_generations!r}; e.g. num_generations=8")
+        for name in ("steps_per_generation", "num_iterations", "max_completion_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_prompt_length is not None and (not isinstance(self.max_prompt_length, int)
+                                                   or self.max_prompt_length < 1):
+            raise ValueError(f"max_prompt_length must be an integer >= 1 or None, got {self.max_prompt_length!r}")
+        # the sampling settings' rules live with the sampler: build its parameters once to check them
+        SamplingParams(num_generations=self.num_generations, max_new_tokens=self.max_completion_length,
+                       eos_token_ids=(), pad_token_id=0, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, repetition_penalty=self.repetition_penalty)
+        check_grpo_options(self.loss_type, self.beta, self.epsilon, self.epsilon_high)  # the rules grpo_loss applies
+        if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
+            raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights}")
+
+    def _validate_generation_batch(self) -> None:
+        batch, spg, world, group = (self.per_device_train_batch_size, self.steps_per_generation,
+                                    self.world_size, self.num_generations)
+        total = batch * spg * world
+        if total % group == 0:
+            return
+        batches = _nearest(batch, lambda b: b * spg * world % group == 0)
+        groups = _nearest(group, lambda g: g >= 2 and total % g == 0, lowest=2)
+        spgs = _nearest(spg, lambda s: batch * s * world % group == 0)
+        raise ValueError(
+            f"one generation samples per_device_train_batch_size x steps_per_generation x world_size = {batch} x "
+            f"{spg} x {world} = {total} completions, which is not a multiple of num_generations={group} (every "
+            f"prompt needs its whole group). Nearest valid: per_device_train_batch_size={_either(batches)}, "
+            f"or num_generations={_either(groups)}, or steps_per_generation={_either(spgs)}")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions per generation on one process: ``per_device_train_batch_size * steps_per_generation``."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+
+def _nearest(value: int, ok, lowest: int = 1) -> list[int]:
+    """The nearest integers below and above ``value`` (at least ``lowest``) for which ``ok`` holds."""
+    below = next((v for v in range(value - 1, lowest - 1, -1) if ok(v)), None)
+    above = next((v for v in range(value + 1, 64 * value + 64) if ok(v)), None)
+    return [v for v in (below, above) if v is not None]
+
+
+def _either(values: list[int]) -> str:
+    return " or ".join(str(v) for v in values) if values else "(none)"
+
+

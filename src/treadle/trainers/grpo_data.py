@@ -1,0 +1,151 @@
+"""GRPO's typed data: what sampling returns (:class:`Rollout`), what one micro-step trains on (:class:`Sample`),
+the generation buffer that owns its cursor and its checkpoint state (:class:`GenerationBuffer`), and the
+accumulation windows of per-micro-step tickets that one generation batch feeds (:func:`generation_windows`).
+
+One generation batch (``generation_batch_size`` rows on this rank: ``steps_per_generation`` slices of
+``per_device_train_batch_size`` rows) feeds a cycle of ``steps_per_generation * num_iterations`` micro-steps;
+micro-step m of the cycle trains on slice ``m % steps_per_generation``. The dataloader yields each generation
+batch once; the loop counts ``len(dataloader) * cycle`` micro-steps per epoch (``Trainer.micro_batches_per_batch``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Iterator, NamedTuple
+
+import torch
+from torch import Tensor
+
+from treadle.data import epoch_batches
+from treadle.generation.single import GenerationOutput
+
+__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows"]
+
+
+@dataclass
+class Rollout:
+    """One generation's completions on this rank, one per dataset row, as sampling returns them (single-turn
+    ``GRPOTrainer._sample`` or multi-turn ``GRPOTrainer.rollout``)."""
+
+    prompts: list  # N prompts (text or chat messages), one per row
+    columns: dict[str, list]  # every other dataset column, N values each (reward functions get them)
+    completions: list  # N decoded completions (text, or a list of messages for chat prompts)
+    completion_lists: list[list[int]]  # N completion token lists, cut at their length
+    generation: GenerationOutput  # the tensors, (N, P) and (N, C)
+    loss_mask: Tensor  # (N, C) 1 on tokens the loss covers: sampled tokens (multi-turn: not observations)
+    transcripts: list | None = None  # multi-turn: every turn with its role
+    rollout_metrics: dict = field(default_factory=dict)  # multi-turn: {name: (sum, count)}
+
+    @classmethod
+    def of(cls, rows: list[dict], generation: GenerationOutput, completions: list, completion_lists: list,
+           **extra) -> "Rollout":
+        return cls(prompts=[row["prompt"] for row in rows],
+                   columns={k: [row[k] for row in rows] for k in rows[0] if k != "prompt"},
+                   completions=completions, completion_lists=completion_lists, generation=generation,
+                   loss_mask=extra.pop("loss_mask", generation.completion_mask), **extra)
+
+
+@dataclass
+class Sample:
+    """The rows one micro-step trains on: what crosses from the sampler to the loss. ``B`` rows, prompts cut to
+    their own longest (``P``) and completions to theirs (``C``); ``T = P + C``."""
+
+    input_ids: Tensor  # (B, T) left-padded prompt, then right-padded completion
+    attention_mask: Tensor  # (B, T) 1 on prompt and completion tokens
+    completion_mask: Tensor  # (B, C) 1 on the tokens that carry loss (sampled; not masked as truncated)
+    advantages: Tensor  # (B,) group-relative advantage of each completion
+    sampling_logps: Tensor | None = None  # (B, C) log-probs of the distribution sampled from; None: not known
+    old_logps: Tensor | None = None  # (B, C) the policy's at generation time, when it can change before use
+    ref_logps: Tensor | None = None  # (B, C) the reference policy's (beta > 0)
+
+    @property
+    def completion_ids(self) -> Tensor:  # (B, C)
+        return self.input_ids[:, -self.completion_mask.shape[1]:]
+
+    @classmethod
+    def of(cls, inputs: "Sample | dict") -> "Sample":
+        """``inputs`` itself, or a Sample of a dict with the same keys (a hand-built micro-batch)."""
+        return inputs if isinstance(inputs, Sample) else cls(**inputs)
+
+    def __getitem__(self, name: str) -> Tensor | None:
+        return getattr(self, name)  # reads by name, as of the dict micro-batches of earlier releases
+
+    def to(self, device) -> "Sample":
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The fields that are set, by name (what a checkpoint keeps)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+class Ticket(NamedTuple):
+    """One micro-step of a training window: its generation, that generation's dataset rows (this rank), and its
+    position in the generation's cycle of micro-steps."""
+
+    generation: int
+    rows: list
+    micro_step: int  # 0 .. cycle - 1
+
+
+def generation_windows(dataloader, epoch: int, skip_steps: int, *, cycle: int, accum: int,
+                       generations_per_epoch: int) -> Iterator[list[Ticket]]:
+    """The accumulation windows (``accum`` tickets each, the epoch's last maybe fewer) of epoch ``epoch`` from its
+    optimizer step ``skip_steps`` on. Each generation batch is drawn from the dataloader once and feeds ``cycle``
+    tickets; on resume, the whole generations before the step are skipped by the sampler without loading, and the
+    current generation's rows are loaded to hand out its remaining tickets (its slices come from the checkpoint's
+    buffer)."""
+    skip_generations, skip_micro = divmod(skip_steps * accum, cycle)
+    first = epoch * generations_per_epoch + skip_generations
+    batches = epoch_batches(dataloader, epoch, skip_generations)
+    tickets = (Ticket(first + index, rows, m) for index, rows in enumerate(batches) for m in range(cycle))
+    tickets = itertools.islice(tickets, skip_micro, None)
+    while window := list(itertools.islice(tickets, accum)):
+        yield window
+
+
+class GenerationBuffer:
+    """The slices of the generations that the next micro-steps train on (this rank's rows), and the cursor: the
+    next micro-step of the run, counted over every generation (``generation * cycle + micro_step``).
+
+    ``state_dict()`` holds both (tensors on the CPU) and is saved in every checkpoint, so that a run resumed in the
+    middle of a generation trains on the very slices it would have."""
+
+    def __init__(self, cycle: int):
+        self.cycle = cycle
+        self.cursor = 0
+        self.slices: dict[int, list[Sample]] = {}  # generation index -> its steps_per_generation slices
+
+    def __contains__(self, generation: int) -> bool:
+        return generation in self.slices
+
+    def put(self, generation: int, slices: list[Sample]) -> None:
+        self.slices[generation] = slices
+
+    def take(self, ticket: Ticket, steps_per_generation: int) -> Sample:
+        """The slice ``ticket`` trains on; moves the cursor past it and forgets the generations it has passed."""
+        sample = self.slices[ticket.generation][ticket.micro_step % steps_per_generation]
+        self.cursor = ticket.generation * self.cycle + ticket.micro_step + 1
+        return sample
+
+    def release_consumed(self) -> None:
+        """Forget the generations whose every micro-step is behind the cursor (called after a window)."""
+        current = self.cursor // self.cycle
+        self.slices = {g: s for g, s in self.slices.items() if g >= current}
+
+    def clear(self) -> None:
+        self.cursor, self.slices = 0, {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor,
+                "slices": {str(g): [{k: v.cpu() for k, v in s.tensors().items()} for s in slices]
+                           for g, slices in self.slices.items()}}
+
+    def load_state_dict(self, state: dict[str, Any], device) -> None:
+        """Restore ``state_dict()``, or the layout of earlier releases (``{"buffers": ...}``, whose cursor lived in
+        ``trainer_state.json``: then the cursor is left to the next ticket)."""
+        slices = state["slices"] if "slices" in state else state["buffers"]
+        self.cursor = int(state.get("cursor", 0))
+        self.slices = {int(g): [Sample(**{k: v.to(device) for k, v in s.items()}) for s in saved]
+                       for g, saved in slices.items()}
