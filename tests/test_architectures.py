@@ -10,7 +10,7 @@ import torch
 
 from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, toy
 from treadle import checkpoint as ckpt
-from treadle.generation import _fast_path_problem, generate_completions
+from treadle.generation import fast_path_problem, generate_completions
 from treadle.logprobs import fast_path_head, fast_path_verified, token_logps
 
 transformers = pytest.importorskip("transformers")
@@ -64,7 +64,7 @@ def test_models_are_tiny(arch):
 
 def test_greedy_fast_generation_equals_generate(arch):
     model = build(arch)
-    backend = "hf" if _fast_path_problem(model) else "fast"
+    backend = "hf" if fast_path_problem(model) else "fast"
     out = generate_completions(model, PROMPTS, num_generations=2, max_new_tokens=8, eos_token_id=None,
                                pad_token_id=TOK.pad_token_id, do_sample=False, backend="auto")
     with torch.no_grad():

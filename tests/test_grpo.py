@@ -14,7 +14,7 @@ from treadle import toy
 from treadle.callbacks import TrainerCallback
 from treadle.generation import GenerationOutput, completion_masks, left_pad
 from treadle.rewards import RewardFunctionError
-from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo import GRPOConfig, GRPOTrainer, Sample
 from treadle.trainers.grpo_data import Sample, Ticket
 
 EOS = 2  # the toy tokenizer's eos id
@@ -285,11 +285,11 @@ def test_left_padding_does_not_change_the_trained_log_probs(tmp_path, tok):
     trainer = GRPOTrainer(model, digit_sum_reward, args=args, processing_class=tok)
     prompts, completions = [[10, 11, 12, 13, 14], [20, 21]], [[30, 31, 32], [40, 41, EOS]]
     ids, mask = left_pad(prompts, 0)
-    batch = {"input_ids": torch.cat([ids, torch.tensor(completions)], 1),
-             "attention_mask": torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
-             "completion_mask": torch.ones(2, 3, dtype=torch.long)}
+    batch = Sample(input_ids=torch.cat([ids, torch.tensor(completions)], 1),
+                   attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
+                   completion_mask=torch.ones(2, 3, dtype=torch.long), advantages=torch.zeros(2))
     with torch.no_grad():
-        logps = trainer._completion_logps(model, batch).logps
+        logps = trainer.completion_logps(model, batch).logps
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             alone = torch.tensor([prompt + completion])
             logits = model(input_ids=alone).logits[0, len(prompt) - 1:-1] / 0.8

@@ -14,7 +14,7 @@ import torch
 
 from treadle import toy
 from treadle.trainers.dpo import DPOConfig, DPOTrainer
-from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo import GRPOConfig, GRPOTrainer, Sample
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,7 +148,9 @@ def test_configs_validate_the_table_and_keep_trls_shapes(tmp_path):
 
 
 def test_grpo_trainer_counts_cispo_items_as_tokens_and_sapo_items_as_completions(tmp_path, tok):
-    inputs = {"completion_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])}
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # (B, C): 5 tokens in 2 completions
+    inputs = Sample(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5, dtype=torch.long),
+                    completion_mask=completion_mask, advantages=torch.zeros(2))
     for loss_type, items in (("cispo", 5), ("sapo", 2), ("dapo", 5), ("grpo", 2), ("bnpo", None)):
         args = GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, epsilon_high=5.0, num_generations=2,
                           per_device_train_batch_size=2)

@@ -152,10 +152,10 @@ def test_grpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_typ
         with torch.no_grad():  # a policy other than the current one: the old log-probs differ
             noise = 0.05 * torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(seed))
         args.padding_free = False
-        batch["old_logps"] = trainer._frozen_logps(trainer.model, batch) + noise
-        batch["ref_logps"] = trainer._frozen_logps(trainer.ref_model, batch)
+        batch["old_logps"] = trainer.frozen_logps(trainer.model, batch) + noise
+        batch["ref_logps"] = trainer.frozen_logps(trainer.ref_model, batch)
         args.padding_free = True
-        assert torch.allclose(trainer._frozen_logps(trainer.ref_model, batch), batch["ref_logps"], **TOL)
+        assert torch.allclose(trainer.frozen_logps(trainer.ref_model, batch), batch["ref_logps"], **TOL)
         micro_batches.append(batch)
     tokens = int(sum(b["completion_mask"].sum() for b in micro_batches))
     items = 8 if loss_type == "grpo" else tokens

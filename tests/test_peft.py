@@ -155,9 +155,9 @@ def test_grpo_kl_reference_is_the_base_model(tmp_path, tok):
     rows = [trainer.train_dataset[0]] * 4
     buffer = trainer.generate_and_score(rows, 0)
     batch = buffer[0]
-    want = trainer._frozen_logps(copy_of_base, batch)
+    want = trainer.frozen_logps(copy_of_base, batch)
     torch.testing.assert_close(batch["ref_logps"], want)
-    assert not torch.allclose(trainer._frozen_logps(trainer.model, batch), want, atol=1e-3)
+    assert not torch.allclose(trainer.frozen_logps(trainer.model, batch), want, atol=1e-3)
 
 
 # ---- generation samples from the adapted model -------------------------------------------------------------

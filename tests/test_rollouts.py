@@ -322,7 +322,7 @@ def test_observation_tokens_get_no_loss_and_no_gradient(tmp_path, tok):
                    env_factory=Counter)
     rows = trainer.train_dataset.to_list()[:2]
     batch = trainer.generate_and_score([rows[0], rows[0], rows[1], rows[1]], 0)[0]
-    loss_mask, attention = batch["completion_mask"], batch["attention_mask"][:, -batch["completion_mask"].shape[1]:]
+    loss_mask, attention = batch.completion_mask, batch.attention_mask[:, -batch.completion_mask.shape[1]:]
     observation = attention.bool() & ~loss_mask.bool()
     assert observation.any() and loss_mask.any()
     loss, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True,
@@ -331,7 +331,7 @@ def test_observation_tokens_get_no_loss_and_no_gradient(tmp_path, tok):
     logps.retain_grad()
     loss.backward()
     assert torch.all(logps.grad[observation] == 0) and torch.all(logps.grad[~loss_mask.bool()] == 0)
-    expected = -(batch["advantages"][:, None] * loss_mask).sum() / loss_mask.sum()
+    expected = -(batch.advantages[:, None] * loss_mask).sum() / loss_mask.sum()
     assert torch.allclose(loss.detach(), expected, atol=1e-6)
     trainer.rollout_runner.close()
 

@@ -282,14 +282,15 @@ def count_input_tokens(batches: list, args, tokenizer=None) -> int:
     if how == "no":
         return 0
     total = 0
-    for batch in batches:
-        ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    for batch in batches:  # a dict of tensors, or a typed batch with those fields (GRPO's Sample)
+        ids, mask = (batch.get(k) if isinstance(batch, dict) else getattr(batch, k, None)
+                     for k in ("input_ids", "attention_mask"))
         if not isinstance(ids, torch.Tensor):
             raise ValueError("include_num_input_tokens_seen needs batches with an 'input_ids' tensor; set it to 'no'")
         if how == "all":
             total += ids.numel()
-        elif isinstance(batch.get("attention_mask"), torch.Tensor):
-            total += int(batch["attention_mask"].sum())
+        elif isinstance(mask, torch.Tensor):
+            total += int(mask.sum())
         else:
             total += int(ids.ne(pad_token_id).sum()) if pad_token_id is not None else ids.numel()
     if dist.get_world_size() > 1:

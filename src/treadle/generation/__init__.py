@@ -17,7 +17,6 @@ from treadle.generation.single import (BACKENDS, GenerationOutput, completion_ma
                                        fast_path_problem, generate_completions, left_pad, sample_completions)
 from treadle.generation.turns import MultiTurnOutput, Respond, generate_turns, pack_turns, sample_turns
 
-_fast_path_problem = fast_path_problem  # the name tests/test_architectures.py imports
 
 __all__ = ["BACKENDS", "GenerationOutput", "MultiTurnOutput", "Respond", "SamplingParams",
            "apply_repetition_penalty", "apply_temperature", "apply_top_k", "apply_top_p", "completion_masks",

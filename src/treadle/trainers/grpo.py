@@ -245,7 +245,7 @@ class GRPOTrainer(Trainer):
         ``dr_grpo``, whose per-micro-batch means the loop averages. The inherited ``get_num_items_in_batch``
         sums it over the window and the ranks."""
         aggregation = grpo_aggregation(self.args.loss_type)  # cispo counts like dapo, sapo like grpo
-        mask = inputs["completion_mask"]  # a Sample, or a hand-built dict micro-batch
+        mask = Sample.of(inputs).completion_mask
         if aggregation == "dapo":
             return int(mask.sum())
         return mask.shape[0] if aggregation == "grpo" else None
@@ -356,23 +356,27 @@ class GRPOTrainer(Trainer):
             sampling_logps=None if out.sampling_logps is None else out.sampling_logps[rows, :width],
         ).to(self.args.device)
         if self._needs_old_logps():
-            sample.old_logps = self._frozen_logps(self.model, sample)
+            sample.old_logps = self.frozen_logps(self.model, sample)
         if self.args.beta > 0:
             with reference_of(self.model, self.ref_model) as reference:  # a PEFT policy: adapters disabled
-                sample.ref_logps = self._frozen_logps(reference, sample)
+                sample.ref_logps = self.frozen_logps(reference, sample)
         return sample
 
     @torch.no_grad()
-    def _frozen_logps(self, model, batch: Sample | dict) -> torch.Tensor:
+    def frozen_logps(self, model, batch: Sample | dict) -> torch.Tensor:
+        """Per-token log-probs ``(B, C)`` of ``batch``'s completions under ``model`` held still (the old policy or
+        the reference): eval mode, no gradient, float32."""
         with eval_mode(model), self.autocast():
-            logps = self._completion_logps(model, batch).logps
+            logps = self.completion_logps(model, batch).logps
         return logps.float()
 
-    def _completion_logps(self, model, batch: Sample | dict, return_entropy: bool = False):
+    def completion_logps(self, model, batch: Sample | dict, return_entropy: bool = False):
         """A ``logprobs.TokenLogps``: per-token log-probs ``(B, C)`` (and entropies) of the completion tokens, at the
-        sampling temperature, with positions counted from the first prompt token as during sampling."""
-        ids, mask = batch["input_ids"], batch["attention_mask"]  # a Sample, or a dict holding these (by hand)
-        start = ids.shape[1] - batch["completion_mask"].shape[1] - 1
+        sampling temperature, with positions counted from the first prompt token as during sampling. ``batch``: a
+        ``Sample`` or a dict of its fields (a micro-batch built by hand)."""
+        batch = Sample.of(batch)
+        ids, mask = batch.input_ids, batch.attention_mask
+        start = ids.shape[1] - batch.completion_mask.shape[1] - 1
         return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
                            return_entropy=return_entropy, position_ids=position_ids(mask),
                            padding_free=self.args.padding_free)
@@ -382,7 +386,7 @@ class GRPOTrainer(Trainer):
         """``losses.grpo_loss`` on one slice; ``num_items_in_batch`` is the window's normaliser (``dapo``: its
         completion tokens, ``grpo``: its completions, both over all ranks)."""
         args, inputs = self.args, Sample.of(inputs)
-        logps, entropy = self._completion_logps(model, inputs, return_entropy=True)  # (B, C) each
+        logps, entropy = self.completion_logps(model, inputs, return_entropy=True)  # (B, C) each
         normalizer = num_items_in_batch if grpo_aggregation(args.loss_type) in ("grpo", "dapo") else None
         loss, metrics = grpo_loss(logps, inputs.advantages, inputs.completion_mask,
                                   old_logps=inputs.old_logps, ref_logps=inputs.ref_logps,

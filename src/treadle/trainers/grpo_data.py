@@ -69,9 +69,6 @@ class Sample:
         """``inputs`` itself, or a Sample of a dict with the same keys (a hand-built micro-batch)."""
         return inputs if isinstance(inputs, Sample) else cls(**inputs)
 
-    def __getitem__(self, name: str) -> Tensor | None:
-        return getattr(self, name)  # reads by name, as of the dict micro-batches of earlier releases
-
     def to(self, device) -> "Sample":
         return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
 
