@@ -156,7 +156,7 @@ def test_grpo_kl_reference_is_the_base_model(tmp_path, tok):
     buffer = trainer.generate_and_score(rows, 0)
     batch = buffer[0]
     want = trainer.frozen_logps(copy_of_base, batch)
-    torch.testing.assert_close(batch["ref_logps"], want)
+    torch.testing.assert_close(batch.ref_logps, want)
     assert not torch.allclose(trainer.frozen_logps(trainer.model, batch), want, atol=1e-3)
 
 
