@@ -15,7 +15,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
-import torch
 from torch import Tensor
 
 from treadle.data import epoch_batches
