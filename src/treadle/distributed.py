@@ -148,6 +148,13 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate a CPU tensor's rows from every rank, in rank order (the tensor itself in one process)."""
+    if get_world_size() == 1:
+        return tensor
+    return torch.cat(gather_objects(tensor))
+
+
 def gather_padded(tensors: list[torch.Tensor]):
     """Concatenate this rank's per-batch tensors with every other rank's, in rank order, as one numpy array.
     Ragged sequence dimensions (dim 1) are padded with -100 (the label ignore index). Every rank must call it."""

@@ -96,8 +96,8 @@ from treadle.trainer import Trainer
 from treadle.trainers.grpo_config import GRPOConfig
 from treadle.trainers.grpo_data import GenerationBuffer, Rollout, Sample, Ticket, generation_windows
 from treadle.trainers.grpo_records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
-                                           gather_rows, generation_metrics, reward_list, reward_sums,
-                                           reward_weights, seeded_generator, tokenize_prompts)
+                                           generation_metrics, reward_list, reward_sums, reward_weights,
+                                           seeded_generator, tokenize_prompts)
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "Sample"]
 
@@ -285,7 +285,7 @@ class GRPOTrainer(Trainer):
         self.engine.load_weights(self.model_wrapped)  # the policy changed since the last generation
         rollout = self._sample(rows, seeded_generator(args.seed, args.device, "train", generation))
         rewards = self._score(rollout)  # (N, F)
-        all_rewards = gather_rows(rewards)  # (W*N, F)
+        all_rewards = dist.gather_rows(rewards)  # (W*N, F)
         advantages, metrics = group_advantages(weighted_rewards(all_rewards, self.reward_weights),
                                                args.num_generations, scale_rewards=args.scale_rewards,
                                                advantage_estimator=args.advantage_estimator)

@@ -16,16 +16,9 @@ from treadle.rewards import METRICS_ARGUMENTS, RewardFunction, call_compute_metr
 from treadle.text import encode_prompt
 from treadle.trainers.grpo_data import Rollout
 
-__all__ = ["check_dataset", "check_tokenizer", "completion_records", "custom_eval_metrics", "gather_rows",
+__all__ = ["check_dataset", "check_tokenizer", "completion_records", "custom_eval_metrics",
            "generation_metrics", "reward_list", "reward_sums", "reward_weights", "seeded_generator",
            "tokenize_prompts"]
-
-
-def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate a CPU tensor's rows from every rank, in rank order (the tensor itself in one process)."""
-    if dist.get_world_size() == 1:
-        return tensor
-    return torch.cat(dist.gather_objects(tensor))
 
 
 def seeded_generator(seed: int, device, *key) -> torch.Generator:
@@ -65,8 +58,8 @@ def generation_metrics(metrics: dict, all_rewards: torch.Tensor, rollout: Rollou
         if len(scored):
             record[f"rewards/{reward_name(fn)}/mean"] = (float(scored.mean()), 1)
             record[f"rewards/{reward_name(fn)}/std"] = (float(scored.std()) if len(scored) > 1 else 0.0, 1)
-    lengths = gather_rows(rollout.generation.completion_mask.sum(dim=1).float().cpu())  # (W*N,)
-    truncated = gather_rows(rollout.generation.is_truncated.float().cpu())
+    lengths = dist.gather_rows(rollout.generation.completion_mask.sum(dim=1).float().cpu())  # (W*N,)
+    truncated = dist.gather_rows(rollout.generation.is_truncated.float().cpu())
     record.update({"completions/mean_length": (float(lengths.mean()), 1),
                    "completions/min_length": (float(lengths.min()), 1),
                    "completions/max_length": (float(lengths.max()), 1),
