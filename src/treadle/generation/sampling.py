@@ -131,4 +131,5 @@ def sample_next_tokens(scores: Tensor, do_sample: bool, generator: torch.Generat
 def sampled_logps(scores: Tensor, tokens: Tensor) -> Tensor:
     """(N,) float32 log-probs of ``tokens`` (N,) under the processed scores (N, V): the log-probs of the
     distribution sampled from (temperature, top-k, top-p applied; greedy: the penalised logits' softmax)."""
-    return scores.float().log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    scores = scores.float()  # a reduction, not a log_softmax: no second (N, V) tensor per decode step
+    return scores.gather(1, tokens[:, None]).squeeze(1) - scores.logsumexp(dim=-1)
