@@ -16,8 +16,8 @@ PACKAGE = SRC / "treadle"
 # data and models, the maths, online RL, the run folder's own files) never imports these.
 RUN_SIDE = {"treadle.cli", "treadle.__main__", "treadle.loading", "treadle.report", "treadle.demo",
             "treadle.demo_tools", "treadle.toy"}
-# entry points whose imports inside functions are deliberate: each command imports what it needs (torch and
-# transformers cost seconds), and the package's attributes load lazily (PEP 562)
+# the entry point whose imports inside functions are deliberate: each command imports what it needs (torch and
+# transformers cost seconds). (treadle/__init__.py loads its public names lazily by module name, PEP 562.)
 LAZY_IMPORTERS = {"treadle.cli"}
 LEAVES = {"treadle.errors": set(), "treadle.runfiles": {"treadle.errors"},
           "treadle.arguments": {"treadle.optim", "treadle.distributed"}}  # a config imports only its validators

@@ -197,7 +197,7 @@ def release_lock(path: str) -> None:
 
 
 @contextlib.contextmanager
-def claim_run_folder(args, *, resume: bool, model=None, main_process: bool = True):
+def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
     """Check ``args.output_dir`` (``check_run_folder``; the model's folder from ``model_folder``), lock it,
     delete what ``args.overwrite_output_dir`` asks (naming it), and hold the lock inside the block. The other
     processes of a multi-process run (``main_process=False``) do nothing: rank 0 owns the folder."""
