@@ -113,6 +113,11 @@ def read_new_records(path: str | Path, offset: int) -> tuple[list[dict[str, Any]
     with open(path, "rb") as f:
         f.seek(offset)
         lines = f.read().splitlines(keepends=True)
-    whole = [line for line in lines if line.endswith(b"\n")]
-    records = [_parse(line.decode("utf-8"), f"{path}:byte {offset}") for line in whole if line.strip()]
-    return records, offset + sum(map(len, whole))
+    records = []
+    for line in lines:
+        if not line.endswith(b"\n"):
+            break  # the last line, still being written
+        if line.strip():
+            records.append(_parse(line.decode("utf-8"), f"{path}:byte {offset}"))  # names the line's own start
+        offset += len(line)
+    return records, offset
