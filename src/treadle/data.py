@@ -176,10 +176,14 @@ class RepeatSampler(SeededSampler):
             out.extend(mine * self.repeat_count)
         return out
 
+    @property
+    def batches_per_epoch(self) -> int:
+        """Whole batches in an epoch (before ``repeat_count``), however many of them a resumed epoch skips."""
+        return self.num_samples // self.batch_size
+
     def __len__(self) -> int:
-        batches = self.num_samples // self.batch_size
         per_rank = self.batch_size * self.mini_repeat_count // self.world_size
-        return batches * per_rank * self.repeat_count - self.skip
+        return self.batches_per_epoch * per_rank * self.repeat_count - self.skip
 
     def num_real_rows(self) -> None:
         return None  # repeats are the point here: nothing to discount

@@ -197,7 +197,7 @@ class GRPOTrainer(Trainer):
         batch is drawn once and feeds a whole cycle of micro-steps; a resumed run skips whole generations
         without loading them."""
         sampler = dataloader.sampler
-        per_epoch = (sampler.num_samples // sampler.batch_size if isinstance(sampler, RepeatSampler)
+        per_epoch = (sampler.batches_per_epoch if isinstance(sampler, RepeatSampler)
                      else len(dataloader))  # the sampler's own count: len() shrinks once an epoch skips rows
         return generation_windows(dataloader, epoch, skip_steps, cycle=self._cycle_length(),
                                   accum=self.args.gradient_accumulation_steps, generations_per_epoch=per_epoch)
