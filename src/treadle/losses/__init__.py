@@ -60,7 +60,8 @@ from treadle.losses.dpo import (DPO_LOSS_TYPES, F_DIVERGENCES, F_DIVERGENCE_LOSS
 from treadle.losses.grpo import (GRPO_LOSS_TYPES, SCALE_REWARDS, IMPORTANCE_SAMPLING_LEVELS,
                                  MULTI_OBJECTIVE_AGGREGATIONS, ADVANTAGE_ESTIMATORS, group_advantages,
                                  decoupled_advantages, kl_k3, grpo_loss, grpo_aggregation, off_policy_mask,
-                                 high_entropy_mask, check_grpo_options, check_grpo_extras)
+                                 high_entropy_mask, check_grpo_options, check_grpo_extras,
+                                 zero_spread_groups)
 from treadle.losses.reward import bradley_terry_loss
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ChosenRejectedCounts", "DPO_LOSS_TYPES", "F_DIVERGENCES", "F_DIVERGENCE_LOSSES",
@@ -68,4 +69,4 @@ __all__ = ["ADVANTAGE_ESTIMATORS", "ChosenRejectedCounts", "DPO_LOSS_TYPES", "F_
            "SMOOTHING_RULES", "bradley_terry_loss", "check_dpo_options", "check_grpo_extras", "check_grpo_options",
            "check_same_shape", "decoupled_advantages", "dpo_loss", "dpo_loss_types", "f_divergence_score",
            "group_advantages", "grpo_aggregation", "grpo_loss", "high_entropy_mask", "kl_k3", "ld_token_weights",
-           "off_policy_mask", "sft_loss", "wpo_weights"]
+           "off_policy_mask", "sft_loss", "wpo_weights", "zero_spread_groups"]

@@ -76,14 +76,25 @@ def group_advantages(
         advantages = advantages / (group_std.unsqueeze(1) + eps)
     elif scale_rewards == "batch":
         advantages = advantages / (rewards.std() + eps)
-    # max == min rather than std == 0: the mean of equal floats can round, leaving a std of ~1e-17.
-    zero_std = grouped.amax(dim=1) == grouped.amin(dim=1)  # (N/G,)
+    zero_std = zero_spread_groups(rewards, num_generations)  # (N/G,)
     metrics = {
         "reward": rewards.mean(),
         "reward_std": group_std.mean(),
         "frac_reward_zero_std": zero_std.float().mean(),
     }
     return advantages.reshape(-1), metrics
+
+
+def zero_spread_groups(rewards: Tensor, num_generations: int) -> Tensor:
+    """``(N/G,)`` bool: the groups (runs of ``num_generations`` consecutive entries of ``rewards`` ``(N,)``) whose
+    rewards are all equal, so that every advantage in them is 0 and they carry no learning signal. max == min
+    rather than std == 0: the mean of equal floats can round, leaving a std of ~1e-17.
+
+    >>> zero_spread_groups(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2).tolist()
+    [True, False]
+    """
+    grouped = rewards.view(-1, num_generations)  # (N/G, G)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
 
 
 def decoupled_advantages(rewards_per_func: Tensor, weights: Sequence[float], num_generations: int, *,

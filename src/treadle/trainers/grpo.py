@@ -78,6 +78,7 @@ import torch
 
 from treadle import checkpoint as ckpt
 from treadle import distributed as dist, runfiles
+from treadle.health import HealthCallback, generation_health
 from treadle.data import RepeatSampler, column_names, require_columns
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
@@ -95,6 +96,7 @@ from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.grpo_config import GRPOConfig
 from treadle.trainers.grpo_data import GenerationBuffer, Rollout, Sample, Ticket, generation_windows
+from treadle.trainers.grpo_dynamic import extra_rows, fill_with_signal
 from treadle.trainers.grpo_records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
                                            generation_metrics, reward_list, reward_sums, reward_weights,
                                            seeded_generator, tokenize_prompts)
@@ -154,6 +156,9 @@ class GRPOTrainer(Trainer):
         self.buffer = GenerationBuffer(self._cycle_length())
         self.engine = self.build_engine()
         self._completions_file_checked = False
+        self.health = HealthCallback(args.health_checks, num_generations=args.num_generations,
+                                     max_completion_length=args.max_completion_length)  # treadle.health
+        self.add_callback(self.health)
 
     def build_reference_model(self, ref_model=None):
         """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now; None
@@ -218,7 +223,9 @@ class GRPOTrainer(Trainer):
         self.buffer.clear()  # a resumed run restores its own (load_extra_checkpoint_state)
         self._completions_file_checked = False
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint)
+            self.health.raise_if_stopped(self.args, self.state)  # a check stopped it: its checkpoint is written
+            return output
         finally:
             if self.rollout_runner is not None:
                 self.rollout_runner.close()
@@ -283,8 +290,7 @@ class GRPOTrainer(Trainer):
         needed)."""
         args = self.args
         self.engine.load_weights(self.model_wrapped)  # the policy changed since the last generation
-        rollout = self._sample(rows, seeded_generator(args.seed, args.device, "train", generation))
-        rewards = self._score(rollout)  # (N, F)
+        rollout, rewards, trained = self.sample_and_score(rows, generation)  # (N, F), (N,)
         all_rewards = dist.gather_rows(rewards)  # (W*N, F)
         advantages, metrics = group_advantages(weighted_rewards(all_rewards, self.reward_weights),
                                                args.num_generations, scale_rewards=args.scale_rewards,
@@ -295,12 +301,37 @@ class GRPOTrainer(Trainer):
         local_advantages = advantages[rank * rows_here:(rank + 1) * rows_here]  # (N,)
         self.metrics.add_many(generation_metrics(metrics, all_rewards, rollout, self.reward_funcs,
                                                  self.reward_weights))
+        self.metrics.add_many(self.health.record_generation(generation_health(
+            all_rewards, weighted_rewards(all_rewards, self.reward_weights),
+            dist.gather_rows(rollout.generation.is_truncated.cpu()), args.num_generations,
+            [reward_name(fn) for fn in self.reward_funcs])))
         if args.log_completions:
             self._log_completions(rollout, rewards, local_advantages)
-        loss_mask = rollout.loss_mask
+        loss_mask = rollout.loss_mask * trained.to(rollout.loss_mask.device, rollout.loss_mask.dtype).unsqueeze(1)
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.generation.is_truncated).unsqueeze(1).to(loss_mask.dtype)
         return [self._build_slice(rollout, loss_mask, local_advantages, s) for s in range(args.steps_per_generation)]
+
+    def sample_and_score(self, rows: list[dict], generation: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+        """This rank's rollout of ``rows``, its rewards ``(N, F)`` and which rows to train on ``(N,)``; with
+        ``dynamic_sampling``, groups of equal rewards are replaced by groups of extra prompts (grpo_dynamic.py)."""
+        args = self.args
+        rollout = self._sample(rows, seeded_generator(args.seed, args.device, "train", generation))
+        rewards = self._score(rollout)
+        if not args.dynamic_sampling:
+            return rollout, rewards, torch.ones(len(rows), dtype=torch.bool)
+
+        def draw(round_: int) -> tuple[Rollout, torch.Tensor]:
+            extra = extra_rows(self.train_dataset, seed=args.seed, generation=generation, round_=round_,
+                               group=args.num_generations, rows_per_rank=len(rows))
+            more = self._sample(extra, seeded_generator(args.seed, args.device, "train", generation, round_))
+            return more, self._score(more)
+
+        rollout, rewards, trained, metrics = fill_with_signal(
+            rollout, rewards, draw, weights=self.reward_weights, group=args.num_generations,
+            max_rounds=args.dynamic_sampling_max_rounds, pad_token_id=self.pad_token_id, device=args.device)
+        self.metrics.add_many(metrics)
+        return rollout, rewards, trained
 
     def _score(self, rollout: Rollout) -> torch.Tensor:
         """Every reward function's float rewards of ``rollout`` ``(N, F)`` (NaN: no opinion)."""
@@ -409,6 +440,10 @@ class GRPOTrainer(Trainer):
 
 
     # ---- records and checkpoints ------------------------------------------------------------------------
+    def log(self, logs: dict[str, float]) -> None:
+        """``Trainer.log``, with the health checks' markers (``health/warning/<check>``) on training logs."""
+        super().log({**logs, **self.health.check_log(logs, self.state)})
+
     def _log_completions(self, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """Append this generation's completions (all ranks) to output_dir/completions.jsonl, from rank 0."""
         names = [reward_name(fn) for fn in self.reward_funcs]

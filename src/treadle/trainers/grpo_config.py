@@ -12,7 +12,7 @@ from treadle.generation.single import BACKENDS
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options)
 
-__all__ = ["GRPOConfig"]
+__all__ = ["GRPOConfig", "HEALTH_CHECKS", "resolve_health_checks"]
 
 
 @dataclass
@@ -80,6 +80,11 @@ class GRPOConfig(TrainingArguments):
     # --- padding-free training forwards (issue 18)
     padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
 
+    # --- health checks and dynamic sampling (treadle.health, trainers/grpo_dynamic.py; docs/grpo.md "Health")
+    health_checks: dict | bool | None = None  # overrides of HEALTH_CHECKS (None: its defaults; False: every check off)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
+    dynamic_sampling_max_rounds: int = 4  # most extra generation rounds per generation; short groups stay untrained
+
     # --- evaluation: what RL optimises, on sampled (and greedy) completions of eval_dataset (docs/grpo.md)
     num_generations_eval: int | None = None  # n: samples per evaluation prompt (TRL's name); None: num_generations
     eval_temperature: float | None = None  # evaluation sampling temperature; 0 decodes greedily; None: temperature
@@ -100,6 +105,18 @@ class GRPOConfig(TrainingArguments):
         self._validate_grpo_numbers()
         self._validate_generation_batch()
         self._resolve_eval_settings()
+        self.health_checks = resolve_health_checks(self.health_checks)
+        self._validate_dynamic_sampling()
+
+    def _validate_dynamic_sampling(self) -> None:
+        rounds = self.dynamic_sampling_max_rounds
+        if not isinstance(rounds, int) or rounds < 0:
+            raise ValueError(f"dynamic_sampling_max_rounds must be an integer >= 0, got {rounds!r}")
+        if self.dynamic_sampling and self.generation_batch_size % self.num_generations:
+            raise ValueError(f"dynamic_sampling keeps or drops whole groups on each process, but one process holds "
+                             f"generation_batch_size={self.generation_batch_size} completions, not a multiple of "
+                             f"num_generations={self.num_generations}; make per_device_train_batch_size x "
+                             f"steps_per_generation a multiple of num_generations")
 
     def _resolve_eval_settings(self) -> None:
         """Evaluation sampling defaults to training's (None), then obeys the same rules."""
@@ -188,6 +205,51 @@ class GRPOConfig(TrainingArguments):
     def generation_batch_size(self) -> int:
         """Completions per generation on one process: ``per_device_train_batch_size * steps_per_generation``."""
         return self.per_device_train_batch_size * self.steps_per_generation
+
+
+# The health checks (treadle.health) and their defaults; GRPOConfig.health_checks overrides any of them by name.
+HEALTH_CHECKS = {
+    "patience": 10,  # consecutive optimizer steps a condition must hold before its check acts
+    "no_learning_signal": True,  # stop: every group's rewards were all equal (frac_reward_zero_std == 1)
+    "all_truncated": True,  # stop: every completion hit max_completion_length (completions/clipped_ratio == 1)
+    "constant_reward": True,  # warn once: a reward function gave every sample the same value
+    "min_entropy": 0.01,  # warn once: the logged entropy (nats per token) fell below this; None: off
+    "max_clip_ratio": 0.2,  # warn once: the logged fraction of clipped tokens rose above this; None: off
+    "importance_ratio_bounds": [0.5, 2.0],  # warn once: the logged sampler IS ratio left [low, high]; None: off
+    "weight_sync": True,  # stop: a rollout engine's log-probs did not change after a weight sync (engine hook)
+}
+_SWITCHES = ("no_learning_signal", "all_truncated", "constant_reward", "weight_sync")
+
+
+def resolve_health_checks(value) -> dict:
+    """Every health check's setting: ``HEALTH_CHECKS`` with ``value``'s overrides (a mapping), every check off
+    (``False``), or the defaults (None / True). A setting that is already whole is checked and returned."""
+    if value is None or value is True:
+        return dict(HEALTH_CHECKS)
+    if value is False:
+        return {name: (False if name in _SWITCHES else None if name != "patience" else default)
+                for name, default in HEALTH_CHECKS.items()}
+    if not isinstance(value, dict):
+        raise ValueError(f"health_checks must be a mapping of check names to settings (or False), got {value!r}")
+    unknown = sorted(set(value) - set(HEALTH_CHECKS))
+    if unknown:
+        raise ValueError(f"health_checks has unknown key(s) {unknown}; valid: {list(HEALTH_CHECKS)}")
+    checks = {**HEALTH_CHECKS, **value}
+    if not isinstance(checks["patience"], int) or isinstance(checks["patience"], bool) or checks["patience"] < 1:
+        raise ValueError(f"health_checks['patience'] must be an integer >= 1 (steps), got {checks['patience']!r}")
+    for name in _SWITCHES:
+        if not isinstance(checks[name], bool):
+            raise ValueError(f"health_checks[{name!r}] must be True or False, got {checks[name]!r}")
+    for name in ("min_entropy", "max_clip_ratio"):
+        if checks[name] is not None and not (isinstance(checks[name], (int, float)) and checks[name] >= 0):
+            raise ValueError(f"health_checks[{name!r}] must be a number >= 0 or None (off), got {checks[name]!r}")
+    bounds = checks["importance_ratio_bounds"]
+    if bounds is not None:
+        if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
+            raise ValueError(f"health_checks['importance_ratio_bounds'] must be [low, high] with 0 <= low < 1 < high, "
+                             f"or None (off), got {bounds!r}")
+        checks["importance_ratio_bounds"] = [float(b) for b in bounds]
+    return checks
 
 
 def _nearest(value: int, ok, lowest: int = 1) -> list[int]:

@@ -15,12 +15,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
+import torch
 from torch import Tensor
 
 from treadle.data import epoch_batches
 from treadle.generation.single import GenerationOutput
 
-__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows"]
+__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows"]
 
 
 @dataclass
@@ -44,6 +45,48 @@ class Rollout:
                    columns={k: [row[k] for row in rows] for k in rows[0] if k != "prompt"},
                    completions=completions, completion_lists=completion_lists, generation=generation,
                    loss_mask=extra.pop("loss_mask", generation.completion_mask), **extra)
+
+
+def join_rows(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Rollout:
+    """One Rollout of the rows ``indices`` of each ``(rollout, indices)`` in order (dynamic sampling keeps groups
+    of several rounds): prompts stay left-padded and completions right-padded, to the widest of the parts."""
+    first = parts[0][0]
+    generation = {}
+    for f in dataclasses.fields(first.generation):
+        values = [getattr(r.generation, f.name) for r, _ in parts]
+        if any(v is None for v in values):
+            generation[f.name] = None
+            continue
+        value = [v[rows] for v, (_, rows) in zip(values, parts)]
+        fill = pad_token_id if f.name.endswith("_ids") else 0
+        generation[f.name] = _padded(value, fill, left=f.name.startswith("prompt"))
+    metrics: dict = {}
+    for r, _ in parts:
+        for name, (total, count) in r.rollout_metrics.items():
+            old = metrics.get(name, (0.0, 0))
+            metrics[name] = (old[0] + total, old[1] + count)
+    def pick(get) -> list:
+        return [values[i] for r, rows in parts for values in [get(r)] for i in rows]
+
+    return Rollout(prompts=pick(lambda r: r.prompts),
+                   columns={k: pick(lambda r: r.columns[k]) for k in first.columns},
+                   completions=pick(lambda r: r.completions), completion_lists=pick(lambda r: r.completion_lists),
+                   generation=dataclasses.replace(first.generation, **generation),
+                   loss_mask=_padded([r.loss_mask[rows] for r, rows in parts], 0, left=False),
+                   transcripts=None if first.transcripts is None else pick(lambda r: r.transcripts),
+                   rollout_metrics=metrics)
+
+
+def _padded(tensors: list[Tensor], fill, *, left: bool) -> Tensor:
+    """``tensors`` (each ``(n_i,)`` or ``(n_i, L_i)``) stacked along rows, 2-D ones padded to the widest."""
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        pad = t.new_full((t.shape[0], width - t.shape[1]), fill)
+        out.append(torch.cat([pad, t] if left else [t, pad], dim=1))
+    return torch.cat(out)
 
 
 @dataclass

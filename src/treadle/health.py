@@ -1,0 +1,248 @@
+"""Health checks of an RL run: say when it has stopped learning, instead of letting it burn hours on nothing.
+
+Pure check functions of what one generation or one log tells, and :class:`HealthCallback`, which keeps the
+streaks across steps (in ``state.stateful_callbacks``, so they survive a resume), warns once per check and stops
+a run that cannot learn. The settings are ``GRPOConfig.health_checks`` (defaults:
+``trainers.grpo_config.HEALTH_CHECKS``; docs/grpo.md "Health" lists every check, its metric and action).
+
+- **Stops** (after ``patience`` consecutive optimizer steps): no learning signal (every group's rewards equal,
+  ``frac_reward_zero_std == 1``), every completion truncated (``completions/clipped_ratio == 1``), and a weight
+  sync that left a rollout engine's log-probs unchanged (a hook: :meth:`HealthCallback.record_weight_sync`; the
+  own sampler samples from the live policy, so with it this cannot happen). A stop ends the run like a
+  preemption does (the step's checkpoint is written, even with ``save_strategy="no"``), then ``train()`` raises
+  :class:`TrainingStalled`, a ``UserError``: one line and exit status 2 from the ``treadle`` command.
+- **Warnings** (once per check, with the step): a reward function that gave every sample one value for
+  ``patience`` steps (by name), the logged entropy below ``min_entropy``, the clipped-token fraction above
+  ``max_clip_ratio``, the sampler importance ratio outside ``importance_ratio_bounds``.
+
+A check's warning or stop is also logged as ``health/warning/<check>`` or ``health/stop/<check>`` = 1 at the
+step it happened (metrics.jsonl; report.html marks it on the panels). Every decision is made from numbers that
+are the same on every rank (gathered rewards, reduced logs), so all ranks stop after the same step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from treadle import distributed as dist
+from treadle.callbacks import TrainerCallback
+from treadle.checkpoint import path_for
+from treadle.errors import UserError
+from treadle.losses import zero_spread_groups
+
+__all__ = ["GenerationHealth", "HealthCallback", "HealthWarning", "TrainingStalled", "constant_values",
+           "generation_health", "log_warnings", "weight_sync_unchanged"]
+
+STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (the run summary reads it)
+MARKER_PREFIXES = ("health/warning/", "health/stop/")  # logged markers (plots draw them on the panels)
+RESUME = "resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`)"
+
+
+class TrainingStalled(UserError):
+    """A health check stopped the run: the message says what, since which step, the likely causes and the fix."""
+
+
+class HealthWarning(UserWarning):
+    """A health check's warning (each check warns at most once per run)."""
+
+
+@dataclass
+class GenerationHealth:
+    """What one generation (all ranks' rows) tells the checks."""
+
+    zero_spread_fraction: float  # groups whose rewards were all equal / groups
+    truncated_fraction: float  # completions with no EOS within max_completion_length / completions
+    constant_rewards: dict[str, float | None]  # per reward function: its one value when it gave every scored
+    #                                            sample that value, else None
+
+
+def constant_values(rewards: torch.Tensor, names: list[str]) -> dict[str, float | None]:
+    """Per reward function (a column of ``rewards`` ``(N, F)``, NaN: no opinion), the one value it gave every
+    scored sample, or None when it gave several (or scored none).
+
+    >>> constant_values(torch.tensor([[1.0, 0.0], [1.0, 2.0], [float("nan"), 1.0]]), ["a", "b"])
+    {'a': 1.0, 'b': None}
+    """
+    out = {}
+    for j, name in enumerate(names):
+        scored = rewards[:, j][~rewards[:, j].isnan()]
+        out[name] = float(scored[0]) if len(scored) and bool((scored == scored[0]).all()) else None
+    return out
+
+
+def generation_health(rewards: torch.Tensor, total: torch.Tensor, truncated: torch.Tensor, group: int,
+                      names: list[str]) -> GenerationHealth:
+    """The health of one generation from every rank's rewards ``(W*N, F)``, their weighted total ``(W*N,)`` and
+    truncation flags ``(W*N,)``; ``group`` completions per prompt."""
+    return GenerationHealth(zero_spread_fraction=float(zero_spread_groups(total, group).float().mean()),
+                            truncated_fraction=float(truncated.float().mean()),
+                            constant_rewards=constant_values(rewards, names))
+
+
+def merged(parts: list[GenerationHealth]) -> GenerationHealth:
+    """The health of one optimizer step that trained on several generations (of equal size)."""
+    names = parts[0].constant_rewards
+    same = {n: parts[0].constant_rewards[n] if all(p.constant_rewards[n] == parts[0].constant_rewards[n]
+                                                   for p in parts) else None for n in names}
+    return GenerationHealth(sum(p.zero_spread_fraction for p in parts) / len(parts),
+                            sum(p.truncated_fraction for p in parts) / len(parts), same)
+
+
+def weight_sync_unchanged(logps_before: torch.Tensor, logps_after: torch.Tensor, *, atol: float = 0.0) -> bool:
+    """Whether a rollout engine's log-probs of the same probe tokens ``(B, C)`` were left unchanged by a weight
+    sync after an optimizer step (the sync did nothing; verl 7495). For an engine to call around ``load_weights``
+    and report with :meth:`HealthCallback.record_weight_sync`."""
+    return bool(torch.allclose(logps_before.float(), logps_after.float(), rtol=0.0, atol=atol))
+
+
+def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
+    """``{check: message}`` of the warnings one training log raises (entropy floor, clip ratio, sampler IS ratio);
+    the message says the value, the threshold and the fix (the step is added by the caller)."""
+    out = {}
+    entropy, floor = logs.get("entropy"), checks["min_entropy"]
+    if floor is not None and entropy is not None and entropy < floor:
+        out["min_entropy"] = (f"the policy's entropy is {entropy:.4g} nats per token, below min_entropy={floor:g}: "
+                              f"it has (nearly) collapsed onto one completion per prompt, so groups stop differing; "
+                              f"lower learning_rate, raise temperature, set beta > 0 or epsilon_high (clip-higher)")
+    clipped = max((logs[k] for k in ("clip_ratio/region_mean", "cispo_clip_ratio") if k in logs), default=None)
+    most = checks["max_clip_ratio"]
+    if most is not None and clipped is not None and clipped > most:
+        out["max_clip_ratio"] = (f"{clipped:.3g} of the tokens have a clipped importance ratio, above "
+                                 f"max_clip_ratio={most:g}: the policy moves too far per generation; lower "
+                                 f"learning_rate or num_iterations, or sample more often (steps_per_generation)")
+    ratio, bounds = logs.get("sampling/importance_sampling_ratio/mean"), checks["importance_ratio_bounds"]
+    if bounds is not None and ratio is not None and not bounds[0] <= ratio <= bounds[1]:
+        out["importance_ratio_bounds"] = (f"the sampler importance ratio is {ratio:.4g}, outside "
+                                          f"importance_ratio_bounds={bounds}: the rollout engine samples from another "
+                                          f"policy than the one trained (stale or unsynced weights)")
+    return out
+
+
+# what a stop says: {check: (what, likely causes and fix)}
+_STOPS = {
+    "no_learning_signal": (
+        "no learning signal: every group of {group} completions got equal rewards (frac_reward_zero_std = 1), "
+        "so every advantage is 0 and the policy cannot change",
+        "likely causes: a reward that cannot tell completions apart (constant, or 0 for all because the task is too "
+        "hard or answers never parse), too little sampling diversity; fix: check the rewards on a few completions "
+        "(log_completions=True), raise temperature or num_generations, use easier prompts, or set "
+        "dynamic_sampling=True"),
+    "all_truncated": (
+        "every completion hit max_completion_length={length} without an end-of-sequence token "
+        "(completions/clipped_ratio = 1)",
+        "likely causes: max_completion_length too small for the task, or a tokenizer whose eos_token_id the model "
+        "never emits; fix: raise max_completion_length, check eos_token_id, or start from a model that ends its "
+        "answers (SFT first)"),
+    "weight_sync": (
+        "the rollout engine's log-probs did not change after a weight sync, although the policy was updated: "
+        "it samples from stale weights",
+        "fix: check the engine's load_weights (the weight names, LoRA merging, the server's sync endpoint)"),
+}
+
+
+class HealthCallback(TrainerCallback):
+    """Keeps the health checks' streaks, warns once per check and stops a run that cannot learn (module docstring).
+
+    The trainer reports each training generation (``record_generation``) and passes each training log through
+    ``check_log`` (which returns the markers to log); an engine may report weight syncs (``record_weight_sync``).
+    ``raise_if_stopped`` (after ``on_train_end``) raises :class:`TrainingStalled` when a check stopped the run."""
+
+    def __init__(self, checks: dict, *, num_generations: int, max_completion_length: int):
+        self.checks = checks
+        self.num_generations, self.max_completion_length = num_generations, max_completion_length
+        self.pending: list[GenerationHealth] = []  # the generations of the step in progress
+        self.last: GenerationHealth | None = None  # the step before's (a generation can feed several steps)
+        self.markers: dict[str, float] = {}  # health/... keys for the next log
+        self.stopped: str | None = None  # the stop's message
+        self.sync_unchanged = False
+
+    def record_generation(self, health: GenerationHealth) -> dict[str, tuple[float, int]]:
+        """Note one training generation's health; returns its metrics for the trainer's window."""
+        self.pending.append(health)
+        return {"health/no_signal": (float(health.zero_spread_fraction == 1.0), 1),
+                "health/all_truncated": (float(health.truncated_fraction == 1.0), 1)}
+
+    def record_weight_sync(self, unchanged: bool) -> None:
+        """A rollout engine's report of one weight sync (``weight_sync_unchanged``): the run stops at this step's
+        end when the sync left its log-probs unchanged. The own sampler never calls it."""
+        self.sync_unchanged = self.sync_unchanged or unchanged
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.pending, self.last, self.markers, self.stopped, self.sync_unchanged = [], None, {}, None, False
+        self._saved(state)
+
+    def _saved(self, state) -> dict:
+        return state.stateful_callbacks.setdefault(STATE_KEY, {
+            "streaks": {}, "warned": [], "warnings": [], "steps": 0, "signal_steps": 0, "truncated_sum": 0.0})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        health = merged(self.pending) if self.pending else self.last
+        self.pending, self.last = [], health
+        saved, step = self._saved(state), state.global_step
+        if self.sync_unchanged and self.checks["weight_sync"]:
+            self._stop("weight_sync", step, step, control, state)
+        self.sync_unchanged = False
+        if health is None:  # resumed inside a generation: its numbers are not known, skip the step
+            return
+        saved["steps"] += 1
+        saved["signal_steps"] += health.zero_spread_fraction < 1.0
+        saved["truncated_sum"] += health.truncated_fraction
+        conditions = {"no_learning_signal": health.zero_spread_fraction == 1.0,
+                      "all_truncated": health.truncated_fraction == 1.0}
+        conditions.update({f"constant_reward:{name}": value is not None
+                           for name, value in health.constant_rewards.items()})
+        for name, holds in conditions.items():
+            streak = saved["streaks"].get(name, [0, step])
+            saved["streaks"][name] = [streak[0] + 1, streak[1]] if holds else [0, step + 1]
+        patience = self.checks["patience"]
+        for name in ("no_learning_signal", "all_truncated"):
+            count, since = saved["streaks"][name]
+            if self.checks[name] and count >= patience:
+                self._stop(name, since, step, control, state)
+        if self.checks["constant_reward"]:
+            for name, value in health.constant_rewards.items():
+                count, since = saved["streaks"][f"constant_reward:{name}"]
+                if count >= patience:
+                    self._warn(state, f"constant_reward:{name}", f"reward function {name!r} returned {value:g} for "
+                               f"every sample since step {since} ({count} steps): it adds nothing to the advantages; "
+                               f"check it on a few completions (log_completions=True)")
+
+    def _stop(self, check: str, since: int, step: int, control, state) -> None:
+        if self.stopped is not None:
+            return
+        what, fix = _STOPS[check]
+        what = what.format(group=self.num_generations, length=self.max_completion_length)
+        self.stopped = (f"health check {check!r} stopped the run at step {step}: {what}, since step {since}; {fix}; "
+                        f"or turn the check off (health_checks={{{check!r}: False}})")
+        self.markers[f"health/stop/{check}"] = 1.0
+        self._saved(state)["warnings"].append({"step": step, "check": check, "stop": True})
+        control.should_training_stop = control.should_save = control.should_log = True
+
+    def _warn(self, state, check: str, message: str) -> None:
+        saved = self._saved(state)
+        if check in saved["warned"]:
+            return
+        saved["warned"].append(check)
+        saved["warnings"].append({"step": state.global_step, "check": check, "stop": False})
+        self.markers[f"health/warning/{check.split(':')[0]}"] = 1.0
+        if dist.is_main_process():
+            warnings.warn(f"treadle: health: step {state.global_step}: {message}", HealthWarning, stacklevel=2)
+
+    def check_log(self, logs: dict, state) -> dict[str, float]:
+        """Run the log checks on a training log (``logs`` holds ``loss``) and return the markers to add to it:
+        this log's warnings and those of the steps since the last log."""
+        if "loss" in logs:
+            for check, message in log_warnings(logs, self.checks).items():
+                self._warn(state, check, message)
+        markers, self.markers = self.markers, {}
+        return markers
+
+    def raise_if_stopped(self, args, state) -> None:
+        """After ``on_train_end`` of a run a check stopped (its checkpoint written): raise ``TrainingStalled``."""
+        if self.stopped is None:
+            return
+        raise TrainingStalled(f"{self.stopped}; checkpoint: {path_for(args.output_dir, state.global_step)}; "
+                              f"{RESUME} once fixed")

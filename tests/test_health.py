@@ -1,0 +1,276 @@
+"""Health checks (treadle.health) and dynamic sampling (trainers/grpo_dynamic.py): the pure checks by hand, each
+check firing on a crafted run and silent on a normal one, the stop's checkpoint and message, and a dynamic-sampling
+run that never trains on a group of equal rewards."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from treadle import toy
+from treadle.callbacks import TrainerCallback
+from treadle.errors import is_user_error
+from treadle.generation import GenerationOutput
+from treadle.health import (HealthCallback, HealthWarning, TrainingStalled, constant_values, generation_health,
+                            log_warnings, weight_sync_unchanged)
+from treadle.state import TrainerControl, TrainerState
+from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo_config import HEALTH_CHECKS, resolve_health_checks
+from treadle.trainers.grpo_data import Rollout, join_rows
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return toy.load_task("addition", kind="rl", n=32)
+
+
+def config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=32, max_steps=4, learning_rate=1e-3, disable_tqdm=True, save_strategy="no",
+                  logging_steps=1, health_checks={"patience": 2})
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def digit_sum_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
+def constant_reward(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def trainer_for(tmp_path, tok, dataset, reward=digit_sum_reward, **overrides):
+    model = toy.build_model("tiny", tokenizer=tok, seed=0)
+    return GRPOTrainer(model, reward, args=config(tmp_path, **overrides), train_dataset=dataset, processing_class=tok)
+
+
+def logged(tmp_path):
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def test_settings_default_override_switch_off_and_refuse():
+    assert GRPOConfig().health_checks == HEALTH_CHECKS
+    assert resolve_health_checks({"patience": 3, "min_entropy": None}) == {**HEALTH_CHECKS, "patience": 3,
+                                                                          "min_entropy": None}
+    off = resolve_health_checks(False)
+    assert not any(off[k] for k in ("no_learning_signal", "all_truncated", "constant_reward", "weight_sync"))
+    assert off["min_entropy"] is None and off["max_clip_ratio"] is None and off["importance_ratio_bounds"] is None
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['no_signal'\]; valid: \['patience'"):
+        GRPOConfig(health_checks={"no_signal": False})
+    with pytest.raises(ValueError, match=r"patience'\] must be an integer >= 1"):
+        GRPOConfig(health_checks={"patience": 0})
+    with pytest.raises(ValueError, match=r"importance_ratio_bounds'\] must be \[low, high\]"):
+        GRPOConfig(health_checks={"importance_ratio_bounds": [1.5, 2.0]})
+    with pytest.raises(ValueError, match="dynamic_sampling_max_rounds must be an integer >= 0"):
+        GRPOConfig(dynamic_sampling_max_rounds=-1)
+
+
+# ------------------------------------------------------------------------------------------------ pure checks
+def test_generation_health_by_hand():
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0], [1.0, nan], [1.0, 3.0]])  # 2 functions, 2 groups of 2
+    total = torch.tensor([1.0, 2.0, 1.0, 1.0])  # group 0 differs, group 1 is all equal
+    health = generation_health(rewards, total, torch.tensor([True, False, True, True]), 2, ["a", "b"])
+    assert health.zero_spread_fraction == 0.5
+    assert health.truncated_fraction == 0.75
+    assert health.constant_rewards == {"a": 1.0, "b": None}
+    assert constant_values(torch.tensor([[nan], [nan]]), ["c"]) == {"c": None}  # scored nothing: not constant
+
+
+def test_log_warnings_by_hand():
+    checks = dict(HEALTH_CHECKS)
+    assert log_warnings({"loss": 0.1, "entropy": 0.5, "clip_ratio/region_mean": 0.1}, checks) == {}
+    found = log_warnings({"entropy": 0.001, "clip_ratio/region_mean": 0.3,
+                          "sampling/importance_sampling_ratio/mean": 2.5}, checks)
+    assert set(found) == {"min_entropy", "max_clip_ratio", "importance_ratio_bounds"}
+    assert "0.001 nats per token, below min_entropy=0.01" in found["min_entropy"]
+    assert "0.3 of the tokens" in found["max_clip_ratio"]
+    assert log_warnings({"cispo_clip_ratio": 0.9}, checks).keys() == {"max_clip_ratio"}
+    assert log_warnings({"entropy": 0.0}, {**checks, "min_entropy": None}) == {}
+
+
+def test_weight_sync_hook_stops_at_the_step_end(tmp_path):
+    before = torch.tensor([[-1.0, -2.0]])
+    assert weight_sync_unchanged(before, before.clone())
+    assert not weight_sync_unchanged(before, before + 1e-3)
+    args = config(tmp_path)
+    callback, state, control = (HealthCallback(args.health_checks, num_generations=4, max_completion_length=32),
+                                TrainerState(global_step=5), TrainerControl())
+    callback.on_train_begin(args, state, control)
+    callback.record_weight_sync(True)
+    callback.on_step_end(args, state, control)
+    assert control.should_training_stop and control.should_save
+    with pytest.raises(TrainingStalled, match=r"'weight_sync' stopped the run at step 5.*checkpoint-5"):
+        callback.raise_if_stopped(args, state)
+    off = HealthCallback({**args.health_checks, "weight_sync": False}, num_generations=4, max_completion_length=32)
+    control = TrainerControl()
+    off.on_train_begin(args, state, control)
+    off.record_weight_sync(True)
+    off.on_step_end(args, state, control)
+    assert not control.should_training_stop
+    off.raise_if_stopped(args, state)
+
+
+# ------------------------------------------------------------------------------------------------ crafted runs
+def test_constant_reward_stops_for_no_signal_and_warns_by_name(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=6)
+    with pytest.warns(HealthWarning, match=r"step 2: reward function 'constant_reward' returned 1 for every sample "
+                                           r"since step 1 \(2 steps\)"):
+        with pytest.raises(TrainingStalled) as stop:
+            trainer.train()
+    message = str(stop.value)
+    assert is_user_error(stop.value) and "\n" not in message
+    assert message.startswith("health check 'no_learning_signal' stopped the run at step 2: no learning signal")
+    assert "since step 1" in message and "dynamic_sampling=True" in message and "--resume" in message
+    assert trainer.state.global_step == 2
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-2")  # saved although save_strategy="no", as a preemption
+    records = [r for r in logged(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["health/no_signal"] for r in records] == [1.0, 1.0]
+    assert records[-1]["health/stop/no_learning_signal"] == 1.0
+    assert records[-1]["health/warning/constant_reward"] == 1.0
+
+
+def test_the_stop_resumes_from_its_checkpoint_and_stops_again_while_nothing_changed(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=6)
+    with pytest.warns(HealthWarning), pytest.raises(TrainingStalled):
+        trainer.train()
+    again = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=6)
+    with pytest.raises(TrainingStalled, match="stopped the run at step 3.*since step 1"):
+        again.train(resume_from_checkpoint=True)  # the streak survives the resume
+
+
+def test_a_completion_length_of_one_stops_naming_max_completion_length(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, max_completion_length=1, max_steps=6)
+    with pytest.raises(TrainingStalled, match=r"'all_truncated' stopped the run at step 2: every completion hit "
+                                              r"max_completion_length=1"):
+        trainer.train()
+    assert [r["health/all_truncated"] for r in logged(tmp_path) if "loss" in r] == [1.0, 1.0]
+
+
+def test_a_frozen_policy_warns_once_that_its_entropy_collapsed(tmp_path, tok, dataset):
+    # temperature 0.01: the policy samples (and trains) as if frozen onto its argmax completion
+    trainer = trainer_for(tmp_path, tok, dataset, temperature=0.01, max_steps=3,
+                          health_checks={"patience": 2, "no_learning_signal": False, "constant_reward": False,
+                                         "all_truncated": False})
+    with pytest.warns(HealthWarning, match=r"step 1: the policy's entropy is .* below min_entropy=0.01") as caught:
+        trainer.train()
+    assert len([w for w in caught if issubclass(w.category, HealthWarning)]) == 1  # once, not every log
+    records = [r for r in logged(tmp_path) if "loss" in r]
+    assert records[0]["entropy"] < 0.01 and records[0]["health/warning/min_entropy"] == 1.0
+    assert not any("health/warning/min_entropy" in r for r in records[1:])
+    saved = trainer.state.stateful_callbacks["HealthCallback"]["warnings"]
+    assert saved == [{"step": 1, "check": "min_entropy", "stop": False}]
+
+
+def test_checks_switched_off_let_the_crafted_run_finish(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=3, health_checks=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HealthWarning)
+        trainer.train()
+    assert trainer.state.global_step == 3
+
+
+def test_a_normal_run_is_silent(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, max_steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HealthWarning)
+        trainer.train()
+    assert trainer.state.global_step == 4
+    records = [r for r in logged(tmp_path) if "loss" in r]
+    assert all(r["health/no_signal"] == 0.0 for r in records)
+    assert [r["health/all_truncated"] for r in records] != [1.0] * 4
+    assert not any(k.startswith(("health/warning/", "health/stop/")) for r in records for k in r)
+    saved = trainer.state.stateful_callbacks["HealthCallback"]
+    assert saved["steps"] == saved["signal_steps"] == 4 and saved["warnings"] == []
+
+
+# ------------------------------------------------------------------------------------------------ dynamic sampling
+def half_constant_reward(prompts, completion_ids, **kwargs):
+    """Equal rewards for prompts whose first operand is even (no signal), varied ones for the others."""
+    return [0.0 if int(p.split("+")[0]) % 2 == 0 else float(sum(ids) % 5) for p, ids in zip(prompts, completion_ids)]
+
+
+class SampleSpy(TrainerCallback):
+    def __init__(self, trainer):
+        self.samples = []
+        original = trainer.compute_loss
+
+        def spy(model, inputs, *args, **kwargs):
+            self.samples.append(inputs)
+            return original(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = spy
+
+
+def trained_groups(samples, group):
+    """(advantages of the group, whether any of its tokens carry loss) for each group of each micro-batch."""
+    out = []
+    for s in samples:
+        for g in range(0, len(s.advantages), group):
+            out.append((s.advantages[g:g + group], bool(s.completion_mask[g:g + group].sum() > 0)))
+    return out
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_dynamic_sampling_never_trains_on_a_group_of_equal_rewards(tmp_path, tok, dataset, dynamic):
+    trainer = trainer_for(tmp_path, tok, dataset, reward=half_constant_reward, per_device_train_batch_size=8,
+                          max_steps=4, dynamic_sampling=dynamic, dynamic_sampling_max_rounds=8, seed=1,
+                          health_checks={"patience": 100})
+    spy = SampleSpy(trainer)
+    trainer.train()
+    groups = trained_groups(spy.samples, 4)
+    assert len(groups) == 4 * 2  # every step trains on the same number of groups
+    zero_trained = [bool((adv == 0).all()) and trained for adv, trained in groups]
+    records = [r for r in logged(tmp_path) if "loss" in r]
+    if dynamic:
+        assert not any(zero_trained)
+        assert all(bool((adv != 0).any()) for adv, _ in groups)  # 8 rounds were enough: the batch is full
+        assert sum(r["dynamic_sampling/dropped_fraction"] for r in records) > 0
+        assert all(r["dynamic_sampling/unfilled_fraction"] == 0 for r in records)
+        assert all(r["frac_reward_zero_std"] == 0 for r in records)
+    else:
+        assert any(zero_trained)  # the control: without it such groups are trained on
+        assert not any(k.startswith("dynamic_sampling/") for r in records for k in r)
+
+
+def test_dynamic_sampling_masks_what_its_rounds_could_not_fill(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=2, dynamic_sampling=True,
+                          dynamic_sampling_max_rounds=2, health_checks={"patience": 3})
+    calls = []
+    original = trainer._sample
+    trainer._sample = lambda rows, generator, **kw: calls.append(len(rows)) or original(rows, generator, **kw)
+    spy = SampleSpy(trainer)
+    with pytest.warns(HealthWarning):  # the constant reward
+        trainer.train()
+    assert calls == [4, 4, 4] * 2  # the first draw and 2 extra rounds, each generation
+    assert all(int(s.completion_mask.sum()) == 0 for s in spy.samples)  # nothing trained on
+    records = [r for r in logged(tmp_path) if "loss" in r]
+    assert [(r["dynamic_sampling/rounds"], r["dynamic_sampling/dropped_fraction"],
+             r["dynamic_sampling/unfilled_fraction"]) for r in records] == [(2.0, 1.0, 1.0)] * 2
+
+
+def test_join_rows_pads_prompts_left_and_completions_right():
+    def rollout(prompt_width, completion_width, value):
+        n = 2
+        out = GenerationOutput(prompt_ids=torch.full((n, prompt_width), value), prompt_mask=torch.ones(n, prompt_width),
+                               completion_ids=torch.full((n, completion_width), value),
+                               completion_mask=torch.ones(n, completion_width), is_truncated=torch.tensor([True, False]),
+                               sampling_logps=None)
+        return Rollout.of([{"prompt": f"p{value}", "answer": value}] * n, out, [f"c{value}"] * n,
+                          [[value] * completion_width] * n)
+    joined = join_rows([(rollout(1, 3, 7), [1]), (rollout(2, 1, 8), [0, 1])], pad_token_id=0)
+    assert joined.generation.prompt_ids.tolist() == [[0, 7], [8, 8], [8, 8]]
+    assert joined.generation.prompt_mask.tolist() == [[0, 1], [1, 1], [1, 1]]
+    assert joined.generation.completion_ids.tolist() == [[7, 7, 7], [8, 0, 0], [8, 0, 0]]
+    assert joined.loss_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0]]
+    assert joined.generation.is_truncated.tolist() == [False, True, False]
+    assert joined.generation.sampling_logps is None
+    assert joined.prompts == ["p7", "p8", "p8"] and joined.columns == {"answer": [7, 8, 8]}
