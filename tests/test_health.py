@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from treadle import toy
-from treadle.callbacks import TrainerCallback
+from treadle.callbacks import TrainerCallback, rl_summary
+from treadle.plots import collect_series, health_markers, panel_layout, plot_run, read_events
 from treadle.errors import is_user_error
 from treadle.generation import GenerationOutput
 from treadle.health import (HealthCallback, HealthWarning, TrainingStalled, constant_values, generation_health,
@@ -136,6 +137,35 @@ def test_constant_reward_stops_for_no_signal_and_warns_by_name(tmp_path, tok, da
     assert [r["health/no_signal"] for r in records] == [1.0, 1.0]
     assert records[-1]["health/stop/no_learning_signal"] == 1.0
     assert records[-1]["health/warning/constant_reward"] == 1.0
+
+
+def test_report_marks_the_health_events_on_the_panels_and_the_summary_lists_them(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=6)
+    with pytest.warns(HealthWarning), pytest.raises(TrainingStalled):
+        trainer.train()
+    series = collect_series(read_events(tmp_path / "run"))
+    assert health_markers(series) == [(2, "stop: no_learning_signal"), (2, "warning: constant_reward")]
+    panels = [key for figure in panel_layout(series).values() for keys in figure.values() for key in keys]
+    assert "reward" in panels and not any(key.startswith("health/warning/") for key in panels)
+    assert {p.name for p in plot_run(tmp_path / "run")} >= {"rewards.png"}
+    lines = rl_summary(trainer.state.log_history, trainer.state.stateful_callbacks["HealthCallback"])
+    assert lines[0].startswith("reward 1 -> 1; entropy ")
+    assert "learning signal in 0% of 2 steps" in lines[1]
+    assert lines[2:] == ["health stop at step 2: no_learning_signal",
+                         "health warning at step 2: constant_reward:constant_reward"]
+
+
+def test_rl_summary_by_hand():
+    history = [{"reward": 0.2, "entropy": 1.5, "completions/clipped_ratio": 0.5, "step": 1},
+               {"eval_greedy/accuracy": 0.1, "eval_reward": 0.3, "step": 1},
+               {"reward": 0.6, "entropy": 0.9, "completions/clipped_ratio": 0.25, "step": 2},
+               {"eval_greedy/accuracy": 0.4, "eval_reward": 0.5, "step": 2}]
+    health = {"steps": 4, "signal_steps": 3, "warnings": [{"step": 2, "check": "min_entropy", "stop": False}]}
+    assert rl_summary(history, health) == [
+        "reward 0.2 -> 0.6; eval_greedy/accuracy 0.1 -> 0.4; entropy 1.5 -> 0.9",
+        "truncated 37.5% of completions; learning signal in 75% of 4 steps",
+        "health warning at step 2: min_entropy"]
+    assert rl_summary([{"loss": 1.0, "step": 1}], None) == []  # not an RL run
 
 
 def test_the_stop_resumes_from_its_checkpoint_and_stops_again_while_nothing_changed(tmp_path, tok, dataset):

@@ -405,7 +405,32 @@ def run_summary(args, state) -> str:
     if state.best_model_checkpoint:
         parts.append(f"best {args.metric_for_best_model} {state.best_metric:.4g} at step {state.best_global_step}: "
                      f"{state.best_model_checkpoint}")
-    return "; ".join(parts)
+    return "\n  ".join(["; ".join(parts), *rl_summary(history, state.stateful_callbacks.get("HealthCallback"))])
+
+
+HELD_OUT = ("eval_greedy/accuracy", "eval_pass@1", "eval_reward")  # the held-out score an RL summary shows, by choice
+
+
+def rl_summary(history: list[dict], health: dict | None) -> list[str]:
+    """The lines an RL run's end summary adds (none for a run that logged no ``reward``): the reward and the held-out
+    score at start and end, the entropy trend, the truncation rate, the fraction of steps with a learning signal
+    and every health warning (``health``: treadle.health's saved state)."""
+    def trend(key: str) -> str | None:
+        values = [h[key] for h in history if isinstance(h.get(key), (int, float))]
+        return f"{key} {values[0]:.4g} -> {values[-1]:.4g}" if values else None
+
+    if not any("reward" in h for h in history):
+        return []
+    held_out = next((key for key in HELD_OUT if any(key in h for h in history)), None)
+    lines = ["; ".join(t for t in (trend("reward"), held_out and trend(held_out), trend("entropy")) if t)]
+    clipped = [h["completions/clipped_ratio"] for h in history if "completions/clipped_ratio" in h]
+    rates = [f"truncated {sum(clipped) / len(clipped):.1%} of completions"] if clipped else []
+    if health and health.get("steps"):
+        rates.append(f"learning signal in {health['signal_steps'] / health['steps']:.0%} of {health['steps']} steps")
+    lines += ["; ".join(rates)] if rates else []
+    for event in (health or {}).get("warnings", []):
+        lines.append(f"health {'stop' if event['stop'] else 'warning'} at step {event['step']}: {event['check']}")
+    return lines
 
 
 DEFAULT_CALLBACKS = (FlowCallback, MetricsFileCallback, RunSummaryCallback)

@@ -32,12 +32,12 @@ from treadle.callbacks import TrainerCallback
 from treadle.checkpoint import path_for
 from treadle.errors import UserError
 from treadle.losses import zero_spread_groups
+from treadle.plots import HEALTH_MARKERS
 
 __all__ = ["GenerationHealth", "HealthCallback", "HealthWarning", "TrainingStalled", "constant_values",
            "generation_health", "log_warnings", "weight_sync_unchanged"]
 
 STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (the run summary reads it)
-MARKER_PREFIXES = ("health/warning/", "health/stop/")  # logged markers (plots draw them on the panels)
 RESUME = "resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`)"
 
 
@@ -217,7 +217,7 @@ class HealthCallback(TrainerCallback):
         what = what.format(group=self.num_generations, length=self.max_completion_length)
         self.stopped = (f"health check {check!r} stopped the run at step {step}: {what}, since step {since}; {fix}; "
                         f"or turn the check off (health_checks={{{check!r}: False}})")
-        self.markers[f"health/stop/{check}"] = 1.0
+        self.markers[f"{HEALTH_MARKERS[1]}{check}"] = 1.0
         self._saved(state)["warnings"].append({"step": step, "check": check, "stop": True})
         control.should_training_stop = control.should_save = control.should_log = True
 
@@ -227,7 +227,7 @@ class HealthCallback(TrainerCallback):
             return
         saved["warned"].append(check)
         saved["warnings"].append({"step": state.global_step, "check": check, "stop": False})
-        self.markers[f"health/warning/{check.split(':')[0]}"] = 1.0
+        self.markers[f"{HEALTH_MARKERS[0]}{check.split(':')[0]}"] = 1.0
         if dist.is_main_process():
             warnings.warn(f"treadle: health: step {state.global_step}: {message}", HealthWarning, stacklevel=2)
 

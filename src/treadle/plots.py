@@ -36,6 +36,7 @@ TRAINING_KEYS = ("loss", "learning_rate", "grad_norm", "mean_token_accuracy")
 RL_PREFIXES = ("reward", "frac_reward", "kl", "entropy", "clip_ratio", "completions/", "logps/", "logits/")
 SUMMARY_PREFIXES = ("train_", "total_flos")  # one value at the end of a run: a table row, not a plot
 NOT_METRICS = ("step", "epoch")  # the axes of every series, not series themselves
+HEALTH_MARKERS = ("health/warning/", "health/stop/")  # treadle.health's events: markers on every panel, not series
 FIGURE_TITLES = {"training": "Training", "rewards": "Rewards and policy statistics",
                  "eval": "Evaluation", "other": "Other metrics"}
 
@@ -106,7 +107,7 @@ def panel_layout(series: Series) -> dict[str, dict[str, list[str]]]:
     grouped.update(_same_as_earlier(series, skip=grouped.keys() | overlaid))
     first = [k for k in (*TRAINING_KEYS, "reward", "reward_std") if k in series]  # the panels people look at first
     for key in first + [k for k in series if k not in first]:
-        if key.startswith(SUMMARY_PREFIXES) or key in overlaid:
+        if key.startswith((*SUMMARY_PREFIXES, *HEALTH_MARKERS)) or key in overlaid:
             continue
         figure = ("training" if key in TRAINING_KEYS else "eval" if key.startswith("eval_")
                   else "rewards" if key.startswith(RL_PREFIXES) else "other")
@@ -138,12 +139,14 @@ def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[
     """Draw a run's metrics as PNGs in ``out_dir`` (default ``run_dir/plots``); return their paths."""
     path = metrics_path(run_dir)
     series = collect_series(read_events(path))
+    markers = health_markers(series)
     out = Path(out_dir) if out_dir is not None else path.parent / "plots"
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, panels in panel_layout(series).items():
         title = f"{FIGURE_TITLES[name]} - {path.parent.name}"
-        figure = build_figure(title, {panel: {key: series[key] for key in keys} for panel, keys in panels.items()})
+        figure = build_figure(title, {panel: {key: series[key] for key in keys} for panel, keys in panels.items()},
+                              markers=markers)
         target = out / f"{name}.png"
         figure.savefig(target, dpi=110)
         written.append(target)
@@ -178,8 +181,14 @@ def run_label(path: Path, run_dirs) -> str:
     return resolved.name if names.count(resolved.name) == 1 else f"{resolved.parent.name}/{resolved.name}"
 
 
-def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, runs: list[str] | None = None
-                 ) -> Figure:
+def health_markers(series: Series) -> list[tuple[float, str]]:
+    """(step, "warning: <check>" or "stop: <check>") of each health event a run logged (treadle.health)."""
+    return sorted((step, f"{prefix.split('/')[1]}: {key[len(prefix):]}") for key, (steps, _) in series.items()
+                  for prefix in HEALTH_MARKERS if key.startswith(prefix) for step in steps)
+
+
+def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, runs: list[str] | None = None,
+                 markers: list[tuple[float, str]] | None = None) -> Figure:
     """One figure with a panel per entry of ``panels`` (panel name -> the series drawn in it), in a grid of up to
     ``columns`` columns; no empty panels. A panel whose every series never changed is not drawn: it becomes a
     line of text under the panels ("unchanged: clip_ratio = 0 (12 logs)"). Evaluation series (``eval_*``) are
@@ -203,6 +212,11 @@ def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, run
         for index, (name, lines) in enumerate(drawn.items()):
             axes = figure.add_subplot(grid[index // columns, index % columns])
             smoothed |= _draw_panel(axes, name, lines, runs)
+            for step, label in markers or ():  # health warnings (orange) and stops (red) at their step
+                colour = "tab:red" if label.startswith("stop") else "tab:orange"
+                axes.axvline(step, color=colour, linestyle=":", linewidth=1.2, zorder=0)
+                axes.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
+                              color=colour, ha="right", va="top")
     if unchanged:
         figure.supxlabel(_wrap("unchanged over the run: " + ";  ".join(unchanged), 60 * columns if drawn else 120),
                          fontsize=9, color="dimgray")
