@@ -146,16 +146,16 @@ _STOPS = {
 class HealthCallback(TrainerCallback):
     """Keeps the health checks' streaks, warns once per check and stops a run that cannot learn (module docstring).
 
-    The trainer reports each training generation (``record_generation``) and passes each training log through
-    ``check_log`` (which returns the markers to log); an engine may report weight syncs (``record_weight_sync``).
+    The trainer reports each training generation (``record_generation``); each training log is checked in
+    ``on_log``; an engine may report weight syncs (``record_weight_sync``). Markers go into the trainer's metrics
+    window (``metrics``): a stop's and a step check's are in the log of their step, a log check's in the next log.
     ``raise_if_stopped`` (after ``on_train_end``) raises :class:`TrainingStalled` when a check stopped the run."""
 
-    def __init__(self, checks: dict, *, num_generations: int, max_completion_length: int):
-        self.checks = checks
+    def __init__(self, checks: dict, metrics, *, num_generations: int, max_completion_length: int):
+        self.checks, self.metrics = checks, metrics
         self.num_generations, self.max_completion_length = num_generations, max_completion_length
         self.pending: list[GenerationHealth] = []  # the generations of the step in progress
         self.last: GenerationHealth | None = None  # the step before's (a generation can feed several steps)
-        self.markers: dict[str, float] = {}  # health/... keys for the next log
         self.stopped: str | None = None  # the stop's message
         self.sync_unchanged = False
 
@@ -171,7 +171,7 @@ class HealthCallback(TrainerCallback):
         self.sync_unchanged = self.sync_unchanged or unchanged
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.pending, self.last, self.markers, self.stopped, self.sync_unchanged = [], None, {}, None, False
+        self.pending, self.last, self.stopped, self.sync_unchanged = [], None, None, False
         self._saved(state)
 
     def _saved(self, state) -> dict:
@@ -217,7 +217,7 @@ class HealthCallback(TrainerCallback):
         what = what.format(group=self.num_generations, length=self.max_completion_length)
         self.stopped = (f"health check {check!r} stopped the run at step {step}: {what}, since step {since}; {fix}; "
                         f"or turn the check off (health_checks={{{check!r}: False}})")
-        self.markers[f"{HEALTH_MARKERS[1]}{check}"] = 1.0
+        self.metrics.add(f"{HEALTH_MARKERS[1]}{check}", 1.0, 1)
         self._saved(state)["warnings"].append({"step": step, "check": check, "stop": True})
         control.should_training_stop = control.should_save = control.should_log = True
 
@@ -227,18 +227,14 @@ class HealthCallback(TrainerCallback):
             return
         saved["warned"].append(check)
         saved["warnings"].append({"step": state.global_step, "check": check, "stop": False})
-        self.markers[f"{HEALTH_MARKERS[0]}{check.split(':')[0]}"] = 1.0
+        self.metrics.add(f"{HEALTH_MARKERS[0]}{check.split(':')[0]}", 1.0, 1)
         if dist.is_main_process():
             warnings.warn(f"treadle: health: step {state.global_step}: {message}", HealthWarning, stacklevel=2)
 
-    def check_log(self, logs: dict, state) -> dict[str, float]:
-        """Run the log checks on a training log (``logs`` holds ``loss``) and return the markers to add to it:
-        this log's warnings and those of the steps since the last log."""
-        if "loss" in logs:
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:  # a training log (the same on every rank: it is reduced)
             for check, message in log_warnings(logs, self.checks).items():
                 self._warn(state, check, message)
-        markers, self.markers = self.markers, {}
-        return markers
 
     def raise_if_stopped(self, args, state) -> None:
         """After ``on_train_end`` of a run a check stopped (its checkpoint written): raise ``TrainingStalled``."""

@@ -156,7 +156,7 @@ class GRPOTrainer(Trainer):
         self.buffer = GenerationBuffer(self._cycle_length())
         self.engine = self.build_engine()
         self._completions_file_checked = False
-        self.health = HealthCallback(args.health_checks, num_generations=args.num_generations,
+        self.health = HealthCallback(args.health_checks, self.metrics, num_generations=args.num_generations,
                                      max_completion_length=args.max_completion_length)  # treadle.health
         self.add_callback(self.health)
 
@@ -440,10 +440,6 @@ class GRPOTrainer(Trainer):
 
 
     # ---- records and checkpoints ------------------------------------------------------------------------
-    def log(self, logs: dict[str, float]) -> None:
-        """``Trainer.log``, with the health checks' markers (``health/warning/<check>``) on training logs."""
-        super().log({**logs, **self.health.check_log(logs, self.state)})
-
     def _log_completions(self, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """Append this generation's completions (all ranks) to output_dir/completions.jsonl, from rank 0."""
         names = [reward_name(fn) for fn in self.reward_funcs]
