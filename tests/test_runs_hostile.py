@@ -232,3 +232,15 @@ def test_merge_into_the_base_models_folder_is_refused(tmp_path):
         with pytest.raises(ValueError, match=f"--output-dir {out} {needle}"):
             merge_adapter_folder(str(run), str(out))
     assert (base / "model.safetensors").read_text() == "the base weights"
+
+
+# ---- hangs: the "nearest valid value" hint is arithmetic, not a scan ----------------------------------------------
+def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
+    from treadle.trainers.grpo_config import GRPOConfig, _nearest_divisors, _nearest_multiples
+
+    assert _nearest_multiples(5, 4) == [4, 8] and _nearest_multiples(3, 4) == [4]  # hand-computed
+    assert _nearest_divisors(12, 5) == [4, 6] and _nearest_divisors(12, 13) == [12]
+    assert _nearest_divisors(10**15, 7) == []  # too many trials: no hint rather than a wait
+    with pytest.raises(ValueError, match=r"not a multiple of num_generations=1000000000 .* Nearest valid: "
+                                         r"per_device_train_batch_size=1000000000, or num_generations=8, or steps_per_generation=125000000"):
+        GRPOConfig(num_generations=10**9, per_device_train_batch_size=8, steps_per_generation=1)
