@@ -61,6 +61,9 @@ def copy_of_checkpoint(trained, tmp_path):
     """A private copy of the trained checkpoint (in ``tmp_path/run``) that a test may damage."""
     path = tmp_path / "run" / "checkpoint-2"
     shutil.copytree(trained[1], path)
+    (path / "treadle_checkpoint.json").unlink()  # as a checkpoint without digests: the file checks below are its guard
+    state = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps({**state, "max_steps": 9}))  # mid-way (a spent one is refused)
     return path
 
 
@@ -74,8 +77,10 @@ def test_checkpoint_layout(trained):
     trainer, path = trained
     files = set(os.listdir(path))
     assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
-            "trainer_state.json", "training_args.json", "tokenizer.json", "tokenizer_config.json"} <= files
-    assert sorted(os.listdir(path.parent)) == ["checkpoint-2", "metrics.jsonl", "training_args.json"]  # no temp folder
+            "trainer_state.json", "training_args.json", "tokenizer.json", "tokenizer_config.json",
+            "treadle_checkpoint.json"} <= files
+    assert sorted(os.listdir(path.parent)) == [".treadle-run.json", "checkpoint-2", "metrics.jsonl",
+                                               "training_args.json"]  # no temp folder; the run's manifest
 
 
 def test_every_checkpoint_file_reads_without_unpickling(trained):

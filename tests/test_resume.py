@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import _resume_worker as worker
-from treadle import checkpoint as ckpt
+from treadle import checkpoint as ckpt, fingerprints
 from treadle.callbacks import TrainerCallback
 from treadle.data import SeededSampler
 from treadle.errors import Interrupted, Preempted
@@ -228,6 +228,7 @@ def test_resuming_with_another_world_size_is_refused(stopped_at_2, tmp_path):
     state = json.loads(state_file.read_text())
     state["world_size"] = 2  # as if written by a 2-process torchrun job
     state_file.write_text(json.dumps(state))
+    fingerprints.write_marker(str(state_file.parent))  # a real 2-process checkpoint's digests match its files
     trainer = Trainer(worker.make_model(), worker.make_args(str(tmp_path / "run")), train_dataset=worker.make_rows())
     with pytest.raises(ckpt.CheckpointError, match=r"world_size: checkpoint 2 vs now 1"):
         trainer.train(resume_from_checkpoint=True)

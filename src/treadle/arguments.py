@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 import types
 import typing
 from collections.abc import Iterable
@@ -27,6 +28,12 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_wi
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 TOKEN_COUNTS = ("no", "all", "non_padding")  # include_num_input_tokens_seen
 STRATEGIES = ("no", "steps", "epoch")
+MAX_LEARNING_RATE = 10.0  # far above any rate that trains; 1e300 overflowed inside torch
+
+
+def expand_path(path):
+    """``~`` and ``$VARS`` expanded in a path setting (a YAML or Python value), as a shell would."""
+    return os.path.expandvars(os.path.expanduser(path)) if isinstance(path, str) else path
 FSDP_MODES = ("", "full_shard")
 
 
@@ -36,6 +43,7 @@ class TrainingArguments:
     output_dir: str = "trainer_output"  # checkpoints, metrics.jsonl and plots land here
     run_name: str | None = None  # a label for loggers (TensorBoard); defaults to output_dir's name
     overwrite_output_dir: bool = False  # a new run may delete an earlier run's files in output_dir (see treadle.runs)
+    ignore_checkpoint_fingerprints: bool = False  # resume even when a checkpoint's files differ from its marker
 
     # --- how long
     num_train_epochs: float = 3.0  # passes over the training set; fractional values stop mid-epoch
@@ -126,6 +134,7 @@ class TrainingArguments:
 
     def __post_init__(self) -> None:
         _validate_types(self)
+        self.output_dir = expand_path(self.output_dir)
         self._validate_transformers_names()
         self._validate_choices()
         self._validate_numbers()
@@ -179,8 +188,15 @@ class TrainingArguments:
             raise ValueError(f"skip_nonfinite_steps must be >= 0, got {self.skip_nonfinite_steps}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ValueError("nothing to train: set max_steps > 0 or num_train_epochs > 0")
-        if self.learning_rate < 0:
-            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+        if not 0 <= self.learning_rate <= MAX_LEARNING_RATE:
+            raise ValueError(f"learning_rate must lie in [0, {MAX_LEARNING_RATE:g}] (typical: 1e-6 .. 1e-2), "
+                             f"got {self.learning_rate:g}")
+        if not 0 <= self.seed < 2**32 or (self.data_seed is not None and not 0 <= self.data_seed < 2**32):
+            raise ValueError(f"seed and data_seed must lie in [0, 2**32 - 1] (numpy's range), got "
+                             f"seed={self.seed}, data_seed={self.data_seed}")
+        if self.dataloader_num_workers < 0:
+            raise ValueError(f"dataloader_num_workers must be >= 0 (0 loads in the main process), got "
+                             f"{self.dataloader_num_workers}")
         if self.warmup_steps < 0 or (self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps)):
             raise ValueError(f"warmup_steps must be a whole number of steps or a fraction in [0, 1), "
                              f"got {self.warmup_steps}")
@@ -451,7 +467,7 @@ NOT_FINGERPRINTED = frozenset({
     "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "load_best_model_at_end", "report_to", "disable_tqdm",
     "per_device_eval_batch_size", "prediction_loss_only", "dataloader_num_workers", "dataloader_pin_memory",
-    "ddp_timeout", "skip_nonfinite_steps"})
+    "ddp_timeout", "skip_nonfinite_steps", "ignore_checkpoint_fingerprints"})
 
 
 def fingerprinted_settings(settings: dict) -> dict:

@@ -33,7 +33,7 @@ import sys
 import torch
 
 from treadle import distributed as dist
-from treadle import models, peft as treadle_peft
+from treadle import fingerprints, models, peft as treadle_peft
 from treadle.arguments import changed_settings
 from treadle.errors import UserError
 from treadle.runfiles import ARGS_FILE
@@ -282,6 +282,7 @@ def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args
     dist.barrier()
     if main:
         state.save_to_json(os.path.join(tmp, STATE_FILE))  # last: marks the folder complete
+        fingerprints.write_marker(tmp)  # treadle's own: what overwrite may delete, what resume verifies
         _fsync_tree(tmp)
         _replace_dir(tmp, final)
     dist.barrier()
@@ -454,6 +455,7 @@ def resumed_state(path: str, current, args=None):
     exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
     come from the current arguments (a resumed run may be asked to go further); other settings that changed
     (``args`` against the checkpoint's training_args.json) are named in a note."""
+    _verify_files(path, args)
     state = read_state(path)
     if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
         raise CheckpointError(f"checkpoint {path} was written by {state.trainer_class}, and this run is "
@@ -465,11 +467,27 @@ def resumed_state(path: str, current, args=None):
         raise CheckpointError(f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the same "
                               f"batch size, accumulation, number of processes and dataset, or start a new run "
                               f"from its weights (model.from_pretrained({path!r}))")
+    if state.max_steps and state.global_step >= state.max_steps and current.max_steps > state.max_steps:
+        raise CheckpointError(f"checkpoint {path} ends a finished run of {state.max_steps} steps: its learning-rate "
+                              f"schedule was built for {state.max_steps} steps and is spent, so steps past it would "
+                              f"not train as asked (max_steps={current.max_steps}); start a new run from its "
+                              f"weights (model: {path}) with the steps you want")
     for name in RUN_LENGTH_FIELDS:
         setattr(state, name, getattr(current, name))
     if dist.is_main_process():
         _announce_resume(path, state, args)
     return state
+
+
+def _verify_files(path: str, args) -> None:
+    """Refuse a checkpoint whose files differ from its marker's digests (a swapped weights file, an edited
+    trainer_state.json), unless ``args.ignore_checkpoint_fingerprints``; a checkpoint without one is named."""
+    if fingerprints.read_marker(path) is None or getattr(args, "ignore_checkpoint_fingerprints", False):
+        return
+    problems = fingerprints.verify(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is not what was saved: {'; '.join(problems[:3])}; resume from "
+                              f"another checkpoint, or set ignore_checkpoint_fingerprints: true to resume anyway")
 
 
 def _announce_resume(path: str, state, args) -> None:

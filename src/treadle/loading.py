@@ -14,9 +14,11 @@ from pathlib import Path
 import datasets
 
 from treadle import peft as treadle_peft, toy
+from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
 from treadle.models import load_pretrained
 from treadle.rewards import RewardFunction
+from treadle.runs import check_not_in_model
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 
@@ -172,9 +174,13 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
     if os.path.isfile(args_path):  # a toy base is rebuilt from the run's seed, as `treadle train` built it
         with open(args_path) as f:
             seed = json.load(f).get("seed", 0)
+    output_dir = expand_path(output_dir) if output_dir else os.path.join(adapter_dir, treadle_peft.MERGED_DIR)
+    check_not_in_model(output_dir, base, what="--output-dir")  # as train refuses it: the base weights stay
+    if os.path.realpath(output_dir) == os.path.realpath(adapter_dir):
+        raise ValueError(f"--output-dir {output_dir} is the run folder itself: the merged model would mix with the "
+                         f"adapter; leave --output-dir out (it writes {os.path.join(adapter_dir, treadle_peft.MERGED_DIR)})")
     model, tokenizer = load_model(base, seed=seed)
     merged = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    output_dir = output_dir or os.path.join(adapter_dir, treadle_peft.MERGED_DIR)
     merged.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir

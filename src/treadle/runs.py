@@ -7,11 +7,18 @@ loads a model), on the main process:
   being trained, nor inside it (the final save would overwrite the weights the run started from);
 - a *new* run (no resume) into a folder that holds a run's files (``run_files``: checkpoints, metrics.jsonl, a
   saved model, plots ...) is refused, naming the two ways out: resume it, or ``overwrite_output_dir=True``,
-  which deletes exactly those files (listed when it does) and nothing else;
+  which deletes only what a treadle run provably wrote (listed when it does): checkpoint folders whose marker
+  (``fingerprints.MARKER``) lists every file they hold, and the run-named files of a folder whose manifest
+  (``.treadle-run.json``, written when a run claims the folder) says a run owns it, less what was there before
+  the run ("not ours, kept"). An entry that cannot be told (no manifest, no marker, a foreign file inside a
+  checkpoint, a symbolic link) refuses the overwrite, naming it: nothing is deleted when in doubt;
 - a lock file, ``output_dir/.treadle.lock`` (pid, host, start time), is held for the run's lifetime, so that a
   second run into the same folder is refused while the first one lives. A lock left by a process that no
   longer runs on this machine (killed with SIGKILL, out of memory) is taken over, with a note; one held by a
   process on another machine is refused with the file's name, as this machine cannot tell whether it lives.
+  The lock is created whole: written to a temporary file, then linked into place (``os.link`` fails when the
+  name exists), so no run ever reads a half-written lock of a live run; an empty or unreadable lock is one
+  "being written", never stale.
 
 Every refusal is a :class:`RunFolderError` raised before anything is written. This module imports neither
 torch nor a trainer, so the CLI runs it before its slow imports.
@@ -28,9 +35,14 @@ import socket
 import sys
 import time
 
+from treadle import fingerprints
 from treadle.errors import PreflightError
+from treadle.plots import FIGURE_TITLES
 
 LOCK_FILE = ".treadle.lock"
+MANIFEST_FILE = ".treadle-run.json"  # written when a run claims the folder: see write_manifest
+MANIFEST_MOST = 10_000  # entries recorded as "there before the run"; a fuller folder is never overwritten in part
+PLOT_FILES = frozenset(f"{name}.png" for name in FIGURE_TITLES)
 # what a treadle run writes into its output_dir (a transformers model's save_pretrained files included)
 RUN_FILE_NAMES = frozenset({
     "metrics.jsonl", "completions.jsonl", "plots", "report.html", "runs", "model.safetensors",
@@ -49,11 +61,15 @@ def run_files(output_dir: str) -> list[str]:
     """The names in ``output_dir`` that a run wrote (checkpoints first, by step), [] when it does not exist."""
     if not os.path.isdir(output_dir):
         return []
-    names = [n for n in os.listdir(output_dir) if n in RUN_FILE_NAMES or RUN_FILE_PATTERN.fullmatch(n)]
+    names = [n for n in os.listdir(output_dir) if _run_named(n)]
     if "metrics.jsonl" in names and not _has_training_records(os.path.join(output_dir, "metrics.jsonl")):
         names.remove("metrics.jsonl")  # only evaluate() before training logged there: no run yet
     return sorted(names, key=lambda n: (not n.startswith("checkpoint-"), int(n.rpartition("-")[2])
                                         if n.startswith("checkpoint-") else 0, n))
+
+
+def _run_named(name: str) -> bool:
+    return name in RUN_FILE_NAMES or bool(RUN_FILE_PATTERN.fullmatch(name))
 
 
 def _has_training_records(path: str) -> bool:
@@ -69,18 +85,16 @@ def _has_training_records(path: str) -> bool:
     return False
 
 
-def _listing(names: list[str], most: int = 6) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
 def check_run_folder(output_dir: str, *, resume: bool, overwrite: bool = False,
                      model_dir: str | None = None) -> list[str]:
-    """Refuse (RunFolderError) an ``output_dir`` that cannot take this run; return the run files that
-    ``overwrite`` will delete. Reads only: nothing is written or removed here."""
+    """Refuse (RunFolderError) an ``output_dir`` that cannot take this run; return what ``overwrite`` will
+    delete (paths relative to ``output_dir``: only what a treadle run provably wrote, see ``sort_out``).
+    Reads only: nothing is written or removed here."""
+    output_dir = check_path(output_dir)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise RunFolderError(f"output_dir {output_dir} is a file, not a folder; set output_dir to a folder "
                              f"(new, or holding the run to resume)")
-    _check_not_in_model(output_dir, model_dir)
+    check_not_in_model(output_dir, model_dir)
     _check_writable(output_dir)
     holder = _live_holder(os.path.join(output_dir, LOCK_FILE))
     if holder is not None:
@@ -89,22 +103,159 @@ def check_run_folder(output_dir: str, *, resume: bool, overwrite: bool = False,
     files = run_files(output_dir)
     if resume or not files:
         return []
+    ours, _, doubts = sort_out(output_dir, files)
+    if doubts:
+        raise RunFolderError(
+            f"output_dir {output_dir} holds {len(doubts)} entries named like a run's that no treadle run provably "
+            f"wrote ({_listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
+            f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir")
     if not overwrite:
         raise RunFolderError(
             f"output_dir {output_dir} holds an earlier run ({_listing(files)}); continue it with --resume "
             f"(train(resume_from_checkpoint=True)), choose another output_dir, or set overwrite_output_dir: true "
             f"to delete those {len(files)} entries (nothing else in the folder is touched)")
-    return files
+    return ours
 
 
-def _check_not_in_model(output_dir: str, model_dir: str | None) -> None:
+def check_path(path: str) -> str:
+    """``path`` with ``~`` and environment variables expanded; the filesystem root and the home folder itself
+    are refused (a run's files would mix with everything there, and overwrite could reach them)."""
+    expanded = os.path.expandvars(os.path.expanduser(str(path)))
+    real = os.path.realpath(expanded)
+    if real in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
+        raise RunFolderError(f"output_dir {_short(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
+                             f" itself; set output_dir to a folder of its own (e.g. {os.path.join(expanded, 'runs', 'my-run')})")
+    return expanded
+
+
+def _short(text: str, most: int = 200) -> str:
+    """``text`` cut to ``most`` characters for a message (a path built by a YAML alias can be megabytes)."""
+    text = str(text)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a run provably wrote: the manifest written at claim time, checkpoints' markers
+# ---------------------------------------------------------------------------------------------------------
+def write_manifest(output_dir: str) -> None:
+    """Write ``output_dir/.treadle-run.json`` when the run claims the folder: it marks the folder as a treadle
+    run's and lists what was there before (never the run's), so overwrite can tell the run's files from the user's."""
+    path = os.path.join(output_dir, MANIFEST_FILE)
+    before = _tree(output_dir, most=MANIFEST_MOST + 1)
+    manifest = {"treadle_run": 1, "started": time.time(), "kept": before[:MANIFEST_MOST],
+                "kept_complete": len(before) <= MANIFEST_MOST}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f)
+    os.replace(tmp, path)
+
+
+def read_manifest(output_dir: str) -> dict | None:
+    path = os.path.join(output_dir, MANIFEST_FILE)
+    if os.path.islink(path):
+        return None
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("treadle_run") == 1 else None
+
+
+def _tree(output_dir: str, most: int) -> list[str]:
+    """Up to ``most`` paths below ``output_dir`` (relative, ``/``), links listed and never followed."""
+    found = []
+    for root, dirs, files in os.walk(output_dir):
+        rel = os.path.relpath(root, output_dir)
+        for name in dirs + files:
+            if rel == "." and (name in (LOCK_FILE, MANIFEST_FILE) or _run_named(name)):
+                continue  # treadle's own (an evaluation's metrics.jsonl, the run being resumed): not "before"
+            found.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+            if len(found) >= most:
+                return found
+    return found
+
+
+def sort_out(output_dir: str, names: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """Split the run-named entries ``names`` of ``output_dir`` into (ours: paths a treadle run provably wrote,
+    to delete; kept: paths inside them that are not ours, left alone; doubts: entries that cannot be told,
+    each with its reason, which refuse the overwrite)."""
+    manifest = read_manifest(output_dir)
+    ours, kept, doubts = [], [], []
+    for name in names:
+        path = os.path.join(output_dir, name)
+        if os.path.islink(path):
+            doubts.append(f"{name} (a symbolic link to {_short(os.readlink(path), 80)}: treadle never makes one; "
+                          f"remove the link yourself)")
+        elif name.startswith("checkpoint-"):
+            foreign = fingerprints.foreign_files(path) if os.path.isdir(path) else None
+            if foreign is None:
+                doubts.append(f"{name} (no {fingerprints.MARKER}: not a checkpoint treadle wrote)")
+            elif foreign:
+                doubts.append(f"{name} (holds {_listing(foreign, 2)}, which no treadle checkpoint wrote)")
+            else:
+                ours.append(name)
+        elif manifest is None:
+            doubts.append(f"{name} (no {MANIFEST_FILE}: no treadle run recorded writing it)")
+        else:
+            _sort_entry(output_dir, name, manifest, ours, kept, doubts)
+    return ours, kept, doubts
+
+
+def _sort_entry(output_dir: str, name: str, manifest: dict, ours: list, kept: list, doubts: list) -> None:
+    """One entry of a folder with a manifest: a file is ours unless it was there before the run; a folder
+    (plots/, runs/, a temporary checkpoint) gives up the files that were not, and keeps the others."""
+    before = set(manifest.get("kept") or [])
+    path = os.path.join(output_dir, name)
+    if not os.path.isdir(path):
+        ours.append(name)
+        return
+    if not manifest.get("kept_complete", False):
+        doubts.append(f"{name} (the folder held too many files to record what was there before)")
+        return
+    mine, others = [], []
+    for rel in fingerprints.folder_files(path):
+        full = f"{name}/{rel}"
+        link = os.path.islink(os.path.join(path, rel))
+        plot = name != "plots" or rel in PLOT_FILES
+        (others if link or full in before or not plot else mine).append(full)
+    if others:
+        ours.extend(mine)
+        kept.extend(others)
+    else:
+        ours.append(name)
+
+
+def delete_ours(output_dir: str, paths: list[str]) -> None:
+    """Delete ``paths`` (relative to ``output_dir``, from ``sort_out``), never through a symbolic link; a
+    folder emptied by it goes too."""
+    for rel in paths:
+        path = os.path.join(output_dir, rel)
+        if os.path.islink(path) or not os.path.isdir(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        else:
+            shutil.rmtree(path)
+        parent = os.path.dirname(path)
+        with contextlib.suppress(OSError):
+            while os.path.abspath(parent) != os.path.abspath(output_dir) and not os.listdir(parent):
+                os.rmdir(parent)
+                parent = os.path.dirname(parent)
+
+
+def _listing(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check_not_in_model(output_dir: str, model_dir: str | None, what: str = "output_dir") -> None:
+    """Refuse ``output_dir`` equal to the model folder ``model_dir`` or inside it (train's output, merge's)."""
     if not model_dir or not os.path.isdir(model_dir):
         return
     out, model = os.path.realpath(output_dir), os.path.realpath(model_dir)
     if out == model or out.startswith(model + os.sep):
         where = "is" if out == model else "is inside"
-        raise RunFolderError(f"output_dir {output_dir} {where} the model folder {model_dir}: the run's saves would "
-                             f"overwrite or mix with the weights it trains from; set output_dir to another folder")
+        raise RunFolderError(f"{what} {output_dir} {where} the model folder {model_dir}: the saves would "
+                             f"overwrite or mix with the weights it starts from; set {what} to another folder")
 
 
 def _check_writable(output_dir: str) -> None:
@@ -129,8 +280,8 @@ def _read_lock(path: str) -> dict | None:
         return holder if isinstance(holder, dict) else {}
     except FileNotFoundError:
         return None
-    except (OSError, ValueError):  # a lock cut short by a crash mid-write: no live owner can be named
-        return {}
+    except (OSError, ValueError):  # unreadable or cut: "being written" (locks are linked in whole, see acquire_lock)
+        return {"unreadable": True}
 
 
 def _describe(holder: dict) -> str:
@@ -157,34 +308,51 @@ def _alive(holder: dict) -> bool | None:
 def _live_holder(path: str) -> str | None:
     """Who holds the lock at ``path``, when it may be alive; None when it is free or stale."""
     holder = _read_lock(path)
-    if not holder:
+    if holder is None:
         return None
+    if holder.get("unreadable") or not holder:
+        return (f"its lock {path} is empty or unreadable, as one being written is; if no run is starting there, "
+                f"delete {path}")
     alive = _alive(holder)
     if alive is None:
         return f"{_describe(holder)}, another machine: if that run is gone, delete {path}"
-    return _describe(holder) if alive else None
+    return (f"{_describe(holder)}; if that run has ended and the pid now belongs to another process, delete "
+            f"{path}") if alive else None
 
 
 def acquire_lock(output_dir: str) -> str:
-    """Create ``output_dir/.treadle.lock`` for this process (taking over a stale one, with a note); its path."""
+    """Create ``output_dir/.treadle.lock`` for this process (taking over a stale one, with a note); its path.
+    The lock's contents are written to a temporary file first and linked into place, so that the lock exists
+    only whole: two runs racing for it never both win, and neither reads the other's as empty and stale."""
     path = os.path.join(output_dir, LOCK_FILE)
     os.makedirs(output_dir, exist_ok=True)
     holder = _read_lock(path)
     if holder is not None:
-        if _live_holder(path) is not None:
-            raise RunFolderError(f"output_dir {output_dir} is in use by another run ({_live_holder(path)}); wait "
-                                 f"for it to end or choose another output_dir")
+        live = _live_holder(path)
+        if live is not None:
+            raise RunFolderError(f"output_dir {output_dir} is in use by another run ({live}); wait for it to end or "
+                                 f"choose another output_dir")
         print(f"treadle: taking over the lock {path} of a run that no longer runs ({_describe(holder)})",
               file=sys.stderr)
+        stale = f"{path}.stale-{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+            os.rename(path, stale)  # atomic: of two runs taking over, one moves the stale lock, the other finds none
+            if _live_holder(stale) is None:
+                os.remove(stale)
+            else:  # a live run's lock replaced the stale one between the read and the rename: put it back
+                with contextlib.suppress(FileExistsError):
+                    os.link(stale, path)
+                os.remove(stale)
+    tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.link(tmp, path)
     except FileExistsError:  # another run took it between the check and now
         raise RunFolderError(f"output_dir {output_dir} is in use by another run that just started "
-                             f"({_describe(_read_lock(path) or {})}); choose another output_dir") from None
-    with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
+                             f"({_live_holder(path) or 'its lock is gone again'}); choose another output_dir") from None
+    finally:
+        os.remove(tmp)
     return path
 
 
@@ -210,11 +378,12 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
     lock = acquire_lock(output_dir)
     try:
         if doomed:
+            _, kept, _ = sort_out(output_dir, run_files(output_dir))
             print(f"treadle: overwrite_output_dir: deleting {len(doomed)} entries of the earlier run in {output_dir}: "
-                  f"{', '.join(doomed)}", file=sys.stderr)
-            for name in doomed:
-                path = os.path.join(output_dir, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                  f"{', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""), file=sys.stderr)
+            delete_ours(output_dir, doomed)
+        if not resume or read_manifest(output_dir) is None:
+            write_manifest(output_dir)
         yield
     finally:
         release_lock(lock)

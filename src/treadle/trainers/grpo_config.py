@@ -192,9 +192,9 @@ class GRPOConfig(TrainingArguments):
         total = batch * spg * world
         if total % group == 0:
             return
-        batches = _nearest(batch, lambda b: b * spg * world % group == 0)
-        groups = _nearest(group, lambda g: g >= 2 and total % g == 0, lowest=2)
-        spgs = _nearest(spg, lambda s: batch * s * world % group == 0)
+        batches = _nearest_multiples(batch, group // math.gcd(group, spg * world))  # O(1): no scan of candidates
+        groups = _nearest_divisors(total, group)
+        spgs = _nearest_multiples(spg, group // math.gcd(group, batch * world))
         raise ValueError(
             f"one generation samples per_device_train_batch_size x steps_per_generation x world_size = {batch} x "
             f"{spg} x {world} = {total} completions, which is not a multiple of num_generations={group} (every "
@@ -252,10 +252,20 @@ def resolve_health_checks(value) -> dict:
     return checks
 
 
-def _nearest(value: int, ok, lowest: int = 1) -> list[int]:
-    """The nearest integers below and above ``value`` (at least ``lowest``) for which ``ok`` holds."""
-    below = next((v for v in range(value - 1, lowest - 1, -1) if ok(v)), None)
-    above = next((v for v in range(value + 1, 64 * value + 64) if ok(v)), None)
+def _nearest_multiples(value: int, step: int) -> list[int]:
+    """The multiples of ``step`` nearest below (at least 1) and above ``value``, by arithmetic."""
+    below = value // step * step
+    return [v for v in (below if below != value else below - step, below + step) if v >= 1]
+
+
+def _nearest_divisors(total: int, value: int, most_trials: int = 1_000_000) -> list[int]:
+    """The divisors (at least 2) of ``total`` nearest below and above ``value``; O(sqrt(total)) trials at most
+    ``most_trials`` (a larger total gets no hint rather than a long wait)."""
+    if total > most_trials**2:
+        return []
+    divisors = {d for i in range(1, math.isqrt(total) + 1) if total % i == 0 for d in (i, total // i)}
+    below = max((d for d in divisors if 2 <= d < value), default=None)
+    above = min((d for d in divisors if d > value), default=None)
     return [v for v in (below, above) if v is not None]
 
 

@@ -1,0 +1,101 @@
+"""What a checkpoint provably is: treadle's marker file and the content fingerprints in it.
+
+Every checkpoint folder treadle writes holds ``treadle_checkpoint.json`` (written after every other file, inside
+the same atomic save): the SHA-256 of each file of the folder, and the fingerprint of the dataset the run trained
+on. It serves twice:
+
+- ``overwrite_output_dir`` deletes a ``checkpoint-<step>`` folder only when this marker is there and lists every
+  file the folder holds (a folder named like a checkpoint that holds anything else is not treadle's);
+- resuming verifies it (``verify``): a weights file swapped with an earlier checkpoint's, an edited
+  ``trainer_state.json`` or a different dataset of the same length is refused, naming the file (or the dataset)
+  and the override, ``ignore_checkpoint_fingerprints: true``.
+
+A leaf: hashlib and json only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+MARKER = "treadle_checkpoint.json"
+CHUNK = 1 << 20
+
+
+def file_digest(path: str) -> str:
+    """The SHA-256 of one file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_files(folder: str) -> list[str]:
+    """Every file below ``folder`` as a relative path with ``/``, sorted; symbolic links are never followed
+    (a link is listed as a file, so it never matches a marker's digests)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        rel = os.path.relpath(root, folder)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            found.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+    return sorted(found)
+
+
+def folder_digests(folder: str) -> dict[str, str]:
+    """relative path -> SHA-256 of every file below ``folder`` but the marker."""
+    return {rel: file_digest(os.path.join(folder, rel)) for rel in folder_files(folder) if rel != MARKER}
+
+
+def dataset_fingerprint(rows) -> str:
+    """A SHA-256 over the rows of a dataset (each row as sorted-key JSON, non-JSON values by ``repr``)."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=repr).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def write_marker(folder: str, dataset: str | None = None) -> None:
+    """Write ``folder/treadle_checkpoint.json``: the digests of every other file in it, and ``dataset``."""
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump({"treadle_checkpoint": 1, "files": folder_digests(folder), "dataset": dataset}, f, indent=1)
+        f.write("\n")
+
+
+def read_marker(folder: str) -> dict | None:
+    """The marker of ``folder``, None when there is none or it is not treadle's (unreadable, another shape)."""
+    path = os.path.join(folder, MARKER)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(marker, dict) and marker.get("treadle_checkpoint") == 1 and isinstance(marker.get("files"), dict)
+    return marker if ok else None
+
+
+def foreign_files(folder: str) -> list[str] | None:
+    """The files of checkpoint ``folder`` that its marker does not list; None when it has no marker."""
+    marker = read_marker(folder)
+    if marker is None:
+        return None
+    return [rel for rel in folder_files(folder) if rel != MARKER and rel not in marker["files"]]
+
+
+def verify(folder: str, dataset: str | None = None) -> list[str]:
+    """What in checkpoint ``folder`` differs from its marker: files changed, missing or added, and the dataset
+    (when both it and the marker's are known). [] when all matches; ``["no marker"]`` without one."""
+    marker = read_marker(folder)
+    if marker is None:
+        return [f"no {MARKER}"]
+    recorded, now = marker["files"], folder_digests(folder)
+    problems = [f"{rel} changed since it was saved" for rel in sorted(recorded) if rel in now and now[rel] != recorded[rel]]
+    problems += [f"{rel} is missing" for rel in sorted(set(recorded) - set(now))]
+    problems += [f"{rel} was added" for rel in sorted(set(now) - set(recorded))]
+    if dataset and marker.get("dataset") and dataset != marker["dataset"]:
+        problems.append("the dataset differs from the one it trained on (same length, other rows)")
+    return problems

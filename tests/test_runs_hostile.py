@@ -1,0 +1,246 @@
+"""The second hostile trial (issue 33), in one process where the behaviour is not about the CLI process: what
+overwrite_output_dir may delete, the lock race, checkpoint fingerprints, resuming a finished schedule, path
+settings, config values at config time, merge into the base model's folder. docs/runs.md holds the table."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from treadle import checkpoint as ckpt, fingerprints, runs
+from treadle.state import TrainerState
+
+
+def files_under(folder) -> dict[str, bytes]:
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def write(path: Path, text: str = "x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def fake_checkpoint(folder: Path) -> Path:
+    """A checkpoint folder as save_checkpoint leaves it: its files, then treadle's marker."""
+    write(folder / "model.safetensors", "weights")
+    write(folder / "trainer_state.json", json.dumps({"global_step": 1}))
+    fingerprints.write_marker(str(folder))
+    return folder
+
+
+def claim(output_dir: Path, *, overwrite=False, resume=False):
+    return runs.claim_run_folder(SimpleNamespace(output_dir=str(output_dir), overwrite_output_dir=overwrite),
+                                 resume=resume, main_process=True)
+
+
+# ---- data loss: overwrite deletes only what a treadle run provably wrote ---------------------------------------
+USER_FILES = ["config.json", "vocab.json", "report.html", "plots/my_figure.png", "checkpoint-2023/holiday.txt",
+              "runs/other-experiment/events.out.tfevents.1"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_of_the_users_own_files_is_never_an_earlier_run_and_never_deleted(tmp_path, overwrite):
+    for name in USER_FILES:
+        write(tmp_path / name, f"mine: {name}")
+    before = files_under(tmp_path)
+    with pytest.raises(runs.RunFolderError) as error:
+        runs.check_run_folder(str(tmp_path), resume=False, overwrite=overwrite)
+    message = str(error.value)
+    assert "no treadle run provably wrote" in message and "earlier run" not in message
+    assert "checkpoint-2023 (no treadle_checkpoint.json" in message and "config.json (no .treadle-run.json" in message
+    assert files_under(tmp_path) == before
+
+
+def test_overwrite_deletes_the_runs_files_and_keeps_the_users(tmp_path, capsys):
+    write(tmp_path / "notes.txt", "mine")
+    with claim(tmp_path):  # a first run claims the folder: the manifest records what was there
+        fake_checkpoint(tmp_path / "checkpoint-1")
+        write(tmp_path / "plots" / "my_figure.png", "mine, added to the run's plots")
+        write(tmp_path / "config.json", "{}")
+        write(tmp_path / "plots" / "training.png", "plot")
+        write(tmp_path / "metrics.jsonl", json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    with claim(tmp_path, overwrite=True):
+        pass
+    err = capsys.readouterr().err
+    assert "deleting 4 entries of the earlier run" in err and "not ours, kept: plots/my_figure.png" in err
+    assert sorted(files_under(tmp_path)) == [".treadle-run.json", "notes.txt", "plots/my_figure.png"]
+
+
+def test_a_checkpoint_folder_holding_a_foreign_file_refuses_the_overwrite(tmp_path):
+    with claim(tmp_path):
+        fake_checkpoint(tmp_path / "checkpoint-2023")
+    write(tmp_path / "checkpoint-2023" / "holiday.txt", "photos")
+    before = files_under(tmp_path)
+    with pytest.raises(runs.RunFolderError, match=r"checkpoint-2023 \(holds holiday.txt, which no treadle checkpoint"):
+        runs.check_run_folder(str(tmp_path), resume=False, overwrite=True)
+    assert files_under(tmp_path) == before
+
+
+def test_a_symlinked_checkpoint_is_refused_and_its_target_untouched(tmp_path):
+    target = fake_checkpoint(tmp_path / "elsewhere" / "checkpoint-7")
+    run = tmp_path / "run"
+    with claim(run):
+        fake_checkpoint(run / "checkpoint-1")
+    os.symlink(target, run / "checkpoint-7")
+    with pytest.raises(runs.RunFolderError, match=r"checkpoint-7 \(a symbolic link to .*treadle never makes one"):
+        runs.check_run_folder(str(run), resume=False, overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors", "trainer_state.json",
+                                                        fingerprints.MARKER]
+
+
+# ---- the lock: atomic with its contents; empty = being written; a reused pid names the file ------------------
+RACER = textwrap.dedent("""
+    import os, sys, time
+    from treadle import runs
+    folder, me, go = sys.argv[1], sys.argv[2], sys.argv[3]
+    while not os.path.exists(go):
+        pass
+    try:
+        runs.acquire_lock(folder)
+        won = "won"
+    except runs.RunFolderError:
+        won = "lost"
+    with open(me + ".tmp", "w") as f:
+        f.write(won)
+    os.rename(me + ".tmp", me)
+    if won == "won":  # hold the lock until every racer has tried
+        while not os.path.exists(go + ".done"):
+            time.sleep(0.01)
+""")
+
+
+def test_processes_racing_for_the_lock_never_both_win(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(runs.__file__).parents[1])}
+    for round_ in range(6):
+        folder, go = tmp_path / f"r{round_}", tmp_path / f"go{round_}"
+        results = [tmp_path / f"r{round_}-{i}" for i in range(4)]
+        procs = [subprocess.Popen([sys.executable, "-c", RACER, str(folder), str(r), str(go)], env=env)
+                 for r in results]
+        try:
+            go.touch()
+            for proc, result in zip(procs, results):
+                while not result.exists() and proc.poll() is None:
+                    pass
+            outcomes = sorted(r.read_text() for r in results if r.exists())
+            assert outcomes == ["lost", "lost", "lost", "won"], outcomes
+        finally:
+            Path(f"{go}.done").touch()
+            for proc in procs:
+                proc.wait(timeout=60)
+
+
+def test_an_empty_lock_is_one_being_written_never_stale(tmp_path):
+    (tmp_path / runs.LOCK_FILE).write_text("")
+    with pytest.raises(runs.RunFolderError, match="empty or unreadable, as one being written is"):
+        runs.acquire_lock(str(tmp_path))
+    assert (tmp_path / runs.LOCK_FILE).read_text() == ""
+
+
+def test_a_lock_held_by_a_live_pid_names_the_file_to_delete(tmp_path):
+    lock = tmp_path / runs.LOCK_FILE
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "started": 0}))
+    with pytest.raises(runs.RunFolderError, match=rf"pid now belongs to another process, delete {lock}"):
+        runs.check_run_folder(str(tmp_path), resume=False)
+
+
+# ---- resume verifies what it reads ------------------------------------------------------------------------------
+def saved_state(folder: Path, **fields) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    TrainerState(train_batch_size=4, steps_per_epoch=4, **fields).save_to_json(str(folder / ckpt.STATE_FILE))
+    write(folder / "model.safetensors", "weights")
+    fingerprints.write_marker(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("tamper, needle", [
+    (lambda f: write(f / "model.safetensors", "an earlier checkpoint's weights"), "model.safetensors changed"),
+    (lambda f: write(f / ckpt.STATE_FILE, json.dumps({"global_step": 99})), "trainer_state.json changed"),
+    (lambda f: os.remove(f / "model.safetensors"), "model.safetensors is missing"),
+])
+def test_resume_refuses_a_checkpoint_that_is_not_what_was_saved(tmp_path, tamper, needle):
+    folder = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=5)
+    current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
+    tamper(folder)
+    with pytest.raises(ckpt.CheckpointError, match=f"is not what was saved: {needle}.*ignore_checkpoint_fingerprints"):
+        ckpt.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=False))
+    if needle == "model.safetensors changed":  # the override, named in the message, resumes
+        state = ckpt.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=True))
+        assert state.max_steps == 5
+
+
+def test_resume_past_a_finished_schedule_is_refused_with_the_reason(tmp_path):
+    folder = saved_state(tmp_path / "checkpoint-3", global_step=3, max_steps=3)
+    current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
+    with pytest.raises(ckpt.CheckpointError, match="ends a finished run of 3 steps: its learning-rate schedule was "
+                                                   "built for 3 steps"):
+        ckpt.resumed_state(str(folder), current)
+    unfinished = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=3)
+    assert ckpt.resumed_state(str(unfinished), current).max_steps == 5  # going further mid-run is allowed
+
+
+def test_fingerprints_see_a_swapped_file_and_a_different_dataset(tmp_path):
+    write(tmp_path / "a.bin", "one")
+    fingerprints.write_marker(str(tmp_path), dataset=fingerprints.dataset_fingerprint([{"x": 1}]))
+    assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 1}])) == []
+    write(tmp_path / "b.bin", "two")
+    assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 2}])) == [
+        "b.bin was added", "the dataset differs from the one it trained on (same length, other rows)"]
+
+
+# ---- paths and values refused or expanded at config time --------------------------------------------------------
+def test_paths_expand_tilde_and_variables_and_root_or_home_are_refused(tmp_path, monkeypatch):
+    from treadle import TrainingArguments
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    assert TrainingArguments(output_dir="~/run").output_dir == str(tmp_path / "run")
+    assert TrainingArguments(output_dir="$RUNS/a").output_dir == str(tmp_path / "runs" / "a")
+    for folder, needle in (("/", "the filesystem root"), ("~", "your home folder")):
+        with pytest.raises(runs.RunFolderError, match=f"is {needle} itself"):
+            runs.check_run_folder(folder, resume=False)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("learning_rate", 1e300, r"learning_rate must lie in \[0, 10\]"),
+    ("seed", -1, r"seed and data_seed must lie in \[0, 2\*\*32 - 1\]"),
+    ("dataloader_num_workers", -1, "dataloader_num_workers must be >= 0"),
+])
+def test_out_of_range_values_are_refused_at_config_time(field, value, needle):
+    from treadle import TrainingArguments
+
+    with pytest.raises(ValueError, match=needle):
+        TrainingArguments(**{field: value})
+
+
+def test_merge_into_the_base_models_folder_is_refused(tmp_path):
+    pytest.importorskip("peft")
+    from treadle.loading import merge_adapter_folder
+
+    base = write(tmp_path / "base" / "model.safetensors", "the base weights").parent
+    run = tmp_path / "run"
+    write(run / "adapter_config.json", json.dumps({"base_model_name_or_path": str(base)}))
+    for out, needle in ((base, "is the model folder"), (base / "sub", "is inside the model folder"),
+                        (run, "is the run folder itself")):
+        with pytest.raises(ValueError, match=f"--output-dir {out} {needle}"):
+            merge_adapter_folder(str(run), str(out))
+    assert (base / "model.safetensors").read_text() == "the base weights"
+
+
+# ---- hangs: the "nearest valid value" hint is arithmetic, not a scan ----------------------------------------------
+def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
+    from treadle.trainers.grpo_config import GRPOConfig, _nearest_divisors, _nearest_multiples
+
+    assert _nearest_multiples(5, 4) == [4, 8] and _nearest_multiples(3, 4) == [4]  # hand-computed
+    assert _nearest_divisors(12, 5) == [4, 6] and _nearest_divisors(12, 13) == [12]
+    assert _nearest_divisors(10**15, 7) == []  # too many trials: no hint rather than a wait
+    with pytest.raises(ValueError, match=r"not a multiple of num_generations=1000000000 .* Nearest valid: "
+                                         r"per_device_train_batch_size=1000000000, or num_generations=8, or steps_per_generation=125000000"):
+        GRPOConfig(num_generations=10**9, per_device_train_batch_size=8, steps_per_generation=1)
