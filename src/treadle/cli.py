@@ -41,6 +41,7 @@ class TrainerKind:
     trainer: type
     rows: str  # "sft", "preference" or "rl"
     takes_reward_funcs: bool = False
+    reward_head: bool = False  # the model is a sequence classifier with one label (RewardTrainer)
 
 
 def trainer_kinds() -> dict[str, TrainerKind]:
@@ -243,7 +244,7 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     if not kind.takes_reward_funcs and config.get("reward_funcs"):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
     try:
-        kwargs = load_run_objects(config, kind=kind, seed=args.seed, base_dir=base_dir)
+        kwargs = load_run_objects(config, kind=kind, args=args, base_dir=base_dir)
     except (ValueError, ImportError) as error:  # a path, a row or a name that is wrong; peft not installed
         raise UserError(str(error)) from None
     try:
@@ -252,9 +253,10 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         raise UserError(f"{trainer_class}: {error}") from None
 
 
-def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, seed: int, base_dir: Path) -> dict[str, Any]:
+def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, args, base_dir: Path) -> dict[str, Any]:
     """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and
-    tokenizer -- the cheap ones first, so that a typo in a path fails before a model is loaded."""
+    tokenizer (a folder or Hub id read with ``args.model_init_kwargs`` / ``args.trust_remote_code``) -- the
+    cheap ones first, so that a typo in a path fails before a model is loaded."""
     from treadle.loading import load_dataset, load_model, load_reward_funcs  # heavy: datasets, torch
     from treadle.peft import lora_config  # heavy: torch
 
@@ -267,7 +269,8 @@ def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, seed: int, ba
         kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind.rows, split="test", base_dir=base_dir)
     if config.get("peft") is not None:
         kwargs["peft_config"] = lora_config(config["peft"])
-    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=seed)
+    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=args.seed, args=args,
+                                                             reward_head=kind.reward_head)
     return kwargs
 
 

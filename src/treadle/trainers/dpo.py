@@ -67,7 +67,7 @@ from treadle.data import column_names, require_columns
 from treadle.logprobs import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.metrics import mode_of
-from treadle.models import eval_mode, frozen_reference, is_peft_model
+from treadle.models import eval_mode, from_name, frozen_reference, is_peft_model
 from treadle.packing import long_tensor
 from treadle.peft import disable_adapter
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
@@ -300,6 +300,8 @@ class DPOTrainer(Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), peft_config=None):
         args = self.check_args(args)  # needed before super().__init__: the collator's pad id
+        model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
+        ref_model, _ = from_name(ref_model, processing_class, args)
         if model is not None and ref_model is model:
             raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
                              "or a separate model")
