@@ -49,9 +49,11 @@ def trainer_kinds() -> dict[str, TrainerKind]:
     config that fails its first checks never pay for it."""
     from treadle.trainers.dpo import DPOTrainer  # heavy: torch and transformers, only for `treadle train`
     from treadle.trainers.grpo import GRPOTrainer  # heavy, as above
+    from treadle.trainers.reward import RewardTrainer  # heavy, as above
     from treadle.trainers.sft import SFTTrainer  # heavy, as above
 
     return {"sft": TrainerKind(SFTTrainer, "sft"), "dpo": TrainerKind(DPOTrainer, "preference"),
+            "reward": TrainerKind(RewardTrainer, "preference", reward_head=True),
             "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True)}
 
 
@@ -67,7 +69,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="treadle", description="Train language models: SFT, DPO and GRPO on one short loop.")
+    parser = _Parser(prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one short loop.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or TREADLE_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # the demo's numbers have no default here: a flag left out is absent from args, so DemoSettings' own default

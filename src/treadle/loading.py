@@ -16,7 +16,7 @@ import datasets
 from treadle import peft as treadle_peft, toy
 from treadle.data import DatasetFileError, check_text_columns
 from treadle.models import from_name
-from treadle.rewards import RewardFunction
+from treadle.rewards import RewardFunction, from_reward_model
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 
@@ -188,13 +188,25 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
 
 # ---- reward functions
 def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list[RewardFunction]:
-    """Callables from dotted paths (``package.module.function``) or ``file.py:function`` (a path relative to
-    the working directory or ``base_dir``), as a config names them. ValueError names what is missing."""
+    """Callables from dotted paths (``package.module.function``), ``file.py:function`` (a path relative to
+    the working directory or ``base_dir``) or ``model:PATH_OR_ID`` (a reward model saved by ``treadle train``
+    with ``trainer: reward``, or a Hub id: ``rewards.from_reward_model``), as a config names them. ValueError
+    names what is missing."""
     if not spec:
         raise ValueError("the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
                         "[treadle.toy.addition_reward]")
     specs = [spec] if isinstance(spec, str) else list(spec)
-    return [_import_callable(str(s), base_dir) for s in specs]
+    return [_reward_model(str(s), base_dir) if str(s).startswith("model:") else _import_callable(str(s), base_dir)
+            for s in specs]
+
+
+def _reward_model(spec: str, base_dir: Path) -> RewardFunction:
+    name = spec.removeprefix("model:")
+    path = existing_path(name, base_dir)  # a folder beside the config, as other paths are; else a Hub id
+    try:
+        return from_reward_model(str(path) if path is not None else name)
+    except ValueError as error:
+        raise ValueError(f"reward model {spec}: {error}") from None
 
 
 def _import_callable(spec: str, base_dir: Path):

@@ -22,9 +22,11 @@ Departures from the paper and from TRL's DPOTrainer:
    on the averaged scale too.
 3. The RPO term (``rpo_alpha``, Pang et al. 2024) is each pair's per-token NLL of its chosen response,
    then averaged over pairs like the DPO term; TRL takes one token mean over the whole batch.
-4. Truncation happens once, at tokenisation: the prompt is cut to ``max_prompt_length`` (which end is kept
-   is ``truncation_mode``), then the responses are cut to fit ``max_length``, keeping their start. A prompt
-   that leaves no room for a response is an error, not a silent truncation.
+4. Truncation happens once, at tokenisation: the prompt is cut to ``max_prompt_length`` when set (which end is
+   kept is ``truncation_mode``; TRL 1.16 has no such setting, so the default None sets no cap of its own and
+   ``max_length`` alone bounds a row, as in TRL), then the responses are cut to fit ``max_length``, keeping
+   their start. A prompt that leaves no room for a response is an error naming the row, where TRL drops the
+   row silently.
 5. Text responses get the tokenizer's eos appended unless they end with it (the model learns to stop);
    chat responses end the way the chat template ends an assistant turn. Text prompts are tokenised with the
    tokenizer's own special tokens (a bos for Llama-style tokenizers), rendered chat prompts without (the
@@ -116,7 +118,7 @@ class DPOConfig(TrainingArguments):
     label_smoothing: float = 0.0  # ε, assumed rate of flipped labels (cDPO / robust); 0 trusts the labels
     rpo_alpha: float = 0.0  # α, weight of an NLL term on the chosen response (RPO uses 1.0); 0 disables it
     max_length: int | None = 1024  # prompt + response tokens kept per sequence; None keeps everything
-    max_prompt_length: int | None = 512  # prompt tokens kept (must be < max_length); None keeps all
+    max_prompt_length: int | None = None  # prompt tokens kept (< max_length); None: no own cap, as TRL 1.16 (none)
     truncation_mode: str = "keep_end"  # which end of a too-long prompt survives: "keep_end" or "keep_start"
     padding_value: int | None = None  # input_ids padding; None uses the tokenizer's pad (or eos) token id
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then free the reference
