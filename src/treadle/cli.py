@@ -226,6 +226,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     """The trainer a config describes: the model, tokenizer, datasets and config class it names."""
     from treadle.data import require_eval_dataset  # heavy: torch
+    from treadle.trackers import preflight  # heavy, as above
 
     name, kinds = config.get("trainer"), trainer_kinds()
     if name not in kinds:
@@ -243,6 +244,7 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     except (ValueError, TypeError) as error:
         raise UserError(f"{config_cls.__name__}: {error}") from None
     require_eval_dataset(args, config.get("eval_dataset") or None)  # before the datasets and the model load
+    preflight(args.report_to)  # a tracker that cannot start fails before the model loads, too
     if not kind.takes_reward_funcs and config.get("reward_funcs"):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
     try:
