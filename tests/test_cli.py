@@ -274,3 +274,34 @@ def test_report_of_several_runs_writes_each_report_and_their_overlay(tmp_path, c
     code, out, _ = run(["report", tmp_path / "a", tmp_path / "b", "--output-dir", tmp_path / "elsewhere"], capsys)
     assert code == 0 and (tmp_path / "elsewhere" / "report.html").is_file()
     assert_user_error(["report", tmp_path / "a", tmp_path / "none"], capsys, "not found")
+
+
+@pytest.mark.slow
+def test_a_reward_model_trained_by_the_cli_is_a_grpo_reward_in_yaml(tmp_path, capsys):
+    """`trainer: reward` (RewardTrainer), then `reward_funcs: [model:PATH]` in a GRPO config."""
+    rm = tmp_path / "rm"
+    code, _, err = run(["train", EXAMPLES / "reward.yaml", "--output_dir", rm, "--max_steps", "2",
+                        "--eval_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"], capsys)
+    assert code == 0, err
+    assert {"loss", "accuracy", "eval_accuracy"} <= set().union(*metrics_of(rm))
+    config = write(tmp_path / "grpo.yaml", f"""
+trainer: grpo
+model: toy:tiny
+dataset: toy:addition:16
+reward_funcs: ["model:{rm}", treadle.toy.addition_reward]
+output_dir: {tmp_path / 'grpo'}
+max_steps: 1
+per_device_train_batch_size: 8
+num_generations: 4
+max_completion_length: 4
+logging_steps: 1
+save_strategy: "no"
+disable_tqdm: true
+""")
+    code, _, err = run(["train", config], capsys)
+    assert code == 0, err
+    keys = set().union(*metrics_of(tmp_path / "grpo"))
+    assert {"rewards/rm/mean", "rewards/addition_reward/mean"} <= keys
+    assert_user_error(["train", config, "--output_dir", tmp_path / "g2", "--reward_funcs",
+                       f"[model:{tmp_path / 'nowhere'}]"], capsys,
+                      "reward model model:", "not found")

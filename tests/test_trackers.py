@@ -293,3 +293,24 @@ def test_media_sends_each_completion_once_and_rereads_the_file_after_a_resume(tm
                                             json.dumps({"step": 2, "loss": 1.0}) + "\n")
     media.on_train_end(args, state, None)
     assert comet._experiment.calls[-1] == ("image", str(tmp_path / "plots" / "training.png"), "plots/training", 4)
+
+
+def test_a_tracker_that_cannot_start_is_one_line_before_the_run_folder_is_written(tmp_path, monkeypatch, capsys):
+    """MLflow 3 refuses a file store without MLFLOW_ALLOW_FILE_STORE: the preflight says so in one line, before
+    training_args.json (or anything) is written, so the rerun with the setting needs no overwrite_output_dir."""
+    pytest.importorskip("mlflow")
+    from treadle import cli
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    out = tmp_path / "run"
+    argv = ["train", os.path.join(os.path.dirname(__file__), "..", "examples", "sft.yaml"), "--output_dir", str(out),
+            "--max_steps", "1", "--report_to", "mlflow", "--disable_tqdm", "true", "--save_strategy", "no",
+            "--eval_strategy", "no"]
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("treadle: error")]
+    assert len(err) == 1 and "report_to mlflow cannot start" in err[0] and "MLFLOW_ALLOW_FILE_STORE=true" in err[0]
+    assert not out.exists() or not any(out.iterdir())  # nothing written: the run folder was never claimed
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert cli.main(argv) == 0, capsys.readouterr().err  # the same folder, no overwrite_output_dir
+    assert (out / "metrics.jsonl").is_file() and (tmp_path / "mlruns").is_dir()

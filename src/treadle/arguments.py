@@ -116,6 +116,10 @@ class TrainingArguments:
     # --- PEFT / LoRA (a trainer's peft_config; docs/peft.md)
     merge_adapters: bool = False  # save_model also writes the adapters merged into the base, in output_dir/merged
 
+    # --- a model named by a string (TRL's names, in every TRL trainer config; treadle.models.load_pretrained)
+    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained keywords, e.g. {"revision": "v1", "dtype": "bfloat16"}
+    trust_remote_code: bool = False  # run Python code shipped with a Hub model or tokenizer; only when you trust it
+
     # --- more of transformers' names, same meaning (docs/coming-from-transformers-and-trl.md)
     lr_scheduler_kwargs: dict[str, Any] | None = None  # schedule options, e.g. {"min_lr_rate": 0.1}; see optim.py
     optim_args: str | None = None  # "momentum=0.9,nesterov=True": SGD's settings (no momentum without it)
@@ -155,7 +159,7 @@ class TrainingArguments:
                              f"use one of {list(TOKEN_COUNTS)} (or True / False)")
         if self.eval_delay < 0:
             raise ValueError(f"eval_delay must be >= 0, got {self.eval_delay}")
-        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs"):
+        for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "model_init_kwargs"):
             value = getattr(self, name)
             if isinstance(value, str):  # transformers accepts JSON text, as a command line gives it
                 setattr(self, name, value := json.loads(value))

@@ -41,6 +41,7 @@ class TrainerKind:
     trainer: type
     rows: str  # "sft", "preference" or "rl"
     takes_reward_funcs: bool = False
+    reward_head: bool = False  # the model is a sequence classifier with one label (RewardTrainer)
 
 
 def trainer_kinds() -> dict[str, TrainerKind]:
@@ -48,9 +49,11 @@ def trainer_kinds() -> dict[str, TrainerKind]:
     config that fails its first checks never pay for it."""
     from treadle.trainers.dpo import DPOTrainer  # heavy: torch and transformers, only for `treadle train`
     from treadle.trainers.grpo import GRPOTrainer  # heavy, as above
+    from treadle.trainers.reward import RewardTrainer  # heavy, as above
     from treadle.trainers.sft import SFTTrainer  # heavy, as above
 
     return {"sft": TrainerKind(SFTTrainer, "sft"), "dpo": TrainerKind(DPOTrainer, "preference"),
+            "reward": TrainerKind(RewardTrainer, "preference", reward_head=True),
             "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True)}
 
 
@@ -66,7 +69,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="treadle", description="Train language models: SFT, DPO and GRPO on one short loop.")
+    parser = _Parser(prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one short loop.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or TREADLE_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # the demo's numbers have no default here: a flag left out is absent from args, so DemoSettings' own default
@@ -223,6 +226,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     """The trainer a config describes: the model, tokenizer, datasets and config class it names."""
     from treadle.data import require_eval_dataset  # heavy: torch
+    from treadle.trackers import preflight  # heavy, as above
 
     name, kinds = config.get("trainer"), trainer_kinds()
     if name not in kinds:
@@ -240,10 +244,11 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     except (ValueError, TypeError) as error:
         raise UserError(f"{config_cls.__name__}: {error}") from None
     require_eval_dataset(args, config.get("eval_dataset") or None)  # before the datasets and the model load
+    preflight(args.report_to)  # a tracker that cannot start fails before the model loads, too
     if not kind.takes_reward_funcs and config.get("reward_funcs"):
         raise UserError(f"reward_funcs is a GRPO key; the {name} trainer takes no reward functions")
     try:
-        kwargs = load_run_objects(config, kind=kind, seed=args.seed, base_dir=base_dir)
+        kwargs = load_run_objects(config, kind=kind, args=args, base_dir=base_dir)
     except (ValueError, ImportError) as error:  # a path, a row or a name that is wrong; peft not installed
         raise UserError(str(error)) from None
     try:
@@ -252,9 +257,10 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         raise UserError(f"{trainer_class}: {error}") from None
 
 
-def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, seed: int, base_dir: Path) -> dict[str, Any]:
+def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, args, base_dir: Path) -> dict[str, Any]:
     """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and
-    tokenizer -- the cheap ones first, so that a typo in a path fails before a model is loaded."""
+    tokenizer (a folder or Hub id read with ``args.model_init_kwargs`` / ``args.trust_remote_code``) -- the
+    cheap ones first, so that a typo in a path fails before a model is loaded."""
     from treadle.loading import load_dataset, load_model, load_reward_funcs  # heavy: datasets, torch
     from treadle.peft import lora_config  # heavy: torch
 
@@ -267,7 +273,8 @@ def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, seed: int, ba
         kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind.rows, split="test", base_dir=base_dir)
     if config.get("peft") is not None:
         kwargs["peft_config"] = lora_config(config["peft"])
-    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=seed)
+    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=args.seed, args=args,
+                                                             reward_head=kind.reward_head)
     return kwargs
 
 

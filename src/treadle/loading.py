@@ -1,5 +1,5 @@
-"""Loading what a config names: datasets (``toy:<task>[:N]``, files, save_to_disk folders), models (``toy:<size>``
-or a local folder), reward functions (dotted paths or ``file.py:function``) and a saved adapter merged into its
+"""Loading what a config names: datasets (``toy:<task>[:N]``, files, save_to_disk folders), models (``toy:<size>``,
+a local folder or a Hub id), reward functions (dotted paths or ``file.py:function``) and a saved adapter merged into its
 base. The run side: the CLI and the demos call it; the trainers take the loaded objects.
 """
 
@@ -16,8 +16,8 @@ import datasets
 from treadle import peft as treadle_peft, toy
 from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
-from treadle.models import load_pretrained
-from treadle.rewards import RewardFunction
+from treadle.models import from_name, load_pretrained
+from treadle.rewards import RewardFunction, from_reward_model
 from treadle.runs import check_not_in_model
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -142,19 +142,25 @@ def _one_split(data, split: str, spec: str):
 
 
 # ---- models
-def load_model(spec: str, *, tokenizer=None, seed: int = 0, trust_remote_code: bool = False):
-    """``(model, tokenizer)`` from ``toy:<size>`` (``treadle.toy``, built here with ``seed``) or a local folder
-    in transformers layout (a causal LM; the tokenizer is read from the folder unless one is given). Never
-    downloads; code in the folder runs only with ``trust_remote_code=True``. ValueError names what is wrong."""
+def load_model(spec: str, *, tokenizer=None, seed: int = 0, args=None, reward_head: bool = False):
+    """``(model, tokenizer)`` from ``toy:<size>`` (``treadle.toy``, built here with ``seed``), a local folder in
+    transformers layout or a Hugging Face Hub id (``models.from_name``: ``args.model_init_kwargs`` with its
+    ``revision``, ``args.trust_remote_code``, the HF cache, ``HF_HUB_OFFLINE``). A causal LM, or with
+    ``reward_head`` a sequence classifier with one label (``trainer: reward``). The tokenizer is read with the
+    model unless one is given. ValueError names what is wrong."""
     if spec.startswith("toy:"):
         size = spec.removeprefix("toy:")
         if size not in toy.MODEL_SIZES:
             raise ValueError(f"unknown toy model {spec!r}; use one of {['toy:' + s for s in toy.MODEL_SIZES]}")
         tokenizer = tokenizer if tokenizer is not None else toy.build_tokenizer()
-        model = toy.build_model(size, seed=seed, tokenizer=tokenizer)
+        model = toy.build_model(size, seed=seed, tokenizer=tokenizer, reward_head=reward_head)
         model.name_or_path = spec  # an adapter trained on it names its base (adapter_config.json; treadle merge)
         return model, tokenizer
-    return load_pretrained(spec, tokenizer=tokenizer, trust_remote_code=trust_remote_code)
+    if not reward_head:
+        return from_name(spec, tokenizer, args)
+    from transformers import AutoModelForSequenceClassification  # transformers' model classes load ~5 s
+
+    return from_name(spec, tokenizer, args, model_class=AutoModelForSequenceClassification, num_labels=1)
 
 
 def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str:
@@ -188,13 +194,25 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
 
 # ---- reward functions
 def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list[RewardFunction]:
-    """Callables from dotted paths (``package.module.function``) or ``file.py:function`` (a path relative to
-    the working directory or ``base_dir``), as a config names them. ValueError names what is missing."""
+    """Callables from dotted paths (``package.module.function``), ``file.py:function`` (a path relative to
+    the working directory or ``base_dir``) or ``model:PATH_OR_ID`` (a reward model saved by ``treadle train``
+    with ``trainer: reward``, or a Hub id: ``rewards.from_reward_model``), as a config names them. ValueError
+    names what is missing."""
     if not spec:
         raise ValueError("the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
                         "[treadle.toy.addition_reward]")
     specs = [spec] if isinstance(spec, str) else list(spec)
-    return [_import_callable(str(s), base_dir) for s in specs]
+    return [_reward_model(str(s), base_dir) if str(s).startswith("model:") else _import_callable(str(s), base_dir)
+            for s in specs]
+
+
+def _reward_model(spec: str, base_dir: Path) -> RewardFunction:
+    name = spec.removeprefix("model:")
+    path = existing_path(name, base_dir)  # a folder beside the config, as other paths are; else a Hub id
+    try:
+        return from_reward_model(str(path) if path is not None else name)
+    except ValueError as error:
+        raise ValueError(f"reward model {spec}: {error}") from None
 
 
 def _import_callable(spec: str, base_dir: Path):

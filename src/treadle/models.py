@@ -16,7 +16,8 @@ It imports torch and ``treadle.distributed`` only, never a trainer, and transfor
 - :func:`unwrapped_for_generation` -- the module to sample from under DDP, FSDP2 or PEFT.
 - :func:`training_forward_kwargs`, :func:`loss_of`, :func:`logits_of` -- what a training forward is given
   besides its inputs, and where the loss and the predictions are in what it returns.
-- :func:`load_pretrained` -- ``(model, tokenizer)`` from a local folder; never downloads. PEFT: ``treadle.peft``.
+- :func:`load_pretrained` -- ``(model, tokenizer)`` from a local folder or a Hub id (the HF cache, ``HF_HUB_OFFLINE``
+  honoured); :func:`from_name` -- a trainer's ``model`` argument given as a name. PEFT: ``treadle.peft``.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from torch import nn
 from treadle import distributed as dist
 
 __all__ = ["ForwardSignature", "causal_lm_problem", "check_model_folder", "check_vocabulary",
-           "enable_gradient_checkpointing", "eval_mode", "forward_parameters", "forward_signature",
-           "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model", "load_pretrained",
+           "check_hub_model", "enable_gradient_checkpointing", "eval_mode", "forward_parameters", "forward_signature",
+           "from_name", "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model", "load_pretrained",
            "logits_of", "loss_of", "max_positions", "training_forward_kwargs", "unwrapped_for_generation"]
 
 
@@ -301,25 +302,64 @@ def _fsdp2_modules(model: nn.Module) -> list:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def load_pretrained(path: str, *, tokenizer=None, trust_remote_code: bool = False):
-    """``(model, tokenizer)`` from a local folder in transformers layout (a causal LM; the tokenizer is read from
-    the folder unless one is given). Never downloads; code in the folder runs only with
-    ``trust_remote_code=True``. ValueError names what is wrong. (``toy:<size>`` specs: ``treadle.loading``.)"""
-    if not os.path.isdir(path):
-        raise ValueError(f"model folder {path} not found; use a local folder in transformers layout (written by "
-                         f"save_pretrained) or toy:tiny")
+def load_pretrained(name_or_path: str, *, tokenizer=None, revision: str | None = None, trust_remote_code: bool = False,
+                    model_class=None, **model_kwargs):
+    """``(model, tokenizer)`` from a local folder in transformers layout, else from a Hugging Face Hub model id
+    (``org/name``) through transformers' ``from_pretrained``: the user's cache (``HF_HOME``), ``revision`` (a
+    branch, tag or commit), ``HF_HUB_OFFLINE=1`` honoured. An existing folder always wins over an id of the same
+    spelling. The tokenizer is read from the same place unless one is given. Code shipped with the model runs only
+    with ``trust_remote_code=True``. ``model_class`` defaults to ``AutoModelForCausalLM``; ``model_kwargs`` go to
+    its ``from_pretrained`` (TRL's ``model_init_kwargs``). ValueError names what is wrong in one line.
+    (``toy:<size>`` specs: ``treadle.loading``.)"""
+    source = os.fspath(name_or_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers' model classes load ~5 s
 
-    check_model_folder(path, needs_tokenizer=tokenizer is None)
-    options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    if os.path.isdir(source):
+        check_model_folder(source, needs_tokenizer=tokenizer is None)
+        options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    else:
+        check_hub_model(source, revision)
+        options = dict(revision=revision, trust_remote_code=trust_remote_code)
     try:
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(path, **options)
-        model = AutoModelForCausalLM.from_pretrained(path, **options)
+            tokenizer = AutoTokenizer.from_pretrained(source, **options)
+        model = (model_class or AutoModelForCausalLM).from_pretrained(source, **options, **model_kwargs)
     except (OSError, ValueError) as error:
-        raise ValueError(f"cannot load a model and tokenizer from {path}: {str(error).splitlines()[0]}") from None
-    check_vocabulary(model, tokenizer, path)
+        raise ValueError(f"cannot load a model and tokenizer from {source}: {str(error).splitlines()[0]}") from None
+    check_vocabulary(model, tokenizer, source)
     return model, tokenizer
+
+
+def check_hub_model(name: str, revision: str | None = None) -> None:
+    """Refuse (ValueError, one line) a model name that is neither an existing folder nor a Hub id, and, with
+    ``HF_HUB_OFFLINE`` set, an id whose files are not in the local cache (naming the id and the cache folder)."""
+    from huggingface_hub import constants, try_to_load_from_cache  # transformers' own dependency
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"model folder {name} not found, and it is not a Hugging Face model id (org/name); use a "
+                         f"local folder in transformers layout (written by save_pretrained), a Hub id, or toy:tiny")
+    if not constants.HF_HUB_OFFLINE:
+        return
+    if not isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+        at = f" at revision {revision}" if revision else ""
+        raise ValueError(f"model {name}{at} is not a local folder nor in the Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
+                         f"HF_HUB_OFFLINE to download it, or point HF_HOME at a cache that holds it")
+
+
+def from_name(model, processing_class, args, *, model_class=None, **model_kwargs):
+    """``(model, processing_class)``: as given, or loaded when ``model`` is a folder path or Hub id (a str), with
+    ``args.model_init_kwargs`` (its ``revision`` also picks the tokenizer's) and ``args.trust_remote_code``, as
+    TRL's trainers read them; ``model_kwargs`` are the trainer's own (a reward head's ``num_labels=1``)."""
+    if not isinstance(model, (str, os.PathLike)):
+        return model, processing_class
+    kwargs = {**(getattr(args, "model_init_kwargs", None) or {}), **model_kwargs}
+    revision = kwargs.pop("revision", None)
+    return load_pretrained(model, tokenizer=processing_class, revision=revision, model_class=model_class,
+                           trust_remote_code=getattr(args, "trust_remote_code", False), **kwargs)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")

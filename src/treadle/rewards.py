@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from treadle.errors import UserError
+from treadle.models import load_pretrained
 from treadle.packing import right_padded
 from treadle.text import encode_prompt_responses, pad_token_id
 
@@ -217,8 +218,9 @@ def from_reward_model(model, tokenizer=None, *, batch_size: int = 32, device=Non
     """A trained reward model as a reward function: each completion's reward is the model's score of prompt +
     completion, tokenised as ``RewardTrainer`` tokenised its pairs (``data.encode_prompt_responses``).
 
-    ``model``: a folder saved by ``RewardTrainer.save_model`` (or any ``AutoModelForSequenceClassification``
-    with one label; its tokenizer is loaded from the same folder), or a loaded model, then with ``tokenizer``.
+    ``model``: a folder saved by ``RewardTrainer.save_model`` or a Hub id (any ``AutoModelForSequenceClassification``
+    with one label, read by ``models.load_pretrained``; its tokenizer is loaded with it), or a loaded model, then
+    with ``tokenizer``. A config names it as ``reward_funcs: [model:PATH_OR_ID]``.
     Scores ``batch_size`` completions per forward, without gradients, in eval mode, on ``device`` (default:
     where the model is). Logged as ``name`` (default: the folder's name, else ``reward_model``).
 
@@ -226,11 +228,10 @@ def from_reward_model(model, tokenizer=None, *, batch_size: int = 32, device=Non
     >>> # GRPOTrainer(policy, [reward, toy.addition_reward], args=..., train_dataset=..., processing_class=tok)
     """
     if isinstance(model, (str, Path)):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification  # transformers' model classes load ~5 s
 
         name = name or Path(model).name
-        tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(str(model))
-        model = AutoModelForSequenceClassification.from_pretrained(str(model))
+        model, tokenizer = load_pretrained(str(model), tokenizer=tokenizer, model_class=AutoModelForSequenceClassification)
     if tokenizer is None:
         raise ValueError("from_reward_model(model) with a loaded model needs tokenizer=<its tokenizer>")
     if device is not None:

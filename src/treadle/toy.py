@@ -102,13 +102,14 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 
 
 def build_model(size: str = "tiny", *, vocab_size: int | None = None, seed: int = 0,
-                tokenizer: PreTrainedTokenizerFast | None = None) -> LlamaForCausalLM:
-    """A randomly initialised ``LlamaForCausalLM`` of one of ``MODEL_SIZES``, identical for equal seeds.
+                tokenizer: PreTrainedTokenizerFast | None = None, reward_head: bool = False) -> LlamaForCausalLM:
+    """A randomly initialised ``LlamaForCausalLM`` of one of ``MODEL_SIZES``, identical for equal seeds
+    (``reward_head=True``: a ``LlamaForSequenceClassification`` with one label, for ``trainer: reward``).
 
     Special-token ids and the vocabulary size come from ``tokenizer`` (the toy tokenizer when None);
     ``vocab_size`` overrides the size. The global torch RNG is left untouched.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
@@ -123,9 +124,13 @@ def build_model(size: str = "tiny", *, vocab_size: int | None = None, seed: int 
         eos_token_id=tokenizer.eos_token_id,
         **MODEL_SIZES[size],
     )
+    if reward_head:
+        config.num_labels = 1
     with torch.random.fork_rng(devices=[]):  # weights depend on `seed` only, not on the caller's RNG
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = (LlamaForSequenceClassification if reward_head else LlamaForCausalLM)(config)
+    if reward_head:
+        return model
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model

@@ -16,7 +16,9 @@ logged metric at its step, evaluation metrics and the end-of-run summary.
 - the run's plots (treadle.report) as images when training ends.
 
 A name that is not a tracker is refused when the arguments are built; a tracker that is not installed is refused
-when the Trainer is built, before training, with the pip command that installs it.
+when the Trainer is built, before training, with the pip command that installs it. :func:`preflight` then opens
+what a tracker needs that can fail on the user's settings (MLflow's tracking store), also when the Trainer is
+built: before the run folder is claimed, so a tracker that cannot start is one line and leaves no file behind.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 from treadle import runfiles
 from treadle.arguments import TRACKERS, is_installed
 from treadle.callbacks import TrainerCallback
+from treadle.errors import PreflightError
 from treadle.plots import completions_table, plot_run
 
 def tracker_callbacks(report_to: list[str]) -> list:
@@ -42,10 +45,35 @@ def tracker_callbacks(report_to: list[str]) -> list:
                          "arguments cannot do; unset it, or use WANDB_LOG_MODEL=checkpoint")
     if not report_to:
         return []
+    preflight(report_to)
     from transformers import integrations
 
     trackers = {name: getattr(integrations, TRACKERS[name][2])() for name in report_to}
     return [TrackerMedia(trackers), *trackers.values()]
+
+
+def preflight(report_to: list[str]) -> None:
+    """Open what each tracker in ``report_to`` needs that the user's settings can break, before anything is
+    written to the run folder; PreflightError (one line, with the working settings) when one cannot start.
+    MLflow: its tracking store (``MLFLOW_TRACKING_URI``; MLflow 3 refuses a file store unless
+    ``MLFLOW_ALLOW_FILE_STORE=true`` and needs a database driver for its default ``sqlite:`` store)."""
+    if "mlflow" in report_to:
+        from mlflow import MlflowClient  # optional tracker, imported only when asked for
+
+        try:
+            MlflowClient().search_experiments(max_results=1)  # builds the store as mlflow.start_run would
+        except Exception as error:  # mlflow raises several types (MlflowException, registry and driver errors)
+            uri = os.environ.get("MLFLOW_TRACKING_URI") or "mlflow's default (sqlite:///mlflow.db)"
+            raise PreflightError(
+                f"report_to mlflow cannot start with tracking URI {uri}: {_first_line(error)}; set "
+                f"MLFLOW_TRACKING_URI to a server (http://host:5000), or to a folder (file:./mlruns) together with "
+                f"MLFLOW_ALLOW_FILE_STORE=true, or drop mlflow from report_to (docs/trackers.md)") from None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 class TrackerMedia(TrainerCallback):

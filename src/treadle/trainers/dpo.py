@@ -22,9 +22,11 @@ Departures from the paper and from TRL's DPOTrainer:
    on the averaged scale too.
 3. The RPO term (``rpo_alpha``, Pang et al. 2024) is each pair's per-token NLL of its chosen response,
    then averaged over pairs like the DPO term; TRL takes one token mean over the whole batch.
-4. Truncation happens once, at tokenisation: the prompt is cut to ``max_prompt_length`` (which end is kept
-   is ``truncation_mode``), then the responses are cut to fit ``max_length``, keeping their start. A prompt
-   that leaves no room for a response is an error, not a silent truncation.
+4. Truncation happens once, at tokenisation: the prompt is cut to ``max_prompt_length`` when set (which end is
+   kept is ``truncation_mode``; TRL 1.16 has no such setting, so the default None sets no cap of its own and
+   ``max_length`` alone bounds a row, as in TRL), then the responses are cut to fit ``max_length``, keeping
+   their start. A prompt that leaves no room for a response is an error naming the row, where TRL drops the
+   row silently.
 5. Text responses get the tokenizer's eos appended unless they end with it (the model learns to stop);
    chat responses end the way the chat template ends an assistant turn. Text prompts are tokenised with the
    tokenizer's own special tokens (a bos for Llama-style tokenizers), rendered chat prompts without (the
@@ -67,7 +69,7 @@ from treadle.data import column_names, require_columns
 from treadle.logprobs import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.metrics import mode_of
-from treadle.models import eval_mode, frozen_reference, is_peft_model
+from treadle.models import eval_mode, from_name, frozen_reference, is_peft_model
 from treadle.packing import long_tensor
 from treadle.peft import disable_adapter
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
@@ -116,7 +118,7 @@ class DPOConfig(TrainingArguments):
     label_smoothing: float = 0.0  # ε, assumed rate of flipped labels (cDPO / robust); 0 trusts the labels
     rpo_alpha: float = 0.0  # α, weight of an NLL term on the chosen response (RPO uses 1.0); 0 disables it
     max_length: int | None = 1024  # prompt + response tokens kept per sequence; None keeps everything
-    max_prompt_length: int | None = 512  # prompt tokens kept (must be < max_length); None keeps all
+    max_prompt_length: int | None = None  # prompt tokens kept (< max_length); None: no own cap, as TRL 1.16 (none)
     truncation_mode: str = "keep_end"  # which end of a too-long prompt survives: "keep_end" or "keep_start"
     padding_value: int | None = None  # input_ids padding; None uses the tokenizer's pad (or eos) token id
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then free the reference
@@ -300,6 +302,8 @@ class DPOTrainer(Trainer):
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
                  callbacks=None, optimizers=(None, None), peft_config=None):
         args = self.check_args(args)  # needed before super().__init__: the collator's pad id
+        model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
+        ref_model, _ = from_name(ref_model, processing_class, args)
         if model is not None and ref_model is model:
             raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
                              "or a separate model")

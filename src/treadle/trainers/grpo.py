@@ -87,7 +87,7 @@ from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.logprobs import token_logps
 from treadle.losses import decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages
 from treadle.metrics import means_of
-from treadle.models import eval_mode, frozen_reference
+from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
 from treadle.peft import reference_of
 from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, score_completions, weighted_rewards
@@ -138,6 +138,8 @@ class GRPOTrainer(Trainer):
                  callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None, compute_metrics=None,
                  tools=None, env_factory=None):
         args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
+        model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
+        ref_model, _ = from_name(ref_model, processing_class, args)
         if compute_metrics is not None:
             check_compute_metrics(compute_metrics, column_names(eval_dataset) or ())
         self.rollout_runner = None if tools is None and env_factory is None else RolloutRunner(

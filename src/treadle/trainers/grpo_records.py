@@ -12,7 +12,7 @@ import torch
 from treadle import distributed as dist
 from treadle.data import require_columns
 from treadle.metrics import pass_at_k_sums
-from treadle.rewards import METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, reward_name, weighted_rewards
+from treadle.rewards import METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, from_reward_model, reward_name, weighted_rewards
 from treadle.text import encode_prompt
 from treadle.trainers.grpo_data import Rollout
 
@@ -118,12 +118,13 @@ def reward_list(reward_funcs) -> list[RewardFunction]:
         raise ValueError("GRPOTrainer needs reward_funcs: a function or a list of functions "
                          "fn(prompts, completions, completion_ids, **columns) -> list[float | None]")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    funcs = [from_reward_model(fn) if isinstance(fn, str) else fn for fn in funcs]  # a reward model's folder or Hub id
     if not funcs:
         raise ValueError("reward_funcs is empty; pass at least one reward function")
     for fn in funcs:
         if not callable(fn):
-            raise TypeError(f"reward function {fn!r} is not callable; reward models by name are not supported, "
-                            f"pass a function fn(prompts, completions, completion_ids, **columns)")
+            raise TypeError(f"reward function {fn!r} is not callable; pass a function fn(prompts, completions, "
+                            f"completion_ids, **columns) or a reward model's folder or Hub id (a str)")
     names = [reward_name(fn) for fn in funcs]
     if len(set(names)) != len(names):
         raise ValueError(f"reward functions need distinct names (they are logged as rewards/<name>/mean), got "

@@ -37,6 +37,7 @@ from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.losses import bradley_terry_loss
 from treadle.metrics import mode_of
+from treadle.models import from_name
 from treadle.text import pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.dpo import ID_COLUMNS, ChosenRejected, DPOCollator, pair_count, tokenize_row
@@ -81,6 +82,14 @@ class RewardTrainer(Trainer):
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
                  optimizers=(None, None), peft_config=None):
         args = self.check_args(args)
+        if isinstance(model, str):  # a folder or Hub id: a one-score head on it, as TRL's RewardTrainer loads it
+            from transformers import AutoModelForSequenceClassification  # transformers' model classes load ~5 s
+
+            model, processing_class = from_name(model, processing_class, args,
+                                                model_class=AutoModelForSequenceClassification, num_labels=1)
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "pad_token_id", 0) is None and processing_class is not None:
+            config.pad_token_id = pad_token_id(processing_class)  # the head finds each row's last token by it (TRL too)
         collator = data_collator if data_collator is not None else RewardCollator(pad_token_id(processing_class))
         super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
                          peft_config)

@@ -21,8 +21,8 @@ How this departs from TRL's SFTTrainer (v0.2x):
    block-diagonal causal mask from the position ids (eager, sdpa and flash attention alike), so no token
    attends across rows, and the first token of each row is not a label (it would be predicted from the row
    before). A test checks the per-row losses of a packed forward against the rows run alone.
-4. No PEFT, no vision-language inputs, no ``dataset_kwargs``, no streaming datasets; a string ``model`` must be a
-   local folder (no download).
+4. No vision-language inputs, no ``dataset_kwargs``, no streaming datasets. LoRA through ``peft_config`` (the
+   Trainer's, docs/peft.md). A string ``model`` is a local folder or a Hub id (``models.from_name``).
 5. ``mean_token_accuracy`` is logged for training and evaluation (argmax of the logits against the labels, over
    the label tokens of the logging window, through the Trainer's metrics window); TRL's ``num_tokens`` and
    entropy are not.
@@ -40,7 +40,7 @@ from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import check_text_columns, column_names, require_eval_dataset
 from treadle.metrics import mode_of
-from treadle.models import load_pretrained, max_positions
+from treadle.models import from_name, max_positions
 from treadle.packing import best_fit_bins, right_padded
 from treadle.text import encode_prompts, encode_texts, is_conversation, pad_token_id, split_chat_completion, with_eos
 from treadle.trainer import Trainer
@@ -71,7 +71,8 @@ class SFTConfig(TrainingArguments):
 class SFTTrainer(Trainer):
     """Fine-tunes a causal LM on text, prompt/completion or chat rows; see the module docstring.
 
-    ``model`` is a model or the path of a local folder in transformers layout; ``processing_class`` the
+    ``model`` is a model, the path of a local folder in transformers layout or a Hub id (read with
+    ``args.model_init_kwargs`` and ``args.trust_remote_code``, as TRL does); ``processing_class`` the
     tokenizer (loaded from that folder when None). Datasets are ``datasets.Dataset`` objects or lists of dicts.
     """
 
@@ -82,8 +83,7 @@ class SFTTrainer(Trainer):
                  optimizers=(None, None), peft_config=None):
         args = self.check_args(args)  # needed before super().__init__: the datasets are tokenised first
         require_eval_dataset(args, eval_dataset)  # before the tokenising, which takes a while
-        if isinstance(model, str):
-            model, processing_class = self.load_model(model, processing_class, seed=args.seed)
+        model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
         self.args = args = fit_max_length(args, model)
         self.processing_class = processing_class
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
@@ -96,13 +96,6 @@ class SFTTrainer(Trainer):
                          peft_config=peft_config)
 
     # ---- building -----------------------------------------------------------------------------------------
-    @staticmethod
-    def load_model(path: str, processing_class=None, seed: int = 0):
-        """(model, tokenizer) from a local folder in transformers layout (``models.load_pretrained``; never
-        downloads); the tokenizer is read from the folder unless given. ``seed`` is unused by a folder (kept for
-        subclasses that build models); a config's ``toy:<size>`` is the CLI's (``treadle.loading.load_model``)."""
-        return load_pretrained(path, tokenizer=processing_class)
-
     def prepare_dataset(self, dataset, name: str = "train"):
         """Tokenise ``dataset`` once (with a progress bar), truncate to ``max_length`` and pack if asked.
         Returns a ``datasets.Dataset`` with ``input_ids``, ``completion_mask`` (and ``position_ids`` when
