@@ -16,7 +16,7 @@ import datasets
 from treadle import peft as treadle_peft, toy
 from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
-from treadle.models import from_name, load_pretrained
+from treadle.models import from_name
 from treadle.rewards import RewardFunction, from_reward_model
 from treadle.runs import check_not_in_model
 
