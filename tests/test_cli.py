@@ -2,6 +2,7 @@
 loading, the example configs end to end, `treadle report`, and how `treadle demo` hands its flags to
 treadle.demo (the demo itself: tests/test_demo.py)."""
 
+import shutil
 import json
 import subprocess
 import sys
@@ -221,9 +222,13 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, capsys):
     out = tmp_path / "sft"
     base = ["train", EXAMPLES / "sft.yaml", "--output_dir", out, "--disable_tqdm", "true", "--eval_strategy", "no",
             "--save_steps", "2", "--logging_steps", "1"]
-    assert run(base + ["--max_steps", "2"], capsys)[0] == 0
+    assert run(base + ["--max_steps", "4"], capsys)[0] == 0
+    shutil.rmtree(out / "checkpoint-4")  # as if the run had died after step 2's checkpoint
     assert run(base + ["--max_steps", "4", "--resume"], capsys)[0] == 0
     assert [e["step"] for e in metrics_of(out) if "loss" in e] == [1, 2, 3, 4]
+    # a finished run's schedule is spent: more steps on resume are refused (issue 33)
+    code, _, err = run(base + ["--max_steps", "6", "--resume"], capsys)
+    assert code == 2 and "schedule was built for 4 steps and is spent" in err.strip().splitlines()[-1]
     assert_user_error(["train", EXAMPLES / "sft.yaml", "--output_dir", tmp_path / "empty", "--resume"], capsys,
                       "no complete checkpoint")
 

@@ -10,6 +10,7 @@ import statistics
 import pytest
 import torch
 
+from treadle.fingerprints import MARKER
 from treadle import toy
 from treadle.callbacks import TrainerCallback
 from treadle.generation import GenerationOutput, completion_masks, left_pad
@@ -504,6 +505,7 @@ def test_a_checkpoint_in_the_first_release_layout_resumes_exactly(tmp_path, tok,
     state = json.loads((old / "trainer_state.json").read_text())
     state["stateful_callbacks"]["_log_window"] = {"loss_sum": loss_sum, "items": items}
     (old / "trainer_state.json").write_text(json.dumps(state))
+    os.remove(old / MARKER)  # checkpoints of the first release had no digests marker
     resumed = make_trainer(tmp_path / "old", tok, dataset, model_seed=5, **common)
     resumed.train(resume_from_checkpoint=True)
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
@@ -517,6 +519,7 @@ def test_resume_without_the_buffer_warns(tmp_path, tok, dataset):
     common = dict(steps_per_generation=2, max_steps=2, save_strategy="steps", save_steps=1)
     make_trainer(tmp_path, tok, dataset, **common).train()
     os.remove(tmp_path / "run" / "checkpoint-1" / "extra_state_0.pt")
+    os.remove(tmp_path / "run" / "checkpoint-1" / MARKER)  # as a checkpoint written without the buffer would be
     shutil.rmtree(tmp_path / "run" / "checkpoint-2")
     with pytest.warns(UserWarning, match="not an exact continuation"):
         make_trainer(tmp_path, tok, dataset, **common).train(resume_from_checkpoint=True)

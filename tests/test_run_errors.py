@@ -229,7 +229,9 @@ def test_a_corrupt_checkpoint_is_one_line(work, earlier_run):
     shutil.copytree(earlier_run, work / "run")
     (work / "run" / "checkpoint-2" / "optimizer.pt").write_bytes(b"not a torch file")
     line = error_line(treadle("train", write_config(work, max_steps=3), "--resume", cwd=work))
-    assert "cannot read 'run/checkpoint-2/optimizer.pt'" in line and "earlier checkpoint" in line
+    # the digests marker catches it first, naming the file and both ways on
+    assert "checkpoint run/checkpoint-2 is not what was saved: optimizer.pt changed" in line
+    assert "resume from another checkpoint" in line and "ignore_checkpoint_fingerprints" in line
 
 
 # ---- runs that train -----------------------------------------------------------------------------------------

@@ -305,7 +305,7 @@ def test_a_local_model_folder_loads_with_its_tokenizer(tmp_path, tokenizer):
     trainer = SFTTrainer(str(tmp_path / "m"), config(tmp_path / "out"), train_dataset=PAIRS[:4])
     assert trainer.processing_class.eos_token_id == EOS
     torch.testing.assert_close(trainer.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
-    with pytest.raises(ValueError, match="model folder .*missing not found; use a local folder"):
+    with pytest.raises(ValueError, match="model folder .*missing not found, and it is not a Hugging Face model id"):
         SFTTrainer(str(tmp_path / "missing"), config(tmp_path / "out"), train_dataset=PAIRS[:4])
 
 
