@@ -27,6 +27,8 @@ _LAZY = {
     "GRPOConfig": "treadle.trainers.grpo",
     "RewardTrainer": "treadle.trainers.reward",
     "RewardConfig": "treadle.trainers.reward",
+    "KTOTrainer": "treadle.trainers.kto",
+    "KTOConfig": "treadle.trainers.kto",
 }
 
 __all__ = sorted(_LAZY)
@@ -53,5 +55,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from treadle.trainer import Trainer
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
     from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+    from treadle.trainers.kto import KTOConfig, KTOTrainer
     from treadle.trainers.reward import RewardConfig, RewardTrainer
     from treadle.trainers.sft import SFTConfig, SFTTrainer
