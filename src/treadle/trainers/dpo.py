@@ -56,24 +56,23 @@ Departures from the paper and from TRL's DPOTrainer:
 from __future__ import annotations
 
 import functools
-import gc
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.logprobs import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.metrics import mode_of
-from treadle.models import eval_mode, from_name, frozen_reference, is_peft_model
+from treadle.models import from_name, frozen_reference, is_peft_model
 from treadle.packing import long_tensor
 from treadle.peft import disable_adapter
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.trainer import Trainer
+from treadle.trainers.reference import PrecomputedReference
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 ID_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
@@ -288,7 +287,7 @@ def tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None, ma
 # ---------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------
-class DPOTrainer(Trainer):
+class DPOTrainer(PrecomputedReference, Trainer):
     """Trains ``model`` on preference pairs with DPO (and its variants, see ``DPOConfig.loss_type``).
 
     The reference is ``ref_model``; when None, a frozen copy of ``model`` made here — or, for a PEFT model
@@ -322,13 +321,6 @@ class DPOTrainer(Trainer):
     def build_reference_model(self, ref_model):
         """The given ``ref_model``, None for a PEFT policy, else a frozen copy of the policy (eval mode)."""
         return frozen_reference(self.model, ref_model, device=self.args.device)
-
-    def free_reference_model(self) -> None:
-        """Drop the reference model (after ``precompute_ref_log_probs`` has used it)."""
-        self.ref_model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def reference_logps(self, inputs: dict[str, Tensor]) -> ChosenRejected:
@@ -379,50 +371,11 @@ class DPOTrainer(Trainer):
         this over the accumulation window and over ranks, and ``compute_loss`` divides by that."""
         return pair_count(inputs["input_ids"].shape[0])
 
-    def prepare_training(self) -> None:
-        if self.args.precompute_ref_log_probs:
-            self.precompute_reference_logps()
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        if eval_dataset is not None:
-            eval_dataset = self.prepare_dataset(eval_dataset, "eval")
-        if self.args.precompute_ref_log_probs:
-            if eval_dataset is not None:
-                eval_dataset = self.add_reference_logps(eval_dataset, "eval")
-            elif self.eval_dataset is not None:
-                self.eval_dataset = self.add_reference_logps(self.eval_dataset, "eval")
-        return super().get_eval_dataloader(eval_dataset)
+    def reference_columns(self) -> tuple[str, ...]:
+        return REF_COLUMNS
 
     def get_test_dataloader(self, test_dataset):
         return super().get_test_dataloader(self.prepare_dataset(test_dataset, "test"))
-
-    def precompute_reference_logps(self) -> None:
-        """Add reference log-prob columns to the training and evaluation datasets, then free the reference
-        model (a PEFT policy stays: it is its own reference)."""
-        if self.train_dataset is not None:
-            self.train_dataset = self.add_reference_logps(self.train_dataset, "train")
-        if self.eval_dataset is not None:
-            self.eval_dataset = self.add_reference_logps(self.eval_dataset, "eval")
-        if self.ref_model is not None:
-            self.free_reference_model()
-
-    def add_reference_logps(self, dataset, split: str):
-        """``dataset`` with ``ref_chosen_logps`` / ``ref_rejected_logps`` columns (one pass, progress bar)."""
-        from tqdm.auto import tqdm
-
-        if all(c in (column_names(dataset) or []) for c in REF_COLUMNS):
-            return dataset
-        loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size)
-        chosen, rejected = [], []
-        with eval_mode(dist.unwrap_model(self.model)):  # a PEFT policy is the reference here: no dropout
-            for inputs in tqdm(loader, desc=f"Reference log-probs ({split})", dynamic_ncols=True,
-                               disable=self.args.disable_tqdm or not dist.is_main_process()):
-                with self.autocast():
-                    ref_chosen, ref_rejected = self.reference_logps(self.prepare_inputs(inputs))
-                chosen += ref_chosen.tolist()
-                rejected += ref_rejected.tolist()
-        dataset = dataset.remove_columns([c for c in REF_COLUMNS if c in dataset.column_names])
-        return dataset.add_column(REF_COLUMNS[0], chosen).add_column(REF_COLUMNS[1], rejected)
 
     # ---- the loss -----------------------------------------------------------------------------------------
     def completion_logps(self, model, inputs: dict[str, Tensor], *, with_logits: bool = False) -> PairScores:

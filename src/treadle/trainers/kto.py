@@ -39,7 +39,6 @@ Departures from TRL's KTOTrainer:
 from __future__ import annotations
 
 import functools
-import gc
 
 import torch
 from dataclasses import dataclass
@@ -51,11 +50,12 @@ from treadle.data import column_names, require_columns
 from treadle.logprobs import token_logps
 from treadle.losses import check_kto_options, kto_kl, kto_loss, kto_uses_kl
 from treadle.metrics import mode_of
-from treadle.models import eval_mode, frozen_reference, is_peft_model
+from treadle.models import frozen_reference, is_peft_model
 from treadle.packing import long_tensor
 from treadle.peft import reference_of
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.trainer import Trainer
+from treadle.trainers.reference import PrecomputedReference
 from treadle.trainers.dpo import split_implicit_prompt
 
 ID_COLUMNS = ("prompt_input_ids", "completion_input_ids", "label")
@@ -190,7 +190,7 @@ def rotate_completions(batch: dict[str, list]) -> dict[str, list]:
 # ---------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------
-class KTOTrainer(Trainer):
+class KTOTrainer(PrecomputedReference, Trainer):
     """Trains ``model`` on labelled, unpaired completions with KTO (or unpaired APO-zero, see
     ``KTOConfig.loss_type``). The reference is ``ref_model``; when None, a frozen copy of ``model`` — or, for a
     PEFT model, the model itself with its adapters disabled. The model never receives labels."""
@@ -247,45 +247,9 @@ class KTOTrainer(Trainer):
         """A KTO loss item is a row; ``get_num_items_in_batch`` sums this over the window and the ranks."""
         return int(inputs["label"].shape[0])
 
-    def prepare_training(self) -> None:
-        if self.args.precompute_ref_log_probs:
-            if self.train_dataset is not None:
-                self.train_dataset = self.add_reference_logps(self.train_dataset, "train")
-            if self.eval_dataset is not None:
-                self.eval_dataset = self.add_reference_logps(self.eval_dataset, "eval")
-            self.ref_model = None  # a PEFT policy stays its own reference; a copy is freed
-            gc.collect()
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        if eval_dataset is not None:
-            eval_dataset = self.prepare_dataset(eval_dataset, "eval")
-        if self.args.precompute_ref_log_probs:
-            if eval_dataset is not None:
-                eval_dataset = self.add_reference_logps(eval_dataset, "eval")
-            elif self.eval_dataset is not None:
-                self.eval_dataset = self.add_reference_logps(self.eval_dataset, "eval")
-        return super().get_eval_dataloader(eval_dataset)
-
-    def add_reference_logps(self, dataset, split: str):
-        """``dataset`` with ``ref_logps`` (and for "kto" ``ref_KL_logps``) columns: one pass in eval mode."""
-        from tqdm.auto import tqdm
-
-        if REF_COLUMNS[0] in (column_names(dataset) or []):
-            return dataset
-        loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size)
-        values: dict[str, list[float]] = {REF_COLUMNS[0]: [], REF_COLUMNS[1]: []}
-        with eval_mode(dist.unwrap_model(self.model)):
-            for inputs in tqdm(loader, desc=f"Reference log-probs ({split})", dynamic_ncols=True,
-                               disable=self.args.disable_tqdm or not dist.is_main_process()):
-                with self.autocast():
-                    ref, ref_kl = self.reference_logps(self.prepare_inputs(inputs))
-                values[REF_COLUMNS[0]] += ref.tolist()
-                if ref_kl is not None:
-                    values[REF_COLUMNS[1]] += ref_kl.tolist()
-        for key, column in values.items():
-            if column:
-                dataset = dataset.add_column(key, column)
-        return dataset
+    def reference_columns(self) -> tuple[str, ...]:
+        """``ref_logps``, and for the "kto" loss ``ref_KL_logps`` (``reference_logps`` fills it only then)."""
+        return REF_COLUMNS if kto_uses_kl(self.args.loss_type) else REF_COLUMNS[:1]
 
     # ---- the loss -----------------------------------------------------------------------------------------
     def completion_logps(self, model, ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, *,
