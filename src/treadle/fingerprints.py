@@ -64,18 +64,23 @@ def write_marker(folder: str, dataset: str | None = None) -> None:
         f.write("\n")
 
 
-def read_marker(folder: str) -> dict | None:
-    """The marker of ``folder``, None when there is none or it is not treadle's (unreadable, another shape)."""
-    path = os.path.join(folder, MARKER)
+def read_record(path: str, kind: str) -> dict | None:
+    """The JSON object treadle wrote at ``path`` with ``{kind: 1}`` in it (a checkpoint marker, a run manifest);
+    None when there is none, it is a link (never followed), unreadable, or of another shape."""
     if os.path.islink(path) or not os.path.isfile(path):
         return None
     try:
         with open(path) as f:
-            marker = json.load(f)
+            record = json.load(f)
     except (OSError, ValueError):
         return None
-    ok = isinstance(marker, dict) and marker.get("treadle_checkpoint") == 1 and isinstance(marker.get("files"), dict)
-    return marker if ok else None
+    return record if isinstance(record, dict) and record.get(kind) == 1 else None
+
+
+def read_marker(folder: str) -> dict | None:
+    """The marker of ``folder``, None when there is none or it is not treadle's (unreadable, another shape)."""
+    marker = read_record(os.path.join(folder, MARKER), "treadle_checkpoint")
+    return marker if marker is not None and isinstance(marker.get("files"), dict) else None
 
 
 def foreign_files(folder: str) -> list[str] | None:

@@ -151,15 +151,7 @@ def write_manifest(output_dir: str) -> None:
 
 
 def read_manifest(output_dir: str) -> dict | None:
-    path = os.path.join(output_dir, MANIFEST_FILE)
-    if os.path.islink(path):
-        return None
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("treadle_run") == 1 else None
+    return fingerprints.read_record(os.path.join(output_dir, MANIFEST_FILE), "treadle_run")
 
 
 def _tree(output_dir: str, most: int) -> list[str]:
