@@ -69,7 +69,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one short loop.")
+    parser = _Parser(prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one loop.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or TREADLE_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     # the demo's numbers have no default here: a flag left out is absent from args, so DemoSettings' own default
@@ -258,9 +258,8 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
 
 
 def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, args, base_dir: Path) -> dict[str, Any]:
-    """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and
-    tokenizer (a folder or Hub id read with ``args.model_init_kwargs`` / ``args.trust_remote_code``) -- the
-    cheap ones first, so that a typo in a path fails before a model is loaded."""
+    """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and tokenizer
+    (folder or Hub id, with ``args``' loading fields) -- the cheap ones first: a wrong path fails before a load."""
     from treadle.loading import load_dataset, load_model, load_reward_funcs  # heavy: datasets, torch
     from treadle.peft import lora_config  # heavy: torch
 
