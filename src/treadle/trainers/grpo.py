@@ -78,12 +78,12 @@ import torch
 
 from treadle import checkpoint as ckpt
 from treadle import distributed as dist, runfiles
-from treadle.health import HealthCallback, generation_health
 from treadle.data import RepeatSampler, column_names, require_columns
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, distinct_prompts
+from treadle.health import HealthCallback, generation_health
 from treadle.logprobs import token_logps
 from treadle.losses import decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages
 from treadle.metrics import means_of
@@ -294,8 +294,8 @@ class GRPOTrainer(Trainer):
         self.engine.load_weights(self.model_wrapped)  # the policy changed since the last generation
         rollout, rewards, trained = self.sample_and_score(rows, generation)  # (N, F), (N,)
         all_rewards = dist.gather_rows(rewards)  # (W*N, F)
-        advantages, metrics = group_advantages(weighted_rewards(all_rewards, self.reward_weights),
-                                               args.num_generations, scale_rewards=args.scale_rewards,
+        total = weighted_rewards(all_rewards, self.reward_weights)  # (W*N,)
+        advantages, metrics = group_advantages(total, args.num_generations, scale_rewards=args.scale_rewards,
                                                advantage_estimator=args.advantage_estimator)
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward normalised on its own
             advantages = decoupled_advantages(all_rewards, self.reward_weights, args.num_generations)
@@ -304,8 +304,7 @@ class GRPOTrainer(Trainer):
         self.metrics.add_many(generation_metrics(metrics, all_rewards, rollout, self.reward_funcs,
                                                  self.reward_weights))
         self.metrics.add_many(self.health.record_generation(generation_health(
-            all_rewards, weighted_rewards(all_rewards, self.reward_weights),
-            dist.gather_rows(rollout.generation.is_truncated.cpu()), args.num_generations,
+            all_rewards, total, dist.gather_rows(rollout.generation.is_truncated.cpu()), args.num_generations,
             [reward_name(fn) for fn in self.reward_funcs])))
         if args.log_completions:
             self._log_completions(rollout, rewards, local_advantages)
