@@ -1,5 +1,6 @@
 """Pure loss functions: preference optimisation (the DPO family, ``losses.dpo``), the reward model
-(``losses.reward``), KTO (``losses.kto``), distillation divergences (``losses.distill``) and group-relative policy optimisation (``losses.grpo``). This module re-exports them all
+(``losses.reward``), KTO (``losses.kto``), distillation divergences (``losses.distill``) and group-relative
+policy optimisation (``losses.grpo``). This module re-exports them all
 (``from treadle.losses import dpo_loss`` is the public path).
 
 Everything here takes tensors and floats and returns tensors: no model, no trainer, no distributed calls.
@@ -67,8 +68,10 @@ from treadle.losses.distill import check_distill_options, chunked_generalized_js
 from treadle.losses.kto import KTO_LOSS_TYPES, check_kto_options, kto_kl, kto_loss, kto_uses_kl
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ChosenRejectedCounts", "DPO_LOSS_TYPES", "F_DIVERGENCES", "F_DIVERGENCE_LOSSES",
-           "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES", "MULTI_OBJECTIVE_AGGREGATIONS", "SCALE_REWARDS",
-           "SMOOTHING_RULES", "bradley_terry_loss", "check_dpo_options", "check_grpo_extras", "check_grpo_options", "check_distill_options", "check_kto_options", "chunked_generalized_jsd", "generalized_jsd", "kto_kl", "kto_loss", "kto_uses_kl",
-           "check_same_shape", "decoupled_advantages", "dpo_loss", "dpo_loss_types", "f_divergence_score",
-           "group_advantages", "grpo_aggregation", "grpo_loss", "high_entropy_mask", "kl_k3", "ld_token_weights",
-           "off_policy_mask", "sft_loss", "wpo_weights", "zero_spread_groups"]
+           "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES", "MULTI_OBJECTIVE_AGGREGATIONS",
+           "SCALE_REWARDS", "SMOOTHING_RULES", "bradley_terry_loss", "check_dpo_options", "check_grpo_extras",
+           "check_grpo_options", "check_distill_options", "check_kto_options", "chunked_generalized_jsd",
+           "generalized_jsd", "kto_kl", "kto_loss", "kto_uses_kl", "check_same_shape", "decoupled_advantages",
+           "dpo_loss", "dpo_loss_types", "f_divergence_score", "group_advantages", "grpo_aggregation", "grpo_loss",
+           "high_entropy_mask", "kl_k3", "ld_token_weights", "off_policy_mask", "sft_loss", "wpo_weights",
+           "zero_spread_groups"]
