@@ -133,7 +133,8 @@ def pack_shared_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_width: 
     segment = torch.stack(segments)  # (K, W): 0 prompt, i completion i, -1 unused tail
     causal = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
     same = (segment[:, None, :] == 0) | (segment[:, None, :] == segment[:, :, None])  # (K, W query, W key)
-    allowed = (causal & same & (segment[:, None, :] >= 0)) | torch.eye(width, dtype=torch.bool)
+    used = segment >= 0  # (K, W)
+    allowed = (causal & same & used[:, None, :] & used[:, :, None]) | torch.eye(width, dtype=torch.bool)
     device = input_ids.device
     return SharedPrefixBatch(torch.stack(ids).to(device), torch.stack(positions).to(device),
                              allowed[:, None].to(device), torch.cat(rows).to(device),
