@@ -179,8 +179,9 @@ def scenario_dpo_padded(out: str) -> dict:
 
 
 def scenario_grpo_padded(out: str) -> dict:
-    """GRPO with padded forwards: the padding-free default must give the same losses and weights."""
-    return scenario_grpo(out, padding_free=False)
+    """GRPO with padded forwards: the defaults (each rank's group of 4 shares its prompt, ``shared_prefix``; else
+    padding-free) must give the same losses and weights."""
+    return scenario_grpo(out, padding_free=False, shared_prefix=False)
 
 
 def scenario_grpo_fsdp(out: str) -> dict:

@@ -320,8 +320,9 @@ def test_grpo_under_fsdp2_samples_and_learns_as_under_ddp(job):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["dpo", "grpo"])
 def test_padding_free_under_two_processes_equals_padded(job, name):
-    """The 2-process runs with padding-free forwards (the default) and with padded ones: same losses, same
-    weights (GRPO: the same samples too, so the same rewards)."""
+    """The 2-process runs with the default forwards (padding-free; GRPO: shared-prefix, each rank's 4 completions
+    after their prompt once) and with padded ones: same losses, same weights (GRPO: the same samples too, so the
+    same rewards)."""
     if not available(f"treadle.trainers.{name}"):
         pytest.skip(f"treadle.trainers.{name} does not exist yet")
     packed, padded = result(job, name), result(job, f"{name}_padded")
