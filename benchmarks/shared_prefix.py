@@ -14,6 +14,10 @@ completions have length C, as in the issue's token ratio ``(P + G C) / (G (P + C
 batch, so padding-free runs the padded forward (its rule: nothing to remove) and the two rows measure the same
 path; the shared row is what changes.
 
+The ``est.`` column is ``prefix.estimated_cost`` shared over unshared, and ``rule`` what the shipped rule decides
+(share when est. <= ``MIN_SAVING``; else the "shared" contender runs padding-free). ``--force`` shares wherever it is
+exact, to measure the curve past the rule.
+
 Per round each contender runs ``--warmup`` then ``--steps`` timed steps, contenders interleaved; the table gives
 the median over rounds of the mean step time and the median over rounds of each round's shared/padding-free ratio.
 Peak memory: tensor memory above the start of one step (benchmarks/_memory.py; CUDA's peak allocator figure on GPU).
@@ -35,8 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _machine import machine_header  # noqa: E402
 from _memory import peak_memory  # noqa: E402
 
-from treadle import GRPOConfig, GRPOTrainer, toy  # noqa: E402
-from treadle.prefix import token_ratio  # noqa: E402
+from treadle import GRPOConfig, GRPOTrainer, prefix, toy  # noqa: E402
+from treadle.prefix import estimated_cost, token_ratio  # noqa: E402
 
 CONTENDERS = {"padded": dict(shared_prefix=False, padding_free=False),
               "padding-free": dict(shared_prefix=False, padding_free=True),
@@ -101,8 +105,12 @@ def measure(size: str, prompt: int, completion: int, group: int, options) -> dic
                 setattr(trainer.args, key, value)
             times[name].append(timed(trainer, batch, options.steps, options.device))
     ratios = [s / f for s, f in zip(times["shared"], times["padding-free"])]
+    hidden = trainer.model.config.hidden_size
+    estimate = estimated_cost(1, prompt + group * completion, hidden) / estimated_cost([prompt + completion] * group,
+                                                                                      None, hidden)
+    rule = "share" if estimate <= prefix.MIN_SAVING else "off"
     return {"ms": {n: 1000 * statistics.median(t) for n, t in times.items()}, "peak": peaks,
-            "ratio": statistics.median(ratios)}
+            "ratio": statistics.median(ratios), "estimate": estimate, "rule": rule}
 
 
 def main() -> None:
@@ -116,16 +124,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--force", action="store_true", help="share wherever exact, past the cost rule (MIN_SAVING)")
     options = parser.parse_args()
     if options.quick:
         options.sizes, options.shapes, options.groups = ["small"], ["256x32"], [8]
     torch.set_num_threads(options.threads)
+    if options.force:
+        prefix.MIN_SAVING = float("inf")
     warnings.filterwarnings("ignore")
     print(machine_header())
     print(f"device {options.device}, {options.rounds} rounds x {options.steps} timed steps, {options.warmup} warm-up; "
           "step = old + ref log-probs + policy fwd/bwd, beta 0.04, dapo, B = G rows of one prompt")
     print(f"{'model':<6} {'P':>4} {'C':>4} {'G':>3} {'tokens':>6} | {'padded ms':>10} {'MiB':>7} | "
-          f"{'pad-free ms':>11} {'MiB':>7} | {'shared ms':>10} {'MiB':>7} | {'shared/pf':>9}")
+          f"{'pad-free ms':>11} {'MiB':>7} | {'shared ms':>10} {'MiB':>7} | {'shared/pf':>9} | {'est.':>5} {'rule':>5}")
     last = None
     for size in options.sizes:
         for shape in options.shapes:
@@ -137,7 +148,7 @@ def main() -> None:
                       f"{token_ratio([prompt], [[completion] * group]):>6.3f} | "
                       f"{ms['padded']:>10.1f} {peak['padded']:>7.1f} | {ms['padding-free']:>11.1f} "
                       f"{peak['padding-free']:>7.1f} | {ms['shared']:>10.1f} {peak['shared']:>7.1f} | "
-                      f"{r['ratio']:>9.3f}", flush=True)
+                      f"{r['ratio']:>9.3f} | {r['estimate']:>5.2f} {r['rule']:>5}", flush=True)
                 last = r["ratio"]
     if options.quick:
         print(f"shared/padding-free step time: {last:.3f}")

@@ -17,7 +17,7 @@ from treadle.logprobs import token_logps
 from treadle.losses import GRPO_LOSS_TYPES
 from treadle.packing import position_ids
 from treadle.peft import reference_of
-from treadle.prefix import pack_shared_prefix, shared_prefix_logps, shared_prefix_problem, token_ratio
+from treadle.prefix import estimated_cost, pack_shared_prefix, shared_prefix_logps, shared_prefix_problem, token_ratio
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,11 +79,11 @@ def test_layouts_that_are_not_grpo_s_are_refused():
 # ---- exactness: the architecture matrix -----------------------------------------------------------------------
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_log_probs_entropy_and_every_gradient_equal_the_padded_forward(arch):
-    """Two groups (prompts of 6 and 3 tokens, left-padded), completions of 0 to 7 tokens, one prompt alone:
+    """Two groups (prompts of 9 and 8 tokens, left-padded), completions of 0 to 7 tokens, one prompt alone:
     log-probs, entropies and every parameter's gradient equal the padded forward's (1e-5). Gemma2 takes the
     full-logits path (its final softcap) and eager attention (the additive mask); the rest sdpa (the boolean one)."""
     model = build(arch).train()
-    ids, mask, width_p = grouped_batch([6, 3, 4], [[7, 2, 0, 5], [1, 6, 6], [3]])
+    ids, mask, width_p = grouped_batch([9, 8, 8], [[7, 2, 0, 5], [1, 6, 6], [3]])  # rows within Mistral's window
     weights = torch.rand(ids.shape[0], ids.shape[1] - width_p, generator=torch.Generator().manual_seed(1))
     results = []
     for shared in (False, True):
@@ -127,8 +127,8 @@ def grpo_trainer(tmp_path, tok, peft_config=None, **overrides):
 def grouped_micro_batches(trainer):
     """Two micro-batches of two groups of 3: old log-probs (padded forward, plus noise) and reference log-probs."""
     batches = []
-    for seed, (prompts, completions) in enumerate([([9, 4], [[12, 1, 3], [7, 0, 2]]),
-                                                   ([2, 6], [[5, 8, 2], [11, 1, 4]])]):
+    for seed, (prompts, completions) in enumerate([([12, 9], [[12, 1, 3], [7, 0, 2]]),
+                                                   ([10, 14], [[5, 8, 2], [11, 1, 4]])]):
         ids, mask, width_p = grouped_batch(prompts, completions, seed=seed)
         batch = {"input_ids": ids, "attention_mask": mask, "completion_mask": mask[:, width_p:].float(),
                  "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8, 0.6, -0.2])}
@@ -227,9 +227,22 @@ def test_off_where_nothing_is_shared_or_too_little_is_saved(tok):
     model = toy.build_model("tiny", tokenizer=tok, seed=0)
     ids, mask, width_p = grouped_batch([5, 4, 6], [[3], [2], [7]])  # no two rows share a prompt
     assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
-    ids, mask, width_p = grouped_batch([2], [[30, 30]])  # 62 of 64 tokens: above MIN_SAVING
-    assert token_ratio([2], [[30, 30]]) > prefix.MIN_SAVING
+    ids, mask, width_p = grouped_batch([2], [[30, 30]])  # 62 of 64 tokens: the dense mask's attention costs more
     assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
+    ids, mask, width_p = grouped_batch([64], [[64] * 16])  # (64, 64), G 16: 0.53 of the tokens, 4.5x the attention
+    assert token_ratio([64], [[64] * 16]) < 0.55
+    assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None  # tiny: hidden 64, attention-bound
+
+
+def test_the_cost_estimate_by_hand():
+    """tokens + pairs / (6 h): (256, 32), G 8 at h = 64 (toy tiny) shares, (256, 128), G 16 does not; at h = 512
+    (toy base) it does."""
+    unshared = estimated_cost([288] * 8, None, 64)
+    assert unshared == 8 * 288 + 8 * 288 ** 2 / 2 / 384
+    assert estimated_cost(1, 512, 64) == 512 + 512 ** 2 / 384 and estimated_cost(1, 512, 64) < 0.4 * unshared
+    assert estimated_cost(1, 2304, 64) > estimated_cost([384] * 16, None, 64)
+    assert estimated_cost(1, 2304, 512) < prefix.MIN_SAVING * estimated_cost([384] * 16, None, 512)
+    assert estimated_cost([3], None, None) == 3 and estimated_cost(2, 4, None) == 8
 
 
 def test_off_for_attention_that_takes_no_4d_mask_and_for_short_sliding_windows(tok):

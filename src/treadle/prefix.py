@@ -19,9 +19,10 @@ completions right-padded after them; positions count each row's real tokens from
 
 :func:`shared_prefix_logps` returns None, and the caller runs its usual forward (padding-free or padded), when:
 
-- no two rows of the batch share a prompt (nothing to save), or sharing would not cut the token count by at least
-  ``MIN_SAVING``, or a group's packed row would hold more than ``MAX_GROUP_TOKENS`` tokens (the dense mask's
-  attention grows with its square; see docs/performance.md);
+- no two rows of the batch share a prompt (nothing to save), or sharing would not cut the estimated cost to
+  ``MIN_SAVING`` of the unshared forward's (:func:`estimated_cost`: the tokens saved against the attention the dense
+  mask adds, which grows with the square of the packed row: long completions on a narrow model lose), or a group's
+  packed row would hold more than ``MAX_GROUP_TOKENS`` tokens; see docs/performance.md;
 - the model's attention cannot take a custom 4D mask: only ``sdpa`` (a boolean mask) and ``eager`` (an additive
   float mask) do; ``flash_attention_*`` and ``flex_attention`` fall back, as does a model that is not a transformers
   causal LM taking ``position_ids`` (no ``config._attn_implementation``);
@@ -46,11 +47,11 @@ from treadle.logprobs import TokenLogps, logps_at_rows, token_logps
 from treadle.models import eval_mode, forward_signature
 from treadle.packing import position_ids
 
-__all__ = ["MAX_GROUP_TOKENS", "MIN_SAVING", "SharedPrefixBatch", "pack_shared_prefix", "shared_prefix_logps",
-           "shared_prefix_problem", "token_ratio"]
+__all__ = ["MAX_GROUP_TOKENS", "MIN_SAVING", "SharedPrefixBatch", "estimated_cost", "pack_shared_prefix",
+           "shared_prefix_logps", "shared_prefix_problem", "token_ratio"]
 
-# Share only when the packed forward holds at most this fraction of the unshared tokens (two completions of a
-# prompt as long as each already give 0.75; see docs/performance.md for the measured curve).
+# Share only when the shared forward's estimated cost (``estimated_cost``: tokens, plus attention pairs, which the
+# dense 4D mask computes for the whole packed row) is at most this fraction of the unshared one's (docs/performance.md).
 MIN_SAVING = 0.8
 # A packed group row longer than this falls back: its dense (W, W) mask and attention cost more than the tokens saved.
 MAX_GROUP_TOKENS = 8192
@@ -156,9 +157,7 @@ def shared_prefix_problem(model: nn.Module) -> str | None:
     return None
 
 
-def _sliding_window(base: nn.Module) -> int | None:
-    config = getattr(base, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+def _sliding_window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
     return window if isinstance(window, int) and window > 0 else None
 
@@ -172,16 +171,34 @@ def _mask(allowed: Tensor, base: nn.Module) -> Tensor:
                                                                                        torch.finfo(dtype).min)
 
 
-def _worth_sharing(packed: SharedPrefixBatch, attention_mask: Tensor, prompt_width: int, base: nn.Module) -> bool:
-    """The switch-off rule for a batch the model could share (module docstring): enough tokens saved, rows within
-    the model's sliding window, groups within ``MAX_GROUP_TOKENS``."""
-    real = attention_mask.bool()
-    shared_tokens = int((packed.position_ids > 0).sum()) + packed.input_ids.shape[0]  # every packed token but the tail
-    unshared_tokens = int(real.sum())
-    window = _sliding_window(base)
-    longest = int(real.sum(dim=1).max())
-    return (shared_tokens <= MIN_SAVING * unshared_tokens and packed.input_ids.shape[1] <= MAX_GROUP_TOKENS
-            and (window is None or longest <= window))
+def estimated_cost(rows: Tensor | list[int], width: int | None, hidden_size: int | None) -> float:
+    """A forward's cost in token-equivalents: each token's projections and MLP (about ``24 h^2`` flops a layer)
+    plus each attended (query, key) pair (about ``4 h``), i.e. ``tokens + pairs / (6 h)``. ``rows``: the lengths of
+    unshared rows (padding-free, a causal kernel: ``n^2 / 2`` pairs each), or the number of packed rows of
+    ``width`` (a dense 4D mask: ``width^2`` pairs each). Without a ``hidden_size`` the pairs are not counted.
+
+    >>> estimated_cost([288] * 8, None, 64), estimated_cost(1, 512, 64)  # (256, 32), G 8, toy tiny
+    (3168.0, 1194.6666666666665)
+    """
+    if width is None:
+        tokens, pairs = sum(rows), sum(n * n / 2 for n in rows)
+    else:
+        tokens, pairs = rows * width, rows * width * width
+    return tokens + (pairs / (6 * hidden_size) if hidden_size else 0.0)
+
+
+def _worth_sharing(packed: SharedPrefixBatch, attention_mask: Tensor, base: nn.Module) -> bool:
+    """The switch-off rule for a batch the model could share (module docstring): the estimated cost at most
+    ``MIN_SAVING`` of the unshared forward's, rows within the model's sliding window, groups within
+    ``MAX_GROUP_TOKENS``."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    config = getattr(base, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(config, "hidden_size", None)
+    groups, width = packed.input_ids.shape
+    saving = estimated_cost(groups, width, hidden) <= MIN_SAVING * estimated_cost(lengths, None, hidden)
+    window = _sliding_window(config)
+    return saving and width <= MAX_GROUP_TOKENS and (window is None or max(lengths) <= window)
 
 
 def shared_prefix_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, prompt_width: int,
@@ -195,7 +212,7 @@ def shared_prefix_logps(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     if shared_prefix_problem(model) is not None or prompt_width < 1 or attention_mask.dim() != 2:
         return None
     packed = pack_shared_prefix(input_ids, attention_mask, prompt_width)
-    if packed is None or not _worth_sharing(packed, attention_mask, prompt_width, base):
+    if packed is None or not _worth_sharing(packed, attention_mask, base):
         return None
     options = (temperature, chunk_size, return_entropy, return_mean_logits)
     if base not in _CHECKED:
