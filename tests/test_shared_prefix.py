@@ -250,7 +250,12 @@ def test_off_for_attention_that_takes_no_4d_mask_and_for_short_sliding_windows(t
     model.config._attn_implementation = "flash_attention_2"
     assert "takes no custom 4D mask" in shared_prefix_problem(model)
     ids, mask, width_p = grouped_batch([6], [[7, 2, 5]])
-    assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
+    with pytest.warns(UserWarning, match="LlamaForCausalLM runs its forwards unshared: its attention") as record:
+        assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
+    assert len(record) == 1 and "\n" not in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one note per model
+        assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
     mistral = build("mistral")  # sliding_window=16: a row of 6 + 12 tokens would need the window the mask replaces
     ids, mask, width_p = grouped_batch([6], [[12, 2, 5]])
     assert shared_prefix_logps(mistral, ids, mask, prompt_width=width_p) is None

@@ -59,6 +59,8 @@ MAX_GROUP_TOKENS = 8192
 _MASK_KIND = {"sdpa": "bool", "eager": "additive"}
 # Result of the one-time exactness check, per model (weak: does not keep models alive).
 _CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+# Models already told (one warning each) why they cannot share.
+_NOTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 class SharedPrefixBatch(NamedTuple):
@@ -209,7 +211,11 @@ def shared_prefix_logps(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     position_ids=position_ids(attention_mask))`` returns them (0 at padded targets, entropies and mean logits too);
     or None where this batch or model does not share (module docstring): the caller runs its usual forward."""
     base = dist.unwrap_model(model)
-    if shared_prefix_problem(model) is not None or prompt_width < 1 or attention_mask.dim() != 2:
+    problem = shared_prefix_problem(model)
+    if problem is not None and base not in _CHECKED and base not in _NOTED:
+        _NOTED.add(base)  # one note per model; the inexact check's warning is its own
+        warnings.warn(f"shared_prefix: {type(base).__name__} runs its forwards unshared: {problem}", stacklevel=2)
+    if problem is not None or prompt_width < 1 or attention_mask.dim() != 2:
         return None
     packed = pack_shared_prefix(input_ids, attention_mask, prompt_width)
     if packed is None or not _worth_sharing(packed, attention_mask, base):
