@@ -14,10 +14,11 @@ from test_architectures import ARCHITECTURES, build
 from test_grpo import GOLDEN_GRPO, golden_run
 from treadle import prefix, toy
 from treadle.logprobs import token_logps
-from treadle.losses import GRPO_LOSS_TYPES
+from treadle.losses import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
 from treadle.packing import position_ids
 from treadle.peft import reference_of
-from treadle.prefix import estimated_cost, pack_shared_prefix, shared_prefix_logps, shared_prefix_problem, token_ratio
+from treadle.prefix import (estimated_cost, pack_shared_prefix, prompt_first_layout, shared_prefix_logps,
+                            shared_prefix_problem, token_ratio)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -277,3 +278,37 @@ def test_an_inexact_model_warns_once_and_runs_unshared(tok, monkeypatch):
         warnings.simplefilter("error")
         assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
     assert "inexact" in shared_prefix_problem(model)
+
+
+# ---- DPO: chosen and rejected after their prompt once -----------------------------------------------------
+def test_prompt_first_layout_refuses_what_is_not_prompt_then_response():
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert prompt_first_layout(ids, torch.ones_like(ids), torch.tensor([[0, 1, 0, 1]])) is None  # two runs
+
+
+@pytest.mark.parametrize("loss_type, rpo_alpha, ld_alpha", [(t, 0.0, None) for t in DPO_LOSS_TYPES]
+                         + [("sigmoid", 1.0, None), ("sigmoid", 0.0, 0.5)])
+def test_dpo_losses_and_gradients_equal_the_unshared_paths(tmp_path, tok, loss_type, rpo_alpha, ld_alpha,
+                                                           monkeypatch):
+    """Each pair's prompt once (long prompts, short responses of different lengths: the rule shares), every DPO
+    loss type, RPO's NLL term, LD-DPO's weights: the window's losses and gradients equal padded and padding-free."""
+    from treadle.trainers.dpo import DPOConfig, DPOTrainer
+
+    rows = [{"prompt": "Add the two numbers, then say only the sum: 12+34=", "chosen": "46", "rejected": "47 or so"},
+            {"prompt": "Add the two numbers, then say only the sum: 5+5=", "chosen": "ten, surely", "rejected": "1"},
+            {"prompt": "Add the numbers and say the sum, nothing else: 99+1+1000=", "chosen": "1100", "rejected": "11"}]
+    args = DPOConfig(output_dir=str(tmp_path), loss_type=loss_type, rpo_alpha=rpo_alpha, ld_alpha=ld_alpha,
+                     label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0),
+                     per_device_train_batch_size=3, disable_tqdm=True, report_to="none")
+    trainer = DPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args=args, train_dataset=rows,
+                         processing_class=tok)
+    with torch.no_grad():  # a reference that differs from the policy
+        for p in trainer.ref_model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    batches = [trainer.prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in part]))
+               for part in ([0, 1], [2])]
+    calls = []
+    forward = prefix._shared_forward
+    monkeypatch.setattr(prefix, "_shared_forward", lambda *a: calls.append(1) or forward(*a))
+    assert_same(window_results(trainer, batches, 3, [(False, False), (False, True), (True, True)]))
+    assert len(calls) >= 4  # policy and reference, both micro-batches

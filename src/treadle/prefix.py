@@ -48,7 +48,7 @@ from treadle.models import eval_mode, forward_signature
 from treadle.packing import position_ids
 
 __all__ = ["MAX_GROUP_TOKENS", "MIN_SAVING", "SharedPrefixBatch", "estimated_cost", "pack_shared_prefix",
-           "shared_prefix_logps", "shared_prefix_problem", "token_ratio"]
+           "prompt_first_layout", "shared_prefix_logps", "shared_prefix_problem", "token_ratio"]
 
 # Share only when the shared forward's estimated cost (``estimated_cost``: tokens, plus attention pairs, which the
 # dense 4D mask computes for the whole packed row) is at most this fraction of the unshared one's (docs/performance.md).
@@ -142,6 +142,34 @@ def pack_shared_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_width: 
     return SharedPrefixBatch(torch.stack(ids).to(device), torch.stack(positions).to(device),
                              allowed[:, None].to(device), torch.cat(rows).to(device),
                              input_ids[:, prompt_width:][completion], completion)
+
+
+def prompt_first_layout(input_ids: Tensor, attention_mask: Tensor,
+                        completion_mask: Tensor) -> tuple[Tensor, Tensor, int] | None:
+    """Right-padded rows of prompt then response (DPO's collator: ``completion_mask`` 1 on response tokens) re-laid
+    out as GRPO's: ``(ids, mask, P)`` with the prompts left-padded to ``P`` columns and the responses right-padded
+    after them, so that :func:`shared_prefix_logps` can share a pair's prompt. None where a row is not prompt, then
+    one run of response, then padding.
+
+    >>> ids = torch.tensor([[5, 6, 7, 0], [4, 8, 9, 3]])
+    >>> out = prompt_first_layout(ids, (ids > 0).long(), torch.tensor([[0, 0, 1, 0], [0, 1, 1, 1]]))
+    >>> out[0].tolist(), out[1].tolist(), out[2]
+    ([[5, 6, 7, 0, 0], [0, 4, 8, 9, 3]], [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]], 2)
+    """
+    real, response = attention_mask.bool(), completion_mask.bool() & attention_mask.bool()  # (N, T)
+    columns = torch.arange(real.shape[1], device=real.device)  # (T,)
+    prompt_lengths, response_lengths = (real & ~response).sum(dim=1), response.sum(dim=1)  # (N,)
+    prompt_rule = columns < prompt_lengths[:, None]
+    response_rule = ~prompt_rule & (columns < (prompt_lengths + response_lengths)[:, None])
+    if not bool((real == (prompt_rule | response_rule)).all() and (response == response_rule).all()):
+        return None
+    width_p, width_r = int(prompt_lengths.max()), max(int(response_lengths.max()), 1)
+    target = torch.arange(width_p + width_r, device=real.device)  # (P + R,) output columns
+    source = torch.where(target < width_p, target - (width_p - prompt_lengths[:, None]),
+                         prompt_lengths[:, None] + target - width_p)  # (N, P + R) input column of each output one
+    mask = torch.where(target < width_p, source >= 0, target - width_p < response_lengths[:, None])
+    ids = input_ids.gather(1, source.clamp(0, real.shape[1] - 1)).masked_fill(~mask, 0)
+    return ids, mask.to(attention_mask.dtype), width_p
 
 
 def shared_prefix_problem(model: nn.Module) -> str | None:
