@@ -50,7 +50,8 @@ Departures from the paper and from TRL's DPOTrainer:
     the chosen and rejected sequences packed side by side without padding (``logprobs.token_logps``), which gives
     the same log-probs and gradients as the padded forward with no work on padding, on any attention
     implementation (TRL's needs flash attention). It falls back to padded forwards where a one-time check finds
-    it inexact.
+    it inexact. ``shared_prefix`` (TRL has none) runs each pair's prompt once, chosen and rejected after it
+    (``treadle.prefix``), where that is exact and saves work.
 """
 
 from __future__ import annotations
