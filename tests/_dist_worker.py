@@ -179,8 +179,24 @@ def scenario_dpo_padded(out: str) -> dict:
 
 
 def scenario_grpo_padded(out: str) -> dict:
-    """GRPO with padded forwards: the padding-free default must give the same losses and weights."""
-    return scenario_grpo(out, padding_free=False)
+    """GRPO with padded forwards: the padding-free ones (``grpo_unshared``) must give the same losses and weights."""
+    return scenario_grpo(out, padding_free=False, shared_prefix=False)
+
+
+def scenario_grpo_unshared(out: str) -> dict:
+    """GRPO padding-free without sharing prompts (the default shares each rank's group of 4 completions' prompt)."""
+    return scenario_grpo(out, shared_prefix=False)
+
+
+def scenario_grpo_sgd(out: str) -> dict:
+    """GRPO with the default (shared-prefix) forwards and plain SGD: weights that follow the gradient linearly
+    (AdamW's first steps divide a near-zero gradient by its own size, turning float32 noise into a visible step)."""
+    return scenario_grpo(out, optim="sgd", learning_rate=0.1)
+
+
+def scenario_grpo_padded_sgd(out: str) -> dict:
+    """``grpo_sgd`` with padded, unshared forwards: the same losses and weights."""
+    return scenario_grpo(out, optim="sgd", learning_rate=0.1, padding_free=False, shared_prefix=False)
 
 
 def scenario_grpo_fsdp(out: str) -> dict:
@@ -237,8 +253,9 @@ def grpo_parts(out: str, world_size: int, **overrides) -> dict:
     model, tokenizer = toy_model_and_tokenizer()
     data = Dataset.from_list([{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ADDITION])
     # 8 completions of one prompt per generation, 4 on each rank: every group spans both ranks
+    overrides = {"learning_rate": 1e-3, **overrides}
     args = GRPOConfig(output_dir=out, per_device_train_batch_size=8 // world_size, num_generations=8,
-                      max_completion_length=6, max_steps=2, learning_rate=1e-3, logging_steps=1,
+                      max_completion_length=6, max_steps=2, logging_steps=1,
                       save_strategy="no", disable_tqdm=True, seed=0, log_completions=True, **overrides)
     return dict(model=model, reward_funcs=digit_count_reward, args=args, train_dataset=data,
                 processing_class=tokenizer)
@@ -281,7 +298,9 @@ def scenario_collectives(out: str) -> dict:
 SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "fsdp": scenario_fsdp,
              "error": scenario_error, "stuck": scenario_stuck, "sft": scenario_sft, "dpo": scenario_dpo,
              "dpo_precomputed": scenario_dpo_precomputed, "grpo": scenario_grpo, "grpo_fsdp": scenario_grpo_fsdp,
-             "dpo_padded": scenario_dpo_padded, "grpo_padded": scenario_grpo_padded}
+             "dpo_padded": scenario_dpo_padded, "grpo_padded": scenario_grpo_padded,
+             "grpo_unshared": scenario_grpo_unshared, "grpo_sgd": scenario_grpo_sgd,
+             "grpo_padded_sgd": scenario_grpo_padded_sgd}
 
 
 def main(argv: list[str]) -> None:

@@ -419,29 +419,42 @@ def _packed_token_logps(model, base, input_ids: Tensor, real: Tensor, start: int
     """One forward over ``data.pack_padded_batch(input_ids, real)``; log-probs only at the real targets of
     ``input_ids[:, start+1:]``, each predicted from the real token before it in its own row, scattered back into
     the padded ``(B, T-1-start)`` layout (0 elsewhere)."""
-    temperature, chunk_size, return_entropy, return_mean_logits = options
     packed = pack_padded_batch(input_ids, real)
     targets = real[:, start + 1:]  # (B, T') the targets that count
     labels = input_ids[:, start + 1:][targets]  # (M,)
     rows = packed.index[:, start:-1][targets]  # (M,) where each target's predicting token sits, flat
     kwargs = {**kwargs, "position_ids": packed.position_ids}
-    head = fast_path_head(base)
-    hidden = None if head is None else _final_hidden_states(model, base, head, packed.input_ids, None, kwargs)
-    if hidden is not None:
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # (M, H)
-        logps, entropy = _hidden_token_logps(hidden, head, labels, temperature, chunk_size, return_entropy)
-        mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
-    else:
-        logits = _output_logits(model(packed.input_ids, **_model_kwargs(base, None, kwargs)))
-        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (M, V)
-        logps = selective_log_softmax(logits, labels, temperature=temperature)
-        entropy = _entropy(logits, temperature) if return_entropy else None
-        mean_logits = logits.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None
-
+    logps, entropy, mean_logits = logps_at_rows(model, base, packed.input_ids, kwargs, rows, labels, options)
     def unpack(values: Tensor | None) -> Tensor | None:  # (M,) -> (B, T'), zeros at the other targets
         return None if values is None else values.new_zeros(targets.shape).masked_scatter(targets, values)
 
     return TokenLogps(unpack(logps), unpack(entropy), unpack(mean_logits))
+
+
+def logps_at_rows(model, base, input_ids: Tensor, forward_kwargs: dict, rows: Tensor, labels: Tensor,
+                  options: tuple) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One forward of ``model`` over a packed ``input_ids`` ``(K, W)`` (``forward_kwargs``: its ``position_ids``,
+    and an ``attention_mask`` when the packing needs one), then log-probs of ``labels`` ``(M,)`` at the flat
+    positions ``rows`` ``(M,)`` of ``input_ids.view(-1)`` only: the hidden-state fast path in chunks where the head
+    allows it, else the model's logits and :func:`selective_log_softmax`. ``options``: ``(temperature, chunk_size,
+    return_entropy, return_mean_logits)``. Returns ``(logps, entropy or None, mean_logits or None)``, each ``(M,)``.
+    The padding-free and shared-prefix forwards (``treadle.prefix``) share it."""
+    temperature, chunk_size, return_entropy, return_mean_logits = options
+    kwargs = dict(forward_kwargs)
+    attention_mask = kwargs.pop("attention_mask", None)
+    head = fast_path_head(base)
+    hidden = None if head is None else _final_hidden_states(model, base, head, input_ids, attention_mask, kwargs)
+    if hidden is not None:
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # (M, H)
+        logps, entropy = _hidden_token_logps(hidden, head, labels, temperature, chunk_size, return_entropy)
+        mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
+        return logps, entropy, mean_logits
+    logits = _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, kwargs)))
+    logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (M, V)
+    logps = selective_log_softmax(logits, labels, temperature=temperature)
+    entropy = _entropy(logits, temperature) if return_entropy else None
+    mean_logits = logits.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None
+    return logps, entropy, mean_logits
 
 
 @torch.no_grad()

@@ -50,7 +50,8 @@ Departures from the paper and from TRL's DPOTrainer:
     the chosen and rejected sequences packed side by side without padding (``logprobs.token_logps``), which gives
     the same log-probs and gradients as the padded forward with no work on padding, on any attention
     implementation (TRL's needs flash attention). It falls back to padded forwards where a one-time check finds
-    it inexact.
+    it inexact. ``shared_prefix`` (TRL has none) runs each pair's prompt once, chosen and rejected after it
+    (``treadle.prefix``), where that is exact and saves work.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from treadle.metrics import mode_of
 from treadle.models import from_name, frozen_reference, is_peft_model
 from treadle.packing import long_tensor
 from treadle.peft import disable_adapter
+from treadle.prefix import prompt_first_layout, shared_prefix_logps
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.reference import PrecomputedReference
@@ -134,6 +136,7 @@ class DPOConfig(TrainingArguments):
 
     # --- padding-free forwards (issue 18)
     padding_free: bool = True  # pack the 2B sequences without padding for the log-prob forwards (exact)
+    shared_prefix: bool = True  # each pair's prompt once, chosen and rejected after it (exact; off where unfit)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -385,11 +388,18 @@ class DPOTrainer(PrecomputedReference, Trainer):
         logit over the vocabulary, detached, from the same forward."""
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (2B, T)
         completion_mask = inputs["completion_mask"]  # (2B, T)
-        # Predictions before the earliest response token are never needed: skip their log-softmax.
-        start = int(completion_mask.argmax(dim=1).min()) - 1
-        out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
-                          return_mean_logits=with_logits, padding_free=self.args.padding_free)  # (2B, T-1-start) each
-        mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
+        laid = prompt_first_layout(input_ids, attention_mask, completion_mask) if self.args.shared_prefix else None
+        out = None if laid is None else shared_prefix_logps(  # each pair's prompt once (treadle.prefix), or None
+            model, laid[0], laid[1], prompt_width=laid[2], chunk_size=self.args.logprob_chunk_size,
+            return_mean_logits=with_logits)
+        if out is not None:
+            mask = laid[1][:, laid[2]:].to(out.logps.dtype)  # (2B, R): the responses, right-padded
+        else:
+            # Predictions before the earliest response token are never needed: skip their log-softmax.
+            start = int(completion_mask.argmax(dim=1).min()) - 1
+            out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
+                              return_mean_logits=with_logits, padding_free=self.args.padding_free)  # (2B, T-1-start)
+            mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
         logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
         weights = mask
         if self.args.ld_alpha is not None:  # LD-DPO: the tail past the shorter response weighs ld_alpha

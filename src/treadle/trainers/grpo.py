@@ -61,7 +61,9 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
     the micro-batch's rows packed side by side without padding (``logprobs.token_logps(padding_free=True)``,
     the packing rule of ``treadle.data``), which gives the same log-probs and gradients as the padded forward
     and skips the work on padding. It falls back to padded forwards where a one-time check finds it inexact.
-    TRL's GRPO has no such option.
+    TRL's GRPO has no such option. ``shared_prefix`` (on by default) goes further: the rows of a micro-batch that
+    hold the same prompt run it once, their completions after it under a 4D mask (``treadle.prefix``; exact, and
+    off by itself where the model or the batch does not fit).
 15. Sampling goes through a rollout engine (``treadle.engines``; ``build_engine`` returns the own KV-cached
     sampler), which also returns the log-probs of the distribution it sampled from; they travel with each
     ``Sample`` as ``sampling_logps`` (the loss does not read them yet). Multi-turn rollouts call the multi-turn
@@ -90,6 +92,7 @@ from treadle.metrics import means_of
 from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
 from treadle.peft import reference_of
+from treadle.prefix import shared_prefix_logps
 from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, score_completions, weighted_rewards
 from treadle.rollouts import RolloutRunner
 from treadle.text import eos_ids, is_conversation, pad_token_id
@@ -409,6 +412,10 @@ class GRPOTrainer(Trainer):
         batch = Sample.of(batch)
         ids, mask = batch.input_ids, batch.attention_mask
         start = ids.shape[1] - batch.completion_mask.shape[1] - 1
+        shared = None if not self.args.shared_prefix else shared_prefix_logps(
+            model, ids, mask, prompt_width=start + 1, temperature=self.args.temperature, return_entropy=return_entropy)
+        if shared is not None:  # each prompt once (treadle.prefix); None where this model or batch does not share
+            return shared
         return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
                            return_entropy=return_entropy, position_ids=position_ids(mask),
                            padding_free=self.args.padding_free)

@@ -79,6 +79,7 @@ class GRPOConfig(TrainingArguments):
 
     # --- padding-free training forwards (issue 18)
     padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
+    shared_prefix: bool = True  # each prompt once per micro-batch, its completions after it (exact; off where unfit)
 
     # --- health checks and dynamic sampling (treadle.health, trainers/grpo_dynamic.py; docs/grpo.md "Health")
     health_checks: dict | bool | None = None  # overrides of HEALTH_CHECKS (None: its defaults; False: every check off)
