@@ -253,8 +253,8 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------------------
     @dist.rank_errors  # under torchrun an exception names the rank that raised it
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
-        """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
-        output_dir, or a path) continues that run exactly. The run folder is checked and locked first (runs.py)."""
+        """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in output_dir;
+        "auto": that, or a fresh start; a path) continues that run exactly. The folder is claimed first (runs.py)."""
         resume_path = ckpt.resolve(resume_from_checkpoint, self.args.output_dir)
         with runs.claim_run_folder(self.args, resume=resume_path is not None, model=self.model,
                                    main_process=dist.is_main_process()):
