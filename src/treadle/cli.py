@@ -266,10 +266,10 @@ def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, args, base_di
     kwargs: dict[str, Any] = {}
     if kind.takes_reward_funcs:
         kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
-    kwargs["train_dataset"] = load_dataset(str(config["dataset"]), kind=kind.rows, split="train", base_dir=base_dir)
+    kwargs["train_dataset"] = load_dataset(config["dataset"], kind=kind.rows, split="train", base_dir=base_dir)
     evaluation = config.get("eval_dataset")
     if evaluation:
-        kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind.rows, split="test", base_dir=base_dir)
+        kwargs["eval_dataset"] = load_dataset(evaluation, kind=kind.rows, split="test", base_dir=base_dir)
     if config.get("peft") is not None:
         kwargs["peft_config"] = lora_config(config["peft"])
     kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=args.seed, args=args,
