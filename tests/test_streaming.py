@@ -242,3 +242,38 @@ def test_a_config_streams_a_jsonl_file(tmp_path):
     assert not streaming.is_stream(load_dataset({"path": "train.jsonl"}, base_dir=tmp_path))
     with pytest.raises(ValueError, match="takes path: .* and streaming: true/false"):
         load_dataset({"path": "train.jsonl", "stream": True}, base_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DPO, KTO and the reward trainer: their tokenising maps run lazily over the stream
+# ---------------------------------------------------------------------------------------------------------
+def _preference_trainer(name: str, out: str, callbacks):
+    import _dist_worker as worker
+    import treadle
+    from treadle import toy
+
+    pairs = Dataset.from_list([{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + i) * 2}
+                               for i, (a, b) in enumerate(worker.ADDITION)]).to_iterable_dataset(num_shards=2)
+    settings = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                    learning_rate=1e-2, logging_steps=1, save_steps=1000, disable_tqdm=True, seed=0)
+    tokenizer = toy.build_tokenizer()
+    if name == "reward":
+        from test_reward_trainer import tiny_reward_model
+
+        model, config = tiny_reward_model(), treadle.RewardConfig(**settings)
+    else:
+        model = toy.build_model("tiny", seed=0)
+        config = treadle.DPOConfig(**settings) if name == "dpo" else treadle.KTOConfig(**settings)
+    trainer_class = {"dpo": treadle.DPOTrainer, "kto": treadle.KTOTrainer, "reward": treadle.RewardTrainer}[name]
+    return trainer_class(model, args=config, train_dataset=pairs, processing_class=tokenizer, callbacks=callbacks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dpo", "kto", "reward"])
+def test_preference_trainers_train_on_a_stream_and_resume_exactly(tmp_path, name):
+    full = _preference_trainer(name, str(tmp_path / "full"), [])
+    full.train()
+    assert full.state.global_step == 3 and all(abs(x) < 1e3 for x in _losses(full))
+    resumed = _interrupted_and_resumed(lambda out, callbacks: _preference_trainer(name, out, callbacks),
+                                       str(tmp_path), stop_at=1)
+    _assert_same_run(full, resumed)
