@@ -277,3 +277,18 @@ def test_preference_trainers_train_on_a_stream_and_resume_exactly(tmp_path, name
     resumed = _interrupted_and_resumed(lambda out, callbacks: _preference_trainer(name, out, callbacks),
                                        str(tmp_path), stop_at=1)
     _assert_same_run(full, resumed)
+
+
+def test_precomputed_reference_log_probs_refuse_a_stream_and_a_one_shot_iterator_is_named(tmp_path):
+    import _dist_worker as worker
+    from treadle import DPOTrainer
+
+    parts = worker.dpo_parts(str(tmp_path), 1, precompute_ref_log_probs=True)
+    parts["train_dataset"] = parts["train_dataset"].to_iterable_dataset()
+    with pytest.raises(PreflightError, match="precompute_ref_log_probs needs a dataset with a length"):
+        DPOTrainer(**parts).train()
+    once = streaming.StreamLoader(iter([{"i": 0}, {"i": 1}]), batch_size=2, collate_fn=list)
+    batches = once.training_batches()
+    assert next(batches) == [{"i": 0}, {"i": 1}]
+    with pytest.raises(PreflightError, match="can be read once only"):
+        next(batches)

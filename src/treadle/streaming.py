@@ -27,7 +27,7 @@ batches from a step on.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 from treadle.errors import PreflightError
 
@@ -176,8 +176,10 @@ class StreamLoader:
                 yield batch
             empty_passes = 0 if got else empty_passes + 1
             if empty_passes >= 2:
-                raise PreflightError(f"the training stream of rank {self.rank} gives no batch of "
-                                     f"{self.batch_size} rows (a shard too small for its rank?); give it more rows")
+                raise PreflightError(f"the training stream of rank {self.rank} gives no batch of {self.batch_size} "
+                                     f"rows when read again: its shard is too small, or it is an iterator that can "
+                                     f"be read once only; give more rows, or an iterable that can be read again "
+                                     f"(e.g. a datasets.IterableDataset)")
             epoch, done, batches = epoch + 1, 0, self._batches(epoch + 1)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -207,8 +209,8 @@ def repeat_rows(times: int) -> Callable[[list], list]:
     return lambda rows: [row for row in rows for _ in range(times)]
 
 
-def require_streamable(iterable: Iterable, what: str) -> None:
+def require_streamable(dataset, what: str) -> None:
     """Refuse a stream where ``what`` needs a dataset with a length (one line naming the fix)."""
-    if is_stream(iterable):
+    if is_stream(dataset):
         raise PreflightError(f"{what} needs a dataset with a length, not a stream; materialise it "
-                             f"(datasets.Dataset.from_list(list(stream))) or turn the option off")
+                             f"(datasets.Dataset.from_list(list(stream))) or turn {what} off")
