@@ -21,8 +21,9 @@ How this departs from TRL's SFTTrainer (v0.2x):
    block-diagonal causal mask from the position ids (eager, sdpa and flash attention alike), so no token
    attends across rows, and the first token of each row is not a label (it would be predicted from the row
    before). A test checks the per-row losses of a packed forward against the rows run alone.
-4. No vision-language inputs, no ``dataset_kwargs``, no streaming datasets. LoRA through ``peft_config`` (the
-   Trainer's, docs/peft.md). A string ``model`` is a local folder or a Hub id (``models.from_name``).
+4. No vision-language inputs, no ``dataset_kwargs``. A streamed dataset is tokenised and packed as it is read,
+   best-fit over each chunk of ``TOKENIZE_CHUNK`` rows. LoRA through ``peft_config`` (the Trainer's,
+   docs/peft.md). A string ``model`` is a local folder or a Hub id (``models.from_name``).
 5. ``mean_token_accuracy`` is logged for training and evaluation (argmax of the logits against the labels, over
    the label tokens of the logging window, through the Trainer's metrics window); TRL's ``num_tokens`` and
    entropy are not.
