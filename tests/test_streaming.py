@@ -75,6 +75,36 @@ def test_training_batches_cycle_and_continue_from_a_saved_position():
     assert [r["i"] for r in next(loader().training_batches(4))] == want[0] == [3, 4, 5]
 
 
+@pytest.mark.parametrize("shuffled", [False, True], ids=["state", "skip"])
+def test_resuming_twice_inside_one_chunk_and_after_counting_out_continues_exactly(shuffled):
+    """Chunks of 5 rows made into 2 rows each (a transform), batches of 3: a position saved inside a chunk, resumed,
+    saved again inside the same chunk and resumed again; and a position counted out from the start (no saved
+    one) and saved: every resumed loader gives the batches of the uninterrupted one."""
+    def loader():
+        source = numbered(23).to_iterable_dataset(num_shards=1)
+        source = source.shuffle(seed=1, buffer_size=4) if shuffled else source
+        stream = streaming.Stream(source, lambda rows: [{"i": r["i"]} for r in rows for _ in range(2)], chunk_size=5)
+        return streaming.StreamLoader(stream, batch_size=3, collate_fn=lambda rows: [r["i"] for r in rows])
+
+    def take(batches, n):
+        return [next(batches) for _ in range(n)]
+
+    want = take(loader().training_batches(), 30)  # 46 rows a pass: the 30 batches cross two passes' ends
+    first = loader()
+    got = take(first.training_batches(), 4)  # 12 rows: inside the 2nd chunk (rows 10-19)
+    for stop in (5, 17, 22):  # 15 rows: still in the 2nd chunk; then beyond a pass's end
+        again = loader()
+        again.load_state_dict(first.state_dict())
+        got += take(again.training_batches(len(got)), stop - len(got))
+        first = again
+    counted = loader()
+    got += take(counted.training_batches(len(got)), 3)  # no saved position: counted out
+    resumed = loader()
+    resumed.load_state_dict(counted.state_dict())
+    got += take(resumed.training_batches(len(got)), 30 - len(got))
+    assert got == want
+
+
 def test_a_stream_without_max_steps_is_refused_in_one_line(tmp_path):
     trainer = Trainer(rw.make_model(), rw.make_args(str(tmp_path), max_steps=-1, num_train_epochs=1),
                       train_dataset=Dataset.from_list(rw.make_rows()).to_iterable_dataset())

@@ -120,13 +120,16 @@ class StreamLoader:
         """Rows of pass ``epoch``, transformed; from ``start`` (a saved position of this pass) when given. Tracks
         the source's state at each chunk's start and the chunk's rows used, for ``state_dict``."""
         shard = rank_shard(self.dataset.source, self.rank, self.world_size, epoch)
-        if start is not None and start.get("chunk_state") is not None:
-            shard.load_state_dict(start["chunk_state"])
+        loaded = start.get("chunk_state") if start is not None else None
+        if loaded is not None:
+            shard.load_state_dict(loaded)
         used = start.get("chunk_used", 0) if start is not None else 0
         source = iter(shard)
         size, transform = self.dataset.chunk_size, self.dataset.transform
         while True:
-            chunk_state = shard.state_dict() if self.mode == STATE else None
+            # datasets reports a loaded state only once rows are read from it: the first chunk's is the loaded one
+            chunk_state = loaded if loaded is not None else shard.state_dict() if self.mode == STATE else None
+            loaded = None
             chunk = list(itertools.islice(source, size))
             if not chunk:
                 return
@@ -161,9 +164,10 @@ class StreamLoader:
         else:  # no position saved for this batch: count it out from the run's start
             epoch, done, batches = 0, 0, self._batches(0)
             for _ in range(skip):
-                if next(batches, None) is None:
-                    epoch, batches = epoch + 1, self._batches(epoch + 1)
+                if next(batches, None) is None:  # the pass ran out: the next one's first batch
+                    epoch, done, batches = epoch + 1, 0, self._batches(epoch + 1)
                     next(batches)
+                done += 1
         yield from self._endless(epoch, done, skip, batches)
 
     def _endless(self, epoch: int, done: int, total: int, batches: Iterator) -> Iterator:
