@@ -150,6 +150,7 @@ def _counted(row):
     return row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffled", [False, True], ids=["state", "skip"])
 def test_a_resumed_stream_run_equals_the_uninterrupted_one(tmp_path, shuffled):
     """22 rows, 4 a step: a pass ends mid-step 6; stopped at step 7 (in the 2nd pass), resumed to step 9."""
