@@ -8,8 +8,11 @@ one-process reference in its own process with exactly the same model, data and a
 
 Scenarios: ``collectives`` (the helpers of treadle.distributed), ``trainer`` (DDP, then a resume from a
 mid-run checkpoint), ``fsdp`` (the same under FSDP2), ``error`` (rank 1 raises), ``stuck`` (rank 1 raises but
-stays alive), ``sft``, ``dpo``, ``grpo`` (and ``*_padded``: the same with ``padding_free=False``). SCENARIO may list several, comma-separated, run one after another
-in the same processes (one launch costs seconds of imports).
+stays alive), ``sft``, ``dpo``, ``grpo`` (and ``*_padded``: the same with ``padding_free=False``), ``grpo_groups``
+(each rank samples whole groups of its own prompts through a rollout engine seeded by prompt, not by rank, so
+that 1 process samples the same completions). SCENARIO may list several, comma-separated, run one after
+another in the same processes (one launch costs seconds of imports). The same worker runs on two torchrun
+"nodes" (``--nnodes 2 --nproc-per-node 1``): it only reads the rank and world size.
 """
 
 from __future__ import annotations
@@ -253,10 +256,10 @@ def grpo_parts(out: str, world_size: int, **overrides) -> dict:
     model, tokenizer = toy_model_and_tokenizer()
     data = Dataset.from_list([{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ADDITION])
     # 8 completions of one prompt per generation, 4 on each rank: every group spans both ranks
-    overrides = {"learning_rate": 1e-3, **overrides}
-    args = GRPOConfig(output_dir=out, per_device_train_batch_size=8 // world_size, num_generations=8,
-                      max_completion_length=6, max_steps=2, logging_steps=1,
-                      save_strategy="no", disable_tqdm=True, seed=0, log_completions=True, **overrides)
+    settings = dict(output_dir=out, per_device_train_batch_size=8 // world_size, num_generations=8,
+                    max_completion_length=6, max_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                    disable_tqdm=True, seed=0, log_completions=True)
+    args = GRPOConfig(**{**settings, **overrides})
     return dict(model=model, reward_funcs=digit_count_reward, args=args, train_dataset=data,
                 processing_class=tokenizer)
 
@@ -264,6 +267,73 @@ def grpo_parts(out: str, world_size: int, **overrides) -> dict:
 def digit_count_reward(prompts, completions, completion_ids, **columns) -> list[float]:
     """Digits in the completion: an untrained model's samples differ in it, so groups have a spread."""
     return [float(sum(ch.isdigit() for ch in text)) for text in completions]
+
+
+class PromptSeededEngine:
+    """The own sampler behind the engine contract, each distinct prompt sampled alone from a generator seeded by
+    (its token ids, this engine's call count): the completions of a prompt do not depend on which rank holds it
+    or on which prompts share its batch, so 1 process and 2 sample the same. Records the prompts it sampled."""
+
+    def __init__(self, model, backend: str):
+        from treadle.engines import LocalEngine
+
+        self.inner, self.calls, self.sampled = LocalEngine(model, backend), 0, []
+
+    def generate(self, prompt_ids, params, *, generator=None):
+        import zlib
+
+        from treadle.generation.single import GenerationOutput, left_pad
+
+        outs = []
+        for prompt in prompt_ids:
+            seed = zlib.crc32(str(prompt).encode()) + 100_003 * self.calls
+            outs.append(self.inner.generate([prompt], params, generator=torch.Generator().manual_seed(seed)))
+        self.sampled.append([[prompt, params.num_generations] for prompt in prompt_ids])
+        self.calls += 1
+        prompt_rows = [row[mask.bool()].tolist() for o in outs for row, mask in zip(o.prompt_ids, o.prompt_mask)]
+        ids, mask = left_pad(prompt_rows, params.pad_token_id)
+        width = max(o.completion_ids.shape[1] for o in outs)
+
+        def right(name, value):
+            return torch.cat([torch.nn.functional.pad(getattr(o, name), (0, width - getattr(o, name).shape[1]),
+                                                      value=value) for o in outs])
+
+        return GenerationOutput(prompt_ids=ids, prompt_mask=mask,
+                                completion_ids=right("completion_ids", params.pad_token_id),
+                                completion_mask=right("completion_mask", 0),
+                                is_truncated=torch.cat([o.is_truncated for o in outs]),
+                                sampling_logps=right("sampling_logps", 0.0))
+
+    def load_weights(self, model) -> None:
+        self.inner.load_weights(model)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def grpo_groups_run(out: str, world_size: int):
+    """GRPO with G=4, 2 prompts per generation (one per rank under 2 processes: groups whole on one rank),
+    3 steps; returns (trainer, result)."""
+    from treadle import GRPOTrainer
+
+    class WholeGroupGRPO(GRPOTrainer):
+        def build_engine(self):
+            return PromptSeededEngine(self.model, self.args.generation_backend)
+
+    trainer = WholeGroupGRPO(**grpo_parts(out, world_size, num_generations=4, max_steps=3))
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    history = trainer.state.log_history
+    return trainer, {"losses": step_losses(history), "rewards": [e["reward"] for e in history if "reward" in e],
+                     "sampled": trainer.engine.sampled}
+
+
+def scenario_grpo_groups(out: str) -> dict:
+    from treadle import distributed as dist
+
+    trainer, result = grpo_groups_run(out, dist.get_world_size())
+    result["sampled_by_rank"] = dist.gather_objects(result.pop("sampled"))
+    return result
 
 
 def scenario_collectives(out: str) -> dict:
@@ -300,7 +370,8 @@ SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "
              "dpo_precomputed": scenario_dpo_precomputed, "grpo": scenario_grpo, "grpo_fsdp": scenario_grpo_fsdp,
              "dpo_padded": scenario_dpo_padded, "grpo_padded": scenario_grpo_padded,
              "grpo_unshared": scenario_grpo_unshared, "grpo_sgd": scenario_grpo_sgd,
-             "grpo_padded_sgd": scenario_grpo_padded_sgd}
+             "grpo_padded_sgd": scenario_grpo_padded_sgd,
+             "grpo_groups": scenario_grpo_groups}
 
 
 def main(argv: list[str]) -> None:

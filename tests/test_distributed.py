@@ -3,8 +3,10 @@
 The multi-process tests launch ``tests/_dist_worker.py`` with ``python -m torch.distributed.run
 --nproc_per_node 2`` and compare with a one-process run made here, in the test process, from the same
 builders: 2 processes x batch b must give the per-step losses and final weights of 1 process x batch 2b
-(to float32 rounding), under DDP and under FSDP2, for the base Trainer and for SFT and DPO. The data has
-rows of very different label-token counts, so a per-rank normalisation would not match.
+(to float32 rounding), under DDP and under FSDP2, for the base Trainer and for SFT, DPO and GRPO (each rank
+sampling whole groups of its own prompts). The data has rows of very different label-token counts, so a per-rank
+normalisation would not match. The same worker also runs on two torchrun "nodes" of one process each
+(``--nnodes 2 --rdzv-backend c10d``, launched twice), which must train as the 2-process job does.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -110,7 +113,7 @@ def available(module: str) -> bool:
 
 TRAINER_SCENARIOS = {"sft": "sft", "dpo": "dpo", "dpo_precomputed": "dpo", "grpo": "grpo", "grpo_fsdp": "grpo",
                      "dpo_padded": "dpo", "grpo_padded": "grpo", "grpo_unshared": "grpo", "grpo_sgd": "grpo",
-                     "grpo_padded_sgd": "grpo"}
+                     "grpo_padded_sgd": "grpo", "grpo_groups": "grpo"}
 GOOD_SCENARIOS = ["collectives", "trainer", "fsdp"] + [
     name for name, module in TRAINER_SCENARIOS.items() if available(f"treadle.trainers.{module}")]
 
@@ -346,6 +349,91 @@ def test_shared_prefix_under_two_processes_equals_padded(job):
     assert shared["rewards"] == padded["rewards"]
     assert_same_weights(load_weights(job / "grpo_sgd" / "final"), load_weights(job / "grpo_padded_sgd" / "final"),
                         atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def grpo_groups_reference(tmp_path_factory):
+    """The whole-group GRPO run in this one process with both prompts of each generation: losses, rewards,
+    the prompts sampled, final weights."""
+    out = tmp_path_factory.mktemp("grpo_groups_reference")
+    _, summary = worker.grpo_groups_run(str(out), 1)
+    summary["weights"] = load_weights(out / "final")
+    return summary
+
+
+def assert_grpo_groups_match(got: dict, weights: dict, reference: dict) -> None:
+    """2 processes (each prompt's group whole on one rank, rewards gathered) = 1 process with the doubled batch."""
+    assert got["world_size"] == 2 and len(got["losses"]) == 3
+    rank0, rank1 = got["sampled_by_rank"]
+    for generation, (mine, theirs, both) in enumerate(zip(rank0, rank1, reference["sampled"])):
+        # one prompt a rank, its 4 completions sampled there (a whole group), the two prompts of the 1-process batch
+        assert len(mine) == len(theirs) == 1 and mine[0][1] == theirs[0][1] == 4, generation
+        assert mine + theirs == both and mine[0][0] != theirs[0][0]
+    assert got["rewards"] == pytest.approx(reference["rewards"], abs=1e-6)  # means over both ranks' groups
+    assert got["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL, abs=1e-7)
+    assert_same_weights(weights, reference["weights"], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_grpo_with_whole_groups_per_rank_matches_one_process(job, grpo_groups_reference):
+    assert_grpo_groups_match(result(job, "grpo_groups"), load_weights(job / "grpo_groups" / "final"),
+                             grpo_groups_reference)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Two torchrun "nodes" on this machine (rendezvous c10d): the 2-process numbers again
+# ---------------------------------------------------------------------------------------------------------
+TWO_NODE_SCENARIOS = ("trainer", "fsdp", "grpo_groups")
+
+
+def launch_two_nodes(scenarios: str, out: Path, *, timeout: float = 420):
+    """Start the worker on two torchrun "nodes" of one process each, as two machines would (same command, one
+    rendezvous endpoint); returns [(exit code, output)] per node."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{port}",
+               str(WORKER), scenarios, str(out)]
+    logs = [out / f"node{i}.log" for i in range(2)]
+    nodes = []
+    try:
+        for log in logs:
+            with open(log, "w") as f:
+                nodes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
+        return [(node.wait(timeout=timeout), log.read_text()) for node, log in zip(nodes, logs)]
+    finally:
+        for node in nodes:
+            node.kill()
+            node.wait()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_nodes")
+    for code, output in launch_two_nodes(",".join(TWO_NODE_SCENARIOS), out):
+        assert code == 0, f"a node of the two-node job failed (exit {code}):\n{output[-6000:]}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, wrapper", [("trainer", "DistributedDataParallel"),
+                                               ("fsdp", "FSDPLlamaForCausalLM")])
+def test_two_nodes_match_one_process_with_twice_the_batch(two_nodes, reference, scenario, wrapper):
+    got = result(two_nodes, scenario)
+    assert got["world_size"] == 2 and got["wrapper"] == wrapper
+    assert got["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL)
+    assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=LOSS_RTOL)
+    assert_same_weights(load_weights(two_nodes / scenario / "full" / "final"), reference["weights"])
+    assert got["resumed_losses"] == got["losses"]  # a checkpoint of two nodes resumes exactly too
+
+
+@pytest.mark.slow
+def test_grpo_across_two_nodes_matches_one_process(two_nodes, grpo_groups_reference):
+    assert_grpo_groups_match(result(two_nodes, "grpo_groups"), load_weights(two_nodes / "grpo_groups" / "final"),
+                             grpo_groups_reference)
 
 
 # ---------------------------------------------------------------------------------------------------------

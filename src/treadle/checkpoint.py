@@ -45,6 +45,7 @@ STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # what a PEFT model's save_pretrained writes instead of the weights
+AUTO = "auto"  # resume_from_checkpoint="auto": the newest complete checkpoint if there is one, else a fresh start
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -82,9 +83,14 @@ def latest_checkpoint(output_dir: str) -> str | None:
 
 
 def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
-    """``True`` -> newest complete checkpoint in output_dir; a path -> that folder (checked); None/False -> None."""
+    """``True`` -> newest complete checkpoint in output_dir; ``"auto"`` -> the same, or None when there is none
+    (a fresh folder: an elastic worker restarts or starts with the same command); a path -> that folder
+    (checked); None/False -> None. A checkpoint being written is never found: it lives in ``.tmp-checkpoint-<step>``
+    until it is complete, then is renamed into place."""
     if resume_from_checkpoint in (None, False):
         return None
+    if resume_from_checkpoint == AUTO:
+        return latest_checkpoint(output_dir)
     if resume_from_checkpoint is True:
         path = latest_checkpoint(output_dir)
         if path is None:

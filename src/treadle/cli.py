@@ -1,7 +1,7 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
     treadle demo [--task addition|tools] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
-    treadle train CONFIG.yaml [--resume [CHECKPOINT]] [--key value ...]
+    treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
     train.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                       help="continue from the newest checkpoint in output_dir, or from CHECKPOINT")
+                       help="the newest checkpoint in output_dir, or CHECKPOINT; auto: the newest or a fresh start")
     report = commands.add_parser("report", help="redraw a run's plots, write its report.html, print its summary; "
                                                 "several runs are also overlaid")
     report.add_argument("run_dir", nargs="+", help="a run's output_dir (holding metrics.jsonl), or a folder of runs")
@@ -266,10 +266,10 @@ def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, args, base_di
     kwargs: dict[str, Any] = {}
     if kind.takes_reward_funcs:
         kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
-    kwargs["train_dataset"] = load_dataset(str(config["dataset"]), kind=kind.rows, split="train", base_dir=base_dir)
+    kwargs["train_dataset"] = load_dataset(config["dataset"], kind=kind.rows, split="train", base_dir=base_dir)
     evaluation = config.get("eval_dataset")
     if evaluation:
-        kwargs["eval_dataset"] = load_dataset(str(evaluation), kind=kind.rows, split="test", base_dir=base_dir)
+        kwargs["eval_dataset"] = load_dataset(evaluation, kind=kind.rows, split="test", base_dir=base_dir)
     if config.get("peft") is not None:
         kwargs["peft_config"] = lora_config(config["peft"])
     kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=args.seed, args=args,

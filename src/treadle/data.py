@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from treadle import distributed as dist
 from treadle.errors import PreflightError
+from treadle.streaming import StreamLoader, is_stream
 from treadle.text import is_conversation, pad_token_id
 
 
@@ -199,7 +200,11 @@ def seeded_sampler(dataset, *, seed: int, shuffle: bool) -> SeededSampler | None
 
 def build_dataloader(dataset, args, *, batch_size: int, collate_fn, sampler=None, drop_last: bool = False):
     """A DataLoader with ``args``' worker settings. Its own generator keeps the global torch RNG untouched, so
-    that starting an epoch mid-way (resume) draws the same dropout masks."""
+    that starting an epoch mid-way (resume) draws the same dropout masks. A stream (``streaming.is_stream``) gets a
+    ``streaming.StreamLoader`` instead: this rank's shard, batched and collated the same way."""
+    if is_stream(dataset):
+        return StreamLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, rank=dist.get_rank(),
+                            world_size=dist.get_world_size(), drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
                       num_workers=args.dataloader_num_workers,
                       pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
@@ -217,7 +222,10 @@ class ResumableSampler(Protocol):
 
 def epoch_batches(dataloader, epoch: int, skip_batches: int = 0) -> Iterator:
     """The batches of epoch ``epoch`` from batch ``skip_batches`` on. A ResumableSampler skips without
-    loading; with any other sampler the skipped batches are loaded and dropped (exact, only slower)."""
+    loading; with any other sampler the skipped batches are loaded and dropped (exact, only slower). A stream's
+    loader continues from its checkpointed position (``StreamLoader.training_batches``: one endless epoch)."""
+    if isinstance(dataloader, StreamLoader):
+        return dataloader.training_batches(skip_batches)
     sampler = getattr(dataloader, "sampler", None)
     batch_size = getattr(dataloader, "batch_size", None)
     if isinstance(sampler, ResumableSampler) and batch_size:
@@ -237,7 +245,8 @@ def plan_steps(dataloader, args, micro_batches_per_batch: int = 1) -> tuple[int,
         batches = len(dataloader) * micro_batches_per_batch
     except TypeError:
         if args.max_steps <= 0:
-            raise PreflightError("the training dataset has no length (an iterable dataset): set max_steps") from None
+            raise PreflightError("the training dataset is a stream (no length): set max_steps, the optimizer steps "
+                                 "to train") from None
         return args.max_steps, args.max_steps, 1
     if batches == 0:
         raise PreflightError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "

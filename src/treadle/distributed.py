@@ -87,7 +87,21 @@ def init_distributed(device: torch.device, timeout_s: float | None = None, *, fo
     if cuda:
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else collective_timeout_s())
-    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None)
+    store = _attempt_store(timeout)
+    where = {} if store is None else {"store": store, "rank": launched("RANK"), "world_size": launched("WORLD_SIZE")}
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None,
+                            **where)
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """torchrun's agent store seen under a prefix of this attempt (``TORCHELASTIC_RESTART_COUNT``), None outside
+    torchrun's agent. The agent's store outlives a restart (``--max-restarts``): read without a prefix, the
+    restarted workers found the gloo addresses of the attempt before and failed to connect (torch 2.13)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched("WORLD_SIZE"),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"treadle/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
 def _free_port() -> int:

@@ -23,9 +23,14 @@ from treadle.runs import check_not_in_model
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 
 
-def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir: Path = Path(".")):
+def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Path = Path(".")):
     """A ``datasets.Dataset`` from ``toy:<task>[:N]`` (the train split for ``dataset``, the held-out test split
-    for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder."""
+    for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder. ``spec`` may
+    also be a mapping ``{path: SPEC, streaming: true}``: the same data as a ``datasets.IterableDataset``, read
+    as training goes (a file through ``datasets.load_dataset(..., streaming=True)``; see ``treadle.streaming``)."""
+    if isinstance(spec, dict):
+        return _dataset_from_mapping(spec, kind=kind, split=split, base_dir=base_dir)
+    spec = str(spec)
     if spec.startswith("toy:"):
         return _toy_dataset(spec, kind=kind, split=split)
     path = existing_path(spec, base_dir)
@@ -50,6 +55,23 @@ def load_dataset(spec: str, *, kind: str = "sft", split: str = "train", base_dir
     data = _one_split(data, split, spec) if path.is_dir() else data
     check_text_columns(data, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
     return data
+
+
+STREAM_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}  # datasets' names
+
+
+def _dataset_from_mapping(spec: dict, *, kind: str, split: str, base_dir: Path):
+    """``{path: ..., streaming: true|false}``: ``path`` as ``load_dataset`` reads it, streamed when asked."""
+    unknown = sorted(set(spec) - {"path", "streaming"})
+    if unknown or not spec.get("path") or not isinstance(spec.get("streaming", False), bool):
+        raise ValueError(f"a dataset mapping takes path: (a file, folder or toy:) and streaming: true/false, got "
+                         f"{dict(spec)!r}; e.g. dataset: {{path: data/train.jsonl, streaming: true}}")
+    path = existing_path(str(spec["path"]), base_dir)
+    if not spec.get("streaming") or path is None or path.is_dir() or path.suffix not in STREAM_BUILDERS:
+        data = load_dataset(str(spec["path"]), kind=kind, split=split, base_dir=base_dir)
+        return data.to_iterable_dataset(num_shards=1) if spec.get("streaming") else data
+    # a file is streamed by datasets itself: rows are read as training asks for them, never all at once
+    return datasets.load_dataset(STREAM_BUILDERS[path.suffix], data_files=str(path), split="train", streaming=True)
 
 
 FIRST_LINE = {".jsonl": 1, ".csv": 2}  # the file line of row 0, where rows are lines (a CSV has a header)

@@ -19,6 +19,11 @@ loads a model), on the main process:
   The lock is created whole: written to a temporary file, then linked into place (``os.link`` fails when the
   name exists), so no run ever reads a half-written lock of a live run; an empty or unreadable lock is one
   "being written", never stale.
+- under torchrun with ``--max-restarts``, the workers of a restarted attempt are the same run: the lock and the
+  manifest record the job (``TORCHELASTIC_RUN_ID``) and its attempt (``TORCHELASTIC_RESTART_COUNT``), and an
+  attempt takes over the lock of an earlier attempt of its job (torchrun stopped every worker of it before
+  restarting; on several nodes, rank 0 may now run on another machine) and restarts in the folder it wrote,
+  without ``overwrite_output_dir``.
 
 Every refusal is a :class:`RunFolderError` raised before anything is written. This module imports neither
 torch nor a trainer, so the CLI runs it before its slow imports.
@@ -101,7 +106,7 @@ def check_run_folder(output_dir: str, *, resume: bool, overwrite: bool = False,
         raise RunFolderError(f"output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
                              f"choose another output_dir")
     files = run_files(output_dir)
-    if resume or not files:
+    if resume or not files or _earlier_attempt(read_manifest(output_dir)):  # the last: a restarted elastic worker
         return []
     ours, _, doubts = sort_out(output_dir, files)
     if doubts:
@@ -137,13 +142,35 @@ def _short(text: str, most: int = 200) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # What a run provably wrote: the manifest written at claim time, checkpoints' markers
 # ---------------------------------------------------------------------------------------------------------
+def elastic_attempt() -> tuple[str | None, int]:
+    """(the torchrun job's id, this attempt's number: 0, then 1 per restart); (None, 0) outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or None
+    try:
+        return run_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return run_id, 0
+
+
+def _earlier_attempt(record: dict | None) -> bool:
+    """Whether a lock or manifest ``record`` was written by an earlier attempt of this process's torchrun job."""
+    run_id, attempt = elastic_attempt()
+    written = (record or {}).get("attempt")
+    return (run_id is not None and (record or {}).get("elastic_run") == run_id and isinstance(written, int)
+            and written < attempt)
+
+
+def _identity() -> dict:
+    run_id, attempt = elastic_attempt()
+    return {"elastic_run": run_id, "attempt": attempt} if run_id is not None else {}
+
+
 def write_manifest(output_dir: str) -> None:
     """Write ``output_dir/.treadle-run.json`` when the run claims the folder: it marks the folder as a treadle
     run's and lists what was there before (never the run's), so overwrite can tell the run's files from the user's."""
     path = os.path.join(output_dir, MANIFEST_FILE)
     before = _tree(output_dir, most=MANIFEST_MOST + 1)
     manifest = {"treadle_run": 1, "started": time.time(), "kept": before[:MANIFEST_MOST],
-                "kept_complete": len(before) <= MANIFEST_MOST}
+                "kept_complete": len(before) <= MANIFEST_MOST, **_identity()}
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(manifest, f)
@@ -300,7 +327,7 @@ def _alive(holder: dict) -> bool | None:
 def _live_holder(path: str) -> str | None:
     """Who holds the lock at ``path``, when it may be alive; None when it is free or stale."""
     holder = _read_lock(path)
-    if holder is None:
+    if holder is None or _earlier_attempt(holder):  # torchrun ended that attempt before starting this one
         return None
     if holder.get("unreadable") or not holder:
         return (f"its lock {path} is empty or unreadable, as one being written is; if no run is starting there, "
@@ -324,8 +351,9 @@ def acquire_lock(output_dir: str) -> str:
         if live is not None:
             raise RunFolderError(f"output_dir {output_dir} is in use by another run ({live}); wait for it to end or "
                                  f"choose another output_dir")
-        print(f"treadle: taking over the lock {path} of a run that no longer runs ({_describe(holder)})",
-              file=sys.stderr)
+        why = (f"attempt {holder['attempt']} of this torchrun job" if _earlier_attempt(holder) else
+               "a run that no longer runs")
+        print(f"treadle: taking over the lock {path} of {why} ({_describe(holder)})", file=sys.stderr)
         stale = f"{path}.stale-{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
             os.rename(path, stale)  # atomic: of two runs taking over, one moves the stale lock, the other finds none
@@ -337,7 +365,7 @@ def acquire_lock(output_dir: str) -> str:
                 os.remove(stale)
     tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
     with open(tmp, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}, f)
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **_identity()}, f)
     try:
         os.link(tmp, path)
     except FileExistsError:  # another run took it between the check and now

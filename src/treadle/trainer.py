@@ -44,6 +44,7 @@ from treadle.metrics import (MetricWindow, PredictionOutput, TrainOutput, check_
                              training_logs)
 from treadle.optim import build_optimizer, build_scheduler
 from treadle.state import LoopState, TrainerControl, TrainerState
+from treadle.streaming import restore_stream, stream_state
 from treadle.trackers import tracker_callbacks
 
 
@@ -254,7 +255,7 @@ class Trainer:
     @dist.rank_errors  # under torchrun an exception names the rank that raised it
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
-        output_dir, or a path) continues that run exactly. The run folder is checked and locked first (runs.py)."""
+        output_dir; "auto": that or a fresh start; a path) continues that run exactly. The folder is claimed first."""
         resume_path = ckpt.resolve(resume_from_checkpoint, self.args.output_dir)
         with runs.claim_run_folder(self.args, resume=resume_path is not None, model=self.model,
                                    main_process=dist.is_main_process()):
@@ -268,7 +269,7 @@ class Trainer:
         if args.gradient_checkpointing:
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
         self.prepare_training()
-        dataloader = self.get_train_dataloader()
+        self.callback_handler.train_dataloader = dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
         check_first_batch(dataloader, self.args.label_names if needs_labels else None)
         steps_per_epoch, max_steps, num_epochs = plan_steps(dataloader, args, self.micro_batches_per_batch())
@@ -278,7 +279,6 @@ class Trainer:
         self._start_run(steps_per_epoch, max_steps, num_epochs, resume_path)
         handler = self.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
-        handler.train_dataloader = dataloader
         self.model_wrapped.train()
         start_step, start_time = self.state.global_step, time.time()
         self.preemption.signal = None  # a signal that stopped an earlier run does not stop this one
@@ -475,8 +475,8 @@ class Trainer:
         ckpt.save_run_checkpoint(self.args, self.state, metrics, model=self.model, optimizer=self.optimizer,
                                  scheduler=self.lr_scheduler, processing_class=self.processing_class,
                                  save_only_model=weights_only,
-                                 extra_state={"metrics": self.metrics.state_dict(),
-                                              "trainer": self.extra_checkpoint_state()})
+                                 extra_state={"metrics": self.metrics.state_dict(), "data": stream_state(
+                                     self.callback_handler.train_dataloader), "trainer": self.extra_checkpoint_state()})
         self.loop.last_saved_step = self.state.global_step
         self._event("on_save")
 
@@ -486,6 +486,7 @@ class Trainer:
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         self.state, self.loop.last_saved_step = state, state.global_step
         metrics, extra = ckpt.read_run_extra(path, state)
+        restore_stream(self.callback_handler.train_dataloader, (ckpt.load_extra_state(path) or {}).get("data"))
         self.metrics.load_state_dict(metrics)
         if extra is not None:
             self.load_extra_checkpoint_state(extra)
@@ -493,7 +494,6 @@ class Trainer:
     def extra_checkpoint_state(self) -> dict | None:
         """This rank's extra state to keep in each checkpoint (tensors, numbers, strings in lists / dicts), e.g.
         GRPO's generation buffer; written inside the checkpoint's atomic save. None (the default) saves nothing."""
-        return None
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
         """Restore what ``extra_checkpoint_state`` returned, when resuming (after weights, optimizer, RNG,

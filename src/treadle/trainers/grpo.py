@@ -95,10 +95,11 @@ from treadle.peft import reference_of
 from treadle.prefix import shared_prefix_logps
 from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, score_completions, weighted_rewards
 from treadle.rollouts import RolloutRunner
+from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.grpo_config import GRPOConfig
-from treadle.trainers.grpo_data import GenerationBuffer, Rollout, Sample, Ticket, generation_windows
+from treadle.trainers.grpo_data import GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream
 from treadle.trainers.grpo_dynamic import extra_rows, fill_with_signal
 from treadle.trainers.grpo_records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
                                            generation_metrics, reward_list, reward_sums, reward_weights,
@@ -189,8 +190,9 @@ class GRPOTrainer(Trainer):
         args = self.args
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer.train() needs a train_dataset with a 'prompt' column")
-        if not hasattr(self.train_dataset, "__len__"):
-            raise ValueError("GRPOTrainer needs a dataset with a length (a datasets.Dataset or a list of rows)")
+        if is_stream(self.train_dataset):  # each rank reads its own prompts; groups whole on the rank
+            return self.build_dataloader(prompt_stream(self.train_dataset, args), batch_size=args.generation_batch_size,
+                                         collate_fn=_keep_rows)
         world = dist.get_world_size()
         sampler = RepeatSampler(len(self.train_dataset), mini_repeat_count=args.num_generations,
                                 batch_size=args.generation_batch_size * world // args.num_generations,
@@ -207,8 +209,8 @@ class GRPOTrainer(Trainer):
         batch is drawn once and feeds a whole cycle of micro-steps; a resumed run skips whole generations
         without loading them."""
         sampler = dataloader.sampler
-        per_epoch = (sampler.batches_per_epoch if isinstance(sampler, RepeatSampler)
-                     else len(dataloader))  # the sampler's own count: len() shrinks once an epoch skips rows
+        per_epoch = (sampler.batches_per_epoch if isinstance(sampler, RepeatSampler)  # len() shrinks on resume
+                     else len(dataloader) if hasattr(dataloader, "__len__") else 0)  # 0: a stream, one endless epoch
         return generation_windows(dataloader, epoch, skip_steps, cycle=self._cycle_length(),
                                   accum=self.args.gradient_accumulation_steps, generations_per_epoch=per_epoch)
 

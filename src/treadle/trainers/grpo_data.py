@@ -19,9 +19,11 @@ import torch
 from torch import Tensor
 
 from treadle.data import epoch_batches
+from treadle.errors import PreflightError
+from treadle.streaming import Stream, repeat_rows
 from treadle.generation.single import GenerationOutput
 
-__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows"]
+__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows", "prompt_stream"]
 
 
 @dataclass
@@ -188,3 +190,18 @@ class GenerationBuffer:
         self.cursor = int(state.get("cursor", 0))
         self.slices = {int(g): [Sample(**{k: v.to(device) for k, v in s.items()}) for s in saved]
                        for g, saved in slices.items()}
+
+
+def prompt_stream(dataset, args) -> Stream:
+    """A stream of prompts as GRPO trains on them: each rank reads its own prompts (``treadle.streaming``) and
+    repeats each ``num_generations`` times in a row, so that its groups are whole on it (rewards are still
+    gathered from every rank for the logs and the health checks). A generation's batch must hold whole groups,
+    and dynamic sampling's extra prompts need a dataset to draw from: both are refused otherwise, in one line."""
+    if args.generation_batch_size % args.num_generations:
+        raise PreflightError(f"a streamed dataset gives each rank whole groups: generation_batch_size "
+                             f"{args.generation_batch_size} (per rank) must be a multiple of num_generations "
+                             f"{args.num_generations}; change per_device_train_batch_size or steps_per_generation")
+    if args.dynamic_sampling:
+        raise PreflightError("dynamic_sampling draws extra prompts from the whole dataset, which a stream does not "
+                             "allow; set dynamic_sampling: false or give a datasets.Dataset")
+    return Stream(dataset, repeat_rows(args.num_generations))

@@ -221,11 +221,13 @@ class KTOTrainer(PrecomputedReference, Trainer):
 
         if isinstance(dataset, (list, tuple)):
             dataset = Dataset.from_list(list(dataset))
-        kwargs = dict(num_proc=self.args.dataset_num_proc) if isinstance(dataset, Dataset) else {}
+        def kwargs(desc: str) -> dict:  # a stream (IterableDataset) maps lazily: no processes, no progress bar
+            return dict(num_proc=self.args.dataset_num_proc, desc=desc) if isinstance(dataset, Dataset) else {}
+
         names = column_names(dataset) or []
         if "chosen" in names and "rejected" in names:
             dataset = dataset.map(unpair_rows, batched=True, batch_size=UNPAIR_BATCH, remove_columns=names,
-                                  desc=f"Unpairing {split} dataset", **kwargs)
+                                  **kwargs(f"Unpairing {split} dataset"))
         elif not all(c in names for c in ID_COLUMNS):
             require_columns(dataset, ["prompt", "completion", "label"], what=f"KTOTrainer's {split} dataset",
                             fix="Give rows {prompt, completion, label} (text or chat messages; label True for a "
@@ -233,11 +235,11 @@ class KTOTrainer(PrecomputedReference, Trainer):
         fn = functools.partial(tokenize_row, tokenizer=self.processing_class, max_length=self.args.max_length)
         drop = [c for c in column_names(dataset) or [] if c not in REF_COLUMNS + (KL_COLUMN,)]
         dataset = dataset.map(fn, with_indices=True, remove_columns=drop or None,
-                              desc=f"Tokenizing {split} dataset", **kwargs)
-        if kto_uses_kl(self.args.loss_type) and KL_COLUMN not in column_names(dataset):
+                              **kwargs(f"Tokenizing {split} dataset"))
+        if kto_uses_kl(self.args.loss_type) and KL_COLUMN not in (column_names(dataset) or ()):
             # runs of per_device_train_batch_size rows, for evaluation too (as TRL)
             dataset = dataset.map(rotate_completions, batched=True, batch_size=self.args.per_device_train_batch_size,
-                                  desc=f"KL completions of the {split} dataset", **kwargs)
+                                  **kwargs(f"KL completions of the {split} dataset"))
         return dataset
 
     def signature_columns(self) -> set[str]:

@@ -17,6 +17,7 @@ import torch
 from treadle import distributed as dist
 from treadle.data import column_names
 from treadle.models import eval_mode
+from treadle.streaming import require_streamable
 
 
 class PrecomputedReference:
@@ -64,6 +65,7 @@ class PrecomputedReference:
         columns = self.reference_columns()
         if all(c in (column_names(dataset) or []) for c in columns):
             return dataset
+        require_streamable(dataset, "precompute_ref_log_probs")  # one pass that adds columns: not over a stream
         loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size)
         values: dict[str, list[float]] = {c: [] for c in columns}
         with eval_mode(dist.unwrap_model(self.model)):  # a PEFT policy is the reference here: no dropout

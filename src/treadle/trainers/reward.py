@@ -110,7 +110,8 @@ class RewardTrainer(Trainer):
                                 "rejected} that share the prompt as a prefix; an optional 'margin' column.")
         fn = functools.partial(tokenize_row, tokenizer=self.processing_class, max_length=None,
                                max_prompt_length=None, truncation_mode="keep_end")
-        kwargs = dict(num_proc=self.args.dataset_num_proc, desc=f"Tokenizing {split} dataset")
+        kwargs = dict(num_proc=self.args.dataset_num_proc, desc=f"Tokenizing {split} dataset") if isinstance(
+            dataset, Dataset) else {}  # a stream (IterableDataset) maps lazily
         dataset = dataset.map(fn, with_indices=True, remove_columns=[c for c in names if c != "margin"] or None,
                               **kwargs)
         limit = self.args.max_length

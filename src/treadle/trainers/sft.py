@@ -21,8 +21,9 @@ How this departs from TRL's SFTTrainer (v0.2x):
    block-diagonal causal mask from the position ids (eager, sdpa and flash attention alike), so no token
    attends across rows, and the first token of each row is not a label (it would be predicted from the row
    before). A test checks the per-row losses of a packed forward against the rows run alone.
-4. No vision-language inputs, no ``dataset_kwargs``, no streaming datasets. LoRA through ``peft_config`` (the
-   Trainer's, docs/peft.md). A string ``model`` is a local folder or a Hub id (``models.from_name``).
+4. No vision-language inputs, no ``dataset_kwargs``. A streamed dataset is tokenised and packed as it is read,
+   best-fit over each chunk of ``TOKENIZE_CHUNK`` rows. LoRA through ``peft_config`` (the Trainer's,
+   docs/peft.md). A string ``model`` is a local folder or a Hub id (``models.from_name``).
 5. ``mean_token_accuracy`` is logged for training and evaluation (argmax of the logits against the labels, over
    the label tokens of the logging window, through the Trainer's metrics window); TRL's ``num_tokens`` and
    entropy are not.
@@ -42,6 +43,7 @@ from treadle.data import check_text_columns, column_names, require_eval_dataset
 from treadle.metrics import mode_of
 from treadle.models import from_name, max_positions
 from treadle.packing import best_fit_bins, right_padded
+from treadle.streaming import Stream, is_stream
 from treadle.text import encode_prompts, encode_texts, is_conversation, pad_token_id, split_chat_completion, with_eos
 from treadle.trainer import Trainer
 
@@ -104,25 +106,46 @@ class SFTTrainer(Trainer):
 
         if isinstance(dataset, list):
             dataset = Dataset.from_list(dataset)
+        if is_stream(dataset):
+            return self._stream(dataset, name)
         columns = column_names(dataset)
-        if columns is None or not hasattr(dataset, "__len__"):
-            raise TypeError(f"SFTTrainer needs a datasets.Dataset or a list of dicts for {name}, got "
-                            f"{type(dataset).__name__} (an IterableDataset: materialise it with Dataset.from_list)")
+        if columns is None:
+            raise TypeError(f"SFTTrainer needs a datasets.Dataset, a list of dicts or a stream for {name}, got "
+                            f"{type(dataset).__name__}")
         if "input_ids" in columns:
             rows = self._pretokenized_rows(dataset)
         else:
             rows = self._tokenize_rows(dataset, columns, name)
+        return Dataset.from_dict(self._training_rows(rows, columns, name))
+
+    def _stream(self, dataset, name: str) -> Stream:
+        """A stream tokenised (and packed: best-fit over each chunk of ``TOKENIZE_CHUNK`` rows) as it is read."""
+        columns = column_names(dataset) or list(next(iter(dataset)))  # a stream of unknown features: its first row
+
+        def transform(chunk: list[dict]) -> list[dict]:
+            table = {c: [row[c] for row in chunk] for c in columns}
+            rows = self._pretokenized_rows(table) if "input_ids" in columns else self._tokenize_chunk(
+                table, dataset_form(columns, self.args.dataset_text_field))
+            made = self._training_rows(rows, columns, name)
+            return [dict(zip(made, values)) for values in zip(*made.values())]
+
+        return Stream(dataset, transform, chunk_size=TOKENIZE_CHUNK)
+
+    def _training_rows(self, rows: list, columns: list[str], name: str) -> dict[str, list[list[int]]]:
+        """Tokenised rows truncated to ``max_length``, masked as ``completion_only_loss`` says, packed if asked."""
         rows = truncate_rows(rows, self.args.max_length, name=name)
         if self.args.completion_only_loss is False and "prompt" in columns and "input_ids" not in columns:
             # prompt/completion rows are tokenised with the prompt masked, so that truncation could find it
             rows = [(ids, [1] * len(ids)) for ids, _ in rows]
         if self.args.packing:
-            return Dataset.from_dict(pack_rows(rows, self.args.max_length))
-        return Dataset.from_dict({"input_ids": [r[0] for r in rows], "completion_mask": [r[1] for r in rows]})
+            return pack_rows(rows, self.args.max_length)
+        return {"input_ids": [r[0] for r in rows], "completion_mask": [r[1] for r in rows]}
 
     def _pretokenized_rows(self, dataset) -> list[tuple[list[int], list[int]]]:
+        """``dataset``: a datasets.Dataset or a dict of columns."""
         ids = [list(r) for r in dataset["input_ids"]]
-        masks = dataset["completion_mask"] if "completion_mask" in column_names(dataset) else [None] * len(ids)
+        names = dataset if isinstance(dataset, dict) else column_names(dataset)
+        masks = dataset["completion_mask"] if "completion_mask" in names else [None] * len(ids)
         return [(r, list(m) if m is not None else [1] * len(r)) for r, m in zip(ids, masks)]
 
     def _tokenize_rows(self, dataset, columns: list[str], name: str) -> list[tuple[list[int], list[int]]]:
