@@ -244,3 +244,47 @@ def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
     with pytest.raises(ValueError, match=r"not a multiple of num_generations=1000000000 .* Nearest valid: "
                                          r"per_device_train_batch_size=1000000000, or num_generations=8, or steps_per_generation=125000000"):
         GRPOConfig(num_generations=10**9, per_device_train_batch_size=8, steps_per_generation=1)
+
+
+# ---- the rest of the trial (issue 33, second part): configs and paths ---------------------------------------------
+def cli_error(argv, capsys) -> str:
+    """The one line ``treadle`` prints for a user error (exit 2)."""
+    from treadle import cli
+
+    code = cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("treadle: error: "), err
+    return err[0]
+
+
+def test_a_key_written_twice_in_the_yaml_is_refused_by_name(tmp_path, capsys):
+    config = write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\ndataset: toy:addition\nlearning_rate: 1e-3\n"
+                                        "max_steps: 2\nlearning_rate: 1e3\n")
+    line = cli_error(["train", config], capsys)
+    assert "at line 6: duplicate key 'learning_rate' (also at line 4)" in line
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, capsys):
+    levels = ["a: &a [" + ",".join(["lol"] * 9) + "]"]
+    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]" for i in range(6)]
+    config = write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\n" + "\n".join(levels) + "\ndataset: [*g, *g]\n")
+    assert config.stat().st_size < 1024  # 1 KB that expands to 9**8 values
+    line = cli_error(["train", config], capsys)
+    assert "expand to more than 100,000 values (an alias bomb?)" in line and len(line) < 300
+
+
+def test_a_huge_path_is_named_short_and_never_a_traceback(tmp_path, capsys):
+    line = cli_error(["train", write(tmp_path / "c.yaml", f"trainer: sft\nmodel: toy:tiny\ndataset: {'d' * 100_000}\n")],
+                     capsys)
+    assert "dataset ddd" in line and "(100,000 characters) not found" in line and len(line) < 500
+
+
+@pytest.mark.parametrize("spec", ["../../etc/passwd:fn", "../../rewards.txt:fn"])
+def test_a_reward_file_that_is_not_python_is_one_line(tmp_path, spec):
+    from treadle.loading import load_reward_funcs
+
+    write(tmp_path / "rewards.txt", "def fn(**kw): return []\n")
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    write(tmp_path / "etc" / "passwd", "root:x:0:0")
+    with pytest.raises(ValueError, match=r"is not a Python file; name a .py file and a function in it"):
+        load_reward_funcs([spec], base_dir=tmp_path / "a" / "b")

@@ -75,6 +75,13 @@ def is_user_error(error: BaseException) -> bool:
     return isinstance(error, UserError)
 
 
+def shorten(text, most: int = 200) -> str:
+    """``text`` cut to ``most`` characters for a message (a path or value built by YAML aliases, or pasted by
+    mistake, can be megabytes: a message names it, it does not reprint it)."""
+    text = str(text)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text):,} characters)"
+
+
 def one_line(error: BaseException) -> str:
     """``treadle: error: <message>`` on one line (a message's later lines are joined to the first)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())

@@ -36,7 +36,7 @@ import sys
 import time
 
 from treadle import fingerprints
-from treadle.errors import PreflightError
+from treadle.errors import PreflightError, shorten
 from treadle.plots import FIGURE_TITLES
 
 LOCK_FILE = ".treadle.lock"
@@ -123,15 +123,9 @@ def check_path(path: str) -> str:
     expanded = os.path.expandvars(os.path.expanduser(str(path)))
     real = os.path.realpath(expanded)
     if real in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
-        raise RunFolderError(f"output_dir {_short(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
+        raise RunFolderError(f"output_dir {shorten(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
                              f" itself; set output_dir to a folder of its own (e.g. {os.path.join(expanded, 'runs', 'my-run')})")
     return expanded
-
-
-def _short(text: str, most: int = 200) -> str:
-    """``text`` cut to ``most`` characters for a message (a path built by a YAML alias can be megabytes)."""
-    text = str(text)
-    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -177,7 +171,7 @@ def sort_out(output_dir: str, names: list[str]) -> tuple[list[str], list[str], l
     for name in names:
         path = os.path.join(output_dir, name)
         if os.path.islink(path):
-            doubts.append(f"{name} (a symbolic link to {_short(os.readlink(path), 80)}: treadle never makes one; "
+            doubts.append(f"{name} (a symbolic link to {shorten(os.readlink(path), 80)}: treadle never makes one; "
                           f"remove the link yourself)")
         elif name.startswith("checkpoint-"):
             foreign = fingerprints.foreign_files(path) if os.path.isdir(path) else None
