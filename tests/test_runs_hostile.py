@@ -288,3 +288,29 @@ def test_a_reward_file_that_is_not_python_is_one_line(tmp_path, spec):
     write(tmp_path / "etc" / "passwd", "root:x:0:0")
     with pytest.raises(ValueError, match=r"is not a Python file; name a .py file and a function in it"):
         load_reward_funcs([spec], base_dir=tmp_path / "a" / "b")
+
+
+# ---- reward functions, tools and environments -------------------------------------------------------------------
+def test_a_reward_function_that_edits_its_arguments_changes_nothing_for_the_next_or_the_record():
+    from treadle.rewards import score_completions
+
+    seen = {}
+
+    def vandal(prompts, completions, completion_ids, answer, **kw):
+        completions[0], prompts[0], answer[0] = "MUTATED", "MUTATED", "MUTATED"
+        completion_ids[0].append(99)
+        completions[1][0]["content"] = "MUTATED"
+        return [0.0, 0.0]
+
+    def judge(prompts, completions, completion_ids, answer, **kw):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer)
+        return [1.0, 1.0]
+
+    prompts, completions = ["p0", "p1"], ["c0", [{"role": "assistant", "content": "c1"}]]
+    ids, columns = [[1, 2], [3]], {"answer": ["a0", "a1"]}
+    original = json.dumps([prompts, completions, ids, columns])
+    score_completions([vandal, judge], [1.0, 1.0], prompts=prompts, completions=completions, completion_ids=ids,
+                      columns=columns, step=1)
+    assert json.dumps([prompts, completions, ids, columns]) == original  # what completions.jsonl logs
+    assert json.dumps([seen["prompts"], seen["completions"], seen["completion_ids"], {"answer": seen["answer"]}]) \
+        == original
