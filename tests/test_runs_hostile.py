@@ -432,3 +432,51 @@ def test_an_environment_breaking_its_contract_is_one_line_naming_it(env, method,
     finally:
         pool.close()
     assert is_user_error(error.value) and needle in one_line(error.value)
+
+
+# ---- data that would train on something the user did not mean ---------------------------------------------------
+def sft(tmp_path, rows, **fields):
+    from treadle import toy
+    from treadle.trainers.sft import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2, report_to=[],
+                     disable_tqdm=True, save_strategy="no", logging_steps=1, **fields)
+    tok = toy.build_tokenizer()
+    return SFTTrainer(model=toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows,
+                      processing_class=tok)
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([{"role": "hacker", "content": "hi"}], "the train dataset, row 1: column 'messages', message 0 has role 'hacker', "
+                                            "which no chat template renders"),
+    ([{"role": "user"}], "the train dataset, row 1: column 'messages', message 0 (user) has no 'content'"),
+])
+def test_chat_messages_of_an_unknown_role_or_without_content_name_the_row(tmp_path, messages, needle):
+    from treadle.data import DatasetFileError
+
+    ok = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    with pytest.raises(DatasetFileError) as error:
+        sft(tmp_path, [{"messages": ok}, {"messages": messages}])
+    assert needle in str(error.value) and len(str(error.value)) < 300
+
+
+@pytest.mark.parametrize("rows, needle", [
+    ([{"prompt": "1+1=", "completion": ""}] * 4, r"4 of 4 train rows have an empty 'completion' \(rows 0, 1, 2, 3\)"),
+    ([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": " "}],
+     r"1 of 2 train rows have an empty 'completion' \(rows 1\): SFT would train them on the end-of-text token"),
+    ([{"text": "1+1=2"}, {"text": ""}], r"1 of 2 train rows have an empty 'text'"),
+])
+def test_sft_refuses_empty_completions_as_dpo_does(tmp_path, rows, needle):
+    with pytest.raises(ValueError, match=needle):
+        sft(tmp_path, rows)
+
+
+def test_a_run_that_trained_on_nothing_never_ends_as_if_it_had(tmp_path):
+    from treadle.errors import NothingTrainedError, is_user_error
+
+    rows = [{"input_ids": [1, 5, 6, 2], "completion_mask": [0, 0, 0, 0]}] * 4  # not one token with loss
+    trainer = sft(tmp_path, rows)
+    with pytest.raises(NothingTrainedError, match="the run took 2 steps but not one of its batches held a token with "
+                                                  "loss") as error:
+        trainer.train()
+    assert is_user_error(error.value)

@@ -372,17 +372,42 @@ class DatasetFileError(PreflightError):
     wrong type), named with its line or row."""
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")  # roles chat templates render
+
+
 def check_text_columns(dataset, columns, *, source: str, first_row: int = 0) -> None:
     """Refuse a row whose text column holds something else than text or chat messages (a number, null ...),
-    naming ``source``, the row (numbered from ``first_row``: 1 for the lines of a JSONL file) and the column.
-    ``dataset``: a ``datasets.Dataset`` or a list of row dicts."""
+    or chat messages of a role no chat template renders (``CHAT_ROLES``; a template would print an unknown one
+    literally, ``<|hacker|>``, and train on it) or without ``content`` (an assistant turn with ``tool_calls``
+    may leave it out), naming ``source``, the row (numbered from ``first_row``: 1 for the lines of a JSONL file)
+    and the column. ``dataset``: a ``datasets.Dataset`` or a list of row dicts."""
     rows = dataset if isinstance(dataset, list) else None
     present = [c for c in columns if (rows is not None and any(c in r for r in rows)) or
                (rows is None and c in (column_names(dataset) or ()))]
     for column in present:
         for i, value in enumerate([r.get(column) for r in rows] if rows is not None else dataset[column]):
+            where = f"{source}, {f'line {i + first_row}' if first_row else f'row {i}'}: column {column!r}"
             if not (isinstance(value, str) or is_conversation(value)):
-                where = f"line {i + first_row}" if first_row else f"row {i}"
                 what = "nothing (null / empty)" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
-                raise DatasetFileError(f"{source}, {where}: column {column!r} holds {what}, not text (or chat "
-                                       f"messages); fix that row or drop it")
+                raise DatasetFileError(f"{where} holds {what}, not text (or chat messages); fix that row or drop it")
+            if not isinstance(value, str):
+                _check_messages(value, where)
+
+
+def _check_messages(messages, where: str) -> None:
+    for j, message in enumerate(messages):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise DatasetFileError(f"{where}, message {j} has role {str(role)[:40]!r}, which no chat template "
+                                   f"renders (it would be trained on literally); use one of {list(CHAT_ROLES)}")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise DatasetFileError(f"{where}, message {j} ({role}) has no 'content'; give each message its text "
+                                   f"as 'content' (an assistant turn with 'tool_calls' may leave it out)")
+
+
+def empty_texts(values) -> list[int]:
+    """The positions of ``values`` (texts or chat messages) that hold no text: ``""``, whitespace, or messages
+    whose contents are all empty."""
+    return [i for i, v in enumerate(values)
+            if (isinstance(v, str) and not v.strip())
+            or (is_conversation(v) and not any(str(m.get("content") or "").strip() for m in v))]

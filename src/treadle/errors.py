@@ -32,6 +32,10 @@ class NonFiniteLossError(UserError, FloatingPointError):
     """The loss became NaN or infinite; the message names the step and what to change."""
 
 
+class NothingTrainedError(UserError):
+    """The run took steps but no batch held a loss item: it trained on nothing (``metrics.speed_metrics``)."""
+
+
 class _Stopped:
     """What a run stopped by a signal left: the signal, the step it finished, its newest checkpoint."""
 
