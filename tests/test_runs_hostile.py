@@ -439,8 +439,9 @@ def sft(tmp_path, rows, **fields):
     from treadle import toy
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
-    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2, report_to=[],
-                     disable_tqdm=True, save_strategy="no", logging_steps=1, **fields)
+    fields = {"max_steps": 2, "per_device_train_batch_size": 2, **fields}
+    args = SFTConfig(output_dir=str(tmp_path / "run"), report_to=[], disable_tqdm=True, save_strategy="no",
+                     logging_steps=1, **fields)
     tok = toy.build_tokenizer()
     return SFTTrainer(model=toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows,
                       processing_class=tok)
@@ -480,3 +481,35 @@ def test_a_run_that_trained_on_nothing_never_ends_as_if_it_had(tmp_path):
                                                   "loss") as error:
         trainer.train()
     assert is_user_error(error.value)
+
+
+def dpo(tmp_path, rows):
+    from treadle import toy
+    from treadle.trainers.dpo import DPOConfig, DPOTrainer
+
+    tok = toy.build_tokenizer()
+    args = DPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2, report_to=[],
+                     disable_tqdm=True, save_strategy="no")
+    return DPOTrainer(toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows, processing_class=tok)
+
+
+def test_dpo_refuses_pairs_that_are_all_identical_and_notes_some(tmp_path, capsys):
+    same = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 1)} for a in range(4)]
+    with pytest.raises(ValueError, match=r"every one of the 4 train pairs has chosen identical to rejected .*loss "
+                                         r"log 2, gradient 0"):
+        dpo(tmp_path, same)
+    mixed = same[:1] + [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(3)]
+    dpo(tmp_path, mixed)
+    assert "treadle: 1 of 4 train pairs have chosen identical to rejected (rows 0)" in capsys.readouterr().err
+
+
+def test_a_batch_larger_than_the_dataset_is_capped_and_the_header_says_so(tmp_path, capsys):
+    rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(6)]
+    trainer = sft(tmp_path, rows, per_device_train_batch_size=10**7, max_steps=1)
+    out = trainer.train()
+    header = capsys.readouterr().out
+    assert "6 rows; 6 rows per step (6 per device x 1 accumulated x 1 processes, per_device_train_batch_size=" \
+           "10000000 capped at the rows there are)" in header
+    assert trainer.get_train_dataloader().batch_size == 6
+    samples_per_step = out.metrics["train_samples_per_second"] / out.metrics["train_steps_per_second"]
+    assert samples_per_step == pytest.approx(6, rel=1e-2)  # was 10**7 "samples" a step

@@ -199,11 +199,35 @@ def seeded_sampler(dataset, *, seed: int, shuffle: bool) -> SeededSampler | None
 
 def build_dataloader(dataset, args, *, batch_size: int, collate_fn, sampler=None, drop_last: bool = False):
     """A DataLoader with ``args``' worker settings. Its own generator keeps the global torch RNG untouched, so
-    that starting an epoch mid-way (resume) draws the same dropout masks."""
+    that starting an epoch mid-way (resume) draws the same dropout masks. A batch size above the rows there are
+    (``per_device_train_batch_size: 10000000`` on 40 rows) is capped at them: the same single batch, and the
+    header and samples/s report the real one (``device_batch_rows``)."""
+    rows = _length(sampler if sampler is not None else dataset)
+    if not drop_last and rows and batch_size > rows:
+        batch_size = rows
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
                       num_workers=args.dataloader_num_workers,
                       pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
                       generator=torch.Generator().manual_seed(args.data_seed))
+
+
+def _length(source) -> int | None:
+    try:
+        return len(source)
+    except TypeError:  # an iterable dataset, a sampler without a length
+        return None
+
+
+def device_batch_rows(args, dataloader) -> int:
+    """The rows of one micro-batch on one device: ``per_device_train_batch_size``, or fewer when the training
+    dataloader's batches were capped at the rows the dataset holds (``build_dataloader``)."""
+    return min(args.per_device_train_batch_size, getattr(dataloader, "batch_size", None) or
+               args.per_device_train_batch_size)
+
+
+def step_rows(args, dataloader) -> int:
+    """The rows of one optimizer step over every process: ``device_batch_rows`` x accumulation x processes."""
+    return device_batch_rows(args, dataloader) * args.gradient_accumulation_steps * dist.get_world_size()
 
 
 @runtime_checkable
