@@ -513,3 +513,20 @@ def test_a_batch_larger_than_the_dataset_is_capped_and_the_header_says_so(tmp_pa
     assert trainer.get_train_dataloader().batch_size == 6
     samples_per_step = out.metrics["train_samples_per_second"] / out.metrics["train_steps_per_second"]
     assert samples_per_step == pytest.approx(6, rel=1e-2)  # was 10**7 "samples" a step
+
+
+def test_merge_adapters_without_adapters_and_a_classifier_task_type_on_a_causal_lm_are_refused(tmp_path):
+    pytest.importorskip("peft")
+    from treadle.peft import lora_config
+
+    rows = [{"prompt": "1+1=", "completion": "2"}] * 2
+    with pytest.raises(ValueError, match="merge_adapters=True but the model has no adapters to merge"):
+        sft(tmp_path, rows, merge_adapters=True)
+    with pytest.raises(ValueError, match="peft task_type 'SEQ_CLS' does not fit LlamaForCausalLM, a causal LM"):
+        from treadle import toy
+        from treadle.trainers.sft import SFTConfig, SFTTrainer
+
+        tok = toy.build_tokenizer()
+        SFTTrainer(toy.build_model("tiny", tokenizer=tok), args=SFTConfig(output_dir=str(tmp_path / "r"), report_to=[]),
+                   train_dataset=rows, processing_class=tok,
+                   peft_config=lora_config({"r": 2, "target_modules": "all-linear", "task_type": "SEQ_CLS"}))

@@ -64,7 +64,7 @@ class Trainer:
             raise ValueError(f"{type(self).__name__} needs a model")
         self.args = self.check_args(args)
         dist.init_distributed(self.args.device, self.args.ddp_timeout)  # under torchrun: the group exists before any data work
-        self.model = treadle_peft.apply_peft(model, peft_config, seed=self.args.seed).to(self.args.device)
+        self.model = treadle_peft.apply_peft(model, peft_config, args=self.args).to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
         self.data_collator = data_collator if data_collator is not None else collator_for(processing_class)
