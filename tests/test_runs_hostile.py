@@ -192,7 +192,7 @@ def test_fingerprints_see_a_swapped_file_and_a_different_dataset(tmp_path):
     assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 1}])) == []
     write(tmp_path / "b.bin", "two")
     assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 2}])) == [
-        "b.bin was added", "the dataset differs from the one it trained on (same length, other rows)"]
+        "b.bin was added", "the training dataset differs from the one it trained on (other rows)"]
 
 
 # ---- paths and values refused or expanded at config time --------------------------------------------------------
@@ -439,9 +439,8 @@ def sft(tmp_path, rows, **fields):
     from treadle import toy
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
-    fields = {"max_steps": 2, "per_device_train_batch_size": 2, **fields}
-    args = SFTConfig(output_dir=str(tmp_path / "run"), report_to=[], disable_tqdm=True, save_strategy="no",
-                     logging_steps=1, **fields)
+    fields = {"max_steps": 2, "per_device_train_batch_size": 2, "save_strategy": "no", **fields}
+    args = SFTConfig(output_dir=str(tmp_path / "run"), report_to=[], disable_tqdm=True, logging_steps=1, **fields)
     tok = toy.build_tokenizer()
     return SFTTrainer(model=toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows,
                       processing_class=tok)
@@ -530,3 +529,16 @@ def test_merge_adapters_without_adapters_and_a_classifier_task_type_on_a_causal_
         SFTTrainer(toy.build_model("tiny", tokenizer=tok), args=SFTConfig(output_dir=str(tmp_path / "r"), report_to=[]),
                    train_dataset=rows, processing_class=tok,
                    peft_config=lora_config({"r": 2, "target_modules": "all-linear", "task_type": "SEQ_CLS"}))
+
+
+def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
+    first = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(4)]
+    other = [{"prompt": f"{a}+2=", "completion": str(a + 2)} for a in range(4)]
+    sft(tmp_path, first, save_strategy="steps", save_steps=1).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-1")
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint-1 is not what was saved: the training dataset differs "
+                                                   r"from the one it trained on .*ignore_checkpoint_fingerprints"):
+        sft(tmp_path, other, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=checkpoint)
+    sft(tmp_path, first, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=checkpoint)  # the same: fine
+    sft(tmp_path, other, save_strategy="steps", save_steps=1, ignore_checkpoint_fingerprints=True).train(
+        resume_from_checkpoint=checkpoint)  # the override named in the message

@@ -282,7 +282,8 @@ def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args
     dist.barrier()
     if main:
         state.save_to_json(os.path.join(tmp, STATE_FILE))  # last: marks the folder complete
-        fingerprints.write_marker(tmp)  # treadle's own: what overwrite may delete, what resume verifies
+        # treadle's own: what overwrite may delete, what resume verifies
+        fingerprints.write_marker(tmp, dataset=getattr(state, "dataset_fingerprint", None))
         _fsync_tree(tmp)
         _replace_dir(tmp, final)
     dist.barrier()
@@ -444,8 +445,9 @@ def _read_json(path: str, directory: str) -> dict:
 # Resuming and the best checkpoint
 # ---------------------------------------------------------------------------------------------------------
 RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
-RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                     "is_world_process_zero", "is_local_process_zero", "config_fingerprint")  # taken from the new run, not the saved one
+RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",  # taken from the
+                     "is_world_process_zero", "is_local_process_zero", "config_fingerprint",  # new run, not the saved
+                     "dataset_fingerprint")  # one
 
 
 def resumed_state(path: str, current, args=None):
@@ -455,7 +457,7 @@ def resumed_state(path: str, current, args=None):
     exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
     come from the current arguments (a resumed run may be asked to go further); other settings that changed
     (``args`` against the checkpoint's training_args.json) are named in a note."""
-    _verify_files(path, args)
+    _verify_files(path, args, getattr(current, "dataset_fingerprint", None))
     state = read_state(path)
     if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
         raise CheckpointError(f"checkpoint {path} was written by {state.trainer_class}, and this run is "
@@ -479,12 +481,13 @@ def resumed_state(path: str, current, args=None):
     return state
 
 
-def _verify_files(path: str, args) -> None:
+def _verify_files(path: str, args, dataset: str | None = None) -> None:
     """Refuse a checkpoint whose files differ from its marker's digests (a swapped weights file, an edited
-    trainer_state.json), unless ``args.ignore_checkpoint_fingerprints``; a checkpoint without one is named."""
+    trainer_state.json) or that trained on another ``dataset`` (fingerprints), unless
+    ``args.ignore_checkpoint_fingerprints``; a checkpoint without a marker is read with the file checks alone."""
     if fingerprints.read_marker(path) is None or getattr(args, "ignore_checkpoint_fingerprints", False):
         return
-    problems = fingerprints.verify(path)
+    problems = fingerprints.verify(path, dataset)
     if problems:
         raise CheckpointError(f"checkpoint {path} is not what was saved: {'; '.join(problems[:3])}; resume from "
                               f"another checkpoint, or set ignore_checkpoint_fingerprints: true to resume anyway")

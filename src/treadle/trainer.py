@@ -295,7 +295,7 @@ class Trainer:
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
         self.state = TrainerState.for_run(self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
-                                          num_train_epochs=num_epochs, trainer_class=type(self).__name__)
+                                          num_train_epochs=num_epochs, trainer=self)
         self.loop = LoopState()
         self.metrics.clear()
         if resume_path is not None:
