@@ -542,3 +542,15 @@ def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
     sft(tmp_path, first, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=checkpoint)  # the same: fine
     sft(tmp_path, other, save_strategy="steps", save_steps=1, ignore_checkpoint_fingerprints=True).train(
         resume_from_checkpoint=checkpoint)  # the override named in the message
+
+
+def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the_cli_does(tmp_path):
+    from treadle import toy
+    from treadle.errors import PreflightError
+    from treadle.trainers.sft import SFTConfig, SFTTrainer
+
+    tok = toy.build_tokenizer()
+    with pytest.raises(PreflightError, match=rf"the tokenizer of LlamaForCausalLM has {len(tok)} tokens but the model's "
+                                             r"embedding has 16 rows; .*resize_token_embeddings"):
+        SFTTrainer(toy.build_model("tiny", vocab_size=16), args=SFTConfig(output_dir=str(tmp_path), report_to=[]),
+                   train_dataset=[{"prompt": "1+1=", "completion": "2"}], processing_class=tok)

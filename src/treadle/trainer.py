@@ -67,9 +67,9 @@ class Trainer:
         self.model = treadle_peft.apply_peft(model, peft_config, args=self.args).to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
+        models.check_vocabulary(self.model, processing_class)  # the CLI's preflight (load_model), for Python too
         self.data_collator = data_collator if data_collator is not None else collator_for(processing_class)
-        self.train_dataset = train_dataset
-        self.eval_dataset = eval_dataset
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.state = TrainerState()
