@@ -554,3 +554,56 @@ def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the
                                              r"embedding has 16 rows; .*resize_token_embeddings"):
         SFTTrainer(toy.build_model("tiny", vocab_size=16), args=SFTConfig(output_dir=str(tmp_path), report_to=[]),
                    train_dataset=[{"prompt": "1+1=", "completion": "2"}], processing_class=tok)
+
+
+# ---- a disk that fills up or turns read-only mid-run ------------------------------------------------------------
+@pytest.mark.parametrize("code, needle, fix", [
+    (28, "the disk is full (No space left on device)", "free some space"),  # errno.ENOSPC
+    (30, "the file system is read-only (Read-only file system)", "make it writable"),  # errno.EROFS
+])
+def test_a_disk_that_stops_taking_writes_mid_run_is_one_line_and_keeps_what_was_saved(tmp_path, monkeypatch, code,
+                                                                                       needle, fix):
+    import errno
+
+    from treadle.errors import is_user_error
+
+    assert (errno.ENOSPC, errno.EROFS) == (28, 30)
+    rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(4)]
+    trainer = sft(tmp_path, rows, max_steps=3, save_strategy="steps", save_steps=1)
+    real_save, calls = ckpt.save_weights, []
+
+    def save_weights(model, folder):  # the second checkpoint's weights meet the full disk
+        calls.append(folder)
+        if len(calls) == 2:
+            raise OSError(code, os.strerror(code))
+        return real_save(model, folder)
+
+    monkeypatch.setattr(ckpt, "save_weights", save_weights)
+    run = tmp_path / "run"
+    with pytest.raises(runs.DiskError) as error:
+        trainer.train()
+    message = str(error.value)
+    assert is_user_error(error.value) and "\n" not in message
+    assert f"output_dir {run}: {needle}, so the run stopped; its checkpoints saved before are intact (newest: " \
+           f"checkpoint-1); {fix}" in message and "--resume" in message
+    assert fingerprints.verify(str(run / "checkpoint-1")) == []  # intact
+    assert not (run / runs.LOCK_FILE).exists() and not list(run.glob(".tmp-checkpoint-*"))
+
+
+def test_an_error_without_an_errno_is_told_by_a_probe_write(tmp_path, monkeypatch):
+    """torch's writer reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc:672]``: the
+    probe write that follows finds the disk full."""
+    import builtins
+    import errno
+
+    real_open = builtins.open
+
+    def full_open(path, mode="r", *a, **kw):
+        if ".treadle-probe-" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, mode, *a, **kw)
+
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 512 vs 0")
+    assert runs.disk_problem(str(tmp_path), error) is None  # the disk takes writes: not the disk, a traceback
+    monkeypatch.setattr(builtins, "open", full_open)
+    assert runs.disk_problem(str(tmp_path), error) == "the disk is full (No space left on device)"

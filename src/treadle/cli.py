@@ -30,7 +30,7 @@ from typing import Any
 
 from treadle import configfile, report, runfiles
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
-from treadle.runs import check_run_folder
+from treadle.runs import check_run_folder, disk_errors
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,9 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
         print(f"treadle: resume with: {shlex.join(['treadle', 'train', config_path, *overrides, '--resume'])}",
               file=sys.stderr)
         return stop.exit_status
-    trainer.save_model()
     output_dir = trainer.args.output_dir
+    with disk_errors(output_dir):  # a full or read-only disk at the final save: one line, as during training
+        trainer.save_model()
     if trainer.state.is_world_process_zero:  # under torchrun, one report, not one per rank
         print(f"treadle: model saved in {output_dir}")
         report.print_plots(output_dir)
