@@ -607,3 +607,60 @@ def test_an_error_without_an_errno_is_told_by_a_probe_write(tmp_path, monkeypatc
     assert runs.disk_problem(str(tmp_path), error) is None  # the disk takes writes: not the disk, a traceback
     monkeypatch.setattr(builtins, "open", full_open)
     assert runs.disk_problem(str(tmp_path), error) == "the disk is full (No space left on device)"
+
+
+# ---- one-line messages that were wrong or gave no usable fix -----------------------------------------------------
+def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypatch):
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from treadle.data import plan_steps
+    from treadle.errors import PreflightError
+    from treadle.loading import load_reward_funcs
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    saved_state(run / "checkpoint-1", global_step=1, max_steps=5)
+    (run / "checkpoint-3").mkdir()  # interrupted while being written
+    with pytest.raises(ckpt.CheckpointError, match=r"does not exist; resume from a complete one there \(checkpoint-1; "
+                                                   r"--resume alone takes the newest"):
+        ckpt.resolve(str(run / "checkpoint-9"), str(run))
+    lone = tmp_path / "lone" / "checkpoint-2"
+    lone.mkdir(parents=True)
+    with pytest.raises(ckpt.CheckpointError, match="is incomplete .*no complete checkpoint is there .*start without "
+                                                   "resuming"):  # was "resume from an earlier one, e.g. None"
+        ckpt.resolve(str(lone), str(lone.parent))
+    write(run / "checkpoint-1" / ckpt.STATE_FILE, "{not json")
+    with pytest.raises(ckpt.CheckpointError, match="the file is corrupt: resume from an earlier checkpoint"):
+        ckpt.read_state(str(run / "checkpoint-1"))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ckpt.CheckpointError, match="has no weights file .*resume from another checkpoint"):
+        ckpt.load_weights(model, str(lone))
+    save_file({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, str(lone / "model.safetensors"))
+    with pytest.raises(ckpt.CheckpointError, match="shapes differ.*load them into the model they were saved from"):
+        ckpt.load_weights(model, str(lone))
+    write(tmp_path / "rewards.py", "def length(completions, **kw):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(ValueError, match=r"has no function 'lenght'; its functions: \['length'\]"):
+        load_reward_funcs(["rewards.py:lenght"], base_dir=tmp_path)
+    with pytest.raises(PreflightError, match="give more rows, a smaller per_device_train_batch_size, or "
+                                             "dataloader_drop_last: false"):
+        plan_steps(torch.utils.data.DataLoader([1, 2], batch_size=4, drop_last=True),
+                   NS(gradient_accumulation_steps=1, max_steps=1))
+
+    def lost_race(src, dst):  # another run linked its lock and removed it again between our check and our link
+        raise FileExistsError(dst)
+
+    monkeypatch.setattr(runs.os, "link", lost_race)
+    with pytest.raises(runs.RunFolderError, match="was locked and unlocked by another run while this one started; "
+                                                  "try again"):  # was "(its lock is gone again); choose another"
+        runs.acquire_lock(str(tmp_path / "race"))
+
+
+def test_merge_of_a_folder_without_an_adapter_says_what_merge_takes(tmp_path):
+    pytest.importorskip("peft")
+    from treadle.loading import merge_adapter_folder
+
+    with pytest.raises(ValueError, match="holds no adapter to merge; treadle merge takes the output_dir of a run "
+                                         "trained with peft:"):
+        merge_adapter_folder(str(tmp_path))

@@ -265,7 +265,8 @@ def plan_steps(dataloader, args, micro_batches_per_batch: int = 1) -> tuple[int,
         return args.max_steps, args.max_steps, 1
     if batches == 0:
         raise PreflightError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
-                         f"{dataloader.batch_size} and drop_last={dataloader.drop_last}")
+                             f"{dataloader.batch_size} and drop_last={dataloader.drop_last}; give more rows, a "
+                             f"smaller per_device_train_batch_size, or dataloader_drop_last: false")
     steps_per_epoch = math.ceil(batches / accum)
     if args.max_steps > 0:
         return steps_per_epoch, args.max_steps, math.ceil(args.max_steps / steps_per_epoch)

@@ -174,7 +174,8 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
     peft = treadle_peft.require_peft()
     config_path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"{adapter_dir} holds no adapter_config.json: is it the output_dir of a run with peft:?")
+        raise ValueError(f"{adapter_dir} holds no adapter_config.json, so it holds no adapter to merge; treadle merge "
+                         f"takes the output_dir of a run trained with peft: (a full fine-tune is already a whole model)")
     with open(config_path) as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base:
@@ -249,5 +250,7 @@ def _import_callable(spec: str, base_dir: Path):
                             f"file.py:function")
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec}: {module.__name__} has no function {name!r}")
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
+        raise ValueError(f"reward function {shorten(spec)}: {module.__name__} has no function {name!r}; its "
+                         f"functions: {names}")
     return fn

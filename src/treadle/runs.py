@@ -336,8 +336,10 @@ def acquire_lock(output_dir: str) -> str:
     try:
         os.link(tmp, path)
     except FileExistsError:  # another run took it between the check and now
-        raise RunFolderError(f"output_dir {output_dir} is in use by another run that just started "
-                             f"({_live_holder(path) or 'its lock is gone again'}); choose another output_dir") from None
+        holder = _live_holder(path)
+        raise RunFolderError(f"output_dir {output_dir} is in use by another run that just started ({holder}); "
+                             f"choose another output_dir" if holder else f"output_dir {output_dir} was locked and "
+                             f"unlocked by another run while this one started; try again") from None
     finally:
         os.remove(tmp)
     return path
