@@ -10,7 +10,9 @@ the first observation), then model turns that each end at EOS; after each turn `
 (special tokens dropped) and answers with an observation that is appended as a turn of ``env.role`` (default
 ``"user"``), a reward (summed over the rollout into the ``env_reward`` column; None: no opinion) and whether
 the rollout is over. It also ends when ``max_completion_length`` tokens (sampled plus observation tokens) are
-used up: then it is *truncated*, and an observation that does not fit is dropped.
+used up: then it is *truncated*, and an observation that does not fit is dropped. Each ``reset`` / ``step`` runs
+with a deadline, ``env_timeout`` seconds (``treadle.usercalls.GuardedEnvironment``): past it the rollout ends there,
+unanswered, with a warning naming the environment; what they return is checked against the contract above.
 
 **Threads.** The environments of a batch run concurrently in a thread pool (``rollout_workers`` threads):
 the steps of one rollout never overlap, but steps of *different* instances do, so whatever instances share
