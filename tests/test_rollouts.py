@@ -438,21 +438,27 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
 
 
 def test_rollout_workers_zero_steps_in_the_loop_and_a_seed_trains_the_same_weights(tmp_path, tok):
-    """rollout_workers=0: no thread pool, the environment runs in the sampling loop's thread, and two runs of one
-    seed train bit-identical weights; a negative count is refused."""
-    threads = set()
+    """rollout_workers=0: no environment thread pool, the sampling loop waits for each step in turn (the step runs
+    on a tool thread only so that env_timeout can cut it off: never two at once), and two runs of one seed train
+    bit-identical weights; a negative count is refused."""
+    threads, running, most = set(), [0], [0]
 
     class Recorder(Counter):
         def step(self, text):
             threads.add(threading.current_thread().name)
-            return super().step(text)
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            try:
+                return super().step(text)
+            finally:
+                running[0] -= 1
 
     weights = []
     for run in ("a", "b"):
         trainer = grpo(tmp_path, tok, environment_reward, run=run, workers=0, env_factory=Recorder)
         trainer.train()
         weights.append({k: v.clone() for k, v in trainer.model.state_dict().items()})
-    assert threads == {threading.main_thread().name}
+    assert most == [1] and all(name.startswith("treadle-tool-") for name in threads)
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     with pytest.raises(ValueError, match="rollout_workers must be an integer >= 0"):
         RolloutRunner(tok, env_factory=Counter, workers=-1)

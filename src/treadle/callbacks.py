@@ -39,6 +39,7 @@ from typing import Any
 
 from treadle import distributed as dist, runfiles
 from treadle.checkpoint import path_for
+from treadle.data import device_batch_rows, step_rows
 from treadle.errors import stopped_by
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
@@ -376,7 +377,10 @@ def run_header(args, state, model, dataloader) -> str:
     total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
     name = type(model).__name__ + (f" ({model.name_or_path})" if getattr(model, "name_or_path", "") else "")
     rows = len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else "?"
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * state.world_size
+    device_rows = device_batch_rows(args, dataloader)
+    per_step = step_rows(args, dataloader)
+    capped = (f", per_device_train_batch_size={args.per_device_train_batch_size} capped at the rows there are"
+              if device_rows < args.per_device_train_batch_size else "")
     plan = (f"max_steps={args.max_steps}" if args.max_steps > 0 else
             f"num_train_epochs={args.num_train_epochs:g} x {state.steps_per_epoch} steps per epoch, as max_steps="
             f"{args.max_steps} asks")
@@ -385,8 +389,8 @@ def run_header(args, state, model, dataloader) -> str:
         f"treadle: {state.trainer_class or 'Trainer'} run",
         f"  model   {name}: {total:,} parameters, {trainable:,} trainable",
         f"  data    {rows if isinstance(rows, str) else f'{rows:,}'} rows; {per_step} rows per step "
-        f"({args.per_device_train_batch_size} per device x {args.gradient_accumulation_steps} accumulated x "
-        f"{state.world_size} processes)",
+        f"({device_rows} per device x {args.gradient_accumulation_steps} accumulated x {state.world_size} "
+        f"processes{capped})",
         f"  steps   {state.max_steps} ({plan}){start}",
         f"  output  {args.output_dir}"])
 

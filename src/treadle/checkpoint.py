@@ -77,6 +77,10 @@ def path_for(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"{PREFIX}{step}")
 
 
+WEIGHTS_FIX = ("load them into the model they were saved from: the run's model and peft settings (a LoRA run's "
+               "checkpoint holds adapters only)")
+
+
 def latest_checkpoint(output_dir: str) -> str | None:
     found = list_checkpoints(output_dir)
     return found[-1][1] if found else None
@@ -100,11 +104,21 @@ def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
         return path
     path = str(resume_from_checkpoint)
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint folder {path!r} does not exist")
+        raise CheckpointError(f"checkpoint folder {path!r} does not exist; {_complete_ones(path, output_dir)}")
     if not is_complete(path):
         raise CheckpointError(f"checkpoint {path!r} is incomplete (no {STATE_FILE}): it was interrupted while "
-                              f"being written; resume from an earlier one, e.g. {latest_checkpoint(output_dir)}")
+                              f"being written; {_complete_ones(path, output_dir)}")
     return path
+
+
+def _complete_ones(path: str, output_dir: str) -> str:
+    """Where to resume from instead of ``path``: the complete checkpoints beside it (or in ``output_dir``)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    found = [p for _, p in list_checkpoints(parent if os.path.isdir(parent) else output_dir)]
+    if not found:
+        return f"no complete checkpoint is there ({parent}): start without resuming"
+    names = ", ".join(os.path.basename(p) for p in found[-4:])
+    return f"resume from a complete one there ({names}; --resume alone takes the newest, {found[-1]})"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -179,7 +193,8 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
     for name in files:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint {directory!r} has no weights file {name!r}")
+            raise CheckpointError(f"checkpoint {directory!r} has no weights file {name!r}: it is incomplete or not "
+                                  f"a checkpoint of this model; resume from another checkpoint")
         try:
             state.update(load_file(path, device="cpu"))
         except Exception as e:  # safetensors raises its own error type for truncated / garbled files
@@ -195,17 +210,20 @@ def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> Non
     params = treadle_peft.adapter_state_dict(model) if peft else dict(model.state_dict(keep_vars=True))
     unexpected = [k for k in state if k not in params]
     if unexpected:
-        raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys {unexpected[:5]}")
+        raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys {unexpected[:5]}; "
+                              f"{WEIGHTS_FIX}")
     # save_pretrained drops tied duplicates (e.g. lm_head.weight tied to the embeddings): a missing key is
     # fine only when it shares storage with a loaded one.
     loaded = {params[k].data_ptr() for k in state}
     missing = [k for k in params if k not in state and params[k].data_ptr() not in loaded]
     if missing:
-        raise CheckpointError(f"weights in {directory!r} do not fit this model: missing keys {missing[:5]}")
+        raise CheckpointError(f"weights in {directory!r} do not fit this model: missing keys {missing[:5]}; "
+                              f"{WEIGHTS_FIX}")
     wrong = [f"{k} {tuple(v.shape)} vs {tuple(params[k].shape)}" for k, v in state.items()
              if v.shape != params[k].shape]
     if wrong:
-        raise CheckpointError(f"weights in {directory!r} do not fit this model: shapes differ: {wrong[:5]}")
+        raise CheckpointError(f"weights in {directory!r} do not fit this model: shapes differ: {wrong[:5]}; "
+                              f"{WEIGHTS_FIX}")
     if peft:
         treadle_peft.load_adapter_state_dict(model, state)
     else:
@@ -288,7 +306,8 @@ def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args
     dist.barrier()
     if main:
         state.save_to_json(os.path.join(tmp, STATE_FILE))  # last: marks the folder complete
-        fingerprints.write_marker(tmp)  # treadle's own: what overwrite may delete, what resume verifies
+        # treadle's own: what overwrite may delete, what resume verifies
+        fingerprints.write_marker(tmp, dataset=getattr(state, "dataset_fingerprint", None))
         _fsync_tree(tmp)
         _replace_dir(tmp, final)
     dist.barrier()
@@ -337,7 +356,8 @@ def read_state(path: str):
     try:
         return TrainerState.load_from_json(os.path.join(path, STATE_FILE))
     except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"cannot read {os.path.join(path, STATE_FILE)!r} in checkpoint {path!r}: {e}") from e
+        raise CheckpointError(f"cannot read {os.path.join(path, STATE_FILE)!r} in checkpoint {path!r}: "
+                              f"{_first_line(e)}; the file is corrupt: resume from an earlier checkpoint") from e
 
 
 def load_checkpoint(path: str, *, model, optimizer=None, scheduler=None, load_rng: bool = True):
@@ -443,15 +463,17 @@ def _read_json(path: str, directory: str) -> dict:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path!r} in checkpoint {directory!r}: {e}") from e
+        raise CheckpointError(f"cannot read {path!r} in checkpoint {directory!r}: {_first_line(e)}; the file is "
+                              f"corrupt: resume from an earlier checkpoint") from e
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Resuming and the best checkpoint
 # ---------------------------------------------------------------------------------------------------------
 RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
-RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",
-                     "is_world_process_zero", "is_local_process_zero", "config_fingerprint")  # taken from the new run, not the saved one
+RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",  # taken from the
+                     "is_world_process_zero", "is_local_process_zero", "config_fingerprint",  # new run, not the saved
+                     "dataset_fingerprint")  # one
 
 
 def resumed_state(path: str, current, args=None):
@@ -461,7 +483,7 @@ def resumed_state(path: str, current, args=None):
     exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
     come from the current arguments (a resumed run may be asked to go further); other settings that changed
     (``args`` against the checkpoint's training_args.json) are named in a note."""
-    _verify_files(path, args)
+    _verify_files(path, args, getattr(current, "dataset_fingerprint", None))
     state = read_state(path)
     if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
         raise CheckpointError(f"checkpoint {path} was written by {state.trainer_class}, and this run is "
@@ -485,12 +507,13 @@ def resumed_state(path: str, current, args=None):
     return state
 
 
-def _verify_files(path: str, args) -> None:
+def _verify_files(path: str, args, dataset: str | None = None) -> None:
     """Refuse a checkpoint whose files differ from its marker's digests (a swapped weights file, an edited
-    trainer_state.json), unless ``args.ignore_checkpoint_fingerprints``; a checkpoint without one is named."""
+    trainer_state.json) or that trained on another ``dataset`` (fingerprints), unless
+    ``args.ignore_checkpoint_fingerprints``; a checkpoint without a marker is read with the file checks alone."""
     if fingerprints.read_marker(path) is None or getattr(args, "ignore_checkpoint_fingerprints", False):
         return
-    problems = fingerprints.verify(path)
+    problems = fingerprints.verify(path, dataset)
     if problems:
         raise CheckpointError(f"checkpoint {path} is not what was saved: {'; '.join(problems[:3])}; resume from "
                               f"another checkpoint, or set ignore_checkpoint_fingerprints: true to resume anyway")

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treadle import report, runfiles
+from treadle import configfile, report, runfiles
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
-from treadle.runs import check_run_folder
+from treadle.runs import check_run_folder, disk_errors
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,9 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
         print(f"treadle: resume with: {shlex.join(['treadle', 'train', config_path, *overrides, '--resume'])}",
               file=sys.stderr)
         return stop.exit_status
-    trainer.save_model()
     output_dir = trainer.args.output_dir
+    with disk_errors(output_dir):  # a full or read-only disk at the final save: one line, as during training
+        trainer.save_model()
     if trainer.state.is_world_process_zero:  # under torchrun, one report, not one per rank
         print(f"treadle: model saved in {output_dir}")
         report.print_plots(output_dir)
@@ -165,7 +166,7 @@ def load_config(path: str, overrides: list[str] = ()) -> dict[str, Any]:
         raise UserError(f"config file {path} not found")
     try:
         with open(path, encoding="utf-8") as f:
-            config = yaml.load(f, Loader=yaml_loader())
+            config = configfile.load(f)
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -175,29 +176,6 @@ def load_config(path: str, overrides: list[str] = ()) -> dict[str, Any]:
                         f"got {type(config).__name__}")
     config.update(parse_overrides(overrides))
     return config
-
-
-def yaml_loader():
-    """PyYAML's safe loader with YAML 1.2 scalars: only true/false are booleans (``eval_strategy: no`` stays the
-    string "no"), and ``1e-3`` is a float (YAML 1.1 wants ``1.0e-3``)."""
-    import re
-
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",
-                                                                            "tag:yaml.org,2002:float")]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                                 list("tTfF"))
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
-        list("-+0123456789."))
-    return Loader
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -216,7 +194,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 raise UserError(f"--{key} needs a value (--{key} VALUE)")
             i, value = i + 1, items[i + 1]
         try:
-            out[key.replace("-", "_")] = yaml.load(value, Loader=yaml_loader())
+            out[key.replace("-", "_")] = configfile.load(value)
         except yaml.YAMLError:
             out[key.replace("-", "_")] = value
         i += 1

@@ -201,14 +201,38 @@ def seeded_sampler(dataset, *, seed: int, shuffle: bool) -> SeededSampler | None
 def build_dataloader(dataset, args, *, batch_size: int, collate_fn, sampler=None, drop_last: bool = False):
     """A DataLoader with ``args``' worker settings. Its own generator keeps the global torch RNG untouched, so
     that starting an epoch mid-way (resume) draws the same dropout masks. A stream (``streaming.is_stream``) gets a
-    ``streaming.StreamLoader`` instead: this rank's shard, batched and collated the same way."""
+    ``streaming.StreamLoader`` instead: this rank's shard, batched and collated the same way. A batch size above the
+    rows there are (``per_device_train_batch_size: 10000000`` on 40 rows) is capped at them: the same single batch,
+    and the header and samples/s report the real one (``device_batch_rows``)."""
     if is_stream(dataset):
         return StreamLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, rank=dist.get_rank(),
                             world_size=dist.get_world_size(), drop_last=drop_last)
+    rows = _length(sampler if sampler is not None else dataset)
+    if not drop_last and rows and batch_size > rows:
+        batch_size = rows
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
                       num_workers=args.dataloader_num_workers,
                       pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
                       generator=torch.Generator().manual_seed(args.data_seed))
+
+
+def _length(source) -> int | None:
+    try:
+        return len(source)
+    except TypeError:  # an iterable dataset, a sampler without a length
+        return None
+
+
+def device_batch_rows(args, dataloader) -> int:
+    """The rows of one micro-batch on one device: ``per_device_train_batch_size``, or fewer when the training
+    dataloader's batches were capped at the rows the dataset holds (``build_dataloader``)."""
+    return min(args.per_device_train_batch_size, getattr(dataloader, "batch_size", None) or
+               args.per_device_train_batch_size)
+
+
+def step_rows(args, dataloader) -> int:
+    """The rows of one optimizer step over every process: ``device_batch_rows`` x accumulation x processes."""
+    return device_batch_rows(args, dataloader) * args.gradient_accumulation_steps * dist.get_world_size()
 
 
 @runtime_checkable
@@ -250,7 +274,8 @@ def plan_steps(dataloader, args, micro_batches_per_batch: int = 1) -> tuple[int,
         return args.max_steps, args.max_steps, 1
     if batches == 0:
         raise PreflightError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
-                         f"{dataloader.batch_size} and drop_last={dataloader.drop_last}")
+                             f"{dataloader.batch_size} and drop_last={dataloader.drop_last}; give more rows, a "
+                             f"smaller per_device_train_batch_size, or dataloader_drop_last: false")
     steps_per_epoch = math.ceil(batches / accum)
     if args.max_steps > 0:
         return steps_per_epoch, args.max_steps, math.ceil(args.max_steps / steps_per_epoch)
@@ -381,17 +406,42 @@ class DatasetFileError(PreflightError):
     wrong type), named with its line or row."""
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")  # roles chat templates render
+
+
 def check_text_columns(dataset, columns, *, source: str, first_row: int = 0) -> None:
     """Refuse a row whose text column holds something else than text or chat messages (a number, null ...),
-    naming ``source``, the row (numbered from ``first_row``: 1 for the lines of a JSONL file) and the column.
-    ``dataset``: a ``datasets.Dataset`` or a list of row dicts."""
+    or chat messages of a role no chat template renders (``CHAT_ROLES``; a template would print an unknown one
+    literally, ``<|hacker|>``, and train on it) or without ``content`` (an assistant turn with ``tool_calls``
+    may leave it out), naming ``source``, the row (numbered from ``first_row``: 1 for the lines of a JSONL file)
+    and the column. ``dataset``: a ``datasets.Dataset`` or a list of row dicts."""
     rows = dataset if isinstance(dataset, list) else None
     present = [c for c in columns if (rows is not None and any(c in r for r in rows)) or
                (rows is None and c in (column_names(dataset) or ()))]
     for column in present:
         for i, value in enumerate([r.get(column) for r in rows] if rows is not None else dataset[column]):
+            where = f"{source}, {f'line {i + first_row}' if first_row else f'row {i}'}: column {column!r}"
             if not (isinstance(value, str) or is_conversation(value)):
-                where = f"line {i + first_row}" if first_row else f"row {i}"
                 what = "nothing (null / empty)" if value is None else f"{type(value).__name__} {str(value)[:40]!r}"
-                raise DatasetFileError(f"{source}, {where}: column {column!r} holds {what}, not text (or chat "
-                                       f"messages); fix that row or drop it")
+                raise DatasetFileError(f"{where} holds {what}, not text (or chat messages); fix that row or drop it")
+            if not isinstance(value, str):
+                _check_messages(value, where)
+
+
+def _check_messages(messages, where: str) -> None:
+    for j, message in enumerate(messages):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise DatasetFileError(f"{where}, message {j} has role {str(role)[:40]!r}, which no chat template "
+                                   f"renders (it would be trained on literally); use one of {list(CHAT_ROLES)}")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise DatasetFileError(f"{where}, message {j} ({role}) has no 'content'; give each message its text "
+                                   f"as 'content' (an assistant turn with 'tool_calls' may leave it out)")
+
+
+def empty_texts(values) -> list[int]:
+    """The positions of ``values`` (texts or chat messages) that hold no text: ``""``, whitespace, or messages
+    whose contents are all empty."""
+    return [i for i, v in enumerate(values)
+            if (isinstance(v, str) and not v.strip())
+            or (is_conversation(v) and not any(str(m.get("content") or "").strip() for m in v))]

@@ -32,6 +32,10 @@ class NonFiniteLossError(UserError, FloatingPointError):
     """The loss became NaN or infinite; the message names the step and what to change."""
 
 
+class NothingTrainedError(UserError):
+    """The run took steps but no batch held a loss item: it trained on nothing (``metrics.speed_metrics``)."""
+
+
 class _Stopped:
     """What a run stopped by a signal left: the signal, the step it finished, its newest checkpoint."""
 
@@ -73,6 +77,13 @@ def is_user_error(error: BaseException) -> bool:
     mistake subclass it: ``PreflightError``, ``checkpoint.CheckpointError``, ``rewards.RewardFunctionError`` ...).
     Anything else is a bug and keeps its traceback."""
     return isinstance(error, UserError)
+
+
+def shorten(text, most: int = 200) -> str:
+    """``text`` cut to ``most`` characters for a message (a path or value built by YAML aliases, or pasted by
+    mistake, can be megabytes: a message names it, it does not reprint it)."""
+    text = str(text)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text):,} characters)"
 
 
 def one_line(error: BaseException) -> str:

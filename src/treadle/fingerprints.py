@@ -57,6 +57,19 @@ def dataset_fingerprint(rows) -> str:
     return digest.hexdigest()
 
 
+def sampled_dataset_fingerprint(dataset, most: int = 1024) -> str | None:
+    """The length of ``dataset`` and ``dataset_fingerprint`` of up to ``most`` evenly spaced rows of it (the first
+    and last included): cheap at any size, and a different dataset of the same length differs in them. None for a
+    dataset without a length or indexing (an iterable dataset)."""
+    try:
+        n = len(dataset)
+        rows = [dataset[i] for i in sorted({round(k * (n - 1) / (most - 1)) for k in range(most)})] if n > most \
+            else [dataset[i] for i in range(n)]
+    except (TypeError, NotImplementedError, KeyError):
+        return None
+    return f"{n}:{dataset_fingerprint(rows)}"
+
+
 def write_marker(folder: str, dataset: str | None = None) -> None:
     """Write ``folder/treadle_checkpoint.json``: the digests of every other file in it, and ``dataset``."""
     with open(os.path.join(folder, MARKER), "w") as f:
@@ -102,5 +115,5 @@ def verify(folder: str, dataset: str | None = None) -> list[str]:
     problems += [f"{rel} is missing" for rel in sorted(set(recorded) - set(now))]
     problems += [f"{rel} was added" for rel in sorted(set(now) - set(recorded))]
     if dataset and marker.get("dataset") and dataset != marker["dataset"]:
-        problems.append("the dataset differs from the one it trained on (same length, other rows)")
+        problems.append("the training dataset differs from the one it trained on (other rows)")
     return problems

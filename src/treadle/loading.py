@@ -16,6 +16,7 @@ import datasets
 from treadle import peft as treadle_peft, toy
 from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
+from treadle.errors import shorten
 from treadle.models import from_name
 from treadle.rewards import RewardFunction, from_reward_model
 from treadle.runs import check_not_in_model
@@ -35,7 +36,7 @@ def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Pat
         return _toy_dataset(spec, kind=kind, split=split)
     path = existing_path(spec, base_dir)
     if path is None:
-        raise ValueError(f"dataset {spec} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
+        raise ValueError(f"dataset {shorten(spec)} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
                         f"Dataset.save_to_disk, or toy:addition)")
     def from_rows(rows: list[dict]):  # checked before datasets infers (and refuses) a column type
         check_text_columns(rows, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
@@ -95,8 +96,11 @@ def existing_path(spec: str, base_dir: Path) -> Path | None:
     """``spec`` as given (relative to the working directory) if it exists, else relative to ``base_dir`` (the
     config's folder), else None."""
     for candidate in (Path(spec), base_dir / spec):
-        if candidate.exists():
-            return candidate
+        try:
+            if candidate.exists():
+                return candidate
+        except OSError:  # a name too long for any file (a pasted text, an expanded YAML alias): not a path
+            return None
     return None
 
 
@@ -192,7 +196,8 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
     peft = treadle_peft.require_peft()
     config_path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"{adapter_dir} holds no adapter_config.json: is it the output_dir of a run with peft:?")
+        raise ValueError(f"{adapter_dir} holds no adapter_config.json, so it holds no adapter to merge; treadle merge "
+                         f"takes the output_dir of a run trained with peft: (a full fine-tune is already a whole model)")
     with open(config_path) as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base:
@@ -242,7 +247,10 @@ def _import_callable(spec: str, base_dir: Path):
         file, _, name = spec.rpartition(":")
         path = existing_path(file, base_dir)
         if path is None:
-            raise ValueError(f"reward function {spec}: file {file} not found")
+            raise ValueError(f"reward function {shorten(spec)}: file {shorten(file)} not found")
+        if path.suffix != ".py" or not path.is_file():
+            raise ValueError(f"reward function {shorten(spec)}: {shorten(file)} is not a Python file; name a .py file "
+                             f"and a function in it (rewards.py:my_reward), or a dotted path (package.module.function)")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         try:
@@ -264,5 +272,7 @@ def _import_callable(spec: str, base_dir: Path):
                             f"file.py:function")
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec}: {module.__name__} has no function {name!r}")
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
+        raise ValueError(f"reward function {shorten(spec)}: {module.__name__} has no function {name!r}; its "
+                         f"functions: {names}")
     return fn

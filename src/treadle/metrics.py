@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from treadle import distributed as dist
-from treadle.errors import NonFiniteLossError
+from treadle.errors import NonFiniteLossError, NothingTrainedError
 
 Number = float | int | torch.Tensor
 
@@ -218,9 +218,16 @@ def fold_loss(state, loss: tuple[float, float]) -> dict[str, float]:
 
 
 def speed_metrics(start_time: float, steps: int, samples: int, state) -> dict[str, float]:
-    """``train_runtime``, samples and steps per second, and ``train_loss`` (the run's item-weighted mean)."""
+    """``train_runtime``, samples and steps per second, and ``train_loss`` (the run's item-weighted mean).
+    Raises NothingTrainedError when the run took steps without one loss item (``train_loss`` would be NaN): a
+    run that trained on nothing never ends as if it had trained (the CLI then saves no model, and exits 2)."""
     import time
 
+    if steps > 0 and not state.total_loss_items:
+        raise NothingTrainedError(
+            f"the run took {steps} steps but not one of its batches held a token with loss (train_loss is "
+            f"undefined), so it trained on nothing and nothing was saved after it; check the dataset: every row's "
+            f"loss mask is empty (completion_mask / labels all -100, completions cut away)")
     runtime = time.time() - start_time
     train_loss = state.total_loss_sum / state.total_loss_items if state.total_loss_items else float("nan")
     return {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from treadle import distributed as dist
+from treadle.errors import PreflightError
 
 __all__ = ["ForwardSignature", "causal_lm_problem", "check_model_folder", "check_vocabulary",
            "check_hub_model", "enable_gradient_checkpointing", "eval_mode", "forward_parameters", "forward_signature",
@@ -395,11 +396,13 @@ def _safetensors_problem(path: str) -> str | None:
     return f"truncated ({size} bytes of the {expected} its header describes)" if expected > size else None
 
 
-def check_vocabulary(model: nn.Module, tokenizer, where: str = "the model") -> None:
-    """Refuse a tokenizer whose ids go past the model's input embedding (an IndexError at the first forward)."""
+def check_vocabulary(model: nn.Module, tokenizer, where: str | None = None) -> None:
+    """Refuse (PreflightError, a ValueError) a tokenizer whose ids go past the model's input embedding (an
+    IndexError at the first forward): ``load_model`` for the CLI, ``Trainer.__init__`` for Python alike."""
+    where = where or getattr(model, "name_or_path", None) or type(dist.unwrap_model(model)).__name__
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embeddings, "num_embeddings", None)
-    if rows is not None and tokenizer is not None and len(tokenizer) > rows:
-        raise ValueError(f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
+    if rows is not None and hasattr(tokenizer, "__len__") and len(tokenizer) > rows:
+        raise PreflightError(f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
                          f"{rows} rows; use the tokenizer saved with this model, or resize the embedding "
                          f"(model.resize_token_embeddings(len(tokenizer))) and save both")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from treadle import distributed as dist
-from treadle.models import is_peft_model
+from treadle.models import is_causal_lm, is_peft_model
 
 PEFT_INSTALL = "pip install 'treadle[peft]'"
 MERGED_DIR = "merged"  # where merge_adapters / `treadle merge` write the merged model, inside the run folder
@@ -35,16 +35,27 @@ def require_peft():
     return peft
 
 
-def apply_peft(model: nn.Module, peft_config, *, seed: int = 0) -> nn.Module:
+def apply_peft(model: nn.Module, peft_config, *, seed: int = 0, args=None) -> nn.Module:
     """``model`` wrapped by ``peft.get_peft_model`` for ``peft_config`` (only the adapters train), as TRL's
     trainers do; ``model`` itself when ``peft_config`` is None. The adapters' initial weights depend on
-    ``seed`` only (the caller's RNG is left as it was). Prints trainable / total parameters."""
+    ``seed`` (``args.seed`` when ``args`` is given) only (the caller's RNG is left as it was). Prints trainable /
+    total parameters. Refused: ``args.merge_adapters`` without adapters to merge (it would write nothing, silently),
+    and a ``task_type`` other than CAUSAL_LM on a causal LM (SEQ_CLS would train a classifier wrapper instead)."""
+    seed = args.seed if args is not None else seed
+    if getattr(args, "merge_adapters", False) and peft_config is None and not is_peft_model(model):
+        raise ValueError("merge_adapters=True but the model has no adapters to merge (no peft: / peft_config); add a "
+                         "peft: mapping (peft_config=LoraConfig(...)) or drop merge_adapters")
     if peft_config is None:
         return model
     peft = require_peft()
     if not isinstance(peft_config, peft.PeftConfig):
         raise TypeError(f"peft_config must be a peft config (e.g. peft.LoraConfig(r=8, target_modules='all-linear')), "
                         f"got {type(peft_config).__name__}; a YAML mapping goes through treadle.peft.lora_config")
+    task = getattr(peft_config.task_type, "value", peft_config.task_type)
+    if task not in (None, "CAUSAL_LM") and is_causal_lm(model):
+        raise ValueError(f"peft task_type {task!r} does not fit {type(model).__name__}, a causal LM whose next-token "
+                         f"head this trainer trains (PEFT would wrap it as another task); set task_type: CAUSAL_LM or "
+                         f"leave it out")
     if is_peft_model(model):
         raise ValueError("the model is already a PEFT model and peft_config was given too; pass the base model "
                          "with peft_config, or the PEFT model with peft_config=None")

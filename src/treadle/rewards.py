@@ -26,6 +26,7 @@ completion through :func:`completion_text`, so they work for plain and chat comp
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import re
@@ -73,12 +74,15 @@ def call_reward_function(fn: RewardFunction, *, prompts: list, completions: list
                          columns: dict[str, list], step: int) -> list[float]:
     """Call ``fn`` by the contract and check what it returns; ``None`` entries come back as NaN.
 
+    ``fn`` gets its own copies of the arguments: a function that edits them (``completions[0] = ...``, a chat
+    message's content) changes neither what the next function reads nor what completions.jsonl records.
     Raises RewardFunctionError (with the function's name, ``step`` and one sample) when the function raises,
     returns a number of values other than ``len(completions)``, a non-number, NaN or an infinity.
     """
     name = reward_name(fn)
+    arguments = copy.deepcopy(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns))
     try:
-        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        values = fn(**arguments)
     except Exception as e:
         raise RewardFunctionError(
             f"reward function {name!r} raised {type(e).__name__}: {e} at step {step}; its first sample was "

@@ -10,7 +10,9 @@ the first observation), then model turns that each end at EOS; after each turn `
 (special tokens dropped) and answers with an observation that is appended as a turn of ``env.role`` (default
 ``"user"``), a reward (summed over the rollout into the ``env_reward`` column; None: no opinion) and whether
 the rollout is over. It also ends when ``max_completion_length`` tokens (sampled plus observation tokens) are
-used up: then it is *truncated*, and an observation that does not fit is dropped.
+used up: then it is *truncated*, and an observation that does not fit is dropped. Each ``reset`` / ``step`` runs
+with a deadline, ``env_timeout`` seconds (``treadle.usercalls.GuardedEnvironment``): past it the rollout ends there,
+unanswered, with a warning naming the environment; what they return is checked against the contract above.
 
 **Threads.** The environments of a batch run concurrently in a thread pool (``rollout_workers`` threads):
 the steps of one rollout never overlap, but steps of *different* instances do, so whatever instances share
@@ -36,8 +38,8 @@ formats (:data:`CALL_FORMATS`):
   ``<tool_call>``): ``<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call>``, the result
   rendered by the chat template as a ``{"role": "tool"}`` message, the tools' schemas passed to the template.
 
-A malformed call, an unknown tool, wrong arguments, a tool that raises or runs past ``tool_timeout`` seconds
-all become a tool turn with the error text (the model can learn from it) and count as failed calls; none
+A malformed call, an unknown tool, wrong arguments, a tool that raises (``SystemExit`` too) or runs past
+``tool_timeout`` seconds (``None``: no limit, a warning after a minute; ``treadle.usercalls``) all become a tool turn with the error text (the model can learn from it) and count as failed calls; none
 crashes training. After ``max_tool_calling_iterations`` turns with calls (TRL's name and meaning) the next
 call ends the rollout unanswered.
 
@@ -58,12 +60,9 @@ import ast
 import dataclasses
 import inspect
 import json
-import queue
 import re
-import threading
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -73,6 +72,7 @@ from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import distinct_prompts, left_pad, model_device, sample_completions
 from treadle.generation.turns import MultiTurnOutput, pack_turns, sample_turns
 from treadle.text import encode_prompts, eos_ids, is_conversation
+from treadle.usercalls import GuardedEnvironment, ToolError, ToolPool, call_with_timeout
 
 __all__ = ["CALL_FORMATS", "Environment", "RolloutOutput", "RolloutRunner", "ToolEnvironment", "ToolPool",
            "check_tool", "environment_reward", "rollout_metrics"]
@@ -112,10 +112,6 @@ def check_tool(fn) -> str:
     return name
 
 
-class ToolError(Exception):
-    """A call that could not run: its message is what the model reads in the tool turn."""
-
-
 _TAGGED = re.compile(r"<call>(.*?)(?:</call>|$)", re.DOTALL)
 _JSON = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
@@ -147,96 +143,6 @@ def parse_json_call(source: str) -> tuple[str, list, dict]:
         raise ToolError(f"malformed call {source.strip()!r}: write <tool_call>{{\"name\": ..., \"arguments\": "
                         f"{{...}}}}</tool_call> ({e})") from None
     return name, [], arguments
-
-
-class ToolPool:
-    """The daemon threads that run tool calls (one per call in flight, reused), owned by whoever closes it: a
-    RolloutRunner for its environments, or a ToolEnvironment made on its own.
-
-    A call still running past its timeout is *abandoned*: Python cannot stop a thread, so its thread stays busy
-    until the function returns and then exits, while later calls get other threads and never wait behind it.
-    Being a daemon, a stuck thread never holds up the interpreter's exit. ``close()`` ends every idle thread (and
-    waits for them) and each busy one as soon as its call returns; a pool can be used again after ``close()``."""
-
-    def __init__(self):
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a task and not yet promised one
-        self._threads: list[threading.Thread] = []
-        self._abandoned: set[Future] = set()
-        self._running: dict[threading.Thread, Future] = {}
-
-    def submit(self, fn, *args, **kwargs) -> Future:
-        future: Future = Future()
-        with self._lock:
-            self._threads = [t for t in self._threads if t.is_alive()]
-            if self._idle:
-                self._idle -= 1  # an idle thread takes it
-            else:
-                worker = threading.Thread(target=self._work, name=f"treadle-tool-{len(self._threads)}", daemon=True)
-                self._threads.append(worker)
-                worker.start()
-        self._tasks.put((future, fn, args, kwargs))
-        return future
-
-    def abandon(self, future: Future) -> None:
-        """Give up on ``future`` (timed out): ``close()`` will not wait for its thread."""
-        with self._lock:
-            self._abandoned.add(future)
-
-    def _work(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            future, fn, args, kwargs = task
-            with self._lock:
-                self._running[threading.current_thread()] = future
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args, **kwargs))
-                except BaseException as e:  # the caller turns it into the model's error turn
-                    future.set_exception(e)
-            with self._lock:
-                del self._running[threading.current_thread()]
-                self._abandoned.discard(future)
-                self._idle += 1
-
-    def threads(self) -> list[threading.Thread]:
-        """The pool's live threads (busy or idle)."""
-        with self._lock:
-            return [t for t in self._threads if t.is_alive()]
-
-    def close(self) -> None:
-        with self._lock:
-            stuck = {t for t, f in self._running.items() if f in self._abandoned}
-            threads, self._idle = self._threads, 0
-            self._threads = [t for t in threads if t in stuck]  # still listed (threads()) until their call returns
-        for _ in threads:
-            self._tasks.put(None)  # one stop per thread; a busy one reads it when its call returns
-        for thread in threads:
-            if thread not in stuck:
-                thread.join()
-
-
-def call_with_timeout(fn, args: list, kwargs: dict, timeout: float | None, pool: ToolPool):
-    """``fn(*args, **kwargs)``, or ToolError when it raises or is still running after ``timeout`` seconds (it
-    is then abandoned on its thread of ``pool``; see :class:`ToolPool`). ``timeout=None`` calls it here."""
-    name = getattr(fn, "__name__", "tool")
-    try:
-        inspect.signature(fn).bind(*args, **kwargs)
-    except TypeError as e:
-        raise ToolError(f"wrong arguments for {name}: {e}") from None
-    try:
-        if timeout is None:
-            return fn(*args, **kwargs)
-        future = pool.submit(fn, *args, **kwargs)
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            pool.abandon(future)
-            raise ToolError(f"{name} timed out after {timeout:g} s") from None
-    except ToolError:
-        raise
-    except Exception as e:  # the model reads the error; training goes on
-        raise ToolError(f"{name} raised {type(e).__name__}: {e}") from None
 
 
 class ToolEnvironment:
@@ -317,7 +223,7 @@ class RolloutRunner:
 
     def __init__(self, tokenizer, *, tools: Sequence[Callable] | None = None, env_factory=None,
                  call_format: str = "auto", max_tool_calling_iterations: int | None = None,
-                 tool_timeout: float | None = 10.0, workers: int = 8):
+                 tool_timeout: float | None = 10.0, workers: int = 8, env_timeout: float | None = 60.0):
         if (tools is None) == (env_factory is None):
             raise ValueError("pass either tools=[functions] or env_factory=<callable returning an Environment>, "
                              "not both (an environment can call your functions itself) and not neither")
@@ -330,8 +236,9 @@ class RolloutRunner:
         if not isinstance(workers, int) or workers < 0:
             raise ValueError(f"rollout_workers must be an integer >= 0 (0: step the environments in the sampling "
                              f"loop), got {workers!r}")
-        if tool_timeout is not None and not tool_timeout > 0:
-            raise ValueError(f"tool_timeout must be > 0 seconds (or None for no limit), got {tool_timeout!r}")
+        for setting, seconds in (("tool_timeout", tool_timeout), ("env_timeout", env_timeout)):
+            if seconds is not None and not seconds > 0:
+                raise ValueError(f"{setting} must be > 0 seconds (or None for no limit), got {seconds!r}")
         self.tokenizer, self.env_factory = tokenizer, env_factory
         self.tools = list(tools or [])
         self.tool_names = [check_tool(fn) for fn in self.tools]  # refused here, naming the tool
@@ -341,8 +248,8 @@ class RolloutRunner:
             _check_json_schemas(self.tools)
         self.tool_options = dict(call_format=self.call_format, max_tool_calling_iterations=max_tool_calling_iterations,
                                  tool_timeout=tool_timeout)
-        self.workers, self.pool = workers, None
-        self.tool_pool = ToolPool()
+        self.workers, self.pool, self.env_timeout = workers, None, env_timeout
+        self.tool_pool = ToolPool()  # tool calls and environment calls run on its threads, with their deadlines
 
     def __enter__(self) -> "RolloutRunner":
         return self
@@ -357,8 +264,8 @@ class RolloutRunner:
 
     def new_environment(self):
         """A fresh environment for one rollout."""
-        if self.env_factory is not None:
-            return self.env_factory()
+        if self.env_factory is not None:  # seen through its contract: a deadline, its answers' types checked
+            return GuardedEnvironment(self.env_factory(), self.env_timeout, self.tool_pool)
         return ToolEnvironment(self.tools, tool_pool=self.tool_pool, **self.tool_options)
 
     def encode_prompts(self, prompts: list, max_prompt_length: int | None) -> list[list[int]]:
@@ -406,11 +313,7 @@ class RolloutRunner:
 
         def step(row: int, turn_ids: list[int]) -> list[int] | None:
             text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
-            try:
-                observation, reward, done = envs[row].step(text)
-            except Exception as e:
-                raise RuntimeError(f"{type(envs[row]).__name__}.step raised {type(e).__name__}: {e} on the turn "
-                                   f"{text!r}; an environment should answer bad input with an observation") from e
+            observation, reward, done = envs[row].step(text)  # GuardedEnvironment names a broken environment
             if reward is not None:
                 rewards[row].append(float(reward))
             if done:
@@ -513,6 +416,9 @@ def rollout_metrics(transcripts: list[list[dict]], truncated: list[bool], envs: 
     n = len(transcripts)
     record = {"rollouts/turns": (sum(sum(m["role"] == "assistant" for m in t) for t in transcripts), n),
               "rollouts/truncated": (sum(truncated), n)}
+    guarded = [e for e in envs if isinstance(e, GuardedEnvironment)]
+    if guarded:
+        record["rollouts/env_timeouts"] = (sum(e.timed_out for e in guarded), n)
     tool_envs = [e for e in envs if isinstance(e, ToolEnvironment)]
     if tool_envs:
         calls, failed = sum(e.calls for e in tool_envs), sum(e.failed_calls for e in tool_envs)

@@ -32,6 +32,7 @@ torch nor a trainer, so the CLI runs it before its slow imports.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -41,7 +42,7 @@ import sys
 import time
 
 from treadle import fingerprints
-from treadle.errors import PreflightError
+from treadle.errors import PreflightError, UserError, shorten
 from treadle.plots import FIGURE_TITLES
 
 LOCK_FILE = ".treadle.lock"
@@ -128,15 +129,9 @@ def check_path(path: str) -> str:
     expanded = os.path.expandvars(os.path.expanduser(str(path)))
     real = os.path.realpath(expanded)
     if real in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
-        raise RunFolderError(f"output_dir {_short(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
+        raise RunFolderError(f"output_dir {shorten(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
                              f" itself; set output_dir to a folder of its own (e.g. {os.path.join(expanded, 'runs', 'my-run')})")
     return expanded
-
-
-def _short(text: str, most: int = 200) -> str:
-    """``text`` cut to ``most`` characters for a message (a path built by a YAML alias can be megabytes)."""
-    text = str(text)
-    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,7 +199,7 @@ def sort_out(output_dir: str, names: list[str]) -> tuple[list[str], list[str], l
     for name in names:
         path = os.path.join(output_dir, name)
         if os.path.islink(path):
-            doubts.append(f"{name} (a symbolic link to {_short(os.readlink(path), 80)}: treadle never makes one; "
+            doubts.append(f"{name} (a symbolic link to {shorten(os.readlink(path), 80)}: treadle never makes one; "
                           f"remove the link yourself)")
         elif name.startswith("checkpoint-"):
             foreign = fingerprints.foreign_files(path) if os.path.isdir(path) else None
@@ -369,26 +364,34 @@ def acquire_lock(output_dir: str) -> str:
     try:
         os.link(tmp, path)
     except FileExistsError:  # another run took it between the check and now
-        raise RunFolderError(f"output_dir {output_dir} is in use by another run that just started "
-                             f"({_live_holder(path) or 'its lock is gone again'}); choose another output_dir") from None
+        holder = _live_holder(path)
+        raise RunFolderError(f"output_dir {output_dir} is in use by another run that just started ({holder}); "
+                             f"choose another output_dir" if holder else f"output_dir {output_dir} was locked and "
+                             f"unlocked by another run while this one started; try again") from None
     finally:
         os.remove(tmp)
     return path
 
 
-def release_lock(path: str) -> None:
-    """Remove the lock at ``path`` if this process still holds it."""
+def release_lock(path: str) -> bool:
+    """Remove the lock at ``path`` if this process still holds it; False when it could not (a read-only disk)."""
     holder = _read_lock(path)
     if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+    return True
 
 
 @contextlib.contextmanager
 def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
     """Check ``args.output_dir`` (``check_run_folder``; the model's folder from ``model_folder``), lock it,
-    delete what ``args.overwrite_output_dir`` asks (naming it), and hold the lock inside the block. The other
-    processes of a multi-process run (``main_process=False``) do nothing: rank 0 owns the folder."""
+    delete what ``args.overwrite_output_dir`` asks (naming it), and hold the lock inside the block, where a full
+    or read-only disk is one line (``disk_errors``). The other processes of a multi-process run
+    (``main_process=False``) do nothing: rank 0 owns the folder."""
     if not main_process:
         yield
         return
@@ -397,16 +400,82 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
                               model_dir=model_folder(model))
     lock = acquire_lock(output_dir)
     try:
-        if doomed:
-            _, kept, _ = sort_out(output_dir, run_files(output_dir))
-            print(f"treadle: overwrite_output_dir: deleting {len(doomed)} entries of the earlier run in {output_dir}: "
-                  f"{', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""), file=sys.stderr)
-            delete_ours(output_dir, doomed)
-        if not resume or read_manifest(output_dir) is None:
-            write_manifest(output_dir)
-        yield
+        with disk_errors(output_dir, lock):
+            if doomed:
+                _, kept, _ = sort_out(output_dir, run_files(output_dir))
+                print(f"treadle: overwrite_output_dir: deleting {len(doomed)} entries of the earlier run in "
+                      f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""),
+                      file=sys.stderr)
+                delete_ours(output_dir, doomed)
+            if not resume or read_manifest(output_dir) is None:
+                write_manifest(output_dir)
+            yield
     finally:
         release_lock(lock)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A disk that fills up or turns read-only mid-run
+# ---------------------------------------------------------------------------------------------------------
+DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+               errno.EROFS: "the file system is read-only"}
+
+
+class DiskError(UserError):
+    """``output_dir`` stopped taking writes mid-run (full, over quota, read-only): the run stopped; what it saved
+    before is intact."""
+
+
+@contextlib.contextmanager
+def disk_errors(output_dir: str, lock: str | None = None):
+    """Inside the block, an error caused by a full or read-only disk -- an OSError with its errno, or any other
+    error (torch's ``inline_container`` RuntimeError, a SafetensorError) while a probe write into ``output_dir``
+    then fails that way -- becomes one DiskError naming the folder, the newest complete checkpoint and what to do.
+    A half-written checkpoint (``.tmp-checkpoint-*``) is removed to give the space back; the lock is released
+    (on a read-only disk it cannot be: the message names it)."""
+    try:
+        yield
+    except Exception as error:
+        problem = disk_problem(output_dir, error)
+        if problem is None:
+            raise
+        for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
+            if name.startswith(".tmp-checkpoint-"):
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        kept = [n for n in run_files(output_dir) if re.fullmatch(r"checkpoint-\d+", n)]
+        locked = lock is not None and release_lock(lock) is False
+        raise DiskError(
+            f"output_dir {output_dir}: {problem}, so the run stopped; "
+            + (f"its checkpoints saved before are intact (newest: {kept[-1]}); " if kept else "no checkpoint was saved; ")
+            + ("make it writable (remount, or copy the folder to a writable disk)" if "read-only" in problem
+               else "free some space (or move output_dir to another disk)")
+            + (", then continue with --resume (train(resume_from_checkpoint=True))" if kept else ", then start again")
+            + (f"; the lock {lock} could not be removed: delete it once the disk takes writes" if locked else "")
+        ) from error
+
+
+def disk_problem(output_dir: str, error: BaseException) -> str | None:
+    """What about the disk caused ``error`` ("the disk is full (No space left on device)" ...), None when it was
+    not the disk: the errno of an OSError in its chain, else a probe write of 64 KiB into ``output_dir``."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
+            return f"{DISK_ERRNOS[seen.errno]} ({os.strerror(seen.errno)})"
+        seen = seen.__cause__ or seen.__context__
+    probe = os.path.join(output_dir, f".treadle-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        if probe_error.errno in DISK_ERRNOS:
+            return f"{DISK_ERRNOS[probe_error.errno]} ({os.strerror(probe_error.errno)})"
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+    return None
 
 
 def model_folder(model) -> str | None:

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle import distributed as dist
+from treadle import distributed as dist, fingerprints
 from treadle.arguments import config_fingerprint
 
 
@@ -42,6 +42,7 @@ class TrainerState:
     trainer_class: str | None = None  # the Trainer class of the run (resuming with another one is refused)
     config_fingerprint: str | None = None  # of the settings that shape the run (arguments.config_fingerprint)
     nonfinite_steps_skipped: int = 0  # steps skipped for a NaN / inf loss (args.skip_nonfinite_steps)
+    dataset_fingerprint: str | None = None  # of the training rows (fingerprints): a resume into other rows is refused
 
     # --- read by transformers' tracker callbacks (treadle.trackers); treadle runs no hyper-parameter search
     is_hyper_param_search: bool = False
@@ -49,9 +50,13 @@ class TrainerState:
     trial_params: dict[str, Any] | None = None
 
     @classmethod
-    def for_run(cls, args, **plan) -> "TrainerState":
+    def for_run(cls, args, *, trainer=None, **plan) -> "TrainerState":
         """The state at the start of a run with ``args``: its cadence, batch shape and process layout, and the
-        ``plan`` (``steps_per_epoch``, ``max_steps``, ``num_train_epochs``)."""
+        ``plan`` (``steps_per_epoch``, ``max_steps``, ``num_train_epochs``); with ``trainer``, its class name and
+        the fingerprint of its training dataset (a resume into another dataset is refused by it)."""
+        if trainer is not None:
+            plan.update(trainer_class=type(trainer).__name__,
+                        dataset_fingerprint=fingerprints.sampled_dataset_fingerprint(trainer.train_dataset))
         return cls(logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
                    config_fingerprint=config_fingerprint(args),
                    train_batch_size=args.per_device_train_batch_size,

@@ -19,9 +19,9 @@ whether* it happens. The overridable methods, in the order a run calls them:
 ``save_model``           by you (final weights); checkpoints are written when ``control.should_save``
 =======================  ==========================================================================
 
-The loop itself is ``train`` -> ``_train_epoch`` -> ``_optimizer_step``; see treadle.callbacks for the event
-order. Names and signatures follow ``transformers.Trainer``. Windowed metrics (the loss, and what a subclass
-records with ``self.metrics.add``) live in one ``MetricWindow``: reduced once per log, saved in checkpoints.
+The loop itself is ``train`` -> ``_train_epoch`` -> ``_optimizer_step``; see treadle.callbacks for the event order.
+Names and signatures follow ``transformers.Trainer``. Windowed metrics (the loss, and what a subclass records with
+``self.metrics.add``) live in one ``MetricWindow``: reduced once per log, saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
                                ProgressCallback)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
-                          epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, to_cpu)
+                          epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, step_rows,
+                          to_cpu)
 from treadle.metrics import (MetricWindow, PredictionOutput, TrainOutput, check_logged_loss, count_input_tokens,
                              fold_loss, prediction_output, record_loss, skip_nonfinite_step, speed_metrics,
                              training_logs)
@@ -64,12 +65,12 @@ class Trainer:
             raise ValueError(f"{type(self).__name__} needs a model")
         self.args = self.check_args(args)
         dist.init_distributed(self.args.device, self.args.ddp_timeout)  # under torchrun: the group exists before any data work
-        self.model = treadle_peft.apply_peft(model, peft_config, seed=self.args.seed).to(self.args.device)
+        self.model = treadle_peft.apply_peft(model, peft_config, args=self.args).to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
+        models.check_vocabulary(self.model, processing_class)  # the CLI's preflight (load_model), for Python too
         self.data_collator = data_collator if data_collator is not None else collator_for(processing_class)
-        self.train_dataset = train_dataset
-        self.eval_dataset = eval_dataset
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.compute_metrics = compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.state = TrainerState()
@@ -110,8 +111,7 @@ class Trainer:
 
     # ---- data ---------------------------------------------------------------------------------------------
     def prepare_training(self) -> None:
-        """Once per ``train()``, before the dataloader is built: work on the data (DPO precomputes reference
-        log-probs). The default does nothing."""
+        """Once per ``train()``, before the dataloader: work on the data (DPO precomputes reference log-probs)."""
 
     def get_train_dataloader(self):
         """The training DataLoader: ``per_device_train_batch_size`` rows, shuffled by a seeded sampler that can
@@ -295,7 +295,7 @@ class Trainer:
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
         self.state = TrainerState.for_run(self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
-                                          num_train_epochs=num_epochs, trainer_class=type(self).__name__)
+                                          num_train_epochs=num_epochs, trainer=self)
         self.loop = LoopState()
         self.metrics.clear()
         if resume_path is not None:
@@ -397,7 +397,7 @@ class Trainer:
         if "loss" in self.metrics.names("train"):  # steps not logged yet still count in train_loss
             check_logged_loss(fold_loss(self.state, self.metrics.reduce("train")["loss"]), self.state)
         args, steps = self.args, self.state.global_step - start_step
-        samples = steps * args.per_device_train_batch_size * args.gradient_accumulation_steps * dist.get_world_size()
+        samples = steps * step_rows(args, self.callback_handler.train_dataloader)  # capped at the rows there are
         metrics = speed_metrics(start_time, steps, samples, self.state)
         self.log(metrics)
         if args.load_best_model_at_end and self.state.best_model_checkpoint:

@@ -57,12 +57,14 @@ Departures from the paper and from TRL's DPOTrainer:
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.logprobs import token_logps
@@ -287,6 +289,22 @@ def tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None, ma
     return {"prompt_input_ids": prompt, "chosen_input_ids": chosen, "rejected_input_ids": rejected}
 
 
+def check_identical_pairs(dataset, split: str) -> None:
+    """Refuse a dataset whose every pair has chosen == rejected (as tokens, after truncation): the loss is log 2
+    whatever the model, its gradient zero, so the run would learn nothing; note how many when only some are."""
+    same = [i for i, (c, r) in enumerate(zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])) if c == r]
+    if not same:
+        return
+    rows = ", ".join(str(i) for i in same[:5]) + (" ..." if len(same) > 5 else "")
+    if len(same) == len(dataset):
+        raise ValueError(f"every one of the {len(same)} {split} pairs has chosen identical to rejected (after "
+                         f"tokenization and truncation): DPO learns nothing from a pair without a preference (loss "
+                         f"log 2, gradient 0); give pairs whose chosen and rejected differ")
+    if dist.is_main_process():
+        print(f"treadle: {len(same)} of {len(dataset)} {split} pairs have chosen identical to rejected (rows {rows}): "
+              f"they add log 2 to the loss and nothing to its gradient", file=sys.stderr)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------------------
@@ -363,7 +381,9 @@ class DPOTrainer(PrecomputedReference, Trainer):
         kwargs = {}
         if isinstance(dataset, Dataset):
             kwargs = dict(num_proc=self.args.dataset_num_proc, desc=f"Tokenizing {split} dataset")
-        return dataset.map(fn, with_indices=True, remove_columns=drop or None, **kwargs)
+        tokenized = dataset.map(fn, with_indices=True, remove_columns=drop or None, **kwargs)
+        check_identical_pairs(tokenized, split)
+        return tokenized
 
     def signature_columns(self) -> set[str]:
         """The tokenised columns (the model takes none of them directly: the collator builds its inputs)."""

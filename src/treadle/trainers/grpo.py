@@ -149,7 +149,7 @@ class GRPOTrainer(Trainer):
         self.rollout_runner = None if tools is None and env_factory is None else RolloutRunner(
             processing_class, tools=tools, env_factory=env_factory, call_format=args.tool_call_format,
             max_tool_calling_iterations=args.max_tool_calling_iterations, tool_timeout=args.tool_timeout,
-            workers=args.rollout_workers)
+            workers=args.rollout_workers, env_timeout=args.env_timeout)
         self.reward_funcs = reward_list(reward_funcs)
         self.reward_weights = reward_weights(args.reward_weights, self.reward_funcs)
         check_tokenizer(processing_class)

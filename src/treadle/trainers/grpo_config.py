@@ -74,6 +74,7 @@ class GRPOConfig(TrainingArguments):
     # --- multi-turn rollouts: tools and environments (treadle.rollouts; used when tools= or env_factory= is given)
     max_tool_calling_iterations: int | None = None  # TRL's name: most turns with tool calls per rollout; None: no cap
     tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
+    env_timeout: float | None = 60.0  # seconds an environment's reset/step may run; then its rollout ends; None: never
     tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
     rollout_workers: int = 8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
 

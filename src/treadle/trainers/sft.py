@@ -39,7 +39,7 @@ import torch
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
-from treadle.data import check_text_columns, column_names, require_eval_dataset
+from treadle.data import check_text_columns, column_names, empty_texts, require_eval_dataset
 from treadle.metrics import mode_of
 from treadle.models import from_name, max_positions
 from treadle.packing import best_fit_bins, right_padded
@@ -157,6 +157,7 @@ class SFTTrainer(Trainer):
         text_columns = {"prompt_completion": ("prompt", "completion"), "messages": ("messages",)}
         check_text_columns(dataset, text_columns.get(form, (self.args.dataset_text_field,)),
                            source=f"the {name} dataset")
+        refuse_empty_rows(dataset, form, self.args.dataset_text_field, name)
         from tqdm.auto import tqdm
 
         rows: list[tuple[list[int], list[int]]] = []
@@ -222,6 +223,17 @@ def dataset_form(columns: list[str], text_field: str = "text") -> str:
     raise ValueError(f"SFTTrainer found none of its columns in the dataset (it has {columns}): give it a "
                      f"'{text_field}' column (set dataset_text_field to use another), 'prompt' and 'completion' "
                      f"columns, a 'messages' column, or tokenised 'input_ids'")
+
+
+def refuse_empty_rows(dataset, form: str, text_field: str, name: str) -> None:
+    """Refuse (ValueError naming the rows) rows whose completion (or text) is empty: SFT would train them on the
+    end-of-text token alone, as DPO refuses an empty response."""
+    column = {"prompt_completion": "completion", "text": text_field}.get(form)
+    empty = empty_texts(dataset[column]) if column else []
+    if empty:
+        rows = ", ".join(str(i) for i in empty[:5]) + (" ..." if len(empty) > 5 else "")
+        raise ValueError(f"{len(empty)} of {len(dataset)} {name} rows have an empty {column!r} (rows {rows}): SFT "
+                         f"would train them on the end-of-text token alone; fill or drop those rows")
 
 
 def tokenize_text(tokenizer, texts: list[str]) -> list[tuple[list[int], list[int]]]:
