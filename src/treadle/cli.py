@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
-    demo.add_argument("--task", choices=("addition", "tools"), help="addition (default), or tools: 3-digit addition "
-                      "with a calculator tool, learnt by GRPO with multi-turn rollouts")
+    demo.add_argument("--task", choices=("addition", "tools", "distill"), help="addition (default); tools: 3-digit "
+                      "addition with a calculator tool (GRPO, multi-turn); distill: distillation vs GRPO vs SFT")
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
@@ -325,6 +325,10 @@ def run_demo(args: argparse.Namespace) -> int:
         from treadle import demo_tools  # heavy, as above
 
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
+    if getattr(args, "task", "addition") == "distill":
+        from treadle import demo_distill  # heavy, as above
+
+        settings_class, run = demo_distill.DistillDemoSettings, demo_distill.run_distill_demo
     try:
         settings = settings_class(**given)
     except ValueError as error:
