@@ -1,6 +1,7 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--task addition|tools] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
+    treadle demo [--task addition|tools|distill] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N]
+                 [--eval-size N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
