@@ -310,3 +310,36 @@ disable_tqdm: true
     assert_user_error(["train", config, "--output_dir", tmp_path / "g2", "--reward_funcs",
                        f"[model:{tmp_path / 'nowhere'}]"], capsys,
                       "reward model model:", "not found")
+
+
+def save_toy_model(folder, seed):
+    from treadle import toy
+
+    tokenizer = toy.build_tokenizer()
+    toy.build_model("tiny", tokenizer=tokenizer, seed=seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_kto_and_distillation_examples_run_on_local_model_folders(tmp_path, capsys):
+    """`trainer: kto` (paired toy rows split) and `trainer: distillation` with `teacher:` a model folder, both
+    with `model:` a local folder."""
+    student, teacher = save_toy_model(tmp_path / "student", 0), save_toy_model(tmp_path / "teacher", 1)
+    common = ["--model", student, "--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"]
+    code, _, err = run(["train", EXAMPLES / "kto.yaml", "--output_dir", tmp_path / "kto", *common], capsys)
+    assert code == 0, err
+    assert {"loss", "kl", "rewards/chosen", "rewards/rejected"} <= set().union(*metrics_of(tmp_path / "kto"))
+    code, _, err = run(["train", EXAMPLES / "distillation.yaml", "--output_dir", tmp_path / "distill",
+                        "--teacher", teacher, *common], capsys)
+    assert code == 0, err
+    losses = [m["loss"] for m in metrics_of(tmp_path / "distill") if "loss" in m]
+    assert len(losses) == 2 and all(v > 0 for v in losses)
+    assert (tmp_path / "distill" / "checkpoint-2").is_dir() or (tmp_path / "distill" / "model.safetensors").exists()
+
+
+def test_teacher_key_errors(tmp_path, capsys):
+    assert_user_error(["train", EXAMPLES / "distillation.yaml", "--teacher", "null"], capsys,
+                      "names its teacher:")
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--teacher", "toy:tiny"], capsys,
+                      "teacher: is a distillation key")

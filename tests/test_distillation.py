@@ -92,3 +92,188 @@ def test_loss_on_fixed_completions_matches_trl(beta):
     grad_ours = torch.autograd.grad(ours, (hs, ws))
     for a, b in zip(grad_ours, grad_theirs):
         torch.testing.assert_close(a, b.to(a.dtype), atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ the trainer
+import copy  # noqa: E402  (the trainer's tests below share the module with the loss tests above)
+
+from datasets import Dataset  # noqa: E402
+
+from treadle import toy  # noqa: E402
+from treadle.errors import PreflightError  # noqa: E402
+from treadle.generation import GenerationOutput, completion_masks, left_pad  # noqa: E402
+from treadle.trainers import distillation as distillation_module  # noqa: E402
+from treadle.trainers.distillation import DistillationConfig, DistillationTrainer  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+EOS = 2  # the toy tokenizer's eos id
+FIXED = [[5, 6, EOS, 0], [7, 8, 9, 10], [EOS, 0, 0, 0], [11, EOS, 0, 0]]  # raw completions, cut after EOS
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return toy.load_task("addition", kind="rl", n=32)
+
+
+def config(tmp_path, **overrides):
+    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_completion_length=4,
+                  max_steps=2, learning_rate=1e-3, disable_tqdm=True, save_strategy="no", logging_steps=1000)
+    values.update(overrides)
+    return DistillationConfig(**values)
+
+
+def make_trainer(tmp_path, tok, dataset, student_seed=0, teacher_seed=1, **overrides):
+    student = toy.build_model("tiny", tokenizer=tok, seed=student_seed)
+    teacher = toy.build_model("tiny", tokenizer=tok, seed=teacher_seed)
+    return DistillationTrainer(student, teacher, args=config(tmp_path, **overrides), train_dataset=dataset,
+                               processing_class=tok)
+
+
+def fixed_generation(prompt_ids, *, num_generations, generator=None):
+    """The engine's output for fixed completions (FIXED, cycled), so that both libraries train on the same."""
+    rows = len(prompt_ids) * num_generations
+    ids, mask = left_pad([p for p in prompt_ids for _ in range(num_generations)], 0)
+    raw = torch.tensor([FIXED[i % len(FIXED)] for i in range(rows)])
+    completion_ids, completion_mask, truncated = completion_masks(raw, (EOS,), 0)
+    return GenerationOutput(ids, mask, completion_ids, completion_mask, truncated)
+
+
+def trl_one_step(tmp_path, tok, student, teacher, prompt_ids, beta, temperature, lr):
+    """One SGD step of trl.DistillationTrainer with its generation replaced by the FIXED completions."""
+    trl = pytest.importorskip("trl")
+    args = trl.DistillationConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(FIXED),
+                                  max_steps=1, learning_rate=lr, optim="sgd", max_grad_norm=0.0, beta=beta,
+                                  temperature=temperature, lr_scheduler_type="constant", bf16=False,
+                                  gradient_checkpointing=False, report_to=[], use_cpu=True, save_strategy="no",
+                                  logging_steps=1, disable_tqdm=True, max_completion_length=4)
+    rows = Dataset.from_dict({"prompt": ["12+34="] * 8})
+    trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
+                                      processing_class=tok)
+    out = fixed_generation([prompt_ids] * len(FIXED), num_generations=1)
+
+    def fixed(_inputs):
+        return {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask, "completion_ids": out.completion_ids,
+                "completion_mask": out.completion_mask, "num_items_in_batch": out.completion_mask.sum()}
+
+    trainer._generate_and_score_completions = fixed
+    trainer.train()
+    return trainer.model
+
+
+@pytest.mark.parametrize("beta,temperature", [(0.0, 1.5), (0.5, 1.5), (1.0, 1.0)])
+def test_one_sgd_step_equals_trl(tmp_path, tok, beta, temperature):
+    """The same student, teacher and fixed completions (prompts of one length: TRL's forward counts positions
+    from the left padding, treadle's from the first prompt token): one SGD step gives TRL's weights."""
+    student = toy.build_model("tiny", tokenizer=tok, seed=0)
+    teacher = toy.build_model("tiny", tokenizer=tok, seed=1)
+    lr = 0.5
+    prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
+    theirs = trl_one_step(tmp_path, tok, copy.deepcopy(student), copy.deepcopy(teacher), prompt, beta,
+                          temperature, lr)
+    rows = Dataset.from_dict({"prompt": ["12+34="] * 8})
+    ours = DistillationTrainer(copy.deepcopy(student), teacher, train_dataset=rows, processing_class=tok,
+                               args=config(tmp_path, max_steps=1, optim="sgd", learning_rate=lr, max_grad_norm=0.0,
+                                           lr_scheduler_type="constant", beta=beta, temperature=temperature))
+    ours.generate = fixed_generation
+    ours.train()
+    moved = 0.0
+    for (name, p), q, before in zip(ours.model.named_parameters(), theirs.parameters(), student.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+        moved += float((p.detach() - before.detach()).abs().sum())
+    assert moved > 1e-2
+
+
+def test_accumulation_two_by_two_equals_one_by_four(tmp_path, tok, dataset):
+    """One generation of 4 completions in one micro-batch, or in 2 micro-batches of 2: the same SGD step."""
+    common = dict(max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, temperature=1.3, beta=0.5)
+    big = make_trainer(tmp_path / "big", tok, dataset, per_device_train_batch_size=4, **common)
+    small = make_trainer(tmp_path / "small", tok, dataset, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, **common)
+    before = {n: p.detach().clone() for n, p in big.model.named_parameters()}
+    big.train()
+    small.train()
+    moved = 0.0
+    for (name, p), q in zip(big.model.named_parameters(), small.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+        moved += float((p.detach() - before[name]).abs().sum())
+    assert moved > 1e-3
+
+
+def test_training_is_finite_and_moves_every_parameter(tmp_path, tok, dataset):
+    trainer = make_trainer(tmp_path, tok, dataset, max_steps=3, learning_rate=1e-2, logging_steps=1)
+    teacher_before = {n: p.detach().clone() for n, p in trainer.teacher_model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and all(math.isfinite(v) and v > 0 for v in losses)
+    unchanged = [n for n, p in trainer.model.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged
+    assert all(torch.equal(p, teacher_before[n]) for n, p in trainer.teacher_model.named_parameters())
+    assert "completions/mean_length" in trainer.state.log_history[0]
+
+
+def test_loss_is_the_divergence_of_the_full_logits(tmp_path, tok, dataset, monkeypatch):
+    """The chunked path (hidden states, only completion positions projected) against both models' full logits
+    through losses.generalized_jsd, summed over the completion tokens and divided by their count."""
+    trainer = make_trainer(tmp_path, tok, dataset, beta=0.5, temperature=0.7)
+    trainer.generate = fixed_generation
+    (sample,) = trainer.generate_and_score(list(dataset.select(range(4))), 0)
+    loss = trainer.compute_loss(trainer.model, sample)
+    ids, mask = sample.input_ids, sample.attention_mask
+    start = ids.shape[1] - sample.completion_mask.shape[1] - 1
+    keep = sample.completion_mask.bool()
+    positions = torch.cumsum(mask, 1) - 1
+    student = trainer.model(ids, attention_mask=mask, position_ids=positions).logits[:, start:-1][keep]
+    teacher = trainer.teacher_model(ids, attention_mask=mask, position_ids=positions).logits[:, start:-1][keep]
+    expected = plain_gjsd(student.double(), teacher.double(), 0.5, 0.7).sum() / keep.sum()
+    torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
+    # a model outside the fast path (full logits) gives the same loss
+    monkeypatch.setattr(distillation_module, "hidden_states_and_head",
+                        lambda model, ids, mask, **kw: (model(ids, attention_mask=mask, **kw).logits, None))
+    torch.testing.assert_close(trainer.compute_loss(trainer.model, sample), loss, atol=1e-6, rtol=1e-5)
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, tok, dataset):
+    student = toy.build_model("tiny", tokenizer=tok, seed=0)
+    teacher = toy.build_model("tiny", tokenizer=tok, seed=1, vocab_size=len(tok) + 8)
+    with pytest.raises(PreflightError, match="share one tokenizer"):
+        DistillationTrainer(student, teacher, args=config(tmp_path), train_dataset=dataset, processing_class=tok)
+
+
+def test_a_teacher_folder_with_another_tokenizer_is_refused(tmp_path, tok, dataset):
+    from transformers import AutoTokenizer
+
+    other = AutoTokenizer.from_pretrained(str(save_toy(tmp_path / "base", tok)))
+    other.add_tokens(["<extra>"])  # one token more: another vocabulary
+    folder = tmp_path / "teacher"
+    toy.build_model("tiny", tokenizer=tok, seed=1, vocab_size=len(other)).save_pretrained(folder)
+    other.save_pretrained(folder)
+    with pytest.raises(PreflightError, match="teacher's tokenizer"):
+        DistillationTrainer(toy.build_model("tiny", tokenizer=tok), str(folder), args=config(tmp_path),
+                            train_dataset=dataset, processing_class=tok)
+
+
+def save_toy(folder, tok):
+    toy.build_model("tiny", tokenizer=tok, seed=1).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("field,value,fragment", [("loss_type", "grpo", "GRPO objective settings"),
+                                                  ("steps_per_generation", 2, "samples once per optimizer step"),
+                                                  ("beta", 1.5, "beta must be in"),
+                                                  ("num_generations", 0, "num_generations must be")])
+def test_config_refusals(field, value, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        DistillationConfig(output_dir="unused", **{field: value})
+
+
+def test_eval_loss_without_reward_functions(tmp_path, tok, dataset):
+    trainer = make_trainer(tmp_path, tok, dataset)
+    metrics = trainer.evaluate(dataset.select(range(6)))
+    assert set(metrics) == {"eval_loss", "eval_completions/mean_length"}
+    assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] > 0
+    same_teacher = DistillationTrainer(toy.build_model("tiny", tokenizer=tok, seed=0),
+                                       toy.build_model("tiny", tokenizer=tok, seed=0), args=config(tmp_path),
+                                       train_dataset=dataset, processing_class=tok)
+    assert same_teacher.evaluate(dataset.select(range(6)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)

@@ -29,6 +29,8 @@ _LAZY = {
     "RewardConfig": "treadle.trainers.reward",
     "KTOTrainer": "treadle.trainers.kto",
     "KTOConfig": "treadle.trainers.kto",
+    "DistillationTrainer": "treadle.trainers.distillation",
+    "DistillationConfig": "treadle.trainers.distillation",
 }
 
 __all__ = sorted(_LAZY)
@@ -56,5 +58,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
     from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
     from treadle.trainers.kto import KTOConfig, KTOTrainer
+    from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
     from treadle.trainers.reward import RewardConfig, RewardTrainer
     from treadle.trainers.sft import SFTConfig, SFTTrainer

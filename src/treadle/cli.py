@@ -1,6 +1,7 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--task addition|tools] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N]
+    treadle demo [--task addition|tools|distill] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N]
+                 [--eval-size N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
@@ -42,22 +43,27 @@ class TrainerKind:
     rows: str  # "sft", "preference" or "rl"
     takes_reward_funcs: bool = False
     reward_head: bool = False  # the model is a sequence classifier with one label (RewardTrainer)
+    takes_teacher: bool = False  # the config names a teacher: (DistillationTrainer)
 
 
 def trainer_kinds() -> dict[str, TrainerKind]:
     """The trainers a config can name. Imports them (torch, transformers: seconds), so ``treadle report`` and a
     config that fails its first checks never pay for it."""
     from treadle.trainers.dpo import DPOTrainer  # heavy: torch and transformers, only for `treadle train`
+    from treadle.trainers.distillation import DistillationTrainer  # heavy, as above
     from treadle.trainers.grpo import GRPOTrainer  # heavy, as above
+    from treadle.trainers.kto import KTOTrainer  # heavy, as above
     from treadle.trainers.reward import RewardTrainer  # heavy, as above
     from treadle.trainers.sft import SFTTrainer  # heavy, as above
 
     return {"sft": TrainerKind(SFTTrainer, "sft"), "dpo": TrainerKind(DPOTrainer, "preference"),
             "reward": TrainerKind(RewardTrainer, "preference", reward_head=True),
-            "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True)}
+            "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True),
+            "kto": TrainerKind(KTOTrainer, "preference"),  # paired rows are split into unpaired ones
+            "distillation": TrainerKind(DistillationTrainer, "rl", takes_teacher=True)}
 
 
-RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft")  # keys that are not config fields
+RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft", "teacher")  # not config fields
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
-    demo.add_argument("--task", choices=("addition", "tools"), help="addition (default), or tools: 3-digit addition "
-                      "with a calculator tool, learnt by GRPO with multi-turn rollouts")
+    demo.add_argument("--task", choices=("addition", "tools", "distill"), help="addition (default); tools: 3-digit "
+                      "addition with a calculator tool (GRPO, multi-turn); distill: distillation vs GRPO vs SFT")
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
@@ -204,6 +210,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     """The trainer a config describes: the model, tokenizer, datasets and config class it names."""
     from treadle.data import require_eval_dataset  # heavy: torch
+    from treadle.loading import load_run_objects  # heavy, as above
     from treadle.trackers import preflight  # heavy, as above
 
     name, kinds = config.get("trainer"), trainer_kinds()
@@ -233,26 +240,6 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
         return kind.trainer(args=args, **kwargs)
     except ValueError as error:  # the trainers' checks of their inputs; any other exception is a bug: traceback
         raise UserError(f"{trainer_class}: {error}") from None
-
-
-def load_run_objects(config: dict[str, Any], *, kind: TrainerKind, args, base_dir: Path) -> dict[str, Any]:
-    """The trainer's keyword arguments that a config names: reward functions (GRPO), datasets, model and tokenizer
-    (folder or Hub id, with ``args``' loading fields) -- the cheap ones first: a wrong path fails before a load."""
-    from treadle.loading import load_dataset, load_model, load_reward_funcs  # heavy: datasets, torch
-    from treadle.peft import lora_config  # heavy: torch
-
-    kwargs: dict[str, Any] = {}
-    if kind.takes_reward_funcs:
-        kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
-    kwargs["train_dataset"] = load_dataset(config["dataset"], kind=kind.rows, split="train", base_dir=base_dir)
-    evaluation = config.get("eval_dataset")
-    if evaluation:
-        kwargs["eval_dataset"] = load_dataset(evaluation, kind=kind.rows, split="test", base_dir=base_dir)
-    if config.get("peft") is not None:
-        kwargs["peft_config"] = lora_config(config["peft"])
-    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=args.seed, args=args,
-                                                             reward_head=kind.reward_head)
-    return kwargs
 
 
 def default_output_dir(config: dict[str, Any]) -> str:
@@ -317,6 +304,10 @@ def run_demo(args: argparse.Namespace) -> int:
         from treadle import demo_tools  # heavy, as above
 
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
+    if getattr(args, "task", "addition") == "distill":
+        from treadle import demo_distill  # heavy, as above
+
+        settings_class, run = demo_distill.DistillDemoSettings, demo_distill.run_distill_demo
     try:
         settings = settings_class(**given)
     except ValueError as error:

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import datasets
 
@@ -22,6 +23,40 @@ from treadle.rewards import RewardFunction, from_reward_model
 from treadle.runs import check_not_in_model
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+
+
+def load_run_objects(config: dict[str, Any], *, kind, args, base_dir: Path) -> dict[str, Any]:
+    """The trainer's keyword arguments that a config names (``kind``: the CLI's ``TrainerKind``): reward functions
+    (GRPO), datasets, model and tokenizer (folder or Hub id, with ``args``' loading fields), the teacher
+    (distillation) -- the cheap ones first: a wrong path fails before a load."""
+    kwargs: dict[str, Any] = {}
+    if kind.takes_reward_funcs:
+        kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
+    if bool(config.get("teacher")) != kind.takes_teacher:
+        raise ValueError("a distillation config names its teacher: (a model folder, Hub id or toy:<size>)"
+                         if kind.takes_teacher else "teacher: is a distillation key; remove it or set trainer: "
+                                                    "distillation")
+    kwargs["train_dataset"] = load_dataset(config["dataset"], kind=kind.rows, split="train", base_dir=base_dir)
+    evaluation = config.get("eval_dataset")
+    if evaluation:
+        kwargs["eval_dataset"] = load_dataset(evaluation, kind=kind.rows, split="test", base_dir=base_dir)
+    if config.get("peft") is not None:
+        kwargs["peft_config"] = treadle_peft.lora_config(config["peft"])
+    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=args.seed, args=args,
+                                                             reward_head=kind.reward_head)
+    if kind.takes_teacher:
+        kwargs["teacher_model"] = load_teacher(str(config["teacher"]), tokenizer=kwargs["processing_class"],
+                                               seed=args.seed)
+    return kwargs
+
+
+def load_teacher(spec: str, *, tokenizer, seed: int):
+    """A distillation teacher: ``toy:<size>`` built here with the student's tokenizer and ``seed + 1`` (another
+    model than a toy student), else the folder or Hub id itself, which the trainer loads with its own tokenizer
+    (``teacher_model_init_kwargs``) and checks against the student's."""
+    if spec.startswith("toy:"):
+        return load_model(spec, tokenizer=tokenizer, seed=seed + 1)[0]
+    return spec
 
 
 def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Path = Path(".")):

@@ -526,6 +526,19 @@ def fast_path_head(base: nn.Module) -> nn.Linear | None:
     return head
 
 
+def hidden_states_and_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None,
+                           **forward_kwargs: Any) -> tuple[Tensor, nn.Linear | None]:
+    """For losses over the whole vocabulary (distillation): the decoder's last hidden states ``(B, T, H)`` and the
+    LM head through the fast path's seam (no ``[B, T, V]`` logits), or ``(logits (B, T, V), None)`` elsewhere."""
+    base = dist.unwrap_model(model)
+    head = fast_path_head(base)
+    hidden = None if head is None else _final_hidden_states(model, base, head, input_ids, attention_mask,
+                                                            forward_kwargs)
+    if hidden is not None:
+        return hidden, head
+    return _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))), None
+
+
 def _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs) -> Tensor | None:
     """Run ``model`` with ``logits_to_keep=1`` and return the decoder's last hidden state ``(B, T, H)``,
     or None if the one-time check finds that the head does not reproduce the model's logits."""

@@ -99,7 +99,8 @@ from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.grpo_config import GRPOConfig
-from treadle.trainers.grpo_data import GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream
+from treadle.trainers.grpo_data import (GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream,
+                                        slice_sample)
 from treadle.trainers.grpo_dynamic import extra_rows, fill_with_signal
 from treadle.trainers.grpo_records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
                                            generation_metrics, reward_list, reward_sums, reward_weights,
@@ -136,6 +137,7 @@ class GRPOTrainer(Trainer):
     """
 
     config_class = GRPOConfig
+    requires_reward_funcs = True  # a subclass that trains on another signal (DistillationTrainer) sets False
 
     def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
                  args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
@@ -150,14 +152,14 @@ class GRPOTrainer(Trainer):
             processing_class, tools=tools, env_factory=env_factory, call_format=args.tool_call_format,
             max_tool_calling_iterations=args.max_tool_calling_iterations, tool_timeout=args.tool_timeout,
             workers=args.rollout_workers, env_timeout=args.env_timeout)
-        self.reward_funcs = reward_list(reward_funcs)
+        self.reward_funcs = reward_list(reward_funcs, required=self.requires_reward_funcs)
         self.reward_weights = reward_weights(args.reward_weights, self.reward_funcs)
         check_tokenizer(processing_class)
         check_dataset(train_dataset, args)
         super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, compute_metrics=compute_metrics)
-        self.ref_model = self.build_reference_model(ref_model) if args.beta > 0 else None
+        self.ref_model = self.build_reference_model(ref_model) if self.needs_reference_logps() else None
         self.pad_token_id = pad_token_id(processing_class)
         self.buffer = GenerationBuffer(self._cycle_length())
         self.engine = self.build_engine()
@@ -165,6 +167,11 @@ class GRPOTrainer(Trainer):
         self.health = HealthCallback(args.health_checks, self.metrics, num_generations=args.num_generations,
                                      max_completion_length=args.max_completion_length)  # treadle.health
         self.add_callback(self.health)
+
+    def needs_reference_logps(self) -> bool:
+        """Whether a reference policy exists and every slice carries its log-probs: the KL term's ``beta > 0``. A
+        subclass whose ``beta`` means something else (DistillationTrainer: the JSD's mixture) overrides it."""
+        return self.args.beta > 0
 
     def build_reference_model(self, ref_model=None):
         """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now; None
@@ -363,6 +370,11 @@ class GRPOTrainer(Trainer):
                        for p, t in zip(prompts, texts)]
         return Rollout.of(rows, out, completions, completion_lists)
 
+    def sample_rows(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> Rollout:
+        """One completion per row (single- or multi-turn), as training and ``evaluate`` sample: for a subclass that
+        trains on a rollout otherwise than by rewards (DistillationTrainer)."""
+        return self._sample(rows, generator, mode)
+
     def rollout(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> Rollout:
         """Multi-turn rollouts (``tools=`` or ``env_factory=``; treadle.rollouts), one per row, sampled as ``mode``
         says (``sampling_params``): the hook to override for another agent loop. Returns a ``grpo_data.Rollout``
@@ -381,20 +393,12 @@ class GRPOTrainer(Trainer):
     def _build_slice(self, rollout: Rollout, loss_mask: torch.Tensor, advantages: torch.Tensor, index: int) -> Sample:
         """Rows of slice ``index``, cut to their own longest prompt and completion, with the log-probs the loss
         needs from policies other than the current one."""
-        size, out = self.args.per_device_train_batch_size, rollout.generation
+        size = self.args.per_device_train_batch_size
         rows = slice(index * size, (index + 1) * size)
-        prompt_mask, completion_attention = out.prompt_mask[rows], out.completion_mask[rows]
-        first = int(prompt_mask.any(dim=0).nonzero()[0])  # prompts are left-padded
-        width = max(1, int(completion_attention.sum(dim=1).max()))
-        sample = Sample(
-            input_ids=torch.cat([out.prompt_ids[rows, first:], out.completion_ids[rows, :width]], 1),
-            attention_mask=torch.cat([prompt_mask[:, first:], completion_attention[:, :width]], 1),
-            completion_mask=loss_mask[rows, :width], advantages=advantages[rows],
-            sampling_logps=None if out.sampling_logps is None else out.sampling_logps[rows, :width],
-        ).to(self.args.device)
+        sample = slice_sample(rollout.generation, loss_mask, advantages, rows).to(self.args.device)
         if self._needs_old_logps():
             sample.old_logps = self.frozen_logps(self.model, sample)
-        if self.args.beta > 0:
+        if self.needs_reference_logps():
             with reference_of(self.model, self.ref_model) as reference:  # a PEFT policy: adapters disabled
                 sample.ref_logps = self.frozen_logps(reference, sample)
         return sample

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from treadle.arguments import TrainingArguments
 from treadle.generation.sampling import SamplingParams
@@ -33,6 +34,8 @@ class GRPOConfig(TrainingArguments):
     reduces like ``dapo`` and ``sapo`` (soft gates) like ``grpo``, as in TRL; the other objectives of the table
     (GSPO, two-sided clipping, entropy and off-policy masks, GDPO, RLOO) are the last block of fields.
     """
+
+    min_num_generations: ClassVar[int] = 2  # a group needs two completions for a baseline (distillation: 1)
 
     learning_rate: float = 1e-6  # RL fine-tuning of a trained policy wants small steps (TRL's default)
 
@@ -170,9 +173,9 @@ class GRPOConfig(TrainingArguments):
                           stacklevel=3)
 
     def _validate_grpo_numbers(self) -> None:
-        if not isinstance(self.num_generations, int) or self.num_generations < 2:
-            raise ValueError(f"num_generations must be an integer >= 2 (a group needs at least two completions "
-                             f"for a baseline), got {self.num_generations!r}; e.g. num_generations=8")
+        if not isinstance(self.num_generations, int) or self.num_generations < self.min_num_generations:
+            raise ValueError(f"num_generations must be an integer >= {self.min_num_generations} (GRPO: a group "
+                             f"needs two completions for a baseline), got {self.num_generations!r}; e.g. 8")
         for name in ("steps_per_generation", "num_iterations", "max_completion_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -23,7 +23,8 @@ from treadle.errors import PreflightError
 from treadle.streaming import Stream, repeat_rows
 from treadle.generation.single import GenerationOutput
 
-__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows", "prompt_stream"]
+__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows", "prompt_stream",
+           "slice_sample"]
 
 
 @dataclass
@@ -119,6 +120,18 @@ class Sample:
     def tensors(self) -> dict[str, Tensor]:
         """The fields that are set, by name (what a checkpoint keeps)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+
+def slice_sample(out: GenerationOutput, loss_mask: Tensor, advantages: Tensor, rows: slice) -> Sample:
+    """The ``Sample`` of ``rows`` of a generation, cut to their own longest prompt and completion (no log-probs of
+    other policies yet; on the generation's device)."""
+    prompt_mask, completion_attention = out.prompt_mask[rows], out.completion_mask[rows]
+    first = int(prompt_mask.any(dim=0).nonzero()[0])  # prompts are left-padded
+    width = max(1, int(completion_attention.sum(dim=1).max()))
+    return Sample(input_ids=torch.cat([out.prompt_ids[rows, first:], out.completion_ids[rows, :width]], 1),
+                  attention_mask=torch.cat([prompt_mask[:, first:], completion_attention[:, :width]], 1),
+                  completion_mask=loss_mask[rows, :width], advantages=advantages[rows],
+                  sampling_logps=None if out.sampling_logps is None else out.sampling_logps[rows, :width])
 
 
 class Ticket(NamedTuple):

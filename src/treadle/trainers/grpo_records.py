@@ -113,7 +113,9 @@ def custom_eval_metrics(compute_metrics, batches: list[dict | None], names: list
         reward=weighted_rewards(rewards, weights).tolist(), **columns)
 
 
-def reward_list(reward_funcs) -> list[RewardFunction]:
+def reward_list(reward_funcs, required: bool = True) -> list[RewardFunction]:
+    if not required and not reward_funcs:
+        return []
     if reward_funcs is None:
         raise ValueError("GRPOTrainer needs reward_funcs: a function or a list of functions "
                          "fn(prompts, completions, completion_ids, **columns) -> list[float | None]")
