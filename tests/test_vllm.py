@@ -10,6 +10,7 @@ hand-merged LoRA model. The unmarked tests check the options' one-line refusals 
 
 import copy
 import os
+import sys
 
 import peft
 import pytest
@@ -17,7 +18,8 @@ import torch
 
 from treadle import toy
 from treadle.engines.local import LocalEngine
-from treadle.engines.vllm import merged_state_dict, vllm_engine
+from treadle.engines.vllm import VLLMNotInstalled, merged_state_dict, vllm_engine
+from treadle.errors import is_user_error
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import sample_completions
 from treadle.models import unwrapped_for_generation
@@ -201,3 +203,12 @@ def test_multi_turn_with_vllm_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="single-turn rollouts only") as info:
         vllm_engine(None, config(tmp_path), multi_turn=True)
     assert "\n" not in str(info.value)
+
+
+def test_use_vllm_without_vllm_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed (import raises ImportError)
+    tok = toy.build_tokenizer()
+    with pytest.raises(VLLMNotInstalled, match="make test-vllm") as info:
+        GRPOTrainer(toy.build_model("tiny", tokenizer=tok), digit_sum_reward, args=config(tmp_path),
+                    train_dataset=toy.load_task("addition", kind="rl", n=8), processing_class=tok)
+    assert is_user_error(info.value) and "\n" not in str(info.value)

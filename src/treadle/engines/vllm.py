@@ -26,14 +26,19 @@ import tempfile
 import torch
 from torch import nn
 
+from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, check_prompts, left_pad
 from treadle.models import unwrapped_for_generation
 
-__all__ = ["VLLM_INSTALL", "VLLMEngine", "WeightLoader", "merged_state_dict", "require_vllm", "vllm_engine"]
+__all__ = ["VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict", "require_vllm", "vllm_engine"]
 
 VLLM_INSTALL = ("pip install vllm (a GPU), or the CPU build with its pins: `make test-vllm` installs .venv-vllm "
                 "from constraints-vllm.txt")
+
+
+class VLLMNotInstalled(UserError, ImportError):
+    """``use_vllm=True`` without vLLM installed: one line naming the install (exit 2 from the CLI)."""
 
 
 def require_vllm():
@@ -42,7 +47,7 @@ def require_vllm():
     try:
         import vllm
     except ImportError:
-        raise ImportError(f"use_vllm=True needs vLLM, which is not installed: {VLLM_INSTALL}") from None
+        raise VLLMNotInstalled(f"use_vllm=True needs vLLM, which is not installed: {VLLM_INSTALL}") from None
     return vllm
 
 
