@@ -10,6 +10,7 @@ hand-merged LoRA model. The unmarked tests check the options' one-line refusals 
 
 import copy
 import os
+import shutil
 import sys
 
 import peft
@@ -168,6 +169,28 @@ def test_a_lora_policy_generates_as_its_merged_model(trainer):
         trainer.engine.load_weights(trainer.model)
     for s, m in zip(scored, model_logps(merged, ids, fixed)):
         torch.testing.assert_close(s, m, atol=1e-4, rtol=0)
+
+
+@pytest.mark.vllm
+def test_resume_with_vllm_is_exact(trainer, tmp_path):
+    """A run stopped after step 1 and resumed samples its next generations through vLLM from the restored weights
+    and seed: the same weights and logged rewards as the uninterrupted run. Both runs share the module's engine
+    (build_engine overridden: one vLLM start per session); each syncs its own policy into it."""
+    tok, dataset = trainer.processing_class, toy.load_task("addition", kind="rl", n=16)
+    shared = type("SharedEngineGRPO", (GRPOTrainer,), {"build_engine": lambda self: trainer.engine})
+    common = dict(max_steps=3, save_strategy="steps", save_steps=1, logging_steps=1)
+    full = shared(toy.build_model("small", tokenizer=tok, seed=1), digit_sum_reward,
+                  args=config(tmp_path / "full", **common), train_dataset=dataset, processing_class=tok)
+    full.train()
+    os.makedirs(tmp_path / "resumed" / "run")
+    shutil.copytree(tmp_path / "full" / "run" / "checkpoint-1", tmp_path / "resumed" / "run" / "checkpoint-1")
+    resumed = shared(toy.build_model("small", tokenizer=tok, seed=5), digit_sum_reward,  # weights come from disk
+                     args=config(tmp_path / "resumed", **common), train_dataset=dataset, processing_class=tok)
+    resumed.train(resume_from_checkpoint=True)
+    for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+    later = lambda history: [h for h in history if h["step"] > 1 and "reward" in h]  # noqa: E731
+    assert later(resumed.state.log_history) == later(full.state.log_history) != []
 
 
 # ------------------------------------------------------------------------------- no vLLM needed
