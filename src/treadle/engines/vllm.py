@@ -31,7 +31,8 @@ from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, check_prompts, left_pad
 from treadle.models import unwrapped_for_generation
 
-__all__ = ["VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict", "require_vllm", "vllm_engine"]
+__all__ = ["VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict", "require_vllm",
+           "vllm_engine"]
 
 VLLM_INSTALL = ("pip install vllm (a GPU), or the CPU build with its pins: `make test-vllm` installs .venv-vllm "
                 "from constraints-vllm.txt")
