@@ -3,6 +3,7 @@ check firing on a crafted run and silent on a normal one, the stop's checkpoint 
 run that never trains on a group of equal rewards."""
 
 import json
+import math
 import os
 import warnings
 
@@ -11,6 +12,7 @@ import torch
 
 from treadle import toy
 from treadle.callbacks import TrainerCallback, rl_summary
+from treadle.engines.local import LocalEngine
 from treadle.metrics import MetricWindow
 from treadle.plots import collect_series, health_markers, panel_layout, plot_run, read_events
 from treadle.errors import is_user_error
@@ -201,6 +203,59 @@ def test_a_frozen_policy_warns_once_that_its_entropy_collapsed(tmp_path, tok, da
     assert saved == [{"step": 1, "check": "min_entropy", "stop": False}]
 
 
+class StaleEngine:
+    """A rollout engine (not the own sampler) that drifted from the trained policy: it samples through the own
+    sampler but reports each token's log-prob 1 nat lower than the policy's, as an engine with stale weights would."""
+
+    def __init__(self, model):
+        self.local = LocalEngine(model)
+
+    def generate(self, prompt_ids, params, *, generator=None):
+        out = self.local.generate(prompt_ids, params, generator=generator)
+        out.sampling_logps = out.sampling_logps - out.completion_mask
+        return out
+
+    def load_weights(self, model):
+        self.local.load_weights(model)
+
+    def close(self):
+        self.local.close()
+
+
+class StaleTrainer(GRPOTrainer):
+    def build_engine(self):
+        return StaleEngine(self.model)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_a_drifted_engine_warns_once_that_the_importance_ratio_left_its_bounds(tmp_path, tok, dataset, mode):
+    # token_truncate: every ratio is e = 2.72, clamped at 3; sequence_mask: e^length > 3, every sequence masked to 0
+    args = config(tmp_path, max_steps=3, vllm_importance_sampling_mode=mode,
+                  health_checks={"patience": 2, "no_learning_signal": False, "constant_reward": False,
+                                 "all_truncated": False, "max_clip_ratio": None})
+    trainer = StaleTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
+                           train_dataset=dataset, processing_class=tok)
+    assert trainer.corrects_sampling  # not the own LocalEngine: the correction applies
+    with pytest.warns(HealthWarning, match=r"step 1: the mean sampler importance ratio .* is (2\.718|0), outside "
+                                           r"importance_ratio_bounds=\[0.5, 2.0\]") as caught:
+        trainer.train()
+    assert len([w for w in caught if issubclass(w.category, HealthWarning)]) == 1  # once, not every log
+    records = [r for r in logged(tmp_path) if "loss" in r]
+    means = [r["sampling/importance_sampling_ratio/mean"] for r in records]
+    assert means == pytest.approx([math.e] * 3 if mode == "token_truncate" else [0.0] * 3, abs=1e-3)
+    assert [r["sampling/sampling_logp_difference/mean"] for r in records] == pytest.approx([1.0] * 3, abs=1e-3)
+    assert [r["step"] for r in records if "health/warning/importance_ratio_bounds" in r] == [2]
+
+
+def test_the_own_sampler_never_reports_a_weight_sync_or_an_importance_ratio(tmp_path, tok, dataset):
+    trainer = trainer_for(tmp_path, tok, dataset, max_steps=2)
+    calls = []
+    trainer.health.record_weight_sync = calls.append  # the hook is for engines that hold their own weights
+    trainer.train()
+    assert calls == [] and not trainer.corrects_sampling
+    assert not any(k.startswith("sampling/") for r in logged(tmp_path) for k in r)
+
+
 def test_checks_switched_off_let_the_crafted_run_finish(tmp_path, tok, dataset):
     trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=3, health_checks=False)
     with warnings.catch_warnings():
@@ -270,6 +325,28 @@ def test_dynamic_sampling_never_trains_on_a_group_of_equal_rewards(tmp_path, tok
     else:
         assert any(zero_trained)  # the control: without it such groups are trained on
         assert not any(k.startswith("dynamic_sampling/") for r in records for k in r)
+
+
+def test_dynamic_sampling_is_exact_under_gradient_accumulation(tmp_path, tok, dataset):
+    """One generation of 8 completions trained as one micro-batch, or as 2 accumulated micro-batches of 4: the same
+    groups are kept (the draws are keyed by generation and round, not by micro-batch), the dapo normaliser counts the
+    whole window, so the loss, the gradient norm and the weights after 2 SGD steps are the same."""
+    runs = []
+    for batch, accum in ((8, 1), (4, 2)):
+        out = tmp_path / f"b{batch}"
+        trainer = trainer_for(out, tok, dataset, reward=half_constant_reward, per_device_train_batch_size=batch,
+                              gradient_accumulation_steps=accum, max_steps=2, dynamic_sampling=True,
+                              dynamic_sampling_max_rounds=8, seed=1, optim="sgd", learning_rate=0.5,
+                              health_checks={"patience": 100})
+        assert trainer.args.generation_batch_size == 8
+        trainer.train()
+        runs.append((trainer, [r for r in logged(out) if "loss" in r]))
+    (big, big_logs), (small, small_logs) = runs
+    for key in ("loss", "grad_norm", "dynamic_sampling/dropped_fraction", "reward"):
+        assert [r[key] for r in small_logs] == pytest.approx([r[key] for r in big_logs], rel=1e-5, abs=1e-7), key
+    assert sum(r["dynamic_sampling/dropped_fraction"] for r in big_logs) > 0  # groups were dropped and replaced
+    for name, value in big.model.state_dict().items():
+        torch.testing.assert_close(small.model.state_dict()[name], value, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_dynamic_sampling_masks_what_its_rounds_could_not_fill(tmp_path, tok, dataset):

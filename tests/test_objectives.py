@@ -56,8 +56,10 @@ def grpo_tensors(seed=0):
     return logps, old, ref, entropies, adv, mask
 
 
-def trl_grpo_loss(logps, old, ref, entropies, adv, mask, *, loss_type, beta, **options):
-    """TRL 1.16's GRPOTrainer._compute_loss on fixed per-token log-probs (one process, no accumulation)."""
+def trl_grpo_loss(logps, old, ref, entropies, adv, mask, *, loss_type, beta, importance_sampling_ratio=None,
+                  **options):
+    """TRL 1.16's GRPOTrainer._compute_loss on fixed per-token log-probs (one process, no accumulation); with
+    ``importance_sampling_ratio``, as TRL runs it under vLLM's importance-sampling correction."""
     cls = trl_grpo.GRPOTrainer
     args = SimpleNamespace(use_bias_correction_kl=options.get("use_bias_correction_kl", True),
                            delta=options.get("delta"), sapo_temperature_pos=options.get("sapo_temperature_pos", 1.0),
@@ -66,7 +68,8 @@ def trl_grpo_loss(logps, old, ref, entropies, adv, mask, *, loss_type, beta, **o
         args=args, loss_type=loss_type, beta=beta, epsilon_low=options.get("epsilon_low", 0.2),
         epsilon_high=options.get("epsilon_high", 0.2), importance_sampling_level=options.get(
             "importance_sampling_level", "token"), top_entropy_quantile=options.get("top_entropy_quantile", 1.0),
-        off_policy_mask_threshold=options.get("off_policy_mask_threshold"), use_vllm=False,
+        off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
+        use_vllm=importance_sampling_ratio is not None, vllm_importance_sampling_correction=True,
         current_gradient_accumulation_steps=1, max_completion_length=T, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, model=SimpleNamespace(training=True), accelerator=IdentityAccelerator(),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
@@ -77,6 +80,8 @@ def trl_grpo_loss(logps, old, ref, entropies, adv, mask, *, loss_type, beta, **o
               "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask,
               "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": mask.sum()}
+    if importance_sampling_ratio is not None:
+        inputs["importance_sampling_ratio"] = importance_sampling_ratio
     loss = cls._compute_loss(stub, None, inputs)
     return loss, {k: v[-1] for k, v in stub._metrics["train"].items()}
 
@@ -114,6 +119,31 @@ def test_grpo_objectives_equal_trl(case, beta):
         assert (name in metrics) == (name in trl_metrics), name
         if name in metrics:
             assert metrics[name].item() == pytest.approx(trl_metrics[name], abs=1e-6), name  # TRL: float32
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+@pytest.mark.parametrize("case", ["grpo", "dapo (clip-higher)", "cispo", "sapo", "gspo dapo", "off_policy_mask"])
+def test_the_sampler_correction_weighs_the_loss_as_trl(case, mode):
+    from treadle.losses import sampling_importance_ratio
+
+    options = dict(GRPO_CASES[case])
+    loss_type = options.pop("loss_type")
+    logps, old, ref, entropies, adv, mask = grpo_tensors(2)
+    sampling = old + torch.randn(B, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 0.2
+    ratio = sampling_importance_ratio(old, sampling, mask, mode=mode, clip_max=1.5)
+    theirs = logps.clone().requires_grad_()
+    expected, _ = trl_grpo_loss(theirs, old, ref, entropies, adv, mask, loss_type=loss_type, beta=0.04,
+                                importance_sampling_ratio=ratio, **options)
+    ours = logps.clone().requires_grad_()
+    loss, _ = grpo_loss(ours, adv, mask, old_logps=old, ref_logps=ref, beta=0.04, loss_type=loss_type,
+                        entropies=entropies, max_completion_length=T, importance_sampling_ratio=ratio, **options)
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6 if loss_type == "sapo" else 1e-10)
+    assert loss.item() != pytest.approx(grpo_loss(logps, adv, mask, old_logps=old, ref_logps=ref, beta=0.04,
+                                                  loss_type=loss_type, entropies=entropies, max_completion_length=T,
+                                                  **options)[0].item(), abs=1e-6)  # the ratio mattered
+    expected.backward()
+    loss.backward()
+    torch.testing.assert_close(ours.grad * mask, theirs.grad * mask)
 
 
 def test_grpo_gradients_equal_trl_for_every_loss_type():

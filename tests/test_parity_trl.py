@@ -203,3 +203,100 @@ def test_grpo_losses_and_metrics_match_trl_on_fixed_completions(tmp_path, tokeni
     if "clip_ratio/region_mean" in trls[1]:
         assert trls[1]["clip_ratio/region_mean"] > 0  # the second pass over a generation clips
     assert_same_weights(theirs, ours)
+
+
+class NotTheOwnSampler:
+    """An engine other than the own sampler (as vLLM is): the sampler correction applies to its rollouts. It samples
+    nothing here (``generate`` is overridden); its weights need no loading."""
+
+    def generate(self, prompt_ids, params, *, generator=None):
+        raise AssertionError("FixedCompletions samples instead")
+
+    def load_weights(self, model):
+        pass
+
+    def close(self):
+        pass
+
+
+def sampling_logps_table(model, tokenizer) -> list[list[float]]:
+    """Per FIXED completion, "the sampler's" log-probs: the initial model's (after the one prompt) plus a fixed
+    perturbation of up to ±0.25 per token, as an engine with other numerics or slightly stale weights would report."""
+    from treadle.text import encode_prompt
+
+    prompt = encode_prompt(tokenizer, "12+34=")
+    g = torch.Generator().manual_seed(7)
+    table = []
+    with torch.no_grad():
+        for completion in FIXED:
+            ids = torch.tensor([prompt + completion])
+            logps = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            exact = logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
+            table.append((exact + (torch.rand(len(completion), generator=g) - 0.5) * 0.5).tolist())
+    return table
+
+
+@pytest.mark.parametrize("mode, clip_min, clip_max", [("sequence_mask", None, 1.3), ("token_truncate", 0.9, 1.1)])
+def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(tmp_path, tokenizer, monkeypatch, mode, clip_min,
+                                                                  clip_max):
+    """TRL runs its correction only under vLLM: its trainer is given a rollout_func that returns sampling log-probs,
+    with ``use_vllm`` switched on after construction and a weight sync that does nothing; treadle's trainer gets the
+    same log-probs from an engine that is not the own sampler. Every logged metric (TRL's ``sampling/*`` included)
+    and the weights agree."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+    from datasets import Dataset
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.setattr("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch)
+    rows = Dataset.from_list([{"prompt": "12+34="}] * 8)
+    toy.build_model("tiny", tokenizer=tokenizer).save_pretrained(tmp_path / "init")
+    table = sampling_logps_table(AutoModelForCausalLM.from_pretrained(tmp_path / "init"), tokenizer)
+    correction = dict(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
+                      vllm_importance_sampling_clip_max=clip_max)
+    kwargs = dict(COMMON, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2, steps_per_generation=2,
+                  num_iterations=2, num_generations=GROUP, max_completion_length=MAX_COMPLETION, beta=0.1,
+                  epsilon=0.02, loss_type="dapo", scale_rewards="group", temperature=1.0, max_steps=3, **correction)
+    rollout = trl_rollout(tokenizer)
+
+    def with_logps(prompts, trainer):
+        out = rollout(prompts, trainer)
+        out["logprobs"] = [table[FIXED.index(c)] for c in out["completion_ids"]]
+        return out
+
+    theirs = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
+                             processing_class=tokenizer, train_dataset=rows, rollout_func=with_logps,
+                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **TRL_ONLY, **kwargs))
+    theirs.use_vllm, theirs.vllm_generation = True, SimpleNamespace(sync_weights=lambda: None)
+    theirs._last_loaded_step = -1  # set in its __init__ only under use_vllm
+    theirs.train()
+
+    class Ours(FixedCompletions):
+        def build_engine(self):
+            return NotTheOwnSampler()
+
+        def generate(self, prompt_ids, *, num_generations, generator=None):
+            start = self.handed_out
+            out = super().generate(prompt_ids, num_generations=num_generations, generator=generator)
+            logps = torch.zeros(out.completion_ids.shape)
+            for row, completion in enumerate(fixed_completions(out.completion_ids.shape[0], start)):
+                logps[row, :len(completion)] = torch.tensor(table[FIXED.index(completion)])
+            out.sampling_logps = logps
+            return out
+
+    ours = Ours(AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
+                args=treadle.GRPOConfig(output_dir=str(tmp_path / "t"), max_prompt_length=None, **kwargs),
+                train_dataset=rows, processing_class=tokenizer)
+    assert ours.corrects_sampling
+    ours.train()
+    mine, trls = train_logs(ours), train_logs(theirs)
+    sampling = [f"sampling/sampling_logp_difference/{k}" for k in ("mean", "max")] + [
+        f"sampling/importance_sampling_ratio/{k}" for k in ("min", "mean", "max")]
+    assert [h["step"] for h in mine] == [h["step"] for h in trls] == [1, 2, 3]
+    assert all(k in trls[0] for k in sampling) and trls[0]["sampling/sampling_logp_difference/max"] > 0.1
+    for step, (a, b) in enumerate(zip(trls, mine), start=1):
+        keys = [k for k in GRPO_METRICS + sampling if k in a or k in b]
+        assert [k for k in keys if k in a] == [k for k in keys if k in b], step
+        assert [b[k] for k in keys] == pytest.approx([a[k] for k in keys], abs=1e-4), (step, keys)
+    assert_same_weights(theirs, ours)

@@ -13,7 +13,8 @@ a run that cannot learn. The settings are ``GRPOConfig.health_checks`` (defaults
   :class:`TrainingStalled`, a ``UserError``: one line and exit status 2 from the ``treadle`` command.
 - **Warnings** (once per check, with the step): a reward function that gave every sample one value for
   ``patience`` steps (by name), the logged entropy below ``min_entropy``, the clipped-token fraction above
-  ``max_clip_ratio``, the sampler importance ratio outside ``importance_ratio_bounds``.
+  ``max_clip_ratio``, the mean sampler importance ratio (``sampling/importance_sampling_ratio/mean``, logged when
+  the sampler correction applies: trainers/grpo_sampling.py) outside ``importance_ratio_bounds``.
 
 A check's warning or stop is also logged as ``health/warning/<check>`` or ``health/stop/<check>`` = 1 at the
 step it happened (metrics.jsonl; report.html marks it on the panels). Every decision is made from numbers that
@@ -115,9 +116,13 @@ def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
                                  f"learning_rate or num_iterations, or sample more often (steps_per_generation)")
     ratio, bounds = logs.get("sampling/importance_sampling_ratio/mean"), checks["importance_ratio_bounds"]
     if bounds is not None and ratio is not None and not bounds[0] <= ratio <= bounds[1]:
-        out["importance_ratio_bounds"] = (f"the sampler importance ratio is {ratio:.4g}, outside "
-                                          f"importance_ratio_bounds={bounds}: the rollout engine samples from another "
-                                          f"policy than the one trained (stale or unsynced weights)")
+        out["importance_ratio_bounds"] = (
+            f"the mean sampler importance ratio (sampling/importance_sampling_ratio/mean, after the correction's "
+            f"clipping or masking) is {ratio:.4g}, outside importance_ratio_bounds={bounds}: the rollout engine samples "
+            f"from another distribution than the one trained, by stale or unsynced weights or by heavy truncation "
+            f"(top_k / top_p / repetition_penalty); check the engine's load_weights "
+            f"(sampling/sampling_logp_difference/max), sample less truncated, or use "
+            f"vllm_importance_sampling_mode='token_truncate'")
     return out
 
 

@@ -40,6 +40,9 @@ The wider table (issue 17; each behind TRL 1.16's config name and default):
 - GDPO, 2026, https://arxiv.org/abs/2601.05242: ``multi_objective_aggregation="normalize_then_sum"``.
 - RLOO, Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740: the leave-one-out baseline
   (``advantage_estimator="rloo"``).
+- The sampler/trainer importance-sampling correction (truncated / masked IS, token or sequence level), Yao et al.
+  2025, https://fengyao.notion.site/off-policy-rl, and TRL 1.16's ``vllm_importance_sampling_*``:
+  ``sampling_importance_ratio``.
 - DPO family: SimPO-style length normalisation (``sigmoid_norm``, Meng et al. 2024,
   https://arxiv.org/abs/2405.14734), APO (``apo_zero`` / ``apo_down``, D'Oosterlinck et al. 2024,
   https://arxiv.org/abs/2408.06266), BCO (``bco_pair``, Jung et al. 2024, https://arxiv.org/abs/2404.04656),
@@ -62,16 +65,18 @@ from treadle.losses.grpo import (GRPO_LOSS_TYPES, SCALE_REWARDS, IMPORTANCE_SAMP
                                  MULTI_OBJECTIVE_AGGREGATIONS, ADVANTAGE_ESTIMATORS, group_advantages,
                                  decoupled_advantages, kl_k3, grpo_loss, grpo_aggregation, off_policy_mask,
                                  high_entropy_mask, check_grpo_options, check_grpo_extras,
-                                 zero_spread_groups)
+                                 zero_spread_groups, SAMPLING_CORRECTION_MODES, check_sampling_correction,
+                                 sampling_importance_ratio, sampling_correction_values, sampling_correction_metrics)
 from treadle.losses.reward import bradley_terry_loss
 from treadle.losses.distill import check_distill_options, chunked_generalized_jsd, generalized_jsd
 from treadle.losses.kto import KTO_LOSS_TYPES, check_kto_options, kto_kl, kto_loss, kto_uses_kl
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ChosenRejectedCounts", "DPO_LOSS_TYPES", "F_DIVERGENCES", "F_DIVERGENCE_LOSSES",
            "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES", "MULTI_OBJECTIVE_AGGREGATIONS",
-           "SCALE_REWARDS", "SMOOTHING_RULES", "bradley_terry_loss", "check_dpo_options", "check_grpo_extras",
+           "SAMPLING_CORRECTION_MODES", "SCALE_REWARDS", "SMOOTHING_RULES", "bradley_terry_loss", "check_dpo_options", "check_grpo_extras",
            "check_grpo_options", "check_distill_options", "check_kto_options", "chunked_generalized_jsd",
            "generalized_jsd", "kto_kl", "kto_loss", "kto_uses_kl", "check_same_shape", "decoupled_advantages",
            "dpo_loss", "dpo_loss_types", "f_divergence_score", "group_advantages", "grpo_aggregation", "grpo_loss",
            "high_entropy_mask", "kl_k3", "ld_token_weights", "off_policy_mask", "sft_loss", "wpo_weights",
-           "zero_spread_groups"]
+           "zero_spread_groups", "check_sampling_correction", "sampling_importance_ratio",
+           "sampling_correction_values", "sampling_correction_metrics"]

@@ -4,6 +4,7 @@ of tensors and floats. Papers and TRL names: ``treadle.losses``' docstring.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -16,6 +17,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def group_advantages(
@@ -161,6 +163,7 @@ def grpo_loss(
     entropies: Tensor | None = None,
     top_entropy_quantile: float = 1.0,
     off_policy_mask_threshold: float | None = None,
+    importance_sampling_ratio: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Policy-gradient loss with an optional k3 KL penalty, aggregated per ``loss_type``.
 
@@ -197,6 +200,9 @@ def grpo_loss(
             count every token (as TRL). 1.0 keeps all.
         off_policy_mask_threshold: δ: a sequence with ``A < 0`` whose mean ``old_logps - logps`` exceeds δ gets no
             policy term (DeepSeek-V3.2, Eq. 9). None disables it.
+        importance_sampling_ratio: ``(B, T)`` or ``(B, 1)``, no gradient: the sampler correction
+            (:func:`sampling_importance_ratio`) multiplying each token's policy term, after the masks and before the
+            KL term is added (as TRL 1.16). None: no correction.
 
     Per-token terms by ``loss_type``: the clipped family above; ``cispo`` ``-sg(min(r, ε_high)) · A · logp``
     (the gradient flows through ``logp`` only); ``sapo`` the soft gate above.
@@ -236,6 +242,10 @@ def grpo_loss(
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs entropies (B, T), the per-token entropies of the policy")
         check_same_shape(logps=logps, entropies=entropies)
+    if importance_sampling_ratio is not None and importance_sampling_ratio.shape not in (logps.shape,
+                                                                                      logps.shape[:1] + (1,)):
+        raise ValueError(f"importance_sampling_ratio must be (B, T) = {tuple(logps.shape)} or (B, 1), got "
+                         f"{tuple(importance_sampling_ratio.shape)}")
     is_token = completion_mask.bool()  # (B, T)
     mask = is_token.to(logps.dtype)  # (B, T)
     if old_logps is None:
@@ -255,6 +265,8 @@ def grpo_loss(
         per_token = per_token * off_policy_mask(adv, logps, old_logps, mask, off_policy_mask_threshold)
     if top_entropy_quantile < 1.0:
         per_token = per_token * high_entropy_mask(entropies, mask, top_entropy_quantile)
+    if importance_sampling_ratio is not None:  # the sampler/trainer mismatch: weights only, never a gradient
+        per_token = per_token * importance_sampling_ratio.detach().to(per_token.dtype)
     if beta > 0:
         kl = kl_k3(safe_logps, torch.where(is_token, ref_logps, 0.0))  # (B, T), 0 on padding
         if use_bias_correction_kl:
@@ -263,6 +275,98 @@ def grpo_loss(
         metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
     loss = _aggregate(per_token * mask, mask, grpo_aggregation(loss_type), normalizer, max_completion_length)
     return loss, metrics
+
+
+def sampling_importance_ratio(trainer_logps: Tensor, sampling_logps: Tensor, completion_mask: Tensor, *,
+                              mode: str = "sequence_mask", clip_min: float | None = None,
+                              clip_max: float | None = 3.0) -> Tensor:
+    """The importance weight that corrects for sampling from another distribution than the one trained (TRL 1.16's
+    ``vllm_importance_sampling_*``; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"): ``ρ = π_trainer / π_sampler`` per token, or ``exp`` of its log summed over the sequence.
+
+    Args:
+        trainer_logps: ``(B, T)`` the trained policy's log-probs of the sampled tokens at sampling time (the old
+            policy's).
+        sampling_logps: ``(B, T)`` the log-probs of the distribution the tokens were actually drawn from (after
+            temperature, top-k, top-p, penalties). NaN (a token the engine could not score) counts as no gap.
+        completion_mask: ``(B, T)`` 1 on the tokens that carry loss; padding may hold anything, even ±inf.
+        mode: ``token_truncate`` / ``token_mask`` one ratio per token ``(B, T)``; ``sequence_truncate`` /
+            ``sequence_mask`` one per sequence ``(B, 1)``, ``exp(Σ_t (trainer - sampling))`` (a sum, not GSPO's
+            mean). ``*_truncate`` clamps the ratio to [clip_min, clip_max]; ``*_mask`` sets a ratio outside them to 0.
+        clip_min, clip_max: C_min, C_max; None leaves that side open (a ``*_truncate`` mode needs one of them).
+
+    Returns the ratio, detached: a weight on each token's policy term (``grpo_loss(importance_sampling_ratio=)``).
+
+    >>> m = torch.ones(1, 2)
+    >>> sampling_importance_ratio(torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.25, 0.4]])), m,
+    ...                           mode="token_truncate", clip_max=1.5)
+    tensor([[1.5000, 0.5000]])
+    >>> sampling_importance_ratio(torch.log(torch.tensor([[0.5, 0.2]])), torch.log(torch.tensor([[0.1, 0.4]])), m,
+    ...                           clip_max=2.0)  # sequence_mask: 5 x 0.5 = 2.5 > 2, the sequence is masked
+    tensor([[0.]])
+    """
+    check_sampling_correction(mode, clip_min, clip_max)
+    check_same_shape(trainer_logps=trainer_logps, sampling_logps=sampling_logps, completion_mask=completion_mask)
+    gap = torch.where(completion_mask.bool(), trainer_logps.detach() - sampling_logps.detach(), 0.0)  # (B, T)
+    gap = torch.nan_to_num(gap, nan=0.0)  # as TRL: an unscored token gets ratio 1
+    if mode.startswith("sequence"):
+        gap = gap.sum(dim=1, keepdim=True)  # (B, 1)
+    ratio = torch.exp(gap)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def sampling_correction_values(trainer_logps: Tensor, sampling_logps: Tensor, ratio: Tensor, completion_mask: Tensor,
+                               mode: str) -> tuple[Tensor, Tensor]:
+    """What the sampler-correction metrics count, as TRL: ``(n,)`` the ``|trainer - sampling|`` log-prob gaps of the
+    completion tokens (NaN ones left out) and ``(m,)`` the ratios (per completion token, or per sequence in a
+    ``sequence_*`` mode, every sequence). Concatenate several batches' values before :func:`sampling_correction_metrics`.
+    """
+    is_token = completion_mask.bool()
+    gap = (trainer_logps.detach() - sampling_logps.detach()).abs()
+    gaps = gap[is_token & ~gap.isnan()]
+    ratios = ratio.detach().flatten() if mode.startswith("sequence") else ratio.detach()[is_token]
+    return gaps, ratios
+
+
+def sampling_correction_metrics(gaps: Tensor, ratios: Tensor) -> dict[str, Tensor]:
+    """TRL 1.16's metrics of the sampler correction from :func:`sampling_correction_values`: the mean and max log-prob
+    gap and the ratio's min, mean and max (each 0 when there is nothing to count).
+
+    >>> m = sampling_correction_metrics(torch.tensor([0.1, 0.3]), torch.tensor([0.5, 2.0]))
+    >>> [round(m[k].item(), 3) for k in sorted(m)]
+    [2.0, 1.25, 0.5, 0.3, 0.2]
+    """
+    def stat(values: Tensor, reduce) -> Tensor:
+        return reduce(values) if values.numel() else values.new_zeros(())
+
+    return {"sampling/sampling_logp_difference/mean": stat(gaps, torch.mean),
+            "sampling/sampling_logp_difference/max": stat(gaps, torch.max),
+            "sampling/importance_sampling_ratio/min": stat(ratios, torch.min),
+            "sampling/importance_sampling_ratio/mean": stat(ratios, torch.mean),
+            "sampling/importance_sampling_ratio/max": stat(ratios, torch.max)}
+
+
+def check_sampling_correction(mode: str, clip_min: float | None, clip_max: float | None, *,
+                              enabled: bool = True) -> None:
+    """The sampler correction's rules (TRL 1.16's, plus a known mode and bounds >= 0): ``GRPOConfig`` and
+    :func:`sampling_importance_ratio` both check with this; a ``*_truncate`` mode needs a bound only when
+    ``enabled``."""
+    if mode not in SAMPLING_CORRECTION_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not supported; use one of "
+                         f"{list(SAMPLING_CORRECTION_MODES)} (TRL's default: 'sequence_mask')")
+    for name, value in (("clip_min", clip_min), ("clip_max", clip_max)):
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+            raise ValueError(f"vllm_importance_sampling_{name} must be a finite number >= 0 or None, got {value!r}")
+    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
+        raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be less than "
+                         f"vllm_importance_sampling_clip_max ({clip_max})")
+    if enabled and mode.endswith("truncate") and clip_min is None and clip_max is None:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r} clamps the ratio: set "
+                         f"vllm_importance_sampling_clip_max (TRL's default: 3.0) or vllm_importance_sampling_clip_min")
 
 
 def grpo_aggregation(loss_type: str) -> str:

@@ -66,8 +66,9 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
     off by itself where the model or the batch does not fit).
 15. Sampling goes through a rollout engine (``treadle.engines``; ``build_engine`` returns the own KV-cached
     sampler), which also returns the log-probs of the distribution it sampled from; they travel with each
-    ``Sample`` as ``sampling_logps`` (the loss does not read them yet). Multi-turn rollouts call the multi-turn
-    sampler directly (``treadle.rollouts``).
+    ``Sample`` as ``sampling_logps``. Where that distribution may differ from the trained one, the loss is weighed
+    by the sampler correction (trainers/grpo_sampling.py; TRL corrects only with vLLM). Multi-turn rollouts call
+    the multi-turn sampler directly (``treadle.rollouts``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ from treadle.trainers.grpo_config import GRPOConfig
 from treadle.trainers.grpo_data import (GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream,
                                         slice_sample)
 from treadle.trainers.grpo_dynamic import extra_rows, fill_with_signal
+from treadle.trainers.grpo_sampling import correction_metrics, corrects_sampling, sampling_ratio
 from treadle.trainers.grpo_records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
                                            generation_metrics, reward_list, reward_sums, reward_weights,
                                            seeded_generator, tokenize_prompts)
@@ -164,6 +166,8 @@ class GRPOTrainer(Trainer):
         self.pad_token_id = pad_token_id(processing_class)
         self.buffer = GenerationBuffer(self._cycle_length())
         self.engine = self.build_engine()
+        self.corrects_sampling = corrects_sampling(args, own_sampler=isinstance(self.engine, LocalEngine)
+                                                   or self.rollout_runner is not None)  # grpo_sampling.py
         self._completions_file_checked = False
         self.health = HealthCallback(args.health_checks, self.metrics, num_generations=args.num_generations,
                                      max_completion_length=args.max_completion_length)  # treadle.health
@@ -327,7 +331,10 @@ class GRPOTrainer(Trainer):
         loss_mask = rollout.loss_mask * trained.to(rollout.loss_mask.device, rollout.loss_mask.dtype).unsqueeze(1)
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~rollout.generation.is_truncated).unsqueeze(1).to(loss_mask.dtype)
-        return [self._build_slice(rollout, loss_mask, local_advantages, s) for s in range(args.steps_per_generation)]
+        slices = [self._build_slice(rollout, loss_mask, local_advantages, s) for s in range(args.steps_per_generation)]
+        if slices[0].importance_sampling_ratio is not None:
+            self.metrics.add_many(correction_metrics(slices, args.vllm_importance_sampling_mode))
+        return slices
 
     def sample_and_score(self, rows: list[dict], generation: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
         """This rank's rollout of ``rows``, its rewards ``(N, F)`` and which rows to train on ``(N,)``; with
@@ -400,8 +407,11 @@ class GRPOTrainer(Trainer):
         size = self.args.per_device_train_batch_size
         rows = slice(index * size, (index + 1) * size)
         sample = slice_sample(rollout.generation, loss_mask, advantages, rows).to(self.args.device)
-        if self._needs_old_logps():
+        corrected = self.corrects_sampling and sample.sampling_logps is not None
+        if self._needs_old_logps() or corrected:
             sample.old_logps = self.frozen_logps(self.model, sample)
+        if corrected:  # the sampler correction (grpo_sampling.py)
+            sample.importance_sampling_ratio = sampling_ratio(sample, self.args)
         if self.needs_reference_logps():
             with reference_of(self.model, self.ref_model) as reference:  # a PEFT policy: adapters disabled
                 sample.ref_logps = self.frozen_logps(reference, sample)
@@ -441,7 +451,9 @@ class GRPOTrainer(Trainer):
                                   old_logps=inputs.old_logps, ref_logps=inputs.ref_logps,
                                   beta=args.beta, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
                                   loss_type=args.loss_type, normalizer=normalizer,
-                                  max_completion_length=args.max_completion_length, **self.objective_options(entropy))
+                                  max_completion_length=args.max_completion_length,
+                                  importance_sampling_ratio=inputs.importance_sampling_ratio,
+                                  **self.objective_options(entropy))
         mask = inputs.completion_mask.to(entropy.dtype)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         self.metrics.add_many({name: (value, 1) for name, value in metrics.items()})  # means over micro-steps

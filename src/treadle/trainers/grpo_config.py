@@ -12,7 +12,7 @@ from treadle.engines.options import check_vllm_options
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import BACKENDS
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
-                            check_grpo_options)
+                            check_grpo_options, check_sampling_correction)
 
 __all__ = ["GRPOConfig", "HEALTH_CHECKS", "resolve_health_checks"]
 
@@ -83,6 +83,14 @@ class GRPOConfig(TrainingArguments):
     multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum": per-reward normalisation (GDPO)
     advantage_estimator: str = "grpo"  # baseline: "grpo" the group mean, "rloo" the mean of the other G - 1 rewards
 
+    # --- sampler correction: TRL 1.16's names and defaults (docs/grpo.md "Importance-sampling correction"); applied
+    # when the engine's sampled distribution may differ from the trained one (trainers/grpo_sampling.py)
+    vllm_importance_sampling_correction: bool = True  # weigh each token's policy loss by pi_trainer / pi_sampler
+    vllm_importance_sampling_mode: str = "sequence_mask"  # "token_" or "sequence_" + "truncate" or "mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0  # C_max: *_truncate clamps at it, *_mask zeroes above it
+    vllm_importance_sampling_clip_min: float | None = None  # C_min: the lower bound the same way; None: open
+    vllm_importance_sampling_cap: float | None = None  # deprecated (TRL 1.6): sets vllm_importance_sampling_clip_max
+
     # --- multi-turn rollouts: tools and environments (treadle.rollouts; used when tools= or env_factory= is given)
     max_tool_calling_iterations: int | None = None  # TRL's name: most turns with tool calls per rollout; None: no cap
     tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
@@ -115,6 +123,7 @@ class GRPOConfig(TrainingArguments):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self._validate_objective_table()
+        self._validate_sampling_correction()
         self._validate_grpo_choices()
         self._validate_grpo_numbers()
         self._validate_generation_batch()
@@ -122,6 +131,15 @@ class GRPOConfig(TrainingArguments):
         self.health_checks = resolve_health_checks(self.health_checks)
         self._validate_dynamic_sampling()
         check_vllm_options(self)
+
+    def _validate_sampling_correction(self) -> None:
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
+            warnings.warn("vllm_importance_sampling_cap is deprecated (as in TRL, to be removed in v2.0.0): use "
+                          "vllm_importance_sampling_clip_max instead", FutureWarning, stacklevel=4)
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        check_sampling_correction(self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                                  self.vllm_importance_sampling_clip_max,
+                                  enabled=self.vllm_importance_sampling_correction)
 
     def _validate_dynamic_sampling(self) -> None:
         rounds = self.dynamic_sampling_max_rounds

@@ -104,6 +104,7 @@ class Sample:
     sampling_logps: Tensor | None = None  # (B, C) log-probs of the distribution sampled from; None: not known
     old_logps: Tensor | None = None  # (B, C) the policy's at generation time, when it can change before use
     ref_logps: Tensor | None = None  # (B, C) the reference policy's (beta > 0)
+    importance_sampling_ratio: Tensor | None = None  # (B, C) or (B, 1) the sampler correction's weight; None: none
 
     @property
     def completion_ids(self) -> Tensor:  # (B, C)
