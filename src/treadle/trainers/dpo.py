@@ -51,6 +51,9 @@ Departures from the paper and from TRL's DPOTrainer:
     the same log-probs and gradients as the padded forward with no work on padding, on any attention
     implementation (TRL's needs flash attention). It falls back to padded forwards where a one-time check finds
     it inexact.
+12. Vision rows (``images`` with a chat ``prompt``; ``treadle.vision``) stay untokenised: the processor runs per
+    batch over the chosen and the rejected chats, each with the row's images, and the policy and reference
+    forwards take the same pixels; these forwards are padded (not padding-free).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from treadle import vision
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.logprobs import token_logps
@@ -306,7 +310,11 @@ class DPOTrainer(PrecomputedReference, Trainer):
         if model is not None and ref_model is model:
             raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
                              "or a separate model")
-        collator = data_collator if data_collator is not None else DPOCollator(pad_token_id(processing_class, args.padding_value))
+        collator = data_collator
+        if collator is None and vision.has_images(train_dataset):  # images: processed per batch
+            collator = vision.VisionPreferenceCollator(processing_class, max_length=args.max_length)
+        elif collator is None:
+            collator = DPOCollator(pad_token_id(processing_class, args.padding_value))
         super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
                          peft_config)
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
@@ -349,6 +357,8 @@ class DPOTrainer(PrecomputedReference, Trainer):
         if isinstance(dataset, (list, tuple)):
             dataset = Dataset.from_list(list(dataset))
         names = column_names(dataset)
+        if vision.image_column(names):
+            return self.prepare_vision_dataset(dataset, split)
         if names is not None and not all(c in names for c in ID_COLUMNS):
             require_columns(dataset, ["chosen", "rejected"], what=f"DPOTrainer's {split} dataset",
                             fix="Give rows {prompt, chosen, rejected} (text or chat messages), or {chosen, "
@@ -362,9 +372,19 @@ class DPOTrainer(PrecomputedReference, Trainer):
             kwargs = dict(num_proc=self.args.dataset_num_proc, desc=f"Tokenizing {split} dataset")
         return dataset.map(fn, with_indices=True, remove_columns=drop or None, **kwargs)
 
+    def prepare_vision_dataset(self, dataset, split: str):
+        """A vision dataset as it is (``vision.VisionPreferenceCollator`` processes each batch), checked first:
+        the processor, a model that takes images, every image and both chats of every row."""
+        where = f"the {split} dataset"
+        vision.check_processor(self.processing_class, where=where)
+        vision.check_model_takes_images(self.model, where=where)
+        vision.check_preference_dataset(dataset, where=where)
+        return dataset
+
     def signature_columns(self) -> set[str]:
-        """The tokenised columns (the model takes none of them directly: the collator builds its inputs)."""
-        return set(ID_COLUMNS) | set(REF_COLUMNS)
+        """The tokenised columns (the model takes none of them directly: the collator builds its inputs); the raw
+        columns of a vision dataset."""
+        return set(ID_COLUMNS) | set(REF_COLUMNS) | set(vision.ROW_COLUMNS) | {"chosen", "rejected"}
 
     def count_items(self, inputs: dict) -> int:
         """A DPO loss item is a pair: half the rows of a batch. The inherited ``get_num_items_in_batch`` sums
@@ -387,8 +407,10 @@ class DPOTrainer(PrecomputedReference, Trainer):
         completion_mask = inputs["completion_mask"]  # (2B, T)
         # Predictions before the earliest response token are never needed: skip their log-softmax.
         start = int(completion_mask.argmax(dim=1).min()) - 1
+        extras = vision.forward_extras(inputs)  # pixel_values and the like: the same images for both responses
         out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
-                          return_mean_logits=with_logits, padding_free=self.args.padding_free)  # (2B, T-1-start) each
+                          return_mean_logits=with_logits, padding_free=self.args.padding_free and not extras,
+                          **extras)  # (2B, T-1-start) each
         mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
         logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
         weights = mask
