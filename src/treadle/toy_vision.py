@@ -23,7 +23,8 @@ VISION_TOKENS = {
     "llava": ["<image>"],
 }
 IMAGE_MARKUP = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
-CANVAS = 56  # pixels a side: 4x4 Qwen2-VL patches of 14 (4 image tokens after the 2x2 merge)
+CANVAS = 56  # pixels a side: 4x4 patches of 14, one per cell of the shapes' grid (LLaVA: 16 image tokens;
+#              Qwen2-VL: 4 after its 2x2 merge)
 
 
 def chat_template(kind: str) -> str:
@@ -82,7 +83,7 @@ def build_processor(kind: str = "qwen2_vl"):
         from transformers import LlavaProcessor
         from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-        images = LlavaImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        images = LlavaImageProcessorPil(size={"shortest_edge": CANVAS}, crop_size={"height": CANVAS, "width": CANVAS})
         tokenizer.image_token = "<image>"
         return LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template, patch_size=14,
                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
@@ -120,7 +121,7 @@ def build_model(kind: str = "qwen2_vl", processor=None, *, seed: int = 0, hidden
             text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"],
             vision_feature_select_strategy="default", vision_feature_layer=-1,
             vision_config=dict(model_type="clip_vision_model", hidden_size=hidden, intermediate_size=2 * hidden,
-                               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                               num_hidden_layers=1, num_attention_heads=2, image_size=CANVAS, patch_size=14,
                                projection_dim=hidden))
     else:
         raise ValueError(f"unknown toy vision model {kind!r}; choose qwen2_vl or llava")
@@ -160,17 +161,27 @@ def draw_canvas(rng: random.Random, squares: int, circles: int, size: int = CANV
     return image
 
 
-def count_task(split: str = "train", n: int = 200, *, kind: str = "sft", max_squares: int = 4) -> list[dict]:
+def count_reward(prompts: list, completions: list, answer: list, **kwargs) -> list[float]:
+    """1.0 when the completion is exactly the count (spaces stripped), else 0.0: the counting task's reward."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(t.strip() == a) for t, a in zip(texts, answer)]
+
+
+def count_task(split: str = "train", n: int = 200, *, kind: str = "sft", max_squares: int = 4,
+               max_circles: int = 3) -> list[dict]:
     """``n`` rows of the counting task: ``images`` (one canvas), ``prompt`` (a user turn: the image and the
-    question) and, for ``kind="sft"``, ``completion`` (the assistant's digit); always ``answer`` (the digit)."""
+    question), ``answer`` (the digit) and, by ``kind``: ``"sft"`` a ``completion`` (the assistant's digit),
+    ``"preference"`` ``chosen`` (the digit) and ``rejected`` (another count), ``"rl"`` nothing more."""
     rng = random.Random(SPLIT_SEEDS[split])
     rows = []
     for _ in range(n):
         squares = rng.randint(1, max_squares)
-        image = draw_canvas(rng, squares, rng.randint(0, 3))
+        image = draw_canvas(rng, squares, rng.randint(0, max_circles))
         row = {"images": [image], "answer": str(squares),
                "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]}
         if kind == "sft":
             row["completion"] = [{"role": "assistant", "content": [{"type": "text", "text": str(squares)}]}]
+        elif kind == "preference":
+            row.update(chosen=str(squares), rejected=str(squares % max_squares + 1))
         rows.append(row)
     return rows

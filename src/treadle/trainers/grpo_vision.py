@@ -9,8 +9,9 @@ log-probs all see the same images. Reward functions receive the ``images`` colum
 
 Departures: a vision prompt is never cut to ``max_prompt_length`` (cutting could cut its image tokens): a longer
 one is an error naming it. The vision tokens are never sampled (``SamplingParams.suppress_token_ids``): the
-sampler's log-probs are of that renormalised distribution, which the importance-sampling ratio accounts for. Log-prob forwards of vision slices are padded (not padding-free), and a model with
-image-dependent positions (M-RoPE) computes its own positions from the attention mask.
+sampler's log-probs are of that renormalised distribution, which the importance-sampling ratio accounts for.
+Log-prob forwards of vision slices are padded (not padding-free), and a model with image-dependent positions
+(M-RoPE) computes its own positions from the attention mask.
 """
 
 from __future__ import annotations
