@@ -266,3 +266,32 @@ def test_dpo_reference_sees_the_same_images(tmp_path, kind, processor, reference
     assert all(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()
                if n in before and "post_layernorm" not in n and "lora_A" not in n)
 
+
+
+# ---- configs and the demo --------------------------------------------------------------------------------
+def test_toy_vision_models_and_the_count_task_load_by_name():
+    from treadle.loading import load_dataset, load_model
+
+    model, processor = load_model("toy:llava", seed=3)
+    assert vision.takes_images(model) and vision.is_vision_processor(processor)
+    again, _ = load_model("toy:llava", seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    rows = load_dataset("toy:count:6", kind="preference", split="test")
+    assert len(rows) == 6 and {"images", "prompt", "chosen", "rejected", "answer"} <= set(rows.column_names)
+    assert all(r["chosen"] == r["answer"] != r["rejected"] for r in rows)
+    train, test = tv.count_task("train", 50), tv.count_task("test", 50)
+    assert {r["images"][0].tobytes() for r in train}.isdisjoint(r["images"][0].tobytes() for r in test)
+
+
+def test_count_reward_is_exact_match():
+    completions = [[{"role": "assistant", "content": c}] for c in ("3", " 3 ", "33", "2")]
+    assert tv.count_reward(None, completions, answer=["3"] * 4) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_the_count_demo_refuses_bad_settings():
+    from treadle.demo_count import CountDemoSettings
+
+    with pytest.raises(ValueError, match="--sft-steps"):
+        CountDemoSettings(sft_steps=0)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        CountDemoSettings(kind="gpt")

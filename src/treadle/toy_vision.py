@@ -23,8 +23,8 @@ VISION_TOKENS = {
     "llava": ["<image>"],
 }
 IMAGE_MARKUP = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
-CANVAS = 56  # pixels a side: 4x4 patches of 14, one per cell of the shapes' grid (LLaVA: 16 image tokens;
-#              Qwen2-VL: 4 after its 2x2 merge)
+GRID = 3  # cells a side of the canvas' grid: at most one shape per cell
+CANVAS = 14 * GRID  # pixels a side: one 14-pixel patch per cell (LLaVA: GRID**2 image tokens)
 
 
 def chat_template(kind: str) -> str:
@@ -69,13 +69,13 @@ def _qwen2_vl_processor_class():
 
 def build_processor(kind: str = "qwen2_vl"):
     """The processor of a toy VLM of ``kind`` (``qwen2_vl`` or ``llava``): tokenizer, PIL image processor, chat
-    template; images are resized to ``CANVAS`` pixels a side."""
+    template. LLaVA's images are resized to ``CANVAS`` pixels a side, Qwen2-VL's to 56."""
     tokenizer = build_tokenizer(kind)
     template = chat_template(kind)
     if kind == "qwen2_vl":
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        pixels = CANVAS * CANVAS
+        pixels = 56 * 56  # any canvas becomes 4x4 patches of 14: 4 image tokens after the 2x2 merge
         images = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2,
                                           temporal_patch_size=2)
         return _qwen2_vl_processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=template)
@@ -144,17 +144,17 @@ QUESTION = "How many squares?"
 
 def draw_canvas(rng: random.Random, squares: int, circles: int, size: int = CANVAS):
     """A white ``size`` x ``size`` canvas with ``squares`` squares and ``circles`` circles (side 8-10 pixels) in
-    random colours, placed on a 4x4 grid of cells so that no two shapes overlap."""
+    random colours, one per cell of a ``GRID`` x ``GRID`` grid, so that no two shapes overlap."""
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (size, size), "white")
     draw = ImageDraw.Draw(image)
-    cell = size // 4
-    cells = rng.sample(range(16), squares + circles)
+    cell = size // GRID
+    cells = rng.sample(range(GRID * GRID), squares + circles)
     for k, c in enumerate(cells):
         side = rng.randint(8, 10)
-        x = (c % 4) * cell + rng.randint(0, cell - side)
-        y = (c // 4) * cell + rng.randint(0, cell - side)
+        x = (c % GRID) * cell + rng.randint(0, cell - side)
+        y = (c // GRID) * cell + rng.randint(0, cell - side)
         box = (x, y, x + side - 1, y + side - 1)
         colour = rng.choice(COLOURS)
         (draw.rectangle if k < squares else draw.ellipse)(box, fill=colour)
@@ -168,7 +168,7 @@ def count_reward(prompts: list, completions: list, answer: list, **kwargs) -> li
 
 
 def count_task(split: str = "train", n: int = 200, *, kind: str = "sft", max_squares: int = 4,
-               max_circles: int = 3) -> list[dict]:
+               max_circles: int = 2) -> list[dict]:
     """``n`` rows of the counting task: ``images`` (one canvas), ``prompt`` (a user turn: the image and the
     question), ``answer`` (the digit) and, by ``kind``: ``"sft"`` a ``completion`` (the assistant's digit),
     ``"preference"`` ``chosen`` (the digit) and ``rejected`` (another count), ``"rl"`` nothing more."""
