@@ -295,3 +295,17 @@ def test_the_count_demo_refuses_bad_settings():
         CountDemoSettings(sft_steps=0)
     with pytest.raises(ValueError, match="kind must be one of"):
         CountDemoSettings(kind="gpt")
+
+
+@pytest.mark.slow
+def test_the_count_demo_runs_end_to_end(tmp_path):
+    import json
+
+    from treadle.demo_count import CountDemoSettings, run_count_demo
+
+    settings = CountDemoSettings(train_size=32, eval_size=8, sft_steps=2, sft_batch_size=8, sft_probe_size=8,
+                                 grpo_steps=1, num_generations=4, grpo_batch_size=8, hidden=32)
+    assert run_count_demo(settings, str(tmp_path / "demo")) == 0
+    stages = json.loads((tmp_path / "demo" / "results.json").read_text())["stages"]
+    assert [s["stage"] for s in stages] == ["untrained", "after SFT", "after GRPO"]
+    assert [s["steps"] for s in stages] == [0, 2, 1] and all(0 <= s["accuracy"] <= 1 for s in stages)

@@ -40,6 +40,8 @@ class CountDemoSettings:
     seed: int = 0  # model initialisation, data order and sampling
     kind: str = "llava"  # a toy_vision model: llava (own sampler) or qwen2_vl (generate)
     hidden: int = 64  # the language model's and the vision tower's width
+    max_squares: int = 4  # squares per canvas: 1 .. max_squares (the answers)
+    max_circles: int = 2  # distractor circles per canvas: 0 .. max_circles
     train_size: int = 2000  # training canvases
     eval_size: int = 200  # held-out canvases scored after each stage
     sft_steps: int = 600  # at most this many SFT steps
@@ -57,6 +59,9 @@ class CountDemoSettings:
     def __post_init__(self) -> None:
         if self.sft_steps < 1 or self.grpo_steps < 1 or self.eval_size < 1:
             raise ValueError("--sft-steps, --grpo-steps and --eval-size must be >= 1")
+        if not 1 <= self.max_squares <= 9 - self.max_circles or self.max_circles < 0:
+            raise ValueError(f"a canvas holds at most 9 shapes: max_squares={self.max_squares} and "
+                             f"max_circles={self.max_circles} do not fit")
         if self.kind not in toy_vision.VISION_TOKENS:
             raise ValueError(f"kind must be one of {sorted(toy_vision.VISION_TOKENS)}, got {self.kind!r}")
 
@@ -122,8 +127,8 @@ def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -
 
 def count_sft(model, processor, settings: CountDemoSettings, output_dir: Path) -> tuple[int, float]:
     """SFT of ``model`` in place until the probe target or ``sft_steps``; returns (steps, seconds)."""
-    train = toy_vision.count_task("train", settings.train_size)
-    probe = toy_vision.count_task("train", settings.sft_probe_size)  # the first training canvases
+    train = canvases(settings, "train", settings.train_size)
+    probe = canvases(settings, "train", settings.sft_probe_size)  # the first training canvases
     stop = StopAtProbeAccuracy(processor, probe, target=settings.sft_target_accuracy,
                                every=settings.sft_check_every)
     args = SFTConfig(output_dir=str(output_dir), max_steps=settings.sft_steps, seed=settings.seed,
@@ -146,5 +151,11 @@ def count_grpo_trainer(model, processor, settings: CountDemoSettings, output_dir
                       save_strategy="no", num_generations_eval=1, eval_pass_at_k=[1], eval_greedy=True,
                       per_device_eval_batch_size=100, report_to=[])
     return GRPOTrainer(model, reward_funcs=toy_vision.count_reward, args=args, processing_class=processor,
-                       train_dataset=toy_vision.count_task("train", settings.train_size, kind="rl"),
-                       eval_dataset=toy_vision.count_task("test", settings.eval_size, kind="rl"))
+                       train_dataset=canvases(settings, "train", settings.train_size, kind="rl"),
+                       eval_dataset=canvases(settings, "test", settings.eval_size, kind="rl"))
+
+
+def canvases(settings: CountDemoSettings, split: str, n: int, kind: str = "sft") -> list[dict]:
+    """``n`` rows of the counting task with the settings' numbers of squares and circles."""
+    return toy_vision.count_task(split, n, kind=kind, max_squares=settings.max_squares,
+                                 max_circles=settings.max_circles)
