@@ -103,3 +103,16 @@ def test_groups_of_equal_tokens_but_other_images_are_not_merged(processor):
 def test_a_vision_prompt_is_never_cut(processor):
     with pytest.raises(vision.VisionDataError, match="max_prompt_length=5 .* never cut"):
         grpo_vision.encode(processor, tv.count_task("train", 1, kind="rl"), max_prompt_length=5)
+
+
+def test_evaluate_scores_held_out_images_greedily(tmp_path, kind, processor):
+    """evaluate() samples held-out rows with their images (Qwen2-VL's greedy rows through generate, LLaVA's
+    through the own sampler); greedy answers do not depend on the seed."""
+    trainer = trainer_for(tmp_path, kind, processor, eval_greedy=True, num_generations_eval=2,
+                          per_device_eval_batch_size=4)
+    test = tv.count_task("test", 4, kind="rl")
+    first = trainer.evaluate(test)
+    again = trainer.evaluate(test)
+    assert 0.0 <= first["eval_greedy/accuracy"] <= 1.0
+    assert first["eval_greedy/reward"] == again["eval_greedy/reward"]
+    assert first["eval_reward"] == again["eval_reward"]  # seeded sampling: the same samples for the same weights
