@@ -1,14 +1,13 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--task addition|tools|distill] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N]
+    treadle demo [--task addition|tools|distill|count] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N]
                  [--eval-size N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
-``demo`` (treadle.demo) fine-tunes the tiny toy model on 2-digit addition (SFT), measures exact-match accuracy
-on held-out problems, improves it with GRPO and measures again. ``train`` runs one trainer from a YAML file:
+``demo`` (treadle.demo): SFT then GRPO of a toy model, scored on held-out problems. ``train`` runs one trainer:
 the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping)
 say what to train, every other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``;
 ``--key value`` overrides one). ``report`` redraws the plots of a run folder, writes its report.html and prints a
@@ -87,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
-    demo.add_argument("--task", choices=("addition", "tools", "distill"), help="addition (default); tools: 3-digit "
-                      "addition with a calculator tool (GRPO, multi-turn); distill: distillation vs GRPO vs SFT")
+    demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
+                      "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
+                      "count: a tiny VLM counts squares")
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
@@ -297,17 +297,17 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demo."""
     from treadle import demo  # heavy: torch, transformers
-
     given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     if getattr(args, "task", "addition") == "tools":
         from treadle import demo_tools  # heavy, as above
-
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
-    if getattr(args, "task", "addition") == "distill":
+    elif getattr(args, "task", "addition") == "distill":
         from treadle import demo_distill  # heavy, as above
-
         settings_class, run = demo_distill.DistillDemoSettings, demo_distill.run_distill_demo
+    elif args.task == "count":
+        from treadle import demo_count  # heavy, as above
+        settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     try:
         settings = settings_class(**given)
     except ValueError as error:

@@ -14,7 +14,7 @@ from typing import Any
 
 import datasets
 
-from treadle import peft as treadle_peft, toy
+from treadle import peft as treadle_peft, toy, toy_vision
 from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
 from treadle.errors import shorten
@@ -117,6 +117,8 @@ TEXT_COLUMNS = {"sft": ("prompt", "completion", "text", "messages"), "preference
 
 def _toy_dataset(spec: str, *, kind: str, split: str):
     task, _, size = spec.removeprefix("toy:").partition(":")
+    if task == "count" and (not size or size.isdigit()):  # images: treadle.toy_vision's canvases
+        return datasets.Dataset.from_list(toy_vision.count_task(split, int(size or 512), kind=kind))
     if task not in toy.TASKS:
         raise ValueError(f"unknown toy task {spec!r}; use one of {['toy:' + t for t in toy.TASKS]}")
     if size and not size.isdigit():
@@ -209,6 +211,9 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, args=None, reward_he
     ``revision``, ``args.trust_remote_code``, the HF cache, ``HF_HUB_OFFLINE``). A causal LM, or with
     ``reward_head`` a sequence classifier with one label (``trainer: reward``). The tokenizer is read with the
     model unless one is given. ValueError names what is wrong."""
+    if spec.removeprefix("toy:") in toy_vision.VISION_TOKENS:  # a tiny VLM and its processor (toy:llava ...)
+        processor = tokenizer if tokenizer is not None else toy_vision.build_processor(spec.removeprefix("toy:"))
+        return toy_vision.build_model(spec.removeprefix("toy:"), processor, seed=seed), processor
     if spec.startswith("toy:"):
         size = spec.removeprefix("toy:")
         if size not in toy.MODEL_SIZES:

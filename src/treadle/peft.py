@@ -22,6 +22,7 @@ from torch import nn
 
 from treadle import distributed as dist
 from treadle.models import is_causal_lm, is_peft_model
+from treadle.vision import lora_on_language_model
 
 PEFT_INSTALL = "pip install 'treadle[peft]'"
 MERGED_DIR = "merged"  # where merge_adapters / `treadle merge` write the merged model, inside the run folder
@@ -59,6 +60,7 @@ def apply_peft(model: nn.Module, peft_config, *, seed: int = 0, args=None) -> nn
     if is_peft_model(model):
         raise ValueError("the model is already a PEFT model and peft_config was given too; pass the base model "
                          "with peft_config, or the PEFT model with peft_config=None")
+    peft_config = lora_on_language_model(model, peft_config)  # a VLM: the language model's layers, by default
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
         # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`: noise at every LoRA start-up

@@ -26,9 +26,11 @@ class RolloutEngine(Protocol):
     """What GRPO samples through (``GRPOTrainer.build_engine`` returns one)."""
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None) -> GenerationOutput:
+                 generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
         """``params.num_generations`` completions of each distinct prompt; ``generator`` seeds the draws
-        (the same generator state gives the same completions for the same weights)."""
+        (the same generator state gives the same completions for the same weights). ``prompt_inputs``: a VLM's
+        vision inputs for the prompts (``pixel_values`` ..., as its processor made them; GRPO passes it only for
+        prompts with images)."""
         ...
 
     def load_weights(self, model) -> None:

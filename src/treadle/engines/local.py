@@ -23,8 +23,9 @@ class LocalEngine:
         self.model, self.backend = model, backend
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None) -> GenerationOutput:
-        return sample_completions(self.model, prompt_ids, params, generator=generator, backend=self.backend)
+                 generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
+        return sample_completions(self.model, prompt_ids, params, generator=generator, backend=self.backend,
+                                  prompt_inputs=prompt_inputs)
 
     def load_weights(self, model) -> None:
         self.model = model  # the live model: its weights are the policy's, nothing to copy

@@ -116,7 +116,10 @@ class VLLMEngine:
 
     # ---- the contract ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None) -> GenerationOutput:
+                 generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
+        if prompt_inputs:
+            raise UserError("use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into treadle "
+                            "yet; set use_vllm: false to sample prompts with images with treadle's own sampler")
         check_prompts(prompt_ids)
         self._wake()
         seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator,

@@ -37,8 +37,9 @@ def attention_kind(model) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
 
 
-def prefill(model, prompt_ids: Tensor, prompt_mask: Tensor, cache_name: str):
-    """Run the B distinct prompts once; returns last-position logits (B, V) and the filled cache."""
+def prefill(model, prompt_ids: Tensor, prompt_mask: Tensor, cache_name: str, prompt_inputs: dict | None = None):
+    """Run the B distinct prompts once; returns last-position logits (B, V) and the filled cache.
+    ``prompt_inputs``: what else the prompts' forward takes (a VLM's ``pixel_values`` ...), prefill only."""
     positions = position_ids(prompt_mask)  # left padding shifts each prompt to start at 0
     kwargs = {}
     signature = forward_signature(model)
@@ -47,7 +48,7 @@ def prefill(model, prompt_ids: Tensor, prompt_mask: Tensor, cache_name: str):
             kwargs[keep_name] = 1
             break
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                **kwargs)
+                **kwargs, **(prompt_inputs or {}))
     cache = out[cache_name] if cache_name in out else out["past_key_values"]
     return out.logits[:, -1], cache
 

@@ -31,6 +31,7 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 disables
     repetition_penalty: float = 1.0  # CTRL penalty (Keskar et al. 2019); 1 disables
     do_sample: bool = True  # False: greedy (argmax after the repetition penalty)
+    suppress_token_ids: tuple[int, ...] = ()  # never sampled (generate's suppress_tokens): image tokens
 
     def __post_init__(self):
         checks = [
@@ -103,10 +104,12 @@ def apply_top_p(scores: Tensor, top_p: float) -> Tensor:
 def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
     """Turn next-token logits (N, V) into the float32 scores that are sampled from (or argmax-ed).
 
-    Order as in transformers' ``generate``: repetition penalty, then (sampling only) temperature, top-k, top-p.
-    ``seen`` (N, V) is required when ``params.repetition_penalty != 1``.
+    Order as in transformers' ``generate``: suppressed tokens, repetition penalty, then (sampling only)
+    temperature, top-k, top-p. ``seen`` (N, V) is required when ``params.repetition_penalty != 1``.
     """
     scores = logits.float()
+    if params.suppress_token_ids:
+        scores = scores.index_fill(-1, torch.tensor(params.suppress_token_ids, device=scores.device), -float("inf"))
     if params.repetition_penalty != 1.0:
         scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
     if not params.do_sample:

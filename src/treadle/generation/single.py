@@ -48,7 +48,8 @@ from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwr
 from treadle.text import eos_ids
 
 __all__ = ["BACKENDS", "GenerationOutput", "check_prompts", "completion_masks", "distinct_prompts",
-           "fast_path_problem", "generate_completions", "left_pad", "model_device", "resolve_backend",
+           "fast_path_problem", "generate_completions", "left_pad", "model_device", "positions_need_images",
+           "resolve_backend",
            "sample_completions"]
 
 BACKENDS = ("auto", "fast", "hf")
@@ -124,7 +125,8 @@ def completion_masks(raw_ids: Tensor, eos_token_ids: tuple[int, ...], pad_token_
 # ---------------------------------------------------------------------------------------------------------
 
 def sample_completions(model, prompts: list[list[int]], params: SamplingParams, *,
-                       generator: torch.Generator | None = None, backend: str = "auto") -> GenerationOutput:
+                       generator: torch.Generator | None = None, backend: str = "auto",
+                       prompt_inputs: dict | None = None) -> GenerationOutput:
     """Sample ``params.num_generations`` completions for each of the distinct ``prompts`` (token-id lists).
 
     Runs under ``torch.no_grad()`` with the model in eval mode and restores every submodule's train/eval mode
@@ -135,12 +137,22 @@ def sample_completions(model, prompts: list[list[int]], params: SamplingParams, 
     (``model.generate`` with ``num_return_sequences=G``) or "auto" (fast when the model supports it, else hf).
     ``generator`` (on the model's device) makes sampling reproducible. Raises ValueError for bad prompts, and
     when the chosen backend cannot run this model.
+
+    ``prompt_inputs``: what else the B prompts' forward takes (a VLM's ``pixel_values``, ``image_grid_thw`` ...,
+    as its processor made them for the left-padded prompts): the fast path puts them in the prefill only; a model
+    whose positions depend on the images (M-RoPE, ``positions_need_images``) samples through "hf" instead.
     """
     check_prompts(prompts)
     with unwrapped_for_generation(model) as inner, eval_mode(model), torch.no_grad():
         name = resolve_backend(backend, inner)
+        if prompt_inputs and name == "fast" and positions_need_images(inner):
+            if backend == "fast":
+                raise ValueError(f"backend='fast' cannot sample {type(inner).__name__} from images: its positions "
+                                 f"depend on the images (M-RoPE); use backend='hf' or 'auto'")
+            name = "hf"
         prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, model_device(inner))
-        raw_ids, raw_logps = _run_backend(name, inner, prompt_ids, prompt_mask, params, generator)
+        extras = {k: v.to(prompt_ids.device) for k, v in (prompt_inputs or {}).items()}
+        raw_ids, raw_logps = _run_backend(name, inner, prompt_ids, prompt_mask, params, generator, extras)
     completion_ids, completion_mask, is_truncated = completion_masks(raw_ids, params.eos_token_ids,
                                                                      params.pad_token_id)
     width = completion_ids.shape[1]
@@ -177,13 +189,13 @@ def check_prompts(prompts) -> None:
 
 
 def _run_backend(name: str, model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+                 generator: torch.Generator | None, extras: dict | None = None) -> tuple[Tensor, Tensor]:
     """Dispatch to a backend; each returns raw completion ids (B*G, C<=max_new_tokens), EOS not yet cut, and
     each token's sampling log-prob (B*G, C)."""
     if name == "fast":
-        return _generate_fast(model, prompt_ids, prompt_mask, params, generator)
+        return _generate_fast(model, prompt_ids, prompt_mask, params, generator, extras)
     if name == "hf":
-        return _generate_hf(model, prompt_ids, prompt_mask, params, generator)
+        return _generate_hf(model, prompt_ids, prompt_mask, params, generator, extras)
     raise AssertionError(f"unresolved backend {name!r}")  # resolve_backend only returns the names above
 
 def resolve_backend(backend: str, model) -> str:
@@ -200,6 +212,13 @@ def resolve_backend(backend: str, model) -> str:
     if backend == "auto":  # the architecture matrix (tests/test_architectures.py) lists who takes the fast path
         warnings.warn(f"generation_backend='auto' uses 'hf' for {type(model).__name__}: {problem}", stacklevel=4)
     return "hf"
+
+
+def positions_need_images(model) -> bool:
+    """Whether the model's positions depend on its images (Qwen-VL's M-RoPE keeps ``rope_deltas`` from the prefill
+    for its decode steps), which the fast path's plain decode positions would get wrong."""
+    inner = getattr(model, "model", model)
+    return hasattr(inner, "rope_deltas") or callable(getattr(inner, "get_rope_index", None))
 
 
 def fast_path_problem(model) -> str | None:
@@ -223,7 +242,7 @@ def model_device(model) -> torch.device:
 # ---------------------------------------------------------------------------------------------------------
 
 def _generate_hf(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                 generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+                 generator: torch.Generator | None, extras: dict | None = None) -> tuple[Tensor, Tensor]:
     """``model.generate`` with a GenerationConfig built from ``params`` only; the sampling log-probs come from
     its processed ``scores`` (after every logits processor and warper, i.e. what it sampled from).
 
@@ -232,28 +251,32 @@ def _generate_hf(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Samplin
     """
     from transformers import GenerationConfig  # heavy: only the hf backend needs it
 
-    group, sampling = params.num_generations, {}
+    group, sampling, repeat = params.num_generations, {}, 1
     if params.do_sample:
         sampling = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                         num_return_sequences=group)
+    elif extras:  # greedy: one row per prompt, repeated after (a VLM's extras repeat by its own layout)
+        repeat = group
     else:  # generate refuses num_return_sequences > 1 when greedy; G identical rows give the same result
         prompt_ids, prompt_mask = (t.repeat_interleave(group, dim=0) for t in (prompt_ids, prompt_mask))
     config = GenerationConfig(
         max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
         repetition_penalty=params.repetition_penalty, eos_token_id=list(params.eos_token_ids) or None,
-        pad_token_id=params.pad_token_id, output_scores=True, return_dict_in_generate=True, **sampling)
+        pad_token_id=params.pad_token_id, output_scores=True, return_dict_in_generate=True,
+        suppress_tokens=list(params.suppress_token_ids) or None, **sampling)
     saved_config = getattr(model, "generation_config", None)
     if saved_config is not None:
         model.generation_config = GenerationConfig()
     try:
         with _global_rng_from(generator, prompt_ids.device):
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                 **(extras or {}))
     finally:
         if saved_config is not None:
             model.generation_config = saved_config
     completion = out.sequences[:, prompt_ids.shape[1]:]
     logps = [sampled_logps(scores, completion[:, step]) for step, scores in enumerate(out.scores)]
-    return completion, torch.stack(logps, dim=1)
+    return completion.repeat_interleave(repeat, dim=0), torch.stack(logps, dim=1).repeat_interleave(repeat, dim=0)
 
 
 @contextlib.contextmanager
@@ -274,12 +297,12 @@ def _global_rng_from(generator: torch.Generator | None, device: torch.device) ->
 # ---------------------------------------------------------------------------------------------------------
 
 def _generate_fast(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                   generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+                   generator: torch.Generator | None, extras: dict | None = None) -> tuple[Tensor, Tensor]:
     """Decode all B*G rows together; returns raw ids (B*G, max_new_tokens), pad where a row stopped early, and
     each token's log-prob under the scores it was drawn from."""
     group, width = params.num_generations, prompt_ids.shape[1]
     cache_name = cache_argument(model)
-    logits, cache = prefill(model, prompt_ids, prompt_mask, cache_name)
+    logits, cache = prefill(model, prompt_ids, prompt_mask, cache_name, extras)
     all_preallocated = expand_cache(cache, group, capacity=width + params.max_new_tokens)
 
     state = DecodeState.start(prompt_ids, prompt_mask, logits, params,

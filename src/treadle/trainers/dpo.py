@@ -52,6 +52,9 @@ Departures from the paper and from TRL's DPOTrainer:
     implementation (TRL's needs flash attention). It falls back to padded forwards where a one-time check finds
     it inexact. ``shared_prefix`` (TRL has none) runs each pair's prompt once, chosen and rejected after it
     (``treadle.prefix``), where that is exact and saves work.
+12. Vision rows (``images`` with a chat ``prompt``; ``treadle.vision``) stay untokenised: the processor runs per
+    batch over the chosen and the rejected chats, each with the row's images, and the policy and reference
+    forwards take the same pixels; these forwards are padded (not padding-free).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import torch
 from torch import Tensor
 
 from treadle import distributed as dist
+from treadle import vision
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.logprobs import token_logps
@@ -327,7 +331,11 @@ class DPOTrainer(PrecomputedReference, Trainer):
         if model is not None and ref_model is model:
             raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
                              "or a separate model")
-        collator = data_collator if data_collator is not None else DPOCollator(pad_token_id(processing_class, args.padding_value))
+        collator = data_collator
+        if collator is None and vision.has_images(train_dataset):  # images: processed per batch
+            collator = vision.VisionPreferenceCollator(processing_class, max_length=args.max_length)
+        elif collator is None:
+            collator = DPOCollator(pad_token_id(processing_class, args.padding_value))
         super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
                          peft_config)
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
@@ -370,6 +378,8 @@ class DPOTrainer(PrecomputedReference, Trainer):
         if isinstance(dataset, (list, tuple)):
             dataset = Dataset.from_list(list(dataset))
         names = column_names(dataset)
+        if vision.image_column(names):
+            return self.prepare_vision_dataset(dataset, split)
         if names is not None and not all(c in names for c in ID_COLUMNS):
             require_columns(dataset, ["chosen", "rejected"], what=f"DPOTrainer's {split} dataset",
                             fix="Give rows {prompt, chosen, rejected} (text or chat messages), or {chosen, "
@@ -385,9 +395,19 @@ class DPOTrainer(PrecomputedReference, Trainer):
         check_identical_pairs(tokenized, split)
         return tokenized
 
+    def prepare_vision_dataset(self, dataset, split: str):
+        """A vision dataset as it is (``vision.VisionPreferenceCollator`` processes each batch), checked first:
+        the processor, a model that takes images, every image and both chats of every row."""
+        where = f"the {split} dataset"
+        vision.check_processor(self.processing_class, where=where)
+        vision.check_model_takes_images(self.model, where=where)
+        vision.check_preference_dataset(dataset, where=where)
+        return dataset
+
     def signature_columns(self) -> set[str]:
-        """The tokenised columns (the model takes none of them directly: the collator builds its inputs)."""
-        return set(ID_COLUMNS) | set(REF_COLUMNS)
+        """The tokenised columns (the model takes none of them directly: the collator builds its inputs); the raw
+        columns of a vision dataset."""
+        return set(ID_COLUMNS) | set(REF_COLUMNS) | set(vision.ROW_COLUMNS) | {"chosen", "rejected"}
 
     def count_items(self, inputs: dict) -> int:
         """A DPO loss item is a pair: half the rows of a batch. The inherited ``get_num_items_in_batch`` sums
@@ -408,7 +428,9 @@ class DPOTrainer(PrecomputedReference, Trainer):
         logit over the vocabulary, detached, from the same forward."""
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (2B, T)
         completion_mask = inputs["completion_mask"]  # (2B, T)
-        laid = prompt_first_layout(input_ids, attention_mask, completion_mask) if self.args.shared_prefix else None
+        extras = vision.forward_extras(inputs)  # pixel_values and the like: the same images for both responses
+        shared = self.args.shared_prefix and not extras  # treadle.prefix takes text rows only
+        laid = prompt_first_layout(input_ids, attention_mask, completion_mask) if shared else None
         out = None if laid is None else shared_prefix_logps(  # each pair's prompt once (treadle.prefix), or None
             model, laid[0], laid[1], prompt_width=laid[2], chunk_size=self.args.logprob_chunk_size,
             return_mean_logits=with_logits)
@@ -418,7 +440,8 @@ class DPOTrainer(PrecomputedReference, Trainer):
             # Predictions before the earliest response token are never needed: skip their log-softmax.
             start = int(completion_mask.argmax(dim=1).min()) - 1
             out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
-                              return_mean_logits=with_logits, padding_free=self.args.padding_free)  # (2B, T-1-start)
+                              return_mean_logits=with_logits, padding_free=self.args.padding_free and not extras,
+                              **extras)  # (2B, T-1-start)
             mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
         logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
         weights = mask

@@ -99,12 +99,14 @@ from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, 
 from treadle.rollouts import RolloutRunner
 from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
+from treadle.vision import tokenizer_of
 from treadle.trainer import Trainer
 from treadle.trainers.grpo_config import GRPOConfig
 from treadle.trainers.grpo_data import (GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream,
                                         slice_sample)
 from treadle.trainers.grpo_dynamic import extra_rows, fill_with_signal
 from treadle.trainers.grpo_sampling import correction_metrics, corrects_sampling, sampling_ratio
+from treadle.trainers import grpo_vision
 from treadle.trainers.grpo_records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
                                            generation_metrics, reward_list, reward_sums, reward_weights,
                                            seeded_generator, tokenize_prompts)
@@ -162,8 +164,9 @@ class GRPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, compute_metrics=compute_metrics)
+        grpo_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images (grpo_vision.py)
         self.ref_model = self.build_reference_model(ref_model) if self.needs_reference_logps() else None
-        self.pad_token_id = pad_token_id(processing_class)
+        self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
         self.buffer = GenerationBuffer(self._cycle_length())
         self.engine = self.build_engine()
         self.corrects_sampling = corrects_sampling(args, own_sampler=isinstance(self.engine, LocalEngine)
@@ -302,7 +305,7 @@ class GRPOTrainer(Trainer):
             temperature, top_p, top_k, do_sample = chosen or 1.0, args.eval_top_p, args.eval_top_k, chosen > 0
         group = {"train": args.num_generations, "eval": args.num_generations_eval}.get(mode, 1)
         return SamplingParams(num_generations=num_generations or group, max_new_tokens=args.max_completion_length,
-                              eos_token_ids=eos_ids(self.processing_class.eos_token_id),
+                              eos_token_ids=eos_ids(tokenizer_of(self.processing_class).eos_token_id),
                               pad_token_id=self.pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k,
                               repetition_penalty=args.repetition_penalty, do_sample=do_sample)
 
@@ -369,6 +372,8 @@ class GRPOTrainer(Trainer):
         prompt is prefilled once. With tools or an environment, ``rollout`` samples instead."""
         if self.rollout_runner is not None:
             return self.rollout(rows, generator, mode=mode)
+        if grpo_vision.has_images(rows):
+            return grpo_vision.sample(self, rows, generator, mode)
         prompts = [row["prompt"] for row in rows]
         ids = tokenize_prompts(self.processing_class, prompts, self.args.max_prompt_length)
         distinct, group = distinct_prompts(ids, self.sampling_params(mode).num_generations)
@@ -406,7 +411,11 @@ class GRPOTrainer(Trainer):
         needs from policies other than the current one."""
         size = self.args.per_device_train_batch_size
         rows = slice(index * size, (index + 1) * size)
-        sample = slice_sample(rollout.generation, loss_mask, advantages, rows).to(self.args.device)
+        sample = slice_sample(rollout.generation, loss_mask, advantages, rows)
+        width = sample.completion_mask.shape[1]
+        sample.model_inputs = grpo_vision.slice_inputs(self.processing_class, rollout, rows,
+                                                       sample.input_ids.shape[1] - width, width)
+        sample = sample.to(self.args.device)
         corrected = self.corrects_sampling and sample.sampling_logps is not None
         if self._needs_old_logps() or corrected:
             sample.old_logps = self.frozen_logps(self.model, sample)
@@ -432,13 +441,13 @@ class GRPOTrainer(Trainer):
         batch = Sample.of(batch)
         ids, mask = batch.input_ids, batch.attention_mask
         start = ids.shape[1] - batch.completion_mask.shape[1] - 1
-        shared = None if not self.args.shared_prefix else shared_prefix_logps(
+        shared = None if not self.args.shared_prefix or batch.model_inputs else shared_prefix_logps(  # text rows
             model, ids, mask, prompt_width=start + 1, temperature=self.args.temperature, return_entropy=return_entropy)
         if shared is not None:  # each prompt once (treadle.prefix); None where this model or batch does not share
             return shared
         return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
-                           return_entropy=return_entropy, position_ids=position_ids(mask),
-                           padding_free=self.args.padding_free)
+                           return_entropy=return_entropy, **grpo_vision.logprob_options(
+                               model, batch.model_inputs, position_ids(mask), self.args.padding_free))
 
     # ---- the loss ---------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

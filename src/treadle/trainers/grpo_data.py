@@ -105,6 +105,7 @@ class Sample:
     old_logps: Tensor | None = None  # (B, C) the policy's at generation time, when it can change before use
     ref_logps: Tensor | None = None  # (B, C) the reference policy's (beta > 0)
     importance_sampling_ratio: Tensor | None = None  # (B, C) or (B, 1) the sampler correction's weight; None: none
+    model_inputs: dict[str, Tensor] | None = None  # what else the forward takes: a VLM's pixel_values ... (vision)
 
     @property
     def completion_ids(self) -> Tensor:  # (B, C)
@@ -116,11 +117,21 @@ class Sample:
         return inputs if isinstance(inputs, Sample) else cls(**inputs)
 
     def to(self, device) -> "Sample":
-        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.tensors().items()})
+        return Sample.from_tensors({k: v.to(device) for k, v in self.tensors().items()})
 
     def tensors(self) -> dict[str, Tensor]:
-        """The fields that are set, by name (what a checkpoint keeps)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        """The fields that are set, by name (what a checkpoint keeps); ``model_inputs`` as ``model_inputs.<key>``."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if getattr(self, f.name) is not None and f.name != "model_inputs"}
+        out.update({f"model_inputs.{k}": v for k, v in (self.model_inputs or {}).items()})
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> "Sample":
+        """The Sample of ``tensors()``."""
+        extras = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("model_inputs.")}
+        fields = {k: v for k, v in tensors.items() if not k.startswith("model_inputs.")}
+        return cls(**fields, model_inputs=extras or None)
 
 
 def slice_sample(out: GenerationOutput, loss_mask: Tensor, advantages: Tensor, rows: slice) -> Sample:
@@ -202,7 +213,7 @@ class GenerationBuffer:
         ``trainer_state.json``: then the cursor is left to the next ticket)."""
         slices = state["slices"] if "slices" in state else state["buffers"]
         self.cursor = int(state.get("cursor", 0))
-        self.slices = {int(g): [Sample(**{k: v.to(device) for k, v in s.items()}) for s in saved]
+        self.slices = {int(g): [Sample.from_tensors({k: v.to(device) for k, v in s.items()}) for s in saved]
                        for g, saved in slices.items()}
 
 

@@ -21,9 +21,12 @@ How this departs from TRL's SFTTrainer (v0.2x):
    block-diagonal causal mask from the position ids (eager, sdpa and flash attention alike), so no token
    attends across rows, and the first token of each row is not a label (it would be predicted from the row
    before). A test checks the per-row losses of a packed forward against the rows run alone.
-4. No vision-language inputs, no ``dataset_kwargs``. A streamed dataset is tokenised and packed as it is read,
-   best-fit over each chunk of ``TOKENIZE_CHUNK`` rows. LoRA through ``peft_config`` (the Trainer's,
-   docs/peft.md). A string ``model`` is a local folder or a Hub id (``models.from_name``).
+4. Vision rows (an ``images`` or ``image`` column with a processor, ``treadle.vision``) stay untokenised:
+   ``VisionCollator`` processes each batch (pixels and the model's extras) and puts the loss on the assistant's
+   tokens, never on an image token; packing is switched off for them (a note says so). No ``dataset_kwargs``. A
+   streamed dataset is tokenised and packed as it is read, best-fit over each chunk of ``TOKENIZE_CHUNK`` rows. LoRA
+   through ``peft_config`` (the Trainer's, docs/peft.md). A string ``model`` is a local folder or a Hub id
+   (``models.from_name``).
 5. ``mean_token_accuracy`` is logged for training and evaluation (argmax of the logits against the labels, over
    the label tokens of the logging window, through the Trainer's metrics window); TRL's ``num_tokens`` and
    entropy are not.
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 
 from treadle import distributed as dist
+from treadle import vision
 from treadle.arguments import TrainingArguments
 from treadle.data import check_text_columns, column_names, empty_texts, require_eval_dataset
 from treadle.metrics import mode_of
@@ -88,11 +92,15 @@ class SFTTrainer(Trainer):
         model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
         self.args = args = fit_max_length(args, model)
         self.processing_class = processing_class
+        self.vision_model = model  # prepare_dataset checks that a model given images takes them
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
         eval_dataset = self.prepare_dataset(eval_dataset, "eval") if eval_dataset is not None else None
-        if data_collator is None:
+        if data_collator is None and vision.image_column(column_names(train_dataset)):
+            data_collator = vision.VisionCollator(processing_class, completion_only_loss=args.completion_only_loss
+                                                  is not False, max_length=args.max_length)
+        elif data_collator is None:
             data_collator = SFTCollator(pad_token_id=pad_token_id(processing_class))
-        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+        super().__init__(model=model, args=self.args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
                          peft_config=peft_config)
@@ -112,6 +120,8 @@ class SFTTrainer(Trainer):
         if columns is None:
             raise TypeError(f"SFTTrainer needs a datasets.Dataset, a list of dicts or a stream for {name}, got "
                             f"{type(dataset).__name__}")
+        if vision.image_column(columns):
+            return self._prepare_vision(dataset, name)
         if "input_ids" in columns:
             rows = self._pretokenized_rows(dataset)
         else:
@@ -140,6 +150,19 @@ class SFTTrainer(Trainer):
         if self.args.packing:
             return pack_rows(rows, self.args.max_length)
         return {"input_ids": [r[0] for r in rows], "completion_mask": [r[1] for r in rows]}
+
+    def _prepare_vision(self, dataset, name: str):
+        """A vision dataset as it is (the collator processes it), after checking processor, model and every row."""
+        where = f"the {name} dataset"
+        vision.check_processor(self.processing_class, where=where)
+        vision.check_model_takes_images(self.vision_model, where=where)
+        vision.check_vision_dataset(dataset, where=where)
+        if self.args.packing:
+            if dist.is_main_process():
+                print(f"treadle: packing is off for {where}: image rows are not packed (a row's image tokens go "
+                      f"with its pixels)", file=sys.stderr)
+            self.args = self.args.replace(packing=False)
+        return dataset
 
     def _pretokenized_rows(self, dataset) -> list[tuple[list[int], list[int]]]:
         """``dataset``: a datasets.Dataset or a dict of columns."""
@@ -182,11 +205,12 @@ class SFTTrainer(Trainer):
     def signature_columns(self) -> set[str] | None:
         """The model's arguments plus the columns ``prepare_dataset`` makes for the collator."""
         columns = super().signature_columns()
-        return None if columns is None else columns | set(SFT_COLUMNS)
+        return None if columns is None else columns | set(SFT_COLUMNS) | set(vision.ROW_COLUMNS)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """The Trainer's, after tokenising a dataset handed to ``evaluate()`` that is not tokenised yet."""
-        if eval_dataset is not None and "input_ids" not in (column_names(eval_dataset) or []):
+        columns = column_names(eval_dataset) or []
+        if eval_dataset is not None and "input_ids" not in columns and not vision.image_column(columns):
             eval_dataset = self.prepare_dataset(eval_dataset, "eval")
         return super().get_eval_dataloader(eval_dataset)
 
