@@ -299,13 +299,14 @@ def run_demo(args: argparse.Namespace) -> int:
     from treadle import demo  # heavy: torch, transformers
     given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
-    if getattr(args, "task", "addition") == "tools":
+    task = getattr(args, "task", None) or "addition"
+    if task == "tools":
         from treadle import demo_tools  # heavy, as above
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
-    elif getattr(args, "task", "addition") == "distill":
+    elif task == "distill":
         from treadle import demo_distill  # heavy, as above
         settings_class, run = demo_distill.DistillDemoSettings, demo_distill.run_distill_demo
-    elif args.task == "count":
+    elif task == "count":
         from treadle import demo_count  # heavy, as above
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     try:
