@@ -247,6 +247,35 @@ def test_a_drifted_engine_warns_once_that_the_importance_ratio_left_its_bounds(t
     assert [r["step"] for r in records if "health/warning/importance_ratio_bounds" in r] == [2]
 
 
+class UnsyncedEngine(StaleEngine):
+    """An engine whose weight sync did nothing: after the first optimizer step its check reports that its
+    log-probs did not move (what treadle.engines.vllm sets from a probe completion scored around the push)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.sync_unchanged, self.syncs = None, 0
+
+    def load_weights(self, model):
+        super().load_weights(model)
+        self.syncs += 1
+        self.sync_unchanged = True if self.syncs > 1 else None  # the first sync precedes any step: nothing to check
+
+
+class UnsyncedTrainer(GRPOTrainer):
+    def build_engine(self):
+        return UnsyncedEngine(self.model)
+
+
+def test_an_engine_whose_sync_changed_nothing_stops_the_run(tmp_path, tok, dataset):
+    args = config(tmp_path, max_steps=4, save_strategy="steps", save_steps=1,
+                  health_checks={"no_learning_signal": False, "constant_reward": False, "all_truncated": False})
+    trainer = UnsyncedTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
+                              train_dataset=dataset, processing_class=tok)
+    with pytest.raises(TrainingStalled, match=r"'weight_sync' stopped the run at step 2"):
+        trainer.train()
+    assert trainer.state.global_step == 2  # the second generation's sync was the first one checked
+
+
 def test_the_own_sampler_never_reports_a_weight_sync_or_an_importance_ratio(tmp_path, tok, dataset):
     trainer = trainer_for(tmp_path, tok, dataset, max_steps=2)
     calls = []

@@ -193,6 +193,35 @@ def test_resume_with_vllm_is_exact(trainer, tmp_path):
     assert later(resumed.state.log_history) == later(full.state.log_history) != []
 
 
+@pytest.mark.vllm
+def test_a_sync_that_changed_nothing_is_caught(trainer):
+    """The weight-sync check (health's ``weight_sync``): after a generation, a push of changed weights that the
+    engine never loaded (the push planted as a no-op) reports ``sync_unchanged``; a real push of changed weights
+    does not; a push of the same weights is not checked (its log-probs rightly stay)."""
+    engine, policy = trainer.engine, trainer.model
+    engine.load_weights(policy)
+    engine.generate(prompts(trainer.processing_class, 2), trainer.sampling_params("train"),
+                    generator=torch.Generator().manual_seed(0))
+    moved = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    real_push, engine.push = engine.push, lambda weights: None  # the planted "skip the sync"
+    try:
+        engine.load_weights(moved)
+    finally:
+        engine.push = real_push
+    assert engine.sync_unchanged is True
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    engine.load_weights(moved)
+    assert engine.sync_unchanged is False
+    engine.load_weights(moved)  # the same weights again: not checked, the last verdict kept
+    assert engine.sync_unchanged is False
+    engine.load_weights(policy)  # the module's trainer samples from its own policy again
+
+
 # ------------------------------------------------------------------------------- no vLLM needed
 def test_merged_state_dict_of_a_lora_model_is_the_merge_and_names_the_base_weights():
     model = toy.build_model("tiny", seed=0)

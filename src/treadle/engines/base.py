@@ -35,7 +35,9 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, model) -> None:
         """The policy changed: sample from ``model``'s current weights from now on (full weights or, for a PEFT
-        model, its adapters)."""
+        model, its adapters). An engine that holds its own copy of the weights may set ``sync_unchanged`` (True:
+        the weights it was sent differ from the last ones but its log-probs did not move) and GRPO reports it to
+        the health checks (``weight_sync``)."""
         ...
 
     def close(self) -> None:

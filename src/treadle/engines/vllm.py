@@ -29,6 +29,7 @@ from torch import nn
 from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, check_prompts, left_pad
+from treadle.health import weight_sync_unchanged
 from treadle.models import unwrapped_for_generation
 
 __all__ = ["VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict", "require_vllm",
@@ -74,6 +75,16 @@ class WeightLoader:
         return len(weights)
 
 
+def weights_fingerprint(weights: list[tuple[str, torch.Tensor]]) -> float:
+    """A cheap fingerprint of a state dict (each tensor's float64 sum and norm, weighted by its position; no copy):
+    equal weights, equal prints; an optimizer step that moves weights changes it (up to a coincidence)."""
+    total = 0.0
+    for i, (_, tensor) in enumerate(weights):
+        total += (i + 1) * float(tensor.sum(dtype=torch.float64))
+        total += (i + 1.5) * float(torch.linalg.vector_norm(tensor, dtype=torch.float64))
+    return total
+
+
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The weights a plain transformers model would hold: ``model``'s state dict, or for a model with LoRA layers
     (a PEFT model, or its base model with the adapters injected) the base weights plus each active adapter's
@@ -113,6 +124,10 @@ class VLLMEngine:
                             logprobs_mode="processed_logprobs", max_logprobs=0,
                             worker_extension_cls=f"{__name__}.WeightLoader")
         self._vllm = vllm
+        # the weight-sync check (health.py): a probe completion, the last push's fingerprint, the last check's verdict
+        self.probe: tuple[list[list[int]], list[list[int]]] | None = None
+        self.pushed: float | None = None
+        self.sync_unchanged: bool | None = None
 
     # ---- the contract ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
@@ -130,14 +145,32 @@ class VLLMEngine:
         if self.sleep_mode:  # the optimizer step runs next: free the engine's memory until the next sync
             self.llm.sleep(level=1)
             self.sleeping = True
-        return self._to_output(prompt_ids, outputs, params)
+        output = self._to_output(prompt_ids, outputs, params)
+        # the weight-sync check's probe: prompt 0 and its first completion, every token after the first scored (the
+        # prompt's tokens too: a confident completion's log-probs alone may round to the same floats after a step)
+        text = list(prompt_ids[0]) + output.completion_ids[0, :int(output.completion_mask[0].sum())].tolist()
+        self.probe = ([text[:1]], [text[1:]]) if len(text) > 1 else None
+        return output
 
     def load_weights(self, model) -> None:
+        """Push the policy's weights, and check the push (``sync_unchanged``): when they differ from the last push,
+        the engine's log-probs of one probe completion (the last generation's first) must change with them."""
         self._wake()
         with unwrapped_for_generation(model) as inner:
             weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(inner).items()]
-            self.llm.collective_rpc("treadle_load_weights", args=(weights,))
+            fingerprint = weights_fingerprint(weights)
+            checked = self.probe is not None and self.pushed is not None and fingerprint != self.pushed
+            before = self.score(*self.probe) if checked else None
+            self.push(weights)
         self.llm.reset_prefix_cache()  # cached blocks hold keys and values of the old weights
+        after = self.score(*self.probe) if checked else None
+        if checked:  # kept until the next check: an evaluation's sync may be the one that checked
+            self.sync_unchanged = weight_sync_unchanged(torch.cat(before), torch.cat(after))
+        self.pushed = fingerprint
+
+    def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load ``weights`` into the engine's model in place (the worker extension below)."""
+        self.llm.collective_rpc("treadle_load_weights", args=(weights,))
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -315,6 +315,8 @@ class GRPOTrainer(Trainer):
         needed)."""
         args = self.args
         self.engine.load_weights(self.model_wrapped)  # the policy changed since the last generation
+        if getattr(self.engine, "sync_unchanged", None) is not None:  # an engine with its own weights checked its sync
+            self.health.record_weight_sync(self.engine.sync_unchanged)
         rollout, rewards, trained = self.sample_and_score(rows, generation)  # (N, F), (N,)
         all_rewards = dist.gather_rows(rewards)  # (W*N, F)
         total = weighted_rewards(all_rewards, self.reward_weights)  # (W*N,)
