@@ -68,7 +68,8 @@ def test_the_score_is_evaluate_and_the_written_transcripts_agree_with_it(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_short_tools_demo_writes_its_run_folder(tmp_path):
+def test_a_short_tools_demo_writes_its_run_folder(tmp_path, capsys):
+    """... and each probe or score line says the stage and step it belongs to (they all read [step 0] before)."""
     settings = demo_tools.ToolsDemoSettings(eval_size=16, sft_problems=64, sft_steps=4, sft_probe_size=8,
                                             sft_check_every=2, grpo_steps=2, grpo_batch_size=16)
     assert demo_tools.run_tools_demo(settings, str(tmp_path)) == 0
@@ -80,3 +81,6 @@ def test_a_short_tools_demo_writes_its_run_folder(tmp_path):
         records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
         assert len(records) == 16 and stage["accuracy"] == sum(r["correct"] for r in records) / 16
     assert (tmp_path / "grpo" / "metrics.jsonl").is_file() and (tmp_path / "grpo" / "plots" / "training.png").is_file()
+    out = capsys.readouterr().out
+    assert "[SFT step 2: probe of training problems] " in out and "[after SFT: held-out] " in out
+    assert "[step 0]" not in out and max(len(line) for line in out.splitlines() if line.startswith("[step")) < 200

@@ -180,23 +180,53 @@ def format_logs(logs: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+# The few numbers people watch, in print order; a printed line shows these and counts the rest, which are all in
+# metrics.jsonl and the trackers (a GRPO step logs 19-25 metrics: 600 characters a line).
+WATCHED = ("loss", "reward", "reward_std", "kl", "entropy", "rewards/accuracies", "rewards/margins", "accuracy",
+           "mean_token_accuracy", "completions/mean_length", "grad_norm", "learning_rate", "eval_loss",
+           "eval_reward", "eval_pass@1", "eval_greedy/accuracy", "eval_rewards/accuracies", "eval_accuracy",
+           "eval_mean_token_accuracy")
+
+
+def log_line(step: int, logs: dict[str, Any], watched: tuple[str, ...] | None = WATCHED) -> str:
+    """``[step N] loss=...  reward=...  (+17 more in metrics.jsonl)``: the ``watched`` keys ``logs`` holds, or
+    every key when it holds none of them (a user's own log, the end-of-training summary) or ``watched`` is None."""
+    shown = {key: logs[key] for key in watched if key in logs} if watched is not None else {}
+    if not shown:
+        return f"[step {step}] {format_logs(logs)}"
+    rest = len(logs) - len(shown)
+    return f"[step {step}] {format_logs(shown)}" + (f"  (+{rest} more in metrics.jsonl)" if rest else "")
+
+
+def show_progress_bars(args) -> bool:
+    """Bars only on a terminal: redirected to a file, every redraw of a bar (and of the bars nested in it) is a
+    line of noise, so a run whose output goes to a file prints log lines instead."""
+    return not args.disable_tqdm and sys.stderr.isatty()
+
+
 class PrinterCallback(TrainerCallback):
-    """Prints each log as one line (used when progress bars are disabled)."""
+    """Prints each log as one short line of the ``watched`` keys (used when progress bars are off);
+    ``PrinterCallback(watched=None)`` prints every key."""
+
+    def __init__(self, watched: tuple[str, ...] | None = WATCHED):
+        self.watched = watched
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            print(f"[step {state.global_step}] {format_logs(logs)}", flush=True)
+            print(log_line(state.global_step, logs, self.watched), flush=True)
 
 
 class ProgressCallback(TrainerCallback):
-    """tqdm bars for training and evaluation; logs are written above the bar."""
+    """tqdm bars for training and evaluation on a terminal, each log a short line written above the bar; without a
+    terminal (output redirected) no bars, only the lines."""
 
-    def __init__(self):
+    def __init__(self, watched: tuple[str, ...] | None = WATCHED):
+        self.watched = watched
         self.training_bar = None
         self.prediction_bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and show_progress_bars(args):
             from tqdm.auto import tqdm
 
             self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train",
@@ -207,7 +237,7 @@ class ProgressCallback(TrainerCallback):
             self.training_bar.update(state.global_step - self.training_bar.n)
 
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
-        if not state.is_world_process_zero or eval_dataloader is None:
+        if not state.is_world_process_zero or eval_dataloader is None or not show_progress_bars(args):
             return
         if self.prediction_bar is None:
             from tqdm.auto import tqdm
@@ -230,7 +260,7 @@ class ProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            line = f"[step {state.global_step}] {format_logs(logs)}"
+            line = log_line(state.global_step, logs, self.watched)
             if self.training_bar is not None:
                 self.training_bar.write(line)
             else:

@@ -38,6 +38,7 @@ import torch
 
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
+from treadle.callbacks import show_progress_bars
 from treadle.data import check_text_columns, column_names, require_eval_dataset
 from treadle.metrics import mode_of
 from treadle.models import from_name, max_positions
@@ -137,7 +138,7 @@ class SFTTrainer(Trainer):
         from tqdm.auto import tqdm
 
         rows: list[tuple[list[int], list[int]]] = []
-        show = not self.args.disable_tqdm and dist.is_main_process()
+        show = show_progress_bars(self.args) and dist.is_main_process()
         with tqdm(total=len(dataset), desc=f"tokenize {name}", unit=" rows", disable=not show,
                   dynamic_ncols=True) as bar:
             for start in range(0, len(dataset), TOKENIZE_CHUNK):
