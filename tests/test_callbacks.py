@@ -104,8 +104,8 @@ def test_a_transformers_callback_works_unchanged(tmp_path):
 def test_add_pop_remove_callback(tmp_path):
     trainer = Trainer(tiny_llama(), args_for(tmp_path))
     names = lambda: [type(c).__name__ for c in trainer.callback_handler.callbacks]  # noqa: E731
-    assert names() == ["FlowCallback", "MetricsFileCallback", "RunSummaryCallback", "PreemptionCallback",
-                       "PrinterCallback"]
+    assert names() == ["FlowCallback", "MetricsFileCallback", "RunSummaryCallback", "RunRecordCallback",
+                       "PreemptionCallback", "PrinterCallback"]
     popped = trainer.pop_callback(PrinterCallback)
     assert isinstance(popped, PrinterCallback) and "PrinterCallback" not in names()
     trainer.add_callback(popped)

@@ -40,6 +40,7 @@ from typing import Any
 from treadle import distributed as dist, runfiles
 from treadle.checkpoint import path_for
 from treadle.errors import stopped_by
+from treadle.runrecord import describe_run
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
 EVENTS = (
@@ -292,6 +293,19 @@ class MetricsFileCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         runfiles.append_records(self.path(args), [{"step": state.global_step, "epoch": round(state.epoch, 6), **logs}])
+
+
+class RunRecordCallback(TrainerCallback):
+    """Writes what made the run, beside its arguments, when training begins: ``output_dir/run.json`` with the
+    model, the datasets, the reward functions and the LoRA settings (``treadle.runrecord``). It reads its trainer's
+    public attributes then (a GRPO trainer's reward functions exist only after the Trainer's constructor)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            runfiles.write_run_record(args.output_dir, describe_run(self.trainer))
 
 
 class EarlyStoppingCallback(TrainerCallback):
