@@ -10,7 +10,7 @@ from conftest import lm_rows, tiny_llama
 
 from treadle import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 from treadle.callbacks import (EVENTS, FlowCallback, MetricsFileCallback, PrinterCallback, ProgressCallback,
-                               TrainerState)
+                               TrainerState, run_summary)
 
 
 def args_for(tmp_path, **kw):
@@ -211,6 +211,17 @@ def test_a_printed_line_shows_the_watched_metrics_and_counts_the_rest(capsys):
                      "completions/mean_length=40.5  grad_norm=0.5  learning_rate=0.001  (+14 more in metrics.jsonl)")
     assert len(short) < 200 and own == "[step 7] my_metric=3  other=1"
     assert whole.count("=") == 22 and len(whole) > 500
+
+
+def test_the_end_summary_shows_an_evaluation_by_its_watched_numbers_and_never_an_empty_one(tmp_path):
+    """A GRPO evaluation (eval_reward, eval_pass@1: neither a loss nor an accuracy) printed "last eval (step 8): "
+    with nothing after it; now it shows the watched numbers, and an evaluation of none of them is left out."""
+    args = args_for(tmp_path)
+    grpo = TrainerState(global_step=8, max_steps=8, log_history=[
+        {"step": 8, "eval_reward": 0.25, "eval_pass@1": 0.5, "eval_completions/mean_length": 9.0}])
+    assert "last eval (step 8): eval_reward=0.25  eval_pass@1=0.5" in run_summary(args, grpo)
+    own = TrainerState(global_step=8, max_steps=8, log_history=[{"step": 8, "eval_my_score": 3.0}])
+    assert "last eval" not in run_summary(args, own)
 
 
 def test_metrics_file_is_cut_back_on_resume(tmp_path):

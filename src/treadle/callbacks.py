@@ -443,9 +443,10 @@ def run_summary(args, state) -> str:
     if final is not None:
         parts.append(format_logs({"train_loss": final["train_loss"]}))
     last_eval = next((h for h in reversed(history) if any(k.startswith("eval_") for k in h)), None)
-    if last_eval is not None:
-        shown = {k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))}
-        parts.append(f"last eval (step {last_eval['step']}): {format_logs(shown)}")
+    if last_eval is not None:  # the watched evaluation numbers (GRPO's reward and pass@1 too), else loss / accuracy
+        shown = ({k: last_eval[k] for k in WATCHED if k.startswith("eval_") and k in last_eval}
+                 or {k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))})
+        parts += [f"last eval (step {last_eval['step']}): {format_logs(shown)}"] if shown else []
     if state.best_model_checkpoint:
         parts.append(f"best {args.metric_for_best_model} {state.best_metric:.4g} at step {state.best_global_step}: "
                      f"{state.best_model_checkpoint}")

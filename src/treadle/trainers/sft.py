@@ -189,9 +189,10 @@ def dataset_form(columns: list[str], text_field: str = "text") -> str:
     if "prompt" in columns or "completion" in columns:
         missing = [c for c in ("prompt", "completion") if c not in columns]
         if missing:
+            others = " or ".join(dict.fromkeys([repr(text_field), "'messages'"]))  # one name when they are the same
             raise ValueError(f"the dataset has {'prompt' if 'prompt' in columns else 'completion'} but no "
                              f"{missing[0]!r} column (it has {columns}); SFT needs both 'prompt' and "
-                             f"'completion', or a '{text_field}' or 'messages' column")
+                             f"'completion', or a {others} column")
         return "prompt_completion"
     if "messages" in columns:
         return "messages"
