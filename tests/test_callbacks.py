@@ -2,13 +2,15 @@
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 from conftest import lm_rows, tiny_llama
 
 from treadle import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
-from treadle.callbacks import EVENTS, FlowCallback, MetricsFileCallback, PrinterCallback, ProgressCallback
+from treadle.callbacks import (EVENTS, FlowCallback, MetricsFileCallback, PrinterCallback, ProgressCallback,
+                               TrainerState, run_summary)
 
 
 def args_for(tmp_path, **kw):
@@ -102,8 +104,8 @@ def test_a_transformers_callback_works_unchanged(tmp_path):
 def test_add_pop_remove_callback(tmp_path):
     trainer = Trainer(tiny_llama(), args_for(tmp_path))
     names = lambda: [type(c).__name__ for c in trainer.callback_handler.callbacks]  # noqa: E731
-    assert names() == ["FlowCallback", "MetricsFileCallback", "RunSummaryCallback", "PreemptionCallback",
-                       "PrinterCallback"]
+    assert names() == ["FlowCallback", "MetricsFileCallback", "RunSummaryCallback", "RunRecordCallback",
+                       "PreemptionCallback", "PrinterCallback"]
     popped = trainer.pop_callback(PrinterCallback)
     assert isinstance(popped, PrinterCallback) and "PrinterCallback" not in names()
     trainer.add_callback(popped)
@@ -165,7 +167,8 @@ def test_printer_prints_each_log(tmp_path, capsys):
     assert out.count("[step 1] loss=") == 1 and out.count("[step 2] loss=") == 1 and "train_runtime=" in out
 
 
-def test_progress_bar_counts_steps_and_writes_logs(tmp_path, capsys):
+def test_progress_bar_counts_steps_and_writes_logs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars are for a terminal
     trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=3, logging_steps=3, disable_tqdm=False),
                       train_dataset=lm_rows(8))
     bar = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback))
@@ -178,9 +181,50 @@ def test_progress_bar_counts_steps_and_writes_logs(tmp_path, capsys):
     assert "[step 3] loss=" in captured.out + captured.err and "3/3" in captured.err
 
 
-def test_metrics_file_is_cut_back_on_resume(tmp_path):
-    from treadle.callbacks import TrainerState
+def test_without_a_terminal_no_bars_only_log_lines(tmp_path, capsys):
+    """Output redirected (stderr not a terminal, as under pytest): no tqdm bars, nested or not; each log a line."""
+    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2, logging_steps=1, disable_tqdm=False),
+                      train_dataset=lm_rows(8))
+    bar = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback))
+    trainer.train()
+    captured = capsys.readouterr()
+    assert bar.training_bar is None and "it/s" not in captured.err and "2/2" not in captured.err
+    assert captured.out.count("[step 1] loss=") == 1 and captured.out.count("[step 2] loss=") == 1
 
+
+def test_a_printed_line_shows_the_watched_metrics_and_counts_the_rest(capsys):
+    """A GRPO step's 22 metrics print as a line of the few watched ones and a count of the rest (under 200
+    characters, against 560-700 before); a log holding no watched key (a user's own, the run summary) prints
+    whole; watched=None prints all."""
+    grpo = {"loss": 0.01, "grad_norm": 0.5, "learning_rate": 1e-3, "clip_ratio/high_mean": 0.0,
+            "clip_ratio/low_mean": 0.0, "clip_ratio/region_mean": 0.0, "completions/clipped_ratio": 0.25,
+            "completions/max_length": 48, "completions/mean_length": 40.5, "completions/min_length": 12,
+            "entropy": 2.5, "frac_reward_zero_std": 0.0, "health/all_truncated": 0.0, "health/no_signal": 0.0,
+            "reward": 0.11, "reward_group_std": 0.05, "reward_std": 0.06, "rewards/environment_reward/mean": 0.11,
+            "rewards/environment_reward/std": 0.06, "rollouts/truncated": 0.25, "rollouts/turns": 4.5, "kl": 0.002}
+    state = TrainerState(global_step=7)
+    PrinterCallback().on_log(None, state, None, logs=grpo)
+    PrinterCallback().on_log(None, state, None, logs={"my_metric": 3.0, "other": 1})
+    PrinterCallback(watched=None).on_log(None, state, None, logs=grpo)
+    short, own, whole = capsys.readouterr().out.splitlines()
+    assert short == ("[step 7] loss=0.01  reward=0.11  reward_std=0.06  kl=0.002  entropy=2.5  "
+                     "completions/mean_length=40.5  grad_norm=0.5  learning_rate=0.001  (+14 more in metrics.jsonl)")
+    assert len(short) < 200 and own == "[step 7] my_metric=3  other=1"
+    assert whole.count("=") == 22 and len(whole) > 500
+
+
+def test_the_end_summary_shows_an_evaluation_by_its_watched_numbers_and_never_an_empty_one(tmp_path):
+    """A GRPO evaluation (eval_reward, eval_pass@1: neither a loss nor an accuracy) printed "last eval (step 8): "
+    with nothing after it; now it shows the watched numbers, and an evaluation of none of them is left out."""
+    args = args_for(tmp_path)
+    grpo = TrainerState(global_step=8, max_steps=8, log_history=[
+        {"step": 8, "eval_reward": 0.25, "eval_pass@1": 0.5, "eval_completions/mean_length": 9.0}])
+    assert "last eval (step 8): eval_reward=0.25  eval_pass@1=0.5" in run_summary(args, grpo)
+    own = TrainerState(global_step=8, max_steps=8, log_history=[{"step": 8, "eval_my_score": 3.0}])
+    assert "last eval" not in run_summary(args, own)
+
+
+def test_metrics_file_is_cut_back_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4)) + '{"step": 5, "lo')
     state = TrainerState(global_step=2)

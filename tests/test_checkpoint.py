@@ -82,7 +82,7 @@ def test_checkpoint_layout(trained):
     assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
             "trainer_state.json", "training_args.json", "tokenizer.json", "tokenizer_config.json",
             "treadle_checkpoint.json"} <= files
-    assert sorted(os.listdir(path.parent)) == [".treadle-run.json", "checkpoint-2", "metrics.jsonl",
+    assert sorted(os.listdir(path.parent)) == [".treadle-run.json", "checkpoint-2", "metrics.jsonl", "run.json",
                                                "training_args.json"]  # no temp folder; the run's manifest
 
 

@@ -173,6 +173,14 @@ def test_datasets_load_from_every_supported_format(tmp_path):
     assert len(load_dataset("a.json", kind="sft", split="train", base_dir=tmp_path)) == 2
 
 
+def test_json_lines_are_read_by_datasets_json_loader_memory_mapped(tmp_path):
+    """A .jsonl file goes through datasets' json builder: an Arrow table on disk (memory-mapped), not rows in a
+    Python list; a .json document stays on treadle's reader (parsed whole by any reader; it tells the shapes)."""
+    write(tmp_path / "a.jsonl", "\n".join(json.dumps(r) for r in ROWS * 3) + "\n")
+    data = load_dataset(str(tmp_path / "a.jsonl"), kind="sft", split="train")
+    assert data.info.builder_name == "json" and data.cache_files and data.to_list() == ROWS * 3
+
+
 def test_corrupt_json_lines_name_the_line(tmp_path):
     write(tmp_path / "bad.jsonl", json.dumps(ROWS[0]) + "\n{oops\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON") as error:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from treadle import cli, demo_tools, toy
+from treadle import TrainerControl, TrainerState, cli, demo_tools, toy
 from treadle.rollouts import ToolEnvironment, check_tool
 
 
@@ -67,8 +67,25 @@ def test_the_score_is_evaluate_and_the_written_transcripts_agree_with_it(tmp_pat
     assert all(r["transcript"][0]["role"] == "assistant" for r in records)
 
 
+def test_the_warm_start_probes_finer_once_near_the_target_and_stops_at_it(monkeypatch):
+    """Every sft_check_every steps, then every sft_check_every_near steps once a probe reached sft_near_accuracy;
+    SFT stops at the first probe at or above sft_target_accuracy (the probe scores here are scripted)."""
+    scores = iter([0.0, 0.12, 0.15, 0.19, 0.31])
+    probed = []
+    monkeypatch.setattr(demo_tools, "score_tools", lambda *a, label, **k: probed.append(label) or next(scores))
+    stop = demo_tools._StopWithTool(None, None, demo_tools.ToolsDemoSettings())
+    state, control = TrainerState(max_steps=800), TrainerControl()
+    for step in range(1, 40):
+        state.global_step = step
+        stop.on_step_end(None, state, control)
+        if control.should_training_stop:
+            break
+    assert probed == [f"SFT step {s}: probe of training problems" for s in (10, 20, 22, 24, 26)] and step == 26
+
+
 @pytest.mark.slow
-def test_a_short_tools_demo_writes_its_run_folder(tmp_path):
+def test_a_short_tools_demo_writes_its_run_folder(tmp_path, capsys):
+    """... and each probe or score line says the stage and step it belongs to (they all read [step 0] before)."""
     settings = demo_tools.ToolsDemoSettings(eval_size=16, sft_problems=64, sft_steps=4, sft_probe_size=8,
                                             sft_check_every=2, grpo_steps=2, grpo_batch_size=16)
     assert demo_tools.run_tools_demo(settings, str(tmp_path)) == 0
@@ -80,3 +97,9 @@ def test_a_short_tools_demo_writes_its_run_folder(tmp_path):
         records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
         assert len(records) == 16 and stage["accuracy"] == sum(r["correct"] for r in records) / 16
     assert (tmp_path / "grpo" / "metrics.jsonl").is_file() and (tmp_path / "grpo" / "plots" / "training.png").is_file()
+    checks = {run: json.loads((tmp_path / run / "training_args.json").read_text())["health_checks"]
+              for run in ("grpo", "control_grpo")}  # the control solves nothing by design: not a stalled run
+    assert checks["grpo"]["no_learning_signal"] is True and checks["control_grpo"]["no_learning_signal"] is False
+    out = capsys.readouterr().out
+    assert "[SFT step 2: probe of training problems] " in out and "[after SFT: held-out] " in out
+    assert "[step 0]" not in out and max(len(line) for line in out.splitlines() if line.startswith("[step")) < 200

@@ -129,8 +129,19 @@ def test_a_policy_that_always_answers_right_scores_one(tmp_path, tok, problems):
     metrics = trainer.evaluate()
     for key in ("reward", "pass@1", "pass@4", "pass@8", "greedy/accuracy", "greedy/reward",
                 "rewards/addition_reward/mean", "rewards/addition_reward/pass@8",
-                "greedy/rewards/addition_reward/accuracy"):
+                ):
         assert metrics[f"eval_{key}"] == 1.0, key
+    # one reward function of weight 1: its greedy keys would repeat the total's, so only the total is logged
+    assert not [key for key in metrics if key.startswith("eval_greedy/rewards/")]
+
+
+def test_greedy_keys_per_function_appear_only_when_they_can_differ_from_the_total(tmp_path, tok, problems):
+    """Two functions: each has its greedy keys (a right answer passes both); the total is their sum."""
+    trainer = make_trainer(tmp_path, tok, problems, reward=[toy.addition_reward, last_digit_reward], eval_greedy=True)
+    trainer.generate = policy(tok, lambda *a: True)
+    metrics = trainer.evaluate()
+    assert metrics["eval_greedy/rewards/addition_reward/accuracy"] == 1.0
+    assert metrics["eval_greedy/rewards/last_digit_reward/mean"] == 1.0 and metrics["eval_greedy/reward"] == 2.0
 
 
 def test_a_random_policy_scores_the_tasks_chance(tmp_path, tok, problems):

@@ -200,13 +200,14 @@ def test_save_model_writes_an_adapter_peft_loads_without_treadle(tmp_path, tok):
         assert json.load(f)["base_model_name_or_path"] is None  # built in code, not from load_model
 
 
-def test_merge_adapters_writes_a_plain_transformers_model_with_the_same_logits(tmp_path, tok):
+def test_merge_adapters_writes_a_plain_transformers_model_with_the_same_logits(tmp_path, tok, capsys):
     from transformers import AutoModelForCausalLM
 
     trainer = build("sft", tmp_path, tok, peft_config=lora(init_lora_weights=False), merge_adapters=True)
     trainer.train()
     trainer.save_model()
     merged_dir = Path(trainer.args.output_dir) / "merged"
+    assert f"merged into the base model, a plain transformers model, in {merged_dir}" in capsys.readouterr().out
     assert (merged_dir / "config.json").is_file() and not (merged_dir / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir))
     assert not any("lora" in name for name in merged.state_dict())

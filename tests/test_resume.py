@@ -351,13 +351,13 @@ def test_sigkill_during_a_save_leaves_earlier_checkpoints_and_no_complete_folder
     assert kill["returncode"] == -signal.SIGKILL
     # the killed run's lock stays behind; the resumed process takes it over (a dead pid of this machine)
     assert kill["listing"] == [".tmp-checkpoint-8", ".treadle-run.json", ".treadle.lock", "checkpoint-4", "metrics.jsonl",
-                               "training_args.json"]
+                               "run.json", "training_args.json"]
     assert "model.safetensors" in kill["tmp listing"] and "trainer_state.json" not in kill["tmp listing"]
     assert kill["checkpoints"] == [4]  # what resume_from_checkpoint=True picks
     assert kill["checkpoint-4 after"] == kill["checkpoint-4 before"]
     # the resumed process cleared the debris and checkpointed at 8 (save_steps) and 9 (the end)
     assert kill["listing after"] == [".treadle-run.json", "checkpoint-4", "checkpoint-8", "checkpoint-9", "final", "metrics.jsonl",
-                                     "training_args.json"]
+                                     "run.json", "training_args.json"]
 
 
 @pytest.mark.slow
@@ -367,7 +367,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(interrupted):
     assert term["first"]["steps"] == [1, 2, 3, 4, 5, 6, 7]  # step 7 was finished, no step 8 begun
     assert term["first"]["train_end_step"] == 7  # on_train_end fired
     assert term["checkpoints"] == [3, 6, 7]
-    assert term["listing"] == [".treadle-run.json", "checkpoint-3", "checkpoint-6", "checkpoint-7", "metrics.jsonl", "training_args.json"]
+    assert term["listing"] == [".treadle-run.json", "checkpoint-3", "checkpoint-6", "checkpoint-7", "metrics.jsonl",
+                               "run.json", "training_args.json"]
     assert "stopped by SIGTERM after step 7" in term["stderr"]
     assert "checkpoint-7" in term["stderr"] and "resume_from_checkpoint=True" in term["stderr"]
 

@@ -4,8 +4,10 @@ GRPO metrics, columns and transcript records."""
 
 import json
 import queue
+import runpy
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -483,3 +485,30 @@ def test_an_observation_longer_than_the_model_is_tokenised_without_a_tokenizer_w
         logger.removeHandler(handler)
     assert len(ids) == fresh.model_max_length + 10
     assert not [m for m in seen if "longer than the specified maximum" in m]
+
+
+def test_environment_reward_scores_an_unrewarded_rollout_zero_so_a_first_step_without_rewards_trains():
+    """The docs' pattern reward_funcs=[environment_reward]: a rollout the environment never rewarded (env_reward
+    None) scores 0.0, not None, so a batch in which no rollout earned anything is scored, not an error."""
+    assert environment_reward(env_reward=[None, 0.5, 2.0, None], prompts=["p"] * 4) == [0.0, 0.5, 2.0, 0.0]
+
+
+@pytest.mark.slow
+def test_the_environment_example_runs_and_docs_agents_shows_its_code(tmp_path):
+    """examples/environment.py (the complete env_factory example) trains two GRPO steps after a short warm start,
+    its per-step rewards reach the logged reward, and docs/agents.md's environment blocks are its code verbatim."""
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "examples" / "environment.py").read_text()
+    page = (root / "docs" / "agents.md").read_text()
+    for name in ("class GuessTheNumber:", "def main("):
+        block = page[page.index(name):page.index("```", page.index(name))].split("\n\n\nenv = ")[0]
+        assert block.strip() in source, f"docs/agents.md's {name} block differs from examples/environment.py"
+    example = runpy.run_path(str(root / "examples" / "environment.py"), run_name="example")
+    env = example["GuessTheNumber"]()
+    env.reset({"answer": "42"})
+    assert env.step("50") == (" lower", pytest.approx(0.1 * 0.92), False) and env.step("x")[1] is None
+    assert env.step("42") == ("", pytest.approx(1 / 3), True)
+    trainer = example["main"](max_steps=2, output_dir=str(tmp_path), sft_steps=5)
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    assert trainer.state.global_step == 2 and len(logged) == 2
+    assert all(h["rewards/environment_reward/mean"] == h["reward"] >= 0 for h in logged)

@@ -84,6 +84,13 @@ def test_missing_columns_are_named(columns, needle):
     assert str(columns) in str(error.value)
 
 
+def test_the_missing_column_message_names_each_other_form_once():
+    for field, names in (("text", "a 'text' or 'messages' column"), ("messages", "a 'messages' column")):
+        with pytest.raises(ValueError) as error:
+            dataset_form(["prompt"], text_field=field)
+        assert str(error.value).endswith(names)
+
+
 def test_missing_columns_fail_in_the_constructor(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"'body'.*dataset_text_field"):
         SFTTrainer(tiny_llama(vocab_size=VOCAB), config(tmp_path), train_dataset=[{"body": "x"}],

@@ -41,6 +41,7 @@ from treadle import distributed as dist, runfiles
 from treadle.checkpoint import path_for
 from treadle.data import device_batch_rows, step_rows
 from treadle.errors import stopped_by
+from treadle.runrecord import describe_run
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
 EVENTS = (
@@ -181,23 +182,53 @@ def format_logs(logs: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+# The few numbers people watch, in print order; a printed line shows these and counts the rest, which are all in
+# metrics.jsonl and the trackers (a GRPO step logs 19-25 metrics: 600 characters a line).
+WATCHED = ("loss", "reward", "reward_std", "kl", "entropy", "rewards/accuracies", "rewards/margins", "accuracy",
+           "mean_token_accuracy", "completions/mean_length", "grad_norm", "learning_rate", "eval_loss",
+           "eval_reward", "eval_pass@1", "eval_greedy/accuracy", "eval_rewards/accuracies", "eval_accuracy",
+           "eval_mean_token_accuracy")
+
+
+def log_line(step: int, logs: dict[str, Any], watched: tuple[str, ...] | None = WATCHED) -> str:
+    """``[step N] loss=...  reward=...  (+17 more in metrics.jsonl)``: the ``watched`` keys ``logs`` holds, or
+    every key when it holds none of them (a user's own log, the end-of-training summary) or ``watched`` is None."""
+    shown = {key: logs[key] for key in watched if key in logs} if watched is not None else {}
+    if not shown:
+        return f"[step {step}] {format_logs(logs)}"
+    rest = len(logs) - len(shown)
+    return f"[step {step}] {format_logs(shown)}" + (f"  (+{rest} more in metrics.jsonl)" if rest else "")
+
+
+def show_progress_bars(args) -> bool:
+    """Bars only on a terminal: redirected to a file, every redraw of a bar (and of the bars nested in it) is a
+    line of noise, so a run whose output goes to a file prints log lines instead."""
+    return not args.disable_tqdm and sys.stderr.isatty()
+
+
 class PrinterCallback(TrainerCallback):
-    """Prints each log as one line (used when progress bars are disabled)."""
+    """Prints each log as one short line of the ``watched`` keys (used when progress bars are off);
+    ``PrinterCallback(watched=None)`` prints every key."""
+
+    def __init__(self, watched: tuple[str, ...] | None = WATCHED):
+        self.watched = watched
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            print(f"[step {state.global_step}] {format_logs(logs)}", flush=True)
+            print(log_line(state.global_step, logs, self.watched), flush=True)
 
 
 class ProgressCallback(TrainerCallback):
-    """tqdm bars for training and evaluation; logs are written above the bar."""
+    """tqdm bars for training and evaluation on a terminal, each log a short line written above the bar; without a
+    terminal (output redirected) no bars, only the lines."""
 
-    def __init__(self):
+    def __init__(self, watched: tuple[str, ...] | None = WATCHED):
+        self.watched = watched
         self.training_bar = None
         self.prediction_bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and show_progress_bars(args):
             from tqdm.auto import tqdm
 
             self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train",
@@ -208,7 +239,7 @@ class ProgressCallback(TrainerCallback):
             self.training_bar.update(state.global_step - self.training_bar.n)
 
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
-        if not state.is_world_process_zero or eval_dataloader is None:
+        if not state.is_world_process_zero or eval_dataloader is None or not show_progress_bars(args):
             return
         if self.prediction_bar is None:
             from tqdm.auto import tqdm
@@ -231,7 +262,7 @@ class ProgressCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            line = f"[step {state.global_step}] {format_logs(logs)}"
+            line = log_line(state.global_step, logs, self.watched)
             if self.training_bar is not None:
                 self.training_bar.write(line)
             else:
@@ -263,6 +294,19 @@ class MetricsFileCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         runfiles.append_records(self.path(args), [{"step": state.global_step, "epoch": round(state.epoch, 6), **logs}])
+
+
+class RunRecordCallback(TrainerCallback):
+    """Writes what made the run, beside its arguments, when training begins: ``output_dir/run.json`` with the
+    model, the datasets, the reward functions and the LoRA settings (``treadle.runrecord``). It reads its trainer's
+    public attributes then (a GRPO trainer's reward functions exist only after the Trainer's constructor)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            runfiles.write_run_record(args.output_dir, describe_run(self.trainer))
 
 
 class EarlyStoppingCallback(TrainerCallback):
@@ -403,9 +447,10 @@ def run_summary(args, state) -> str:
     if final is not None:
         parts.append(format_logs({"train_loss": final["train_loss"]}))
     last_eval = next((h for h in reversed(history) if any(k.startswith("eval_") for k in h)), None)
-    if last_eval is not None:
-        shown = {k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))}
-        parts.append(f"last eval (step {last_eval['step']}): {format_logs(shown)}")
+    if last_eval is not None:  # the watched evaluation numbers (GRPO's reward and pass@1 too), else loss / accuracy
+        shown = ({k: last_eval[k] for k in WATCHED if k.startswith("eval_") and k in last_eval}
+                 or {k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))})
+        parts += [f"last eval (step {last_eval['step']}): {format_logs(shown)}"] if shown else []
     if state.best_model_checkpoint:
         parts.append(f"best {args.metric_for_best_model} {state.best_metric:.4g} at step {state.best_global_step}: "
                      f"{state.best_model_checkpoint}")

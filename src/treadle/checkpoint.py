@@ -342,6 +342,8 @@ def export_model(model, output_dir: str, processing_class=None, args=None) -> No
         folders = [output_dir] + ([os.path.join(output_dir, treadle_peft.MERGED_DIR)] if merge else [])
         if merge:
             save_weights(treadle_peft.merged_model(model), folders[1])
+            print(f"treadle: merge_adapters: the adapters merged into the base model, a plain transformers model, "
+                  f"in {folders[1]}", flush=True)
         if processing_class is not None and hasattr(processing_class, "save_pretrained"):
             for folder in folders:
                 processing_class.save_pretrained(folder)

@@ -77,7 +77,7 @@ def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Pat
         check_text_columns(rows, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
         return datasets.Dataset.from_list(rows)
 
-    readers = {".json": lambda: from_rows(_read_json_rows(path)), ".jsonl": lambda: from_rows(_read_jsonl_rows(path)),
+    readers = {".json": lambda: from_rows(_read_json_rows(path)), ".jsonl": lambda: _read_jsonl(path, kind, from_rows),
                ".csv": lambda: _read_csv(path), ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
     if not path.is_dir() and path.suffix not in readers:
         raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "
@@ -159,6 +159,21 @@ def _read_json_rows(path: Path) -> list[dict]:
                                f"object of equal-length column lists ({{\"prompt\": [...], ...}}); got "
                                f"{_shape_of(data)}")
     return data
+
+
+def _read_jsonl(path: Path, kind: str, from_rows):
+    """A .jsonl file through datasets' json loader (Arrow, memory-mapped, cached by the file's hash: a file larger
+    than memory trains; the way to streaming). When it cannot read the file, reads no rows, or reads a text column
+    that is not text (it casts a column to one type, so the row it blames may not be the one at fault), treadle's
+    own reader of the same lines finds the line and says what is wrong with it (``from_rows`` checks the columns)."""
+    try:
+        data = datasets.Dataset.from_json(str(path))
+        if len(data):
+            check_text_columns(data, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=1)
+            return data
+    except Exception:  # noqa: BLE001 - datasets raises many types for a bad file; the reader below names the fault
+        pass
+    return from_rows(_read_jsonl_rows(path))
 
 
 def _read_jsonl_rows(path: Path) -> list[dict]:

@@ -2,17 +2,14 @@
 
 Every ``optim`` and ``lr_scheduler_type`` name that treadle shares with ``transformers.TrainingArguments`` builds
 the same optimizer and the same multiplier of the peak learning rate at every step (tests/test_parity_transformers.py
-checks each against transformers itself). A schedule is a ``LambdaLR`` over a picklable ``functools.partial``, so
-its state is just ``last_epoch``. Step ``s`` counts optimizer steps already taken: the first update uses ``s = 0``,
+checks each against transformers itself). The schedules are transformers' own (``get_scheduler``): treadle adds only
+the check that every ``lr_scheduler_kwargs`` option is one the schedule reads. Step ``s`` counts optimizer steps already taken: the first update uses ``s = 0``,
 which is why a warm-up starts at 0 (as in transformers) and reaches the peak at ``s = warmup``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
-import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -113,143 +110,37 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
                              eps=args.adam_epsilon, fused=fused or None)
 
 
-# ---- schedules: multipliers of the peak learning rate at optimizer step s (transformers' formulas) --------------
-def _warmup(step: int, warmup: int) -> float:
-    return step / max(1, warmup)
-
-
-def _constant(step: int) -> float:
-    return 1.0
-
-
-def _constant_with_warmup(step: int, *, warmup: int) -> float:
-    return _warmup(step, warmup) if step < warmup else 1.0
-
-
-def _linear(step: int, *, warmup: int, total: int) -> float:
-    if step < warmup:
-        return _warmup(step, warmup)
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
-def _cosine(step: int, *, warmup: int, total: int, num_cycles: float = 0.5, min_lr_rate: float = 0.0) -> float:
-    if step < warmup:
-        return _warmup(step, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
-    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
-    return max(0.0, factor * (1.0 - min_lr_rate) + min_lr_rate)
-
-
-def _cosine_with_restarts(step: int, *, warmup: int, total: int, num_cycles: int = 1) -> float:
-    if step < warmup:
-        return _warmup(step, warmup)
-    progress = (step - warmup) / max(1, total - warmup)
-    if progress >= 1.0:
-        return 0.0
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((num_cycles * progress) % 1.0))))
-
-
-def _polynomial(step: int, *, warmup: int, total: int, lr_init: float, lr_end: float = 1e-7,
-                power: float = 1.0) -> float:
-    if step < warmup:
-        return _warmup(step, warmup)
-    if step > total:
-        return lr_end / lr_init
-    remaining = 1 - (step - warmup) / max(1, total - warmup)
-    return ((lr_init - lr_end) * remaining ** power + lr_end) / lr_init
-
-
-def _inverse_sqrt(step: int, *, warmup: int, timescale: int | None = None) -> float:
-    if step < warmup:
-        return _warmup(step, warmup)
-    timescale = timescale or warmup or 10_000
-    return 1.0 / math.sqrt((step + timescale - warmup) / timescale)
-
-
-def _cosine_warmup_with_min_lr(step: int, *, warmup: int, total: int, min_lr_rate: float, num_cycles: float = 0.5,
-                               warmup_lr_rate: float | None = None) -> float:
-    # transformers' "cosine_warmup_with_min_lr": the warm-up never starts at 0, the decay is shifted by one step
-    if step < warmup:
-        if warmup_lr_rate is None:
-            return (step + 1.0) / max(1.0, warmup)
-        return warmup_lr_rate + (1.0 - warmup_lr_rate) * step / max(1, warmup - 1)
-    progress = (step - warmup + 1.0) / max(1.0, total - warmup)
-    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
-    return max(0.0, factor * (1.0 - min_lr_rate) + min_lr_rate)
-
-
+# ---- schedules: transformers' own -----------------------------------------------------------------------------
 WSD_SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
-
-
-def _warmup_stable_decay(step: int, *, warmup: int, stable: int, decay: int, warmup_type: str, decay_type: str,
-                         min_lr_ratio: float, num_cycles: float) -> float:
-    if step < warmup:
-        progress = step / max(1, warmup)
-        factor = {"linear": progress, "cosine": 0.5 * (1.0 - math.cos(math.pi * progress)),
-                  "1-sqrt": 1.0 - math.sqrt(1.0 - progress)}[warmup_type]
-    elif step < warmup + stable:
-        return 1.0
-    elif step < warmup + stable + decay:
-        progress = (step - warmup - stable) / max(1, decay)
-        factor = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)),
-                  "1-sqrt": 1.0 - math.sqrt(progress)}[decay_type]
-    else:
-        return min_lr_ratio
-    return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
-
-
-def _wsd_options(warmup: int, total: int, num_decay_steps: int, num_stable_steps: int | None = None,
-                 warmup_type: str = "linear", decay_type: str = "cosine", min_lr_ratio: float = 0.0,
-                 num_cycles: float = 0.5) -> dict:
-    for name, value in (("warmup_type", warmup_type), ("decay_type", decay_type)):
-        if value not in WSD_SHAPES:
-            raise ValueError(f"{name}={value!r} is not supported; use one of {list(WSD_SHAPES)}")
-    stable = num_stable_steps if num_stable_steps is not None else total - warmup - num_decay_steps
-    return dict(warmup=warmup, stable=stable, decay=num_decay_steps, warmup_type=warmup_type,
-                decay_type=decay_type, min_lr_ratio=min_lr_ratio, num_cycles=num_cycles)
-
-
-def _schedule(name: str, warmup: int, total: int, lr_init: float, kwargs: dict):
-    """The multiplier function ``name`` describes, with ``kwargs`` (``lr_scheduler_kwargs``) bound."""
-    if name == "constant":
-        return functools.partial(_constant)
-    if name == "constant_with_warmup":
-        return functools.partial(_constant_with_warmup, warmup=warmup)
-    if name == "inverse_sqrt":
-        return functools.partial(_inverse_sqrt, warmup=warmup, **kwargs)
-    if name == "warmup_stable_decay":
-        return functools.partial(_warmup_stable_decay, **_wsd_options(warmup, total, **kwargs))
-    if name == "polynomial":
-        if not lr_init > kwargs.get("lr_end", 1e-7):
-            raise ValueError(f"polynomial schedule: lr_end ({kwargs.get('lr_end', 1e-7)}) must be below the "
-                             f"learning rate ({lr_init})")
-        return functools.partial(_polynomial, warmup=warmup, total=total, lr_init=lr_init, **kwargs)
-    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
-        min_lr, rate = kwargs.pop("min_lr", None), kwargs.pop("min_lr_rate", None)  # exactly one (checked)
-        rate = min_lr / lr_init if min_lr is not None else rate
-        fn = _cosine if name == "cosine_with_min_lr" else _cosine_warmup_with_min_lr
-        return functools.partial(fn, warmup=warmup, total=total, min_lr_rate=rate, **kwargs)
-    fn = {"linear": _linear, "cosine": _cosine, "cosine_with_restarts": _cosine_with_restarts}[name]
-    return functools.partial(fn, warmup=warmup, total=total, **kwargs)
-
 
 SCHEDULE_OPTIONS = {  # lr_scheduler_kwargs each schedule takes (transformers' names)
     "constant": (), "constant_with_warmup": (), "linear": (), "cosine": ("num_cycles",),
     "cosine_with_restarts": ("num_cycles",), "polynomial": ("lr_end", "power"), "inverse_sqrt": ("timescale",),
     "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
     "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
-    "warmup_stable_decay": tuple(inspect.signature(_wsd_options).parameters)[2:],
+    "warmup_stable_decay": ("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
+                            "num_cycles"),
 }
 
 
 def build_scheduler(name: str, optimizer: torch.optim.Optimizer, *, num_warmup_steps: int,
                     num_training_steps: int, scheduler_kwargs: dict | None = None) -> LambdaLR:
-    """The schedule ``name`` (transformers' ``get_scheduler``): warm-up from 0 to the peak over ``num_warmup_steps``
-    (except ``cosine_warmup_with_min_lr``, as in transformers), then the named decay over ``num_training_steps``.
-    ``scheduler_kwargs`` is ``lr_scheduler_kwargs`` (see ``SCHEDULE_OPTIONS``)."""
+    """The schedule ``name``, built by ``transformers.get_scheduler`` itself (a ``LambdaLR``, its state just
+    ``last_epoch``): warm-up from 0 to the peak over ``num_warmup_steps`` (except ``cosine_warmup_with_min_lr``),
+    then the named decay over ``num_training_steps``. ``scheduler_kwargs`` is ``lr_scheduler_kwargs``, checked
+    first (``SCHEDULE_OPTIONS``) so that an option the schedule does not read is an error, never ignored."""
+    from transformers.optimization import get_scheduler  # heavy (transformers): loaded when training starts
+
     check_scheduler_kwargs(name, scheduler_kwargs)
-    fn = _schedule(name, num_warmup_steps, num_training_steps, optimizer.defaults["lr"], dict(scheduler_kwargs or {}))
-    return LambdaLR(optimizer, fn)
+    kwargs = dict(scheduler_kwargs or {})
+    if name == "polynomial" and not optimizer.defaults["lr"] > kwargs.get("lr_end", 1e-7):
+        raise ValueError(f"polynomial schedule: lr_end ({kwargs.get('lr_end', 1e-7)}) must be below the "
+                         f"learning rate ({optimizer.defaults['lr']})")
+    for shape in ("warmup_type", "decay_type"):
+        if name == "warmup_stable_decay" and kwargs.get(shape, "linear") not in WSD_SHAPES:
+            raise ValueError(f"{shape}={kwargs[shape]!r} is not supported; use one of {list(WSD_SHAPES)}")
+    return get_scheduler(name, optimizer, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
+                         scheduler_specific_kwargs=kwargs)
 
 
 def check_scheduler_kwargs(name: str, scheduler_kwargs: dict | None) -> None:

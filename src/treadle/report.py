@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import treadle
 from treadle import runfiles
 from treadle.plots import (Series, collect_series, completions_table, is_number, metrics_path, plot_overlay,
                            plot_run, read_events, run_label)
@@ -99,9 +100,7 @@ def write_html(run_dir: str | Path, *, plots: list[Path] | None = None, completi
     sections = [f"<p class=note>{html.escape(str(path))}: {_span(events)}</p>",
                 "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
                 "<h2>Summary</h2>" + _table(["metric", "count", "first", "last", "min", "max"], rows)]
-    config = read_config(path)
-    sections.append("<h2>Config</h2>" + (_table(["argument", "value"], [[k, _value(v)] for k, v in config.items()])
-                                          if config else "<p class=note>no training_args.json in the run folder</p>"))
+    sections += run_sections(path)
     records = read_completions(path)
     if records:
         shown = records[-completions:]
@@ -121,18 +120,69 @@ def write_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     series = [collect_series(read_events(d)) for d in run_dirs]
     metrics = list(dict.fromkeys(key for s in series for key in s))
     last = [[key, *(s[key][1][-1] if key in s else None for s in series)] for key in metrics]
-    configs = [read_config(d) or {} for d in run_dirs]
+    configs = [{**{f"run: {k}": v for k, v in flat_record(runfiles.read_run_record(metrics_path(d).parent)).items()},
+                **(read_config(d) or {})} for d in run_dirs]  # what made each run, then its arguments
     keys = list(dict.fromkeys(k for c in configs for k in c))
     differ = [[k, *(_value(c.get(k, "")) for c in configs)] for k in keys
               if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
     sections = ["<p class=note>" + "<br>".join(html.escape(f"{label}: {Path(d)}") for label, d in zip(labels, run_dirs))
                 + "</p>", "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
                 "<h2>Last values</h2>" + _table(["metric", *labels], last),
-                "<h2>Arguments that differ</h2>" + (_table(["argument", *labels], differ) if differ
-                                                     else "<p class=note>none (or no training_args.json)</p>")]
+                "<h2>What differs between the runs</h2><p class=note>run: model, data, reward functions and LoRA "
+                "(run.json); then the arguments (training_args.json)</p>"
+                + (_table(["setting", *labels], differ) if differ
+                   else "<p class=note>nothing (or no run.json / training_args.json)</p>")]
     target = out / "report.html"
     target.write_text(_page(f"treadle: {len(labels)} runs", sections), encoding="utf-8")
     return target
+
+
+def run_sections(run_dir: str | Path) -> list[str]:
+    """report.html's "Run" (run.json: model, data, reward functions, LoRA) and "Config" sections, the arguments that
+    differ from the defaults of the run's config class first (training_args.json holds every argument)."""
+    folder = metrics_path(run_dir).parent
+    record, config = runfiles.read_run_record(folder), read_config(folder)
+    sections = ["<h2>Run</h2>" + (_table(["what", "value"], [[k, _value(v)] for k, v in flat_record(record).items()])
+                                  if record else "<p class=note>no run.json in the run folder</p>")]
+    if not config:
+        return sections + ["<h2>Config</h2><p class=note>no training_args.json in the run folder</p>"]
+    defaults = config_defaults((record or {}).get("config"), config)
+    changed = [[k, _value(v), _value(defaults.get(k))] for k, v in config.items()
+               if k != "output_dir" and defaults is not None and _json(v) != _json(defaults.get(k))]
+    name = (record or {}).get("config") or "TrainingArguments"
+    head = (f"<h3>Set differently from {html.escape(name)}'s defaults</h3>"
+            + (_table(["argument", "value", "default"], changed) if changed else "<p class=note>none</p>")
+            if defaults is not None else f"<p class=note>{html.escape(name)}'s defaults unknown</p>")
+    return sections + ["<h2>Config</h2>" + head + "<h3>Every argument</h3>"
+                       + _table(["argument", "value"], [[k, _value(v)] for k, v in config.items()])]
+
+
+def config_defaults(config_name: str | None, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The arguments a run of ``config_name`` (a treadle config class, e.g. ``GRPOConfig``; None: the base
+    ``TrainingArguments``) would hold with no setting changed, as training_args.json writes them; None when the
+    class is not treadle's or its defaults cannot be built."""
+    name = config_name or "TrainingArguments"
+    if name not in treadle.__all__ or not (name.endswith("Config") or name == "TrainingArguments"):
+        return None
+    try:
+        return json.loads(getattr(treadle, name)(output_dir=config.get("output_dir") or "run").to_json_string())
+    except (ValueError, TypeError, ImportError):
+        return None
+
+
+def flat_record(record: dict[str, Any] | None, prefix: str = "") -> dict[str, Any]:
+    """run.json as one level, ``{"model.name_or_path": ..., "peft.r": ...}`` (lists kept whole)."""
+    flat: dict[str, Any] = {}
+    for key, value in (record or {}).items():
+        if isinstance(value, dict):
+            flat.update(flat_record(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _page(title: str, sections: list[str]) -> str:

@@ -51,7 +51,7 @@ call ends the rollout unanswered.
 messages the rollout added, as TRL gives), ``completion_ids`` every completion token (observations included),
 ``transcript`` the messages (``role``, ``content``) the rollout added after the prompt, ``env_reward`` the
 environment's summed reward (None when it gave none); :func:`environment_reward` is the reward function that
-returns it.
+returns it (0.0 where it gave none).
 """
 
 from __future__ import annotations
@@ -88,9 +88,15 @@ class Environment(Protocol):
     def step(self, text: str) -> tuple[str, float | None, bool]: ...
 
 
-def environment_reward(env_reward: list, **kwargs) -> list[float | None]:
-    """A reward function that returns the environment's summed per-step rewards (the ``env_reward`` column)."""
-    return list(env_reward)
+def environment_reward(env_reward: list, **kwargs) -> list[float]:
+    """A reward function that returns the environment's summed per-step rewards (the ``env_reward`` column),
+    0.0 for a rollout the environment never rewarded (it ran out of turns or was cut off: it earned nothing).
+
+    Not None: as the only reward function, None for every rollout of an untrained model (the usual first step)
+    would leave the completions unscored, an error. Read the ``env_reward`` column in a function of your own to
+    tell "earned nothing" from "no opinion".
+    """
+    return [0.0 if reward is None else reward for reward in env_reward]
 
 
 # ---------------------------------------------------------------------------------------------------------

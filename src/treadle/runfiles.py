@@ -5,7 +5,9 @@ A run folder (``output_dir``) holds, besides its checkpoints (``treadle.checkpoi
 - ``metrics.jsonl``: one JSON object a line per log event, with ``step`` and ``epoch`` (the Trainer's
   MetricsFileCallback writes it; ``treadle.report`` and ``treadle.plots`` read it);
 - ``completions.jsonl``: GRPO's sampled completions (``log_completions=True``), one record a line with ``step``;
-- ``training_args.json``: the arguments of the run (also inside every checkpoint).
+- ``training_args.json``: the arguments of the run (also inside every checkpoint);
+- ``run.json``: what made the run besides its arguments (model, datasets, reward functions, LoRA settings;
+  ``treadle.runrecord``), written when training begins.
 
 The one policy for a line that does not parse: the **last** line of a file, when it has no newline, is a line cut
 by a crash in mid-write, and every reader and every cut-back drops it silently; any other line that is not a
@@ -26,6 +28,7 @@ from treadle.errors import UserError
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"  # GRPO's sampled completions (log_completions=True)
 ARGS_FILE = "training_args.json"  # the run's arguments, beside its metrics and in every checkpoint
+RUN_FILE = "run.json"  # what made the run besides its arguments: model, datasets, reward functions, LoRA
 
 
 class RunFileError(UserError, ValueError):
@@ -53,6 +56,21 @@ def read_args(run_dir: str | Path) -> dict[str, Any] | None:
         return json.loads((Path(run_dir) / ARGS_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def write_run_record(output_dir: str, record: dict[str, Any]) -> None:
+    """Write ``record`` (``runrecord.describe_run``) to ``output_dir/run.json``."""
+    os.makedirs(output_dir, exist_ok=True)
+    (Path(output_dir) / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run's ``run.json``; None when absent or unreadable (a run from before it existed)."""
+    try:
+        record = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _numbered_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:

@@ -51,7 +51,7 @@ MANIFEST_MOST = 10_000  # entries recorded as "there before the run"; a fuller f
 PLOT_FILES = frozenset(f"{name}.png" for name in FIGURE_TITLES)
 # what a treadle run writes into its output_dir (a transformers model's save_pretrained files included)
 RUN_FILE_NAMES = frozenset({
-    "metrics.jsonl", "completions.jsonl", "plots", "report.html", "runs", "model.safetensors",
+    "metrics.jsonl", "completions.jsonl", "plots", "report.html", "runs", "run.json", "model.safetensors",
     "model.safetensors.index.json", "config.json", "generation_config.json", "adapter_model.safetensors",
     "adapter_config.json", "training_args.json", "trainer_state.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",

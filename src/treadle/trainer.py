@@ -36,7 +36,7 @@ import torch
 from treadle import checkpoint as ckpt, distributed as dist, models, peft as treadle_peft, runs
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
-                               ProgressCallback)
+                               ProgressCallback, RunRecordCallback)
 from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
                           epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, step_rows,
                           to_cpu)
@@ -92,7 +92,7 @@ class Trainer:
     def _default_callbacks(self) -> list:
         reporting = [PrinterCallback() if self.args.disable_tqdm else ProgressCallback()]
         reporting += tracker_callbacks(self.args.report_to)  # W&B, MLflow, ... (treadle.trackers)
-        return [cb() for cb in DEFAULT_CALLBACKS] + [self.preemption] + reporting
+        return [cb() for cb in DEFAULT_CALLBACKS] + [RunRecordCallback(self), self.preemption] + reporting
 
     # ---- callbacks ----------------------------------------------------------------------------------------
     def add_callback(self, callback) -> None:

@@ -547,10 +547,11 @@ class GRPOTrainer(Trainer):
         record = {"completions/mean_length": (rollout.generation.completion_mask.sum(), len(repeated)),
                   **reward_sums(rewards, self.reward_weights, names, n, args.eval_pass_at_k,
                                 args.eval_success_threshold)}
-        if args.eval_greedy:
+        if args.eval_greedy:  # one function of weight 1: its own greedy keys would repeat the total's, so none
             greedy = self._score(self._sample(rows, None, mode="greedy")).double()
+            own = names if self.reward_weights != [1.0] else []
             record.update({f"greedy/{key}": pair for key, pair in reward_sums(
-                greedy, self.reward_weights, names, 1, [1], args.eval_success_threshold, "accuracy").items()})
+                greedy, self.reward_weights, own, 1, [1], args.eval_success_threshold, "accuracy").items()})
         self.metrics.add_many(record, mode="eval")
         self.callback_handler.call_event("on_prediction_step", self.args, self.state, self.control)
         if self.compute_metrics is None:

@@ -15,6 +15,7 @@ import gc
 import torch
 
 from treadle import distributed as dist
+from treadle.callbacks import show_progress_bars
 from treadle.data import column_names
 from treadle.models import eval_mode
 from treadle.streaming import require_streamable
@@ -70,7 +71,7 @@ class PrecomputedReference:
         values: dict[str, list[float]] = {c: [] for c in columns}
         with eval_mode(dist.unwrap_model(self.model)):  # a PEFT policy is the reference here: no dropout
             for inputs in tqdm(loader, desc=f"Reference log-probs ({split})", dynamic_ncols=True,
-                               disable=self.args.disable_tqdm or not dist.is_main_process()):
+                               disable=not show_progress_bars(self.args) or not dist.is_main_process()):
                 with self.autocast():
                     scores = self.reference_logps(self.prepare_inputs(inputs))
                 for column, score in zip(columns, scores):

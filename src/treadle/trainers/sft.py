@@ -43,6 +43,7 @@ import torch
 from treadle import distributed as dist
 from treadle import vision
 from treadle.arguments import TrainingArguments
+from treadle.callbacks import show_progress_bars
 from treadle.data import check_text_columns, column_names, empty_texts, require_eval_dataset
 from treadle.metrics import mode_of
 from treadle.models import from_name, max_positions
@@ -184,7 +185,7 @@ class SFTTrainer(Trainer):
         from tqdm.auto import tqdm
 
         rows: list[tuple[list[int], list[int]]] = []
-        show = not self.args.disable_tqdm and dist.is_main_process()
+        show = show_progress_bars(self.args) and dist.is_main_process()
         with tqdm(total=len(dataset), desc=f"tokenize {name}", unit=" rows", disable=not show,
                   dynamic_ncols=True) as bar:
             for start in range(0, len(dataset), TOKENIZE_CHUNK):
@@ -236,9 +237,10 @@ def dataset_form(columns: list[str], text_field: str = "text") -> str:
     if "prompt" in columns or "completion" in columns:
         missing = [c for c in ("prompt", "completion") if c not in columns]
         if missing:
+            others = " or ".join(dict.fromkeys([repr(text_field), "'messages'"]))  # one name when they are the same
             raise ValueError(f"the dataset has {'prompt' if 'prompt' in columns else 'completion'} but no "
                              f"{missing[0]!r} column (it has {columns}); SFT needs both 'prompt' and "
-                             f"'completion', or a '{text_field}' or 'messages' column")
+                             f"'completion', or a {others} column")
         return "prompt_completion"
     if "messages" in columns:
         return "messages"
