@@ -370,7 +370,9 @@ def assert_grpo_groups_match(got: dict, weights: dict, reference: dict) -> None:
         assert len(mine) == len(theirs) == 1 and mine[0][1] == theirs[0][1] == 4, generation
         assert mine + theirs == both and mine[0][0] != theirs[0][0]
     assert got["rewards"] == pytest.approx(reference["rewards"], abs=1e-6)  # means over both ranks' groups
-    assert got["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL, abs=1e-7)
+    # a GRPO loss of zero-mean advantages is ~1e-7 here: its float noise, not a difference of the runs, differs with
+    # the packing (each rank shares its one prompt; one process shares two), so the absolute tolerance is 5e-7
+    assert got["losses"] == pytest.approx(reference["losses"], rel=LOSS_RTOL, abs=5e-7)
     assert_same_weights(weights, reference["weights"], atol=1e-5)
 
 

@@ -485,12 +485,13 @@ def resumed_state(path: str, current, args=None):
     exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
     come from the current arguments (a resumed run may be asked to go further); other settings that changed
     (``args`` against the checkpoint's training_args.json) are named in a note."""
-    _verify_files(path, args, getattr(current, "dataset_fingerprint", None))
+    _verify_files(path, args)  # the files first: trainer_state.json is read next
     state = read_state(path)
     if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
         raise CheckpointError(f"checkpoint {path} was written by {state.trainer_class}, and this run is "
                               f"{current.trainer_class}: resuming would mix two trainings; start a new run in "
                               f"another output_dir from its weights (model: {path})")
+    _verify_files(path, args, getattr(current, "dataset_fingerprint", None))  # then the data (another trainer's differs)
     mismatches = [f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
                   for name in RESUME_MUST_MATCH if getattr(state, name) != getattr(current, name)]
     if mismatches:

@@ -164,6 +164,10 @@ def train_method(name: str, checkpoint: str, teacher, tokenizer, settings: Disti
     else:
         answers = toy.greedy_completions(teacher, tokenizer, prompts["prompt"], batch_size=250, max_new_tokens=4)
         rows = prompts.add_column("completion", [toy.extract_answer(a) for a in answers])
+        rows = rows.filter(lambda row: row["completion"] != "")  # no digits: nothing to learn (SFT refuses it)
+        if len(rows) < len(prompts):
+            print(f"SFT on teacher answers: {len(prompts) - len(rows)} of {len(prompts)} teacher answers hold no "
+                  f"number and are left out", flush=True)
         args = SFTConfig(output_dir=str(folder), seed=settings.seed, max_length=32,
                          per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
                          learning_rate=settings.teacher_sft_learning_rate, **schedule)
