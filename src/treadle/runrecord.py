@@ -27,6 +27,7 @@ from treadle import distributed as dist
 from treadle.models import is_peft_model
 from treadle.peft import parameter_counts
 from treadle.rewards import reward_name
+from treadle.streaming import is_stream
 
 __all__ = ["describe_dataset", "describe_model", "describe_run"]
 
@@ -78,9 +79,12 @@ def describe_peft(model: nn.Module | None) -> dict[str, Any] | None:
 
 
 def describe_dataset(dataset) -> dict[str, Any]:
-    """Rows, columns, source and fingerprint of a ``datasets.Dataset`` (rows only for another sized dataset)."""
+    """Rows, columns, source and fingerprint of a ``datasets.Dataset`` (rows only for another sized dataset; a
+    stream: ``"streaming": true`` and its columns when it knows them)."""
     record: dict[str, Any] = {"rows": len(dataset) if hasattr(dataset, "__len__") else None}
-    if hasattr(dataset, "column_names"):
+    if is_stream(dataset):
+        record["streaming"] = True
+    if getattr(dataset, "column_names", None) is not None:  # an IterableDataset may not know its columns: None
         record["columns"] = list(dataset.column_names)
     info = getattr(dataset, "info", None)
     sources = sorted((getattr(info, "download_checksums", None) or {}).keys())
