@@ -57,6 +57,10 @@ def main() -> None:
         torch.set_num_threads(1)  # as the demo itself
     from treadle.demo import DemoSettings, run_demo
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _machine import machine_header
+
+    header = machine_header()  # before the runs: its load average is the one they started under
     root = Path(options.out or tempfile.mkdtemp(prefix="demo-seeds-"))
     rows = []
     for seed in [int(s) for s in options.seeds.split(",")]:
@@ -68,10 +72,7 @@ def main() -> None:
         final = last_eval(root / f"seed{seed}" / "grpo")
         rows.append((seed, sft["accuracy"], grpo["accuracy"], final["eval_pass@1"], final["eval_pass@4"],
                      control(settings, checkpoint, root / f"control{seed}")))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _machine import machine_header
-
-    print(f"\n{machine_header()}\nsettings: {DemoSettings()} (seed varies); runs in {root}\n")
+    print(f"\n{header}\nsettings: {DemoSettings()} (seed varies); runs in {root}\n")
     print("| seed | after SFT | after GRPO | GRPO gain (points) | after GRPO, sampled pass@1 / pass@4 "
           "| control: 200 more SFT steps instead |")
     print("|---:|---:|---:|---:|---:|---:|")
