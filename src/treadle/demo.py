@@ -20,7 +20,7 @@ and writes into the run folder (default ``runs/demo-<time>``)::
                              eval_* metrics over its steps are drawn in grpo/plots/eval.png
     grpo/completions.jsonl   the sampled training completions with their rewards (log_completions)
 
-Unless OMP_NUM_THREADS is set, torch runs on one thread (see ``run_demo``). torch, transformers and the
+Unless OMP_NUM_THREADS is set, torch runs on one thread (see ``start_demo``). torch, transformers and the
 trainers are imported inside the functions, so importing this module stays cheap.
 """
 
@@ -94,16 +94,24 @@ class StopAtAccuracy(TrainerCallback):
             control.should_training_stop = control.should_save = control.should_log = True
 
 
-def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
-    """SFT the tiny model on addition, then GRPO from the SFT checkpoint; print held-out accuracy of each."""
+def start_demo(task: str, output_dir: str | None) -> Path:
+    """Every demo's start: one torch thread unless OMP_NUM_THREADS says otherwise, and its run folder
+    (``output_dir``, or runs/demo[-task]-<time>), created."""
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
-        # the tiny model's matrices are too small for a second thread to pay: on 2 busy cores the demo took
-        # 55 s with one thread and 175 s with two
+        # the tiny models' matrices are too small for a second thread to pay: on 2 busy cores the addition demo
+        # took 55 s with one thread and 175 s with two
         torch.set_num_threads(1)
-    out = Path(output_dir or os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S")))
+    name = f"demo-{task}" if task else "demo"
+    out = Path(output_dir or os.path.join("runs", time.strftime(f"{name}-%Y%m%d-%H%M%S")))
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
+    """SFT the tiny model on addition, then GRPO from the SFT checkpoint; print held-out accuracy of each."""
+    out = start_demo("", output_dir)
     start = time.time()
     tokenizer = toy.build_tokenizer()
     problems = min(settings.eval_size, 1000)  # the held-out problems every stage is scored on

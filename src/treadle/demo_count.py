@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 from treadle import toy_vision
 from treadle.callbacks import TrainerCallback
-from treadle.demo import ACCURACY, results_table
+from treadle.demo import ACCURACY, results_table, start_demo
 from treadle.report import print_plots
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
@@ -97,10 +96,7 @@ def answer_accuracy(model, batch: dict) -> float:
 
 def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -> int:
     """SFT the tiny VLM on counting, then GRPO; print the held-out greedy accuracy of each stage."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # tiny matrices: a second thread costs more than it gives (treadle.demo)
-    out = Path(output_dir or os.path.join("runs", time.strftime("demo-count-%Y%m%d-%H%M%S")))
-    out.mkdir(parents=True, exist_ok=True)
+    out = start_demo("count", output_dir)
     start = time.time()
     print(f"treadle demo: SFT then GRPO of a tiny {settings.kind} model counting squares; run folder {out}",
           flush=True)

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
 from treadle import toy
 from treadle.callbacks import TrainerCallback
-from treadle.demo import DemoSettings, StopAtAccuracy, demo_sft, heldout_trainer
+from treadle.demo import DemoSettings, StopAtAccuracy, demo_sft, heldout_trainer, start_demo
 from treadle.loading import load_model
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
@@ -86,12 +85,7 @@ def score(model, tokenizer, problems) -> float:
 
 def run_distill_demo(settings: DistillDemoSettings, output_dir: str | None = None) -> int:
     """Teacher, SFT warm start, then GRPO / distillation / SFT on the teacher's answers; print the table."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        torch.set_num_threads(1)  # tiny matrices: a second thread only adds synchronisation (treadle.demo)
-    out = Path(output_dir or os.path.join("runs", time.strftime("demo-distill-%Y%m%d-%H%M%S")))
-    out.mkdir(parents=True, exist_ok=True)
+    out = start_demo("distill", output_dir)
     start = time.time()
     tokenizer = toy.build_tokenizer()
     problems = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)

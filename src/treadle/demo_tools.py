@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
 from treadle import toy
 from treadle.callbacks import PrinterCallback, TrainerCallback
-from treadle.demo import results_table
+from treadle.demo import results_table, start_demo
 from treadle.report import print_plots
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
@@ -64,12 +63,7 @@ class ToolsDemoSettings:
 
 def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -> int:
     """Warm-start SFT, GRPO with the tool, and the no-tool control; print held-out exact match of each."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        torch.set_num_threads(1)  # as treadle.demo: the tiny model's matrices do not pay for a second thread
-    out = Path(output_dir or os.path.join("runs", time.strftime("demo-tools-%Y%m%d-%H%M%S")))
-    out.mkdir(parents=True, exist_ok=True)
+    out = start_demo("tools", output_dir)
     start = time.time()
     tokenizer = toy.build_tokenizer()
     test = toy.load_task("tools", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
