@@ -99,17 +99,17 @@ from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, 
 from treadle.rollouts import RolloutRunner
 from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
-from treadle.vision import tokenizer_of
 from treadle.trainer import Trainer
+from treadle.trainers import grpo_vision
 from treadle.trainers.grpo_config import GRPOConfig
 from treadle.trainers.grpo_data import (GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream,
                                         slice_sample)
 from treadle.trainers.grpo_dynamic import extra_rows, fill_with_signal
-from treadle.trainers.grpo_sampling import correction_metrics, corrects_sampling, sampling_ratio
-from treadle.trainers import grpo_vision
 from treadle.trainers.grpo_records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
                                            generation_metrics, reward_list, reward_sums, reward_weights,
                                            seeded_generator, tokenize_prompts)
+from treadle.trainers.grpo_sampling import correction_metrics, corrects_sampling, sampling_ratio
+from treadle.vision import tokenizer_of
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "Sample"]
 
