@@ -69,7 +69,7 @@ def forward_signature(model: nn.Module) -> ForwardSignature:
     A forward assigned to the instance itself (as hook libraries do) is read every time: it is not its
     class's.
     """
-    inner = _forward_owner(model)
+    inner = base_model(model)
     if "forward" in getattr(inner, "__dict__", {}):
         return _read_signature(inner.forward)
     signature = _SIGNATURES.get(type(inner))
@@ -78,9 +78,11 @@ def forward_signature(model: nn.Module) -> ForwardSignature:
     return signature
 
 
-def _forward_owner(model: nn.Module) -> nn.Module:
-    inner = dist.unwrap_model(model)  # DDP keeps the user's model in .module
-    if callable(getattr(inner, "get_base_model", None)):  # PEFT: its forward hands every keyword to the base
+def base_model(model: nn.Module) -> nn.Module:
+    """The model under its wrappers: DDP's ``.module`` (or a compiled model's original), then PEFT's base model
+    (the transformers model with the adapters injected; PEFT's forward hands every keyword to it)."""
+    inner = dist.unwrap_model(model)
+    if callable(getattr(inner, "get_base_model", None)):
         inner = inner.get_base_model()
     return inner
 
@@ -99,7 +101,7 @@ def forward_parameters(model: nn.Module) -> set[str] | None:
     parameters are the answer even though it has ``**kwargs``.
     """
     signature = forward_signature(model)
-    if signature.takes_var_keyword and not is_transformers_model(_forward_owner(model)):
+    if signature.takes_var_keyword and not is_transformers_model(base_model(model)):
         return None
     return set(signature.names)
 
@@ -199,9 +201,7 @@ def is_causal_lm(model: nn.Module) -> bool:
     following transformers' naming convention (a class named ``...ForCausalLM`` or ``...LMHeadModel``), or
     its trainer overrides ``Trainer.count_items``.
     """
-    inner = dist.unwrap_model(model)
-    if callable(getattr(inner, "get_base_model", None)):  # PEFT: the transformers model under the adapters
-        inner = inner.get_base_model()
+    inner = base_model(model)
     if not is_transformers_model(inner):
         return type(inner).__name__.endswith(("ForCausalLM", "LMHeadModel"))
     return causal_lm_problem(inner) is None

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from treadle import distributed as dist
-from treadle.models import is_peft_model
+from treadle.models import base_model, is_peft_model
 from treadle.peft import parameter_counts
 from treadle.rewards import reward_name
 from treadle.streaming import is_stream
@@ -54,8 +54,7 @@ def describe_run(trainer) -> dict[str, Any]:
 def describe_model(model: nn.Module | None) -> dict[str, Any] | None:
     if model is None:
         return None
-    model = dist.unwrap_model(model)
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    model, base = dist.unwrap_model(model), base_model(model)
     trainable, total = parameter_counts(model)
     config = getattr(base, "config", None)
     first = next(iter(base.parameters()), None)

@@ -22,6 +22,7 @@ import torch
 
 from treadle import vision
 from treadle.generation.single import positions_need_images
+from treadle.models import base_model
 from treadle.trainers.grpo_data import Rollout
 
 
@@ -117,7 +118,5 @@ def logprob_options(model, sample_inputs: dict | None, positions: torch.Tensor, 
     where they depend on the images (M-RoPE); a text slice keeps ``positions`` and ``padding_free``."""
     if not sample_inputs:
         return {"position_ids": positions, "padding_free": padding_free}
-    inner = getattr(model, "module", model)  # DDP
-    inner = inner.get_base_model() if callable(getattr(inner, "get_base_model", None)) else inner  # PEFT
-    own = positions_need_images(inner)
+    own = positions_need_images(base_model(model))
     return {**sample_inputs, "position_ids": None if own else positions, "padding_free": False}
