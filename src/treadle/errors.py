@@ -86,6 +86,15 @@ def shorten(text, most: int = 200) -> str:
     return text if len(text) <= most else f"{text[:most]}... ({len(text):,} characters)"
 
 
+def first_rows(indices, most: int = 5) -> str:
+    """The first ``most`` row indices for a message, ``"3, 8, 12 ..."`` when there are more.
+
+    >>> first_rows([3, 8, 12, 20, 31, 40])
+    '3, 8, 12, 20, 31 ...'
+    """
+    return ", ".join(str(i) for i in indices[:most]) + (" ..." if len(indices) > most else "")
+
+
 def one_line(error: BaseException) -> str:
     """``treadle: error: <message>`` on one line (a message's later lines are joined to the first)."""
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())

@@ -71,6 +71,7 @@ from treadle import distributed as dist
 from treadle import vision
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
+from treadle.errors import first_rows
 from treadle.logprobs import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.metrics import mode_of
@@ -299,7 +300,7 @@ def check_identical_pairs(dataset, split: str) -> None:
     same = [i for i, (c, r) in enumerate(zip(dataset["chosen_input_ids"], dataset["rejected_input_ids"])) if c == r]
     if not same:
         return
-    rows = ", ".join(str(i) for i in same[:5]) + (" ..." if len(same) > 5 else "")
+    rows = first_rows(same)
     if len(same) == len(dataset):
         raise ValueError(f"every one of the {len(same)} {split} pairs has chosen identical to rejected (after "
                          f"tokenization and truncation): DPO learns nothing from a pair without a preference (loss "

@@ -45,6 +45,7 @@ from treadle import vision
 from treadle.arguments import TrainingArguments
 from treadle.callbacks import show_progress_bars
 from treadle.data import check_text_columns, column_names, empty_texts, require_eval_dataset
+from treadle.errors import first_rows
 from treadle.metrics import mode_of
 from treadle.models import from_name, max_positions
 from treadle.packing import best_fit_bins, right_padded
@@ -257,7 +258,7 @@ def refuse_empty_rows(dataset, form: str, text_field: str, name: str) -> None:
     column = {"prompt_completion": "completion", "text": text_field}.get(form)
     empty = empty_texts(dataset[column]) if column else []
     if empty:
-        rows = ", ".join(str(i) for i in empty[:5]) + (" ..." if len(empty) > 5 else "")
+        rows = first_rows(empty)
         raise ValueError(f"{len(empty)} of {len(dataset)} {name} rows have an empty {column!r} (rows {rows}): SFT "
                          f"would train them on the end-of-text token alone; fill or drop those rows")
 
