@@ -237,6 +237,8 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, args=None, reward_he
         model = toy.build_model(size, seed=seed, tokenizer=tokenizer, reward_head=reward_head)
         model.name_or_path = spec  # an adapter trained on it names its base (adapter_config.json; treadle merge)
         return model, tokenizer
+    if tokenizer is None and os.path.isdir(spec):  # a saved toy Qwen2-VL: its processor is not AutoProcessor's
+        tokenizer = toy_vision.saved_processor(spec)
     if not reward_head:
         return from_name(spec, tokenizer, args)
     from transformers import AutoModelForSequenceClassification  # transformers' model classes load ~5 s

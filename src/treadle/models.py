@@ -310,7 +310,8 @@ def load_pretrained(name_or_path: str, *, tokenizer=None, revision: str | None =
     branch, tag or commit), ``HF_HUB_OFFLINE=1`` honoured. An existing folder always wins over an id of the same
     spelling. The tokenizer is read from the same place unless one is given. Code shipped with the model runs only
     with ``trust_remote_code=True``. ``model_class`` defaults to ``AutoModelForCausalLM``; ``model_kwargs`` go to
-    its ``from_pretrained`` (TRL's ``model_init_kwargs``). ValueError names what is wrong in one line.
+    its ``from_pretrained`` (TRL's ``model_init_kwargs``); a vision-language model (:func:`is_vision_language`) loads
+    with ``AutoModelForImageTextToText`` and its ``AutoProcessor``. ValueError names what is wrong in one line.
     (``toy:<size>`` specs: ``treadle.loading``.)"""
     source = os.fspath(name_or_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers' model classes load ~5 s
@@ -322,13 +323,30 @@ def load_pretrained(name_or_path: str, *, tokenizer=None, revision: str | None =
         check_hub_model(source, revision)
         options = dict(revision=revision, trust_remote_code=trust_remote_code)
     try:
+        vision = model_class is None and is_vision_language(source, options)
         if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(source, **options)
-        model = (model_class or AutoModelForCausalLM).from_pretrained(source, **options, **model_kwargs)
+            tokenizer = (vision_classes()[1] if vision else AutoTokenizer).from_pretrained(source, **options)
+        model_class = model_class or (vision_classes()[0] if vision else AutoModelForCausalLM)
+        model = model_class.from_pretrained(source, **options, **model_kwargs)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot load a model and tokenizer from {source}: {str(error).splitlines()[0]}") from None
     check_vocabulary(model, tokenizer, source)
     return model, tokenizer
+
+
+def is_vision_language(source: str, options: dict) -> bool:
+    """Whether the model at ``source`` is a vision-language model (its config has a ``vision_config``): it loads
+    with ``AutoModelForImageTextToText`` and ``AutoProcessor`` rather than the causal-LM and tokenizer classes."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(source, **options), "vision_config", None) is not None
+
+
+def vision_classes():
+    """``(AutoModelForImageTextToText, AutoProcessor)``; imported here, as the causal-LM classes are (~5 s)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    return AutoModelForImageTextToText, AutoProcessor
 
 
 def check_hub_model(name: str, revision: str | None = None) -> None:

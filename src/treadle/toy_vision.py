@@ -11,6 +11,8 @@ squares?" and the answer, a digit. Train and held-out canvases come from disjoin
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from typing import Any
 
@@ -65,6 +67,19 @@ def _qwen2_vl_processor_class():
             return ["image_processor", "tokenizer"]
 
     return ToyQwen2VLProcessor
+
+
+def saved_processor(path: str):
+    """The toy Qwen2-VL processor saved in folder ``path`` (its ``processor_config.json`` names
+    ``ToyQwen2VLProcessor``), else None. ``AutoProcessor`` cannot rebuild it: the class is not transformers', and
+    ``Qwen2VLProcessor`` itself needs a video processor, hence torchvision."""
+    config = os.path.join(path, "processor_config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        if json.load(f).get("processor_class") != "ToyQwen2VLProcessor":
+            return None
+    return _qwen2_vl_processor_class().from_pretrained(path, local_files_only=True)
 
 
 def build_processor(kind: str = "qwen2_vl"):

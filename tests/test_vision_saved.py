@@ -1,0 +1,117 @@
+"""Vision-language models after DPO and GRPO: saved, reloaded through treadle's loading path
+(``treadle.loading.load_model`` on the folder: ``AutoModelForImageTextToText`` and the saved processor) with the
+same logits on the same pixels and text; and GRPO with LoRA on a VLM with images (adapters on the language model
+only, a step moves only adapter weights, log-probs against a plain forward of the peft model)."""
+
+import pytest
+import torch
+
+from treadle import toy_vision as tv
+from treadle import vision
+from treadle.loading import load_model
+from treadle.trainers.dpo import DPOConfig, DPOTrainer
+from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def processor(kind):
+    return tv.build_processor(kind)
+
+
+def preference_rows(n=4):
+    return [{"images": r["images"], "prompt": r["prompt"], "chosen": r["answer"],
+             "rejected": str(int(r["answer"]) % 4 + 1)} for r in tv.count_task("train", n, kind="rl")]
+
+
+def dpo_trainer(tmp_path, kind, processor):
+    args = DPOConfig(output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                     report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no")
+    return DPOTrainer(model=tv.build_model(kind, processor), args=args, train_dataset=preference_rows(),
+                      processing_class=processor)
+
+
+def reward(prompts, completions, **kwargs):
+    """A reward that differs between completions of a random model (so that a step has an advantage to follow)."""
+    return [float(sum(map(ord, c[0]["content"])) % 5) for c in completions]
+
+
+def grpo_trainer(tmp_path, kind, processor, **kwargs):
+    peft_config = kwargs.pop("peft_config", None)
+    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, learning_rate=1e-2, report_to=[],
+                      disable_tqdm=True, logging_steps=1, save_strategy="no", **kwargs)
+    return GRPOTrainer(model=tv.build_model(kind, processor), reward_funcs=reward, args=args,
+                       train_dataset=tv.count_task("train", 16, kind="rl"), processing_class=processor,
+                       peft_config=peft_config)
+
+
+def assert_reloads_the_same(trainer, folder, kind, processor):
+    """Save the trained model, load the folder with treadle's loader; the reloaded processor makes the same batch
+    and the reloaded model gives the trained model's logits on it (and the images matter to them)."""
+    trainer.save_model(str(folder))
+    model, reloaded_processor = load_model(str(folder))
+    assert type(model) is type(trainer.model) and vision.is_vision_processor(reloaded_processor)
+    rows = tv.count_task("test", 3)
+    batch = vision.VisionCollator(processor)(rows)
+    again = vision.VisionCollator(reloaded_processor)(rows)
+    assert batch.keys() == again.keys() and all(torch.equal(batch[k], again[k]) for k in batch)
+    inputs = {k: v for k, v in again.items() if k != "labels"}
+    with torch.no_grad():
+        trained = trainer.model.eval()(**inputs).logits
+        torch.testing.assert_close(model.eval()(**inputs).logits, trained)
+        fresh = tv.build_model(kind, processor)  # the untrained weights (the same seed)
+        assert not torch.allclose(fresh.eval()(**inputs).logits, trained, atol=1e-3)  # the trained weights came back
+
+
+def test_a_dpo_trained_vlm_reloads_with_the_same_logits(tmp_path, kind, processor):
+    trainer = dpo_trainer(tmp_path, kind, processor)
+    trainer.train()
+    assert_reloads_the_same(trainer, tmp_path / "saved", kind, processor)
+
+
+def test_a_grpo_trained_vlm_reloads_with_the_same_logits(tmp_path, kind, processor):
+    trainer = grpo_trainer(tmp_path, kind, processor)
+    trainer.train()
+    assert_reloads_the_same(trainer, tmp_path / "saved", kind, processor)
+
+
+def test_grpo_with_lora_on_a_vlm_trains_the_adapters_on_the_language_model_only(tmp_path, kind, processor):
+    """Adapters only on the language model; one step moves the adapter weights and nothing else; the trainer's
+    log-probs of a rollout equal a plain forward of the peft model on the same pixels (and zeroed pixels change
+    them)."""
+    from peft import LoraConfig
+
+    trainer = grpo_trainer(tmp_path, kind, processor, peft_config=LoraConfig(r=4, target_modules="all-linear"),
+                           beta=0.1)
+    model = trainer.model
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("language_model" in n and "lora_" in n for n in trainable)
+    rows = next(iter(trainer.get_train_dataloader()))
+    for sample in trainer.generate_and_score(rows, 0):
+        mask = sample.completion_mask.bool()
+        logps = trainer.frozen_logps(model, sample)
+        with torch.no_grad():
+            logits = model.eval()(input_ids=sample.input_ids, attention_mask=sample.attention_mask,
+                                  **sample.model_inputs).logits
+            blank = {**sample.model_inputs, "pixel_values": torch.zeros_like(sample.model_inputs["pixel_values"])}
+            blank_logits = model(input_ids=sample.input_ids, attention_mask=sample.attention_mask, **blank).logits
+        width = sample.completion_mask.shape[1]
+        ids = sample.completion_ids[..., None]
+        expected = torch.log_softmax(logits[:, -width - 1:-1].float(), -1).gather(-1, ids).squeeze(-1)
+        torch.testing.assert_close(logps[mask], expected[mask], rtol=1e-4, atol=1e-4)
+        with_blank = torch.log_softmax(blank_logits[:, -width - 1:-1].float(), -1).gather(-1, ids).squeeze(-1)
+        assert not torch.allclose(with_blank[mask], expected[mask])
+        # the reference is the model with its adapters off: equal before any step (lora_B starts at zero)
+        torch.testing.assert_close(sample.ref_logps[mask], logps[mask], rtol=1e-5, atol=1e-5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert moved and all("lora_" in n and "language_model" in n for n in moved)
+    assert any("lora_B" in n for n in moved)
