@@ -1,7 +1,8 @@
 """Tiny vision-language models and their processors, built in code (no hub), and the counting task.
 
-``build_processor(kind)`` and ``build_model(kind, processor)`` make a Qwen2-VL (``"qwen2_vl"``) or a LLaVA
-(``"llava"``: a CLIP vision tower, a projector, a Llama) with random weights of a few tens of thousands of
+``build_processor(kind)`` and ``build_model(kind, processor)`` make a Qwen2-VL (``"qwen2_vl"``), a LLaVA
+(``"llava"``: a CLIP vision tower, a projector, a Llama) or an Idefics3 / SmolVLM (``"idefics3"``: a SigLIP-style
+tower, a pixel-shuffle connector, a Llama) with random weights of a few tens of thousands of
 parameters, and a processor around the toy character tokenizer (``treadle.toy``) plus the vision tokens and the
 model's PIL image processor (the slow one: it needs no torchvision).
 
@@ -23,10 +24,14 @@ from treadle import toy
 VISION_TOKENS = {
     "qwen2_vl": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
     "llava": ["<image>"],
+    # Idefics3 / SmolVLM: the processor writes <fake_token_around_image><global-img><image>...; <end_of_utterance>
+    # is its turn end (unused by the toy template)
+    "idefics3": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"],
 }
-IMAGE_MARKUP = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+IMAGE_MARKUP = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>", "idefics3": "<image>"}
 GRID = 3  # cells a side of the canvas' grid: at most one shape per cell
 CANVAS = 14 * GRID  # pixels a side: one 14-pixel patch per cell (LLaVA: GRID**2 image tokens)
+IDEFICS3_SIDE, IDEFICS3_SCALE = 56, 2  # Idefics3 sees a 56-pixel image: 4x4 patches, pixel-shuffled 2x2 into 4 tokens
 
 
 def chat_template(kind: str) -> str:
@@ -83,8 +88,9 @@ def saved_processor(path: str):
 
 
 def build_processor(kind: str = "qwen2_vl"):
-    """The processor of a toy VLM of ``kind`` (``qwen2_vl`` or ``llava``): tokenizer, PIL image processor, chat
-    template. LLaVA's images are resized to ``CANVAS`` pixels a side, Qwen2-VL's to 56."""
+    """The processor of a toy VLM of ``kind`` (``qwen2_vl``, ``llava`` or ``idefics3``): tokenizer, PIL image
+    processor, chat template. LLaVA's images are resized to ``CANVAS`` pixels a side, Qwen2-VL's and Idefics3's
+    to 56."""
     tokenizer = build_tokenizer(kind)
     template = chat_template(kind)
     if kind == "qwen2_vl":
@@ -102,7 +108,15 @@ def build_processor(kind: str = "qwen2_vl"):
         tokenizer.image_token = "<image>"
         return LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template, patch_size=14,
                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    raise ValueError(f"unknown toy vision model {kind!r}; choose qwen2_vl or llava")
+    if kind == "idefics3":
+        from transformers import Idefics3Processor
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+        side = {"longest_edge": IDEFICS3_SIDE}  # one image, never split into tiles: no <row_i_col_j> markup
+        images = Idefics3ImageProcessorPil(size=side, max_image_size=side, do_image_splitting=False)
+        return Idefics3Processor(image_processor=images, tokenizer=tokenizer, chat_template=template,
+                                 image_seq_len=(IDEFICS3_SIDE // 14) ** 2 // IDEFICS3_SCALE ** 2)
+    raise ValueError(f"unknown toy vision model {kind!r}; choose one of {sorted(VISION_TOKENS)}")
 
 
 def _text_config(tokenizer, hidden: int, layers: int) -> dict[str, Any]:
@@ -117,36 +131,48 @@ def build_model(kind: str = "qwen2_vl", processor=None, *, seed: int = 0, hidden
     ``seed`` only."""
     processor = processor if processor is not None else build_processor(kind)
     tokenizer = processor.tokenizer
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS[kind]}
+    model_class, config = model_config(kind, tokenizer, hidden, layers)
+    config.tie_word_embeddings = True
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def model_config(kind: str, tokenizer, hidden: int, layers: int):
+    """``(model class, config)`` of a toy VLM of ``kind``: a one-layer vision tower of width ``hidden`` and a Llama
+    (Qwen2-VL: a Qwen2 with M-RoPE) of ``layers`` layers, its vocabulary the ``tokenizer``'s."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS.get(kind, ())}
     text = _text_config(tokenizer, hidden, layers)
     if kind == "qwen2_vl":
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration as Model
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
         head = hidden // 4
         text["rope_scaling"] = {"type": "mrope", "mrope_section": [head // 4, head // 8, head // 8]}
-        config = Qwen2VLConfig(
+        return Qwen2VLForConditionalGeneration, Qwen2VLConfig(
             text_config=text, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
             vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
             vision_config=dict(depth=1, embed_dim=hidden, hidden_size=hidden, num_heads=2, mlp_ratio=2,
                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3))
-    elif kind == "llava":
-        from transformers import LlavaConfig, LlavaForConditionalGeneration as Model
+    if kind == "llava":
+        from transformers import LlavaConfig, LlavaForConditionalGeneration
 
-        config = LlavaConfig(
+        return LlavaForConditionalGeneration, LlavaConfig(
             text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"],
             vision_feature_select_strategy="default", vision_feature_layer=-1,
             vision_config=dict(model_type="clip_vision_model", hidden_size=hidden, intermediate_size=2 * hidden,
                                num_hidden_layers=1, num_attention_heads=2, image_size=CANVAS, patch_size=14,
                                projection_dim=hidden))
-    else:
-        raise ValueError(f"unknown toy vision model {kind!r}; choose qwen2_vl or llava")
-    config.tie_word_embeddings = True
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Model(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    if kind == "idefics3":
+        from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+        return Idefics3ForConditionalGeneration, Idefics3Config(
+            text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"], scale_factor=IDEFICS3_SCALE,
+            vision_config=dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=IDEFICS3_SIDE, patch_size=14))
+    raise ValueError(f"unknown toy vision model {kind!r}; choose one of {sorted(VISION_TOKENS)}")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -36,9 +36,10 @@ from treadle.text import is_conversation
 
 IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list of images, or one image
 ROW_COLUMNS = (*IMAGE_COLUMNS, "messages", "prompt", "completion")  # what a vision row keeps until collation
-VISION_TOKEN_PATTERN = re.compile(r"image|vision|video|<row_\d+_col_\d+>")  # added tokens of the vision markup
+VISION_TOKEN_PATTERN = re.compile(r"image|img|vision|video|<row_\d+_col_\d+>")  # added tokens of the vision markup
 # Token attributes of processors / configs that name a vision token (never a label)
 VISION_TOKEN_ATTRIBUTES = ("image_token", "boi_token", "eoi_token", "fake_image_token", "global_image_token",
+                           "global_image_tag",
                            "vision_start_token", "vision_end_token", "image_start_token", "image_end_token")
 
 
