@@ -295,6 +295,43 @@ def test_the_count_demo_refuses_bad_settings():
         CountDemoSettings(sft_steps=0)
     with pytest.raises(ValueError, match="kind must be one of"):
         CountDemoSettings(kind="gpt")
+    with pytest.raises(ValueError, match="what must be one of"):
+        CountDemoSettings(what="circles")
+
+
+@pytest.mark.parametrize("what", ["shapes", "squares"])
+def test_the_answer_is_the_number_of_shapes_or_of_squares_on_the_canvas(what):
+    """Counted from the pixels: the grid cells holding any colour (shapes), or the cells whose shape fills its
+    bounding box (squares; a circle leaves the box's corners white)."""
+    import numpy as np
+
+    question = {"shapes": "How many shapes?", "squares": "How many squares?"}[what]
+    for row in tv.count_task("test", 40, what=what):
+        pixels = np.asarray(row["images"][0]).min(axis=2)  # (H, W): 255 where white
+        cells = [pixels[y:y + 14, x:x + 14] for y in range(0, tv.CANVAS, 14) for x in range(0, tv.CANVAS, 14)]
+        shapes = [c < 255 for c in cells if (c < 255).any()]
+        full = [s[np.ix_(s.any(1), s.any(0))].all() for s in shapes]  # the shape fills its bounding box
+        assert row["answer"] == str(len(shapes) if what == "shapes" else sum(full))
+        assert row["prompt"][0]["content"][1]["text"] == question
+
+
+def test_the_probe_scores_are_argmax_accuracy_and_the_answers_probability():
+    """Hand-computed: logits that are log-probabilities. Row 0 answers tokens 1, 2 with p = 0.5 (the argmax) then
+    0.8: 0.4; row 1 answers token 1 with p = 0.3 (the argmax is 0): 0.3. Accuracy 1/2, expected reward 0.35."""
+    from treadle.demo_count import probe_scores
+
+    probs = torch.full((2, 4, 3), 1 / 3)
+    probs[0, 1], probs[0, 2] = torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.1, 0.1, 0.8])
+    probs[1, 2] = torch.tensor([0.6, 0.3, 0.1])
+
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": probs.log()})()
+
+    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long),
+             "labels": torch.tensor([[-100, -100, 1, 2], [-100, -100, -100, 1]])}
+    accuracy, reward = probe_scores(Fixed(), batch)
+    assert accuracy == 0.5 and reward == pytest.approx(0.35)
 
 
 @pytest.mark.slow

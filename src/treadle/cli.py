@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
     demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
                       "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
-                      "count: a tiny VLM counts squares")
+                      "count: a tiny VLM counts shapes")
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")

@@ -6,8 +6,9 @@ tower, a pixel-shuffle connector, a Llama) with random weights of a few tens of 
 parameters, and a processor around the toy character tokenizer (``treadle.toy``) plus the vision tokens and the
 model's PIL image processor (the slow one: it needs no torchvision).
 
-Task ``count``: a 56x56 canvas with 1-4 small squares and a few circles of random colours; the question "How many
-squares?" and the answer, a digit. Train and held-out canvases come from disjoint seeds.
+Task ``count``: a 42x42 canvas (a 3x3 grid of 14-pixel cells, at most one shape per cell) with 1-4 shapes of random
+colours; the question "How many shapes?" (squares or circles of 10-13 pixels) or "How many squares?" (8-10 pixel
+squares among 0-2 circles) and the answer, a digit. Train and held-out canvases come from disjoint seeds.
 """
 
 from __future__ import annotations
@@ -180,12 +181,14 @@ def model_config(kind: str, tokenizer, hidden: int, layers: int):
 # ----------------------------------------------------------------------------------------------------
 COLOURS = ["red", "green", "blue", "orange", "purple", "black"]
 SPLIT_SEEDS = {"train": 1, "test": 2}  # disjoint canvases: the held-out split is drawn from its own seed
-QUESTION = "How many squares?"
+QUESTIONS = {"squares": "How many squares?", "shapes": "How many shapes?"}
+SIDES = {"squares": (8, 10), "shapes": (10, 13)}  # pixels a side of a shape, by what is counted
 
 
-def draw_canvas(rng: random.Random, squares: int, circles: int, size: int = CANVAS):
-    """A white ``size`` x ``size`` canvas with ``squares`` squares and ``circles`` circles (side 8-10 pixels) in
-    random colours, one per cell of a ``GRID`` x ``GRID`` grid, so that no two shapes overlap."""
+def draw_canvas(rng: random.Random, squares: int, circles: int, size: int = CANVAS, sides: tuple = (8, 10)):
+    """A white ``size`` x ``size`` canvas with ``squares`` squares and ``circles`` circles (side ``sides[0]`` to
+    ``sides[1]`` pixels) in random colours, one per cell of a ``GRID`` x ``GRID`` grid, so that no two shapes
+    overlap."""
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (size, size), "white")
@@ -193,7 +196,7 @@ def draw_canvas(rng: random.Random, squares: int, circles: int, size: int = CANV
     cell = size // GRID
     cells = rng.sample(range(GRID * GRID), squares + circles)
     for k, c in enumerate(cells):
-        side = rng.randint(8, 10)
+        side = rng.randint(*sides)
         x = (c % GRID) * cell + rng.randint(0, cell - side)
         y = (c // GRID) * cell + rng.randint(0, cell - side)
         box = (x, y, x + side - 1, y + side - 1)
@@ -209,20 +212,27 @@ def count_reward(prompts: list, completions: list, answer: list, **kwargs) -> li
 
 
 def count_task(split: str = "train", n: int = 200, *, kind: str = "sft", max_squares: int = 4,
-               max_circles: int = 2) -> list[dict]:
+               max_circles: int = 2, what: str = "squares") -> list[dict]:
     """``n`` rows of the counting task: ``images`` (one canvas), ``prompt`` (a user turn: the image and the
     question), ``answer`` (the digit) and, by ``kind``: ``"sft"`` a ``completion`` (the assistant's digit),
-    ``"preference"`` ``chosen`` (the digit) and ``rejected`` (another count), ``"rl"`` nothing more."""
+    ``"preference"`` ``chosen`` (the digit) and ``rejected`` (another count), ``"rl"`` nothing more.
+    ``what="squares"``: 1 .. ``max_squares`` squares (8-10 pixels) among 0 .. ``max_circles`` circles, "How many
+    squares?"; ``what="shapes"``: 1 .. ``max_squares`` shapes (10-13 pixels), each a square or a circle, "How many
+    shapes?" (``max_circles`` unused)."""
+    if what not in QUESTIONS:
+        raise ValueError(f"count what={what!r}: choose one of {sorted(QUESTIONS)}")
     rng = random.Random(SPLIT_SEEDS[split])
     rows = []
     for _ in range(n):
-        squares = rng.randint(1, max_squares)
-        image = draw_canvas(rng, squares, rng.randint(0, max_circles))
-        row = {"images": [image], "answer": str(squares),
-               "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]}
+        count = rng.randint(1, max_squares)
+        squares, circles = (count, rng.randint(0, max_circles)) if what == "squares" else (
+            rng.randint(0, count), 0)
+        image = draw_canvas(rng, squares, circles if what == "squares" else count - squares, sides=SIDES[what])
+        row = {"images": [image], "answer": str(count),
+               "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[what]}]}]}
         if kind == "sft":
-            row["completion"] = [{"role": "assistant", "content": [{"type": "text", "text": str(squares)}]}]
+            row["completion"] = [{"role": "assistant", "content": [{"type": "text", "text": str(count)}]}]
         elif kind == "preference":
-            row.update(chosen=str(squares), rejected=str(squares % max_squares + 1))
+            row.update(chosen=str(count), rejected=str(count % max_squares + 1))
         rows.append(row)
     return rows
