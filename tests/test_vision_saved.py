@@ -115,3 +115,27 @@ def test_grpo_with_lora_on_a_vlm_trains_the_adapters_on_the_language_model_only(
     moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
     assert moved and all("lora_" in n and "language_model" in n for n in moved)
     assert any("lora_B" in n for n in moved)
+
+
+def test_a_lora_trained_toy_vlm_merges_into_its_base_and_reloads(tmp_path):
+    """``treadle merge`` on a LoRA run of ``toy:llava``: the adapter names its base, the base is rebuilt with the run's
+    seed, and the merged folder reloads (with its processor) with the trained model's logits."""
+    from peft import LoraConfig
+
+    from treadle.loading import merge_adapter_folder
+    from treadle.trainers.sft import SFTConfig, SFTTrainer
+
+    model, processor = load_model("toy:llava", seed=3)
+    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                     seed=3, report_to=[], disable_tqdm=True, save_strategy="no", max_length=64)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=tv.count_task("train", 8), processing_class=processor,
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer.train()
+    trainer.save_model()
+    merged, merged_processor = load_model(merge_adapter_folder(str(tmp_path / "run")))
+    batch = vision.VisionCollator(merged_processor)(tv.count_task("test", 2))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        expected = trainer.model.eval()(**inputs).logits
+        torch.testing.assert_close(merged.eval()(**inputs).logits, expected, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(load_model("toy:llava", seed=3)[0].eval()(**inputs).logits, expected, atol=1e-3)

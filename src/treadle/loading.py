@@ -228,7 +228,9 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, args=None, reward_he
     model unless one is given. ValueError names what is wrong."""
     if spec.removeprefix("toy:") in toy_vision.VISION_TOKENS:  # a tiny VLM and its processor (toy:llava ...)
         processor = tokenizer if tokenizer is not None else toy_vision.build_processor(spec.removeprefix("toy:"))
-        return toy_vision.build_model(spec.removeprefix("toy:"), processor, seed=seed), processor
+        model = toy_vision.build_model(spec.removeprefix("toy:"), processor, seed=seed)
+        model.name_or_path = spec  # an adapter names its base (treadle merge), as for toy:<size>
+        return model, processor
     if spec.startswith("toy:"):
         size = spec.removeprefix("toy:")
         if size not in toy.MODEL_SIZES:
