@@ -59,7 +59,7 @@ class CountDemoSettings:
     grpo_learning_rate: float = 1e-3
     num_generations: int = 8  # G: completions per canvas
     grpo_batch_size: int = 128  # completions per GRPO step: 16 canvases x G
-    temperature: float = 1.0  # 0.7 collapsed two of three seeds to 25% (docs/vision.md)
+    temperature: float = 1.0  # on the squares task 0.7 collapsed two of three seeds to 25% (docs/vision.md)
 
     def __post_init__(self) -> None:
         if self.sft_steps < 1 or self.grpo_steps < 1 or self.eval_size < 1:
