@@ -42,7 +42,7 @@ class CountDemoSettings:
     """What ``treadle demo --task count`` trains (README: figures for seeds 0 to 2)."""
 
     seed: int = 0  # model initialisation, data order and sampling
-    kind: str = "llava"  # a toy_vision model: llava (own sampler) or qwen2_vl (generate)
+    kind: str = "llava"  # a toy_vision model: llava or idefics3 (own sampler), qwen2_vl (generate)
     hidden: int = 64  # the language model's and the vision tower's width
     what: str = "shapes"  # count every shape ("How many shapes?") or the squares among circles ("squares")
     max_squares: int = 4  # what is counted: 1 .. max_squares per canvas (the answers)
@@ -112,7 +112,7 @@ def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -
     """SFT the tiny VLM on counting, then GRPO; print the held-out greedy accuracy of each stage."""
     out = start_demo("count", output_dir)
     start = time.time()
-    print(f"treadle demo: SFT then GRPO of a tiny {settings.kind} model counting squares; run folder {out}",
+    print(f"treadle demo: SFT then GRPO of a tiny {settings.kind} model counting {settings.what}; run folder {out}",
           flush=True)
     processor = toy_vision.build_processor(settings.kind)
     model = toy_vision.build_model(settings.kind, processor, seed=settings.seed, hidden=settings.hidden)
