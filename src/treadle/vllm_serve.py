@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -92,12 +93,17 @@ def serve(server: ThreadingHTTPServer, folder: str, args: argparse.Namespace) ->
     url = f"http://{args.host}:{server.server_address[1]}"
     print(f"treadle: vLLM serves {args.model} at {url} (GET /health; a run connects with use_vllm: true, "
           f"vllm_mode: server, vllm_server_base_url: {url})", flush=True)
+    signal.signal(signal.SIGTERM, interrupt)  # as Ctrl-C: the engine shut down, a toy's folder removed
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         print("treadle: vllm-serve stopped", file=sys.stderr)
     finally:
         server.engine.close()
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def identity_of(name: str, folder: str, config: dict, dtype: str, engine: "ServedEngine") -> dict:

@@ -131,9 +131,10 @@ class VLLMServerEngine:
         deadline, pause = time.monotonic() + timeout, 0.1
         while True:
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=max(1.0, timeout)) as response:
+                left = max(1.0, deadline - time.monotonic())  # a port that accepts, never answers
+                with urllib.request.urlopen(f"{self.url}/health", timeout=left) as response:
                     return json.loads(response.read())
-            except (OSError, http.client.HTTPException, ValueError) as error:  # refused, reset, not JSON: not (yet) ours
+            except (OSError, http.client.HTTPException, ValueError) as error:  # refused, reset, not JSON: not yet up
                 if time.monotonic() + pause > deadline:
                     raise VLLMServerError(f"no vLLM server answered at {self.url}/health within {timeout:g} s "
                                           f"({reason(error)}); {START_HINT}, or set vllm_server_base_url (or "
@@ -146,8 +147,8 @@ class VLLMServerEngine:
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
                  generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
         if prompt_inputs:
-            raise UserError("use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into treadle "
-                            "yet; set use_vllm: false to sample prompts with images with treadle's own sampler")
+            raise UserError("use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into "
+                            "treadle yet; set use_vllm: false to sample prompts with images with treadle's own sampler")
         check_prompts(prompt_ids)
         seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
                                                                 device=generator.device))
