@@ -83,7 +83,8 @@ def main(argv: list[str], parser_class=argparse.ArgumentParser) -> int:
 
 
 def serve(server: ThreadingHTTPServer, folder: str, args: argparse.Namespace) -> None:
-    config = json.load(open(os.path.join(folder, "config.json"), encoding="utf-8"))
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
     dtype = args.dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
     server.engine = ServedEngine(folder, dtype=dtype, max_model_length=args.max_model_len, seed=args.seed,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
