@@ -26,7 +26,7 @@ def check_vllm_options(args) -> None:
 
 
 def check_server_options(args) -> None:
-    """The ``vllm_server_*`` fields (read only under ``vllm_mode="server"``, but checked always, as TRL's)."""
+    """The ``vllm_server_*`` fields (read only under ``vllm_mode="server"``; checked always: a typo fails early)."""
     url = args.vllm_server_base_url
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))
                             or not url.split("://", 1)[1].strip("/")):
