@@ -1,4 +1,5 @@
-"""Rollouts per second of GRPO's rollout engines: the own sampler, vLLM colocated, and transformers ``generate``.
+"""Rollouts per second of GRPO's rollout engines: the own sampler, vLLM colocated, vLLM server and transformers
+``generate``.
 
 Every contender gets the same randomly initialised toy Llama (``treadle.toy``: "small" 4.2M parameters, head size
 32; "base" 33.6M, head size 64 -- vLLM's CPU attention has no kernel for toy "tiny"'s head size 16), the same B
@@ -6,11 +7,13 @@ distinct prompts from the toy addition task, G completions per prompt and the sa
 (temperature 1, no top-k / top-p, EOS ignored so that every completion is exactly ``--tokens`` long and each
 contender produces the same number of tokens). The own sampler is ``engines.LocalEngine`` (backend "fast"),
 ``generate`` is the same engine with backend "hf" (``model.generate(num_return_sequences=G)``, TRL's non-vLLM
-path), vLLM is ``engines.vllm.VLLMEngine`` (in-process, float32) after one weight sync. The contenders run
-interleaved, ``--rounds`` times, so that noise from other processes hits all alike; vLLM's start-up (once per
-run) and one weight sync are timed apart.
+path), vLLM is ``engines.vllm.VLLMEngine`` (in-process, float32) after one weight sync, and the vLLM server is
+``engines.vllm_server.VLLMServerEngine`` talking to a ``treadle vllm-serve toy:<model>`` subprocess on loopback
+(the same weights pushed to it over HTTP; its answers cross the loopback as bytes). The contenders run
+interleaved, ``--rounds`` times, so that noise from other processes hits all alike; each vLLM's start-up (once
+per run) and one weight sync are timed apart.
 
-    .venv-vllm/bin/python benchmarks/engines.py [--model small|base] [--quick]   # make test-vllm builds the venv
+    .venv-vllm/bin/python benchmarks/engines.py [--model small|base] [--quick] [--no-server]  # make test-vllm
 
 Without vLLM installed (the main .venv) the vLLM row says so and the other two still run. One model per run:
 vLLM's in-process engine is started once per process. Figures: docs/vllm.md.
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per completion (EOS ignored)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-server", action="store_true", help="leave out the vLLM server row (a second start)")
     parser.add_argument("--quick", action="store_true", help="2 prompts x 2 x 8 tokens, 1 round: checks it runs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -67,6 +73,32 @@ def start_vllm(model):
     return engine, started, time.perf_counter() - start
 
 
+def start_server(model, size: str):
+    """(engine, start-up seconds, one weight sync's seconds, process) of a ``treadle vllm-serve`` subprocess, or
+    (None, reason, None, None) without vLLM."""
+    try:
+        from treadle.engines.vllm import require_vllm  # vLLM is optional: .venv-vllm only
+        from treadle.engines.vllm_server import VLLMServerEngine
+
+        require_vllm()
+    except ImportError as error:
+        return None, str(error), None, None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "treadle", "vllm-serve", f"toy:{size}", "--port", str(port),
+               "--max-model-len", "256"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=900)
+    started = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.load_weights(model)
+    return engine, started, time.perf_counter() - start, process
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     tok = toy.build_tokenizer()
@@ -79,6 +111,11 @@ def main(argv=None) -> None:
                   "transformers generate (LocalEngine, hf)": LocalEngine(model, backend="hf")}
     if vllm is not None:
         contenders["vLLM colocate (VLLMEngine)"] = vllm
+    server = server_start = server_sync = process = None
+    if not args.no_server:
+        server, server_start, server_sync, process = start_server(model, args.model)
+    if server is not None:
+        contenders["vLLM server (VLLMServerEngine, loopback)"] = server
     times = {name: [] for name in contenders}
     for round_ in range(args.rounds + 1):  # round 0 warms every contender up and is not counted
         for name, engine in contenders.items():
@@ -107,6 +144,12 @@ def main(argv=None) -> None:
     else:
         print(f"\nvLLM start-up (once per run): {vllm_start:.1f} s; one full weight sync: {vllm_sync * 1000:.0f} ms")
         vllm.close()
+    if process is not None:
+        mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        print(f"vLLM server start-up (to its first answer): {server_start:.1f} s; one full weight sync over loopback: "
+              f"{server_sync * 1000:.0f} ms ({mib:.0f} MiB of weights)")
+        process.terminate()
+        process.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ PACKAGE = SRC / "treadle"
 # the run side: the command line, what a config names (toy: specs), reports and the demos. The core (the loop,
 # data and models, the maths, online RL, the run folder's own files) never imports these.
 RUN_SIDE = {"treadle.cli", "treadle.__main__", "treadle.loading", "treadle.report", "treadle.demo",
-            "treadle.demo_tools", "treadle.demo_distill", "treadle.demo_count", "treadle.toy", "treadle.toy_vision"}
+            "treadle.demo_tools", "treadle.demo_distill", "treadle.demo_count", "treadle.toy", "treadle.toy_vision",
+            "treadle.vllm_serve"}
 # the entry point whose imports inside functions are deliberate: each command imports what it needs (torch and
 # transformers cost seconds). (treadle/__init__.py loads its public names lazily by module name, PEP 562.)
 LAZY_IMPORTERS = {"treadle.cli"}

@@ -239,7 +239,6 @@ def test_merged_state_dict_of_a_lora_model_is_the_merge_and_names_the_base_weigh
 
 
 @pytest.mark.parametrize("field, value, fragment", [
-    ("vllm_mode", "server", "not built yet"),
     ("vllm_mode", "remote", "vllm_mode='remote' is not supported"),
     ("vllm_gpu_memory_utilization", 0.0, "vllm_gpu_memory_utilization must be in (0, 1]"),
     ("vllm_tensor_parallel_size", 0, "vllm_tensor_parallel_size must be an integer >= 1"),

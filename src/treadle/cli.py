@@ -5,6 +5,7 @@
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
+    treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.vllm_serve)
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
 ``demo`` (treadle.demo): SFT then GRPO of a toy model, scored on held-out problems. ``train`` runs one trainer:
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge = commands.add_parser("merge", help="merge a LoRA run's adapter into its base model (a transformers folder)")
     merge.add_argument("run_dir", help="a folder holding adapter_config.json (a LoRA run's output_dir)")
     merge.add_argument("--output-dir", default=None, help="where the merged model goes (default: RUN_DIR/merged)")
+    commands.add_parser("vllm-serve", add_help=False, help="serve a model with vLLM to GRPO (vllm_mode: server)")
     return parser
 
 
@@ -111,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         debug = debug or args.debug
+        if args.command == "vllm-serve":
+            from treadle import vllm_serve  # heavy: torch, and vLLM once it starts
+
+            return vllm_serve.main(extra, parser_class=_Parser)
         if extra and args.command != "train":
             raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `treadle {args.command} --help`)")
         if args.command == "demo":

@@ -3,16 +3,13 @@ built so that a bad setting fails before a model loads; ``engines.vllm`` holds t
 
 from __future__ import annotations
 
-__all__ = ["VLLM_MODES", "check_vllm_options"]
+__all__ = ["VLLM_MODES", "check_server_options", "check_vllm_options"]
 
-VLLM_MODES = ("colocate",)  # "server" (TRL's other mode) is not built yet: refused in one line
+VLLM_MODES = ("colocate", "server")
 
 
 def check_vllm_options(args) -> None:
     """Raise ValueError, in one line naming the field and the fix, for a vLLM setting that cannot run."""
-    if args.vllm_mode == "server":
-        raise ValueError("vllm_mode='server' is not built yet in treadle; use vllm_mode='colocate' (an in-process "
-                         "engine on the policy's device, docs/vllm.md)")
     if args.vllm_mode not in VLLM_MODES:
         raise ValueError(f"vllm_mode={args.vllm_mode!r} is not supported; use one of {list(VLLM_MODES)}")
     if not 0.0 < args.vllm_gpu_memory_utilization <= 1.0:
@@ -25,3 +22,19 @@ def check_vllm_options(args) -> None:
         raise ValueError(f"vllm_max_model_length={length!r} leaves no room for a prompt and max_completion_length="
                          f"{args.max_completion_length} tokens; set it to at least the longest prompt plus "
                          f"max_completion_length, or None (the model's context)")
+    check_server_options(args)
+
+
+def check_server_options(args) -> None:
+    """The ``vllm_server_*`` fields (read only under ``vllm_mode="server"``; checked always: a typo fails early)."""
+    url = args.vllm_server_base_url
+    if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))
+                            or not url.split("://", 1)[1].strip("/")):
+        raise ValueError(f"vllm_server_base_url must be an http:// URL such as http://localhost:8000 (where "
+                         f"`treadle vllm-serve` listens), got {url!r}")
+    port = args.vllm_server_port
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ValueError(f"vllm_server_port must be a port number in 1..65535, got {port!r}; e.g. 8000 (TRL's default)")
+    timeout = args.vllm_server_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"vllm_server_timeout must be a number of seconds > 0, got {timeout!r}; e.g. 240 (TRL's)")

@@ -85,6 +85,7 @@ from treadle.data import RepeatSampler, column_names, require_columns
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import vllm_engine
+from treadle.engines.vllm_server import vllm_server_engine
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.health import HealthCallback, generation_health
@@ -191,7 +192,8 @@ class GRPOTrainer(Trainer):
         (``generation_backend``), or vLLM with ``use_vllm`` (``engines.vllm``). Override to plug in another
         ``engines.RolloutEngine``."""
         if self.args.use_vllm:
-            return vllm_engine(self.model, self.args, multi_turn=self.rollout_runner is not None)
+            build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_server
+            return build(self.model, self.args, multi_turn=self.rollout_runner is not None)
         return LocalEngine(self.model, backend=self.args.generation_backend)
 
     def close(self) -> None:

@@ -54,11 +54,15 @@ class GRPOConfig(TrainingArguments):
 
     # --- vLLM as the rollout engine (treadle.engines.vllm; docs/vllm.md); TRL 1.16's names and defaults
     use_vllm: bool = False  # sample with vLLM instead of the own sampler (training and evaluation, single-turn)
-    vllm_mode: str = "colocate"  # "colocate": an in-process engine on the policy's device (the one built so far)
+    vllm_mode: str = "colocate"  # "colocate": an in-process engine on the policy's device; "server": treadle vllm-serve
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM takes (weights + KV cache); CUDA only
     vllm_max_model_length: int | None = None  # context window; None: the model config's max_position_embeddings
     vllm_tensor_parallel_size: int = 1  # GPUs one engine spans
     vllm_enable_sleep_mode: bool = False  # GPU: the engine frees its memory through the optimizer step
+    vllm_server_base_url: str | None = None  # vllm_mode "server": e.g. http://localhost:8000; else host and port below
+    vllm_server_host: str = "0.0.0.0"  # the server's host when vllm_server_base_url is None (0.0.0.0: this machine)
+    vllm_server_port: int = 8000  # the server's port when vllm_server_base_url is None
+    vllm_server_timeout: float = 240.0  # seconds to wait for the server to answer before the run is refused
 
     # --- loss
     beta: float = 0.0  # β: weight of the k3 KL to the reference model; 0 creates no reference (DAPO, Dr. GRPO)
