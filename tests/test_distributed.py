@@ -113,7 +113,7 @@ def available(module: str) -> bool:
 
 TRAINER_SCENARIOS = {"sft": "sft", "dpo": "dpo", "dpo_precomputed": "dpo", "grpo": "grpo", "grpo_fsdp": "grpo",
                      "dpo_padded": "dpo", "grpo_padded": "grpo", "grpo_unshared": "grpo", "grpo_sgd": "grpo",
-                     "grpo_padded_sgd": "grpo", "grpo_groups": "grpo"}
+                     "grpo_padded_sgd": "grpo", "grpo_groups": "grpo", "distill": "distillation"}
 GOOD_SCENARIOS = ["collectives", "trainer", "fsdp"] + [
     name for name, module in TRAINER_SCENARIOS.items() if available(f"treadle.trainers.{module}")]
 
@@ -380,6 +380,28 @@ def assert_grpo_groups_match(got: dict, weights: dict, reference: dict) -> None:
 def test_grpo_with_whole_groups_per_rank_matches_one_process(job, grpo_groups_reference):
     assert_grpo_groups_match(result(job, "grpo_groups"), load_weights(job / "grpo_groups" / "final"),
                              grpo_groups_reference)
+
+
+@pytest.mark.slow
+def test_distillation_two_processes_match_one_process(job, tmp_path):
+    """On-policy distillation, 8 prompts a step in 2 accumulation steps: 2 processes x micro-batch 2 give the losses
+    and weights of 1 process x micro-batch 4. The ranks' completion-token counts differ, so the loss is exact only
+    when it is divided by the window's tokens of both ranks (a per-rank count would weigh their tokens unequally)."""
+    _, want = worker.distill_run(str(tmp_path), 1)
+    got = result(job, "distill")
+    assert got["world_size"] == 2 and len(got["losses"]) == 2
+    rank0, rank1 = got["sampled_by_rank"]
+    assert [a + b for a, b in zip(rank0, rank1)] == want["sampled"]  # each rank half of every generation's prompts
+    tokens0, tokens1 = got["tokens_by_rank"]  # per micro-batch, counted once for the window's normaliser
+    assert len(tokens0) == len(tokens1) == 4 and sum(tokens0) + sum(tokens1) == sum(want["tokens"])
+    assert any(sum(tokens0[i:i + 2]) != sum(tokens1[i:i + 2]) for i in (0, 2))
+    assert got["losses"] == pytest.approx(want["losses"], rel=LOSS_RTOL)
+    # SGD: weights linear in the gradients, so only float32 sums in another order differ (~4e-9 observed); the
+    # tolerance of the GRPO SGD comparison. A per-rank normaliser moves them by ~6e-5 here.
+    weights = load_weights(tmp_path / "final")
+    assert_same_weights(load_weights(job / "distill" / "final"), weights, atol=1e-6)
+    start = worker.toy_model_and_tokenizer()[0].state_dict()
+    assert max(float((weights[name] - start[name]).abs().max()) for name in weights) > 1e-4  # it trained (~9e-4)
 
 
 # ---------------------------------------------------------------------------------------------------------
