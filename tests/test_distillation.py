@@ -277,3 +277,42 @@ def test_eval_loss_without_reward_functions(tmp_path, tok, dataset):
                                        toy.build_model("tiny", tokenizer=tok, seed=0), args=config(tmp_path),
                                        train_dataset=dataset, processing_class=tok)
     assert same_teacher.evaluate(dataset.select(range(6)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------ tools
+def test_with_tools_the_teacher_scores_only_the_students_own_tokens(tmp_path, tok, dataset, monkeypatch):
+    """Multi-turn rollouts through ``tools=``: every rollout's first turn is read as the call ``add(2, 3)``, so
+    its tool result (``<result>5</result>``) sits in the completion between sampled turns. The loss is the
+    divergence over the sampled tokens only (both models' full logits, plain PyTorch), not over the result's."""
+    from test_rollouts import add, chatty_model
+
+    from treadle.rollouts import ToolEnvironment
+
+    real_step = ToolEnvironment.step
+    monkeypatch.setattr(ToolEnvironment, "step", lambda env, text: real_step(
+        env, "<call>add(2, 3)</call>" if env.iterations == 0 else text))
+    trainer = DistillationTrainer(chatty_model(tok, eos_bias=4.0), toy.build_model("tiny", tokenizer=tok, seed=1),
+                                  args=config(tmp_path, max_completion_length=40, beta=0.5, temperature=0.7,
+                                              max_steps=1, logging_steps=1),
+                                  train_dataset=dataset, processing_class=tok, tools=[add])
+    (sample,) = trainer.generate_and_score(list(dataset.select(range(4))), 0)
+    loss_mask, width = sample.completion_mask.bool(), sample.completion_mask.shape[1]
+    in_completion = sample.attention_mask[:, -width:].bool()
+    tool_tokens = in_completion & ~loss_mask
+    assert tool_tokens.any() and loss_mask.any()
+    result_ids = tok("<result>5</result>", add_special_tokens=False)["input_ids"]
+    for row in range(4):  # each row's masked-out tokens are exactly the tool's answer
+        assert sample.input_ids[row, -width:][tool_tokens[row]].tolist() == result_ids
+    loss = trainer.compute_loss(trainer.model, sample, num_items_in_batch=int(loss_mask.sum()))
+    ids, mask = sample.input_ids, sample.attention_mask
+    start, positions = ids.shape[1] - width - 1, torch.cumsum(mask, 1) - 1
+    with torch.no_grad():
+        student = trainer.model(ids, attention_mask=mask, position_ids=positions).logits[:, start:-1].double()
+        teacher = trainer.teacher_model(ids, attention_mask=mask, position_ids=positions).logits[:, start:-1].double()
+    per_token = plain_gjsd(student, teacher, 0.5, 0.7)  # (B, C)
+    torch.testing.assert_close(loss.double(), per_token[loss_mask].sum() / loss_mask.sum(), atol=1e-6, rtol=1e-5)
+    # a mask that let the tool's tokens in would give another loss
+    assert abs(per_token[in_completion].sum() / in_completion.sum() - loss.double()) > 1e-4
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["tools/call_frequency"] > 0 and "tools/add/calls" in logged

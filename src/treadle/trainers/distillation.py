@@ -165,8 +165,9 @@ class DistillationTrainer(GRPOTrainer):
         rollout = self.sample_rows(rows, seeded_generator(args.seed, args.device, "train", generation))
         out = rollout.generation
         self.metrics.add_many({"completions/mean_length": (out.completion_mask.sum().item(), len(rows)),
-                               "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows))})
-        loss_mask = rollout.loss_mask
+                               "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows)),
+                               **rollout.rollout_metrics})  # tools=: rollouts/*, tools/* (treadle.rollouts)
+        loss_mask = rollout.loss_mask  # tools=: 1 on sampled tokens only, never on tool results
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~out.is_truncated).unsqueeze(1).to(loss_mask.dtype)
         size, zeros = args.per_device_train_batch_size, torch.zeros(len(rows))
