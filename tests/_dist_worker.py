@@ -355,7 +355,8 @@ def distill_run(out: str, world_size: int):
     """On-policy distillation of the toy student towards another toy model (beta 0.5, temperature 1.3): a global
     batch of 8 prompts a step (4 a rank under 2 processes), in micro-batches of 4 // world_size rows and 2
     accumulation steps, 2 SGD steps; sampled through the prompt-seeded engine (completions cut to 1-6 tokens by
-    prompt), so 1 process and 2 sample the same completions. Returns (trainer, result); the result lists each micro-batch's completion tokens."""
+    prompt), so 1 process and 2 sample the same completions. Returns (trainer, result); the result lists each
+    micro-batch's completion tokens."""
     from datasets import Dataset
 
     from treadle import DistillationConfig, DistillationTrainer, toy

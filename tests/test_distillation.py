@@ -316,3 +316,21 @@ def test_with_tools_the_teacher_scores_only_the_students_own_tokens(tmp_path, to
     trainer.train()
     logged = trainer.state.log_history[0]
     assert logged["tools/call_frequency"] > 0 and "tools/add/calls" in logged
+
+
+def test_min_p_and_generation_kwargs_reach_the_students_sampler(tmp_path, tok, dataset):
+    """GRPO's sampling fields: one step samples through min_p and top-k with suppressed tokens (every digit but 1,
+    which the untrained student samples otherwise) and logs a finite divergence."""
+    digits = [tok.convert_tokens_to_ids(d) for d in "023456789"]
+    trainer = make_trainer(tmp_path, tok, dataset, max_steps=1, logging_steps=1, min_p=0.05,
+                           generation_kwargs={"suppress_tokens": digits, "top_k": 40})
+    params = trainer.sampling_params()
+    assert (params.min_p, params.top_k, params.suppress_token_ids) == (0.05, 40, tuple(digits))
+    rollout = trainer.sample_rows(list(dataset.select(range(8))), torch.Generator().manual_seed(0))
+    sampled = rollout.generation.completion_ids[rollout.generation.completion_mask.bool()]
+    assert sampled.numel() > 8 and not set(sampled.tolist()) & set(digits)
+    plain = make_trainer(tmp_path, tok, dataset).sample_rows(list(dataset.select(range(8))),
+                                                             torch.Generator().manual_seed(0)).generation
+    assert set(plain.completion_ids[plain.completion_mask.bool()].tolist()) & set(digits)  # it would sample them
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
