@@ -19,6 +19,8 @@ reads the rank and world size.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
+import gc
 import json
 import os
 import sys
@@ -433,6 +435,9 @@ SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "
 
 
 def main(argv: list[str]) -> None:
+    # An abort (SIGABRT) prints every thread's Python stack: a two-node launch in ~45 saw rank 0 write its last
+    # result and then die with "terminate called without an active exception" (exit -6) on its way out
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     from treadle import distributed as dist
 
@@ -443,6 +448,10 @@ def main(argv: list[str]) -> None:
         if dist.is_main_process():
             with open(os.path.join(argv[2], f"{scenario}.json"), "w") as f:
                 json.dump(result, f)
+    # the trainers (DDP reducers, FSDP states, engines) sit in reference cycles that hold the process group: free
+    # them while the group and the interpreter are alive, not in the interpreter's finalisation (torch's gloo
+    # threads then abort the process, pytorch/pytorch#190489 and PR 179291)
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 
