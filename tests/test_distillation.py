@@ -98,10 +98,12 @@ def test_loss_on_fixed_completions_matches_trl(beta):
 import copy  # noqa: E402  (the trainer's tests below share the module with the loss tests above)
 
 from datasets import Dataset  # noqa: E402
+from test_rollouts import add, chatty_model  # noqa: E402  (the tool and the EOS-biased toy model of GRPO's tests)
 
 from treadle import toy  # noqa: E402
 from treadle.errors import PreflightError  # noqa: E402
 from treadle.generation import GenerationOutput, completion_masks, left_pad  # noqa: E402
+from treadle.rollouts import ToolEnvironment  # noqa: E402
 from treadle.trainers import distillation as distillation_module  # noqa: E402
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer  # noqa: E402
 
@@ -284,10 +286,6 @@ def test_with_tools_the_teacher_scores_only_the_students_own_tokens(tmp_path, to
     """Multi-turn rollouts through ``tools=``: every rollout's first turn is read as the call ``add(2, 3)``, so
     its tool result (``<result>5</result>``) sits in the completion between sampled turns. The loss is the
     divergence over the sampled tokens only (both models' full logits, plain PyTorch), not over the result's."""
-    from test_rollouts import add, chatty_model
-
-    from treadle.rollouts import ToolEnvironment
-
     real_step = ToolEnvironment.step
     monkeypatch.setattr(ToolEnvironment, "step", lambda env, text: real_step(
         env, "<call>add(2, 3)</call>" if env.iterations == 0 else text))
