@@ -412,7 +412,8 @@ TWO_NODE_SCENARIOS = ("trainer", "fsdp", "grpo_groups")
 
 def launch_two_nodes(scenarios: str, out: Path, *, timeout: float = 420):
     """Start the worker on two torchrun "nodes" of one process each, as two machines would (same command, one
-    rendezvous endpoint); returns [(exit code, output)] per node.
+    rendezvous endpoint); returns [(exit code, output)] per node, the code None for a node stopped because the
+    other failed.
 
     The rendezvous store is this process's (``is_host=0`` for both agents), as a cluster's endpoint is a host that
     outlives the nodes. Left to the agents, the first to bind a port picked here (bound, released, then bound again
@@ -430,7 +431,13 @@ def launch_two_nodes(scenarios: str, out: Path, *, timeout: float = 420):
         for log in logs:
             with open(log, "w") as f:
                 nodes.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT))
-        return [(node.wait(timeout=timeout), log.read_text()) for node, log in zip(nodes, logs)]
+        deadline = time.monotonic() + timeout
+        # a node that failed leaves the other waiting out torchrun's exit barrier (300 s): stop it then (code None)
+        while any(node.poll() is None for node in nodes) and not any(node.poll() for node in nodes):
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(command, timeout)
+            time.sleep(0.5)
+        return [(node.poll(), log.read_text()) for node, log in zip(nodes, logs)]
     finally:
         for node in nodes:
             node.kill()
