@@ -10,13 +10,17 @@ Scenarios: ``collectives`` (the helpers of treadle.distributed), ``trainer`` (DD
 mid-run checkpoint), ``fsdp`` (the same under FSDP2), ``error`` (rank 1 raises), ``stuck`` (rank 1 raises but
 stays alive), ``sft``, ``dpo``, ``grpo`` (and ``*_padded``: the same with ``padding_free=False``), ``grpo_groups``
 (each rank samples whole groups of its own prompts through a rollout engine seeded by prompt, not by rank, so
-that 1 process samples the same completions). SCENARIO may list several, comma-separated, run one after
-another in the same processes (one launch costs seconds of imports). The same worker runs on two torchrun
-"nodes" (``--nnodes 2 --nproc-per-node 1``): it only reads the rank and world size.
+that 1 process samples the same completions), ``distill`` (on-policy distillation through that engine).
+SCENARIO may list several, comma-separated, run one after another in the same processes (one launch costs
+seconds of imports). The same worker runs on two torchrun "nodes" (``--nnodes 2 --nproc-per-node 1``): it only
+reads the rank and world size.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import faulthandler
+import gc
 import json
 import os
 import sys
@@ -274,10 +278,10 @@ class PromptSeededEngine:
     (its token ids, this engine's call count): the completions of a prompt do not depend on which rank holds it
     or on which prompts share its batch, so 1 process and 2 sample the same. Records the prompts it sampled."""
 
-    def __init__(self, model, backend: str):
+    def __init__(self, model, backend: str, cut: bool = False):
         from treadle.engines import LocalEngine
 
-        self.inner, self.calls, self.sampled = LocalEngine(model, backend), 0, []
+        self.inner, self.calls, self.sampled, self.cut = LocalEngine(model, backend), 0, [], cut
 
     def generate(self, prompt_ids, params, *, generator=None):
         import zlib
@@ -287,7 +291,8 @@ class PromptSeededEngine:
         outs = []
         for prompt in prompt_ids:
             seed = zlib.crc32(str(prompt).encode()) + 100_003 * self.calls
-            outs.append(self.inner.generate([prompt], params, generator=torch.Generator().manual_seed(seed)))
+            out = self.inner.generate([prompt], params, generator=torch.Generator().manual_seed(seed))
+            outs.append(cut_completions(out, 1 + seed % params.max_new_tokens, params) if self.cut else out)
         self.sampled.append([[prompt, params.num_generations] for prompt in prompt_ids])
         self.calls += 1
         prompt_rows = [row[mask.bool()].tolist() for o in outs for row, mask in zip(o.prompt_ids, o.prompt_mask)]
@@ -311,6 +316,18 @@ class PromptSeededEngine:
         self.inner.close()
 
 
+def cut_completions(out, length: int, params):
+    """``out``'s completions ended by EOS at token ``length`` (1-based) when longer: an untrained toy model rarely
+    samples EOS, and a test of token-count normalisation needs completions of different lengths."""
+    ids, mask = out.completion_ids.clone(), out.completion_mask.clone()
+    longer = mask.sum(dim=1) > length
+    ids[longer, length - 1], ids[longer, length:], mask[longer, length:] = params.eos_token_ids[0], \
+        params.pad_token_id, 0
+    logps = None if out.sampling_logps is None else out.sampling_logps * mask
+    return dataclasses.replace(out, completion_ids=ids, completion_mask=mask, is_truncated=out.is_truncated & ~longer,
+                               sampling_logps=logps)
+
+
 def grpo_groups_run(out: str, world_size: int):
     """GRPO with G=4, 2 prompts per generation (one per rank under 2 processes: groups whole on one rank),
     3 steps; returns (trainer, result)."""
@@ -332,6 +349,49 @@ def scenario_grpo_groups(out: str) -> dict:
     from treadle import distributed as dist
 
     trainer, result = grpo_groups_run(out, dist.get_world_size())
+    result["sampled_by_rank"] = dist.gather_objects(result.pop("sampled"))
+    return result
+
+
+def distill_run(out: str, world_size: int):
+    """On-policy distillation of the toy student towards another toy model (beta 0.5, temperature 1.3): a global
+    batch of 8 prompts a step (4 a rank under 2 processes), in micro-batches of 4 // world_size rows and 2
+    accumulation steps, 2 SGD steps; sampled through the prompt-seeded engine (completions cut to 1-6 tokens by
+    prompt), so 1 process and 2 sample the same completions. Returns (trainer, result); the result lists each
+    micro-batch's completion tokens."""
+    from datasets import Dataset
+
+    from treadle import DistillationConfig, DistillationTrainer, toy
+
+    class PromptSeededDistillation(DistillationTrainer):
+        def build_engine(self):
+            return PromptSeededEngine(self.model, self.args.generation_backend, cut=True)
+
+        def count_items(self, inputs) -> int:
+            items = super().count_items(inputs)
+            self.micro_batch_tokens.append(items)
+            return items
+
+    model, tokenizer = toy_model_and_tokenizer()
+    data = Dataset.from_list([{"prompt": f"{a}+{b}="} for a, b in ADDITION])
+    args = DistillationConfig(output_dir=out, per_device_train_batch_size=4 // world_size,
+                              gradient_accumulation_steps=2, max_completion_length=6, max_steps=2,
+                              optim="sgd", learning_rate=0.5, logging_steps=1, save_strategy="no",
+                              disable_tqdm=True, seed=0, beta=0.5, temperature=1.3)
+    trainer = PromptSeededDistillation(model, toy.build_model("tiny", seed=1), args=args, train_dataset=data,
+                                       processing_class=tokenizer)
+    trainer.micro_batch_tokens = []
+    trainer.train()
+    trainer.save_model(os.path.join(out, "final"))
+    return trainer, {"losses": step_losses(trainer.state.log_history), "tokens": trainer.micro_batch_tokens,
+                     "sampled": trainer.engine.sampled}
+
+
+def scenario_distill(out: str) -> dict:
+    from treadle import distributed as dist
+
+    _, result = distill_run(out, dist.get_world_size())
+    result["tokens_by_rank"] = dist.gather_objects(result.pop("tokens"))
     result["sampled_by_rank"] = dist.gather_objects(result.pop("sampled"))
     return result
 
@@ -371,10 +431,13 @@ SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "
              "dpo_padded": scenario_dpo_padded, "grpo_padded": scenario_grpo_padded,
              "grpo_unshared": scenario_grpo_unshared, "grpo_sgd": scenario_grpo_sgd,
              "grpo_padded_sgd": scenario_grpo_padded_sgd,
-             "grpo_groups": scenario_grpo_groups}
+             "grpo_groups": scenario_grpo_groups, "distill": scenario_distill}
 
 
 def main(argv: list[str]) -> None:
+    # An abort (SIGABRT) prints every thread's Python stack: a two-node launch in ~45 saw rank 0 write its last
+    # result and then die with "terminate called without an active exception" (exit -6) on its way out
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     from treadle import distributed as dist
 
@@ -385,6 +448,10 @@ def main(argv: list[str]) -> None:
         if dist.is_main_process():
             with open(os.path.join(argv[2], f"{scenario}.json"), "w") as f:
                 json.dump(result, f)
+    # the trainers (DDP reducers, FSDP states, engines) sit in reference cycles that hold the process group: free
+    # them while the group and the interpreter are alive, not in the interpreter's finalisation (torch's gloo
+    # threads then abort the process, pytorch/pytorch#190489 and PR 179291)
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

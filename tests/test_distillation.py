@@ -98,10 +98,12 @@ def test_loss_on_fixed_completions_matches_trl(beta):
 import copy  # noqa: E402  (the trainer's tests below share the module with the loss tests above)
 
 from datasets import Dataset  # noqa: E402
+from test_rollouts import add, chatty_model  # noqa: E402  (the tool and the EOS-biased toy model of GRPO's tests)
 
 from treadle import toy  # noqa: E402
 from treadle.errors import PreflightError  # noqa: E402
 from treadle.generation import GenerationOutput, completion_masks, left_pad  # noqa: E402
+from treadle.rollouts import ToolEnvironment  # noqa: E402
 from treadle.trainers import distillation as distillation_module  # noqa: E402
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer  # noqa: E402
 
@@ -277,3 +279,56 @@ def test_eval_loss_without_reward_functions(tmp_path, tok, dataset):
                                        toy.build_model("tiny", tokenizer=tok, seed=0), args=config(tmp_path),
                                        train_dataset=dataset, processing_class=tok)
     assert same_teacher.evaluate(dataset.select(range(6)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------ tools
+def test_with_tools_the_teacher_scores_only_the_students_own_tokens(tmp_path, tok, dataset, monkeypatch):
+    """Multi-turn rollouts through ``tools=``: every rollout's first turn is read as the call ``add(2, 3)``, so
+    its tool result (``<result>5</result>``) sits in the completion between sampled turns. The loss is the
+    divergence over the sampled tokens only (both models' full logits, plain PyTorch), not over the result's."""
+    real_step = ToolEnvironment.step
+    monkeypatch.setattr(ToolEnvironment, "step", lambda env, text: real_step(
+        env, "<call>add(2, 3)</call>" if env.iterations == 0 else text))
+    trainer = DistillationTrainer(chatty_model(tok, eos_bias=4.0), toy.build_model("tiny", tokenizer=tok, seed=1),
+                                  args=config(tmp_path, max_completion_length=40, beta=0.5, temperature=0.7,
+                                              max_steps=1, logging_steps=1),
+                                  train_dataset=dataset, processing_class=tok, tools=[add])
+    (sample,) = trainer.generate_and_score(list(dataset.select(range(4))), 0)
+    loss_mask, width = sample.completion_mask.bool(), sample.completion_mask.shape[1]
+    in_completion = sample.attention_mask[:, -width:].bool()
+    tool_tokens = in_completion & ~loss_mask
+    assert tool_tokens.any() and loss_mask.any()
+    result_ids = tok("<result>5</result>", add_special_tokens=False)["input_ids"]
+    for row in range(4):  # each row's masked-out tokens are exactly the tool's answer
+        assert sample.input_ids[row, -width:][tool_tokens[row]].tolist() == result_ids
+    loss = trainer.compute_loss(trainer.model, sample, num_items_in_batch=int(loss_mask.sum()))
+    ids, mask = sample.input_ids, sample.attention_mask
+    start, positions = ids.shape[1] - width - 1, torch.cumsum(mask, 1) - 1
+    with torch.no_grad():
+        student = trainer.model(ids, attention_mask=mask, position_ids=positions).logits[:, start:-1].double()
+        teacher = trainer.teacher_model(ids, attention_mask=mask, position_ids=positions).logits[:, start:-1].double()
+    per_token = plain_gjsd(student, teacher, 0.5, 0.7)  # (B, C)
+    torch.testing.assert_close(loss.double(), per_token[loss_mask].sum() / loss_mask.sum(), atol=1e-6, rtol=1e-5)
+    # a mask that let the tool's tokens in would give another loss
+    assert abs(per_token[in_completion].sum() / in_completion.sum() - loss.double()) > 1e-4
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["tools/call_frequency"] > 0 and "tools/add/calls" in logged
+
+
+def test_min_p_and_generation_kwargs_reach_the_students_sampler(tmp_path, tok, dataset):
+    """GRPO's sampling fields: one step samples through min_p and top-k with suppressed tokens (every digit but 1,
+    which the untrained student samples otherwise) and logs a finite divergence."""
+    digits = [tok.convert_tokens_to_ids(d) for d in "023456789"]
+    trainer = make_trainer(tmp_path, tok, dataset, max_steps=1, logging_steps=1, min_p=0.05,
+                           generation_kwargs={"suppress_tokens": digits, "top_k": 40})
+    params = trainer.sampling_params()
+    assert (params.min_p, params.top_k, params.suppress_token_ids) == (0.05, 40, tuple(digits))
+    rollout = trainer.sample_rows(list(dataset.select(range(8))), torch.Generator().manual_seed(0))
+    sampled = rollout.generation.completion_ids[rollout.generation.completion_mask.bool()]
+    assert sampled.numel() > 8 and not set(sampled.tolist()) & set(digits)
+    plain = make_trainer(tmp_path, tok, dataset).sample_rows(list(dataset.select(range(8))),
+                                                             torch.Generator().manual_seed(0)).generation
+    assert set(plain.completion_ids[plain.completion_mask.bool()].tolist()) & set(digits)  # it would sample them
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])

@@ -16,9 +16,11 @@ EOS = 2  # the toy tokenizer's eos id
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24]]  # different lengths: left padding
 
 
-def plain_sampling_logps(model, out: GenerationOutput, temperature: float, top_k: int, top_p: float):
+def plain_sampling_logps(model, out: GenerationOutput, temperature: float, top_k: int, top_p: float,
+                         min_p: float = 0.0):
     """(N, C) log-probs of the sampled tokens under the processed distribution, from one forward of prompt +
-    completion: logits / temperature, then the k best kept, then the smallest set of mass >= top_p kept."""
+    completion: logits / temperature, then the k best kept, then the smallest set of mass >= top_p kept, then the
+    tokens of at least min_p x the top token's probability kept."""
     ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
     mask = torch.cat([out.prompt_mask, out.completion_mask], dim=1)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -32,6 +34,8 @@ def plain_sampling_logps(model, out: GenerationOutput, temperature: float, top_k
     before = probs.cumsum(-1) - probs  # mass of the more likely tokens
     drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before >= top_p)
     scores = scores.masked_fill(drop, float("-inf"))
+    probs = scores.softmax(-1)
+    scores = scores.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     picked = scores.log_softmax(-1).gather(-1, out.completion_ids[..., None]).squeeze(-1)
     return torch.where(out.completion_mask.bool(), picked, 0.0).float()  # padding may be filtered out: -inf
 
@@ -56,6 +60,22 @@ def test_local_engine_returns_the_log_probs_of_the_distribution_it_sampled_from(
     again = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
     assert torch.equal(again.completion_ids, out.completion_ids)
     engine.close()
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_min_p_sampling_log_probs_are_those_of_the_min_p_distribution(tok, backend):
+    """min_p after temperature and top-p (transformers' order): the engine's sampling log-probs equal the plain
+    recomputation's, and differ from the same settings without min_p (it removed mass the sampler never drew)."""
+    model = toy.build_model("tiny", tokenizer=tok, seed=0).eval()
+    params = SamplingParams(num_generations=4, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0,
+                            temperature=0.7, top_p=0.95, min_p=0.3)
+    out = LocalEngine(model, backend=backend).generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
+    want = plain_sampling_logps(model, out, temperature=0.7, top_k=model.config.vocab_size, top_p=0.95, min_p=0.3)
+    torch.testing.assert_close(out.sampling_logps, want, atol=1e-4, rtol=1e-4)
+    sampled = out.completion_mask.bool()
+    assert torch.isfinite(want[sampled]).all()  # no token below min_p x the top one was drawn
+    without = plain_sampling_logps(model, out, temperature=0.7, top_k=model.config.vocab_size, top_p=0.95)
+    assert (out.sampling_logps[sampled] > without[sampled] + 1e-3).all()
 
 
 class FixedEngine:

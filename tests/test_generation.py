@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from treadle.generation import (GenerationOutput, SamplingParams, apply_repetition_penalty, apply_temperature,
-                                apply_top_k, apply_top_p, completion_masks, generate_completions, left_pad,
-                                process_logits, token_presence)
+from treadle.generation import (GenerationOutput, SamplingParams, apply_min_p, apply_repetition_penalty,
+                                apply_temperature, apply_top_k, apply_top_p, completion_masks, generate_completions,
+                                left_pad, process_logits, token_presence)
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,6 +92,26 @@ def test_processing_order_is_penalty_temperature_top_k_top_p():
     # greedy: only the penalty applies (generate skips the warpers when do_sample=False)
     params = SamplingParams(1, 1, (), PAD, temperature=0.5, top_k=1, do_sample=False)
     assert torch.equal(process_logits(base, params), base)
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
+def test_min_p_equals_transformers_warper(min_p):
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(6, VOCAB, generator=g) * 3
+    scores[0, :20] = float("-inf")  # rows already cut by top-k / top-p
+    want = transformers.MinPLogitsWarper(min_p=min_p)(torch.zeros(6, 1, dtype=torch.long), scores.clone())
+    assert torch.equal(apply_min_p(scores, min_p), want)
+
+
+def test_min_p_comes_after_temperature_by_hand():
+    base = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
+    # temperature 0.5: 0.533, 0.3, 0.133, 0.033; min_p 0.2 drops below 0.107, i.e. the last token only. Before the
+    # temperature it would drop nothing (0.1 >= 0.2 x 0.4).
+    params = SamplingParams(1, 1, (), PAD, temperature=0.5, min_p=0.2)
+    assert torch.isfinite(process_logits(base, params)).tolist() == [[True, True, True, False]]
+    # after top-k 2 (0.571, 0.429), min_p 0.8 keeps the first only
+    params = SamplingParams(1, 1, (), PAD, top_k=2, min_p=0.8)
+    assert torch.isfinite(process_logits(base, params)).tolist() == [[True, False, False, False]]
 
 
 def test_completion_masks_cut_after_first_eos():

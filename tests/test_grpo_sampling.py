@@ -136,8 +136,10 @@ def test_when_the_correction_applies(tmp_path):
 
     assert not corrects_sampling(args(), own_sampler=True)  # samples the trained distribution itself
     assert corrects_sampling(args(), own_sampler=False)  # another engine: always
-    for reshaped in ({"top_k": 5}, {"top_p": 0.9}, {"repetition_penalty": 1.2}):
+    for reshaped in ({"top_k": 5}, {"top_p": 0.9}, {"repetition_penalty": 1.2}, {"min_p": 0.05},
+                     {"generation_kwargs": {"min_p": 0.05}}, {"generation_kwargs": {"suppress_tokens": [7]}}):
         assert corrects_sampling(args(**reshaped), own_sampler=True), reshaped
+    assert not corrects_sampling(args(min_p=0.0), own_sampler=True)
     assert not corrects_sampling(args(top_k=5, vllm_importance_sampling_correction=False), own_sampler=False)
 
 
@@ -200,3 +202,34 @@ def test_the_own_sampler_at_plain_settings_spends_nothing_on_it(tmp_path, tok, d
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert not any(k.startswith("sampling/") for h in logs for k in h)
+
+
+# ------------------------------------------------------------------------------------- min_p, generation_kwargs
+def test_min_p_and_generation_kwargs_are_trls_fields_and_reach_the_sampler(tmp_path, tok, dataset):
+    trl_config = pytest.importorskip("trl.trainer.grpo_config").GRPOConfig
+    theirs = {f.name: f.default for f in dataclasses.fields(trl_config)}
+    ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    names = ("min_p", "generation_kwargs")
+    assert {n: ours[n] for n in names} == {n: theirs[n] for n in names}
+    trainer = trainer_for(tmp_path, tok, dataset, min_p=0.2, top_p=0.95,
+                          generation_kwargs={"top_p": 0.9, "suppress_tokens": [7, 9]})
+    for mode in ("train", "eval"):  # as TRL's one generation config: generation_kwargs override the fields
+        params = trainer.sampling_params(mode)
+        assert (params.min_p, params.top_p, params.suppress_token_ids) == (0.2, 0.9, (7, 9)), mode
+    overridden = trainer_for(tmp_path, tok, dataset, min_p=0.2, generation_kwargs={"min_p": 0.1})
+    assert overridden.sampling_params().min_p == 0.1
+    assert trainer_for(tmp_path, tok, dataset).sampling_params().min_p == 0.0
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"generation_kwargs": {"num_beams": 4}}, r"generation_kwargs\['num_beams'\] has no counterpart"),
+    ({"generation_kwargs": {"temperature": 0.5}}, r"generation_kwargs\['temperature'\] is not taken: the trained"),
+    ({"generation_kwargs": {"max_new_tokens": 9}}, "set the config's max_completion_length"),
+    ({"generation_kwargs": "min_p=0.1"}, "generation_kwargs must be a dict"),
+    ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+    ({"generation_kwargs": {"min_p": -0.1}}, r"min_p must be in \[0, 1\]"),
+    ({"min_p": 0.1, "use_vllm": True}, "reach treadle's own sampler only, not the vLLM engine"),
+])
+def test_sampling_settings_the_own_sampler_cannot_honour_are_refused(tmp_path, settings, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(output_dir=str(tmp_path), **settings)

@@ -120,7 +120,7 @@ def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
             f"the mean sampler importance ratio (sampling/importance_sampling_ratio/mean, after the correction's "
             f"clipping or masking) is {ratio:.4g}, outside importance_ratio_bounds={bounds}: the rollout engine samples "
             f"from another distribution than the one trained, by stale or unsynced weights or by heavy truncation "
-            f"(top_k / top_p / repetition_penalty); check the engine's load_weights "
+            f"(top_k / top_p / min_p / repetition_penalty); check the engine's load_weights "
             f"(sampling/sampling_logp_difference/max), sample less truncated, or use "
             f"vllm_importance_sampling_mode='token_truncate'")
     return out

@@ -1,10 +1,11 @@
 """Sampling settings (:class:`SamplingParams`) and logits processing: what distribution a completion is drawn from.
 
 The distribution is transformers' ``generate``: the same logits processors in the same order (repetition
-penalty, then, when sampling, temperature, top-k, top-p), then softmax and a categorical draw. The processors
+penalty, then, when sampling, temperature, top-k, top-p, min-p), then softmax and a categorical draw. The processors
 are pure functions on ``(N, V)`` float scores; :func:`sampled_logps` gives the log-probs of drawn tokens under
 the processed scores, i.e. of the distribution actually sampled from (what an importance-sampling correction
-against the sampler needs).
+against the sampler needs). :func:`sampler_options` maps TRL's ``min_p`` and ``generation_kwargs`` onto
+``SamplingParams`` fields.
 """
 
 from __future__ import annotations
@@ -14,8 +15,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingParams", "apply_repetition_penalty", "apply_temperature", "apply_top_k", "apply_top_p",
-           "process_logits", "sample_next_tokens", "sampled_logps", "token_presence"]
+__all__ = ["GENERATION_KWARGS", "SamplingParams", "apply_min_p", "apply_repetition_penalty", "apply_temperature",
+           "apply_top_k", "apply_top_p", "process_logits", "sample_next_tokens", "sampled_logps", "sampler_options",
+           "token_presence"]
+
+# generation_kwargs (GenerationConfig names) that the own sampler takes, and the SamplingParams field each sets
+GENERATION_KWARGS = {"min_p": "min_p", "top_p": "top_p", "top_k": "top_k", "repetition_penalty": "repetition_penalty",
+                     "suppress_tokens": "suppress_token_ids"}
+# names the config sets through a field of its own, with the reason generation_kwargs may not override them
+OWN_FIELDS = {"temperature": "the trained log-probs (and distillation's divergence) use the sampling temperature "
+                             "too; set the config's temperature",
+              "max_new_tokens": "set the config's max_completion_length",
+              "do_sample": "training samples; evaluate greedily with eval_temperature=0",
+              "eos_token_id": "the tokenizer's eos_token_id ends completions",
+              "pad_token_id": "the tokenizer's pad token pads completions"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 disables
     top_k: int = 0  # keep the k most likely tokens; 0 disables
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after top-p); 0 disables
     repetition_penalty: float = 1.0  # CTRL penalty (Keskar et al. 2019); 1 disables
     do_sample: bool = True  # False: greedy (argmax after the repetition penalty)
     suppress_token_ids: tuple[int, ...] = ()  # never sampled (generate's suppress_tokens): image tokens
@@ -41,6 +55,8 @@ class SamplingParams:
                                        "pass the longest completion length you accept (e.g. 64)"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}; use 0 to disable it"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}; 0.01-0.2 is typical, 0 or "
+                                       "None disables it"),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}; "
                                             "use 1.0 to disable it"),
             (not self.do_sample or self.temperature > 0.0,
@@ -101,11 +117,18 @@ def apply_top_p(scores: Tensor, top_p: float) -> Tensor:
     return scores.masked_fill(drop, float("-inf"))
 
 
+def apply_min_p(scores: Tensor, min_p: float) -> Tensor:
+    """Min-p filtering (Nguyen et al. 2024): drop the tokens whose probability is below ``min_p`` times that of
+    the most likely token (kept itself, as ``min_p <= 1``), as transformers' ``MinPLogitsWarper``."""
+    probs = scores.softmax(dim=-1)
+    return scores.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
 def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None = None) -> Tensor:
     """Turn next-token logits (N, V) into the float32 scores that are sampled from (or argmax-ed).
 
     Order as in transformers' ``generate``: suppressed tokens, repetition penalty, then (sampling only)
-    temperature, top-k, top-p. ``seen`` (N, V) is required when ``params.repetition_penalty != 1``.
+    temperature, top-k, top-p, min-p. ``seen`` (N, V) is required when ``params.repetition_penalty != 1``.
     """
     scores = logits.float()
     if params.suppress_token_ids:
@@ -120,7 +143,29 @@ def process_logits(logits: Tensor, params: SamplingParams, seen: Tensor | None =
         scores = apply_top_k(scores, params.top_k)
     if params.top_p < 1.0:
         scores = apply_top_p(scores, params.top_p)
+    if params.min_p > 0.0:
+        scores = apply_min_p(scores, params.min_p)
     return scores
+
+
+def sampler_options(min_p: float | None = None, generation_kwargs: dict | None = None) -> dict:
+    """The ``SamplingParams`` fields that TRL's ``min_p`` and ``generation_kwargs`` set (keys in
+    ``GENERATION_KWARGS``; as in TRL, ``generation_kwargs`` override ``min_p`` and the top-p / top-k / penalty
+    fields). Any other key raises ValueError, one line naming it."""
+    options = {} if min_p is None else {"min_p": float(min_p)}
+    if generation_kwargs is None:
+        return options
+    if not isinstance(generation_kwargs, dict):
+        raise ValueError(f"generation_kwargs must be a dict of GenerationConfig names, e.g. {{'min_p': 0.05}}, got "
+                         f"{generation_kwargs!r}")
+    for key, value in generation_kwargs.items():
+        if key in OWN_FIELDS:
+            raise ValueError(f"generation_kwargs[{key!r}] is not taken: {OWN_FIELDS[key]}")
+        if key not in GENERATION_KWARGS:
+            raise ValueError(f"generation_kwargs[{key!r}] has no counterpart in treadle's own sampler, which takes "
+                             f"{', '.join(GENERATION_KWARGS)}; remove it")
+        options[GENERATION_KWARGS[key]] = tuple(int(t) for t in value) if key == "suppress_tokens" else value
+    return options
 
 
 def sample_next_tokens(scores: Tensor, do_sample: bool, generator: torch.Generator | None = None) -> Tensor:

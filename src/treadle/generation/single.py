@@ -254,7 +254,7 @@ def _generate_hf(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Samplin
     group, sampling, repeat = params.num_generations, {}, 1
     if params.do_sample:
         sampling = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        num_return_sequences=group)
+                        min_p=params.min_p or None, num_return_sequences=group)
     elif extras:  # greedy: one row per prompt, repeated after (a VLM's extras repeat by its own layout)
         repeat = group
     else:  # generate refuses num_return_sequences > 1 when greedy; G identical rows give the same result

@@ -30,7 +30,10 @@ How this departs from TRL 1.16's DistillationTrainer:
    sampling) have no meaning here and are refused when set. One generation per optimizer step, as TRL:
    ``steps_per_generation`` must equal ``gradient_accumulation_steps`` and ``num_iterations`` is 1.
 2. Sampling goes through the rollout engine (the own KV-cached sampler; vLLM is not wired yet), seeded per
-   (seed, generation, rank); ``min_p`` and ``generation_kwargs`` are not supported.
+   (seed, generation, rank). ``min_p`` and ``generation_kwargs`` are GRPO's (the own sampler only): the
+   ``GenerationConfig`` names it takes (``generation.sampling.GENERATION_KWARGS``) override the config's fields as
+   in TRL; ``temperature`` (also the divergence's), ``max_new_tokens`` and names it has no counterpart for are
+   refused in one line.
 3. Training forwards get position ids counted from the first prompt token (GRPO's departure 5), for both models.
 4. Models outside the hidden-state fast path (final-logit softcapping, logit scaling, custom heads) fall back to
    both models' full logits for the micro-batch (exact, more memory); TRL applies scale and softcap in its kernel.
@@ -129,8 +132,8 @@ class DistillationTrainer(GRPOTrainer):
 
     ``teacher_model``: a causal LM, or a folder / Hub id (loaded with ``args.teacher_model_init_kwargs``); it must
     share the student's tokenizer. ``train_dataset`` needs a ``prompt`` column (text or chat messages).
-    ``reward_funcs`` (optional) are used by ``evaluate()`` only. ``tools`` as in GRPOTrainer (multi-turn rollouts;
-    the loss covers sampled tokens only)."""
+    ``reward_funcs`` (optional) are used by ``evaluate()`` only. ``tools`` as in GRPOTrainer (multi-turn rollouts:
+    both models see the tool results in the context, the divergence covers the student's sampled tokens only)."""
 
     config_class = DistillationConfig
     requires_reward_funcs = False
@@ -165,8 +168,9 @@ class DistillationTrainer(GRPOTrainer):
         rollout = self.sample_rows(rows, seeded_generator(args.seed, args.device, "train", generation))
         out = rollout.generation
         self.metrics.add_many({"completions/mean_length": (out.completion_mask.sum().item(), len(rows)),
-                               "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows))})
-        loss_mask = rollout.loss_mask
+                               "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows)),
+                               **rollout.rollout_metrics})  # tools=: rollouts/*, tools/* (treadle.rollouts)
+        loss_mask = rollout.loss_mask  # tools=: 1 on sampled tokens only, never on tool results
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~out.is_truncated).unsqueeze(1).to(loss_mask.dtype)
         size, zeros = args.per_device_train_batch_size, torch.zeros(len(rows))

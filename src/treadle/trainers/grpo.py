@@ -86,7 +86,7 @@ from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import vllm_engine
 from treadle.engines.vllm_server import vllm_server_engine
-from treadle.generation.sampling import SamplingParams
+from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.health import HealthCallback, generation_health
 from treadle.logprobs import token_logps
@@ -298,7 +298,8 @@ class GRPOTrainer(Trainer):
 
     def sampling_params(self, mode: str = "train", num_generations: int | None = None) -> SamplingParams:
         """The sampling settings of ``mode``: "train" (the config's), "eval" (its ``eval_*`` fields; temperature 0
-        decodes greedily) or "greedy" (argmax); ``num_generations`` defaults to the mode's group size."""
+        decodes greedily) or "greedy" (argmax), then ``min_p`` and ``generation_kwargs`` (every mode, as TRL's one
+        generation config); ``num_generations`` defaults to the mode's group size."""
         args = self.args
         if mode == "train":
             temperature, top_p, top_k, do_sample = args.temperature, args.top_p, args.top_k, True
@@ -306,10 +307,11 @@ class GRPOTrainer(Trainer):
             chosen = args.eval_temperature if mode == "eval" else 0.0
             temperature, top_p, top_k, do_sample = chosen or 1.0, args.eval_top_p, args.eval_top_k, chosen > 0
         group = {"train": args.num_generations, "eval": args.num_generations_eval}.get(mode, 1)
+        settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=args.repetition_penalty)
+        settings |= sampler_options(args.min_p, args.generation_kwargs)  # TRL's: they override top_p, top_k, ...
         return SamplingParams(num_generations=num_generations or group, max_new_tokens=args.max_completion_length,
                               eos_token_ids=eos_ids(tokenizer_of(self.processing_class).eos_token_id),
-                              pad_token_id=self.pad_token_id, temperature=temperature, top_p=top_p, top_k=top_k,
-                              repetition_penalty=args.repetition_penalty, do_sample=do_sample)
+                              pad_token_id=self.pad_token_id, do_sample=do_sample, **settings)
 
     def generate_and_score(self, rows: list[dict], generation: int) -> list[Sample]:
         """Sample one completion per row, score all rows of all ranks, and return the generation's

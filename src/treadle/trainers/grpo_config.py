@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from treadle.arguments import TrainingArguments
 from treadle.engines.options import check_vllm_options
-from treadle.generation.sampling import SamplingParams
+from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import BACKENDS
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options, check_sampling_correction)
@@ -50,6 +50,8 @@ class GRPOConfig(TrainingArguments):
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1.0 disables
     top_k: int = 0  # sample among the k most likely tokens; 0 disables
     repetition_penalty: float = 1.0  # CTRL penalty on tokens already in prompt or completion; 1.0 disables
+    min_p: float | None = None  # drop tokens below min_p x the top token's probability (0.01-0.2); None disables
+    generation_kwargs: dict | None = None  # GenerationConfig names the own sampler takes (sampling.GENERATION_KWARGS)
     generation_backend: str = "auto"  # "fast" (KV-cache sampler), "hf" (model.generate) or "auto"
 
     # --- vLLM as the rollout engine (treadle.engines.vllm; docs/vllm.md); TRL 1.16's names and defaults
@@ -216,9 +218,13 @@ class GRPOConfig(TrainingArguments):
                                                    or self.max_prompt_length < 1):
             raise ValueError(f"max_prompt_length must be an integer >= 1 or None, got {self.max_prompt_length!r}")
         # the sampling settings' rules live with the sampler: build its parameters once to check them
+        settings = dict(top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty)
         SamplingParams(num_generations=self.num_generations, max_new_tokens=self.max_completion_length,
-                       eos_token_ids=(), pad_token_id=0, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, repetition_penalty=self.repetition_penalty)
+                       eos_token_ids=(), pad_token_id=0, temperature=self.temperature,
+                       **settings | sampler_options(self.min_p, self.generation_kwargs))
+        if self.use_vllm and (self.min_p is not None or self.generation_kwargs):
+            raise ValueError("min_p and generation_kwargs reach treadle's own sampler only, not the vLLM engine yet; "
+                             "unset them or set use_vllm=False")
         check_grpo_options(self.loss_type, self.beta, self.epsilon, self.epsilon_high)  # the rules grpo_loss applies
         if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
             raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights}")

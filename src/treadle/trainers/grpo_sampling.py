@@ -7,9 +7,9 @@ When it applies (``corrects_sampling``): ``vllm_importance_sampling_correction``
 
 - the engine is not the own sampler (vLLM: its own copy of the weights, its own kernels; the ratio catches a stale
   or unsynced copy as well as numeric drift), or
-- the own sampler draws from a truncated or penalised distribution: ``top_k`` > 0, ``top_p`` < 1 or
-  ``repetition_penalty`` != 1 (its ``sampling_logps`` are exact for that distribution, so the ratio is each token's
-  kept probability mass, ≤ 1).
+- the own sampler draws from a truncated or penalised distribution: ``top_k`` > 0, ``top_p`` < 1,
+  ``repetition_penalty`` != 1, ``min_p`` > 0 or ``generation_kwargs``' ``suppress_tokens`` (its ``sampling_logps``
+  are exact for that distribution, so the ratio is each token's kept probability mass, ≤ 1).
 
 The own sampler without those draws from the trained distribution itself (the live model at the trained
 temperature): the ratio would be 1 up to rounding, so neither it nor the forward pass for the trainer's log-probs is
@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from treadle import distributed as dist
+from treadle.generation.sampling import sampler_options
 from treadle.losses import sampling_correction_metrics, sampling_correction_values, sampling_importance_ratio
 from treadle.trainers.grpo_data import Sample
 
@@ -36,7 +37,10 @@ def corrects_sampling(args, *, own_sampler: bool) -> bool:
     ``own_sampler``: the engine samples from the live model (``engines.LocalEngine``, multi-turn rollouts)."""
     if not args.vllm_importance_sampling_correction:
         return False
-    reshaped = (args.top_k or 0) > 0 or args.top_p < 1 or args.repetition_penalty != 1
+    options = {"top_k": args.top_k or 0, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
+               **sampler_options(args.min_p, args.generation_kwargs)}  # generation_kwargs override, as when sampling
+    reshaped = (options["top_k"] > 0 or options["top_p"] < 1 or options["repetition_penalty"] != 1
+                or options.get("min_p", 0) > 0 or bool(options.get("suppress_token_ids")))
     return reshaped or not own_sampler
 
 

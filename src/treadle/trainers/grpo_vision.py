@@ -83,8 +83,9 @@ def sample(trainer, rows: list[dict], generator: torch.Generator | None, mode: s
     distinct, group = distinct_rows(rows, trainer.sampling_params(mode).num_generations)
     ids, extras = encode(processor, distinct, max_prompt_length=trainer.args.max_prompt_length)
     # an image token in a completion would have no pixels behind it in the training forward: never sampled
-    params = dataclasses.replace(trainer.sampling_params(mode, group),
-                                 suppress_token_ids=tuple(sorted(vision.image_token_ids(processor))))
+    params = trainer.sampling_params(mode, group)  # with generation_kwargs' suppress_tokens, if any
+    params = dataclasses.replace(params, suppress_token_ids=tuple(sorted(set(vision.image_token_ids(processor))
+                                                                         | set(params.suppress_token_ids))))
     out = trainer.engine.generate(ids, params, generator=generator, prompt_inputs=extras)
     lengths = out.completion_mask.sum(dim=1).tolist()
     completion_lists = [row[:n] for row, n in zip(out.completion_ids.tolist(), lengths)]
