@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
+    demo.add_argument("--use-vllm", "--use_vllm", action="store_true", help="addition: GRPO samples with vLLM")
     demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
                       "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
                       "count: a tiny VLM counts squares")
@@ -297,7 +298,8 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demo."""
     from treadle import demo  # heavy: torch, transformers
-    given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
+    given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size", "use_vllm")
+             if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"
     if task == "tools":
@@ -311,7 +313,7 @@ def run_demo(args: argparse.Namespace) -> int:
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     try:
         settings = settings_class(**given)
-    except ValueError as error:
+    except (TypeError, ValueError) as error:  # TypeError: --use-vllm with a task other than addition
         raise UserError(str(error)) from None
     return run(settings, args.output_dir)
 
