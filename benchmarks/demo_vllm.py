@@ -10,7 +10,8 @@ training time (evaluations included), vLLM's start-up apart, and the load averag
     .venv-vllm/bin/python benchmarks/demo_vllm.py --seeds 0 [--grpo-steps N]   # make test-vllm builds the venv
 
 The own-sampler run goes first: an in-process vLLM engine binds the process's OpenMP threads for good, so the
-order keeps the own sampler on the demo's one thread.
+order keeps the own sampler on the demo's one thread (for the first seed only: run one seed per process for
+comparable times).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def main() -> None:
     from treadle import toy
     from treadle.demo import DemoSettings, demo_sft, start_demo
 
-    header = machine_header()
     root = start_demo("", options.out or tempfile.mkdtemp(prefix="demo-vllm-"))  # the demo's one torch thread
+    header = machine_header()
     rows = []
     for seed in [int(s) for s in options.seeds.split(",")]:
         extra = {} if options.grpo_steps is None else {"grpo_steps": options.grpo_steps}

@@ -399,6 +399,18 @@ def test_the_demo_runs_grpo_through_vllm(tmp_path):
     assert len(differences) == 3 and max(differences) < 1e-4
 
 
+def test_demo_use_vllm_trains_tiny32_and_other_tasks_refuse_it(capsys):
+    """--use-vllm picks tiny32 (head size 32: vLLM's CPU attention has no kernel for tiny's 16); a demo without a
+    vLLM path refuses the flag in one line (exit 2) before anything runs."""
+    from treadle.demo import DemoSettings
+
+    assert DemoSettings(use_vllm=True).model_size == "tiny32" and DemoSettings().model_size == "tiny"
+    assert toy.MODEL_SIZES["tiny32"]["hidden_size"] // toy.MODEL_SIZES["tiny32"]["num_attention_heads"] == 32
+    assert main(["demo", "--task", "tools", "--use-vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--use-vllm" in err and "--task tools" in err and "\n" not in err
+
+
 # --------------------------------------------------------------------------- the LoRA plan, no vLLM
 def test_lora_plan_takes_plain_lora_and_leaves_the_rest_to_merged_weights():
     """vLLM serves one plain LoRA adapter; DoRA, modules_to_save, biases, a plain model go the merged way."""

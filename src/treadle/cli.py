@@ -302,6 +302,9 @@ def run_demo(args: argparse.Namespace) -> int:
              if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"
+    if given.get("use_vllm") and task != "addition":
+        raise UserError(f"--use-vllm runs the addition demo's GRPO through vLLM; --task {task} samples with treadle's "
+                        f"own sampler: leave --use-vllm out")
     if task == "tools":
         from treadle import demo_tools  # heavy, as above
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
@@ -313,7 +316,7 @@ def run_demo(args: argparse.Namespace) -> int:
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     try:
         settings = settings_class(**given)
-    except (TypeError, ValueError) as error:  # TypeError: --use-vllm with a task other than addition
+    except ValueError as error:
         raise UserError(str(error)) from None
     return run(settings, args.output_dir)
 
