@@ -99,9 +99,9 @@ def merged_state_dict(model: nn.Module, *, adapters: bool = True) -> dict[str, t
     for name, module in base.named_modules():
         if (adapters and hasattr(module, "lora_A") and callable(getattr(module, "get_delta_weight", None))
                 and not module.merged):
-            adapters = [a for a in module.active_adapters if a in module.lora_A]
-            if adapters:
-                deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            if active:
+                deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in active)
     state = {}
     for key, tensor in base.state_dict().items():
         if "lora_" in key or ".original_module." in key:
