@@ -260,6 +260,9 @@ def test_merged_state_dict_of_a_lora_model_is_the_merge_and_names_the_base_weigh
         torch.testing.assert_close(state[name], tensor, atol=1e-6, rtol=0)
     assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"],
                            model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    base = merged_state_dict(lora, adapters=False)  # what a LoRA engine starts from: the untouched base weights
+    assert base.keys() == model.state_dict().keys()
+    assert all(torch.equal(base[name], tensor) for name, tensor in model.state_dict().items())
 
 
 @pytest.mark.parametrize("field, value, fragment", [
