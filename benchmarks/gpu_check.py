@@ -13,6 +13,13 @@ trained on random token ids: the numbers measure speed and memory, not learning.
 losses must agree (both compute in bf16 autocast from fp32 weights); the script says FAIL when they do not,
 when a loss is not finite, or when a mode crashes. It prints one JSON line per mode and a summary table;
 ``--out FILE`` also writes them as a JSON list.
+
+Mode ``vllm`` (one process only; after the training modes): the colocated vLLM engine (``engines.vllm``) on the
+same model in bf16 (``--cpu-smoke``: a float32 toy with head size 32, vLLM's smallest CPU kernel), twice: synced
+as full weights, and as a LoRA policy (r 16 on every projection) synced as its adapter alone. Per row: start-up
+seconds, the median of 3 syncs of changed weights (seconds, tensors, MB sent) and rollouts/s of 64 prompts x 8 x
+128 tokens (EOS ignored; smoke 4 x 2 x 8). FAIL when the engine's weight-sync check finds a sync that did not
+change its log-probs. Without vLLM (the main .venv) the rows are skipped with the reason printed.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ GPU_MODEL = dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num
                  num_attention_heads=12, num_key_value_heads=4)
 SMOKE_MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
+VLLM_SMOKE_MODEL = dict(SMOKE_MODEL, hidden_size=64, num_attention_heads=2, num_key_value_heads=2)  # head size 32
 H200_BF16_DENSE_TFLOPS = 989.0  # vendor peak, for a rough model-FLOPs utilisation
 FIRST_LOSS_TOLERANCE = 2e-2  # bf16 autocast: DDP and FSDP2 run the same kernels on the same fp32 weights
 
@@ -47,7 +55,7 @@ FIRST_LOSS_TOLERANCE = 2e-2  # bf16 autocast: DDP and FSDP2 run the same kernels
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU, a few seconds")
-    parser.add_argument("--modes", default="ddp,fsdp", help="comma-separated: ddp, fsdp")
+    parser.add_argument("--modes", default="ddp,fsdp,vllm", help="comma-separated: ddp, fsdp, vllm")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 10; smoke 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
     parser.add_argument("--batch", type=int, default=None, help="rows per device (default 8; smoke 2)")
@@ -62,9 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the clock starts at the end of the last warm-up step)")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(args.modes) - {"ddp", "fsdp"}
+    unknown = set(args.modes) - {"ddp", "fsdp", "vllm"}
     if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}; use ddp and/or fsdp")
+        parser.error(f"unknown modes {sorted(unknown)}; use ddp, fsdp and/or vllm")
     return args
 
 
@@ -76,11 +84,11 @@ def pick_device(cpu_smoke: bool) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def build_model(cpu_smoke: bool, device: torch.device):
+def build_model(cpu_smoke: bool, device: torch.device, sizes: dict | None = None):
     """A Llama with random weights built directly on ``device`` (fp32 master weights; bf16 comes from autocast)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sizes = SMOKE_MODEL if cpu_smoke else GPU_MODEL
+    sizes = sizes or (SMOKE_MODEL if cpu_smoke else GPU_MODEL)
     config = LlamaConfig(**sizes, max_position_embeddings=4096, tie_word_embeddings=True,
                          attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
@@ -170,7 +178,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # tiny matrices: more threads only contend
     dist.init_distributed(device, force=True)
     results, failures = [], []
-    for mode in opts.modes:
+    for mode in [m for m in opts.modes if m != "vllm"]:
         try:
             results.append(run_mode(mode, opts, device))
         except Exception as e:  # report and go on: the other mode's numbers are still worth having
@@ -181,9 +189,86 @@ def main(argv=None) -> int:
     if dist.is_main_process():
         report(results, failures, opts)
     dist.barrier()
+    world = dist.get_world_size()
     if dist.is_initialized():
         torch.distributed.destroy_process_group()
+    if "vllm" in opts.modes:  # after the group is gone: the in-process engine makes its own
+        failures += vllm_rows(opts, device, world)
     return 1 if failures else 0
+
+
+def vllm_rows(opts, device: torch.device, world: int) -> list[str]:
+    """The vLLM engine's rows (printed); returns failures. Skipped, with the reason, without vLLM or under torchrun."""
+    if world > 1:
+        print("vllm: skipped: the colocated engine rows run in one process (without torchrun)")
+        return []
+    try:
+        from treadle.engines.vllm import VLLMEngine, require_vllm  # optional: .venv-vllm or a GPU install
+
+        require_vllm()
+    except ImportError as error:
+        print(f"vllm: skipped: {error}")
+        return []
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    failures, rows = [], []
+    for sync in ("full", "lora"):
+        try:
+            rows.append(vllm_row(sync, opts, device, VLLMEngine))
+            print(json.dumps(rows[-1]), flush=True)
+            if rows[-1]["unchanged_syncs"]:
+                failures.append(f"vllm {sync}: {rows[-1]['unchanged_syncs']} syncs left the engine's log-probs "
+                                f"as they were")
+        except Exception as e:  # report and go on, as the training modes
+            failures.append(f"vllm {sync}: {type(e).__name__}: {e}")
+    print(f"\n{'vllm sync':10} {'params(M)':>9} {'start s':>8} {'sync s':>8} {'tensors':>8} {'MB sent':>9} "
+          f"{'rollouts/s':>11}")
+    for r in rows:
+        print(f"{r['sync']:10} {r['params_m']:9.3f} {r['start_s']:8.1f} {r['sync_s']:8.3f} {r['tensors']:8d} "
+              f"{r['mb_sent']:9.2f} {r['rollouts_per_s']:11.1f}")
+    print("\n".join(f"FAIL {f}" for f in failures) or "OK (vllm)")
+    return failures
+
+
+def vllm_row(sync: str, opts, device: torch.device, engine_class) -> dict:
+    """One engine's start, 3 syncs of changed weights, one timed generation."""
+    from treadle.generation.sampling import SamplingParams
+
+    model = build_model(opts.cpu_smoke, device, VLLM_SMOKE_MODEL if opts.cpu_smoke else None)
+    model = model if opts.cpu_smoke else model.to(torch.bfloat16)
+    trained = "weight"
+    if sync == "lora":
+        import peft
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model, trained = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules=targets)), "lora_B"
+    prompts_, group, tokens = (4, 2, 8) if opts.cpu_smoke else (64, 8, 128)
+    prompts = torch.randint(3, model.config.vocab_size, (prompts_, 16), generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(num_generations=group, max_new_tokens=tokens, eos_token_ids=(), pad_token_id=0)
+    start = time.perf_counter()
+    engine = engine_class(model, max_model_length=256, gpu_memory_utilization=0.3)
+    started, syncs, unchanged = time.perf_counter() - start, [], 0
+    try:
+        for round_ in range(4):  # a generation (the sync check's probe), changed weights, one timed sync
+            engine.generate(prompts.tolist()[:1], params, generator=torch.Generator().manual_seed(round_))
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if trained in name:
+                        p.add_(1e-2 * torch.randn_like(p))
+            start = time.perf_counter()
+            engine.load_weights(model)
+            syncs.append(time.perf_counter() - start)  # the push and the check's two one-sequence scorings
+            unchanged += bool(engine.sync_unchanged)
+        start = time.perf_counter()
+        out = engine.generate(prompts.tolist(), params, generator=torch.Generator().manual_seed(9))
+        seconds = time.perf_counter() - start
+    finally:
+        engine.close()
+    assert int(out.completion_mask.sum()) == prompts_ * group * tokens
+    return {"mode": "vllm", "sync": engine.last_sync["kind"], "device": str(device),
+            "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3), "start_s": round(started, 1),
+            "sync_s": round(sorted(syncs[1:])[1], 3), "tensors": engine.last_sync["tensors"],
+            "mb_sent": round(engine.last_sync["bytes"] / 1e6, 3), "unchanged_syncs": unchanged,
+            "rollouts_per_s": round(prompts_ * group / seconds, 1), "completion_tokens": tokens}
 
 
 def report(results: list[dict], failures: list[str], opts) -> None:

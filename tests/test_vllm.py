@@ -5,10 +5,13 @@ The tests marked ``vllm`` need .venv-vllm (`make test-vllm`; the main suite dese
 once per module, so the engine starts once. Each checks vLLM against an independent reference: the own sampler's
 greedy tokens, a plain-PyTorch forward for the sampled log-probs, the trained model's log-probs after a GRPO step
 (the engine's copy before the sync must differ from them, or the check could not see a skipped sync), and a
-hand-merged LoRA model. The unmarked tests check the options' one-line refusals and need no vLLM.
+hand-merged LoRA model. A second engine (module fixture ``lora_trainer``) serves a PEFT LoRA policy as vLLM LoRA
+requests: its syncs are counted (adapters only) and it scores as peft's ``merge_and_unload``. The unmarked tests
+check the options' one-line refusals and the LoRA plan, and need no vLLM.
 """
 
 import copy
+import json
 import os
 import shutil
 import sys
@@ -18,12 +21,15 @@ import pytest
 import torch
 
 from treadle import toy
+from treadle.cli import main
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import VLLMNotInstalled, merged_state_dict, vllm_engine
+from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_bound
 from treadle.errors import is_user_error
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import sample_completions
 from treadle.models import unwrapped_for_generation
+from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
 from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
 
 EOS = 2  # the toy tokenizer's eos id
@@ -53,6 +59,24 @@ def trainer(tmp_path_factory):
                           train_dataset=dataset, processing_class=tok)
     yield trainer
     trainer.close()
+
+
+@pytest.fixture(scope="module")
+def lora_trainer(tmp_path_factory):
+    """A GRPOTrainer on a LoRA policy (r 4 on q_proj and v_proj of toy small's 4 layers): its own engine, started on
+    the base weights with vLLM's LoRA support (the module's second and last engine start)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    tok = toy.build_tokenizer()
+    trainer = GRPOTrainer(toy.build_model("small", tokenizer=tok, seed=0), digit_sum_reward,
+                          args=config(tmp_path_factory.mktemp("vllm-lora")), processing_class=tok,
+                          train_dataset=toy.load_task("addition", kind="rl", n=16), peft_config=LORA)
+    yield trainer
+    trainer.close()
+
+
+LORA = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+# by hand: 4 layers x (q_proj, v_proj) x (A 4x256, B 256x4): 16 tensors of 1,024 floats, 65,536 bytes in float32
+ADAPTER_TENSORS, ADAPTER_BYTES = 16, 16 * 1024 * 4
 
 
 def prompts(tok, n=4):
@@ -236,6 +260,9 @@ def test_merged_state_dict_of_a_lora_model_is_the_merge_and_names_the_base_weigh
         torch.testing.assert_close(state[name], tensor, atol=1e-6, rtol=0)
     assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"],
                            model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    base = merged_state_dict(lora, adapters=False)  # what a LoRA engine starts from: the untouched base weights
+    assert base.keys() == model.state_dict().keys()
+    assert all(torch.equal(base[name], tensor) for name, tensor in model.state_dict().items())
 
 
 @pytest.mark.parametrize("field, value, fragment", [
@@ -263,3 +290,155 @@ def test_use_vllm_without_vllm_is_one_line_naming_the_install(tmp_path, monkeypa
         GRPOTrainer(toy.build_model("tiny", tokenizer=tok), digit_sum_reward, args=config(tmp_path),
                     train_dataset=toy.load_task("addition", kind="rl", n=8), processing_class=tok)
     assert is_user_error(info.value) and "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------- LoRA adapters synced alone
+@pytest.mark.vllm
+def test_a_lora_policy_syncs_its_adapters_alone_and_scores_as_its_merge(lora_trainer):
+    """The engine holds the base weights from its start; each sync after a GRPO step at lr 1e-2 sends the 16
+    adapter tensors (65,536 bytes) and nothing through the full-weight path, and the engine then scores and
+    generates as peft's merge_and_unload of the trained policy (before that sync it did not: a skipped sync
+    fails)."""
+    engine, tok = lora_trainer.engine, lora_trainer.processing_class
+    assert engine.lora is not None and engine.last_sync == {"kind": "lora", "tensors": ADAPTER_TENSORS,
+                                                           "bytes": ADAPTER_BYTES}
+    base_file = os.path.getsize(os.path.join(engine.folder, "model.safetensors"))
+    assert os.path.getsize(os.path.join(engine.folder, "adapter", "adapter_model.safetensors")) < base_file / 100
+    full_pushes, rpc = [], engine.llm.collective_rpc
+    engine.llm.collective_rpc = lambda *args, **kwargs: full_pushes.append(args[0]) or rpc(*args, **kwargs)
+    first = engine.lora_request.lora_int_id
+    try:
+        lora_trainer.train()  # one step: the sync before sampling sent the adapter, then the step moved it
+    finally:
+        del engine.llm.collective_rpc
+    assert full_pushes == [] and engine.lora_request.lora_int_id == first + 1
+    assert engine.last_sync == {"kind": "lora", "tensors": ADAPTER_TENSORS, "bytes": ADAPTER_BYTES}
+    ids = prompts(tok, n=3)
+    fixed = [tok("12")["input_ids"] + [EOS], tok("7")["input_ids"], tok("345")["input_ids"] + [EOS]]
+    merged = copy.deepcopy(lora_trainer.model).merge_and_unload()
+    after = model_logps(merged, ids, fixed)
+    stale = engine.score(ids, fixed)
+    assert max((s - a).abs().max().item() for s, a in zip(stale, after)) > 1e-2
+    engine.load_weights(lora_trainer.model_wrapped)
+    assert engine.last_sync["bytes"] == ADAPTER_BYTES and engine.lora_request.lora_int_id == first + 2
+    for s, a in zip(engine.score(ids, fixed), after):
+        torch.testing.assert_close(s, a, atol=1e-4, rtol=0)
+    params = SamplingParams(num_generations=2, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0,
+                            do_sample=False)
+    assert rows_of(engine.generate(ids, params)) == rows_of(sample_completions(merged, ids, params))
+
+
+@pytest.mark.vllm
+def test_a_lora_sync_that_changed_nothing_is_caught(lora_trainer):
+    """The weight-sync check with adapters: a planted no-op push of a moved adapter is caught, a real one is not."""
+    engine, policy = lora_trainer.engine, lora_trainer.model
+    engine.generate(prompts(lora_trainer.processing_class, 2), lora_trainer.sampling_params("train"),
+                    generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    real_push, engine.push = engine.push, lambda weights: None
+    try:
+        engine.load_weights(policy)
+    finally:
+        engine.push = real_push
+    assert engine.sync_unchanged is True
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    engine.load_weights(policy)
+    assert engine.sync_unchanged is False
+
+
+# ---------------------------------------------------------------------------------- distillation
+@pytest.mark.vllm
+def test_a_distillation_step_samples_through_vllm(trainer, tmp_path):
+    """DistillationTrainer with use_vllm=True (issue 27): its student's completions come from the engine (top_k=1
+    sampling: they equal the own sampler's greedy completions of the student before the step), and the step trains.
+    It shares the module's engine (build_engine overridden: no further vLLM start) and syncs its student into it."""
+    tok = trainer.processing_class
+    shared = type("SharedEngineDistillation", (DistillationTrainer,), {"build_engine": lambda self: trainer.engine})
+    student = toy.build_model("small", tokenizer=tok, seed=2)
+    args = DistillationConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
+                              max_completion_length=6, learning_rate=1e-2, top_k=1, use_vllm=True,
+                              vllm_max_model_length=128, disable_tqdm=True, save_strategy="no", logging_steps=1)
+    distill = shared(student, toy.build_model("small", tokenizer=tok, seed=3), args=args, processing_class=tok,
+                     train_dataset=toy.load_task("addition", kind="rl", n=8))
+    before = copy.deepcopy(student)
+    calls, generate = [], trainer.engine.generate
+    trainer.engine.generate = lambda ids, params, **kwargs: calls.append((ids, generate(ids, params, **kwargs)))\
+        or calls[-1][1]
+    try:
+        distill.train()
+    finally:
+        del trainer.engine.generate
+        trainer.engine.load_weights(trainer.model)  # the module's trainer samples from its own policy again
+    assert len(calls) == 1
+    ids, out = calls[0]
+    greedy = SamplingParams(num_generations=1, max_new_tokens=6, eos_token_ids=(EOS,), pad_token_id=tok.pad_token_id,
+                            do_sample=False)
+    assert rows_of(out) == rows_of(sample_completions(before, ids, greedy))
+    assert any(not torch.equal(p, q) for p, q in zip(student.parameters(), before.parameters()))
+    assert distill.state.log_history[0]["loss"] > 0
+
+
+# ---------------------------------------------------------------------------------------- the demo
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_demo_runs_grpo_through_vllm(tmp_path):
+    """`treadle demo --use-vllm`, shortened: GRPO samples through vLLM (its sampler/trainer log-prob metrics exist
+    only under an engine other than the own sampler, and agree to 1e-4: the engine holds the trained weights) on
+    tiny32 (vLLM has no CPU kernel for tiny's head size 16). A third engine start (~1 minute with the demo)."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--use_vllm", "--sft-steps", "20", "--grpo-steps", "3", "--eval-size", "20",
+                 "--output-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["use_vllm"] is True and results["settings"]["model_size"] == "tiny32"
+    steps = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    differences = [s["sampling/sampling_logp_difference/max"] for s in steps if "loss" in s]
+    assert len(differences) == 3 and max(differences) < 1e-4
+
+
+def test_demo_use_vllm_trains_tiny32_and_other_tasks_refuse_it(capsys):
+    """--use-vllm picks tiny32 (head size 32: vLLM's CPU attention has no kernel for tiny's 16); a demo without a
+    vLLM path refuses the flag in one line (exit 2) before anything runs."""
+    from treadle.demo import DemoSettings
+
+    assert DemoSettings(use_vllm=True).model_size == "tiny32" and DemoSettings().model_size == "tiny"
+    assert toy.MODEL_SIZES["tiny32"]["hidden_size"] // toy.MODEL_SIZES["tiny32"]["num_attention_heads"] == 32
+    assert main(["demo", "--task", "tools", "--use-vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--use-vllm" in err and "--task tools" in err and "\n" not in err
+
+
+# --------------------------------------------------------------------------- the LoRA plan, no vLLM
+def test_lora_plan_takes_plain_lora_and_leaves_the_rest_to_merged_weights():
+    """vLLM serves one plain LoRA adapter; DoRA, modules_to_save, biases, a plain model go the merged way."""
+    def policy(**options):
+        config = peft.LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **options})
+        return peft.get_peft_model(toy.build_model("tiny", seed=0), config)
+
+    model = policy()
+    assert lora_plan(model)[1:] == ("default", model.peft_config["default"])
+    assert lora_plan(toy.build_model("tiny", seed=0)) is None
+    for options in (dict(use_dora=True), dict(modules_to_save=["lm_head"]), dict(bias="lora_only")):
+        assert lora_plan(policy(**options)) is None, options
+    assert [lora_rank_bound(peft.LoraConfig(r=r)) for r in (1, 4, 8, 9, 512)] == [1, 8, 8, 16, 512]
+    assert lora_rank_bound(peft.LoraConfig(r=4, rank_pattern={"v_proj": 40})) == 64
+
+
+def test_adapter_tensors_are_what_peft_saves(tmp_path):
+    """The tensors a sync writes equal peft's save_pretrained file, key for key."""
+    from safetensors.torch import load_file
+
+    model = peft.get_peft_model(toy.build_model("small", seed=0), LORA)
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    with unwrapped_for_generation(model) as inner:
+        ours = adapter_tensors(inner, model, "default")
+    assert ours.keys() == saved.keys() and len(ours) == ADAPTER_TENSORS
+    assert sum(t.numel() * t.element_size() for t in ours.values()) == ADAPTER_BYTES
+    for key, tensor in saved.items():
+        assert torch.equal(ours[key], tensor), key

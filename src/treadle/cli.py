@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
+    demo.add_argument("--use-vllm", "--use_vllm", action="store_true", help="addition: GRPO samples with vLLM")
     demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
                       "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
                       "count: a tiny VLM counts shapes")
@@ -303,9 +304,13 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demo."""
     from treadle import demo  # heavy: torch, transformers
-    given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
+    given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size", "use_vllm")
+             if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"
+    if given.get("use_vllm") and task != "addition":
+        raise UserError(f"--use-vllm runs the addition demo's GRPO through vLLM; --task {task} samples with treadle's "
+                        f"own sampler: leave --use-vllm out")
     if task == "tools":
         from treadle import demo_tools  # heavy, as above
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo

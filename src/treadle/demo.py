@@ -67,8 +67,11 @@ class DemoSettings:
     temperature: float = 1.0  # sampling temperature during GRPO
     eval_every: int = 25  # GRPO steps between held-out evaluations (the accuracy curve)
     num_generations_eval: int = 4  # samples per held-out problem for pass@1 and pass@4 (greedy is extra)
+    use_vllm: bool = False  # GRPO (training and its evaluations) samples with the colocated vLLM engine
 
     def __post_init__(self) -> None:
+        if self.use_vllm and self.model_size == "tiny":  # vLLM's CPU attention needs head size >= 32 (tiny's: 16)
+            self.model_size = "tiny32"
         # named by their `treadle demo` flags: the command line is where these come from
         if self.sft_steps < 1 or self.grpo_steps < 1 or self.eval_size < 1:
             raise ValueError("--sft-steps, --grpo-steps and --eval-size must be >= 1")
@@ -115,8 +118,8 @@ def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
     start = time.time()
     tokenizer = toy.build_tokenizer()
     problems = min(settings.eval_size, 1000)  # the held-out problems every stage is scored on
-    print(f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition; "
-          f"run folder {out}", flush=True)
+    print(f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition"
+          f"{' (GRPO samples with vLLM)' if settings.use_vllm else ''}; run folder {out}", flush=True)
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     untrained = evaluate_heldout(model, tokenizer, settings, out / "untrained")
     rows = [("untrained", untrained[ACCURACY], 0, 0.0)]
@@ -167,12 +170,12 @@ def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Pa
                               learning_rate=settings.grpo_learning_rate, lr_scheduler_type="cosine",
                               warmup_steps=settings.grpo_warmup, logging_steps=max(1, settings.grpo_steps // 40),
                               save_strategy="steps", save_steps=settings.grpo_steps, log_completions=True,
-                              eval_strategy="steps",
-                              eval_steps=settings.eval_every)
+                              eval_strategy="steps", eval_steps=settings.eval_every, use_vllm=settings.use_vllm)
     curve = [(0, trainer.evaluate()[ACCURACY])]  # the SFT model (train() starts a new log_history)
     start = time.time()
     trainer.train()
     seconds = time.time() - start  # training time, evaluations included (the last step always evaluates)
+    trainer.close()  # the vLLM engine, if any
     curve += [(h["step"], h[ACCURACY]) for h in trainer.state.log_history if ACCURACY in h]
     return model, curve, trainer.state.global_step, seconds
 

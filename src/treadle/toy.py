@@ -94,6 +94,8 @@ def build_tokenizer(*, padding_side: str = "right") -> PreTrainedTokenizerFast:
 MODEL_SIZES: dict[str, dict[str, int]] = {
     # 138k params: tests and `treadle demo`; trains in seconds to minutes on one CPU core.
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256),
+    # tiny with 2 heads of 32: vLLM's CPU attention has no kernel for tiny's head size 16 (`treadle demo --use-vllm`)
+    "tiny32": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256),
     # 4.2M params: a stronger CPU baseline; minutes per thousand steps on a laptop.
     "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1024),
     # 33.6M params: benchmarks and GPU smoke runs; slow on CPU.

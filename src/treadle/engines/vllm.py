@@ -6,9 +6,11 @@ device that holds its own copy of the weights (``use_vllm=True``, ``vllm_mode="c
   defaults to 0 here: the engine runs in this process, so a weight sync is a call, not a transfer.
 - ``load_weights(model)``: the policy's full state dict (gathered under FSDP2) goes into vLLM's model through
   ``WeightLoader`` (vLLM's ``worker_extension_cls``: named methods, no insecure serialisation), then the prefix
-  cache is cleared (its blocks were computed with the old weights). A PEFT model sends its merged weights
-  (base + the adapters' delta, computed without touching the trained model): vLLM's LoRA requests need the
-  adapter on disk at every step, which is not built.
+  cache is cleared (its blocks were computed with the old weights). A PEFT LoRA policy vLLM can serve
+  (``engines.vllm_lora.lora_plan``) starts the engine on its base weights with ``enable_lora`` and from then on
+  sends its adapter alone, as a LoRA request under a fresh id per sync; any other PEFT model sends its merged
+  weights (base + the adapters' delta, computed without touching the trained model). ``last_sync`` counts what
+  the last push sent (tensors, bytes).
 - ``generate``: one vLLM request per distinct prompt with ``n = num_generations``, seeded from the caller's
   generator (the same generator state gives the same completions for the same weights); ``sampling_logps`` are
   vLLM's processed log-probs (``logprobs_mode="processed_logprobs"``: after temperature, top-k, top-p and the
@@ -26,6 +28,7 @@ import tempfile
 import torch
 from torch import nn
 
+from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_bound, write_adapter
 from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, check_prompts, left_pad
@@ -85,18 +88,20 @@ def weights_fingerprint(weights: list[tuple[str, torch.Tensor]]) -> float:
     return total
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: nn.Module, *, adapters: bool = True) -> dict[str, torch.Tensor]:
     """The weights a plain transformers model would hold: ``model``'s state dict, or for a model with LoRA layers
     (a PEFT model, or its base model with the adapters injected) the base weights plus each active adapter's
     delta (``modules_to_save`` copies in place of the originals), named as the base model names them. The model
-    is left untouched (no merge and unmerge, which would not restore the weights bit for bit)."""
+    is left untouched (no merge and unmerge, which would not restore the weights bit for bit). ``adapters=False``:
+    the base weights alone (what a LoRA engine starts from)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     deltas: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
-        if hasattr(module, "lora_A") and callable(getattr(module, "get_delta_weight", None)) and not module.merged:
-            adapters = [a for a in module.active_adapters if a in module.lora_A]
-            if adapters:
-                deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+        if (adapters and hasattr(module, "lora_A") and callable(getattr(module, "get_delta_weight", None))
+                and not module.merged):
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            if active:
+                deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in active)
     state = {}
     for key, tensor in base.state_dict().items():
         if "lora_" in key or ".original_module." in key:
@@ -113,21 +118,30 @@ class VLLMEngine:
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, seed: int = 0):
         vllm = require_vllm()
         self.folder = tempfile.mkdtemp(prefix="treadle-vllm-")
+        self.lora = lora_plan(model)  # (PEFT model, adapter name, LoraConfig): adapters synced alone; None: merged
         with unwrapped_for_generation(model) as inner:
-            inner.save_pretrained(self.folder, state_dict=merged_state_dict(inner), safe_serialization=True)
+            inner.save_pretrained(self.folder, state_dict=merged_state_dict(inner, adapters=self.lora is None),
+                                  safe_serialization=True)
             self.device = next(inner.parameters()).device
             dtype = next(inner.parameters()).dtype
         self.sleep_mode, self.sleeping = enable_sleep_mode, False
+        lora_options = {} if self.lora is None else dict(enable_lora=True, max_loras=1,
+                                                          max_lora_rank=lora_rank_bound(self.lora[2]))
         self.llm = vllm.LLM(model=os.path.abspath(self.folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                             max_model_len=max_model_length, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
                             logprobs_mode="processed_logprobs", max_logprobs=0,
-                            worker_extension_cls=f"{__name__}.WeightLoader")
+                            worker_extension_cls=f"{__name__}.WeightLoader", **lora_options)
         self._vllm = vllm
+        self.lora_request = None  # the adapter's current vllm LoRARequest (a fresh lora_int_id per sync)
+        self.last_sync: dict | None = None  # what the last push sent: {"kind": "full" | "lora", "tensors", "bytes"}
         # the weight-sync check (health.py): a probe completion, the last push's fingerprint, the last check's verdict
         self.probe: tuple[list[list[int]], list[list[int]]] | None = None
         self.pushed: float | None = None
         self.sync_unchanged: bool | None = None
+        if self.lora is not None:  # the adapter's config once; its weights with each sync, from this one on
+            self.lora[2].save_pretrained(os.path.join(self.folder, "adapter"))
+            self.load_weights(model)
 
     # ---- the contract ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
@@ -141,7 +155,8 @@ class VLLMEngine:
                                                                 device=generator.device))
         requests = [self.vllm_params(params, None if seed is None else seed + 7919 * i)
                     for i in range(len(prompt_ids))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], requests, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], requests, use_tqdm=False,
+                                    lora_request=self.lora_request)
         if self.sleep_mode:  # the optimizer step runs next: free the engine's memory until the next sync
             self.llm.sleep(level=1)
             self.sleeping = True
@@ -157,7 +172,7 @@ class VLLMEngine:
         the engine's log-probs of one probe completion (the last generation's first) must change with them."""
         self._wake()
         with unwrapped_for_generation(model) as inner:
-            weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(inner).items()]
+            weights = list(self.sync_weights(model, inner).items())
             fingerprint = weights_fingerprint(weights)
             checked = self.probe is not None and self.pushed is not None and fingerprint != self.pushed
             before = self.score(*self.probe) if checked else None
@@ -168,9 +183,33 @@ class VLLMEngine:
             self.sync_unchanged = weight_sync_unchanged(torch.cat(before), torch.cat(after))
         self.pushed = fingerprint
 
+    def sync_weights(self, model: nn.Module, inner: nn.Module) -> dict[str, torch.Tensor]:
+        """What a sync sends: the LoRA adapter's tensors (a LoRA engine), else the merged state dict."""
+        if self.lora is None:
+            return {name: tensor.detach() for name, tensor in merged_state_dict(inner).items()}
+        plan = lora_plan(model)
+        if plan is None or plan[1:] != self.lora[1:]:
+            raise ValueError("this vLLM engine was started for a LoRA policy's adapters and was given another model; "
+                             "build a new engine (GRPOTrainer.build_engine) for it")
+        return adapter_tensors(inner, plan[0], plan[1])
+
     def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Load ``weights`` into the engine's model in place (the worker extension below)."""
-        self.llm.collective_rpc("treadle_load_weights", args=(weights,))
+        """Load ``weights`` into the engine's model in place (the worker extension below), or under LoRA write the
+        adapter and register it with vLLM under a fresh id (loaded now, the last sync's adapter removed)."""
+        self.last_sync = {"kind": "full" if self.lora is None else "lora", "tensors": len(weights),
+                          "bytes": sum(t.numel() * t.element_size() for _, t in weights)}
+        if self.lora is None:
+            self.llm.collective_rpc("treadle_load_weights", args=(weights,))
+            return
+        from vllm.lora.request import LoRARequest  # optional, as require_vllm; imported once vLLM is
+
+        folder = os.path.join(self.folder, "adapter")
+        write_adapter(folder, dict(weights))
+        old, number = self.lora_request, 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        self.lora_request = LoRARequest(f"treadle-policy-{number}", number, folder)
+        self.llm.llm_engine.add_lora(self.lora_request)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -193,8 +232,12 @@ class VLLMEngine:
         truncation): what the weight-sync checks compare with the trainer's."""
         self._wake()
         request = self._vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p) + list(c)}
-                                     for p, c in zip(prompt_ids, completion_ids)], request, use_tqdm=False)
+        texts = [{"prompt_token_ids": list(p) + list(c)} for p, c in zip(prompt_ids, completion_ids)]
+        # under LoRA one sequence per call: vLLM 0.32's LoRA logits layer indexes its adapters per request, not per
+        # prompt position, and fails on prompt log-probs of a batch of several ("subscript b has size 3 ...")
+        batches = [texts] if self.lora_request is None else [[text] for text in texts]
+        outputs = [out for batch in batches for out in self.llm.generate(batch, request, use_tqdm=False,
+                                                                          lora_request=self.lora_request)]
         scored = []
         for prompt, out in zip(prompt_ids, outputs):
             ids = out.prompt_token_ids
