@@ -129,6 +129,7 @@ class ServedEngine(VLLMEngine):
         self.folder, self.device, self._vllm = folder, torch.device("cpu"), vllm
         self.sleep_mode = self.sleeping = False
         self.probe = self.pushed = self.sync_unchanged = None
+        self.lora = self.lora_request = None  # the server is sent merged weights (engines.vllm_lora: colocated only)
         self.llm = vllm.LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                             max_model_len=max_model_length, gpu_memory_utilization=gpu_memory_utilization,
                             tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
