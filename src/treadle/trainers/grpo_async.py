@@ -126,7 +126,7 @@ class AsyncRollouts:
             self.prompts[h] = self._prompt_ids(self.rows[h])
             weights = None
             if self.sent_version != generation:
-                weights = {k: v.detach().clone() for k, v in base_model(self.trainer.model).state_dict().items()}
+                weights = base_model(self.trainer.model).state_dict()
                 self.sent_version = generation
             self.worker.submit(h, generation, weights, self.prompts[h], self._params(), self.args.seed,
                                self.args.generation_backend)

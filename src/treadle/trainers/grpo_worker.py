@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import io
 import os
 import queue
 import signal
@@ -30,16 +32,30 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+import multiprocessing as mp
 
 from treadle.errors import UserError
-from treadle.generation.single import sample_completions
+from treadle.generation.single import GenerationOutput, sample_completions
 from treadle.trainers.grpo_records import seeded_generator
 
 __all__ = ["RolloutWorker", "RolloutWorkerError", "WORKER_KINDS"]
 
 WORKER_KINDS = ("process", "thread")
 _POLL = 0.2  # seconds between liveness checks while waiting for a reply
+START_TIMEOUT = 300.0  # the least a worker's start may take (a new interpreter imports torch and transformers)
+
+
+def pack(tensors: dict) -> bytes:
+    """A dict of tensors as bytes. Messages hold no tensors: torch would share them through file descriptors
+    that the receiver must fetch from the sender, and a receiver whose sender is stopped or dead would wait for
+    them without a limit (a silent hang). Bytes arrive whole or not at all."""
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> dict:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class RolloutWorkerError(UserError, RuntimeError):
@@ -57,6 +73,7 @@ def serve(model, requests, replies, threads: int | None, log_path: str | None, p
     if threads:
         torch.set_num_threads(threads)
     model.eval()
+    print(f"treadle rollout worker: pid {os.getpid()}, {torch.get_num_threads()} torch threads, ready", flush=True)
     replies.put(("ready", None, None))
     while True:
         try:
@@ -70,11 +87,11 @@ def serve(model, requests, replies, threads: int | None, log_path: str | None, p
         generation, version, weights, prompt_ids, params, seed, backend = request
         try:
             if weights is not None:
-                model.load_state_dict(weights)
+                model.load_state_dict(unpack(weights))
             generator = seeded_generator(seed, next(model.parameters()).device, "train", generation)
             with torch.no_grad():
                 out = sample_completions(model, prompt_ids, params, generator=generator, backend=backend)
-            replies.put((generation, version, out))
+            replies.put((generation, version, pack(dataclasses.asdict(out))))
         except Exception:  # noqa: BLE001 -- reported to the trainer, which stops the run with it
             text = traceback.format_exc()
             print(text, flush=True)
@@ -125,30 +142,35 @@ class RolloutWorker:
                 self.handle.start()
         else:
             self.handle.start()
-        self.wait("its start (loading the model copy)")
+        self.wait("its start (importing torch, loading the model copy)", max(timeout, START_TIMEOUT))
 
     def submit(self, generation: int, version: int, weights: dict | None, prompt_ids, params, seed: int,
                backend: str) -> None:
-        self.requests.put((generation, version, weights, prompt_ids, params, seed, backend))
+        """Request ``generation`` from weight ``version`` (``weights``: a state dict when the version is new)."""
+        packed = None if weights is None else pack(weights)
+        self.requests.put((generation, version, packed, prompt_ids, params, seed, backend))
 
-    def wait(self, what: str) -> tuple:
+    def wait(self, what: str, timeout: float | None = None) -> tuple:
         """The next reply; ``what`` names it in the error when the worker dies, raises or does not answer within
-        ``timeout`` seconds."""
-        deadline = time.monotonic() + self.timeout
+        ``timeout`` seconds (default: the worker's)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 reply = self.replies.get(timeout=_POLL)
                 break
-            except queue.Empty:
+            except (queue.Empty, OSError, EOFError):  # a dead worker's tensors cannot be received (OSError)
                 if not self.handle.is_alive():
                     self._fail(f"the rollout worker {self._name()} died with exit status {self._status()} while the "
                                f"trainer waited for {what}")
                 if time.monotonic() > deadline:
                     self._fail(f"the rollout worker {self._name()} did not answer within async_timeout="
-                               f"{self.timeout:g} s while the trainer waited for {what} (a hung worker)")
+                               f"{timeout:g} s while the trainer waited for {what} (a hung worker)")
+        if reply[2] is None:  # its start
+            return reply
         if isinstance(reply[2], str):
             self._fail(f"the rollout worker {self._name()} raised while sampling {what}")
-        return reply
+        return reply[0], reply[1], GenerationOutput(**unpack(reply[2]))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker: a stop request, then (a process) terminate and kill if it does not exit in time."""
