@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import torch
 
@@ -89,6 +90,7 @@ class AsyncRollouts:
         self.staleness = args.max_staleness if staleness is None else staleness
         self.local = LocalEngine(trainer.model, backend=args.generation_backend)  # evaluation: the live model
         self.worker, self.saved_threads = None, None
+        self.timings = {"worker_start": 0.0, "waiting": 0.0}  # seconds the trainer spent on the worker (benchmarks)
         self._reset()
 
     def _reset(self) -> None:
@@ -148,8 +150,9 @@ class AsyncRollouts:
         return self.ready.pop(generation)
 
     def _receive(self) -> None:
-        expected = self.inflight[0]
+        expected, start = self.inflight[0], time.perf_counter()
         got, version, out = self.worker.wait(f"generation {expected}'s batch")
+        self.timings["waiting"] += time.perf_counter() - start
         if (got, version) != (expected, self.versions[expected]):
             raise RuntimeError(f"asynchronous GRPO: the worker answered generation {got} (weights {version}) where "
                                f"{expected} (weights {self.versions[expected]}) was due (a bug)")
@@ -167,12 +170,13 @@ class AsyncRollouts:
 
     def _start_worker(self) -> None:
         args = self.args
-        worker, trainer = worker_threads(args)
+        worker, trainer, start = *worker_threads(args), time.perf_counter()
         if args.async_worker == "process":  # the thread split (docs/async.md); a thread worker shares the threads
             self.saved_threads = torch.get_num_threads()
             torch.set_num_threads(trainer)
         self.worker = RolloutWorker(self.trainer.model, kind=args.async_worker, threads=worker,
                                     timeout=args.async_timeout)
+        self.timings["worker_start"] += time.perf_counter() - start
 
     # ---- the engine contract --------------------------------------------------------------------------------
     def generate(self, prompt_ids, params: SamplingParams, *, generator=None, prompt_inputs=None) -> GenerationOutput:
