@@ -49,7 +49,8 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
     args = GRPOConfig(output_dir=str(out), overwrite_output_dir=True, max_steps=options.steps, seed=0,
                       per_device_train_batch_size=options.batch, num_generations=8,
                       max_completion_length=options.completion, learning_rate=1e-5, save_strategy="no",
-                      logging_steps=1, disable_tqdm=True, max_staleness=staleness, async_worker=worker,
+                      logging_steps=1, disable_tqdm=True, max_staleness=staleness,
+                      async_worker=worker if staleness else "process",
                       report_to="none")
     trainer = GRPOTrainer(toy.build_model(options.model, tokenizer=tok, seed=0), toy.addition_reward, args=args,
                           train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
@@ -80,7 +81,8 @@ def part_wall(options, root: Path) -> None:
     contenders = [(0, "none", 1), (0, "none", 2), (1, "process", 2), (2, "process", 2), (1, "thread", 1)]
     results = {c: [] for c in contenders}
     print(f"| round | max_staleness | worker | model | steps | completions/step | max tokens | torch threads "
-          f"(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | sync: sampling s | async: worker start s "
+          f"(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | "
+          f"sync: sampling s | async: worker start s "
           f"| async: trainer waited s | load average |")
     print("|" + "---|" * 16)
     for round_ in range(options.rounds):
@@ -93,7 +95,8 @@ def part_wall(options, root: Path) -> None:
             fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
             print(f"| {round_} | {staleness} | {worker} | {options.model} | {options.steps} | "
                   f"{options.batch} | {options.completion} | {split} | {r['seconds']:.1f} | "
-                  f"{r['seconds'] / base1:.3f} | {r['seconds'] / base2:.3f} | {r['tokens']} | {fmt(r['sampling'])} | {fmt(r['worker_start'])} | "
+                  f"{r['seconds'] / base1:.3f} | {r['seconds'] / base2:.3f} | {r['tokens']} | {fmt(r['sampling'])} | "
+                  f"{fmt(r['worker_start'])} | "
                   f"{fmt(r['waiting'])} | {loadavg()} |", flush=True)
     print("\nmedians over rounds (ratio of medians to the synchronous median):")
     sync = [statistics.median(r["seconds"] for r in results[(0, "none", t)]) for t in (1, 2)]

@@ -258,3 +258,18 @@ def test_the_corrected_off_policy_gradient_is_the_on_policy_gradient_in_expectat
     assert ((corrected - exact).abs() <= 4.5 * stderr).all(), ((corrected - exact) / stderr)
     uncorrected = gradient(False)
     assert ((uncorrected - exact).abs() / stderr).max() > 20
+
+
+# ------------------------------------------------------------------------------------------------ the demo flag
+def test_the_demo_takes_max_staleness_and_other_tasks_refuse_it(monkeypatch, capsys, tmp_path):
+    from treadle import cli, demo, toy
+
+    calls = []
+    monkeypatch.setattr(demo, "run_demo", lambda settings, out: calls.append(settings) or 0)
+    assert cli.main(["demo", "--max_staleness", "1"]) == 0 and cli.main(["demo"]) == 0
+    assert [s.max_staleness for s in calls] == [1, 0]
+    tok = toy.build_tokenizer()
+    trainer = demo.heldout_trainer(toy.build_model("tiny", tokenizer=tok), tok, calls[0], tmp_path / "run")
+    assert isinstance(trainer.engine, AsyncRollouts) and trainer.args.max_staleness == 1
+    assert cli.main(["demo", "--task", "tools", "--max_staleness", "1"]) == 2
+    assert "--max_staleness is for the addition demo's GRPO" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
     treadle demo [--task addition|tools|distill|count] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N]
-                 [--eval-size N]
+                 [--eval-size N] [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
+    demo.add_argument("--max_staleness", type=int, help="GRPO samples up to N steps ahead (docs/async.md)")
     demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
                       "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
                       "count: a tiny VLM counts squares")
@@ -297,7 +298,8 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demo."""
     from treadle import demo  # heavy: torch, transformers
-    given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size") if name in args}
+    names = ("seed", "sft_steps", "grpo_steps", "eval_size", "max_staleness")
+    given = {name: getattr(args, name) for name in names if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"
     if task == "tools":
@@ -309,6 +311,8 @@ def run_demo(args: argparse.Namespace) -> int:
     elif task == "count":
         from treadle import demo_count  # heavy, as above
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
+    if "max_staleness" in given and not hasattr(settings_class, "max_staleness"):
+        raise UserError(f"--max_staleness is for the addition demo's GRPO, not --task {task}; leave it out")
     try:
         settings = settings_class(**given)
     except ValueError as error:
