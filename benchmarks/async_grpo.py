@@ -1,13 +1,14 @@
 """Asynchronous GRPO (``max_staleness``, docs/async.md): wall time and held-out accuracy against the synchronous run.
 
 ``--part wall``: the same GRPO run (same steps, prompts, sampling settings and seed) of the toy ``small`` model on
-the addition prompts with ``max_staleness`` 0, 1 and 2 (the own sampler in a worker process), and 1 with a thread
-worker, ``--rounds`` rounds each, interleaved. The synchronous run runs with 1 and with 2 torch threads (the
-machine's 2 cores); a process-worker async run splits 2 threads (worker 1, trainer 1: ``worker_threads``), a thread
-worker shares the trainer's 1. Each row prints
-its settings, the completion tokens it sampled (equal work: the learning rate is small, so the policies stay close),
-the load average, and where the time went: the synchronous run's sampling seconds (timed around the engine), the
-async run's worker start and the seconds the trainer waited for the worker.
+the addition prompts (rewarded by the share of digits) with ``max_staleness`` 0, 1 and 2 (the own sampler in a
+worker process), and 1 with a thread worker, ``--rounds`` rounds each, interleaved. The synchronous run runs with 1
+and with 2 torch threads (the machine's 2 cores); a process-worker async run splits 2 threads (worker 1, trainer 1:
+``worker_threads``), a thread worker shares the trainer's 1. Each row prints its settings, the completion tokens it
+sampled (equal work: the learning rate is small, so the policies stay close), the load average, and where the time
+went: the synchronous run's sampling seconds (timed around the engine), the async run's worker start and the seconds
+the trainer waited for the worker, and the CPU seconds of the trainer's process (a thread worker's included) and of
+a worker process.
 
 ``--part demo``: the addition demo's SFT warm start once per seed, then GRPO from that checkpoint with
 ``max_staleness`` 0 and 1 for the same number of steps; held-out greedy exact match on 1,000 problems.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -32,6 +34,12 @@ from _machine import machine_header  # noqa: E402  (this folder is on sys.path w
 
 def loadavg() -> str:
     return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
+def digit_reward(completions, **kwargs) -> list[float]:
+    """A reward that an untrained model's completions already spread over (the share of digits), so every step
+    has a learning signal (the exact-match reward is 0 for every completion of an untrained model)."""
+    return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
 
 def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> dict:
@@ -51,8 +59,8 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
                       max_completion_length=options.completion, learning_rate=1e-5, save_strategy="no",
                       logging_steps=1, disable_tqdm=True, max_staleness=staleness,
                       async_worker=worker if staleness else "process",
-                      report_to="none")
-    trainer = GRPOTrainer(toy.build_model(options.model, tokenizer=tok, seed=0), toy.addition_reward, args=args,
+                      report_to="none", health_checks=False)
+    trainer = GRPOTrainer(toy.build_model(options.model, tokenizer=tok, seed=0), digit_reward, args=args,
                           train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
                           processing_class=tok)
     sampling = [0.0]
@@ -66,44 +74,60 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
             finally:
                 sampling[0] += time.perf_counter() - start
         trainer.engine.generate = timed
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start
+    start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    trainer.train()  # a process worker is joined when it ends: its CPU time is then in RUSAGE_CHILDREN
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    worker_cpu = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     tokens = sum(h["completions/mean_length"] for h in logs) * options.batch
     timings = getattr(trainer.engine, "timings", {})
     return {"seconds": seconds, "tokens": round(tokens), "sampling": sampling[0] if not staleness else None,
             "worker_start": timings.get("worker_start"), "waiting": timings.get("waiting"),
-            "staleness": [h.get("async/staleness") for h in logs]}
+            "staleness": [h.get("async/staleness") for h in logs], "cpu": cpu,
+            "worker_cpu": worker_cpu if staleness and worker == "process" else None}
 
 
 def part_wall(options, root: Path) -> None:
     contenders = [(0, "none", 1), (0, "none", 2), (1, "process", 2), (2, "process", 2), (1, "thread", 1)]
+    if not options.sync_two_threads:  # on a loaded 2-core machine it took 15x the 1-thread time: left out by default
+        contenders.remove((0, "none", 2))
+    # the synchronous contenders run first in every round: each row's ratios are to that round's baselines
     results = {c: [] for c in contenders}
     print(f"| round | max_staleness | worker | model | steps | completions/step | max tokens | torch threads "
           f"(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | "
-          f"sync: sampling s | async: worker start s "
-          f"| async: trainer waited s | load average |")
-    print("|" + "---|" * 16)
+          f"sync: sampling s | async: worker start s | async: trainer waited s | trainer CPU s | worker process CPU s "
+          f"| load average |")
+    print("|" + "---|" * 18)
     for round_ in range(options.rounds):
         for staleness, worker, threads in contenders:
             r = wall_run(root / f"r{round_}-{staleness}-{worker}-{threads}", options, staleness, worker, threads)
             results[(staleness, worker, threads)].append(r)
-            base1, base2 = (results[(0, "none", t)][-1]["seconds"] for t in (1, 2))
-            split = (f"{threads}" if not staleness else f"{threads} / shared" if worker == "thread"
-                     else f"{max(1, threads - max(1, threads // 2))} / {max(1, threads // 2)}")
-            fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-            print(f"| {round_} | {staleness} | {worker} | {options.model} | {options.steps} | "
-                  f"{options.batch} | {options.completion} | {split} | {r['seconds']:.1f} | "
-                  f"{r['seconds'] / base1:.3f} | {r['seconds'] / base2:.3f} | {r['tokens']} | {fmt(r['sampling'])} | "
-                  f"{fmt(r['worker_start'])} | "
-                  f"{fmt(r['waiting'])} | {loadavg()} |", flush=True)
-    print("\nmedians over rounds (ratio of medians to the synchronous median):")
-    sync = [statistics.median(r["seconds"] for r in results[(0, "none", t)]) for t in (1, 2)]
+            bases = [results[(0, "none", t)][-1]["seconds"] if results.get((0, "none", t)) else None for t in (1, 2)]
+            print_row(round_, (staleness, worker, threads), r, bases, options)
+    print("\nmedians over rounds (ratio of medians to the synchronous medians):")
+    sync = statistics.median(r["seconds"] for r in results[(0, "none", 1)])
     for (staleness, worker, threads), rows in results.items():
         median = statistics.median(r["seconds"] for r in rows)
         print(f"  max_staleness={staleness} worker={worker} threads={threads}: {median:.1f} s, ratio to sync "
-              f"1 thread {median / sync[0]:.3f}, to sync 2 threads {median / sync[1]:.3f}")
+              f"1 thread {median / sync:.3f}")
+
+
+def print_row(round_: int, contender: tuple, r: dict, bases: list[float], options) -> None:
+    staleness, worker, threads = contender
+    split = (f"{threads}" if not staleness else f"{threads} / shared" if worker == "thread"
+             else f"{max(1, threads - max(1, threads // 2))} / {max(1, threads // 2)}")
+
+    def ratio(seconds: float, base: float | None) -> str:
+        return "-" if base is None else f"{seconds / base:.3f}"
+
+    def fmt(value) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    print(f"| {round_} | {staleness} | {worker} | {options.model} | {options.steps} | {options.batch} | "
+          f"{options.completion} | {split} | {r['seconds']:.1f} | {ratio(r['seconds'], bases[0])} | "
+          f"{ratio(r['seconds'], bases[1])} | {r['tokens']} | {fmt(r['sampling'])} | {fmt(r['worker_start'])} | "
+          f"{fmt(r['waiting'])} | {fmt(r['cpu'])} | {fmt(r['worker_cpu'])} | {loadavg()} |", flush=True)
 
 
 def demo_run(checkpoint: str, settings, out: Path, staleness: int) -> dict:
@@ -151,6 +175,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("wall", "demo"), default="wall")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="small")
+    parser.add_argument("--sync-two-threads", action="store_true", help="also the synchronous run on 2 threads")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch", type=int, default=32, help="completions per step (G = 8)")
     parser.add_argument("--completion", type=int, default=16, help="max_completion_length")
