@@ -200,6 +200,7 @@ def test_a_hung_worker_stops_the_run_at_the_timeout_naming_the_wait(tmp_path):
     assert not os.path.exists(f"/proc/{pids[0]}") or "zombie" in open(f"/proc/{pids[0]}/status").read().lower()
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_pending_batches_stops_the_worker_and_resumes_exactly(tmp_path, async_run):
     pids = []
 
