@@ -1,7 +1,7 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
     treadle demo [--task addition|tools|distill|count] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N]
-                 [--eval-size N]
+                 [--eval-size N] [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
     demo.add_argument("--use-vllm", "--use_vllm", action="store_true", help="addition: GRPO samples with vLLM")
+    demo.add_argument("--max-staleness", "--max_staleness", type=int, help="addition: GRPO samples up to N steps "
+                      "ahead (docs/async.md)")
     demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
                       "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
                       "count: a tiny VLM counts shapes")
@@ -304,13 +306,10 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demo."""
     from treadle import demo  # heavy: torch, transformers
-    given = {name: getattr(args, name) for name in ("seed", "sft_steps", "grpo_steps", "eval_size", "use_vllm")
-             if name in args}
+    names = ("seed", "sft_steps", "grpo_steps", "eval_size", "use_vllm", "max_staleness")
+    given = {name: getattr(args, name) for name in names if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"
-    if given.get("use_vllm") and task != "addition":
-        raise UserError(f"--use-vllm runs the addition demo's GRPO through vLLM; --task {task} samples with treadle's "
-                        f"own sampler: leave --use-vllm out")
     if task == "tools":
         from treadle import demo_tools  # heavy, as above
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
@@ -320,6 +319,9 @@ def run_demo(args: argparse.Namespace) -> int:
     elif task == "count":
         from treadle import demo_count  # heavy, as above
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
+    for name in ("use_vllm", "max_staleness"):  # the addition demo's GRPO settings
+        if name in given and not hasattr(settings_class, name):
+            raise UserError(f"--{name.replace('_', '-')} is for the addition demo's GRPO, not --task {task}; leave it out")
     try:
         settings = settings_class(**given)
     except ValueError as error:

@@ -68,6 +68,7 @@ class DemoSettings:
     eval_every: int = 25  # GRPO steps between held-out evaluations (the accuracy curve)
     num_generations_eval: int = 4  # samples per held-out problem for pass@1 and pass@4 (greedy is extra)
     use_vllm: bool = False  # GRPO (training and its evaluations) samples with the colocated vLLM engine
+    max_staleness: int = 0  # GRPO's asynchronous sampling (docs/async.md): batches up to N steps stale; 0: sync
 
     def __post_init__(self) -> None:
         if self.use_vllm and self.model_size == "tiny":  # vLLM's CPU attention needs head size >= 32 (tiny's: 16)
@@ -189,7 +190,7 @@ def heldout_trainer(model, tokenizer, settings: DemoSettings, output_dir: Path, 
                   num_generations=settings.num_generations, steps_per_generation=settings.steps_per_generation,
                   temperature=settings.temperature, max_completion_length=4, save_strategy="no",
                   num_generations_eval=n, eval_pass_at_k=sorted({1, n}), eval_greedy=True,
-                  per_device_eval_batch_size=250)
+                  per_device_eval_batch_size=250, max_staleness=settings.max_staleness)
     values.update(overrides)
     test = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
     return GRPOTrainer(model, reward_funcs=toy.addition_reward, args=GRPOConfig(**values), processing_class=tokenizer,

@@ -102,6 +102,7 @@ from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers import grpo_vision
+from treadle.trainers.grpo_async import AsyncRollouts, begin_generation, end_run, load_state, saved_state, scheduled
 from treadle.trainers.grpo_config import GRPOConfig
 from treadle.trainers.grpo_data import (GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream,
                                         slice_sample)
@@ -194,6 +195,8 @@ class GRPOTrainer(Trainer):
         if self.args.use_vllm:
             build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_server
             return build(self.model, self.args, multi_turn=self.rollout_runner is not None)
+        if self.args.max_staleness:  # a rollout worker samples ahead (grpo_async.py)
+            return AsyncRollouts(self)
         return LocalEngine(self.model, backend=self.args.generation_backend)
 
     def close(self) -> None:
@@ -231,8 +234,9 @@ class GRPOTrainer(Trainer):
         sampler = dataloader.sampler
         per_epoch = (sampler.batches_per_epoch if isinstance(sampler, RepeatSampler)  # len() shrinks on resume
                      else len(dataloader) if hasattr(dataloader, "__len__") else 0)  # 0: a stream, one endless epoch
-        return generation_windows(dataloader, epoch, skip_steps, cycle=self._cycle_length(),
-                                  accum=self.args.gradient_accumulation_steps, generations_per_epoch=per_epoch)
+        return scheduled(self.engine, generation_windows(  # async: read ahead (grpo_async.py)
+            dataloader, epoch, skip_steps, cycle=self._cycle_length(), accum=self.args.gradient_accumulation_steps,
+            generations_per_epoch=per_epoch))
 
     def _cycle_length(self) -> int:
         """Micro-steps fed by one generation."""
@@ -254,6 +258,7 @@ class GRPOTrainer(Trainer):
             self.health.raise_if_stopped(self.args, self.state)  # a check stopped it: its checkpoint is written
             return output
         finally:
+            end_run(self.engine)  # async: stop the rollout worker
             if self.rollout_runner is not None:
                 self.rollout_runner.close()
 
@@ -269,6 +274,7 @@ class GRPOTrainer(Trainer):
                                   f"{ticket.generation}, without its saved buffer (no extra_state file in the "
                                   f"checkpoint): sampling it again from the current policy, so this run is not an "
                                   f"exact continuation", stacklevel=3)
+                begin_generation(self.engine, ticket.generation)  # async: request ahead (grpo_async.py)
                 self.buffer.put(ticket.generation, self.generate_and_score(ticket.rows, ticket.generation))
         window = [self.buffer.take(ticket, self.args.steps_per_generation) for ticket in batch_samples]
         self.buffer.release_consumed()
@@ -501,11 +507,12 @@ class GRPOTrainer(Trainer):
     def extra_checkpoint_state(self) -> dict:
         """This rank's generation buffer (unconsumed slices and cursor), saved in every checkpoint so that resuming
         inside a generation cycle is exact (the metrics are in the Trainer's window)."""
-        return {"buffer": self.buffer.state_dict()}
+        return {"buffer": self.buffer.state_dict(), **saved_state(self.engine)}  # + async: batches requested
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
         # earlier releases saved {"buffers": ...} (their cursor in trainer_state.json); the buffer reads both
         self.buffer.load_state_dict(state.get("buffer", state), self.args.device)
+        load_state(self.engine, state)
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -13,6 +13,7 @@ from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import BACKENDS
 from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
                             check_grpo_options, check_sampling_correction)
+from treadle.trainers.grpo_async import check_async_config
 
 __all__ = ["GRPOConfig", "HEALTH_CHECKS", "resolve_health_checks"]
 
@@ -104,6 +105,12 @@ class GRPOConfig(TrainingArguments):
     tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
     rollout_workers: int = 8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
 
+    # --- asynchronous GRPO (trainers/grpo_async.py; docs/async.md): sample the next batches while training
+    max_staleness: int = 0  # N: train batches sampled from weights up to N optimizer steps old; 0: synchronous
+    async_worker: str = "process"  # the rollout worker: "process" (own interpreter, own threads) or "thread"
+    async_worker_threads: int | None = None  # the worker's torch threads; None: half of the trainer's (at least 1)
+    async_timeout: float = 600.0  # seconds any wait on the worker may take before the run stops, naming the wait
+
     # --- padding-free training forwards (issue 18)
     padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
     shared_prefix: bool = True  # each prompt once per micro-batch, its completions after it (exact; off where unfit)
@@ -137,6 +144,7 @@ class GRPOConfig(TrainingArguments):
         self.health_checks = resolve_health_checks(self.health_checks)
         self._validate_dynamic_sampling()
         check_vllm_options(self)
+        check_async_config(self)  # max_staleness and its worker (grpo_async.py)
 
     def _validate_sampling_correction(self) -> None:
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
