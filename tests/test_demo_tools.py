@@ -70,14 +70,14 @@ def test_the_score_is_evaluate_and_the_written_transcripts_agree_with_it(tmp_pat
 
 
 def test_the_warm_start_probes_finer_and_slower_near_the_target_and_stops_after_two_probes_at_both(monkeypatch):
-    """Every sft_check_every steps, then every sft_check_every_near steps and at sft_near_lr_factor of the learning
-    rate once a probe solved sft_near_accuracy; SFT stops at the second probe in a row that solves
-    sft_target_accuracy with the right call on sft_target_calls (the probe scores here are scripted): neither a
-    lucky probe (0.31 at step 24, then 0.19) nor a solve rate with wrong calls (0.25 with the right call on 40%,
-    step 28) stops it."""
+    """Every sft_check_every steps; every sft_check_every_near steps while the last probe solved sft_near_accuracy
+    (one lucky probe at step 20 falls back); at sft_near_lr_factor of the learning rate once two probes in a row
+    did (steps 30, 32). SFT stops at the second probe in a row that solves sft_target_accuracy with the right call
+    on sft_target_calls (the probe scores here are scripted): neither a lucky probe (0.31 at step 34, then 0.19)
+    nor a solve rate with wrong calls (0.25 with the right call on 40%, step 38) stops it."""
     Score = demo_tools.ToolScore
-    scores = iter([Score(0.0, 0.3), Score(0.12, 0.95), Score(0.15, 0.95), Score(0.31, 0.95), Score(0.19, 0.99),
-                   Score(0.25, 0.4), Score(0.22, 0.5), Score(0.2, 0.93)])
+    scores = iter([Score(0.0, 0.3), Score(0.11, 0.9), Score(0.05, 0.9), Score(0.12, 0.95), Score(0.15, 0.95),
+                   Score(0.31, 0.95), Score(0.19, 0.99), Score(0.25, 0.4), Score(0.22, 0.5), Score(0.2, 0.93)])
     probed, rates = [], []
     monkeypatch.setattr(demo_tools, "score_tools", lambda *a, label, **k: probed.append(label) or next(scores))
     settings = demo_tools.ToolsDemoSettings()
@@ -85,7 +85,7 @@ def test_the_warm_start_probes_finer_and_slower_near_the_target_and_stops_after_
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 4))  # 4 warm-up steps
     stop = demo_tools._StopWithTool(None, None, settings)
     state, control = TrainerState(max_steps=800), TrainerControl()
-    for step in range(1, 40):
+    for step in range(1, 60):
         optimizer.step()
         scheduler.step()
         state.global_step = step
@@ -93,9 +93,9 @@ def test_the_warm_start_probes_finer_and_slower_near_the_target_and_stops_after_
         rates.append(optimizer.param_groups[0]["lr"])  # the rate of the next step
         if control.should_training_stop:
             break
-    assert probed == [f"SFT step {s}: probe of training problems" for s in (10, 20, 22, 24, 26, 28, 30, 32)]
-    assert step == 32
-    assert rates[4:19] == [5e-3] * 15 and rates[19:] == pytest.approx([1.25e-3] * 13)  # dropped after step 20
+    assert probed == [f"SFT step {s}: probe of training problems" for s in (10, 20, 22, 30, 32, 34, 36, 38, 40, 42)]
+    assert step == 42
+    assert rates[4:31] == [5e-3] * 27 and rates[31:] == pytest.approx([1.25e-3] * 11)  # steps 33-43: dropped
 
 
 def test_a_right_call_is_the_taught_call_in_the_first_turn_whatever_follows():
