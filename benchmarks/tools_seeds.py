@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--kernels", default="native,default", help="comma-separated: native (torch's pick for "
                         "this CPU) and/or default (ATEN_CPU_CAPABILITY=default)")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
+    parser.add_argument("--table-only", action="store_true", help="run nothing: print the table of the runs "
+                        "already in --out (a run not there reads 'not run')")
     options = parser.parse_args()
     kernel_sets = options.kernels.split(",")
     unknown = sorted(set(kernel_sets) - set(KERNELS))
@@ -91,6 +93,9 @@ def main() -> None:
     for kernels in kernel_sets:
         for seed in [int(s) for s in options.seeds.split(",")]:
             folder = root / f"{kernels}-seed{seed}"
+            if options.table_only and not (folder / "bench.json").is_file():
+                rows[kernels].append((f"| {seed}, {kernels} | not run | | | | | | |", None, None))
+                continue
             rows[kernels].append(row(run_one(seed, kernels, folder), folder))
             print(rows[kernels][-1][0], flush=True)
     print(f"\n{header}\nruns in {root}; native = the kernels torch picks on this CPU, default = "
