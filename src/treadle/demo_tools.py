@@ -36,8 +36,8 @@ from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 @dataclasses.dataclass
 class ToolsDemoSettings:
-    """What ``treadle demo --task tools`` trains; tuned on 2 busy CPU cores (README: seeds 0, 1, 2, and seed 0 on
-    other CPU kernels with the finer probe near the SFT target)."""
+    """What ``treadle demo --task tools`` trains; tuned on 2 busy CPU cores (README: seeds 0-4 on two sets of CPU
+    kernels, ``benchmarks/tools_seeds.py``)."""
 
     seed: int = 0  # model initialisation, data order and sampling
     model_size: str = "tiny"  # a treadle.toy.MODEL_SIZES key
