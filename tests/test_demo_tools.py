@@ -4,6 +4,7 @@ held-out scorer (GRPOTrainer.evaluate) and a short run of the whole demo (its fi
 import json
 
 import pytest
+import torch
 
 from treadle import TrainerControl, TrainerState, cli, demo_tools, toy
 from treadle.rollouts import ToolEnvironment, check_tool
@@ -59,28 +60,53 @@ def test_the_score_is_evaluate_and_the_written_transcripts_agree_with_it(tmp_pat
     monkeypatch.setattr(toy, "addition_reward", lambda completions, answer, **k: [float(int(a) % 2 == 0)
                                                                                   for a in answer])
     model = toy.build_model("tiny", tokenizer=tok, seed=0)
-    score = demo_tools.score_tools(model, tok, test, demo_tools.ToolsDemoSettings(), tmp_path / "scored.jsonl")
+    score, calls = demo_tools.score_tools(model, tok, test, demo_tools.ToolsDemoSettings(), tmp_path / "scored.jsonl")
     records = [json.loads(line) for line in open(tmp_path / "scored.jsonl")]
     assert [r["prompt"] for r in records] == test["prompt"] and [r["answer"] for r in records] == test["answer"]
     assert [r["correct"] for r in records] == [int(a) % 2 == 0 for a in test["answer"]]
     assert score == pytest.approx(sum(int(a) % 2 == 0 for a in test["answer"]) / 12) and 0 < score < 1
     assert all(r["transcript"][0]["role"] == "assistant" for r in records)
+    assert calls == sum(demo_tools.right_call(r["prompt"], r["transcript"]) for r in records) / 12
 
 
-def test_the_warm_start_probes_finer_once_near_the_target_and_stops_at_it(monkeypatch):
-    """Every sft_check_every steps, then every sft_check_every_near steps once a probe reached sft_near_accuracy;
-    SFT stops at the first probe at or above sft_target_accuracy (the probe scores here are scripted)."""
-    scores = iter([0.0, 0.12, 0.15, 0.19, 0.31])
-    probed = []
+def test_the_warm_start_probes_finer_and_slower_near_the_target_and_stops_after_two_probes_at_both(monkeypatch):
+    """Every sft_check_every steps; every sft_check_every_near steps while the last probe solved sft_near_accuracy
+    (one lucky probe at step 20 falls back); at sft_near_lr_factor of the learning rate once two probes in a row
+    did (steps 30, 32). SFT stops at the second probe in a row that solves sft_target_accuracy with the right call
+    on sft_target_calls (the probe scores here are scripted): neither a lucky probe (0.31 at step 34, then 0.19)
+    nor a solve rate with wrong calls (0.25 with the right call on 40%, step 38) stops it."""
+    Score = demo_tools.ToolScore
+    scores = iter([Score(0.0, 0.3), Score(0.11, 0.9), Score(0.05, 0.9), Score(0.12, 0.95), Score(0.15, 0.95),
+                   Score(0.31, 0.95), Score(0.19, 0.99), Score(0.25, 0.4), Score(0.22, 0.5), Score(0.2, 0.93)])
+    probed, rates = [], []
     monkeypatch.setattr(demo_tools, "score_tools", lambda *a, label, **k: probed.append(label) or next(scores))
-    stop = demo_tools._StopWithTool(None, None, demo_tools.ToolsDemoSettings())
+    settings = demo_tools.ToolsDemoSettings()
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=settings.sft_learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 4))  # 4 warm-up steps
+    stop = demo_tools._StopWithTool(None, None, settings)
     state, control = TrainerState(max_steps=800), TrainerControl()
-    for step in range(1, 40):
+    for step in range(1, 60):
+        optimizer.step()
+        scheduler.step()
         state.global_step = step
-        stop.on_step_end(None, state, control)
+        stop.on_step_end(None, state, control, optimizer=optimizer, lr_scheduler=scheduler)
+        rates.append(optimizer.param_groups[0]["lr"])  # the rate of the next step
         if control.should_training_stop:
             break
-    assert probed == [f"SFT step {s}: probe of training problems" for s in (10, 20, 22, 24, 26)] and step == 26
+    assert probed == [f"SFT step {s}: probe of training problems" for s in (10, 20, 22, 30, 32, 34, 36, 38, 40, 42)]
+    assert step == 42
+    assert rates[4:31] == [5e-3] * 27 and rates[31:] == pytest.approx([1.25e-3] * 11)  # steps 33-43: dropped
+
+
+def test_a_right_call_is_the_taught_call_in_the_first_turn_whatever_follows():
+    """right_call on hand-made transcripts: exactly the call of the prompt's own numbers, in their order."""
+    call = [{"role": "assistant", "content": '<call>calc("123+456")</call>'}]
+    after = [{"role": "tool", "content": "<result>579</result>"}, {"role": "assistant", "content": "578"}]
+    assert demo_tools.right_call("123+456=", call + after) and demo_tools.right_call("123+456=", call)
+    for wrong in ('<call>calc("123+465")</call>', '<call>calc("456+123")</call>', "579", "",
+                  '<call>calc("123+456")</call> 579'):
+        assert not demo_tools.right_call("123+456=", [{"role": "assistant", "content": wrong}] + after), wrong
+    assert not demo_tools.right_call("123+456=", [])
 
 
 @pytest.mark.slow

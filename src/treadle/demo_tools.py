@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from treadle import toy
 from treadle.callbacks import PrinterCallback, TrainerCallback
@@ -34,20 +36,25 @@ from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 @dataclasses.dataclass
 class ToolsDemoSettings:
-    """What ``treadle demo --task tools`` trains; tuned on 2 busy CPU cores (README: seeds 0, 1, 2, and seed 0 on
-    other CPU kernels with the finer probe near the SFT target)."""
+    """What ``treadle demo --task tools`` trains; tuned on 2 busy CPU cores (README: seeds 0-4 on two sets of CPU
+    kernels, ``benchmarks/tools_seeds.py``)."""
 
     seed: int = 0  # model initialisation, data order and sampling
     model_size: str = "tiny"  # a treadle.toy.MODEL_SIZES key
     eval_size: int = 300  # held-out problems scored after each stage
     sft_problems: int = 4000  # tool-using transcripts in the warm start (two SFT rows each)
-    sft_steps: int = 800  # at most this many SFT steps
-    sft_target_accuracy: float = 0.2  # stop SFT once this fraction of a probe of training problems is solved
+    sft_steps: int = 1600  # at most this many SFT steps (seed 3 on AVX512 kernels copies 9% at step 800)
+    sft_target_accuracy: float = 0.2  # stop SFT once this fraction of a probe of training problems is solved ...
+    sft_target_calls: float = 0.5  # ... and the first turn is the right calc() call on this fraction of it ...
+    sft_stop_probes: int = 2  # ... on this many probes in a row (one lucky probe of 100 read 7%, 25%, then 15%)
     sft_probe_size: int = 100  # training problems in the probe (rolled out with the tool)
     sft_check_every: int = 10  # SFT steps between probes (accuracy can jump from 5% to 60% within 25 steps)
     sft_near_accuracy: float = 0.1  # once a probe solves this fraction, probe every sft_check_every_near steps
     sft_check_every_near: int = 2  # near the target: the probe went 17% -> 44% within 10 steps (seed 0, README)
-    sft_learning_rate: float = 5e-3  # copying digits "clicks" after 300-400 steps at this rate
+    sft_learning_rate: float = 5e-3  # copying digits "clicks" after 250-900 steps at this rate
+    sft_near_lr_factor: float = 0.25  # near the target the rate drops to this fraction: at the full rate the probe
+    # went 8%, 18%, 43%, 25%, 62% in 8 steps (seed 3, default kernels), too fast and too noisy to stop in time
+    sft_warmup_steps: int = 40  # steps, not a fraction of sft_steps: raising the cap must not change the run
     sft_batch_size: int = 64
     grpo_steps: int = 120  # GRPO optimizer steps
     grpo_learning_rate: float = 1e-3  # with 120 steps and temperature 0.7: the largest gain on seed 2 (README)
@@ -69,9 +76,13 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
     test = toy.load_task("tools", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
     print(f"treadle demo --task tools: the {settings.model_size} toy model learns to call calc() for 3-digit "
           f"addition (SFT warm start, then GRPO with the tool); run folder {out}", flush=True)
+    calls = {}  # stage -> fraction of held-out problems whose first turn is the right call
+
     def held_out(stage: str, policy, name: str, use_tools: bool = True) -> float:
-        return score_tools(policy, tokenizer, test, settings, out / f"{name}.jsonl", use_tools=use_tools,
-                           label=f"{stage}: held-out")
+        score = score_tools(policy, tokenizer, test, settings, out / f"{name}.jsonl", use_tools=use_tools,
+                            label=f"{stage}: held-out")
+        calls[stage] = score.right_call
+        return score.solved
 
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     rows = [("untrained", held_out("untrained", model, "untrained"), 0, 0.0)]
@@ -91,8 +102,9 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
                  sft_seconds + seconds))
     (out / "results.json").write_text(json.dumps(
         {"task": "tools", "settings": dataclasses.asdict(settings), "heldout_problems": len(test),
-         "stages": [{"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
-                    for name, accuracy, steps, seconds in rows],
+         "stages": [{"stage": name, "accuracy": accuracy, "right_call": right, "steps": steps,
+                     "train_seconds": round(seconds, 1)}
+                    for (name, accuracy, steps, seconds), right in zip(rows, calls.values())],
          "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
     for run in ("sft", "grpo"):
         print_plots(out / run)
@@ -103,23 +115,55 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
 
 
 class _StopWithTool(TrainerCallback):
-    """Stops SFT once greedy rollouts with the tool solve ``sft_target_accuracy`` of ``probe`` (training problems),
-    checked every ``sft_check_every`` steps, and every ``sft_check_every_near`` steps once a probe has reached
-    ``sft_near_accuracy``: when the tiny model "gets" copying varies with the seed and the CPU's arithmetic, and it
+    """Stops SFT once greedy rollouts with the tool solve ``sft_target_accuracy`` of ``probe`` (training problems)
+    and make the right call on ``sft_target_calls`` of it, on ``sft_stop_probes`` probes in a row; probes every
+    ``sft_check_every`` steps, every ``sft_check_every_near`` steps while the last probe solved
+    ``sft_near_accuracy``, and once ``sft_stop_probes`` probes in a row have, goes on at ``sft_near_lr_factor`` of
+    the learning rate. When the tiny model "gets" copying varies with the seed and the CPU's kernels, and it
     gets it within a few steps, so a coarse probe let SFT overshoot (44% on the probe, 49.7% held-out) and left
-    GRPO, which ends near 56-58% from any start, no room."""
+    GRPO, which ends near 52-63% from a start with the right call, no room. The solve rate alone stopped seed 3
+    (``default`` kernels) on a lucky probe (7%, then 25%) with the right call on 41% of held-out problems, and
+    GRPO, which mostly learns to copy the result, gained 13 points from there."""
 
     def __init__(self, probe, tokenizer, settings: ToolsDemoSettings):
         self.probe, self.tokenizer, self.settings = probe, tokenizer, settings
-        self.near = False  # a probe reached sft_near_accuracy: probe every sft_check_every_near steps from then
+        self.near = 0  # probes in a row that solved sft_near_accuracy: probe every sft_check_every_near steps
+        self.slowed = False  # the learning rate has dropped (after sft_stop_probes probes in a row near)
+        self.in_a_row = 0  # probes in a row that met both targets
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
+    def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         every = self.settings.sft_check_every_near if self.near else self.settings.sft_check_every
         if state.global_step % every == 0 and state.global_step < state.max_steps:
             label = f"SFT step {state.global_step}: probe of training problems"
-            accuracy = score_tools(model, self.tokenizer, self.probe, self.settings, label=label)
-            self.near = self.near or accuracy >= self.settings.sft_near_accuracy
-            control.should_training_stop = accuracy >= self.settings.sft_target_accuracy
+            score = score_tools(model, self.tokenizer, self.probe, self.settings, label=label)
+            self.near = self.near + 1 if score.solved >= self.settings.sft_near_accuracy else 0
+            if self.near >= self.settings.sft_stop_probes and not self.slowed:
+                self.slowed = True  # not on one lucky probe: seed 3 (AVX512) read 11% once among 2-9% at step 830
+                scale_learning_rate(optimizer, lr_scheduler, self.settings.sft_near_lr_factor)
+            self.in_a_row = self.in_a_row + 1 if meets_targets(score, self.settings) else 0
+            control.should_training_stop = self.in_a_row >= self.settings.sft_stop_probes
+
+
+def scale_learning_rate(optimizer, lr_scheduler, factor: float) -> None:
+    """Multiply the learning rate by ``factor`` from the next step on: the optimizer's current rate and the rate
+    the (lambda) scheduler sets at each step from its ``base_lrs``."""
+    if lr_scheduler is not None:
+        lr_scheduler.base_lrs = [lr * factor for lr in lr_scheduler.base_lrs]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+
+
+def meets_targets(score: ToolScore, settings: ToolsDemoSettings) -> bool:
+    """Whether one probe's ``score`` meets the warm start's two targets (solved and right call)."""
+    return score.solved >= settings.sft_target_accuracy and score.right_call >= settings.sft_target_calls
+
+
+def right_call(prompt: str, transcript: list[dict]) -> bool:
+    """Whether the first turn of ``transcript`` (a rollout of ``prompt``, e.g. ``"123+456="``) is exactly the call
+    the demo's transcripts teach, ``<call>calc("123+456")</call>``, whatever the model wrote after the result."""
+    turns = [turn for turn in transcript if turn["role"] == "assistant"]
+    return bool(turns) and turns[0]["content"].strip() == f'<call>calc("{prompt.rstrip("=")}")</call>'
 
 
 def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir: Path, *, probe=None,
@@ -129,7 +173,8 @@ def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir
     stop = [] if probe is None else [_StopWithTool(probe, tokenizer, settings)]
     args = SFTConfig(output_dir=str(output_dir), max_steps=max_steps or settings.sft_steps, seed=settings.seed,
                      learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
-                     lr_scheduler_type="constant_with_warmup", warmup_steps=0.05, logging_steps=10,
+                     lr_scheduler_type="constant_with_warmup", warmup_steps=settings.sft_warmup_steps,
+                     logging_steps=10,
                      save_strategy="no", max_length=64, disable_tqdm=True)
     trainer = SFTTrainer(model, args, train_dataset=dataset, processing_class=tokenizer, callbacks=stop)
     start = time.time()
@@ -158,23 +203,31 @@ def tools_grpo(model, tokenizer, settings: ToolsDemoSettings, output_dir: Path, 
     return trainer.state.global_step, time.time() - start
 
 
+class ToolScore(NamedTuple):
+    """One scoring of a policy: the fraction of problems solved (greedy exact match) and the fraction whose first
+    turn is the right ``calc`` call (``right_call``; 0 without the tool)."""
+
+    solved: float
+    right_call: float
+
+
 def score_tools(model, tokenizer, dataset, settings: ToolsDemoSettings, completions_file: Path | None = None, *,
-                use_tools: bool = True, batch_size: int = 250, label: str | None = None) -> float:
+                use_tools: bool = True, batch_size: int = 250, label: str | None = None) -> ToolScore:
     """Greedy held-out exact match through ``GRPOTrainer.evaluate()``, the one way treadle measures a policy (as
     ``treadle.demo``): each problem rolled out greedily (``eval_temperature=0``; with the ``calc`` tool unless
-    ``use_tools`` is False) and scored by the exact-match reward, so ``eval_pass@1`` is the fraction solved. A
-    ``compute_metrics`` writes each transcript to ``completions_file``. Prints one line, ``[label] 35.3% of 300
-    solved``, when a ``label`` (what is scored, at which stage and step) is given; never the evaluation's own log
-    line, whose ``[step 0]`` would be the scoring trainer's step, not the stage's."""
-    import tempfile
-
-    def write_transcripts(prompts, completions, reward, answer, transcript=None, **columns):
-        with open(completions_file, "w") as f:
-            for i, (prompt, completion, ok) in enumerate(zip(prompts, completions, reward)):
-                turns = transcript[i] if transcript else [{"role": "assistant", "content": completion}]
-                f.write(json.dumps({"prompt": prompt, "transcript": turns, "answer": answer[i],
-                                    "correct": ok == 1.0}) + "\n")
-        return {}
+    ``use_tools`` is False) and scored by the exact-match reward, so ``eval_pass@1`` is the fraction solved; a
+    ``compute_metrics`` counts the right calls and writes each transcript to ``completions_file``. Prints one
+    line, ``[label] 35.3% of 300 solved, right call on 92.0%``, when a ``label`` (what is scored, at which stage
+    and step) is given; never the evaluation's own log line, whose ``[step 0]`` would be the scoring trainer's
+    step, not the stage's."""
+    def calls_and_transcripts(prompts, completions, reward, answer, transcript=None, **columns):
+        turns = transcript or [[{"role": "assistant", "content": completion}] for completion in completions]
+        if completions_file is not None:
+            with open(completions_file, "w") as f:
+                for prompt, turn, ok, gold in zip(prompts, turns, reward, answer):
+                    f.write(json.dumps({"prompt": prompt, "transcript": turn, "answer": gold,
+                                        "correct": ok == 1.0}) + "\n")
+        return {"right_call": sum(map(right_call, prompts, turns)) / max(len(prompts), 1)}
 
     with tempfile.TemporaryDirectory(prefix="treadle-score-") as folder:
         args = GRPOConfig(output_dir=folder, seed=settings.seed, max_completion_length=settings.max_completion_length,
@@ -182,9 +235,11 @@ def score_tools(model, tokenizer, dataset, settings: ToolsDemoSettings, completi
                           disable_tqdm=True, save_strategy="no", rollout_workers=0)
         trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
                               eval_dataset=dataset, tools=[toy.calc] if use_tools else None,
-                              compute_metrics=write_transcripts if completions_file is not None else None)
+                              compute_metrics=calls_and_transcripts)
         trainer.pop_callback(PrinterCallback)
-        accuracy = trainer.evaluate()["eval_pass@1"]  # rollout_workers=0: no thread pool to close
+        metrics = trainer.evaluate()  # rollout_workers=0: no thread pool to close
+    score = ToolScore(metrics["eval_pass@1"], metrics["eval_right_call"])
     if label is not None:
-        print(f"[{label}] {accuracy:.1%} of {len(dataset)} solved", flush=True)
-    return accuracy
+        print(f"[{label}] {score.solved:.1%} of {len(dataset)} solved, right call on {score.right_call:.1%}",
+              flush=True)
+    return score
