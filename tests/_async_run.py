@@ -9,6 +9,7 @@ were written); ``final`` (save the final weights there with ``torch.save``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,15 +49,22 @@ def build(spec: dict, callbacks=()) -> GRPOTrainer:
                        callbacks=callbacks)
 
 
-def run(spec: dict, callbacks=()) -> GRPOTrainer:
-    """Build the run the spec describes and train it (one torch thread, as in every process of these tests)."""
+@contextlib.contextmanager
+def one_thread():
+    """One torch thread, as in every process of these tests (the thread count is given back after)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainer = build(spec, callbacks)
-        trainer.train(resume_from_checkpoint=spec.get("resume"))
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def run(spec: dict, callbacks=()) -> GRPOTrainer:
+    """Build the run the spec describes and train it, on one torch thread."""
+    with one_thread():
+        trainer = build(spec, callbacks)
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
     if spec.get("final"):
         torch.save(trainer.model.state_dict(), spec["final"])
     return trainer

@@ -85,12 +85,8 @@ def test_the_worker_at_zero_staleness_trains_the_synchronous_weights_bit_for_bit
     of staleness 0 and the correction off samples exactly what the live model samples."""
     trainer = runner.build({"output_dir": str(tmp_path / "run"), "vllm_importance_sampling_correction": False})
     trainer.engine = AsyncRollouts(trainer, staleness=0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with runner.one_thread():
         trainer.train()
-    finally:
-        torch.set_num_threads(threads)
     assert logged(trainer, "async/staleness") == [0.0] * 4
     assert same(weights(trainer), sync_run)
 
@@ -158,12 +154,8 @@ def _train_with(tmp_path, step, action, **spec):
     callback = _AtStepEnd(step, action)
     trainer = runner.build({"output_dir": str(tmp_path / "run"), "max_staleness": 1, **spec}, [callback])
     callback.trainer = trainer
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with runner.one_thread():
         trainer.train()
-    finally:
-        torch.set_num_threads(threads)
     return trainer
 
 

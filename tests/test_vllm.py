@@ -19,6 +19,7 @@ import sys
 import peft
 import pytest
 import torch
+from _vllm_common import digit_sum_reward, model_logps, prompts, rows_of
 
 from treadle import toy
 from treadle.cli import main
@@ -42,11 +43,6 @@ def config(tmp_path, **overrides):
                   eval_temperature=0.0, eval_greedy=True)
     values.update(overrides)
     return GRPOConfig(**values)
-
-
-def digit_sum_reward(completion_ids, **kwargs):
-    """A reward that varies between completions, so advantages are not all zero and a step moves the weights."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +73,6 @@ def lora_trainer(tmp_path_factory):
 LORA = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 # by hand: 4 layers x (q_proj, v_proj) x (A 4x256, B 256x4): 16 tensors of 1,024 floats, 65,536 bytes in float32
 ADAPTER_TENSORS, ADAPTER_BYTES = 16, 16 * 1024 * 4
-
-
-def prompts(tok, n=4):
-    return [tok(row["prompt"])["input_ids"] for row in toy.load_task("addition", kind="rl", n=n)]
-
-
-def model_logps(model, prompt_ids, completion_ids):
-    """Plain PyTorch: each completion token's log-prob under ``model`` (one unpadded forward per row)."""
-    out = []
-    with torch.no_grad():
-        for p, c in zip(prompt_ids, completion_ids):
-            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float()
-            out.append(logits.log_softmax(-1).gather(1, torch.tensor(c)[:, None])[:, 0])
-    return out
-
-
-def rows_of(output):
-    lengths = output.completion_mask.sum(1).tolist()
-    return [ids[:n] for ids, n in zip(output.completion_ids.tolist(), lengths)]
 
 
 # ---------------------------------------------------------------------------------------- the real engine

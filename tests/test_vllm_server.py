@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _vllm_common import digit_sum_reward, model_logps, prompts, rows_of
 
 from treadle import checkpoint, cli, toy
 from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError, identity_mismatch, server_url
@@ -47,30 +48,6 @@ def config(tmp_path, url, **overrides):
                   vllm_server_timeout=600.0, temperature=1.0)
     values.update(overrides)
     return GRPOConfig(**values)
-
-
-def digit_sum_reward(completion_ids, **kwargs):
-    """A reward that varies between completions, so advantages are not all zero and a step moves the weights."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
-
-
-def prompts(tok, n=4):
-    return [tok(row["prompt"])["input_ids"] for row in toy.load_task("addition", kind="rl", n=n)]
-
-
-def model_logps(model, prompt_ids, completion_ids):
-    """Plain PyTorch: each completion token's log-prob under ``model`` (one unpadded forward per row)."""
-    out = []
-    with torch.no_grad():
-        for p, c in zip(prompt_ids, completion_ids):
-            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float()
-            out.append(logits.log_softmax(-1).gather(1, torch.tensor(c)[:, None])[:, 0])
-    return out
-
-
-def rows_of(output):
-    lengths = output.completion_mask.sum(1).tolist()
-    return [ids[:n] for ids, n in zip(output.completion_ids.tolist(), lengths)]
 
 
 @pytest.fixture(scope="module")

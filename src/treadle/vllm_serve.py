@@ -128,7 +128,6 @@ class ServedEngine(VLLMEngine):
         vllm = require_vllm()
         self.folder, self.device, self._vllm = folder, torch.device("cpu"), vllm
         self.sleep_mode = self.sleeping = False
-        self.probe = self.pushed = self.sync_unchanged = None
         self.lora = self.lora_request = None  # the server is sent merged weights (engines.vllm_lora: colocated only)
         self.llm = vllm.LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                             max_model_len=max_model_length, gpu_memory_utilization=gpu_memory_utilization,
@@ -186,8 +185,7 @@ class Handler(BaseHTTPRequestHandler):
             self.server.pending.update(load_tensors(body))
             if query.get("last", ["1"])[0] == "1":
                 weights, self.server.pending = list(self.server.pending.items()), {}
-                engine.push(weights)
-                engine.llm.reset_prefix_cache()  # cached blocks hold keys and values of the old weights
+                engine.push(weights)  # the prefix cache is cleared with it
                 return json.dumps({"loaded": len(weights)}).encode(), "application/json"
             return json.dumps({"received": len(self.server.pending)}).encode(), "application/json"
         return None

@@ -111,7 +111,46 @@ def merged_state_dict(model: nn.Module, *, adapters: bool = True) -> dict[str, t
     return state
 
 
-class VLLMEngine:
+class SyncChecked:
+    """What both vLLM engines (in process, and ``engines.vllm_server`` over HTTP) share around the contract: the
+    request checks, the seed drawn from the caller's generator, and the weight-sync check (health.py): a probe
+    completion (prompt 0 and the last generation's first completion, every token after the first scored: a
+    confident completion's log-probs alone may round to the same floats after a step), the last push's fingerprint
+    and the last check's verdict (``sync_unchanged``, kept until the next check: an evaluation's sync may be the one
+    that checked). A subclass provides ``push`` (the engine samples from ``weights`` once it returns) and ``score``."""
+
+    probe: tuple[list[list[int]], list[list[int]]] | None = None
+    pushed: float | None = None
+    sync_unchanged: bool | None = None
+
+    @staticmethod
+    def check_request(prompt_ids: list[list[int]], prompt_inputs: dict | None,
+                      generator: torch.Generator | None) -> int | None:
+        """Refuse what vLLM is not given (images), check the prompts; the request's seed (None: unseeded)."""
+        if prompt_inputs:
+            raise UserError("use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into treadle "
+                            "yet; set use_vllm: false to sample prompts with images with treadle's own sampler")
+        check_prompts(prompt_ids)
+        if generator is None:
+            return None
+        return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
+
+    def remember_probe(self, prompt_ids: list[list[int]], output: GenerationOutput) -> None:
+        text = list(prompt_ids[0]) + output.completion_ids[0, :int(output.completion_mask[0].sum())].tolist()
+        self.probe = ([text[:1]], [text[1:]]) if len(text) > 1 else None
+
+    def checked_push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """``push`` the weights; when they differ from the last push, the probe's log-probs must change with them."""
+        fingerprint = weights_fingerprint(weights)
+        checked = self.probe is not None and self.pushed is not None and fingerprint != self.pushed
+        before = self.score(*self.probe) if checked else None
+        self.push(weights)
+        if checked:
+            self.sync_unchanged = weight_sync_unchanged(torch.cat(before), torch.cat(self.score(*self.probe)))
+        self.pushed = fingerprint
+
+
+class VLLMEngine(SyncChecked):
     """A colocated ``vllm.LLM`` behind the engine contract; ``close`` shuts it down and deletes its folder."""
 
     def __init__(self, model: nn.Module, *, max_model_length: int | None = None, gpu_memory_utilization: float = 0.3,
@@ -135,10 +174,6 @@ class VLLMEngine:
         self._vllm = vllm
         self.lora_request = None  # the adapter's current vllm LoRARequest (a fresh lora_int_id per sync)
         self.last_sync: dict | None = None  # what the last push sent: {"kind": "full" | "lora", "tensors", "bytes"}
-        # the weight-sync check (health.py): a probe completion, the last push's fingerprint, the last check's verdict
-        self.probe: tuple[list[list[int]], list[list[int]]] | None = None
-        self.pushed: float | None = None
-        self.sync_unchanged: bool | None = None
         if self.lora is not None:  # the adapter's config once; its weights with each sync, from this one on
             self.lora[2].save_pretrained(os.path.join(self.folder, "adapter"))
             self.load_weights(model)
@@ -146,13 +181,8 @@ class VLLMEngine:
     # ---- the contract ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
                  generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
-        if prompt_inputs:
-            raise UserError("use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into treadle "
-                            "yet; set use_vllm: false to sample prompts with images with treadle's own sampler")
-        check_prompts(prompt_ids)
+        seed = self.check_request(prompt_ids, prompt_inputs, generator)
         self._wake()
-        seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
-                                                                device=generator.device))
         requests = [self.vllm_params(params, None if seed is None else seed + 7919 * i)
                     for i in range(len(prompt_ids))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], requests, use_tqdm=False,
@@ -161,10 +191,7 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self.sleeping = True
         output = self._to_output(prompt_ids, outputs, params)
-        # the weight-sync check's probe: prompt 0 and its first completion, every token after the first scored (the
-        # prompt's tokens too: a confident completion's log-probs alone may round to the same floats after a step)
-        text = list(prompt_ids[0]) + output.completion_ids[0, :int(output.completion_mask[0].sum())].tolist()
-        self.probe = ([text[:1]], [text[1:]]) if len(text) > 1 else None
+        self.remember_probe(prompt_ids, output)
         return output
 
     def load_weights(self, model) -> None:
@@ -172,16 +199,7 @@ class VLLMEngine:
         the engine's log-probs of one probe completion (the last generation's first) must change with them."""
         self._wake()
         with unwrapped_for_generation(model) as inner:
-            weights = list(self.sync_weights(model, inner).items())
-            fingerprint = weights_fingerprint(weights)
-            checked = self.probe is not None and self.pushed is not None and fingerprint != self.pushed
-            before = self.score(*self.probe) if checked else None
-            self.push(weights)
-        self.llm.reset_prefix_cache()  # cached blocks hold keys and values of the old weights
-        after = self.score(*self.probe) if checked else None
-        if checked:  # kept until the next check: an evaluation's sync may be the one that checked
-            self.sync_unchanged = weight_sync_unchanged(torch.cat(before), torch.cat(after))
-        self.pushed = fingerprint
+            self.checked_push(list(self.sync_weights(model, inner).items()))
 
     def sync_weights(self, model: nn.Module, inner: nn.Module) -> dict[str, torch.Tensor]:
         """What a sync sends: the LoRA adapter's tensors (a LoRA engine), else the merged state dict."""
@@ -195,12 +213,17 @@ class VLLMEngine:
 
     def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load ``weights`` into the engine's model in place (the worker extension below), or under LoRA write the
-        adapter and register it with vLLM under a fresh id (loaded now, the last sync's adapter removed)."""
+        adapter and register it with vLLM under a fresh id (loaded now, the last sync's adapter removed); then clear
+        the prefix cache, whose blocks hold keys and values of the old weights."""
         self.last_sync = {"kind": "full" if self.lora is None else "lora", "tensors": len(weights),
                           "bytes": sum(t.numel() * t.element_size() for _, t in weights)}
         if self.lora is None:
             self.llm.collective_rpc("treadle_load_weights", args=(weights,))
-            return
+        else:
+            self._register_adapter(weights)
+        self.llm.reset_prefix_cache()
+
+    def _register_adapter(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.lora.request import LoRARequest  # optional, as require_vllm; imported once vLLM is
 
         folder = os.path.join(self.folder, "adapter")

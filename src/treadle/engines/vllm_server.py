@@ -31,11 +31,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
 
-from treadle.engines.vllm import merged_state_dict, weights_fingerprint
+from treadle.engines.vllm import SyncChecked, merged_state_dict
 from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
-from treadle.generation.single import GenerationOutput, check_prompts
-from treadle.health import weight_sync_unchanged
+from treadle.generation.single import GenerationOutput
 from treadle.models import unwrapped_for_generation
 
 __all__ = ["CHUNK_BYTES", "IDENTITY_FIELDS", "REQUEST_TIMEOUT", "VLLMServerEngine", "VLLMServerError",
@@ -106,7 +105,7 @@ def identity_mismatch(identity: dict, model: nn.Module, weights: dict[str, torch
     return None
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(SyncChecked):
     """A ``treadle vllm-serve`` server behind the engine contract. The server outlives the engine: ``close`` only
     stops using it (start and stop the server yourself, as with TRL's ``trl vllm-serve``)."""
 
@@ -121,10 +120,6 @@ class VLLMServerEngine:
                                   f"{problem}); restart it with the policy's model: treadle vllm-serve MODEL "
                                   f"--port PORT, or point vllm_server_base_url at a server of the policy's model")
         self.identity = identity
-        # the weight-sync check, as the colocated engine's: a probe completion, the last push's fingerprint, a verdict
-        self.probe: tuple[list[list[int]], list[list[int]]] | None = None
-        self.pushed: float | None = None
-        self.sync_unchanged: bool | None = None
 
     def wait_for_server(self, timeout: float) -> dict:
         """The server's identity (``GET /health``), polled until it answers or ``timeout`` seconds have passed."""
@@ -146,31 +141,18 @@ class VLLMServerEngine:
     # ---- the contract ------------------------------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
                  generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
-        if prompt_inputs:
-            raise UserError("use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into "
-                            "treadle yet; set use_vllm: false to sample prompts with images with treadle's own sampler")
-        check_prompts(prompt_ids)
-        seed = None if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator,
-                                                                device=generator.device))
+        seed = self.check_request(prompt_ids, prompt_inputs, generator)
         body = {"prompt_ids": [list(map(int, p)) for p in prompt_ids], "params": dataclasses.asdict(params),
                 "seed": seed}
         output = unpack_output(self.request("generate", json.dumps(body).encode()), self.device)
-        text = list(prompt_ids[0]) + output.completion_ids[0, :int(output.completion_mask[0].sum())].tolist()
-        self.probe = ([text[:1]], [text[1:]]) if len(text) > 1 else None  # the colocated engine's probe
+        self.remember_probe(prompt_ids, output)
         return output
 
     def load_weights(self, model) -> None:
         """Push the policy's merged weights and check the push (``sync_unchanged``), as the colocated engine does:
         when they differ from the last push, the server's log-probs of one probe completion must change."""
         with unwrapped_for_generation(model) as inner:
-            weights = [(name, tensor.detach()) for name, tensor in merged_state_dict(inner).items()]
-            fingerprint = weights_fingerprint(weights)
-            checked = self.probe is not None and self.pushed is not None and fingerprint != self.pushed
-            before = self.score(*self.probe) if checked else None
-            self.push(weights)
-        if checked:
-            self.sync_unchanged = weight_sync_unchanged(torch.cat(before), torch.cat(self.score(*self.probe)))
-        self.pushed = fingerprint
+            self.checked_push([(name, tensor.detach()) for name, tensor in merged_state_dict(inner).items()])
 
     def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Send ``weights`` in chunks of at most ``CHUNK_BYTES``; the server loads them after the last one."""
