@@ -135,10 +135,7 @@ class ServedEngine(VLLMEngine):
                             max_logprobs=0, worker_extension_cls="treadle.engines.vllm.WeightLoader")
 
     def close(self) -> None:
-        llm, self.llm = self.llm, None
-        shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.shutdown()  # the folder is the user's (or the toy folder vllm_serve.main removes)
 
 
 class Handler(BaseHTTPRequestHandler):

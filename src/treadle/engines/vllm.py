@@ -235,13 +235,15 @@ class VLLMEngine(SyncChecked):
             self.llm.llm_engine.remove_lora(old.lora_int_id)
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+        self.shutdown()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Stop the ``vllm.LLM`` (its engine core's processes and memory); the engine is not used again."""
+        llm, self.llm = getattr(self, "llm", None), None
+        shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def __enter__(self) -> "VLLMEngine":
         return self
