@@ -226,6 +226,26 @@ def test_sft_example_trains_saves_and_plots(tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(out).config.hidden_size == 64
 
 
+def test_a_finished_run_leaves_the_process_group(tmp_path, capsys, monkeypatch):
+    """Under torchrun, `treadle train` ends by leaving the process group (torch asks it of a normal exit): here in a
+    one-process gloo group, the model wrapped in DDP as on N processes."""
+    import torch
+
+    from treadle import distributed
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(distributed._free_port()))):
+        monkeypatch.setenv(name, value)
+    distributed.init_distributed(torch.device("cpu"), force=True)
+    try:
+        code, _, _ = run(["train", EXAMPLES / "sft.yaml", "--output_dir", tmp_path / "sft", "--max_steps", "2",
+                          "--eval_strategy", "no", "--disable_tqdm", "true"], capsys)
+        assert code == 0 and (tmp_path / "sft" / "model.safetensors").is_file()
+        assert not distributed.is_initialized()
+    finally:
+        distributed.finish()  # not left to the tests after this one when the assertion failed
+
+
 def test_resume_continues_from_the_newest_checkpoint(tmp_path, capsys):
     out = tmp_path / "sft"
     base = ["train", EXAMPLES / "sft.yaml", "--output_dir", out, "--disable_tqdm", "true", "--eval_strategy", "no",

@@ -157,12 +157,19 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
     if distributed.launched("RANK") == 0:  # under torchrun, rank 0 owns the folder (and soon holds its lock)
         check_run_folder(output_dir, resume=checkpoint is not None, overwrite=overwrite,
                          model_dir=None if model.startswith("toy:") else model)
-    trainer = build_trainer(config, base_dir=Path(config_path).parent)
+    status = train_and_save(build_trainer(config, base_dir=Path(config_path).parent), checkpoint,
+                            resume_command=['treadle', 'train', config_path, *overrides, '--resume'])
+    distributed.finish()  # under torchrun, after the trainer is gone: a normal exit leaves the process group
+    return status
+
+
+def train_and_save(trainer, checkpoint: str | None, resume_command: list[str]) -> int:
+    """Train (from ``checkpoint``), save the model and print the report; the exit status (that of a preemption
+    or interruption, with ``resume_command`` printed, once its checkpoint is written)."""
     try:
         trainer.train(resume_from_checkpoint=checkpoint)
     except (Preempted, Interrupted) as stop:  # its checkpoint is written: say how to go on
-        print(f"treadle: resume with: {shlex.join(['treadle', 'train', config_path, *overrides, '--resume'])}",
-              file=sys.stderr)
+        print(f"treadle: resume with: {shlex.join(resume_command)}", file=sys.stderr)
         return stop.exit_status
     output_dir = trainer.args.output_dir
     with disk_errors(output_dir):  # a full or read-only disk at the final save: one line, as during training

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import os
 import socket
 from typing import Any
@@ -91,6 +92,16 @@ def init_distributed(device: torch.device, timeout_s: float | None = None, *, fo
     where = {} if store is None else {"store": store, "rank": launched("RANK"), "world_size": launched("WORLD_SIZE")}
     dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None,
                             **where)
+
+
+def finish() -> None:
+    """Leave the process group at the end of a run (a no-op without one), as torch asks of a normal exit (NCCL
+    warns otherwise). The trainer's DDP reducer or FSDP state sits in reference cycles that hold the group:
+    they are collected first, while the group and the interpreter are alive; freed in the interpreter's
+    finalisation instead, gloo's threads have aborted a finished process (pytorch/pytorch#190489)."""
+    if is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _attempt_store(timeout: datetime.timedelta):
