@@ -228,7 +228,8 @@ def test_min_p_and_generation_kwargs_are_trls_fields_and_reach_the_sampler(tmp_p
     ({"generation_kwargs": "min_p=0.1"}, "generation_kwargs must be a dict"),
     ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
     ({"generation_kwargs": {"min_p": -0.1}}, r"min_p must be in \[0, 1\]"),
-    ({"min_p": 0.1, "use_vllm": True}, "reach treadle's own sampler only, not the vLLM engine"),
+    ({"generation_kwargs": {"suppress_tokens": [7]}, "use_vllm": True}, "suppress_tokens reach treadle's own sampler "
+     "only"),
 ])
 def test_sampling_settings_the_own_sampler_cannot_honour_are_refused(tmp_path, settings, message):
     with pytest.raises(ValueError, match=message):

@@ -11,6 +11,7 @@ check the options' one-line refusals and the LoRA plan, and need no vLLM.
 """
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from treadle.cli import main
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import VLLMNotInstalled, merged_state_dict, vllm_engine
 from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_bound
-from treadle.errors import is_user_error
+from treadle.errors import UserError, is_user_error
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import sample_completions
 from treadle.models import unwrapped_for_generation
@@ -134,6 +135,33 @@ def test_sampling_logps_are_the_processed_distributions(trainer):
         got = out.sampling_logps[row, :len(completion)]
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
         assert (out.sampling_logps[row, len(completion):] == 0).all()
+
+
+@pytest.mark.vllm
+def test_min_p_reaches_vllm_and_its_log_probs_are_the_min_p_distributions(trainer):
+    """min_p (TRL's) is sampled by vLLM: the sampled log-probs equal a plain-PyTorch recomputation under temperature,
+    top-k and min-p (no top-p: there the two orders keep the same tokens), and no completion holds a token min-p
+    drops; a suppress list (generation_kwargs' suppress_tokens) is refused in one line."""
+    ids = prompts(trainer.processing_class, n=3)
+    params = SamplingParams(num_generations=6, max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=0,
+                            temperature=1.5, top_k=40, min_p=0.8)  # 0.2 dropped nothing from this flat model
+    trainer.engine.load_weights(trainer.model)
+    out = trainer.engine.generate(ids, params, generator=torch.Generator().manual_seed(5))
+    dropped_mass = []
+    for row, (prompt, completion) in enumerate(zip([p for p in ids for _ in range(6)], rows_of(out))):
+        with torch.no_grad():
+            logits = trainer.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1] / 1.5
+        logits = logits.masked_fill(logits < logits.topk(40, dim=-1).values[:, -1:], float("-inf"))
+        probs = logits.softmax(-1)
+        dropped = probs < 0.8 * probs.amax(-1, keepdim=True)
+        dropped_mass.append(probs.masked_fill(~dropped, 0).sum(-1))
+        assert not dropped.gather(1, torch.tensor(completion)[:, None]).any()
+        expected = logits.masked_fill(dropped, float("-inf")).log_softmax(-1)
+        got = out.sampling_logps[row, :len(completion)]
+        torch.testing.assert_close(got, expected.gather(1, torch.tensor(completion)[:, None])[:, 0], atol=1e-4, rtol=0)
+    assert torch.cat(dropped_mass).max() > 0.05  # min-p dropped real mass: without it the log-probs would differ
+    with pytest.raises(UserError, match="suppress_tokens reach treadle's own sampler only"):
+        trainer.engine.generate(ids, dataclasses.replace(params, suppress_token_ids=(7,)))
 
 
 @pytest.mark.vllm

@@ -271,12 +271,18 @@ class VLLMEngine(SyncChecked):
         return scored
 
     def vllm_params(self, params: SamplingParams, seed: int | None):
-        """``params`` as vLLM's ``SamplingParams`` for one prompt (``n`` completions, sampled log-probs)."""
+        """``params`` as vLLM's ``SamplingParams`` for one prompt (``n`` completions, sampled log-probs). vLLM applies
+        ``min_p`` after temperature and before top-k / top-p (transformers: after them); the two orders keep the
+        same tokens unless ``top_p < 1`` is set too, where vLLM's nucleus is taken over the min-p survivors."""
+        if params.suppress_token_ids:
+            raise UserError("generation_kwargs' suppress_tokens reach treadle's own sampler only (vLLM takes no "
+                            "suppress list); unset it or set use_vllm: false")
         return self._vllm.SamplingParams(
             n=params.num_generations if params.do_sample else 1, max_tokens=params.max_new_tokens, seed=seed,
             temperature=params.temperature if params.do_sample else 0.0,
             top_p=params.top_p if params.do_sample else 1.0, top_k=params.top_k if params.do_sample else 0,
-            repetition_penalty=params.repetition_penalty, stop_token_ids=list(params.eos_token_ids),
+            min_p=params.min_p if params.do_sample else 0.0, repetition_penalty=params.repetition_penalty,
+            stop_token_ids=list(params.eos_token_ids),
             ignore_eos=True, logprobs=0, detokenize=False)
 
     def _wake(self) -> None:

@@ -30,9 +30,9 @@ How this departs from TRL 1.16's DistillationTrainer:
    sampling) have no meaning here and are refused when set. One generation per optimizer step, as TRL:
    ``steps_per_generation`` must equal ``gradient_accumulation_steps`` and ``num_iterations`` is 1.
 2. Sampling goes through the rollout engine (the own KV-cached sampler, or vLLM with ``use_vllm``), seeded per
-   (seed, generation, rank). ``min_p`` and ``generation_kwargs`` are GRPO's (the own sampler only): the
-   ``GenerationConfig`` names it takes (``generation.sampling.GENERATION_KWARGS``) override the config's fields as
-   in TRL; ``temperature`` (also the divergence's), ``max_new_tokens`` and names it has no counterpart for are
+   (seed, generation, rank). ``min_p`` and ``generation_kwargs`` are GRPO's (``suppress_tokens``: the own sampler
+   only): the ``GenerationConfig`` names it takes (``generation.sampling.GENERATION_KWARGS``) override the config's
+   fields as in TRL; ``temperature`` (also the divergence's), ``max_new_tokens`` and names it has no counterpart for are
    refused in one line.
 3. Training forwards get position ids counted from the first prompt token (GRPO's departure 5), for both models.
 4. Models outside the hidden-state fast path (final-logit softcapping, logit scaling, custom heads) fall back to

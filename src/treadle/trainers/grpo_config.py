@@ -230,9 +230,9 @@ class GRPOConfig(TrainingArguments):
         SamplingParams(num_generations=self.num_generations, max_new_tokens=self.max_completion_length,
                        eos_token_ids=(), pad_token_id=0, temperature=self.temperature,
                        **settings | sampler_options(self.min_p, self.generation_kwargs))
-        if self.use_vllm and (self.min_p is not None or self.generation_kwargs):
-            raise ValueError("min_p and generation_kwargs reach treadle's own sampler only, not the vLLM engine yet; "
-                             "unset them or set use_vllm=False")
+        if self.use_vllm and "suppress_token_ids" in sampler_options(self.min_p, self.generation_kwargs):
+            raise ValueError("generation_kwargs' suppress_tokens reach treadle's own sampler only (vLLM takes no "
+                             "suppress list); unset it or set use_vllm=False")
         check_grpo_options(self.loss_type, self.beta, self.epsilon, self.epsilon_high)  # the rules grpo_loss applies
         if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
             raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights}")
