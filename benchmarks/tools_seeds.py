@@ -7,11 +7,11 @@ read when torch starts, hence the child processes). The 1-minute load average at
 and exit code are kept in the run's folder (``bench.json``); a run whose folder already holds them is not run again,
 so an interrupted table resumes with the same command.
 
-    nice python benchmarks/tools_seeds.py --seeds 0,1,2,3,4 --out /tmp/tools-seeds    # 2-7 minutes per run
+    nice python benchmarks/tools_seeds.py --seeds 0,1,2,3,4 --out /tmp/tools-seeds    # 2-7 minutes per run on a quiet 2-core machine
 
-Prints a markdown table (seed and kernels, after SFT with its steps and right calls, after GRPO, gain over SFT, the
-control, gain over the control, whole demo, load), the spread of both gains per kernel set, and whether every run
-met the demo's claim (both gains >= 15 points).
+Prints a markdown table (seed and kernels, after SFT with its steps, right calls and the attempt kept when not the
+first, after GRPO, gain over SFT, the control, gain over the control, whole demo, load), the spread of both gains
+per kernel set, and whether every run met the demo's claim (both gains >= 15 points).
 """
 
 from __future__ import annotations
@@ -54,10 +54,12 @@ def row(record: dict, folder: Path) -> tuple[str, float | None, float | None]:
     tail = f"| {record['seconds']} s | {record['load']:.1f} |"
     if record["rc"] != 0 or not (folder / "results.json").is_file():
         return f"{name}| failed: exit {record['rc']} (see {folder}.out) | | | | | {tail}", None, None
-    stages = {s["stage"]: s for s in json.loads((folder / "results.json").read_text())["stages"]}
+    results = json.loads((folder / "results.json").read_text())
+    stages = {s["stage"]: s for s in results["stages"]}
+    attempt = f"attempt {results['sft_attempts']}, " if results.get("sft_attempts", 1) > 1 else ""
     sft, grpo, ctrl = stages["after SFT"], stages["GRPO + tool"], stages["no-tool ctrl"]
     over_sft, over_ctrl = 100 * (grpo["accuracy"] - sft["accuracy"]), 100 * (grpo["accuracy"] - ctrl["accuracy"])
-    return (f"{name}| {sft['accuracy']:.1%} ({sft['steps']}; right call {sft['right_call']:.0%}) "
+    return (f"{name}| {sft['accuracy']:.1%} ({attempt}{sft['steps']}; right call {sft['right_call']:.0%}) "
             f"| {grpo['accuracy']:.1%} (right call {grpo['right_call']:.0%}) | {over_sft:+.1f} "
             f"| {ctrl['accuracy']:.1%} | {over_ctrl:+.1f} {tail}"), over_sft, over_ctrl
 

@@ -2,6 +2,7 @@
 held-out scorer (GRPOTrainer.evaluate) and a short run of the whole demo (its figures are measured in the README)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,36 @@ def test_the_warm_start_probes_finer_and_slower_near_the_target_and_stops_after_
     assert rates[4:31] == [5e-3] * 27 and rates[31:] == pytest.approx([1.25e-3] * 11)  # steps 33-43: dropped
 
 
+@pytest.mark.parametrize("met_on", [1, 2, None])
+def test_the_warm_start_starts_again_from_the_same_weights_in_another_order_until_at_its_targets(monkeypatch,
+                                                                                               met_on):
+    """An attempt not at the targets after sft_steps is dropped: the next starts from the initial weights of
+    ``seed`` (not from the dropped attempt's) on the same transcripts in the order of data_seed seed + 1000 x
+    attempt; the first attempt at the targets is kept, else the last (sft_attempts of them)."""
+    settings = demo_tools.ToolsDemoSettings(seed=4, sft_problems=40, sft_steps=30, sft_attempts=3)
+    calls = []
+
+    def fake_sft(model, tokenizer, dataset, settings, output_dir, *, stop, data_seed):
+        calls.append((model, model.model.embed_tokens.weight.clone(), dataset.to_list(), output_dir.name, data_seed))
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(1.0)  # the attempt trains it
+        met = len(calls) == met_on
+        stop.in_a_row = settings.sft_stop_probes if met else settings.sft_stop_probes - 1
+        return (10 if met else settings.sft_steps), 2.0
+
+    monkeypatch.setattr(demo_tools, "tools_sft", fake_sft)
+    tok = toy.build_tokenizer()
+    model, steps, seconds, attempts = demo_tools.warm_start(tok, settings, Path("run"))
+    n = met_on or 3
+    assert (attempts, len(calls), steps, seconds) == (n, n, 10 if met_on else 30, 2.0 * n)
+    assert model is calls[-1][0] and [c[3:] for c in calls] == [("sft", 4), ("sft-attempt-2", 1004),
+                                                                 ("sft-attempt-3", 2004)][:n]
+    initial = toy.build_model("tiny", seed=4, tokenizer=tok).model.embed_tokens.weight
+    assert all(torch.equal(c[1], initial) for c in calls)
+    transcripts = toy.tool_transcripts(toy.load_task("tools", "train", kind="rl", n=40, seed=4)).to_list()
+    assert all(c[2] == transcripts for c in calls)
+
+
 def test_a_right_call_is_the_taught_call_in_the_first_turn_whatever_follows():
     """right_call on hand-made transcripts: exactly the call of the prompt's own numbers, in their order."""
     call = [{"role": "assistant", "content": '<call>calc("123+456")</call>'}]
@@ -128,4 +159,12 @@ def test_a_short_tools_demo_writes_its_run_folder(tmp_path, capsys):
     assert checks["grpo"]["no_learning_signal"] is True and checks["control_grpo"]["no_learning_signal"] is False
     out = capsys.readouterr().out
     assert "[SFT step 2: probe of training problems] " in out and "[after SFT: held-out] " in out
+    # the tiny model is never at its targets in 4 steps: three attempts, the last kept
+    assert "SFT attempt 2 is not at its targets after 4 steps; starting again" in out and results["sft_attempts"] == 3
+    assert (tmp_path / "sft-attempt-3" / "metrics.jsonl").is_file() and stages["after SFT"]["steps"] == 4
+    # the control: the same problems, as many times, in as many steps (half the rows: one per problem, not two)
+    control = json.loads((tmp_path / "control_sft" / "training_args.json").read_text())
+    assert (control["per_device_train_batch_size"], control["max_steps"]) == (settings.sft_batch_size // 2, 4)
+    tool_problems = toy.load_task("tools", "train", kind="rl", n=64, seed=0)
+    assert toy.load_task("tools", "train", kind="sft", n=64, seed=0)["prompt"] == tool_problems["prompt"]
     assert "[step 0]" not in out and max(len(line) for line in out.splitlines() if line.startswith("[step")) < 200

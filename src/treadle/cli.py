@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                                help="SFT then GRPO the tiny model on addition; compare held-out accuracy")
     demo.add_argument("--output-dir", default=None, help="run folder (default: runs/demo-<time>)")
     demo.add_argument("--seed", type=int, help="seed of model, data and sampling")
-    demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps")
+    demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps (tools: per attempt)")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
     demo.add_argument("--use-vllm", "--use_vllm", action="store_true", help="addition: GRPO samples with vLLM")
