@@ -30,3 +30,13 @@ def model_logps(model, prompt_ids, completion_ids):
 def rows_of(output):
     lengths = output.completion_mask.sum(1).tolist()
     return [ids[:n] for ids, n in zip(output.completion_ids.tolist(), lengths)]
+
+
+def load_with_push_skipped(engine, model):
+    """``engine.load_weights(model)`` with the engine's ``push`` replaced by a no-op: the planted "skip the sync"
+    that the engine's weight-sync check must catch (``engine.sync_unchanged``)."""
+    real_push, engine.push = engine.push, lambda weights: None
+    try:
+        engine.load_weights(model)
+    finally:
+        engine.push = real_push

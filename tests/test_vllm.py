@@ -20,7 +20,7 @@ import sys
 import peft
 import pytest
 import torch
-from _vllm_common import digit_sum_reward, model_logps, prompts, rows_of
+from _vllm_common import digit_sum_reward, load_with_push_skipped, model_logps, prompts, rows_of
 
 from treadle import toy
 from treadle.cli import main
@@ -235,11 +235,7 @@ def test_a_sync_that_changed_nothing_is_caught(trainer):
     with torch.no_grad():
         for p in moved.parameters():
             p.add_(1e-3 * torch.randn_like(p))
-    real_push, engine.push = engine.push, lambda weights: None  # the planted "skip the sync"
-    try:
-        engine.load_weights(moved)
-    finally:
-        engine.push = real_push
+    load_with_push_skipped(engine, moved)  # the planted "skip the sync"
     assert engine.sync_unchanged is True
     with torch.no_grad():
         for p in moved.parameters():
@@ -343,11 +339,7 @@ def test_a_lora_sync_that_changed_nothing_is_caught(lora_trainer):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.add_(0.05 * torch.randn_like(p))
-    real_push, engine.push = engine.push, lambda weights: None
-    try:
-        engine.load_weights(policy)
-    finally:
-        engine.push = real_push
+    load_with_push_skipped(engine, policy)  # the planted "skip the sync"
     assert engine.sync_unchanged is True
     with torch.no_grad():
         for name, p in policy.named_parameters():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _vllm_common import digit_sum_reward, model_logps, prompts, rows_of
+from _vllm_common import digit_sum_reward, load_with_push_skipped, model_logps, prompts, rows_of
 
 from treadle import checkpoint, cli, toy
 from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError, identity_mismatch, server_url
@@ -115,11 +115,7 @@ def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_
     for s, b in zip(engine.score(ids, fixed), before):
         torch.testing.assert_close(s, b, atol=1e-4, rtol=0)
     synced = engine.pushed
-    real_push, engine.push = engine.push, lambda weights: None  # the planted "skip the sync"
-    try:
-        engine.load_weights(trainer.model_wrapped)
-    finally:
-        engine.push = real_push
+    load_with_push_skipped(engine, trainer.model_wrapped)  # the planted "skip the sync"
     stale = engine.score(ids, fixed)
     assert max((s - a).abs().max().item() for s, a in zip(stale, after)) > 1e-2  # a skipped sync is seen
     assert engine.sync_unchanged is True  # and the weight-sync check says so
