@@ -158,7 +158,7 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
         check_run_folder(output_dir, resume=checkpoint is not None, overwrite=overwrite,
                          model_dir=None if model.startswith("toy:") else model)
     status = train_and_save(build_trainer(config, base_dir=Path(config_path).parent), checkpoint,
-                            resume_command=['treadle', 'train', config_path, *overrides, '--resume'])
+                            resume_command=["treadle", "train", config_path, *overrides, "--resume"])
     distributed.finish()  # under torchrun, after the trainer is gone: a normal exit leaves the process group
     return status
 

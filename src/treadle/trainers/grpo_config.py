@@ -227,10 +227,10 @@ class GRPOConfig(TrainingArguments):
             raise ValueError(f"max_prompt_length must be an integer >= 1 or None, got {self.max_prompt_length!r}")
         # the sampling settings' rules live with the sampler: build its parameters once to check them
         settings = dict(top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty)
+        options = sampler_options(self.min_p, self.generation_kwargs)
         SamplingParams(num_generations=self.num_generations, max_new_tokens=self.max_completion_length,
-                       eos_token_ids=(), pad_token_id=0, temperature=self.temperature,
-                       **settings | sampler_options(self.min_p, self.generation_kwargs))
-        if self.use_vllm and "suppress_token_ids" in sampler_options(self.min_p, self.generation_kwargs):
+                       eos_token_ids=(), pad_token_id=0, temperature=self.temperature, **settings | options)
+        if self.use_vllm and "suppress_token_ids" in options:
             raise ValueError("generation_kwargs' suppress_tokens reach treadle's own sampler only (vLLM takes no "
                              "suppress list); unset it or set use_vllm=False")
         check_grpo_options(self.loss_type, self.beta, self.epsilon, self.epsilon_high)  # the rules grpo_loss applies
