@@ -45,7 +45,7 @@ test: $(DEV_STAMP)
 
 # the tests marked vllm (the colocated engine and server mode), with the real engine on CPU; `make test` deselects them
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -m vllm tests/test_vllm.py tests/test_vllm_server.py
+	$(VLLM_PY) -m pytest -q -m vllm tests/engines/test_vllm.py tests/engines/test_vllm_server.py
 
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -q -m "not slow and not vllm"

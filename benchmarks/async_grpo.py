@@ -49,8 +49,8 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
 
     torch.set_num_threads(threads)
 
-    from treadle import toy
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+    from treadle.demos import toy
+    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
     threads = torch.get_num_threads()
     tok = toy.build_tokenizer()
@@ -131,9 +131,9 @@ def print_row(round_: int, contender: tuple, r: dict, bases: list[float], option
 
 
 def demo_run(checkpoint: str, settings, out: Path, staleness: int) -> dict:
-    from treadle import toy
-    from treadle.demo import ACCURACY, heldout_trainer
-    from treadle.loading import load_model
+    from treadle.demos import toy
+    from treadle.demos.addition import ACCURACY, heldout_trainer
+    from treadle.cli.loading import load_model
 
     tokenizer = toy.build_tokenizer()
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
@@ -150,8 +150,8 @@ def demo_run(checkpoint: str, settings, out: Path, staleness: int) -> dict:
 def part_demo(options, root: Path) -> None:
     import torch
 
-    from treadle import toy
-    from treadle.demo import DemoSettings, demo_sft
+    from treadle.demos import toy
+    from treadle.demos.addition import DemoSettings, demo_sft
 
     torch.set_num_threads(1)  # as the demo
     print("| seed | after SFT (steps) | GRPO max_staleness=0 | max_staleness=1 | difference | seconds 0 / 1 | "
@@ -163,7 +163,7 @@ def part_demo(options, root: Path) -> None:
         checkpoint, sft_steps, _ = demo_sft(model, toy.build_tokenizer(), settings, root / f"seed{seed}" / "sft")
         sync = demo_run(checkpoint, settings, root / f"seed{seed}" / "sync", 0)
         stale = demo_run(checkpoint, settings, root / f"seed{seed}" / "async", 1)
-        from treadle.demo import evaluate_heldout  # noqa: F401  (the SFT score: the same evaluation)
+        from treadle.demos.addition import evaluate_heldout  # noqa: F401  (the SFT score: the same evaluation)
         print(f"| {seed} | ({sft_steps}) | {sync['after']:.1%} | {stale['after']:.1%} | "
               f"{100 * (stale['after'] - sync['after']):+.1f} | {sync['seconds']:.0f} / {stale['seconds']:.0f} | "
               f"{loadavg()} |", flush=True)

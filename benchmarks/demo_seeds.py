@@ -1,6 +1,6 @@
 """The README's demo table: ``treadle demo`` over several seeds, with a continued-SFT control.
 
-For each seed it runs the demo (SFT warm start, then GRPO from the SFT checkpoint; see ``treadle.demo``) and,
+For each seed it runs the demo (SFT warm start, then GRPO from the SFT checkpoint; see ``treadle.demos.addition``) and,
 as a control, continues SFT from the same SFT checkpoint for as many steps as GRPO ran, with GRPO's schedule
 (``grpo_warmup`` warm-up, cosine decay to 0), the SFT learning rate and batch (64 problems per step, as many
 as a GRPO step's prompts). Every score is ``GRPOTrainer.evaluate()`` on the same 1,000 held-out problems (the
@@ -24,9 +24,9 @@ from pathlib import Path
 
 def control(settings, sft_checkpoint: str, out: Path) -> float:
     """Held-out exact match after ``grpo_steps`` more SFT steps from the SFT checkpoint (gold answers)."""
-    from treadle import toy
-    from treadle.demo import ACCURACY, evaluate_heldout
-    from treadle.loading import load_model
+    from treadle.demos import toy
+    from treadle.demos.addition import ACCURACY, evaluate_heldout
+    from treadle.cli.loading import load_model
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     tokenizer = toy.build_tokenizer()
@@ -55,7 +55,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(1)  # as the demo itself
-    from treadle.demo import DemoSettings, run_demo
+    from treadle.demos.addition import DemoSettings, run_demo
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _machine import machine_header

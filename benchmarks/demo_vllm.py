@@ -2,7 +2,7 @@
 
 vLLM's CPU attention has no kernel for toy tiny's head size 16, so the demo with vLLM trains "tiny32" (tiny with
 2 heads of 32; ``DemoSettings.use_vllm`` picks it). For a fair comparison both GRPO runs here train tiny32 from one
-SFT checkpoint (``treadle.demo.demo_sft``, run once per seed) with the demo's settings, differing only in
+SFT checkpoint (``treadle.demos.addition.demo_sft``, run once per seed) with the demo's settings, differing only in
 ``use_vllm``; each is scored by the demo's held-out evaluation (greedy exact match on 1,000 problems; the vLLM run's
 evaluations also sample through vLLM). Printed per run: held-out accuracy after SFT and after GRPO, GRPO's
 training time (evaluations included), vLLM's start-up apart, and the load average before and after.
@@ -33,8 +33,8 @@ def load() -> str:
 
 def grpo_run(settings, checkpoint: str, out: Path) -> dict:
     """The demo's GRPO stage from ``checkpoint``: held-out accuracy before and after, seconds, load average."""
-    from treadle import toy
-    from treadle.demo import demo_grpo
+    from treadle.demos import toy
+    from treadle.demos.addition import demo_grpo
 
     before, start = load(), time.time()
     _, curve, steps, seconds = demo_grpo(checkpoint, toy.build_tokenizer(), settings, out)
@@ -51,8 +51,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import dataclasses
 
-    from treadle import toy
-    from treadle.demo import DemoSettings, demo_sft, start_demo
+    from treadle.demos import toy
+    from treadle.demos.addition import DemoSettings, demo_sft, start_demo
 
     root = start_demo("", options.out or tempfile.mkdtemp(prefix="demo-vllm-"))  # the demo's one torch thread
     header = machine_header()

@@ -1,6 +1,6 @@
 """The distillation demo's table: ``treadle demo --task distill`` over several seeds, one teacher for all.
 
-For each seed it runs ``treadle.demo_distill.run_distill_demo`` (the GRPO demo's SFT warm start, then GRPO,
+For each seed it runs ``treadle.demos.distill.run_distill_demo`` (the GRPO demo's SFT warm start, then GRPO,
 on-policy distillation and SFT on the teacher's answers, ``grpo_steps`` steps each from that one checkpoint) with
 the teacher trained once, by the first seed's run, into ``<out>/teacher`` and reused by the others. Every score
 is greedy exact match on the same held-out problems; train times leave the evaluations out.
@@ -48,7 +48,7 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(1)  # as the demo itself
-    from treadle.demo_distill import DistillDemoSettings, run_distill_demo
+    from treadle.demos.distill import DistillDemoSettings, run_distill_demo
 
     root = Path(options.out or tempfile.mkdtemp(prefix="distill-seeds-"))
     load_before = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []

@@ -1,6 +1,6 @@
 """Dynamic sampling (DAPO) on the demo: held-out accuracy at equal optimizer steps, with and without it.
 
-For each seed: the demo's SFT warm start once (``treadle.demo.demo_sft``), then GRPO from that one SFT checkpoint
+For each seed: the demo's SFT warm start once (``treadle.demos.addition.demo_sft``), then GRPO from that one SFT checkpoint
 twice with the demo's settings (``grpo_steps`` optimizer steps, same seed, same data order), once plain and once with
 ``dynamic_sampling=True`` (groups whose rewards are all equal are replaced by groups of extra prompts, at most
 ``dynamic_sampling_max_rounds`` extra rounds per generation). Every score is ``GRPOTrainer.evaluate()`` on the same
@@ -25,9 +25,9 @@ from pathlib import Path
 def grpo_run(checkpoint: str, settings, out: Path, dynamic: bool) -> dict:
     """GRPO from ``checkpoint`` as the demo runs it (``demo.demo_grpo``'s settings), with or without dynamic
     sampling; returns its held-out scores before and after, the dynamic-sampling metrics' means and its seconds."""
-    from treadle import toy
-    from treadle.demo import ACCURACY, heldout_trainer
-    from treadle.loading import load_model
+    from treadle.demos import toy
+    from treadle.demos.addition import ACCURACY, heldout_trainer
+    from treadle.cli.loading import load_model
 
     tokenizer = toy.build_tokenizer()
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
@@ -62,8 +62,8 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(1)  # as the demo itself
-    from treadle import toy
-    from treadle.demo import DemoSettings, demo_sft
+    from treadle.demos import toy
+    from treadle.demos.addition import DemoSettings, demo_sft
 
     root = Path(options.out or tempfile.mkdtemp(prefix="dynamic-sampling-"))
     rows = []

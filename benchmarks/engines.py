@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 
-from treadle import toy  # noqa: E402
+from treadle.demos import toy  # noqa: E402
 from treadle.engines.local import LocalEngine  # noqa: E402
 from treadle.generation.sampling import SamplingParams  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 from _memory import MiB, peak_memory  # noqa: E402
-from treadle.logprobs import chunked_token_logps  # noqa: E402
+from treadle.logprobs.tokens import chunked_token_logps  # noqa: E402
 
 
 

@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 def main(argv=None):
     from peft import LoraConfig
 
-    from treadle import peft as treadle_peft, toy
+    from treadle import peft as treadle_peft
+    from treadle.demos import toy
     from treadle.generation import generate_completions
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

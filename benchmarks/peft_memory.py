@@ -41,7 +41,8 @@ TRAINERS = ("dpo", "grpo")
 def build(trainer_name: str, mode: str, size: str, device: str, output_dir: str):
     from peft import LoraConfig
 
-    from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, toy
+    from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+    from treadle.demos import toy
 
     tokenizer = toy.build_tokenizer()
     model = toy.build_model(size, tokenizer=tokenizer).to(device)

@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from treadle import toy  # noqa: E402
+from treadle.demos import toy  # noqa: E402
 from treadle.generation import SamplingParams, sample_turns  # noqa: E402
-from treadle.rollouts import reprefill_turns  # noqa: E402
+from treadle.rollouts.runner import reprefill_turns  # noqa: E402
 
 EOS = 2
 

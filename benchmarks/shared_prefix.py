@@ -39,8 +39,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _machine import machine_header  # noqa: E402
 from _memory import peak_memory  # noqa: E402
 
-from treadle import GRPOConfig, GRPOTrainer, prefix, toy  # noqa: E402
-from treadle.prefix import estimated_cost, token_ratio  # noqa: E402
+from treadle import GRPOConfig, GRPOTrainer
+from treadle.logprobs import prefix
+from treadle.demos import toy  # noqa: E402
+from treadle.logprobs.prefix import estimated_cost, token_ratio  # noqa: E402
 
 CONTENDERS = {"padded": dict(shared_prefix=False, padding_free=False),
               "padding-free": dict(shared_prefix=False, padding_free=True),

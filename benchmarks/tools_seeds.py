@@ -1,7 +1,7 @@
 """The README's tools-demo table: ``treadle demo --task tools`` over several seeds and two sets of CPU kernels.
 
 Each run is the whole demo (untrained score, SFT warm start, GRPO with the ``calc`` tool, the no-tool control; see
-``treadle.demo_tools``) in a child process, one at a time: once with the kernels torch picks on this CPU and once
+``treadle.demos.tools``) in a child process, one at a time: once with the kernels torch picks on this CPU and once
 with ``ATEN_CPU_CAPABILITY=default`` standing in for another CPU (other kernels, other rounding; the variable is
 read when torch starts, hence the child processes). The 1-minute load average at each run's start, its wall time
 and exit code are kept in the run's folder (``bench.json``); a run whose folder already holds them is not run again,

@@ -176,7 +176,7 @@ def build(size: str, *, sampled_lengths: bool = True):
     model, whose vocabulary stays as it was, can never sample. An untrained model samples the real EOS about
     once per 100 tokens, which would give each contender a different amount of work by chance.
     """
-    from treadle import toy
+    from treadle.demos import toy
 
     tokenizer = toy.build_tokenizer()
     model = toy.build_model(size, tokenizer=tokenizer, seed=0)
@@ -363,7 +363,7 @@ def completion_logps(model, input_ids, attention_mask, prompt_length: int):
 
 def plain_grpo(work: Workload, size: str, steps: int, clock, bare: bool = False) -> None:
     from treadle.generation import generate_completions
-    from treadle.toy import addition_reward
+    from treadle.demos.toy import addition_reward
 
     tokenizer, model = build(size, sampled_lengths=False)
     rows = rows_for(work, steps)
@@ -452,7 +452,7 @@ def treadle_dpo(work: Workload, size: str, steps: int, clock, output_dir: str) -
 
 def treadle_grpo(work: Workload, size: str, steps: int, clock, output_dir: str) -> None:
     from treadle import GRPOConfig, GRPOTrainer
-    from treadle.toy import addition_reward
+    from treadle.demos.toy import addition_reward
 
     tokenizer, model = build(size, sampled_lengths=False)
     args = GRPOConfig(**_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
@@ -520,7 +520,7 @@ def trl_grpo(work: Workload, size: str, steps: int, clock, output_dir: str, defa
     import trl
     from datasets import Dataset
 
-    from treadle.toy import addition_reward
+    from treadle.demos.toy import addition_reward
 
     tokenizer, model = build(size, sampled_lengths=False)
     args = trl.GRPOConfig(**_trl_common(output_dir, steps, defaults), num_generations=GROUP,

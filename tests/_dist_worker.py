@@ -215,7 +215,7 @@ def scenario_grpo_fsdp(out: str) -> dict:
 # SFT / DPO / GRPO parts (shared with the reference)
 # ---------------------------------------------------------------------------------------------------------
 def toy_model_and_tokenizer():
-    from treadle import toy
+    from treadle.demos import toy
 
     return toy.build_model("tiny", seed=0), toy.build_tokenizer()
 
@@ -361,7 +361,8 @@ def distill_run(out: str, world_size: int):
     micro-batch's completion tokens."""
     from datasets import Dataset
 
-    from treadle import DistillationConfig, DistillationTrainer, toy
+    from treadle import DistillationConfig, DistillationTrainer
+    from treadle.demos import toy
 
     class PromptSeededDistillation(DistillationTrainer):
         def build_engine(self):

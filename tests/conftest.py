@@ -1,9 +1,16 @@
 """Shared fixtures: tiny models and data built locally (no hub, no network)."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# a few tests import helpers from test modules in other folders (the golden GRPO run, the tool and the EOS-biased
+# model of the rollout tests, the reward pairs): every test folder is importable by module name
+sys.path += [str(folder) for folder in sorted(Path(__file__).parent.rglob("*")) if folder.is_dir()
+             and not folder.name.startswith((".", "__"))]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,7 +51,7 @@ def rows():
 @pytest.fixture(scope="module")
 def tok():
     """The toy character tokenizer (treadle.toy), built once per module."""
-    from treadle import toy
+    from treadle.demos import toy
 
     return toy.build_tokenizer()
 

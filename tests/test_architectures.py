@@ -8,10 +8,11 @@ import functools
 import pytest
 import torch
 
-from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, toy
+from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from treadle.demos import toy
 from treadle import checkpoint as ckpt
 from treadle.generation import fast_path_problem, generate_completions
-from treadle.logprobs import fast_path_head, fast_path_verified, token_logps
+from treadle.logprobs.tokens import fast_path_head, fast_path_verified, token_logps
 
 transformers = pytest.importorskip("transformers")
 

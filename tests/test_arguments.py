@@ -121,7 +121,7 @@ def test_from_mapping_list_fields():
     args = TrainingArguments.from_mapping({"label_names": ["labels", "mask"], "report_to": ["tensorboard"]})
     assert args.label_names == ["labels", "mask"] and args.report_to == ["tensorboard"]
     assert TrainingArguments.from_mapping({"report_to": "none"}).report_to == []  # the str member of the union
-    from treadle.trainers.grpo import GRPOConfig
+    from treadle.trainers.grpo.trainer import GRPOConfig
 
     weights = GRPOConfig.from_mapping({"reward_weights": [1, 0.5]}).reward_weights
     assert weights == [1.0, 0.5] and all(type(w) is float for w in weights)  # list[float]: items converted too
@@ -149,7 +149,7 @@ def test_from_mapping_keeps_the_validation_of_post_init():
 def test_from_mapping_takes_back_every_config_it_wrote():
     # every default (after __post_init__) fits its own annotation, in every config class
     from treadle.trainers.dpo import DPOConfig
-    from treadle.trainers.grpo import GRPOConfig
+    from treadle.trainers.grpo.trainer import GRPOConfig
     from treadle.trainers.sft import SFTConfig
 
     for cls in (TrainingArguments, SFTConfig, DPOConfig, GRPOConfig):

@@ -5,9 +5,10 @@ SFT, DPO and GRPO on CPU; the log-probs that reach the losses are float32, with 
 import pytest
 import torch
 
-from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, toy
+from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from treadle.demos import toy
 from treadle.trainers import dpo as dpo_module
-from treadle.trainers import grpo as grpo_module
+from treadle.trainers.grpo import trainer as grpo_module
 
 TOK = toy.build_tokenizer()
 SFT_ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (12, 30), (7, 45), (99, 9)]]
@@ -92,7 +93,7 @@ def test_bf16_autocast_with_float32_weights_gives_float32_log_probs(kind, tmp_pa
 
 def test_precision_table(bf16_folder):
     """The rows of docs/peft.md's precision table, measured: one forward / backward of the toy model."""
-    from treadle.logprobs import token_logps
+    from treadle.logprobs.tokens import token_logps
 
     ids = torch.tensor([[1, 9, 10, 79, 11, 87, 12, 13]])
     seen = {}

@@ -47,7 +47,7 @@ def same_weights(model, state: dict) -> bool:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Two optimizer steps of the tiny run with a tokenizer, checkpointed at step 2 (the final step)."""
-    from treadle import toy
+    from treadle.demos import toy
 
     out = tmp_path_factory.mktemp("trained")
     trainer = Trainer(worker.make_model(), worker.make_args(str(out), max_steps=2, save_steps=2),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from treadle import toy
+from treadle.demos import toy
 from treadle.data import RepeatSampler, SeededSampler, collator_for, require_columns
 from treadle.packing import long_tensor, right_padded
 from treadle.text import (encode_prompt, encode_prompts, is_conversation, pad_token_id, render_chat_prompt,

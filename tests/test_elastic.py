@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import _resume_worker as resume_worker
-from treadle import checkpoint as ckpt, runs
+from treadle import checkpoint as ckpt
+from treadle.record import runs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_elastic_worker.py")

@@ -17,7 +17,8 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from treadle import models, toy
+from treadle import models
+from treadle.demos import toy
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"

@@ -1,6 +1,6 @@
-"""The package's layout (docs/architecture.md), checked on the source with ``ast``: no import cycle (imports inside
-functions count), the core never imports the run side, imports sit at module top, and every file and function
-stays small enough to read."""
+"""The package's layout (docs/architecture.md), checked on the source with ``ast``: the layers written on the
+architecture page (a file imports only its own layer and the layers before it), no import cycle (imports inside
+functions count), imports at module top, and every file and function small enough to read."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "treadle"
-# the run side: the command line, what a config names (toy: specs), reports and the demos. The core (the loop,
-# data and models, the maths, online RL, the run folder's own files) never imports these.
-RUN_SIDE = {"treadle.cli", "treadle.__main__", "treadle.loading", "treadle.report", "treadle.demo",
-            "treadle.demo_tools", "treadle.demo_distill", "treadle.demo_count", "treadle.toy", "treadle.toy_vision",
-            "treadle.vllm_serve"}
+PAGE = SRC.parent / "docs" / "architecture.md"
 # the entry point whose imports inside functions are deliberate: each command imports what it needs (torch and
 # transformers cost seconds). (treadle/__init__.py loads its public names lazily by module name, PEP 562.)
-LAZY_IMPORTERS = {"treadle.cli"}
-LEAVES = {"treadle.errors": set(), "treadle.runfiles": {"treadle.errors"},
-          "treadle.arguments": {"treadle.optim", "treadle.distributed"}}  # a config imports only its validators
+LAZY_IMPORTERS = {"treadle.cli.command"}
+LEAVES = {"treadle.errors": set(), "treadle.record.runfiles": {"treadle.errors"},
+          "treadle.arguments": {"treadle.optim", "treadle.distributed"},  # a config imports only its validators
+          "treadle.trainers.grpo.config": {"treadle.arguments", "treadle.errors", "treadle.engines.options",
+                                           "treadle.generation.sampling", "treadle.generation.single",
+                                           "treadle.losses"}}
 
 
 def module_name(path: Path) -> str:
@@ -104,11 +103,12 @@ def cycles() -> list[list[str]]:
 
 def test_the_checker_sees_imports_inside_functions_and_finds_cycles():
     assert resolve("treadle.losses.dpo_loss") == "treadle.losses" and resolve("torch") is None
-    assert ("treadle.checkpoint", True) in {(target, inside) for target, _, inside in imports("treadle.cli")}
+    inside_functions = {(target, inside) for target, _, inside in imports("treadle.cli.command")}
+    assert ("treadle.checkpoint", True) in inside_functions
     saved = {module: set(targets) for module, targets in GRAPH.items()}
     try:
-        GRAPH["treadle.errors"].add("treadle.runfiles")  # runfiles imports errors: now a circle
-        assert ["treadle.errors", "treadle.runfiles"] in cycles()
+        GRAPH["treadle.errors"].add("treadle.record.runfiles")  # runfiles imports errors: now a circle
+        assert ["treadle.errors", "treadle.record.runfiles"] in cycles()
     finally:
         GRAPH.clear()
         GRAPH.update(saved)
@@ -116,6 +116,56 @@ def test_the_checker_sees_imports_inside_functions_and_finds_cycles():
 
 def test_no_import_cycle():
     assert cycles() == []
+
+
+def layers(page: str) -> dict[str, tuple[int, str]]:
+    """``{module: (layer number, layer title)}`` from the page's ``### N. Title`` headings and the ``- `file.py`:``
+    entries under each."""
+    found, layer = {}, None
+    for line in page.splitlines():
+        heading = re.match(r"^### (\d+)\. (.*)$", line)
+        if heading:
+            layer = (int(heading.group(1)), heading.group(2))
+            continue
+        if line.startswith("## "):
+            layer = None
+        entry = re.match(r"^- `([\w/]+\.py)`:", line)
+        if entry and layer is not None:
+            found[module_name(PACKAGE / entry.group(1))] = layer
+    return found
+
+
+LAYERS = layers(PAGE.read_text())
+RUN_SIDE = {module for module, (number, _) in LAYERS.items() if number == max(n for n, _ in LAYERS.values())}
+
+
+def upward_imports(module: str) -> list[str]:
+    """The imports of ``module`` that reach a higher layer than its own, as ``target (layer N)``."""
+    own = LAYERS[module][0]
+    return [f"{target} (layer {LAYERS[target][0]})" for target in sorted(GRAPH[module])
+            if LAYERS[target][0] > own]
+
+
+def test_the_layer_reader_follows_the_page_and_the_rule_fails_an_upward_import():
+    page = "### 1. Low\n- `errors.py`: x\n### 2. High\n- `trainer.py`: y\n## Other\n- `cli/command.py`: z\n"
+    assert layers(page) == {"treadle.errors": (1, "Low"), "treadle.trainer": (2, "High")}
+    assert LAYERS["treadle.errors"][0] == 1 and "treadle.cli.command" in RUN_SIDE
+    assert "treadle.trainer" not in RUN_SIDE and len({n for n, _ in LAYERS.values()}) >= 6
+    saved = set(GRAPH["treadle.errors"])
+    try:
+        GRAPH["treadle.errors"].add("treadle.trainer")
+        assert upward_imports("treadle.errors") == [f"treadle.trainer (layer {LAYERS['treadle.trainer'][0]})"]
+    finally:
+        GRAPH["treadle.errors"] = saved
+
+
+def test_every_module_has_a_layer():
+    assert sorted(set(MODULES) - set(LAYERS)) == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_reach_only_the_same_or_lower_layers(module):
+    assert upward_imports(module) == [], f"{MODULES[module]} is in layer {LAYERS[module]}"
 
 
 @pytest.mark.parametrize("module", sorted(set(MODULES) - RUN_SIDE))
@@ -162,7 +212,7 @@ def test_files_and_functions_stay_readable(module):
 
 
 def test_the_architecture_page_lists_every_file():
-    page = (SRC.parent / "docs" / "architecture.md").read_text()
+    page = PAGE.read_text()
     listed = set(re.findall(r"^- `([\w/]+\.py)`:", page, flags=re.MULTILINE))
     files = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
     assert sorted(files - listed) == [], "files docs/architecture.md does not list"

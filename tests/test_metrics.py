@@ -4,7 +4,8 @@ windowed metrics logged exactly across a resume."""
 import pytest
 import torch
 
-from treadle import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, TrainerCallback, toy
+from treadle import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, TrainerCallback
+from treadle.demos import toy
 from treadle.metrics import MetricWindow
 
 

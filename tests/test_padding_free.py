@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from treadle import toy
-from treadle.logprobs import token_logps
+from treadle.demos import toy
+from treadle.logprobs.tokens import token_logps
 from treadle.losses import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
 from treadle.packing import best_fit_bins, pack_padded_batch
 
@@ -71,7 +71,7 @@ def rows_alone(model, ids, mask, start):
 @pytest.mark.parametrize("fast", [True, False])
 def test_log_probs_entropy_and_gradients_equal_the_padded_forward(tok, attn, fast, monkeypatch):
     if not fast:  # the models-without-the-hidden-state-seam path: full logits, then selective_log_softmax
-        monkeypatch.setattr("treadle.logprobs.fast_path_head", lambda base: None)
+        monkeypatch.setattr("treadle.logprobs.tokens.fast_path_head", lambda base: None)
     model = tiny(tok, attn)
     ids, mask, width_p = ragged_batch([9, 1, 4, 12, 2, 6], [30, 1, 3, 2, 17, 8])
     positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -137,7 +137,7 @@ def test_a_model_that_leaks_across_packed_rows_falls_back_to_padded_with_a_warni
 # ---- GRPO: every loss type, accumulation, old and reference log-probs -------------------------------------
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 def test_grpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_type):
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, beta=0.04, per_device_train_batch_size=4,
                       num_generations=4, max_completion_length=30, disable_tqdm=True, report_to="none",

@@ -13,7 +13,8 @@ trl = pytest.importorskip("trl", minversion="1.16")  # rollout_func, use_bias_co
 pytest.importorskip("accelerate")
 
 import treadle  # noqa: E402
-from treadle import losses, toy  # noqa: E402
+from treadle import losses
+from treadle.demos import toy  # noqa: E402
 from treadle.generation import GenerationOutput  # noqa: E402
 
 pytestmark = [pytest.mark.slow,  # each test trains two tiny models for a few steps (seconds each)

@@ -15,8 +15,8 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from treadle import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer,  # noqa: E402
-                     TrainerCallback, toy)
+from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, TrainerCallback
+from treadle.demos import toy
 from treadle import peft as treadle_peft  # noqa: E402
 from treadle.generation import generate_completions  # noqa: E402
 
@@ -303,7 +303,7 @@ def test_bad_peft_config_and_double_wrapping_are_refused(tok):
 def test_cli_trains_a_lora_run_and_merges_it(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from treadle.cli import main
+    from treadle.cli.command import main
 
     config = ROOT / "examples" / "lora.yaml"
     run = tmp_path / "run"

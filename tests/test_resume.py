@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 import _resume_worker as worker
-from treadle import checkpoint as ckpt, fingerprints
+from treadle import checkpoint as ckpt
+from treadle.record import fingerprints
 from treadle.callbacks import TrainerCallback
 from treadle.data import SeededSampler
 from treadle.errors import Interrupted, Preempted

@@ -60,7 +60,7 @@ def write_config(folder, **keys) -> Path:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The toy model and its tokenizer, saved as a transformers model folder."""
-    from treadle import toy
+    from treadle.demos import toy
 
     folder = tmp_path_factory.mktemp("model") / "toy"
     tokenizer = toy.build_tokenizer()
@@ -172,7 +172,7 @@ def test_truncated_safetensors(work, model_dir):
 
 
 def test_model_vocabulary_smaller_than_the_tokenizer(work, model_dir):
-    from treadle import toy
+    from treadle.demos import toy
 
     small = work / "small"
     toy.build_model("tiny", vocab_size=16).save_pretrained(small)
@@ -313,7 +313,7 @@ def test_a_reward_function_that_breaks_its_contract_is_one_line(work):
 
 # ---- in one process: the rules behind the messages -------------------------------------------------------------
 def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, capsys):
-    from treadle import runs
+    from treadle.record import runs
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -338,7 +338,7 @@ def test_learning_rate_of_the_wrong_type_in_python():
 
 
 def test_json_layouts(tmp_path):
-    from treadle.loading import load_dataset
+    from treadle.cli.loading import load_dataset
 
     write_jsonl(tmp_path / "one.jsonl", ROWS[:1])  # one line: one row, never columns
     assert load_dataset(str(tmp_path / "one.jsonl")).to_list() == ROWS[:1]
@@ -382,7 +382,7 @@ class TrainingArgumentsStub:
 
 def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
     """Root (as in CI containers) writes anywhere, so the permission answer is faked: the rule is what counts."""
-    from treadle import runs
+    from treadle.record import runs
 
     monkeypatch.setattr(runs.os, "access", lambda path, mode: False)
     with pytest.raises(runs.RunFolderError, match=r"output_dir .*/new/run is not writable \(.* refuses writes\)"):
@@ -391,7 +391,7 @@ def test_an_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
 
 def test_evaluations_before_training_are_not_an_earlier_run(tmp_path):
     """evaluate() before train() logs at step 0 into metrics.jsonl; that alone does not make the folder a run's."""
-    from treadle import runs
+    from treadle.record import runs
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "epoch": 0, "eval_loss": 1.0}) + "\n")
     assert runs.run_files(str(tmp_path)) == []

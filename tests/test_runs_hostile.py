@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from treadle import checkpoint as ckpt, fingerprints, runs
+from treadle import checkpoint as ckpt
+from treadle.record import fingerprints, runs
 from treadle.state import TrainerState
 
 
@@ -99,7 +100,7 @@ def test_a_symlinked_checkpoint_is_refused_and_its_target_untouched(tmp_path):
 # ---- the lock: atomic with its contents; empty = being written; a reused pid names the file ------------------
 RACER = textwrap.dedent("""
     import os, sys, time
-    from treadle import runs
+    from treadle.record import runs
     folder, me, go = sys.argv[1], sys.argv[2], sys.argv[3]
     while not os.path.exists(go):
         pass
@@ -118,7 +119,7 @@ RACER = textwrap.dedent("""
 
 
 def test_processes_racing_for_the_lock_never_both_win(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(Path(runs.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(runs.__file__).parents[2])}
     for round_ in range(6):
         folder, go = tmp_path / f"r{round_}", tmp_path / f"go{round_}"
         results = [tmp_path / f"r{round_}-{i}" for i in range(4)]
@@ -222,7 +223,7 @@ def test_out_of_range_values_are_refused_at_config_time(field, value, needle):
 
 def test_merge_into_the_base_models_folder_is_refused(tmp_path):
     pytest.importorskip("peft")
-    from treadle.loading import merge_adapter_folder
+    from treadle.cli.loading import merge_adapter_folder
 
     base = write(tmp_path / "base" / "model.safetensors", "the base weights").parent
     run = tmp_path / "run"
@@ -236,7 +237,7 @@ def test_merge_into_the_base_models_folder_is_refused(tmp_path):
 
 # ---- hangs: the "nearest valid value" hint is arithmetic, not a scan ----------------------------------------------
 def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
-    from treadle.trainers.grpo_config import GRPOConfig, _nearest_divisors, _nearest_multiples
+    from treadle.trainers.grpo.config import GRPOConfig, _nearest_divisors, _nearest_multiples
 
     assert _nearest_multiples(5, 4) == [4, 8] and _nearest_multiples(3, 4) == [4]  # hand-computed
     assert _nearest_divisors(12, 5) == [4, 6] and _nearest_divisors(12, 13) == [12]
@@ -249,7 +250,7 @@ def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
 # ---- the rest of the trial (issue 33, second part): configs and paths ---------------------------------------------
 def cli_error(argv, capsys) -> str:
     """The one line ``treadle`` prints for a user error (exit 2)."""
-    from treadle import cli
+    from treadle.cli import command as cli
 
     code = cli.main([str(a) for a in argv])
     err = capsys.readouterr().err.strip().splitlines()
@@ -281,7 +282,7 @@ def test_a_huge_path_is_named_short_and_never_a_traceback(tmp_path, capsys):
 
 @pytest.mark.parametrize("spec", ["../../etc/passwd:fn", "../../rewards.txt:fn"])
 def test_a_reward_file_that_is_not_python_is_one_line(tmp_path, spec):
-    from treadle.loading import load_reward_funcs
+    from treadle.cli.loading import load_reward_funcs
 
     write(tmp_path / "rewards.txt", "def fn(**kw): return []\n")
     (tmp_path / "a" / "b").mkdir(parents=True)
@@ -317,7 +318,7 @@ def test_a_reward_function_that_edits_its_arguments_changes_nothing_for_the_next
 
 
 def test_a_tool_calling_sys_exit_is_a_failed_call_not_the_end_of_training():
-    from treadle.rollouts import ToolEnvironment
+    from treadle.rollouts.tools import ToolEnvironment
 
     def quit_(x: int) -> int:
         """Exits."""
@@ -336,8 +337,8 @@ def test_a_tool_calling_sys_exit_is_a_failed_call_not_the_end_of_training():
 def test_a_tool_without_a_deadline_that_runs_long_is_named_in_a_warning(monkeypatch):
     import threading
 
-    from treadle import usercalls
-    from treadle.rollouts import ToolEnvironment
+    from treadle.rollouts import calls as usercalls
+    from treadle.rollouts.tools import ToolEnvironment
 
     released, seen = threading.Event(), []
 
@@ -375,9 +376,9 @@ class Hangs:
 
 
 def test_an_environment_that_never_answers_ends_its_rollout_at_env_timeout(recwarn):
-    from treadle import toy
-    from treadle.rollouts import RolloutRunner, rollout_metrics
-    from treadle.usercalls import GuardedEnvironment, SlowCallWarning
+    from treadle.demos import toy
+    from treadle.rollouts.runner import RolloutRunner, rollout_metrics
+    from treadle.rollouts.calls import GuardedEnvironment, SlowCallWarning
 
     with pytest.raises(ValueError, match="env_timeout must be > 0 seconds"):
         RolloutRunner(toy.build_tokenizer(), env_factory=Hangs, env_timeout=0)
@@ -421,7 +422,7 @@ class Wrong:
 ])
 def test_an_environment_breaking_its_contract_is_one_line_naming_it(env, method, needle):
     from treadle.errors import is_user_error, one_line
-    from treadle.usercalls import EnvironmentContractError, GuardedEnvironment, ToolPool
+    from treadle.rollouts.calls import EnvironmentContractError, GuardedEnvironment, ToolPool
 
     pool = ToolPool()
     try:
@@ -436,7 +437,7 @@ def test_an_environment_breaking_its_contract_is_one_line_naming_it(env, method,
 
 # ---- data that would train on something the user did not mean ---------------------------------------------------
 def sft(tmp_path, rows, **fields):
-    from treadle import toy
+    from treadle.demos import toy
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     fields = {"max_steps": 2, "per_device_train_batch_size": 2, "save_strategy": "no", **fields}
@@ -483,7 +484,7 @@ def test_a_run_that_trained_on_nothing_never_ends_as_if_it_had(tmp_path):
 
 
 def dpo(tmp_path, rows):
-    from treadle import toy
+    from treadle.demos import toy
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
 
     tok = toy.build_tokenizer()
@@ -522,7 +523,7 @@ def test_merge_adapters_without_adapters_and_a_classifier_task_type_on_a_causal_
     with pytest.raises(ValueError, match="merge_adapters=True but the model has no adapters to merge"):
         sft(tmp_path, rows, merge_adapters=True)
     with pytest.raises(ValueError, match="peft task_type 'SEQ_CLS' does not fit LlamaForCausalLM, a causal LM"):
-        from treadle import toy
+        from treadle.demos import toy
         from treadle.trainers.sft import SFTConfig, SFTTrainer
 
         tok = toy.build_tokenizer()
@@ -545,7 +546,7 @@ def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
 
 
 def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the_cli_does(tmp_path):
-    from treadle import toy
+    from treadle.demos import toy
     from treadle.errors import PreflightError
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
@@ -617,7 +618,7 @@ def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypa
 
     from treadle.data import plan_steps
     from treadle.errors import PreflightError
-    from treadle.loading import load_reward_funcs
+    from treadle.cli.loading import load_reward_funcs
     from safetensors.torch import save_file
 
     run = tmp_path / "run"
@@ -659,7 +660,7 @@ def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypa
 
 def test_merge_of_a_folder_without_an_adapter_says_what_merge_takes(tmp_path):
     pytest.importorskip("peft")
-    from treadle.loading import merge_adapter_folder
+    from treadle.cli.loading import merge_adapter_folder
 
     with pytest.raises(ValueError, match="holds no adapter to merge; treadle merge takes the output_dir of a run "
                                          "trained with peft:"):

@@ -186,7 +186,8 @@ def _addition_rows(n: int = 24) -> list[dict]:
 
 
 def test_sft_packs_a_stream_as_it_packs_the_same_rows_in_memory(tmp_path):
-    from treadle import SFTConfig, SFTTrainer, toy
+    from treadle import SFTConfig, SFTTrainer
+    from treadle.demos import toy
 
     args = SFTConfig(output_dir=str(tmp_path), packing=True, max_length=24, max_steps=1, disable_tqdm=True)
     tokenizer = toy.build_tokenizer()
@@ -202,7 +203,8 @@ def test_sft_packs_a_stream_as_it_packs_the_same_rows_in_memory(tmp_path):
 
 @pytest.mark.slow
 def test_a_resumed_packed_sft_stream_equals_the_uninterrupted_one(tmp_path, monkeypatch):
-    from treadle import SFTConfig, SFTTrainer, toy
+    from treadle import SFTConfig, SFTTrainer
+    from treadle.demos import toy
     from treadle.trainers import sft
 
     monkeypatch.setattr(sft, "TOKENIZE_CHUNK", 10)  # several packing chunks; the stop lands inside one
@@ -245,7 +247,7 @@ def test_grpo_trains_on_prompts_from_a_stream_and_resumes_exactly(tmp_path):
 def test_a_grpo_stream_needs_whole_groups_per_rank_and_no_dynamic_sampling():
     from types import SimpleNamespace
 
-    from treadle.trainers.grpo_data import prompt_stream
+    from treadle.trainers.grpo.data import prompt_stream
 
     source = numbered(4).to_iterable_dataset()
     # 2 processes x 2 rows = 4 completions a generation: one group of 4 in all, but half a group on each rank
@@ -261,7 +263,7 @@ def test_a_grpo_stream_needs_whole_groups_per_rank_and_no_dynamic_sampling():
 # YAML: dataset: {path: ..., streaming: true}
 # ---------------------------------------------------------------------------------------------------------
 def test_a_config_streams_a_jsonl_file(tmp_path):
-    from treadle.loading import load_dataset
+    from treadle.cli.loading import load_dataset
 
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in _addition_rows(5)))
@@ -281,7 +283,7 @@ def test_a_config_streams_a_jsonl_file(tmp_path):
 def _preference_trainer(name: str, out: str, callbacks):
     import _dist_worker as worker
     import treadle
-    from treadle import toy
+    from treadle.demos import toy
 
     pairs = Dataset.from_list([{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + i) * 2}
                                for i, (a, b) in enumerate(worker.ADDITION)]).to_iterable_dataset(num_shards=2)

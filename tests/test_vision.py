@@ -1,11 +1,11 @@
 """Vision-language SFT: the vision rules (treadle.vision) and SFTTrainer on tiny Qwen2-VL and LLaVA models built
-locally (treadle.toy_vision: random weights, the toy character tokenizer plus vision tokens, PIL image processors)."""
+locally (treadle.demos.toy_vision: random weights, the toy character tokenizer plus vision tokens, PIL image processors)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle import toy_vision as tv
+from treadle.demos import toy_vision as tv
 from treadle import vision
 from treadle.trainers.dpo import ChosenRejected
 from treadle.trainers.sft import SFTConfig, SFTTrainer
@@ -131,7 +131,7 @@ def test_more_placeholders_than_images_is_one_line():
 
 
 def test_a_text_only_model_given_images_is_refused(tmp_path, tok):
-    from treadle import toy
+    from treadle.demos import toy
 
     with pytest.raises(vision.VisionDataError, match="LlamaForCausalLM is a text-only model"):
         SFTTrainer(model=toy.build_model(), args=config(tmp_path), train_dataset=tv.count_task("train", 4),
@@ -270,7 +270,7 @@ def test_dpo_reference_sees_the_same_images(tmp_path, kind, processor, reference
 
 # ---- configs and the demo --------------------------------------------------------------------------------
 def test_toy_vision_models_and_the_count_task_load_by_name():
-    from treadle.loading import load_dataset, load_model
+    from treadle.cli.loading import load_dataset, load_model
 
     model, processor = load_model("toy:llava", seed=3)
     assert vision.takes_images(model) and vision.is_vision_processor(processor)
@@ -289,7 +289,7 @@ def test_count_reward_is_exact_match():
 
 
 def test_the_count_demo_refuses_bad_settings():
-    from treadle.demo_count import CountDemoSettings
+    from treadle.demos.count import CountDemoSettings
 
     with pytest.raises(ValueError, match="--sft-steps"):
         CountDemoSettings(sft_steps=0)
@@ -318,7 +318,7 @@ def test_the_answer_is_the_number_of_shapes_or_of_squares_on_the_canvas(what):
 def test_the_probe_scores_are_argmax_accuracy_and_the_answers_probability():
     """Hand-computed: logits that are log-probabilities. Row 0 answers tokens 1, 2 with p = 0.5 (the argmax) then
     0.8: 0.4; row 1 answers token 1 with p = 0.3 (the argmax is 0): 0.3. Accuracy 1/2, expected reward 0.35."""
-    from treadle.demo_count import probe_scores
+    from treadle.demos.count import probe_scores
 
     probs = torch.full((2, 4, 3), 1 / 3)
     probs[0, 1], probs[0, 2] = torch.tensor([0.2, 0.5, 0.3]), torch.tensor([0.1, 0.1, 0.8])
@@ -338,7 +338,7 @@ def test_the_probe_scores_are_argmax_accuracy_and_the_answers_probability():
 def test_the_count_demo_runs_end_to_end(tmp_path):
     import json
 
-    from treadle.demo_count import CountDemoSettings, run_count_demo
+    from treadle.demos.count import CountDemoSettings, run_count_demo
 
     settings = CountDemoSettings(train_size=32, eval_size=8, sft_steps=2, sft_batch_size=8, sft_probe_size=8,
                                  grpo_steps=1, num_generations=4, grpo_batch_size=8, hidden=32)

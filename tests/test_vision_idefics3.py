@@ -1,4 +1,4 @@
-"""Idefics3 / SmolVLM: a tiny Idefics3 built in code (treadle.toy_vision: transformers' Idefics3Config with a
+"""Idefics3 / SmolVLM: a tiny Idefics3 built in code (treadle.demos.toy_vision: transformers' Idefics3Config with a
 one-layer vision tower and a two-layer Llama, Idefics3Processor around the toy tokenizer with the PIL image processor:
 no hub, no torchvision) through SFT, GRPO (with LoRA too) and save -> treadle's loader -> reload."""
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treadle import toy_vision as tv
+from treadle.demos import toy_vision as tv
 from treadle import vision
-from treadle.loading import load_model
-from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.cli.loading import load_model
+from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,16 +1,16 @@
 """Vision-language models after DPO and GRPO: saved, reloaded through treadle's loading path
-(``treadle.loading.load_model`` on the folder: ``AutoModelForImageTextToText`` and the saved processor) with the
+(``treadle.cli.loading.load_model`` on the folder: ``AutoModelForImageTextToText`` and the saved processor) with the
 same logits on the same pixels and text; and GRPO with LoRA on a VLM with images (adapters on the language model
 only, a step moves only adapter weights, log-probs against a plain forward of the peft model)."""
 
 import pytest
 import torch
 
-from treadle import toy_vision as tv
+from treadle.demos import toy_vision as tv
 from treadle import vision
-from treadle.loading import load_model
+from treadle.cli.loading import load_model
 from treadle.trainers.dpo import DPOConfig, DPOTrainer
-from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,7 +122,7 @@ def test_a_lora_trained_toy_vlm_merges_into_its_base_and_reloads(tmp_path):
     seed, and the merged folder reloads (with its processor) with the trained model's logits."""
     from peft import LoraConfig
 
-    from treadle.loading import merge_adapter_folder
+    from treadle.cli.loading import merge_adapter_folder
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     model, processor = load_model("toy:llava", seed=3)

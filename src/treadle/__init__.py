@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from treadle.metrics import EvalPrediction
     from treadle.trainer import Trainer
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
-    from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
+    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
     from treadle.trainers.kto import KTOConfig, KTOTrainer
     from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
     from treadle.trainers.reward import RewardConfig, RewardTrainer

@@ -1,3 +1,3 @@
-from treadle.cli import main
+from treadle.cli.command import main
 
 raise SystemExit(main())

@@ -42,7 +42,7 @@ class TrainingArguments:
     # --- where things go
     output_dir: str = "trainer_output"  # checkpoints, metrics.jsonl and plots land here
     run_name: str | None = None  # a label for loggers (TensorBoard); defaults to output_dir's name
-    overwrite_output_dir: bool = False  # a new run may delete an earlier run's files in output_dir (see treadle.runs)
+    overwrite_output_dir: bool = False  # a new run may delete an earlier run's files in output_dir (see treadle.record.runs)
     ignore_checkpoint_fingerprints: bool = False  # resume even when a checkpoint's files differ from its marker
 
     # --- how long
@@ -106,7 +106,7 @@ class TrainingArguments:
     average_tokens_across_devices: bool = True  # normalise the loss by items summed over all ranks
     ddp_timeout: float | None = None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
 
-    # --- experiment trackers (report_to; treadle.trackers): transformers' names, read by its Trackio callback
+    # --- experiment trackers (report_to; treadle.record.trackers): transformers' names, read by its Trackio callback
     project: str = "huggingface"  # the Trackio project the run is logged in (W&B reads $WANDB_PROJECT)
     trackio_space_id: str | None = None  # a Hugging Face Space to log to live; None logs locally only
     trackio_bucket_id: str | None = None  # the Hugging Face Bucket behind that Space; None lets Trackio choose
@@ -424,7 +424,7 @@ def check_config(args, config_class: type, trainer: str):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# report_to: the trackers treadle knows (treadle.trackers builds their callbacks)
+# report_to: the trackers treadle knows (treadle.record.trackers builds their callbacks)
 # ---------------------------------------------------------------------------------------------------------
 # report_to name -> (module that must import, pip package, transformers callback); the order "all" lists them in
 TRACKERS = {

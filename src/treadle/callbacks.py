@@ -37,11 +37,12 @@ import sys
 import threading
 from typing import Any
 
-from treadle import distributed as dist, runfiles
+from treadle import distributed as dist
+from treadle.record import runfiles
 from treadle.checkpoint import path_for
 from treadle.data import device_batch_rows, step_rows
 from treadle.errors import stopped_by
-from treadle.runrecord import describe_run
+from treadle.record.describe import describe_run
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
 EVENTS = (
@@ -298,7 +299,7 @@ class MetricsFileCallback(TrainerCallback):
 
 class RunRecordCallback(TrainerCallback):
     """Writes what made the run, beside its arguments, when training begins: ``output_dir/run.json`` with the
-    model, the datasets, the reward functions and the LoRA settings (``treadle.runrecord``). It reads its trainer's
+    model, the datasets, the reward functions and the LoRA settings (``treadle.record.describe``). It reads its trainer's
     public attributes then (a GRPO trainer's reward functions exist only after the Trainer's constructor)."""
 
     def __init__(self, trainer):

@@ -33,10 +33,11 @@ import sys
 import torch
 
 from treadle import distributed as dist
-from treadle import fingerprints, models, peft as treadle_peft
+from treadle.record import fingerprints
+from treadle import models, peft as treadle_peft
 from treadle.arguments import changed_settings
 from treadle.errors import UserError
-from treadle.runfiles import ARGS_FILE
+from treadle.record.runfiles import ARGS_FILE
 from treadle.state import TrainerState
 
 PREFIX = "checkpoint-"

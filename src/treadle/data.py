@@ -1,7 +1,7 @@
 """Data plumbing: collators, seeded (resumable, distributed) samplers and the epoch iteration and step plan the
 Trainer runs on them, column checks and evaluation batches. The text rules live in ``treadle.text``, token rows to
 tensors (padding, packing, positions) in ``treadle.packing``, loading a dataset a config names in
-``treadle.loading``.
+``treadle.cli.loading``.
 
 Samplers here are deterministic functions of (seed, epoch, rank): the order of an epoch can be rebuilt in a
 new process, which is what makes resuming mid-epoch exact.

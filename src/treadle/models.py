@@ -312,7 +312,7 @@ def load_pretrained(name_or_path: str, *, tokenizer=None, revision: str | None =
     with ``trust_remote_code=True``. ``model_class`` defaults to ``AutoModelForCausalLM``; ``model_kwargs`` go to
     its ``from_pretrained`` (TRL's ``model_init_kwargs``); a vision-language model (:func:`is_vision_language`) loads
     with ``AutoModelForImageTextToText`` and its ``AutoProcessor``. ValueError names what is wrong in one line.
-    (``toy:<size>`` specs: ``treadle.loading``.)"""
+    (``toy:<size>`` specs: ``treadle.cli.loading``.)"""
     source = os.fspath(name_or_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers' model classes load ~5 s
 

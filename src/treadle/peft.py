@@ -6,7 +6,7 @@
 reference and :func:`reference_of` picks the reference model, :func:`adapter_state_dict` /
 :func:`load_adapter_state_dict` are what a checkpoint holds of it, :func:`merged_model` gives a plain transformers
 model with the adapters merged in, :func:`parameter_counts` the trainable / total parameters.
-(``treadle.loading.merge_adapter_folder`` merges a saved adapter into its base model.)
+(``treadle.cli.loading.merge_adapter_folder`` merges a saved adapter into its base model.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle import distributed as dist, fingerprints
+from treadle import distributed as dist
+from treadle.record import fingerprints
 from treadle.arguments import config_fingerprint
 
 
@@ -44,7 +45,7 @@ class TrainerState:
     nonfinite_steps_skipped: int = 0  # steps skipped for a NaN / inf loss (args.skip_nonfinite_steps)
     dataset_fingerprint: str | None = None  # of the training rows (fingerprints): a resume into other rows is refused
 
-    # --- read by transformers' tracker callbacks (treadle.trackers); treadle runs no hyper-parameter search
+    # --- read by transformers' tracker callbacks (treadle.record.trackers); treadle runs no hyper-parameter search
     is_hyper_param_search: bool = False
     trial_name: str | None = None
     trial_params: dict[str, Any] | None = None

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import torch
 
-from treadle import checkpoint as ckpt, distributed as dist, models, peft as treadle_peft, runs
+from treadle import checkpoint as ckpt, distributed as dist, models, peft as treadle_peft
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
                                ProgressCallback, RunRecordCallback)
@@ -46,7 +46,7 @@ from treadle.metrics import (MetricWindow, PredictionOutput, TrainOutput, check_
 from treadle.optim import build_optimizer, build_scheduler
 from treadle.state import LoopState, TrainerControl, TrainerState
 from treadle.streaming import restore_stream, stream_state
-from treadle.trackers import tracker_callbacks
+from treadle.record import runs, trackers
 
 
 class Trainer:
@@ -91,7 +91,7 @@ class Trainer:
 
     def _default_callbacks(self) -> list:
         reporting = [PrinterCallback() if self.args.disable_tqdm else ProgressCallback()]
-        reporting += tracker_callbacks(self.args.report_to)  # W&B, MLflow, ... (treadle.trackers)
+        reporting += trackers.tracker_callbacks(self.args.report_to)  # W&B, MLflow, ...
         return [cb() for cb in DEFAULT_CALLBACKS] + [RunRecordCallback(self), self.preemption] + reporting
 
     # ---- callbacks ----------------------------------------------------------------------------------------

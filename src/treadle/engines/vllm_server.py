@@ -1,5 +1,5 @@
 """vLLM as a rollout engine in another process (``engines.base.RolloutEngine``): the client side of
-``vllm_mode="server"``, which talks to ``treadle vllm-serve MODEL`` (``treadle.vllm_serve``) over HTTP with the
+``vllm_mode="server"``, which talks to ``treadle vllm-serve MODEL`` (``treadle.engines.serve``) over HTTP with the
 standard library alone (the trainer's venv needs no vLLM; docs/vllm.md).
 
 The wire (JSON requests; tensors as safetensors bytes, exact to the bit):

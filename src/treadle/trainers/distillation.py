@@ -57,15 +57,15 @@ from torch import Tensor
 
 from treadle import distributed as dist
 from treadle.errors import PreflightError
-from treadle.logprobs import hidden_states_and_head
+from treadle.logprobs.tokens import hidden_states_and_head
 from treadle.metrics import means_of
 from treadle.losses import check_distill_options, chunked_generalized_jsd, generalized_jsd
 from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
-from treadle.trainers.grpo import GRPOTrainer
-from treadle.trainers.grpo_config import GRPOConfig
-from treadle.trainers.grpo_data import Rollout, Sample, slice_sample
-from treadle.trainers.grpo_records import seeded_generator
+from treadle.trainers.grpo.trainer import GRPOTrainer
+from treadle.trainers.grpo.config import GRPOConfig
+from treadle.trainers.grpo.data import Rollout, Sample, slice_sample
+from treadle.trainers.grpo.records import seeded_generator
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "check_shared_tokenizer"]
 

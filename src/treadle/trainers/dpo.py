@@ -51,7 +51,7 @@ Departures from the paper and from TRL's DPOTrainer:
     the same log-probs and gradients as the padded forward with no work on padding, on any attention
     implementation (TRL's needs flash attention). It falls back to padded forwards where a one-time check finds
     it inexact. ``shared_prefix`` (TRL has none) runs each pair's prompt once, chosen and rejected after it
-    (``treadle.prefix``), where that is exact and saves work.
+    (``treadle.logprobs.prefix``), where that is exact and saves work.
 12. Vision rows (``images`` with a chat ``prompt``; ``treadle.vision``) stay untokenised: the processor runs per
     batch over the chosen and the rejected chats, each with the row's images, and the policy and reference
     forwards take the same pixels; these forwards are padded (not padding-free).
@@ -72,13 +72,13 @@ from treadle import vision
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.errors import first_rows
-from treadle.logprobs import token_logps
+from treadle.logprobs.tokens import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.metrics import mode_of
 from treadle.models import from_name, frozen_reference, is_peft_model
 from treadle.packing import long_tensor
 from treadle.peft import disable_adapter
-from treadle.prefix import prompt_first_layout, shared_prefix_logps
+from treadle.logprobs.prefix import prompt_first_layout, shared_prefix_logps
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.reference import PrecomputedReference
@@ -430,9 +430,9 @@ class DPOTrainer(PrecomputedReference, Trainer):
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]  # (2B, T)
         completion_mask = inputs["completion_mask"]  # (2B, T)
         extras = vision.forward_extras(inputs)  # pixel_values and the like: the same images for both responses
-        shared = self.args.shared_prefix and not extras  # treadle.prefix takes text rows only
+        shared = self.args.shared_prefix and not extras  # treadle.logprobs.prefix takes text rows only
         laid = prompt_first_layout(input_ids, attention_mask, completion_mask) if shared else None
-        out = None if laid is None else shared_prefix_logps(  # each pair's prompt once (treadle.prefix), or None
+        out = None if laid is None else shared_prefix_logps(  # each pair's prompt once (treadle.logprobs.prefix), or None
             model, laid[0], laid[1], prompt_width=laid[2], chunk_size=self.args.logprob_chunk_size,
             return_mean_logits=with_logits)
         if out is not None:

@@ -47,7 +47,7 @@ from torch import Tensor
 from treadle import distributed as dist
 from treadle.arguments import TrainingArguments
 from treadle.data import column_names, require_columns
-from treadle.logprobs import token_logps
+from treadle.logprobs.tokens import token_logps
 from treadle.losses import check_kto_options, kto_kl, kto_loss, kto_uses_kl
 from treadle.metrics import mode_of
 from treadle.models import frozen_reference, is_peft_model

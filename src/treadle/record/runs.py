@@ -1,0 +1,484 @@
+"""A run folder belongs to one run.
+
+``claim_run_folder`` is what ``Trainer.train`` runs before anything else (and ``treadle train`` before it
+loads a model), on the main process:
+
+- ``output_dir`` must be a folder (or not exist yet) that this user can write, and not the folder of the model
+  being trained, nor inside it (the final save would overwrite the weights the run started from);
+- a *new* run (no resume) into a folder that holds a run's files (``run_files``: checkpoints, metrics.jsonl, a
+  saved model, plots ...) is refused, naming the two ways out: resume it, or ``overwrite_output_dir=True``,
+  which deletes only what a treadle run provably wrote (listed when it does): checkpoint folders whose marker
+  (``fingerprints.MARKER``) lists every file they hold, and the run-named files of a folder whose manifest
+  (``.treadle-run.json``, written when a run claims the folder) says a run owns it, less what was there before
+  the run ("not ours, kept"). An entry that cannot be told (no manifest, no marker, a foreign file inside a
+  checkpoint, a symbolic link) refuses the overwrite, naming it: nothing is deleted when in doubt;
+- a lock file, ``output_dir/.treadle.lock`` (pid, host, start time), is held for the run's lifetime, so that a
+  second run into the same folder is refused while the first one lives. A lock left by a process that no
+  longer runs on this machine (killed with SIGKILL, out of memory) is taken over, with a note; one held by a
+  process on another machine is refused with the file's name, as this machine cannot tell whether it lives.
+  The lock is created whole: written to a temporary file, then linked into place (``os.link`` fails when the
+  name exists), so no run ever reads a half-written lock of a live run; an empty or unreadable lock is one
+  "being written", never stale.
+- under torchrun with ``--max-restarts``, the workers of a restarted attempt are the same run: the lock and the
+  manifest record the job (``TORCHELASTIC_RUN_ID``) and its attempt (``TORCHELASTIC_RESTART_COUNT``), and an
+  attempt takes over the lock of an earlier attempt of its job (torchrun stopped every worker of it before
+  restarting; on several nodes, rank 0 may now run on another machine) and restarts in the folder it wrote,
+  without ``overwrite_output_dir``.
+
+Every refusal is a :class:`RunFolderError` raised before anything is written. This module imports neither
+torch nor a trainer, so the CLI runs it before its slow imports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+
+from treadle.record import fingerprints
+from treadle.errors import PreflightError, UserError, shorten
+from treadle.record.plots import FIGURE_TITLES
+
+LOCK_FILE = ".treadle.lock"
+MANIFEST_FILE = ".treadle-run.json"  # written when a run claims the folder: see write_manifest
+MANIFEST_MOST = 10_000  # entries recorded as "there before the run"; a fuller folder is never overwritten in part
+PLOT_FILES = frozenset(f"{name}.png" for name in FIGURE_TITLES)
+# what a treadle run writes into its output_dir (a transformers model's save_pretrained files included)
+RUN_FILE_NAMES = frozenset({
+    "metrics.jsonl", "completions.jsonl", "plots", "report.html", "runs", "run.json", "model.safetensors",
+    "model.safetensors.index.json", "config.json", "generation_config.json", "adapter_model.safetensors",
+    "adapter_config.json", "training_args.json", "trainer_state.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
+    "tokenizer.model"})
+RUN_FILE_PATTERN = re.compile(r"(\.tmp-|\.old-)?checkpoint-\d+|model-\d+-of-\d+\.safetensors")
+
+
+class RunFolderError(PreflightError):
+    """``output_dir`` cannot take this run (it holds another, is locked, is a file ...); nothing was written."""
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The names in ``output_dir`` that a run wrote (checkpoints first, by step), [] when it does not exist."""
+    if not os.path.isdir(output_dir):
+        return []
+    names = [n for n in os.listdir(output_dir) if _run_named(n)]
+    if "metrics.jsonl" in names and not _has_training_records(os.path.join(output_dir, "metrics.jsonl")):
+        names.remove("metrics.jsonl")  # only evaluate() before training logged there: no run yet
+    return sorted(names, key=lambda n: (not n.startswith("checkpoint-"), int(n.rpartition("-")[2])
+                                        if n.startswith("checkpoint-") else 0, n))
+
+
+def _run_named(name: str) -> bool:
+    return name in RUN_FILE_NAMES or bool(RUN_FILE_PATTERN.fullmatch(name))
+
+
+def _has_training_records(path: str) -> bool:
+    """Whether a metrics.jsonl logged any training (a step after 0, a loss), not only evaluations before it."""
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return True  # a line cut by a crash: a run was writing here
+            if not isinstance(record, dict) or record.get("step", 0) or "loss" in record or "train_loss" in record:
+                return True
+    return False
+
+
+def check_run_folder(output_dir: str, *, resume: bool, overwrite: bool = False,
+                     model_dir: str | None = None) -> list[str]:
+    """Refuse (RunFolderError) an ``output_dir`` that cannot take this run; return what ``overwrite`` will
+    delete (paths relative to ``output_dir``: only what a treadle run provably wrote, see ``sort_out``).
+    Reads only: nothing is written or removed here."""
+    output_dir = check_path(output_dir)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise RunFolderError(f"output_dir {output_dir} is a file, not a folder; set output_dir to a folder "
+                             f"(new, or holding the run to resume)")
+    check_not_in_model(output_dir, model_dir)
+    _check_writable(output_dir)
+    holder = _live_holder(os.path.join(output_dir, LOCK_FILE))
+    if holder is not None:
+        raise RunFolderError(f"output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
+                             f"choose another output_dir")
+    files = run_files(output_dir)
+    if resume or not files or _earlier_attempt(read_manifest(output_dir)):  # the last: a restarted elastic worker
+        return []
+    ours, _, doubts = sort_out(output_dir, files)
+    if doubts:
+        raise RunFolderError(
+            f"output_dir {output_dir} holds {len(doubts)} entries named like a run's that no treadle run provably "
+            f"wrote ({_listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
+            f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir")
+    if not overwrite:
+        raise RunFolderError(
+            f"output_dir {output_dir} holds an earlier run ({_listing(files)}); continue it with --resume "
+            f"(train(resume_from_checkpoint=True)), choose another output_dir, or set overwrite_output_dir: true "
+            f"to delete those {len(files)} entries (nothing else in the folder is touched)")
+    return ours
+
+
+def check_path(path: str) -> str:
+    """``path`` with ``~`` and environment variables expanded; the filesystem root and the home folder itself
+    are refused (a run's files would mix with everything there, and overwrite could reach them)."""
+    expanded = os.path.expandvars(os.path.expanduser(str(path)))
+    real = os.path.realpath(expanded)
+    if real in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
+        raise RunFolderError(f"output_dir {shorten(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
+                             f" itself; set output_dir to a folder of its own (e.g. {os.path.join(expanded, 'runs', 'my-run')})")
+    return expanded
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What a run provably wrote: the manifest written at claim time, checkpoints' markers
+# ---------------------------------------------------------------------------------------------------------
+def elastic_attempt() -> tuple[str | None, int]:
+    """(the torchrun job's id, this attempt's number: 0, then 1 per restart); (None, 0) outside torchrun."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or None
+    try:
+        return run_id, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return run_id, 0
+
+
+def _earlier_attempt(record: dict | None) -> bool:
+    """Whether a lock or manifest ``record`` was written by an earlier attempt of this process's torchrun job."""
+    run_id, attempt = elastic_attempt()
+    written = (record or {}).get("attempt")
+    return (run_id is not None and (record or {}).get("elastic_run") == run_id and isinstance(written, int)
+            and written < attempt)
+
+
+def _identity() -> dict:
+    run_id, attempt = elastic_attempt()
+    return {"elastic_run": run_id, "attempt": attempt} if run_id is not None else {}
+
+
+def write_manifest(output_dir: str) -> None:
+    """Write ``output_dir/.treadle-run.json`` when the run claims the folder: it marks the folder as a treadle
+    run's and lists what was there before (never the run's), so overwrite can tell the run's files from the user's."""
+    path = os.path.join(output_dir, MANIFEST_FILE)
+    before = _tree(output_dir, most=MANIFEST_MOST + 1)
+    manifest = {"treadle_run": 1, "started": time.time(), "kept": before[:MANIFEST_MOST],
+                "kept_complete": len(before) <= MANIFEST_MOST, **_identity()}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f)
+    os.replace(tmp, path)
+
+
+def read_manifest(output_dir: str) -> dict | None:
+    return fingerprints.read_record(os.path.join(output_dir, MANIFEST_FILE), "treadle_run")
+
+
+def _tree(output_dir: str, most: int) -> list[str]:
+    """Up to ``most`` paths below ``output_dir`` (relative, ``/``), links listed and never followed."""
+    found = []
+    for root, dirs, files in os.walk(output_dir):
+        rel = os.path.relpath(root, output_dir)
+        for name in dirs + files:
+            if rel == "." and (name in (LOCK_FILE, MANIFEST_FILE) or _run_named(name)):
+                continue  # treadle's own (an evaluation's metrics.jsonl, the run being resumed): not "before"
+            found.append(name if rel == "." else f"{rel}/{name}".replace(os.sep, "/"))
+            if len(found) >= most:
+                return found
+    return found
+
+
+def sort_out(output_dir: str, names: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """Split the run-named entries ``names`` of ``output_dir`` into (ours: paths a treadle run provably wrote,
+    to delete; kept: paths inside them that are not ours, left alone; doubts: entries that cannot be told,
+    each with its reason, which refuse the overwrite)."""
+    manifest = read_manifest(output_dir)
+    ours, kept, doubts = [], [], []
+    for name in names:
+        path = os.path.join(output_dir, name)
+        if os.path.islink(path):
+            doubts.append(f"{name} (a symbolic link to {shorten(os.readlink(path), 80)}: treadle never makes one; "
+                          f"remove the link yourself)")
+        elif name.startswith("checkpoint-"):
+            foreign = fingerprints.foreign_files(path) if os.path.isdir(path) else None
+            if foreign is None:
+                doubts.append(f"{name} (no {fingerprints.MARKER}: not a checkpoint treadle wrote)")
+            elif foreign:
+                doubts.append(f"{name} (holds {_listing(foreign, 2)}, which no treadle checkpoint wrote)")
+            else:
+                ours.append(name)
+        elif manifest is None:
+            doubts.append(f"{name} (no {MANIFEST_FILE}: no treadle run recorded writing it)")
+        else:
+            _sort_entry(output_dir, name, manifest, ours, kept, doubts)
+    return ours, kept, doubts
+
+
+def _sort_entry(output_dir: str, name: str, manifest: dict, ours: list, kept: list, doubts: list) -> None:
+    """One entry of a folder with a manifest: a file is ours unless it was there before the run; a folder
+    (plots/, runs/, a temporary checkpoint) gives up the files that were not, and keeps the others."""
+    before = set(manifest.get("kept") or [])
+    path = os.path.join(output_dir, name)
+    if not os.path.isdir(path):
+        ours.append(name)
+        return
+    if not manifest.get("kept_complete", False):
+        doubts.append(f"{name} (the folder held too many files to record what was there before)")
+        return
+    mine, others = [], []
+    for rel in fingerprints.folder_files(path):
+        full = f"{name}/{rel}"
+        link = os.path.islink(os.path.join(path, rel))
+        plot = name != "plots" or rel in PLOT_FILES
+        (others if link or full in before or not plot else mine).append(full)
+    if others:
+        ours.extend(mine)
+        kept.extend(others)
+    else:
+        ours.append(name)
+
+
+def delete_ours(output_dir: str, paths: list[str]) -> None:
+    """Delete ``paths`` (relative to ``output_dir``, from ``sort_out``), never through a symbolic link; a
+    folder emptied by it goes too."""
+    for rel in paths:
+        path = os.path.join(output_dir, rel)
+        if os.path.islink(path) or not os.path.isdir(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        else:
+            shutil.rmtree(path)
+        parent = os.path.dirname(path)
+        with contextlib.suppress(OSError):
+            while os.path.abspath(parent) != os.path.abspath(output_dir) and not os.listdir(parent):
+                os.rmdir(parent)
+                parent = os.path.dirname(parent)
+
+
+def _listing(names: list[str], most: int = 6) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check_not_in_model(output_dir: str, model_dir: str | None, what: str = "output_dir") -> None:
+    """Refuse ``output_dir`` equal to the model folder ``model_dir`` or inside it (train's output, merge's)."""
+    if not model_dir or not os.path.isdir(model_dir):
+        return
+    out, model = os.path.realpath(output_dir), os.path.realpath(model_dir)
+    if out == model or out.startswith(model + os.sep):
+        where = "is" if out == model else "is inside"
+        raise RunFolderError(f"{what} {output_dir} {where} the model folder {model_dir}: the saves would "
+                             f"overwrite or mix with the weights it starts from; set {what} to another folder")
+
+
+def _check_writable(output_dir: str) -> None:
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):  # the folder is made later: its nearest existing parent must take it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RunFolderError(f"output_dir {output_dir} cannot be created: {existing} is a file; set output_dir "
+                             f"to a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunFolderError(f"output_dir {output_dir} is not writable ({existing} refuses writes); choose a "
+                             f"folder you can write, or change its permissions")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The lock
+# ---------------------------------------------------------------------------------------------------------
+def _read_lock(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+        return holder if isinstance(holder, dict) else {}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):  # unreadable or cut: "being written" (locks are linked in whole, see acquire_lock)
+        return {"unreadable": True}
+
+
+def _describe(holder: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return f"pid {holder.get('pid')} on {holder.get('host')}, started {started}"
+
+
+def _alive(holder: dict) -> bool | None:
+    """True / False for a process of this machine (never this very process), None when it cannot be told."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname():
+        return None
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True
+
+
+def _live_holder(path: str) -> str | None:
+    """Who holds the lock at ``path``, when it may be alive; None when it is free or stale."""
+    holder = _read_lock(path)
+    if holder is None or _earlier_attempt(holder):  # torchrun ended that attempt before starting this one
+        return None
+    if holder.get("unreadable") or not holder:
+        return (f"its lock {path} is empty or unreadable, as one being written is; if no run is starting there, "
+                f"delete {path}")
+    alive = _alive(holder)
+    if alive is None:
+        return f"{_describe(holder)}, another machine: if that run is gone, delete {path}"
+    return (f"{_describe(holder)}; if that run has ended and the pid now belongs to another process, delete "
+            f"{path}") if alive else None
+
+
+def acquire_lock(output_dir: str) -> str:
+    """Create ``output_dir/.treadle.lock`` for this process (taking over a stale one, with a note); its path.
+    The lock's contents are written to a temporary file first and linked into place, so that the lock exists
+    only whole: two runs racing for it never both win, and neither reads the other's as empty and stale."""
+    path = os.path.join(output_dir, LOCK_FILE)
+    os.makedirs(output_dir, exist_ok=True)
+    holder = _read_lock(path)
+    if holder is not None:
+        live = _live_holder(path)
+        if live is not None:
+            raise RunFolderError(f"output_dir {output_dir} is in use by another run ({live}); wait for it to end or "
+                                 f"choose another output_dir")
+        why = (f"attempt {holder['attempt']} of this torchrun job" if _earlier_attempt(holder) else
+               "a run that no longer runs")
+        print(f"treadle: taking over the lock {path} of {why} ({_describe(holder)})", file=sys.stderr)
+        stale = f"{path}.stale-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(path, stale)  # atomic: of two runs taking over, one moves the stale lock, the other finds none
+            if _live_holder(stale) is None:
+                os.remove(stale)
+            else:  # a live run's lock replaced the stale one between the read and the rename: put it back
+                with contextlib.suppress(FileExistsError):
+                    os.link(stale, path)
+                os.remove(stale)
+    tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **_identity()}, f)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:  # another run took it between the check and now
+        holder = _live_holder(path)
+        raise RunFolderError(f"output_dir {output_dir} is in use by another run that just started ({holder}); "
+                             f"choose another output_dir" if holder else f"output_dir {output_dir} was locked and "
+                             f"unlocked by another run while this one started; try again") from None
+    finally:
+        os.remove(tmp)
+    return path
+
+
+def release_lock(path: str) -> bool:
+    """Remove the lock at ``path`` if this process still holds it; False when it could not (a read-only disk)."""
+    holder = _read_lock(path)
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
+    """Check ``args.output_dir`` (``check_run_folder``; the model's folder from ``model_folder``), lock it,
+    delete what ``args.overwrite_output_dir`` asks (naming it), and hold the lock inside the block, where a full
+    or read-only disk is one line (``disk_errors``). The other processes of a multi-process run
+    (``main_process=False``) do nothing: rank 0 owns the folder."""
+    if not main_process:
+        yield
+        return
+    output_dir = args.output_dir
+    doomed = check_run_folder(output_dir, resume=resume, overwrite=args.overwrite_output_dir,
+                              model_dir=model_folder(model))
+    lock = acquire_lock(output_dir)
+    try:
+        with disk_errors(output_dir, lock):
+            if doomed:
+                _, kept, _ = sort_out(output_dir, run_files(output_dir))
+                print(f"treadle: overwrite_output_dir: deleting {len(doomed)} entries of the earlier run in "
+                      f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""),
+                      file=sys.stderr)
+                delete_ours(output_dir, doomed)
+            if not resume or read_manifest(output_dir) is None:
+                write_manifest(output_dir)
+            yield
+    finally:
+        release_lock(lock)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A disk that fills up or turns read-only mid-run
+# ---------------------------------------------------------------------------------------------------------
+DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+               errno.EROFS: "the file system is read-only"}
+
+
+class DiskError(UserError):
+    """``output_dir`` stopped taking writes mid-run (full, over quota, read-only): the run stopped; what it saved
+    before is intact."""
+
+
+@contextlib.contextmanager
+def disk_errors(output_dir: str, lock: str | None = None):
+    """Inside the block, an error caused by a full or read-only disk -- an OSError with its errno, or any other
+    error (torch's ``inline_container`` RuntimeError, a SafetensorError) while a probe write into ``output_dir``
+    then fails that way -- becomes one DiskError naming the folder, the newest complete checkpoint and what to do.
+    A half-written checkpoint (``.tmp-checkpoint-*``) is removed to give the space back; the lock is released
+    (on a read-only disk it cannot be: the message names it)."""
+    try:
+        yield
+    except Exception as error:
+        problem = disk_problem(output_dir, error)
+        if problem is None:
+            raise
+        for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
+            if name.startswith(".tmp-checkpoint-"):
+                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+        kept = [n for n in run_files(output_dir) if re.fullmatch(r"checkpoint-\d+", n)]
+        locked = lock is not None and release_lock(lock) is False
+        raise DiskError(
+            f"output_dir {output_dir}: {problem}, so the run stopped; "
+            + (f"its checkpoints saved before are intact (newest: {kept[-1]}); " if kept else "no checkpoint was saved; ")
+            + ("make it writable (remount, or copy the folder to a writable disk)" if "read-only" in problem
+               else "free some space (or move output_dir to another disk)")
+            + (", then continue with --resume (train(resume_from_checkpoint=True))" if kept else ", then start again")
+            + (f"; the lock {lock} could not be removed: delete it once the disk takes writes" if locked else "")
+        ) from error
+
+
+def disk_problem(output_dir: str, error: BaseException) -> str | None:
+    """What about the disk caused ``error`` ("the disk is full (No space left on device)" ...), None when it was
+    not the disk: the errno of an OSError in its chain, else a probe write of 64 KiB into ``output_dir``."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
+            return f"{DISK_ERRNOS[seen.errno]} ({os.strerror(seen.errno)})"
+        seen = seen.__cause__ or seen.__context__
+    probe = os.path.join(output_dir, f".treadle-probe-{os.getpid()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as probe_error:
+        if probe_error.errno in DISK_ERRNOS:
+            return f"{DISK_ERRNOS[probe_error.errno]} ({os.strerror(probe_error.errno)})"
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+    return None
+
+
+def model_folder(model) -> str | None:
+    """The local folder ``model`` was loaded from (transformers' ``name_or_path``), None when unknown."""
+    name = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return name if isinstance(name, str) and name and os.path.isdir(name) else None
