@@ -1,4 +1,4 @@
-"""Health checks (treadle.health) and dynamic sampling (trainers/grpo_dynamic.py): the pure checks by hand, each
+"""Health checks (treadle.health) and dynamic sampling (trainers/grpo/dynamic.py): the pure checks by hand, each
 check firing on a crafted run and silent on a normal one, the stop's checkpoint and message, and a dynamic-sampling
 run that never trains on a group of equal rewards."""
 
@@ -10,19 +10,20 @@ import warnings
 import pytest
 import torch
 
-from treadle import toy
+from treadle.demos import toy
 from treadle.callbacks import TrainerCallback, rl_summary
 from treadle.engines.local import LocalEngine
 from treadle.metrics import MetricWindow
-from treadle.plots import collect_series, health_markers, panel_layout, plot_run, read_events
+from treadle.record.plots import collect_series, health_markers, panel_layout, plot_run, read_events
 from treadle.errors import is_user_error
 from treadle.generation import GenerationOutput
+from treadle.engines.vllm import weight_sync_unchanged
 from treadle.health import (HealthCallback, HealthWarning, TrainingStalled, constant_values, generation_health,
-                            log_warnings, weight_sync_unchanged)
+                            log_warnings)
 from treadle.state import TrainerControl, TrainerState
-from treadle.trainers.grpo import GRPOConfig, GRPOTrainer
-from treadle.trainers.grpo_config import HEALTH_CHECKS, resolve_health_checks
-from treadle.trainers.grpo_data import Rollout, join_rows
+from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo.config import HEALTH_CHECKS, resolve_health_checks
+from treadle.trainers.grpo.data import Rollout, join_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

