@@ -57,6 +57,7 @@ class Trainer:
     """
 
     config_class = TrainingArguments  # the arguments this trainer needs (subclasses name their config)
+    scored_only = False  # True: evaluation asks compute_loss for the mean loss alone (DPO, KTO, reward models)
 
     def __init__(self, model=None, args: TrainingArguments | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
@@ -449,20 +450,19 @@ class Trainer:
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """(loss, logits, labels) for one evaluation batch, without gradients. The loss is the model's mean over
-        the batch's items; logits are the model's outputs other than the loss (and ``ignore_keys``)."""
+        the batch's items; logits are its outputs other than the loss (and ``ignore_keys``), none if ``scored_only``."""
         inputs = self.prepare_inputs(inputs)
         has_labels = isinstance(inputs, dict) and all(inputs.get(k) is not None for k in self.args.label_names)
         with torch.no_grad(), self.autocast():
-            if has_labels:
+            if has_labels or self.scored_only:  # a scored trainer's batch holds what its loss needs, never labels
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
                 loss = loss.detach().float()
             else:
                 loss, outputs = None, model(**inputs)
-        if prediction_loss_only:
+        if prediction_loss_only or self.scored_only:
             return loss, None, None
-        logits = models.logits_of(outputs, ignore_keys)
         labels = inputs[self.args.label_names[0]] if has_labels else None
-        return loss, logits, labels
+        return loss, models.logits_of(outputs, ignore_keys), labels
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None) -> None:

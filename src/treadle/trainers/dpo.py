@@ -322,6 +322,7 @@ class DPOTrainer(PrecomputedReference, Trainer):
     """
 
     config_class = DPOConfig
+    scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
     def __init__(self, model=None, ref_model=None, args: DPOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
@@ -520,13 +521,6 @@ class DPOTrainer(PrecomputedReference, Trainer):
             sums["logits/chosen"] = (policy.logit_sums.chosen.sum(), policy.counts.chosen.sum())
             sums["logits/rejected"] = (policy.logit_sums.rejected.sum(), policy.counts.rejected.sum())
         self.metrics.add_many(sums, mode)
-
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        """(mean per-pair loss, None, None): the model is scored, not asked for predictions."""
-        inputs = self.prepare_inputs(inputs)
-        with torch.no_grad(), self.autocast():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach().float(), None, None
 
 
 __all__ = ["DPOConfig", "DPOTrainer", "DPOCollator", "tokenize_row", "split_implicit_prompt"]

@@ -196,6 +196,7 @@ class KTOTrainer(PrecomputedReference, Trainer):
     PEFT model, the model itself with its adapters disabled. The model never receives labels."""
 
     config_class = KTOConfig
+    scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
     def __init__(self, model=None, ref_model=None, args: KTOConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
@@ -334,13 +335,6 @@ class KTOTrainer(PrecomputedReference, Trainer):
             margin = rewards[chosen].mean() - rewards[rejected].mean()
             sums["rewards/margins"] = (margin, 1)
         self.metrics.add_many(sums, mode)
-
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        """(mean per-row loss, None, None): the model is scored, not asked for predictions."""
-        inputs = self.prepare_inputs(inputs)
-        with torch.no_grad(), self.autocast():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach().float(), None, None
 
 
 __all__ = ["KTOConfig", "KTOTrainer", "KTOCollator", "tokenize_row", "unpair_rows", "rotate_completions"]

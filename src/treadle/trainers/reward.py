@@ -77,6 +77,7 @@ class RewardTrainer(Trainer):
     ``pad_token_id`` to find each row's last token) to score chosen responses above rejected ones."""
 
     config_class = RewardConfig
+    scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
     def __init__(self, model=None, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
@@ -154,13 +155,6 @@ class RewardTrainer(Trainer):
         self.metrics.add_many({"accuracy": ((chosen > rejected).sum(), pairs),
                                "margin": ((chosen - rejected).sum(), pairs),
                                "mean_reward": (chosen.sum() + rejected.sum(), 2 * pairs)}, mode)
-
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        """(mean per-pair loss, None, None): the pairs are scored, not predicted."""
-        inputs = self.prepare_inputs(inputs)
-        with torch.no_grad(), self.autocast():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach().float(), None, None
 
 
 __all__ = ["RewardConfig", "RewardTrainer", "RewardCollator"]
