@@ -53,6 +53,30 @@ def right_padded(rows: Sequence[Sequence[int]], width: int, value: int) -> torch
     return long_tensor(flat, (len(rows), width))
 
 
+def prompt_completion_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                            pad_token_id: int) -> dict[str, torch.Tensor]:
+    """(prompt, completion) token rows, each prompt + completion right-padded with ``pad_token_id`` to the longest:
+    ``input_ids``, ``attention_mask`` (1 on real tokens) and ``completion_mask`` (1 on completion tokens only, so the
+    prompt never counts in a loss), each ``(N, T)`` int64 (DPO's and KTO's collators).
+
+    >>> batch = prompt_completion_batch([([5, 6], [7]), ([5], [8, 9, 4])], pad_token_id=0)
+    >>> batch["input_ids"].tolist(), batch["completion_mask"].tolist()
+    ([[5, 6, 7, 0], [5, 8, 9, 4]], [[0, 0, 1, 0], [0, 1, 1, 1]])
+    """
+    length = max(len(p) + len(c) for p, c in pairs)
+    # Flat Python lists, converted once per column: a tensor per row and slice copies into the batch cost more than
+    # a small model's forward pass (benchmarks/trainers.py).
+    ids, attention, completion = [], [], []
+    for prompt, answer in pairs:
+        pad = length - len(prompt) - len(answer)
+        ids += [*prompt, *answer] + [pad_token_id] * pad
+        attention += [1] * (len(prompt) + len(answer)) + [0] * pad
+        completion += [0] * len(prompt) + [1] * len(answer) + [0] * pad
+    shape = (len(pairs), length)
+    return {"input_ids": long_tensor(ids, shape), "attention_mask": long_tensor(attention, shape),
+            "completion_mask": long_tensor(completion, shape)}
+
+
 def best_fit_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     """Best-fit-decreasing: the indices of ``sizes`` grouped into bins of at most ``capacity``, longest first.
 

@@ -76,7 +76,7 @@ from treadle.logprobs.tokens import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.metrics import mode_of
 from treadle.models import from_name, frozen_reference, is_peft_model
-from treadle.packing import long_tensor
+from treadle.packing import prompt_completion_batch
 from treadle.peft import disable_adapter
 from treadle.logprobs.prefix import prompt_first_layout, shared_prefix_logps
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
@@ -199,21 +199,9 @@ class DPOCollator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         if not rows:
             raise ValueError("cannot collate an empty list of rows")
-        sequences = [(list(row["prompt_input_ids"]), list(row[key]))
-                     for key in ("chosen_input_ids", "rejected_input_ids") for row in rows]
-        length = max(len(p) + len(c) for p, c in sequences)
-        # Flat Python lists, converted once per column: a tensor per row and slice copies into the batch cost
-        # more than a small model's forward pass (benchmarks/trainers.py).
-        ids, attention, completion = [], [], []
-        for prompt, response in sequences:
-            pad = length - len(prompt) - len(response)
-            ids += prompt + response + [self.pad_token_id] * pad
-            attention += [1] * (len(prompt) + len(response)) + [0] * pad
-            completion += [0] * len(prompt) + [1] * len(response) + [0] * pad
-        shape = (len(sequences), length)
-        batch = {"input_ids": long_tensor(ids, shape),  # (2B, T)
-                 "attention_mask": long_tensor(attention, shape),  # (2B, T)
-                 "completion_mask": long_tensor(completion, shape)}  # (2B, T)
+        sequences = [(row["prompt_input_ids"], row[key]) for key in ("chosen_input_ids", "rejected_input_ids")
+                     for row in rows]
+        batch = prompt_completion_batch(sequences, self.pad_token_id)  # (2B, T) each
         for key in REF_COLUMNS:
             if all(row.get(key) is not None for row in rows):
                 batch[key] = torch.tensor([float(row[key]) for row in rows], dtype=torch.float32)  # (B,)

@@ -51,7 +51,7 @@ from treadle.logprobs.tokens import token_logps
 from treadle.losses import check_kto_options, kto_kl, kto_loss, kto_uses_kl
 from treadle.metrics import mode_of
 from treadle.models import frozen_reference, is_peft_model
-from treadle.packing import long_tensor
+from treadle.packing import prompt_completion_batch
 from treadle.peft import reference_of
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.trainer import Trainer
@@ -107,16 +107,8 @@ class KTOCollator:
         self.pad_token_id = pad_token_id
 
     def pad(self, pairs: list[tuple[list[int], list[int]]], prefix: str) -> dict[str, Tensor]:
-        length = max(len(p) + len(c) for p, c in pairs)
-        ids, attention, completion = [], [], []
-        for prompt, answer in pairs:
-            pad = length - len(prompt) - len(answer)
-            ids += prompt + answer + [self.pad_token_id] * pad
-            attention += [1] * (len(prompt) + len(answer)) + [0] * pad
-            completion += [0] * len(prompt) + [1] * len(answer) + [0] * pad
-        shape = (len(pairs), length)
-        return {f"{prefix}input_ids": long_tensor(ids, shape), f"{prefix}attention_mask": long_tensor(attention, shape),
-                f"{prefix}completion_mask": long_tensor(completion, shape)}
+        """``packing.prompt_completion_batch`` of ``pairs``, its keys prefixed with ``prefix``."""
+        return {prefix + key: value for key, value in prompt_completion_batch(pairs, self.pad_token_id).items()}
 
     def __call__(self, rows: list[dict]) -> dict[str, Tensor]:
         if not rows:
