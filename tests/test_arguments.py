@@ -154,3 +154,27 @@ def test_from_mapping_takes_back_every_config_it_wrote():
 
     for cls in (TrainingArguments, SFTConfig, DPOConfig, GRPOConfig):
         assert cls.from_mapping(cls().to_dict()) == cls(), cls.__name__
+
+
+def test_each_log_prob_option_is_declared_once_and_mixed_into_the_configs_that_take_it():
+    from treadle.arguments import LogprobChunkOption, PaddingFreeOption, SharedPrefixOption
+    from treadle.trainers.distillation import DistillationConfig
+    from treadle.trainers.dpo import DPOConfig
+    from treadle.trainers.grpo.config import GRPOConfig
+    from treadle.trainers.kto import KTOConfig
+
+    options = {PaddingFreeOption: ("padding_free", True), SharedPrefixOption: ("shared_prefix", True),
+               LogprobChunkOption: ("logprob_chunk_size", 1024)}  # TRL's names and treadle's defaults
+    takes = {DPOConfig: set(options), KTOConfig: {PaddingFreeOption, LogprobChunkOption},
+             GRPOConfig: {PaddingFreeOption, SharedPrefixOption}, DistillationConfig: set(options)}
+    for option, (name, default) in options.items():
+        line = next(line for line in inspect.getsource(option).splitlines() if line.strip().startswith(f"{name}:"))
+        assert "#" in line, f"{name} has no one-line comment"
+        for config, taken in takes.items():
+            assert (name in config.field_names()) == (option in taken), (config.__name__, name)
+            assert name not in vars(config).get("__annotations__", {}), f"{config.__name__} declares {name} again"
+            if option in taken:
+                assert getattr(config(), name) == default, (config.__name__, name)
+    for config in (DPOConfig, KTOConfig, DistillationConfig):  # the option checks its value, after the base's checks
+        with pytest.raises(ValueError, match="logprob_chunk_size must be >= 1"):
+            config(logprob_chunk_size=0)

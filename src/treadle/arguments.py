@@ -304,6 +304,36 @@ class TrainingArguments:
         return dataclasses.replace(self, **changes)
 
 
+# --- the log-prob forwards' options (treadle.logprobs; TRL's names): each declared once, mixed into the configs of
+# the trainers that take it, before TrainingArguments: class KTOConfig(LogprobChunkOption, ..., TrainingArguments)
+@dataclass
+class PaddingFreeOption:
+    """``padding_free``: DPO, KTO, GRPO (and distillation, a GRPOConfig)."""
+
+    padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
+
+
+@dataclass
+class SharedPrefixOption:
+    """``shared_prefix``: DPO (a pair's prompt, then chosen and rejected), GRPO (a group's prompt, then its
+    completions; and distillation, a GRPOConfig)."""
+
+    shared_prefix: bool = True  # each prompt once per micro-batch, its completions after it (exact; off where unfit)
+
+
+@dataclass
+class LogprobChunkOption:
+    """``logprob_chunk_size``: DPO, KTO (``logprobs.token_logps``), distillation (through both LM heads,
+    ``losses.chunked_generalized_jsd``)."""
+
+    logprob_chunk_size: int = 1024  # positions per chunk through the LM head: a smaller chunk holds fewer logits at once
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the TrainingArguments this is mixed into: its checks (and types) first
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"logprob_chunk_size must be >= 1 (typical 1024), got {self.logprob_chunk_size}")
+
+
 # --- from_mapping's type rules ------------------------------------------------------------------------------
 _WRONG = object()  # "this value does not fit this annotation" (None is a value that may fit)
 _SCALARS = {float: ("a number", "numbers"), int: ("an integer", "integers"), bool: ("true or false", "booleans"),
@@ -392,7 +422,7 @@ NOT_SUPPORTED = {
     "optim_target_modules": "GaLore / APOLLO optimizers are not built in",
 }
 
-__all__ = ["TrainingArguments", "field"]
+__all__ = ["TrainingArguments", "PaddingFreeOption", "SharedPrefixOption", "LogprobChunkOption", "field"]
 
 FINITE_FIELDS = ("learning_rate", "num_train_epochs", "weight_decay", "adam_epsilon", "warmup_steps")  # inf refused
 

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from treadle import distributed as dist
+from treadle.arguments import LogprobChunkOption
 from treadle.errors import PreflightError
 from treadle.logprobs.tokens import hidden_states_and_head
 from treadle.metrics import means_of
@@ -76,7 +77,7 @@ GRPO_ONLY = ("loss_type", "epsilon", "epsilon_high", "delta", "scale_rewards", "
 
 
 @dataclass
-class DistillationConfig(GRPOConfig):
+class DistillationConfig(LogprobChunkOption, GRPOConfig):
     """``GRPOConfig`` (sampling, batches, rollout engine, evaluation) plus TRL 1.16's distillation fields."""
 
     min_num_generations: ClassVar[int] = 1
@@ -85,7 +86,6 @@ class DistillationConfig(GRPOConfig):
     max_completion_length: int = 512  # most tokens the student samples per completion (TRL's default)
     beta: float = 1.0  # generalised JSD mixture: 0 forward KL, 0.5 JSD, 1 reverse KL (on-policy distillation's)
     teacher_model_init_kwargs: dict | None = None  # from_pretrained keywords when the teacher is a folder or Hub id
-    logprob_chunk_size: int = 1024  # completion positions projected through both LM heads at once
 
     def __post_init__(self) -> None:
         defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
@@ -101,8 +101,6 @@ class DistillationConfig(GRPOConfig):
             raise ValueError(f"distillation samples once per optimizer step (as TRL): leave steps_per_generation "
                              f"unset (= gradient_accumulation_steps={self.gradient_accumulation_steps}) and "
                              f"num_iterations=1, got {self.steps_per_generation} and {self.num_iterations}")
-        if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1 (typical 1024), got {self.logprob_chunk_size}")
 
 
 def check_shared_tokenizer(student, teacher, tokenizer, teacher_tokenizer=None) -> None:

@@ -69,7 +69,7 @@ from torch import Tensor
 
 from treadle import distributed as dist
 from treadle import vision
-from treadle.arguments import TrainingArguments
+from treadle.arguments import LogprobChunkOption, PaddingFreeOption, SharedPrefixOption, TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.errors import first_rows
 from treadle.logprobs.tokens import token_logps
@@ -118,8 +118,9 @@ class PairScores(NamedTuple):
 
 
 @dataclass
-class DPOConfig(TrainingArguments):
-    """TrainingArguments plus the DPO fields (names as in TRL's DPOConfig)."""
+class DPOConfig(LogprobChunkOption, SharedPrefixOption, PaddingFreeOption, TrainingArguments):
+    """TrainingArguments plus the DPO fields (names as in TRL's DPOConfig); the log-prob forwards' options
+    (``padding_free``, ``shared_prefix``, ``logprob_chunk_size``) are treadle.arguments'."""
 
     beta: float = 0.1  # β: strength of the implicit KL to the reference; 0.1 typical, smaller drifts further
     loss_type: str | list[str] = "sigmoid"  # a name or a list of names (MPO); stored as a list, as TRL (docs/dpo.md)
@@ -131,7 +132,6 @@ class DPOConfig(TrainingArguments):
     padding_value: int | None = None  # input_ids padding; None uses the tokenizer's pad (or eos) token id
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then free the reference
     dataset_num_proc: int | None = None  # processes for tokenising datasets; None tokenises in this process
-    logprob_chunk_size: int = 1024  # rows per chunk of the memory-bounded log-softmax (treadle.logprobs)
 
     # --- objective table (issue 17): names and defaults of TRL 1.16's DPOConfig; see docs/dpo.md
     loss_weights: list[float] | None = None  # one weight per entry of loss_type (MPO: [0.8, 0.2, 1.0]); None: 1.0 each
@@ -140,10 +140,6 @@ class DPOConfig(TrainingArguments):
     discopop_tau: float = 0.05  # τ of loss_type="discopop" (the paper's 0.05)
     f_divergence_type: str = "reverse_kl"  # f-DPO "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
     f_alpha_divergence_coef: float = 0.5  # α of "alpha_divergence"
-
-    # --- padding-free forwards (issue 18)
-    padding_free: bool = True  # pack the 2B sequences without padding for the log-prob forwards (exact)
-    shared_prefix: bool = True  # each pair's prompt once, chosen and rejected after it (exact; off where unfit)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -163,8 +159,6 @@ class DPOConfig(TrainingArguments):
                              f"got {self.padding_value}")
         if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
             raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
-        if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1 (typical 1024), got {self.logprob_chunk_size}")
 
     def _validate_lengths(self) -> None:
         if self.max_length is not None and self.max_length < 2:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from treadle import distributed as dist
-from treadle.arguments import TrainingArguments
+from treadle.arguments import LogprobChunkOption, PaddingFreeOption, TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.logprobs.tokens import token_logps
 from treadle.losses import check_kto_options, kto_kl, kto_loss, kto_uses_kl
@@ -65,8 +65,9 @@ UNPAIR_BATCH = 1000  # rows per unpairing batch: TRL's map default (chosen rows,
 
 
 @dataclass
-class KTOConfig(TrainingArguments):
-    """TrainingArguments plus the KTO fields (names and defaults as in TRL 1.16's KTOConfig)."""
+class KTOConfig(LogprobChunkOption, PaddingFreeOption, TrainingArguments):
+    """TrainingArguments plus the KTO fields (names and defaults as in TRL 1.16's KTOConfig); the log-prob forwards'
+    options (``padding_free``, ``logprob_chunk_size``) are treadle.arguments'."""
 
     beta: float = 0.1  # β: strength of the implicit KL to the reference; 0.1 typical
     loss_type: str = "kto"  # "kto" (Eq. 7 of the paper, with the KL reference point) or "apo_zero_unpaired"
@@ -76,8 +77,6 @@ class KTOConfig(TrainingArguments):
     precompute_ref_log_probs: bool = False  # reference log-probs once before training, then free the reference
     dataset_num_proc: int | None = None  # processes for tokenising datasets; None tokenises in this process
     padding_value: int | None = None  # input_ids padding; None uses the tokenizer's pad (or eos) token id
-    logprob_chunk_size: int = 1024  # rows per chunk of the memory-bounded log-softmax (treadle.logprobs)
-    padding_free: bool = True  # pack the rows without padding for the log-prob forwards (exact; see DPOConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,8 +89,6 @@ class KTOConfig(TrainingArguments):
                              f"got {self.max_length}")
         if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
             raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
-        if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1 (typical 1024), got {self.logprob_chunk_size}")
 
 
 # ---------------------------------------------------------------------------------------------------------

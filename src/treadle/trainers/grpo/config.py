@@ -7,7 +7,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from treadle.arguments import TrainingArguments
+from treadle.arguments import PaddingFreeOption, SharedPrefixOption, TrainingArguments
 from treadle.engines.options import check_vllm_options
 from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import BACKENDS
@@ -21,7 +21,7 @@ WORKER_KINDS = ("process", "thread")  # asynchronous GRPO's rollout worker (trai
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(SharedPrefixOption, PaddingFreeOption, TrainingArguments):
     """Arguments of ``GRPOTrainer``. Batch semantics (the most asked-about part of every GRPO library):
 
     - ``per_device_train_batch_size`` counts *completions* per micro-step on one process.
@@ -112,10 +112,6 @@ class GRPOConfig(TrainingArguments):
     async_worker: str = "process"  # the rollout worker: "process" (own interpreter, own threads) or "thread"
     async_worker_threads: int | None = None  # the worker's torch threads; None: half of the trainer's (at least 1)
     async_timeout: float = 600.0  # seconds any wait on the worker may take before the run stops, naming the wait
-
-    # --- padding-free training forwards (issue 18)
-    padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
-    shared_prefix: bool = True  # each prompt once per micro-batch, its completions after it (exact; off where unfit)
 
     # --- health checks and dynamic sampling (treadle.health, trainers/grpo/dynamic.py; docs/grpo.md "Health")
     health_checks: dict | bool | None = None  # overrides of HEALTH_CHECKS (None: its defaults; False: every check off)
