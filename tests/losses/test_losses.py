@@ -1,12 +1,13 @@
 """treadle.losses against hand-computed numbers and plain-Python references."""
 
+import dataclasses
 import math
 import statistics
 
 import pytest
 import torch
 
-from treadle.losses import dpo_loss, grpo_loss, group_advantages, kl_k3, sft_loss
+from treadle.losses import GRPOObjective, dpo_loss, grpo_loss, group_advantages, kl_k3, sft_loss
 
 
 def t(*values):
@@ -192,18 +193,19 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
 LOGPS = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -2.5]], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("loss_type, kwargs, expected", [
+@pytest.mark.parametrize("loss_type, normalizer, expected", [
     # ratio 1, per-token loss -A: row 0 (-1, -1, pad), row 1 (2, 2, 2); masked sum -2 + 6 = 4
-    ("grpo", {}, 0.5),                         # sequence means (-1, 2), sum 1, / B = 2
-    ("grpo", {"normalizer": 4}, 0.25),         # 1 / 4
-    ("bnpo", {}, 0.8),                         # 4 / 5 tokens
-    ("bnpo", {"normalizer": 100}, 0.8),        # normalizer ignored
-    ("dr_grpo", {"max_completion_length": 4}, 0.5),  # 4 / (2 * 4)
-    ("dapo", {}, 0.8),                         # 4 / 5 tokens
-    ("dapo", {"normalizer": 10}, 0.4),         # 4 / 10
+    ("grpo", None, 0.5),                       # sequence means (-1, 2), sum 1, / B = 2
+    ("grpo", 4, 0.25),                         # 1 / 4
+    ("bnpo", None, 0.8),                       # 4 / 5 tokens
+    ("bnpo", 100, 0.8),                        # normalizer ignored
+    ("dr_grpo", None, 0.5),                    # 4 / (2 * max_completion_length 4)
+    ("dapo", None, 0.8),                       # 4 / 5 tokens
+    ("dapo", 10, 0.4),                         # 4 / 10
 ])
-def test_grpo_loss_types_ratio_one(loss_type, kwargs, expected):
-    loss, metrics = grpo_loss(LOGPS, A, MASK, loss_type=loss_type, **kwargs)
+def test_grpo_loss_types_ratio_one(loss_type, normalizer, expected):
+    objective = GRPOObjective(loss_type=loss_type, max_completion_length=4)
+    loss, metrics = grpo_loss(LOGPS, A, MASK, objective, normalizer=normalizer)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     assert metrics["clip_ratio/region_mean"].item() == 0.0
     assert "kl" not in metrics
@@ -224,16 +226,16 @@ def test_grpo_clipped_ratio_with_old_logps():
     # row 1, A = -2: r 1.5: -min(-3, -2.4) = 3    r 0.5: -min(-1, -1.6) = 1.6 (clipped low)
     #                r 1.1: -min(-2.2, -2.2) = 2.2
     # sum = -1.2 - 0.5 + 3 + 1.6 + 2.2 = 5.1
-    loss, metrics = grpo_loss(logps, A, MASK, old_logps=old, loss_type="dapo")
+    loss, metrics = grpo_loss(logps, A, MASK, GRPOObjective(loss_type="dapo"), old_logps=old)
     assert loss.item() == pytest.approx(5.1 / 5, abs=1e-12)
     assert metrics["clip_ratio/low_mean"].item() == pytest.approx(1 / 5)
     assert metrics["clip_ratio/high_mean"].item() == pytest.approx(1 / 5)
     assert metrics["clip_ratio/region_mean"].item() == pytest.approx(2 / 5)
     # grpo: row means -1.7 / 2 = -0.85 and 6.8 / 3 = 2.266667; (-0.85 + 2.266667) / 2 = 0.708333
-    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, loss_type="grpo")
+    loss, _ = grpo_loss(logps, A, MASK, GRPOObjective(loss_type="grpo"), old_logps=old)
     assert loss.item() == pytest.approx((-0.85 + 6.8 / 3) / 2, abs=1e-12)
     # gradient: clipped tokens get none; elsewhere d(-r A)/dlogp = -r A / 5
-    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, loss_type="dapo")
+    loss, _ = grpo_loss(logps, A, MASK, GRPOObjective(loss_type="dapo"), old_logps=old)
     loss.backward()
     expected = torch.tensor([[0.0, -0.5 / 5, 0.0], [3.0 / 5, 0.0, 2.2 / 5]], dtype=torch.float64)
     torch.testing.assert_close(logps.grad, expected)
@@ -242,7 +244,7 @@ def test_grpo_clipped_ratio_with_old_logps():
 def test_grpo_asymmetric_clip_higher():
     logps, old = _clipped_example()
     # epsilon_high 0.6: r = 1.5 with A = 1 is no longer clipped: -1.5 instead of -1.2 -> sum 4.8
-    loss, metrics = grpo_loss(logps, A, MASK, old_logps=old, epsilon_high=0.6)
+    loss, metrics = grpo_loss(logps, A, MASK, GRPOObjective(epsilon_high=0.6), old_logps=old)
     assert loss.item() == pytest.approx(4.8 / 5, abs=1e-12)
     assert metrics["clip_ratio/high_mean"].item() == 0.0
 
@@ -259,7 +261,7 @@ def test_grpo_kl_term_and_metric():
     # ref - logps: row 0 (-1, 0.5, pad), row 1 (0, 0, 0) -> k3 (0.367879, 0.148721, -, 0, 0, 0)
     ref = LOGPS + torch.tensor([[-1.0, 0.5, 99.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     kl_sum = math.exp(-1) + math.exp(0.5) - 1.5
-    loss, metrics = grpo_loss(LOGPS, A, MASK, ref_logps=ref, beta=0.1, loss_type="dapo")
+    loss, metrics = grpo_loss(LOGPS, A, MASK, GRPOObjective(beta=0.1, loss_type="dapo"), ref_logps=ref)
     assert metrics["kl"].item() == pytest.approx(kl_sum / 5, abs=1e-12)
     assert loss.item() == pytest.approx((4 + 0.1 * kl_sum) / 5, abs=1e-12)
 
@@ -269,7 +271,7 @@ def test_grpo_ratio_one_gradient_is_reinforce():
     logps = (-torch.rand(4, 6, generator=g, dtype=torch.float64) * 3).requires_grad_()
     adv = torch.randn(4, generator=g, dtype=torch.float64)
     mask = (torch.rand(4, 6, generator=g) > 0.3).long()
-    loss, _ = grpo_loss(logps, adv, mask, loss_type="dapo", normalizer=30)
+    loss, _ = grpo_loss(logps, adv, mask, GRPOObjective(loss_type="dapo"), normalizer=30)
     loss.backward()
     torch.testing.assert_close(logps.grad, -adv[:, None] * mask / 30)
 
@@ -312,9 +314,9 @@ def test_grpo_matches_plain_reference(loss_type, bias_correction):
     ref = logps + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.3
     adv = torch.randn(3, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    loss, _ = grpo_loss(logps, adv, mask, old_logps=old, ref_logps=ref, beta=0.05, epsilon_low=0.1,
-                        epsilon_high=0.25, loss_type=loss_type, max_completion_length=7,
-                        use_bias_correction_kl=bias_correction)
+    objective = GRPOObjective(loss_type=loss_type, beta=0.05, epsilon_low=0.1, epsilon_high=0.25,
+                              use_bias_correction_kl=bias_correction, max_completion_length=7)
+    loss, _ = grpo_loss(logps, adv, mask, objective, old_logps=old, ref_logps=ref)
     expected = _reference_grpo(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
                                0.05, 0.1, 0.25, loss_type, None, 7, bias_correction)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
@@ -328,14 +330,13 @@ def test_grpo_gradient_accumulation_matches_big_batch(loss_type):
     old = logps.detach() + torch.randn(4, 5, generator=g, dtype=torch.float64) * 0.2
     adv = torch.randn(4, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
-    kwargs = dict(loss_type=loss_type, max_completion_length=5)
-    full, _ = grpo_loss(logps, adv, mask, old_logps=old, **kwargs)
+    objective = GRPOObjective(loss_type=loss_type, max_completion_length=5)
+    full, _ = grpo_loss(logps, adv, mask, objective, old_logps=old)
     (full_grad,) = torch.autograd.grad(full, logps)
     normalizer = {"grpo": 4, "dapo": int(mask.sum()), "dr_grpo": None}[loss_type]
     accumulated = torch.zeros_like(logps)
     for rows in (slice(0, 2), slice(2, 4)):
-        part, _ = grpo_loss(logps[rows], adv[rows], mask[rows], old_logps=old[rows], normalizer=normalizer,
-                            **kwargs)
+        part, _ = grpo_loss(logps[rows], adv[rows], mask[rows], objective, old_logps=old[rows], normalizer=normalizer)
         if loss_type == "dr_grpo":
             part = part / 2  # the caller divides by the number of micro-steps
         accumulated += torch.autograd.grad(part, logps)[0]
@@ -343,28 +344,39 @@ def test_grpo_gradient_accumulation_matches_big_batch(loss_type):
 
 
 def test_grpo_empty_mask_gives_zero_not_nan():
-    loss, metrics = grpo_loss(LOGPS, A, torch.zeros(2, 3), loss_type="dapo")
+    loss, metrics = grpo_loss(LOGPS, A, torch.zeros(2, 3), GRPOObjective(loss_type="dapo"))
     assert loss.item() == 0.0
     assert metrics["clip_ratio/region_mean"].item() == 0.0
 
 
-def test_grpo_validation():
+def test_grpo_objective_is_checked_once_when_built():
     with pytest.raises(ValueError, match="grpo, bnpo, dr_grpo, dapo"):
-        grpo_loss(LOGPS, A, MASK, loss_type="ppo")
-    with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(LOGPS, A, MASK, beta=0.1)
+        GRPOObjective(loss_type="ppo")
     with pytest.raises(ValueError, match="max_completion_length"):
-        grpo_loss(LOGPS, A, MASK, loss_type="dr_grpo")
+        GRPOObjective(loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="epsilon"):
+        GRPOObjective(epsilon_low=1.0)
+    objective = GRPOObjective(loss_type="sapo")
+    assert objective.aggregation == "grpo" and GRPOObjective().loss_type == "dapo"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        objective.beta = 0.1  # a setting changes by building another objective, which checks it again
+    with pytest.raises(TypeError, match="GRPOObjective"):
+        grpo_loss(LOGPS, A, MASK, {"loss_type": "dapo"})
+
+
+def test_grpo_validation():
+    with pytest.raises(ValueError, match="ref_logps"):
+        grpo_loss(LOGPS, A, MASK, GRPOObjective(beta=0.1))
     with pytest.raises(ValueError, match="shorter"):
-        grpo_loss(LOGPS, A, MASK, loss_type="dr_grpo", max_completion_length=2)
+        grpo_loss(LOGPS, A, MASK, GRPOObjective(loss_type="dr_grpo", max_completion_length=2))
     with pytest.raises(ValueError, match="shapes must match"):
-        grpo_loss(LOGPS, A, MASK[:, :2])
+        grpo_loss(LOGPS, A, MASK[:, :2], GRPOObjective())
     with pytest.raises(ValueError, match="advantages"):
-        grpo_loss(LOGPS, A[:1], MASK)
+        grpo_loss(LOGPS, A[:1], MASK, GRPOObjective())
     with pytest.raises(ValueError, match="normalizer"):
-        grpo_loss(LOGPS, A, MASK, normalizer=0)
+        grpo_loss(LOGPS, A, MASK, GRPOObjective(), normalizer=0)
     with pytest.raises(ValueError, match=r"\(B, T\)"):
-        grpo_loss(LOGPS[0], A, MASK[0])
+        grpo_loss(LOGPS[0], A, MASK[0], GRPOObjective())
 
 
 # ------------------------------------------------------------------ the objective table (issue 17), by hand
@@ -472,9 +484,10 @@ def test_decoupled_advantages_gdpo_by_hand():
 def test_gspo_sequence_level_ratio():
     logps, old = _clipped_example()
     r0, r1 = math.sqrt(0.75), 0.825 ** (1 / 3)  # exp of the mean log-ratio of each row; both inside [0.8, 1.2]
-    loss, metrics = grpo_loss(logps, A, MASK, old_logps=old, importance_sampling_level="sequence")
+    loss, metrics = grpo_loss(logps, A, MASK, GRPOObjective(importance_sampling_level="sequence"), old_logps=old)
     assert loss.item() == pytest.approx((2 * -r0 + 3 * 2 * r1) / 5, abs=1e-12)
-    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, importance_sampling_level="sequence", loss_type="grpo")
+    loss, _ = grpo_loss(logps, A, MASK, GRPOObjective(importance_sampling_level="sequence", loss_type="grpo"),
+                        old_logps=old)
     assert loss.item() == pytest.approx((-r0 + 2 * r1) / 2, abs=1e-12)
     assert metrics["clip_ratio/region_mean"].item() == 0.0
 
@@ -482,7 +495,7 @@ def test_gspo_sequence_level_ratio():
 def test_two_sided_clip_delta():
     logps, old = _clipped_example()
     # delta 1.4 caps r = 1.5 of the A = -2 row: -min(-2.8, -2.4) = 2.8 instead of 3 -> sum 5.1 - 0.2
-    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, delta=1.4)
+    loss, _ = grpo_loss(logps, A, MASK, GRPOObjective(delta=1.4), old_logps=old)
     assert loss.item() == pytest.approx(4.9 / 5, abs=1e-12)
 
 
@@ -490,7 +503,7 @@ def test_cispo_by_hand():
     logps, old = _clipped_example()
     # w = min(r, 1.2), no gradient: row 0 (1.2, 0.5), row 1 (1.2, 0.5, 1.1); per token -w A logp:
     # 1.2, 1.0 | -1.2, -1.5, -5.5 -> sum -6.0 over 5 tokens
-    loss, metrics = grpo_loss(logps, A, MASK, old_logps=old, loss_type="cispo", epsilon_high=1.2)
+    loss, metrics = grpo_loss(logps, A, MASK, GRPOObjective(loss_type="cispo", epsilon_high=1.2), old_logps=old)
     assert loss.item() == pytest.approx(-6.0 / 5, abs=1e-12)
     assert metrics["cispo_clip_ratio"].item() == pytest.approx(1 / 5)  # r 1.5 > 1.2 with A > 0
     loss.backward()
@@ -502,25 +515,25 @@ def test_sapo_by_hand():
     logps, old = _clipped_example()
     row0 = [-sigmoid(r - 1) * 4 for r in (1.5, 0.5)]  # tau_pos 1, A = 1
     row1 = [2 * sigmoid(1.05 * (r - 1)) * 4 / 1.05 for r in (1.5, 0.5, 1.1)]  # tau_neg 1.05, A = -2
-    loss, _ = grpo_loss(logps, A, MASK, old_logps=old, loss_type="sapo")
+    loss, _ = grpo_loss(logps, A, MASK, GRPOObjective(loss_type="sapo"), old_logps=old)
     assert loss.item() == pytest.approx((sum(row0) / 2 + sum(row1) / 3) / 2, abs=1e-12)  # grpo aggregation
 
 
 def test_top_entropy_quantile_keeps_the_high_entropy_tokens():
     entropies = t(0.1, 0.9, 9.0, 0.5, 0.3, 0.7).view(2, 3)  # 9.0 is padding
     # completion-token entropies (0.1, 0.9, 0.5, 0.3, 0.7): the 0.6 quantile is 0.58 -> keep 0.9 and 0.7
-    loss, _ = grpo_loss(LOGPS, A, MASK, entropies=entropies, top_entropy_quantile=0.4)
+    loss, _ = grpo_loss(LOGPS, A, MASK, GRPOObjective(top_entropy_quantile=0.4), entropies=entropies)
     assert loss.item() == pytest.approx((-1 + 2) / 5, abs=1e-12)  # ratio 1: per-token -A; still / 5 tokens
     with pytest.raises(ValueError, match="needs entropies"):
-        grpo_loss(LOGPS, A, MASK, top_entropy_quantile=0.4)
+        grpo_loss(LOGPS, A, MASK, GRPOObjective(top_entropy_quantile=0.4))
 
 
 def test_off_policy_mask_drops_drifted_negative_sequences():
     logps, old = _clipped_example()
     # mean(old - logp): row 0 -ln(0.75)/2 = 0.144 (A > 0: kept), row 1 -ln(0.825)/3 = 0.064 (A < 0)
-    kept, _ = grpo_loss(logps, A, MASK, old_logps=old, off_policy_mask_threshold=0.1)
+    kept, _ = grpo_loss(logps, A, MASK, GRPOObjective(off_policy_mask_threshold=0.1), old_logps=old)
     assert kept.item() == pytest.approx(5.1 / 5, abs=1e-12)
-    dropped, _ = grpo_loss(logps, A, MASK, old_logps=old, off_policy_mask_threshold=0.05)
+    dropped, _ = grpo_loss(logps, A, MASK, GRPOObjective(off_policy_mask_threshold=0.05), old_logps=old)
     assert dropped.item() == pytest.approx(-1.7 / 5, abs=1e-12)  # row 1 gone, normaliser unchanged
 
 
@@ -530,8 +543,8 @@ def test_bias_corrected_kl_gradient(bias_correction):
     # plain: 1 - e^d. Both times beta / 5 tokens. The value is the same (r = 1).
     logps = LOGPS.clone().requires_grad_()
     ref = LOGPS + t(-1.0, 0.5, 0.0, 0.0, 0.3, -0.2).view(2, 3)
-    loss, metrics = grpo_loss(logps, torch.zeros(2, dtype=torch.float64), MASK, ref_logps=ref, beta=0.1,
-                              use_bias_correction_kl=bias_correction)
+    loss, metrics = grpo_loss(logps, torch.zeros(2, dtype=torch.float64), MASK,
+                              GRPOObjective(beta=0.1, use_bias_correction_kl=bias_correction), ref_logps=ref)
     d = (ref - LOGPS) * MASK
     assert loss.item() == pytest.approx(0.1 * float(((torch.exp(d) - d - 1) * MASK).sum()) / 5, abs=1e-12)
     loss.backward()
@@ -541,12 +554,12 @@ def test_bias_corrected_kl_gradient(bias_correction):
 
 def test_grpo_table_validation():
     with pytest.raises(ValueError, match="importance_sampling_level"):
-        grpo_loss(LOGPS, A, MASK, importance_sampling_level="batch")
+        GRPOObjective(importance_sampling_level="batch")
     with pytest.raises(ValueError, match="delta"):
-        grpo_loss(LOGPS, A, MASK, delta=0.9)
+        GRPOObjective(delta=0.9)
     with pytest.raises(ValueError, match="top_entropy_quantile"):
-        grpo_loss(LOGPS, A, MASK, top_entropy_quantile=1.5)
+        GRPOObjective(top_entropy_quantile=1.5)
     with pytest.raises(ValueError, match="sapo_temperature"):
-        grpo_loss(LOGPS, A, MASK, loss_type="sapo", sapo_temperature_neg=0.0)
+        GRPOObjective(loss_type="sapo", sapo_temperature_neg=0.0)
     with pytest.raises(ValueError, match="off_policy_mask_threshold"):
-        grpo_loss(LOGPS, A, MASK, off_policy_mask_threshold=-1.0)
+        GRPOObjective(off_policy_mask_threshold=-1.0)

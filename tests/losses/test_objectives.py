@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.losses import decoupled_advantages, dpo_loss, grpo_aggregation, grpo_loss, group_advantages, ld_token_weights
+from treadle.losses import (GRPOObjective, decoupled_advantages, dpo_loss, grpo_aggregation, grpo_loss,
+                            group_advantages, ld_token_weights)
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
@@ -111,8 +112,9 @@ def test_grpo_objectives_equal_trl(case, beta):
     logps, old, ref, entropies, adv, mask = grpo_tensors()
     expected, trl_metrics = trl_grpo_loss(logps, old, ref, entropies, adv, mask, loss_type=loss_type, beta=beta,
                                           **options)
-    ours, metrics = grpo_loss(logps, adv, mask, old_logps=old, ref_logps=ref if beta else None, beta=beta,
-                              loss_type=loss_type, entropies=entropies, max_completion_length=T, **options)
+    objective = GRPOObjective(loss_type=loss_type, beta=beta, max_completion_length=T, **options)
+    ours, metrics = grpo_loss(logps, adv, mask, objective, old_logps=old, ref_logps=ref if beta else None,
+                              entropies=entropies)
     # TRL builds SAPO's temperatures as float32 tensors: 1.05 becomes 1.0499999523, a 6e-8 difference
     assert ours.item() == pytest.approx(expected.item(), abs=1e-6 if loss_type == "sapo" else 1e-10)
     for name in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
@@ -135,12 +137,12 @@ def test_the_sampler_correction_weighs_the_loss_as_trl(case, mode):
     expected, _ = trl_grpo_loss(theirs, old, ref, entropies, adv, mask, loss_type=loss_type, beta=0.04,
                                 importance_sampling_ratio=ratio, **options)
     ours = logps.clone().requires_grad_()
-    loss, _ = grpo_loss(ours, adv, mask, old_logps=old, ref_logps=ref, beta=0.04, loss_type=loss_type,
-                        entropies=entropies, max_completion_length=T, importance_sampling_ratio=ratio, **options)
+    objective = GRPOObjective(loss_type=loss_type, beta=0.04, max_completion_length=T, **options)
+    loss, _ = grpo_loss(ours, adv, mask, objective, old_logps=old, ref_logps=ref, entropies=entropies,
+                        importance_sampling_ratio=ratio)
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6 if loss_type == "sapo" else 1e-10)
-    assert loss.item() != pytest.approx(grpo_loss(logps, adv, mask, old_logps=old, ref_logps=ref, beta=0.04,
-                                                  loss_type=loss_type, entropies=entropies, max_completion_length=T,
-                                                  **options)[0].item(), abs=1e-6)  # the ratio mattered
+    uncorrected, _ = grpo_loss(logps, adv, mask, objective, old_logps=old, ref_logps=ref, entropies=entropies)
+    assert loss.item() != pytest.approx(uncorrected.item(), abs=1e-6)  # the ratio mattered
     expected.backward()
     loss.backward()
     torch.testing.assert_close(ours.grad * mask, theirs.grad * mask)
@@ -152,7 +154,8 @@ def test_grpo_gradients_equal_trl_for_every_loss_type():
         theirs = logps.clone().requires_grad_()
         trl_grpo_loss(theirs, old, ref, entropies, adv, mask, loss_type=loss_type, beta=0.04)[0].backward()
         ours = logps.clone().requires_grad_()
-        grpo_loss(ours, adv, mask, old_logps=old, ref_logps=ref, beta=0.04, loss_type=loss_type)[0].backward()
+        grpo_loss(ours, adv, mask, GRPOObjective(loss_type=loss_type, beta=0.04), old_logps=old,
+                  ref_logps=ref)[0].backward()
         torch.testing.assert_close(ours.grad * mask, theirs.grad * mask, msg=loss_type)
     assert grpo_aggregation("cispo") == "dapo" and grpo_aggregation("sapo") == "grpo"
 

@@ -63,8 +63,8 @@ from treadle.losses.dpo import (DPO_LOSS_TYPES, F_DIVERGENCES, F_DIVERGENCE_LOSS
                                 check_dpo_options, sft_loss, check_same_shape)
 from treadle.losses.grpo import (GRPO_LOSS_TYPES, SCALE_REWARDS, IMPORTANCE_SAMPLING_LEVELS,
                                  MULTI_OBJECTIVE_AGGREGATIONS, ADVANTAGE_ESTIMATORS, group_advantages,
-                                 decoupled_advantages, kl_k3, grpo_loss, grpo_aggregation, off_policy_mask,
-                                 high_entropy_mask, check_grpo_options, check_grpo_extras,
+                                 decoupled_advantages, kl_k3, GRPOObjective, grpo_loss, grpo_aggregation,
+                                 off_policy_mask, high_entropy_mask, check_grpo_options, check_grpo_extras,
                                  zero_spread_groups, SAMPLING_CORRECTION_MODES, check_sampling_correction,
                                  sampling_importance_ratio, sampling_correction_values, sampling_correction_metrics)
 from treadle.losses.reward import bradley_terry_loss
@@ -72,7 +72,8 @@ from treadle.losses.distill import check_distill_options, chunked_generalized_js
 from treadle.losses.kto import KTO_LOSS_TYPES, check_kto_options, kto_kl, kto_loss, kto_uses_kl
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ChosenRejectedCounts", "DPO_LOSS_TYPES", "F_DIVERGENCES", "F_DIVERGENCE_LOSSES",
-           "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES", "MULTI_OBJECTIVE_AGGREGATIONS",
+           "GRPOObjective", "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "KTO_LOSS_TYPES",
+           "MULTI_OBJECTIVE_AGGREGATIONS",
            "SAMPLING_CORRECTION_MODES", "SCALE_REWARDS", "SMOOTHING_RULES", "bradley_terry_loss", "check_dpo_options", "check_grpo_extras",
            "check_grpo_options", "check_distill_options", "check_kto_options", "chunked_generalized_jsd",
            "generalized_jsd", "kto_kl", "kto_loss", "kto_uses_kl", "check_same_shape", "decoupled_advantages",

@@ -5,6 +5,7 @@ of tensors and floats. Papers and TRL names: ``treadle.losses``' docstring.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -142,70 +143,77 @@ def kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.exp(delta) - delta - 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class GRPOObjective:
+    """The settings of the GRPO objective (TRL's names), built once (``GRPOTrainer.objective``, from its config) and
+    checked here, so that :func:`grpo_loss` takes one batch's tensors only (as verl's core_algos passes one config).
+
+    Per token, for the clipped family (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``):
+    ``-min(r A, clip(r, 1 - ε_low, 1 + ε_high) A) + β k3``, with ``r = exp(logps - old_logps)``; ``cispo``
+    ``-sg(min(r, ε_high)) · A · logp`` (the gradient flows through ``logp`` only); ``sapo`` the soft gate
+    ``-A · σ(τ (r - 1)) · 4/τ`` (slope 1 at ``r = 1``). How each ``loss_type`` reduces them: :func:`grpo_loss`.
+
+    >>> GRPOObjective(loss_type="cispo", epsilon_high=5.0).aggregation
+    'dapo'
+    """
+
+    loss_type: str = "dapo"  # the per-token objective and how it is reduced to a scalar (GRPO_LOSS_TYPES)
+    beta: float = 0.0  # β, the k3 KL's weight; 0 disables the KL term and its metric (ref_logps needed when > 0)
+    epsilon_low: float = 0.2  # the ratio is clipped below at 1 - ε_low
+    epsilon_high: float = 0.2  # ... above at 1 + ε_high (DAPO's clip-higher: 0.28); cispo: the cap on r (ScaleRL: 5)
+    delta: float | None = None  # INTELLECT-2's two-sided clip: r also capped at δ (> 1 + ε_high); clipped family only
+    sapo_temperature_pos: float = 1.0  # SAPO's τ for A > 0
+    sapo_temperature_neg: float = 1.05  # SAPO's τ for A <= 0
+    importance_sampling_level: str = "token"  # one ratio per token, or "sequence" (GSPO: exp of the mean log-ratio)
+    use_bias_correction_kl: bool = True  # k3 times the (differentiable) r: the unbiased KL gradient (DeepSeek-V3.2)
+    top_entropy_quantile: float = 1.0  # ρ: only the batch's top-ρ share of tokens by entropy carry the policy term
+    off_policy_mask_threshold: float | None = None  # δ: no policy term for A < 0 sequences with mean old - new > δ
+    max_completion_length: int | None = None  # L, the constant of dr_grpo's B * L
+
+    def __post_init__(self) -> None:
+        check_grpo_options(self.loss_type, self.beta, self.epsilon_low, self.epsilon_high)
+        check_grpo_extras(self.importance_sampling_level, self.delta, self.sapo_temperature_pos,
+                          self.sapo_temperature_neg, self.top_entropy_quantile, self.off_policy_mask_threshold)
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length (the constant L in B * L)")
+
+    @property
+    def aggregation(self) -> str:
+        """How the per-token losses reduce: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (:func:`grpo_aggregation`)."""
+        return grpo_aggregation(self.loss_type)
+
+
 def grpo_loss(
     logps: Tensor,
     advantages: Tensor,
     completion_mask: Tensor,
+    objective: GRPOObjective,
     *,
     old_logps: Tensor | None = None,
     ref_logps: Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    loss_type: str = "dapo",
     normalizer: float | Tensor | None = None,
-    max_completion_length: int | None = None,
-    importance_sampling_level: str = "token",
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    use_bias_correction_kl: bool = True,
-    entropies: Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
-    off_policy_mask_threshold: float | None = None,
     importance_sampling_ratio: Tensor | None = None,
+    entropies: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Policy-gradient loss with an optional k3 KL penalty, aggregated per ``loss_type``.
-
-    Per token, for the clipped family (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``):
-    ``-min(r A, clip(r, 1 - ε_low, 1 + ε_high) A) + β k3``, with ``r = exp(logps - old_logps)``.
+    """Policy-gradient loss with an optional k3 KL penalty: ``objective``'s per-token terms (:class:`GRPOObjective`)
+    on one batch, aggregated per its ``loss_type``.
 
     Args:
         logps: ``(B, T)`` per completion token log-probs under the current policy (with gradient).
         advantages: ``(B,)`` one advantage per completion (see :func:`group_advantages`).
         completion_mask: ``(B, T)`` 1 for completion tokens, 0 for padding (bool, int or float). Padding
             positions may hold anything, even ±inf: they are replaced before any arithmetic.
+        objective: the settings, built and checked once.
         old_logps: ``(B, T)`` log-probs of the policy that generated the samples. ``None`` means a single
             update per generation: ``old = logps.detach()``, so ``r`` is exactly 1 with gradient
             ``∇ logps`` (the REINFORCE gradient).
-        ref_logps: ``(B, T)`` reference log-probs; required when ``beta > 0``.
-        beta: KL coefficient β (0 disables the KL term and its metric).
-        epsilon_low, epsilon_high: clip range (DAPO's "clip-higher" uses e.g. 0.2 / 0.28). For ``cispo``,
-            ``epsilon_high`` is the cap on the ratio itself (ScaleRL: 5.0).
-        loss_type: the per-token objective and how it is reduced to a scalar (below).
+        ref_logps: ``(B, T)`` reference log-probs; required when ``objective.beta > 0``.
         normalizer: see below; a number or a 0-d tensor.
-        max_completion_length: L, required by ``dr_grpo``.
-        importance_sampling_level: ``token`` (one ratio per token) or ``sequence`` (GSPO: one ratio per
-            sequence, ``exp`` of the masked mean log-ratio, shared by its tokens).
-        delta: two-sided clipping (INTELLECT-2): the unclipped ratio is also capped at ``delta`` (> 1 + ε_high),
-            which bounds the loss of negative-advantage tokens. None disables it. Clipped family only.
-        sapo_temperature_pos, sapo_temperature_neg: SAPO's τ for ``A > 0`` / ``A ≤ 0``: the per-token term is
-            ``-A · σ(τ (r - 1)) · 4/τ`` (slope 1 at ``r = 1``).
-        use_bias_correction_kl: multiply the k3 term by the (differentiable) ratio ``r`` (DeepSeek-V3.2), so its
-            gradient is the unbiased reverse-KL gradient; the value is unchanged on-policy (``r = 1``). TRL's
-            default, True. False: the plain k3 term.
-        entropies: ``(B, T)`` per-token entropies, needed when ``top_entropy_quantile < 1``.
-        top_entropy_quantile: ρ: only the top-ρ fraction of this batch's completion tokens by entropy carry the
-            policy term (ties at the threshold kept; 0 keeps the highest); the KL term and the normalisers still
-            count every token (as TRL). 1.0 keeps all.
-        off_policy_mask_threshold: δ: a sequence with ``A < 0`` whose mean ``old_logps - logps`` exceeds δ gets no
-            policy term (DeepSeek-V3.2, Eq. 9). None disables it.
         importance_sampling_ratio: ``(B, T)`` or ``(B, 1)``, no gradient: the sampler correction
             (:func:`sampling_importance_ratio`) multiplying each token's policy term, after the masks and before the
             KL term is added (as TRL 1.16). None: no correction.
-
-    Per-token terms by ``loss_type``: the clipped family above; ``cispo`` ``-sg(min(r, ε_high)) · A · logp``
-    (the gradient flows through ``logp`` only); ``sapo`` the soft gate above.
+        entropies: ``(B, T)`` per-token entropies, needed when ``objective.top_entropy_quantile < 1`` (ties at the
+            threshold kept; 0 keeps the highest; the KL term and the normalisers still count every token, as TRL).
 
     Aggregation, and what to pass so that gradient accumulation over a window of ``k`` micro-batches (and
     data parallelism) gives the gradient of the whole window as one batch:
@@ -233,19 +241,13 @@ def grpo_loss(
         the gradient), ``clip_ratio/high_mean`` (``r > 1 + ε_high`` and ``A > 0``) and ``clip_ratio/region_mean``
         (either); for ``cispo`` ``cispo_clip_ratio`` (``r > ε_high`` and ``A > 0``). Metrics are local to this
         batch; the caller gathers them across ranks if it wants global values.
+
+    >>> loss, _ = grpo_loss(torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), GRPOObjective(loss_type="grpo"))
+    >>> loss.item()  # r = 1: each token's term is -A
+    -1.0
     """
-    _check_grpo_inputs(logps, advantages, completion_mask, old_logps, ref_logps, beta, epsilon_low,
-                       epsilon_high, loss_type, normalizer, max_completion_length)
-    check_grpo_extras(importance_sampling_level, delta, sapo_temperature_pos, sapo_temperature_neg,
-                      top_entropy_quantile, off_policy_mask_threshold)
-    if top_entropy_quantile < 1.0:
-        if entropies is None:
-            raise ValueError("top_entropy_quantile < 1 needs entropies (B, T), the per-token entropies of the policy")
-        check_same_shape(logps=logps, entropies=entropies)
-    if importance_sampling_ratio is not None and importance_sampling_ratio.shape not in (logps.shape,
-                                                                                      logps.shape[:1] + (1,)):
-        raise ValueError(f"importance_sampling_ratio must be (B, T) = {tuple(logps.shape)} or (B, 1), got "
-                         f"{tuple(importance_sampling_ratio.shape)}")
+    _check_grpo_inputs(logps, advantages, completion_mask, objective, old_logps, ref_logps, normalizer, entropies,
+                       importance_sampling_ratio)
     is_token = completion_mask.bool()  # (B, T)
     mask = is_token.to(logps.dtype)  # (B, T)
     if old_logps is None:
@@ -254,26 +256,25 @@ def grpo_loss(
     # the backward pass, so the padding has to be replaced before exp, not after).
     safe_logps = torch.where(is_token, logps, 0.0)  # (B, T)
     log_ratio = torch.where(is_token, logps - old_logps, 0.0)  # (B, T)
-    if importance_sampling_level == "sequence":  # GSPO: one ratio per sequence
+    if objective.importance_sampling_level == "sequence":  # GSPO: one ratio per sequence
         log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     ratio = torch.exp(log_ratio)  # (B, T) or (B, 1)
     adv = advantages.unsqueeze(1).to(logps.dtype)  # (B, 1)
-    per_token, metrics = _policy_term(loss_type, ratio, adv, safe_logps, epsilon_low, epsilon_high, delta,
-                                      sapo_temperature_pos, sapo_temperature_neg, mask)
+    per_token, metrics = _policy_term(objective, ratio, adv, safe_logps, mask)
     per_token = per_token.expand_as(mask)  # (B, T), also when the ratio is one per sequence
-    if off_policy_mask_threshold is not None:
-        per_token = per_token * off_policy_mask(adv, logps, old_logps, mask, off_policy_mask_threshold)
-    if top_entropy_quantile < 1.0:
-        per_token = per_token * high_entropy_mask(entropies, mask, top_entropy_quantile)
+    if objective.off_policy_mask_threshold is not None:
+        per_token = per_token * off_policy_mask(adv, logps, old_logps, mask, objective.off_policy_mask_threshold)
+    if objective.top_entropy_quantile < 1.0:
+        per_token = per_token * high_entropy_mask(entropies, mask, objective.top_entropy_quantile)
     if importance_sampling_ratio is not None:  # the sampler/trainer mismatch: weights only, never a gradient
         per_token = per_token * importance_sampling_ratio.detach().to(per_token.dtype)
-    if beta > 0:
+    if objective.beta > 0:
         kl = kl_k3(safe_logps, torch.where(is_token, ref_logps, 0.0))  # (B, T), 0 on padding
-        if use_bias_correction_kl:
+        if objective.use_bias_correction_kl:
             kl = kl * ratio
-        per_token = per_token + beta * kl
+        per_token = per_token + objective.beta * kl
         metrics["kl"] = ((kl * mask).sum() / mask.sum().clamp(min=1)).detach()
-    loss = _aggregate(per_token * mask, mask, grpo_aggregation(loss_type), normalizer, max_completion_length)
+    loss = _aggregate(per_token * mask, mask, objective.aggregation, normalizer, objective.max_completion_length)
     return loss, metrics
 
 
@@ -379,17 +380,18 @@ def grpo_aggregation(loss_type: str) -> str:
     return {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)
 
 
-def _policy_term(loss_type: str, ratio: Tensor, adv: Tensor, safe_logps: Tensor, epsilon_low: float,
-                 epsilon_high: float, delta: float | None, tau_pos: float, tau_neg: float,
+def _policy_term(objective: GRPOObjective, ratio: Tensor, adv: Tensor, safe_logps: Tensor,
                  mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     """The per-token policy loss (``(B, T)``, or ``(B, 1)`` for a sequence-level ratio outside ``cispo``) and
     its clipping metrics; ``ratio`` is ``(B, T)`` or ``(B, 1)``, ``adv`` ``(B, 1)``."""
-    if loss_type == "cispo":  # REINFORCE weighted by the capped ratio; no gradient through the weight
+    epsilon_low, epsilon_high, delta = objective.epsilon_low, objective.epsilon_high, objective.delta
+    if objective.loss_type == "cispo":  # REINFORCE weighted by the capped ratio; no gradient through the weight
         weight = torch.clamp(ratio, max=epsilon_high).detach()
         flags = (ratio.detach() > epsilon_high) & (adv > 0)
         return -weight * adv * safe_logps, {"cispo_clip_ratio": _fraction(flags, mask)}
-    if loss_type == "sapo":  # soft gate: sigma(tau (r - 1)) * 4 / tau has value 1 and slope 1 at r = 1
-        tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))  # (B, 1), adv's dtype
+    if objective.loss_type == "sapo":  # soft gate: sigma(tau (r - 1)) * 4 / tau has value 1 and slope 1 at r = 1
+        tau = torch.where(adv > 0, adv.new_tensor(objective.sapo_temperature_pos),
+                          adv.new_tensor(objective.sapo_temperature_neg))  # (B, 1), adv's dtype
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, {}
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     if delta is not None:  # two-sided clipping: cap the unclipped ratio too (after the clipped one is taken)
@@ -485,9 +487,11 @@ def check_grpo_extras(importance_sampling_level: str = "token", delta: float | N
         raise ValueError(f"off_policy_mask_threshold must be > 0 (e.g. 0.5) or None, got {off_policy_mask_threshold}")
 
 
-def _check_grpo_inputs(logps, advantages, completion_mask, old_logps, ref_logps, beta, epsilon_low,
-                       epsilon_high, loss_type, normalizer, max_completion_length) -> None:
-    check_grpo_options(loss_type, beta, epsilon_low, epsilon_high)
+def _check_grpo_inputs(logps, advantages, completion_mask, objective, old_logps, ref_logps, normalizer, entropies,
+                       importance_sampling_ratio) -> None:
+    """One batch's tensors as :func:`grpo_loss` and its ``objective`` need them (the objective checked itself)."""
+    if not isinstance(objective, GRPOObjective):
+        raise TypeError(f"grpo_loss takes its settings as one GRPOObjective, got {type(objective).__name__}")
     if logps.dim() != 2:
         raise ValueError(f"logps must be (B, T), got shape {tuple(logps.shape)}")
     tensors = {"logps": logps, "completion_mask": completion_mask}
@@ -498,15 +502,20 @@ def _check_grpo_inputs(logps, advantages, completion_mask, old_logps, ref_logps,
     check_same_shape(**tensors)
     if advantages.shape != logps.shape[:1]:
         raise ValueError(f"advantages must be (B,) = {tuple(logps.shape[:1])}, got {tuple(advantages.shape)}")
-    if beta > 0 and ref_logps is None:
+    if objective.beta > 0 and ref_logps is None:
         raise ValueError("beta > 0 needs ref_logps (the reference model's per-token log-probs); "
                          "pass them or set beta=0")
     # A tensor normalizer is not inspected: reading its value would force a device sync.
     if isinstance(normalizer, (int, float)) and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
-    if loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type 'dr_grpo' needs max_completion_length (the constant L in B * L)")
-        if max_completion_length < logps.shape[1]:
-            raise ValueError(f"max_completion_length ({max_completion_length}) is shorter than the "
-                             f"completions ({logps.shape[1]} tokens)")
+    if objective.loss_type == "dr_grpo" and objective.max_completion_length < logps.shape[1]:
+        raise ValueError(f"max_completion_length ({objective.max_completion_length}) is shorter than the "
+                         f"completions ({logps.shape[1]} tokens)")
+    if objective.top_entropy_quantile < 1.0:
+        if entropies is None:
+            raise ValueError("top_entropy_quantile < 1 needs entropies (B, T), the per-token entropies of the policy")
+        check_same_shape(logps=logps, entropies=entropies)
+    if importance_sampling_ratio is not None and importance_sampling_ratio.shape not in (logps.shape,
+                                                                                      logps.shape[:1] + (1,)):
+        raise ValueError(f"importance_sampling_ratio must be (B, T) = {tuple(logps.shape)} or (B, 1), got "
+                         f"{tuple(importance_sampling_ratio.shape)}")

@@ -17,7 +17,7 @@ from treadle.callbacks import TrainerCallback
 from treadle.checkpoint import load_extra_state
 from treadle.engines.local import LocalEngine
 from treadle.errors import Preempted, is_user_error
-from treadle.losses import grpo_loss, sampling_importance_ratio
+from treadle.losses import GRPOObjective, grpo_loss, sampling_importance_ratio
 from treadle.trainers.grpo.trainer import GRPOConfig
 from treadle.trainers.grpo.asynchronous import AsyncRollouts, worker_threads
 from treadle.trainers.grpo.worker import RolloutWorkerError
@@ -238,7 +238,7 @@ def test_the_corrected_off_policy_gradient_is_the_on_policy_gradient_in_expectat
         logps = param.log_softmax(0)[actions][:, None]  # (M, 1): one-token completions
         ratio = (sampling_importance_ratio(logps.detach(), sampling_logps, mask, mode="token_truncate",
                                            clip_max=1e9) if corrected else None)
-        loss, _ = grpo_loss(logps, reward[actions], mask, loss_type="dapo", normalizer=M,
+        loss, _ = grpo_loss(logps, reward[actions], mask, GRPOObjective(loss_type="dapo"), normalizer=M,
                             importance_sampling_ratio=ratio)
         (grad,) = torch.autograd.grad(loss, param)
         return -grad  # the loss is minus the objective

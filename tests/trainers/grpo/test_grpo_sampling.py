@@ -12,7 +12,7 @@ import torch
 
 from treadle.demos import toy
 from treadle.engines.local import LocalEngine
-from treadle.losses import (SAMPLING_CORRECTION_MODES, grpo_loss, sampling_correction_metrics,
+from treadle.losses import (SAMPLING_CORRECTION_MODES, GRPOObjective, grpo_loss, sampling_correction_metrics,
                             sampling_correction_values, sampling_importance_ratio)
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.grpo.correction import corrects_sampling
@@ -97,13 +97,13 @@ def test_the_loss_weighs_each_tokens_policy_term_and_not_the_kl():
     adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     ratio = torch.tensor([[2.0, 0.5, 7.0], [1.0, 0.0, 3.0]], dtype=torch.float64)
-    loss, _ = grpo_loss(logps, adv, mask, ref_logps=ref, beta=0.1, importance_sampling_ratio=ratio)
+    loss, _ = grpo_loss(logps, adv, mask, GRPOObjective(beta=0.1), ref_logps=ref, importance_sampling_ratio=ratio)
     # on-policy (old = logps): the policy term is -A per token; the k3 term (times r = 1) is added after the weight
     kl = torch.exp(ref - logps.detach()) - (ref - logps.detach()) - 1
     expected = ((-adv[:, None] * ratio + 0.1 * kl) * mask).sum() / mask.sum()
     assert loss.item() == pytest.approx(expected.item())
     with pytest.raises(ValueError, match=r"importance_sampling_ratio must be \(B, T\)"):
-        grpo_loss(logps, adv, mask, importance_sampling_ratio=ratio[:, :2])
+        grpo_loss(logps, adv, mask, GRPOObjective(), importance_sampling_ratio=ratio[:, :2])
 
 
 # ------------------------------------------------------------------------------------------------ the config

@@ -73,6 +73,7 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Sequence
@@ -91,7 +92,7 @@ from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.health import HealthCallback, generation_health
 from treadle.logprobs.tokens import token_logps
-from treadle.losses import decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages
+from treadle.losses import GRPOObjective, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages
 from treadle.metrics import means_of
 from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
@@ -467,30 +468,31 @@ class GRPOTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``losses.grpo_loss`` on one slice; ``num_items_in_batch`` is the window's normaliser (``dapo``: its
         completion tokens, ``grpo``: its completions, both over all ranks)."""
-        args, inputs = self.args, Sample.of(inputs)
+        inputs = Sample.of(inputs)
         logps, entropy = self.completion_logps(model, inputs, return_entropy=True)  # (B, C) each
-        normalizer = num_items_in_batch if grpo_aggregation(args.loss_type) in ("grpo", "dapo") else None
-        loss, metrics = grpo_loss(logps, inputs.advantages, inputs.completion_mask,
-                                  old_logps=inputs.old_logps, ref_logps=inputs.ref_logps,
-                                  beta=args.beta, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high,
-                                  loss_type=args.loss_type, normalizer=normalizer,
-                                  max_completion_length=args.max_completion_length,
+        normalizer = num_items_in_batch if self.objective.aggregation in ("grpo", "dapo") else None
+        loss, metrics = grpo_loss(logps, inputs.advantages, inputs.completion_mask, self.objective,
+                                  old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, normalizer=normalizer,
                                   importance_sampling_ratio=inputs.importance_sampling_ratio,
-                                  **self.objective_options(entropy))
+                                  entropies=entropy.detach())
         mask = inputs.completion_mask.to(entropy.dtype)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         self.metrics.add_many({name: (value, 1) for name, value in metrics.items()})  # means over micro-steps
         return (loss, {"logps": logps}) if return_outputs else loss
 
-    def objective_options(self, entropy: torch.Tensor) -> dict:
-        """The ``grpo_loss`` options of the objective table (issue 17), from the config; ``entropy`` ``(B, C)``."""
+    @functools.cached_property
+    def objective(self) -> GRPOObjective:
+        """The objective's settings (``losses.GRPOObjective``), from the config, built and checked once."""
         args = self.args
-        return dict(importance_sampling_level=args.importance_sampling_level, delta=args.delta,
-                    sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-                    use_bias_correction_kl=args.use_bias_correction_kl, entropies=entropy.detach(),
-                    top_entropy_quantile=args.top_entropy_quantile,
-                    off_policy_mask_threshold=args.off_policy_mask_threshold)
-
+        return GRPOObjective(loss_type=args.loss_type, beta=args.beta, epsilon_low=args.epsilon,
+                             epsilon_high=args.epsilon_high, delta=args.delta,
+                             sapo_temperature_pos=args.sapo_temperature_pos,
+                             sapo_temperature_neg=args.sapo_temperature_neg,
+                             importance_sampling_level=args.importance_sampling_level,
+                             use_bias_correction_kl=args.use_bias_correction_kl,
+                             top_entropy_quantile=args.top_entropy_quantile,
+                             off_policy_mask_threshold=args.off_policy_mask_threshold,
+                             max_completion_length=args.max_completion_length)
 
     # ---- records and checkpoints ------------------------------------------------------------------------
     def _log_completions(self, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
