@@ -2,16 +2,9 @@
 import too, is in _factories.py."""
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-# a few tests import helpers from test modules in other folders (the golden GRPO run, the tool and the EOS-biased
-# model of the rollout tests, the reward pairs): every test folder is importable by module name
-sys.path += [str(folder) for folder in sorted(Path(__file__).parent.rglob("*")) if folder.is_dir()
-             and not folder.name.startswith((".", "__"))]
 
 # before anything imports transformers and huggingface_hub, which read them once
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
