@@ -31,6 +31,8 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import _factories as factories  # noqa: E402  (after the settings above; this script's folder, tests/, is on the path)
+
 VOCAB = 64
 PER_RANK_BATCH = 2  # b: micro-batch rows on each of the 2 ranks; the one-process reference uses 2b
 ACCUM = 2
@@ -41,27 +43,14 @@ STEPS = 4
 # Builders shared with the test (same seeds on every rank and in the reference)
 # ---------------------------------------------------------------------------------------------------------
 def tiny_llama(seed: int = 0):
-    """A 2-layer Llama with tied embeddings (exercises the tied-weight paths of the FSDP2 export)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=True, pad_token_id=0)
-    return LlamaForCausalLM(config)
+    """The tests' tiny Llama with tied embeddings (exercises the tied-weight paths of the FSDP2 export)."""
+    return factories.tiny_llama(seed, VOCAB, tie_word_embeddings=True)
 
 
 def lm_rows(n: int, seed: int) -> list[dict]:
     """Rows of 3..14 tokens whose first 0..len-2 labels are -100: the label-token count varies a lot between
     rows, so a per-rank mean instead of the all-rank token normalisation would give different numbers."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(3, 15, (1,), generator=g))
-        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        masked = int(torch.randint(0, length - 1, (1,), generator=g))
-        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * masked + ids[masked:]})
-    return rows
+    return factories.lm_rows(n, seed, VOCAB, max_len=14)
 
 
 def trainer_args(output_dir: str, world_size: int, **overrides):

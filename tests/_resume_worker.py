@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from _factories import lm_rows, tiny_llama  # this script's folder, tests/, is on the path
 from treadle.callbacks import TrainerCallback
 
 ARGS = dict(max_steps=9, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
@@ -37,27 +38,15 @@ VOCAB = 64
 
 
 def make_model(seed: int = 0):
-    """A tiny Llama with attention dropout, so that a resumed run must restore the torch RNG to match."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         attention_dropout=0.2, pad_token_id=0)
+    """The tiny Llama with attention dropout, so that a resumed run must restore the torch RNG to match; the global
+    RNG is left as it was."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(config)
+        return tiny_llama(seed, VOCAB, dropout=0.2)
 
 
 def make_rows(n: int = NUM_ROWS, seed: int = 1) -> list[dict]:
     """Variable-length rows whose labels mask a prompt of random length: every window has its own item count."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        length = int(torch.randint(3, 13, (1,), generator=g))
-        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
-        prompt = int(torch.randint(0, length - 1, (1,), generator=g))
-        rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * prompt + ids[prompt:]})
-    return rows
+    return lm_rows(n, seed, VOCAB)
 
 
 def make_args(output_dir: str, **overrides):

@@ -8,7 +8,8 @@ import functools
 import pytest
 import torch
 
-from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from _factories import (ARCHITECTURES, PAIRS, SFT_ROWS, architecture_config, build_architecture, dpo_trainer,
+                        grpo_trainer, length_reward, sft_trainer)
 from treadle.demos import toy
 from treadle import checkpoint as ckpt
 from treadle.generation import fast_path_problem, generate_completions
@@ -17,41 +18,16 @@ from treadle.logprobs.tokens import fast_path_head, fast_path_verified, token_lo
 transformers = pytest.importorskip("transformers")
 
 TOK = toy.build_tokenizer()
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-SPECIAL = dict(vocab_size=len(TOK), bos_token_id=TOK.bos_token_id, eos_token_id=TOK.eos_token_id,
-               pad_token_id=TOK.pad_token_id)
-# name -> (config class, its fields); every one a decoder-only causal LM of < 100k parameters
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128)),
-    "qwen2": ("Qwen2Config", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128)),
-    "qwen3": ("Qwen3Config", dict(**SMALL, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)),
-    "mistral": ("MistralConfig", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128,
-                                      sliding_window=16)),
-    "gemma2": ("Gemma2Config", dict(**SMALL, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                                    sliding_window=16)),
-    "phi3": ("Phi3Config", dict(**SMALL, num_key_value_heads=2, max_position_embeddings=128,
-                                original_max_position_embeddings=128)),
-    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
-                                attn_pdrop=0.0)),
-    "gpt_neox": ("GPTNeoXConfig", dict(**SMALL, max_position_embeddings=128)),
-}
 PROMPTS = [[TOK.bos_token_id] + TOK.encode("12+34=", add_special_tokens=False),
            TOK.encode("7+8=", add_special_tokens=False)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-def build(name: str, seed: int = 0):
-    config_name, fields = ARCHITECTURES[name]
-    config = getattr(transformers, config_name)(**SPECIAL, **fields)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
-
 
 @functools.lru_cache(maxsize=None)
 def param_count(name: str) -> int:
-    return sum(p.numel() for p in build(name).parameters())
+    return sum(p.numel() for p in build_architecture(name).parameters())
 
 
 @pytest.fixture(params=list(ARCHITECTURES))
@@ -64,7 +40,7 @@ def test_models_are_tiny(arch):
 
 
 def test_greedy_fast_generation_equals_generate(arch):
-    model = build(arch)
+    model = build_architecture(arch)
     backend = "hf" if fast_path_problem(model) else "fast"
     out = generate_completions(model, PROMPTS, num_generations=2, max_new_tokens=8, eos_token_id=None,
                                pad_token_id=TOK.pad_token_id, do_sample=False, backend="auto")
@@ -79,7 +55,7 @@ def test_greedy_fast_generation_equals_generate(arch):
 def test_chunked_log_probs_equal_the_full_log_softmax(arch):
     """``token_logps`` (hidden-state fast path where the head allows it, chunked: 3 rows a chunk) against
     ``log_softmax(model(ids).logits)`` in plain PyTorch, values and gradients."""
-    model = build(arch).train()
+    model = build_architecture(arch).train()
     ids = torch.tensor([PROMPTS[0] + [9, 10, 11], [TOK.pad_token_id] * 4 + PROMPTS[1] + [12, 13]])  # (2, 10)
     mask = (torch.arange(ids.shape[1]) >= torch.tensor([[0], [4]])).long()  # the second row left-padded
     positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -98,7 +74,7 @@ def test_chunked_log_probs_equal_the_full_log_softmax(arch):
 
 
 def test_save_reload_gives_the_same_logits(arch, tmp_path):
-    model = build(arch)
+    model = build_architecture(arch)
     ckpt.export_model(model, str(tmp_path), TOK)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     ids = torch.tensor([PROMPTS[0]])
@@ -106,31 +82,28 @@ def test_save_reload_gives_the_same_logits(arch, tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
-SFT_ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (12, 30)]]
-PAIRS = [{"prompt": "12+34=", "chosen": "46", "rejected": "47"}, {"prompt": "5+5=", "chosen": "10", "rejected": "100"}]
 COMMON = dict(max_steps=1, per_device_train_batch_size=2, learning_rate=1e-2, disable_tqdm=True, save_strategy="no",
               logging_steps=1, report_to="none")
 
 
 def one_step(kind: str, model, output_dir: str, **overrides):
-    """One optimizer step of ``kind`` on ``model``; returns the trainer."""
-    fields = {**COMMON, "output_dir": output_dir, **overrides}
+    """One optimizer step of ``kind`` on ``model`` (two rows; GRPO: their prompts); returns the trainer."""
+    fields = {**COMMON, **overrides}
     if kind == "sft":
-        trainer = SFTTrainer(model, SFTConfig(**fields), train_dataset=SFT_ROWS, processing_class=TOK)
+        trainer = sft_trainer(output_dir, TOK, SFT_ROWS[:2], model, **fields)
     elif kind == "dpo":
-        trainer = DPOTrainer(model, args=DPOConfig(**fields), train_dataset=PAIRS, processing_class=TOK)
+        trainer = dpo_trainer(output_dir, TOK, PAIRS[:2], model, **fields)
     else:
         fields.update(per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
-        trainer = GRPOTrainer(model, lambda completion_ids, **kw: [float(len(c) % 3) for c in completion_ids],
-                              args=GRPOConfig(**{"beta": 0.1, **fields}), processing_class=TOK,
-                              train_dataset=[{"prompt": r["prompt"]} for r in SFT_ROWS])
+        trainer = grpo_trainer(output_dir, TOK, [{"prompt": r["prompt"]} for r in SFT_ROWS[:2]], length_reward,
+                               model=model, **{"beta": 0.1, "output_dir": output_dir, **fields})
     trainer.train()
     return trainer
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
 def test_one_step_of_each_trainer(arch, kind, tmp_path):
-    model = build(arch).train()
+    model = build_architecture(arch).train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = one_step(kind, model, str(tmp_path))
     loss = trainer.state.log_history[0]["loss"]
@@ -149,7 +122,7 @@ class _NoCacheLlama(transformers.LlamaForCausalLM):
 
 
 def test_auto_falls_back_to_hf_with_one_line_saying_why():
-    config = transformers.LlamaConfig(**SPECIAL, **SMALL, num_key_value_heads=2, max_position_embeddings=128)
+    config = architecture_config("llama")
     model = _NoCacheLlama(config).eval()
     fallback = "generation_backend='auto' uses 'hf' for _NoCacheLlama: its forward"
     with pytest.warns(UserWarning, match=fallback) as record:
@@ -166,10 +139,10 @@ def test_lora_dpo_step_with_the_adapters_off_reference(arch, tmp_path):
     """LoRA on every linear layer of each family: one DPO step, the reference being the policy with its
     adapters disabled (no copy), log 2 at step 0, only adapter weights changed."""
     peft = pytest.importorskip("peft")
-    model = build(arch).train()
+    model = build_architecture(arch).train()
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = DPOTrainer(model, args=DPOConfig(**{**COMMON, "output_dir": str(tmp_path)}), train_dataset=PAIRS,
-                         processing_class=TOK, peft_config=peft.LoraConfig(r=2, target_modules="all-linear"))
+    trainer = dpo_trainer(tmp_path, TOK, PAIRS[:2], model,
+                          peft_config=peft.LoraConfig(r=2, target_modules="all-linear"), **COMMON)
     trainer.train()
     assert trainer.ref_model is None
     assert trainer.state.log_history[0]["loss"] == pytest.approx(0.6931472, abs=1e-5)

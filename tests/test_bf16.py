@@ -5,14 +5,12 @@ SFT, DPO and GRPO on CPU; the log-probs that reach the losses are float32, with 
 import pytest
 import torch
 
-from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from _factories import PAIRS, SFT_ROWS, dpo_trainer, grpo_trainer, length_reward, sft_trainer
 from treadle.demos import toy
 from treadle.trainers import dpo as dpo_module
 from treadle.trainers.grpo import trainer as grpo_module
 
 TOK = toy.build_tokenizer()
-SFT_ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (12, 30), (7, 45), (99, 9)]]
-PAIRS = [{"prompt": "12+34=", "chosen": "46", "rejected": "47"}, {"prompt": "5+5=", "chosen": "10", "rejected": "100"}]
 COMMON = dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, disable_tqdm=True, save_strategy="no",
               logging_steps=1, report_to="none")
 
@@ -48,21 +46,21 @@ class Spy:
 
 
 def run(kind, model, tmp_path, monkeypatch, **overrides):
-    fields = {**COMMON, "output_dir": str(tmp_path / kind), **overrides}
+    """A trainer of ``kind`` on ``model`` (4 SFT rows, 2 pairs, GRPO: the 4 prompts) and a spy on its loss."""
+    fields = {**COMMON, **overrides}
     spy = None
     if kind == "sft":
-        trainer = SFTTrainer(model, SFTConfig(**fields), train_dataset=SFT_ROWS, processing_class=TOK)
+        trainer = sft_trainer(tmp_path / kind, TOK, SFT_ROWS, model, **fields)
     elif kind == "dpo":
         spy = Spy(dpo_module.dpo_loss)
         monkeypatch.setattr(dpo_module, "dpo_loss", spy)
-        trainer = DPOTrainer(model, args=DPOConfig(**fields), train_dataset=PAIRS, processing_class=TOK)
+        trainer = dpo_trainer(tmp_path / kind, TOK, PAIRS[:2], model, **fields)
     else:
         spy = Spy(grpo_module.grpo_loss)
         monkeypatch.setattr(grpo_module, "grpo_loss", spy)
         fields.update(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, beta=0.1)
-        trainer = GRPOTrainer(model, lambda completion_ids, **kw: [float(len(c) % 3) for c in completion_ids],
-                              args=GRPOConfig(**fields), processing_class=TOK,
-                              train_dataset=[{"prompt": r["prompt"]} for r in SFT_ROWS])
+        trainer = grpo_trainer(tmp_path, TOK, [{"prompt": r["prompt"]} for r in SFT_ROWS], length_reward, model=model,
+                               output_dir=str(tmp_path / kind), **fields)
     return trainer, spy
 
 

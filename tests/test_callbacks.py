@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import lm_rows, tiny_llama
+from _factories import lm_rows, tiny_llama
 
 from treadle import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 from treadle.callbacks import (EVENTS, FlowCallback, MetricsFileCallback, PrinterCallback, ProgressCallback,

@@ -2,6 +2,7 @@
 check firing on a crafted run and silent on a normal one, the stop's checkpoint and message, and a dynamic-sampling
 run that never trains on a group of equal rewards."""
 
+import functools
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from _factories import digit_sum_reward, grpo_args, grpo_trainer
 from treadle.demos import toy
 from treadle.callbacks import TrainerCallback, rl_summary
 from treadle.engines.local import LocalEngine
@@ -28,30 +30,14 @@ from treadle.trainers.grpo.data import Rollout, join_rows
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def dataset():
-    return toy.load_task("addition", kind="rl", n=32)
-
-
-def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
-                  max_completion_length=32, max_steps=4, learning_rate=1e-3, disable_tqdm=True, save_strategy="no",
-                  logging_steps=1, health_checks={"patience": 2})
-    values.update(overrides)
-    return GRPOConfig(**values)
-
-
-def digit_sum_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 5) for ids in completion_ids]
+# this module's runs: the shared GRPO run (_factories.grpo_trainer) long enough for the checks' streaks
+HEALTH_RUN = dict(max_completion_length=32, max_steps=4, logging_steps=1, health_checks={"patience": 2})
+config = functools.partial(grpo_args, **HEALTH_RUN)
+trainer_for = functools.partial(grpo_trainer, **HEALTH_RUN)
 
 
 def constant_reward(completions, **kwargs):
     return [1.0] * len(completions)
-
-
-def trainer_for(tmp_path, tok, dataset, reward=digit_sum_reward, **overrides):
-    model = toy.build_model("tiny", tokenizer=tok, seed=0)
-    return GRPOTrainer(model, reward, args=config(tmp_path, **overrides), train_dataset=dataset, processing_class=tok)
 
 
 def logged(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
+from _factories import tiny_llama
 
 from treadle import models
 from treadle.demos import toy

@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import tiny_llama
+from _factories import tiny_llama
 from torch import nn
 
 from treadle import models

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import lm_rows, tiny_llama
+from _factories import lm_rows, tiny_llama
 
 transformers = pytest.importorskip("transformers", minversion="5.24")  # train_sampling_strategy
 pytest.importorskip("accelerate")  # transformers.Trainer needs it

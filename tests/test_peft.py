@@ -15,15 +15,14 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from treadle import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer, TrainerCallback
+from _factories import (PAIRS, SFT_ROWS, dpo_trainer, grpo_trainer, length_reward, reward_trainer, sft_trainer,
+                        tiny_reward_model)
+from treadle import TrainerCallback
 from treadle.demos import toy
 from treadle import peft as treadle_peft  # noqa: E402
 from treadle.generation import generate_completions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SFT_ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (12, 30), (7, 45), (99, 9)]]
-PAIRS = [{"prompt": "12+34=", "chosen": "46", "rejected": "47"}, {"prompt": "5+5=", "chosen": "10", "rejected": "100"},
-         {"prompt": "99+1=", "chosen": "100", "rejected": "1"}, {"prompt": "7+8=", "chosen": "15", "rejected": "51"}]
 COMMON = dict(disable_tqdm=True, save_strategy="no", per_device_train_batch_size=2, learning_rate=1e-2,
               logging_steps=1, report_to="none")
 
@@ -34,10 +33,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def lora(**overrides):
     return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "task_type": "CAUSAL_LM",
                               **overrides})
-
-
-def length_reward(completion_ids, **kwargs):
-    return [float(len(ids) % 3) for ids in completion_ids]
 
 
 class StopAt(TrainerCallback):
@@ -54,17 +49,15 @@ def build(kind: str, tmp_path, tok, model=None, peft_config=None, stop=None, **o
     model = model if model is not None else toy.build_model("tiny", tokenizer=tok)
     peft_config = peft_config if peft_config is not None else lora()
     callbacks = [StopAt(stop)] if stop else []
-    fields = {**COMMON, "output_dir": str(tmp_path / kind), "max_steps": 2, **overrides}
+    fields = {**COMMON, "max_steps": 2, **overrides}
     if kind == "sft":
-        return SFTTrainer(model, SFTConfig(**fields), train_dataset=SFT_ROWS, processing_class=tok,
-                          peft_config=peft_config, callbacks=callbacks)
+        return sft_trainer(tmp_path / kind, tok, SFT_ROWS, model, peft_config=peft_config, callbacks=callbacks,
+                           **fields)
     if kind == "dpo":
-        return DPOTrainer(model, args=DPOConfig(**fields), train_dataset=PAIRS, processing_class=tok,
-                          peft_config=peft_config)
+        return dpo_trainer(tmp_path / kind, tok, PAIRS, model, peft_config=peft_config, **fields)
     fields.update(per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
-    return GRPOTrainer(model, length_reward, args=GRPOConfig(**{"beta": 0.1, **fields}),
-                       train_dataset=toy.load_task("addition", kind="rl", n=8), processing_class=tok,
-                       peft_config=peft_config)
+    return grpo_trainer(tmp_path, tok, toy.load_task("addition", kind="rl", n=8), length_reward, model=model,
+                        peft_config=peft_config, **{"beta": 0.1, "output_dir": str(tmp_path / kind), **fields})
 
 
 def logits(model, ids=((1, 9, 10, 79, 11, 87),)):
@@ -95,16 +88,9 @@ def test_each_trainer_with_peft_config_trains_only_the_adapters(tmp_path, tok, k
 def test_reward_trainer_with_a_sequence_classification_lora(tmp_path, tok):
     """RewardTrainer takes peft_config too: LoRA with task_type SEQ_CLS trains the adapters and the score head
     (peft's modules_to_save for classifiers), nothing else."""
-    from test_reward_trainer import PAIRS as REWARD_PAIRS
-    from test_reward_trainer import tiny_reward_model
-
-    from treadle.trainers.reward import RewardConfig, RewardTrainer
-
     model = tiny_reward_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = RewardTrainer(model, args=RewardConfig(**{**COMMON, "output_dir": str(tmp_path)}),
-                            train_dataset=[{"margin": 0.0, **r} for r in REWARD_PAIRS], processing_class=tok,
-                            peft_config=lora(task_type="SEQ_CLS"))
+    trainer = reward_trainer(tmp_path, tok, model=model, peft_config=lora(task_type="SEQ_CLS"), **COMMON)
     trainer.train()
     trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n or "score" in n for n in trained)

@@ -11,6 +11,7 @@ import torch
 from datasets import Dataset
 
 import _resume_worker as rw
+from _factories import tiny_reward_model
 from treadle import Trainer, streaming
 from treadle.callbacks import TrainerCallback
 from treadle.errors import PreflightError
@@ -291,8 +292,6 @@ def _preference_trainer(name: str, out: str, callbacks):
                     learning_rate=1e-2, logging_steps=1, save_steps=1000, disable_tqdm=True, seed=0)
     tokenizer = toy.build_tokenizer()
     if name == "reward":
-        from test_reward_trainer import tiny_reward_model
-
         model, config = tiny_reward_model(), treadle.RewardConfig(**settings)
     else:
         model = toy.build_model("tiny", seed=0)

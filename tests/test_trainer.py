@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import lm_rows, tiny_llama
+from _factories import lm_rows, tiny_llama
 
 from treadle import Trainer, TrainingArguments
 from treadle.callbacks import TrainerCallback

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _factories import vision_dpo_trainer, vision_preference_rows
 from treadle.demos import toy_vision as tv
 from treadle import vision
 from treadle.trainers.dpo import ChosenRejected
@@ -199,22 +200,6 @@ def test_lora_adapts_the_language_model_only_by_default(tmp_path, kind, processo
 
 
 # ---- DPO -------------------------------------------------------------------------------------------------
-def preference_rows(n=4):
-    return [{"images": r["images"], "prompt": r["prompt"], "chosen": r["answer"],
-             "rejected": str(int(r["answer"]) % 4 + 1)} for r in tv.count_task("train", n, kind="rl")]
-
-
-def dpo_trainer(tmp_path, model, processor, **kwargs):
-    from treadle.trainers.dpo import DPOConfig, DPOTrainer
-
-    peft_config = kwargs.pop("peft_config", None)
-    args = DPOConfig(output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4,
-                     learning_rate=1e-2, report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no",
-                     **kwargs)
-    return DPOTrainer(model=model, args=args, train_dataset=preference_rows(), processing_class=processor,
-                      peft_config=peft_config)
-
-
 def plain_completion_logps(model, batch):
     """Summed log-probs of the completion tokens from the model's full logits (an independent reference)."""
     inputs = {k: v for k, v in batch.items() if k not in ("completion_mask",)}
@@ -225,8 +210,8 @@ def plain_completion_logps(model, batch):
 
 def test_dpo_pairs_share_their_images_and_score_the_response_only(tmp_path, kind, processor):
     model = tv.build_model(kind, processor)
-    trainer = dpo_trainer(tmp_path, model, processor)
-    rows = preference_rows()
+    trainer = vision_dpo_trainer(tmp_path, kind, processor, model)
+    rows = vision_preference_rows()
     batch = trainer.data_collator(rows)
     half = len(rows)
     pixels = batch["pixel_values"]
@@ -250,9 +235,9 @@ def test_dpo_reference_sees_the_same_images(tmp_path, kind, processor, reference
     model = tv.build_model(kind, processor)
     kwargs = {"lora": {"peft_config": LoraConfig(r=4, target_modules="all-linear")},
               "precomputed": {"precompute_ref_log_probs": True}}.get(reference, {})
-    trainer = dpo_trainer(tmp_path, model, processor, **kwargs)
+    trainer = vision_dpo_trainer(tmp_path, kind, processor, model, **kwargs)
     trainer.prepare_training()
-    batch = trainer.data_collator(preference_rows())
+    batch = trainer.data_collator(vision_preference_rows())
     if reference == "precomputed":
         batch = next(iter(trainer.get_train_dataloader()))
     with torch.no_grad():

@@ -6,11 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _factories import VISION_ARGS, char_sum_reward, sft_trainer, vision_grpo_trainer
 from treadle.demos import toy_vision as tv
 from treadle import vision
 from treadle.cli.loading import load_model
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 IMAGE_TOKENS = (tv.IDEFICS3_SIDE // 14) ** 2 // tv.IDEFICS3_SCALE ** 2  # 4 after the 2x2 pixel shuffle
@@ -21,11 +20,10 @@ def processor():
     return tv.build_processor("idefics3")
 
 
-def sft_trainer(tmp_path, processor, **kwargs):
-    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2,
-                     report_to=[], disable_tqdm=True, save_strategy="no", logging_steps=1, max_length=64, **kwargs)
-    return SFTTrainer(model=tv.build_model("idefics3", processor), args=args, train_dataset=tv.count_task("train", 4),
-                      processing_class=processor)
+def idefics3_sft(tmp_path, processor):
+    """One SFT step of the tiny Idefics3 on 4 counting-task rows (the shared SFT run, _factories.sft_trainer)."""
+    return sft_trainer(tmp_path / "sft", processor, tv.count_task("train", 4), tv.build_model("idefics3", processor),
+                       **VISION_ARGS, max_length=64)
 
 
 def test_the_processor_writes_idefics3_markup_and_none_of_it_is_a_label(processor):
@@ -41,7 +39,7 @@ def test_the_processor_writes_idefics3_markup_and_none_of_it_is_a_label(processo
 
 
 def test_sft_loss_is_cross_entropy_on_the_answer_tokens(tmp_path, processor):
-    trainer = sft_trainer(tmp_path, processor)
+    trainer = idefics3_sft(tmp_path, processor)
     rows = tv.count_task("train", 4)
     batch = trainer.data_collator(rows)
     for b, row in enumerate(rows):
@@ -60,7 +58,7 @@ def test_sft_loss_is_cross_entropy_on_the_answer_tokens(tmp_path, processor):
 
 
 def test_an_sft_step_moves_the_weights_and_reloads_through_treadles_loader(tmp_path, processor):
-    trainer = sft_trainer(tmp_path, processor)
+    trainer = idefics3_sft(tmp_path, processor)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]
@@ -73,20 +71,6 @@ def test_an_sft_step_moves_the_weights_and_reloads_through_treadles_loader(tmp_p
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(**inputs).logits, trainer.model.eval()(**inputs).logits)
-
-
-def reward(prompts, completions, **kwargs):
-    return [float(sum(map(ord, c[0]["content"])) % 5) for c in completions]
-
-
-def grpo_trainer(tmp_path, processor, **kwargs):
-    peft_config = kwargs.pop("peft_config", None)
-    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=1, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=4, learning_rate=1e-2, report_to=[], beta=0.1,
-                      disable_tqdm=True, logging_steps=1, save_strategy="no", **kwargs)
-    return GRPOTrainer(model=tv.build_model("idefics3", processor), reward_funcs=reward, args=args,
-                       train_dataset=tv.count_task("train", 16, kind="rl"), processing_class=processor,
-                       peft_config=peft_config)
 
 
 def plain_logps(model, sample, inputs):
@@ -103,8 +87,8 @@ def test_grpo_scores_what_it_sampled_on_the_same_pixels_and_trains(tmp_path, pro
     no vision token is sampled, and a step moves the weights (with LoRA: only the language model's adapters)."""
     from peft import LoraConfig
 
-    trainer = grpo_trainer(tmp_path, processor, peft_config=LoraConfig(r=4, target_modules="all-linear") if lora
-                           else None)
+    trainer = vision_grpo_trainer(tmp_path, "idefics3", processor, char_sum_reward, beta=0.1,
+                                  peft_config=LoraConfig(r=4, target_modules="all-linear") if lora else None)
     rows = next(iter(trainer.get_train_dataloader()))
     vision_ids = torch.tensor(sorted(vision.image_token_ids(processor)))
     for sample in trainer.generate_and_score(rows, 0):

@@ -6,11 +6,10 @@ only, a step moves only adapter weights, log-probs against a plain forward of th
 import pytest
 import torch
 
+from _factories import char_sum_reward, vision_dpo_trainer, vision_grpo_trainer
 from treadle.demos import toy_vision as tv
 from treadle import vision
 from treadle.cli.loading import load_model
-from treadle.trainers.dpo import DPOConfig, DPOTrainer
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,33 +22,6 @@ def kind(request):
 @pytest.fixture(scope="module")
 def processor(kind):
     return tv.build_processor(kind)
-
-
-def preference_rows(n=4):
-    return [{"images": r["images"], "prompt": r["prompt"], "chosen": r["answer"],
-             "rejected": str(int(r["answer"]) % 4 + 1)} for r in tv.count_task("train", n, kind="rl")]
-
-
-def dpo_trainer(tmp_path, kind, processor):
-    args = DPOConfig(output_dir=str(tmp_path / "dpo"), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2,
-                     report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no")
-    return DPOTrainer(model=tv.build_model(kind, processor), args=args, train_dataset=preference_rows(),
-                      processing_class=processor)
-
-
-def reward(prompts, completions, **kwargs):
-    """A reward that differs between completions of a random model (so that a step has an advantage to follow)."""
-    return [float(sum(map(ord, c[0]["content"])) % 5) for c in completions]
-
-
-def grpo_trainer(tmp_path, kind, processor, **kwargs):
-    peft_config = kwargs.pop("peft_config", None)
-    args = GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=1, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=4, learning_rate=1e-2, report_to=[],
-                      disable_tqdm=True, logging_steps=1, save_strategy="no", **kwargs)
-    return GRPOTrainer(model=tv.build_model(kind, processor), reward_funcs=reward, args=args,
-                       train_dataset=tv.count_task("train", 16, kind="rl"), processing_class=processor,
-                       peft_config=peft_config)
 
 
 def assert_reloads_the_same(trainer, folder, kind, processor):
@@ -71,13 +43,13 @@ def assert_reloads_the_same(trainer, folder, kind, processor):
 
 
 def test_a_dpo_trained_vlm_reloads_with_the_same_logits(tmp_path, kind, processor):
-    trainer = dpo_trainer(tmp_path, kind, processor)
+    trainer = vision_dpo_trainer(tmp_path, kind, processor)
     trainer.train()
     assert_reloads_the_same(trainer, tmp_path / "saved", kind, processor)
 
 
 def test_a_grpo_trained_vlm_reloads_with_the_same_logits(tmp_path, kind, processor):
-    trainer = grpo_trainer(tmp_path, kind, processor)
+    trainer = vision_grpo_trainer(tmp_path, kind, processor, char_sum_reward)
     trainer.train()
     assert_reloads_the_same(trainer, tmp_path / "saved", kind, processor)
 
@@ -88,8 +60,8 @@ def test_grpo_with_lora_on_a_vlm_trains_the_adapters_on_the_language_model_only(
     them)."""
     from peft import LoraConfig
 
-    trainer = grpo_trainer(tmp_path, kind, processor, peft_config=LoraConfig(r=4, target_modules="all-linear"),
-                           beta=0.1)
+    trainer = vision_grpo_trainer(tmp_path, kind, processor, char_sum_reward,
+                                  peft_config=LoraConfig(r=4, target_modules="all-linear"), beta=0.1)
     model = trainer.model
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("language_model" in n and "lora_" in n for n in trainable)

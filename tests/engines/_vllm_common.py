@@ -1,16 +1,12 @@
 """What the two real-engine modules (test_vllm.py in process, test_vllm_server.py over HTTP) check with: the
-prompts, a reward that moves the weights, a plain-PyTorch log-prob reference and the completions' rows."""
+prompts, a plain-PyTorch log-prob reference and the completions' rows (the reward that moves the weights is
+_factories.digit_sum_reward)."""
 
 from __future__ import annotations
 
 import torch
 
 from treadle.demos import toy
-
-
-def digit_sum_reward(completion_ids, **kwargs):
-    """A reward that varies between completions, so advantages are not all zero and a step moves the weights."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
 
 
 def prompts(tok, n=4):

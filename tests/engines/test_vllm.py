@@ -20,7 +20,8 @@ import sys
 import peft
 import pytest
 import torch
-from _vllm_common import digit_sum_reward, load_with_push_skipped, model_logps, prompts, rows_of
+from _factories import digit_sum_reward
+from _vllm_common import load_with_push_skipped, model_logps, prompts, rows_of
 
 from treadle.demos import toy
 from treadle.cli.command import main

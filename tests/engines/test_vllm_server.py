@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _vllm_common import digit_sum_reward, load_with_push_skipped, model_logps, prompts, rows_of
+from _factories import digit_sum_reward
+from _vllm_common import load_with_push_skipped, model_logps, prompts, rows_of
 
 from treadle import checkpoint
 from treadle.cli import command as cli

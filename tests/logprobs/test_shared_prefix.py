@@ -10,8 +10,7 @@ import warnings
 import pytest
 import torch
 
-from test_architectures import ARCHITECTURES, build
-from test_grpo import GOLDEN_GRPO, golden_run
+from _factories import ARCHITECTURES, GOLDEN_GRPO, build_architecture, golden_grpo_run, grpo_trainer
 from treadle.logprobs import prefix
 from treadle.demos import toy
 from treadle.logprobs.tokens import token_logps
@@ -84,7 +83,7 @@ def test_log_probs_entropy_and_every_gradient_equal_the_padded_forward(arch):
     """Two groups (prompts of 9 and 8 tokens, left-padded), completions of 0 to 7 tokens, one prompt alone:
     log-probs, entropies and every parameter's gradient equal the padded forward's (1e-5). Gemma2 takes the
     full-logits path (its final softcap) and eager attention (the additive mask); the rest sdpa (the boolean one)."""
-    model = build(arch).train()
+    model = build_architecture(arch).train()
     ids, mask, width_p = grouped_batch([9, 8, 8], [[7, 2, 0, 5], [1, 6, 6], [3]])  # rows within Mistral's window
     weights = torch.rand(ids.shape[0], ids.shape[1] - width_p, generator=torch.Generator().manual_seed(1))
     results = []
@@ -116,14 +115,13 @@ def test_hidden_state_and_full_logits_paths_agree(tok, monkeypatch):
 
 
 # ---- exactness: GRPO, every loss type, an accumulation window, old and reference log-probs ----------------
-def grpo_trainer(tmp_path, tok, peft_config=None, **overrides):
-    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(**{**dict(output_dir=str(tmp_path), beta=0.04, per_device_train_batch_size=6,
-                                num_generations=3, max_completion_length=12, disable_tqdm=True, report_to="none",
-                                temperature=0.8), **overrides})
-    return GRPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), lambda completions, **kw: [0.0] * len(completions),
-                       args=args, train_dataset=[{"prompt": "1+1="}] * 6, processing_class=tok, peft_config=peft_config)
+def window_trainer(tmp_path, tok, **overrides):
+    """The shared GRPO run (_factories.grpo_trainer) on 6 rows of one prompt, a zero reward, beta 0.04: its windows
+    are built by hand below."""
+    settings = dict(output_dir=str(tmp_path), beta=0.04, per_device_train_batch_size=6, num_generations=3,
+                    max_completion_length=12, report_to="none", temperature=0.8)
+    return grpo_trainer(tmp_path, tok, [{"prompt": "1+1="}] * 6, lambda completions, **kw: [0.0] * len(completions),
+                        **{**settings, **overrides})
 
 
 def grouped_micro_batches(trainer):
@@ -173,7 +171,7 @@ def assert_same(results):
 
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 def test_grpo_losses_and_gradients_equal_the_unshared_paths(tmp_path, tok, loss_type, monkeypatch):
-    trainer = grpo_trainer(tmp_path, tok, loss_type=loss_type)
+    trainer = window_trainer(tmp_path, tok, loss_type=loss_type)
     micro_batches = grouped_micro_batches(trainer)
     calls = []
     forward = prefix._shared_forward
@@ -188,7 +186,7 @@ def test_grpo_losses_and_gradients_equal_the_unshared_paths(tmp_path, tok, loss_
 def test_lora_log_probs_gradients_and_the_adapters_off_reference(tmp_path, tok):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0)
-    trainer = grpo_trainer(tmp_path, tok, peft_config=config)
+    trainer = window_trainer(tmp_path, tok, peft_config=config)
     assert trainer.ref_model is None  # the reference is the policy with its adapters off
     with torch.no_grad():  # adapters that do something (B starts at 0)
         for name, p in trainer.model.named_parameters():
@@ -203,7 +201,7 @@ def test_lora_log_probs_gradients_and_the_adapters_off_reference(tmp_path, tok):
 
 # ---- training: the same run, golden losses with the option off -------------------------------------------
 def test_golden_losses_unchanged_with_the_option_off(tmp_path, tok):
-    trainer = golden_run(tmp_path, tok)
+    trainer = golden_grpo_run(tmp_path, tok)
     trainer.args.shared_prefix = False
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -211,12 +209,12 @@ def test_golden_losses_unchanged_with_the_option_off(tmp_path, tok):
 
 
 def test_a_training_run_shares_and_logs_the_unshared_run_s_losses(tmp_path, tok, monkeypatch):
-    """``golden_run`` (old and reference log-probs, accumulation) with sharing on: the golden losses, and the
+    """``golden_grpo_run`` (old and reference log-probs, accumulation) with sharing on: the golden losses, and the
     shared forward did the work (policy, old and reference passes)."""
     calls = []
     forward = prefix._shared_forward
     monkeypatch.setattr(prefix, "_shared_forward", lambda *a: calls.append(1) or forward(*a))
-    trainer = golden_run(tmp_path, tok)
+    trainer = golden_grpo_run(tmp_path, tok)
     assert trainer.args.shared_prefix  # the default
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -258,7 +256,8 @@ def test_off_for_attention_that_takes_no_4d_mask_and_for_short_sliding_windows(t
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one note per model
         assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
-    mistral = build("mistral")  # sliding_window=16: a row of 6 + 12 tokens would need the window the mask replaces
+    # sliding_window=16: a row of 6 + 12 tokens would need the window the mask replaces
+    mistral = build_architecture("mistral")
     ids, mask, width_p = grouped_batch([6], [[12, 2, 5]])
     assert shared_prefix_logps(mistral, ids, mask, prompt_width=width_p) is None
     ids, mask, width_p = grouped_batch([6], [[10, 2, 5]])  # 16 tokens: within the window, shared and exact

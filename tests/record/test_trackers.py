@@ -17,12 +17,13 @@ import tempfile
 
 import pytest
 
+from _factories import digit_sum_reward, grpo_trainer
 from treadle.demos import toy
 from treadle.arguments import TRACKERS, is_installed, resolve_report_to
 from treadle.arguments import TrainingArguments
 from treadle.record.report import completions_table
 from treadle.record.trackers import tracker_callbacks
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo.trainer import GRPOConfig
 
 # Trackio reads its folder once, when first imported: point it at a temporary one before anything imports it
 os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="treadle-trackio-")
@@ -66,11 +67,7 @@ def test_wandb_log_model_end_is_refused(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ one real run
-def digit_sum_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 5) for ids in completion_ids]
-
-
-def length_reward(completion_ids, **kwargs):
+def length_reward(completion_ids, **kwargs):  # not _factories' (len % 3): the lengths themselves
     return [float(len(ids)) for ids in completion_ids]
 
 
@@ -94,14 +91,11 @@ def run(tmp_path_factory):
             patch.setenv(key, value)
         patch.delenv("WANDB_LOG_MODEL", raising=False)
         patch.setattr(socket.socket, "connect", _local_only(socket.socket.connect, refused))
-        tok = toy.build_tokenizer()
-        args = GRPOConfig(output_dir=str(root / "run"), per_device_train_batch_size=4, num_generations=4,
-                          max_completion_length=3, max_steps=STEPS, learning_rate=1e-3, disable_tqdm=True,
-                          save_strategy="no", logging_steps=LOG_EVERY, eval_strategy="steps", log_completions=True,
-                          per_device_eval_batch_size=4, report_to=trackers, run_name="tracked")
-        trainer = GRPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), [digit_sum_reward, length_reward],
-                              args=args, train_dataset=toy.load_task("addition", kind="rl", n=16),
-                              eval_dataset=toy.load_task("addition", kind="rl", n=2, seed=1), processing_class=tok)
+        trainer = grpo_trainer(root, toy.build_tokenizer(), toy.load_task("addition", kind="rl", n=16),
+                               [digit_sum_reward, length_reward],
+                               eval_dataset=toy.load_task("addition", kind="rl", n=2, seed=1), max_steps=STEPS,
+                               logging_steps=LOG_EVERY, eval_strategy="steps", log_completions=True,
+                               per_device_eval_batch_size=4, report_to=trackers, run_name="tracked")
         trainer.train()
         if "wandb" in trackers:
             import wandb
@@ -110,7 +104,7 @@ def run(tmp_path_factory):
     assert not refused, f"a tracker tried the network: {refused}"
     events = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     completions = [json.loads(line) for line in (root / "run" / "completions.jsonl").read_text().splitlines()]
-    return {"root": root, "events": events, "completions": completions, "args": args}
+    return {"root": root, "events": events, "completions": completions, "args": trainer.args}
 
 
 def _local_only(connect, refused):

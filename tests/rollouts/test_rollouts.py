@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _factories import add, chatty_model
 from treadle.demos import toy
 from treadle.generation import SamplingParams, generate_turns
 from treadle.rollouts.runner import RolloutRunner, environment_reward, rollout_metrics
@@ -25,19 +26,6 @@ def settings(num_generations, max_new_tokens, **sampling) -> SamplingParams:
     """The sampling settings of a rollout batch with the toy tokenizer's EOS and pad ids."""
     return SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_token_ids=(EOS,),
                           pad_token_id=0, **sampling)
-
-
-def chatty_model(tok, seed=0, eos_bias=2.5):
-    """The tiny toy model with a bias on the EOS logit, so that its random turns end after a few tokens. The bias
-    lives in the LM head, where both sampling and treadle.logprobs read it."""
-    model = toy.build_model("tiny", tokenizer=tok, seed=seed)
-    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-    head.weight = model.lm_head.weight
-    with torch.no_grad():
-        head.bias.zero_()
-        head.bias[EOS] = eos_bias
-    model.lm_head = head
-    return model
 
 
 class Counter:
@@ -54,11 +42,6 @@ class Counter:
     def step(self, text):
         self.n += 1
         return f"[{self.n}]", 0.5, self.n > self.turns
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers."""
-    return a + b
 
 
 # --------------------------------------------------------------------------------------------------- tools

@@ -98,7 +98,7 @@ def test_loss_on_fixed_completions_matches_trl(beta):
 import copy  # noqa: E402  (the trainer's tests below share the module with the loss tests above)
 
 from datasets import Dataset  # noqa: E402
-from test_rollouts import add, chatty_model  # noqa: E402  (the tool and the EOS-biased toy model of GRPO's tests)
+from _factories import add, chatty_model  # noqa: E402  (the tool and the EOS-biased toy model of GRPO's tests)
 
 from treadle.demos import toy  # noqa: E402
 from treadle.errors import PreflightError  # noqa: E402
@@ -110,11 +110,6 @@ from treadle.trainers.distillation import DistillationConfig, DistillationTraine
 pytestmark = pytest.mark.usefixtures("one_thread")
 EOS = 2  # the toy tokenizer's eos id
 FIXED = [[5, 6, EOS, 0], [7, 8, 9, 10], [EOS, 0, 0, 0], [11, EOS, 0, 0]]  # raw completions, cut after EOS
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return toy.load_task("addition", kind="rl", n=32)
 
 
 def config(tmp_path, **overrides):

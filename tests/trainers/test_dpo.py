@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from conftest import tiny_llama
+from _factories import PAIRS, dpo_args as make_args, dpo_trainer as make_trainer, tiny_llama
 from treadle.demos import toy
 from treadle.trainers.dpo import DPOCollator, DPOConfig, DPOTrainer, split_implicit_prompt
 
@@ -23,30 +23,10 @@ def digit(d: int) -> int:
 
 PLUS, EQUALS, NEWLINE, EOS, USER, ASSISTANT = 79, 87, 102, 2, 5, 6
 
-PAIRS = [
-    {"prompt": "12+34=", "chosen": "46", "rejected": "47"},
-    {"prompt": "5+5=", "chosen": "10", "rejected": "100"},
-    {"prompt": "99+1=", "chosen": "100", "rejected": "1"},
-    {"prompt": "7+8=", "chosen": "15", "rejected": "51"},
-]
-
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return toy.build_tokenizer()
-
-
-def make_args(tmp_path, **overrides):
-    fields = dict(output_dir=str(tmp_path), disable_tqdm=True, save_strategy="no", report_to="none",
-                  per_device_train_batch_size=2, per_device_eval_batch_size=2)
-    return DPOConfig(**{**fields, **overrides})
-
-
-def make_trainer(tmp_path, tokenizer, model=None, rows=PAIRS, **overrides):
-    ref_model = overrides.pop("ref_model", None)
-    model = model if model is not None else tiny_llama(0, VOCAB)
-    return DPOTrainer(model, ref_model=ref_model, args=make_args(tmp_path, **overrides), train_dataset=rows,
-                      processing_class=tokenizer)
 
 
 def collate(trainer, rows):

@@ -8,39 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _factories import reward_trainer as make_trainer, tiny_reward_model
 from treadle.demos import toy
 from treadle.rewards import from_reward_model
 from treadle.trainers.reward import RewardCollator, RewardConfig, RewardTrainer
 
-PAIRS = [
-    {"prompt": "12+34=", "chosen": "46", "rejected": "47"},
-    {"prompt": "5+5=", "chosen": "10", "rejected": "100", "margin": 0.5},
-    {"prompt": "99+1=", "chosen": "100", "rejected": "1"},
-    {"prompt": "7+8=", "chosen": "15", "rejected": "51"},
-]
-
-
-def tiny_reward_model(seed=0):
-    """The toy Llama shape with a one-output classification head; pad_token_id finds each row's last token."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    tok = toy.build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaForSequenceClassification(config)
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_trainer(tmp_path, tok, rows=PAIRS, model=None, **overrides):
-    fields = dict(output_dir=str(tmp_path), disable_tqdm=True, save_strategy="no", report_to="none",
-                  per_device_train_batch_size=2, per_device_eval_batch_size=4)
-    return RewardTrainer(model if model is not None else tiny_reward_model(), args=RewardConfig(**{**fields, **overrides}),
-                         train_dataset=[{"margin": 0.0, **r} for r in rows], processing_class=tok)
 
 
 def batch(trainer, n=4):

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from _factories import tiny_llama
 
 from treadle import SFTConfig, SFTTrainer
 from treadle.demos import toy

@@ -17,17 +17,13 @@ import sys
 
 import torch
 
+from _factories import digit_sum_reward  # tests/ is on the path: pytest's, passed on to the script's process
 from treadle.demos import toy
 from treadle.callbacks import TrainerCallback
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 ARGS = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, max_steps=4,
             learning_rate=1e-2, disable_tqdm=True, save_strategy="no", logging_steps=1, seed=3)
-
-
-def digit_sum_reward(completion_ids, **kwargs):
-    """A reward that varies between completions, so advantages are not all zero."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
 
 
 class _KillAt(TrainerCallback):

@@ -10,6 +10,8 @@ import statistics
 import pytest
 import torch
 
+from _factories import GOLDEN_GRPO, digit_sum_reward
+from _factories import golden_grpo_run as golden_run, grpo_args as config, grpo_trainer as make_trainer
 from treadle.record.fingerprints import MARKER
 from treadle.demos import toy
 from treadle.callbacks import TrainerCallback
@@ -19,30 +21,6 @@ from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer, Sample
 from treadle.trainers.grpo.data import Sample, Ticket
 
 EOS = 2  # the toy tokenizer's eos id
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return toy.load_task("addition", kind="rl", n=32)
-
-
-def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
-                  max_completion_length=3, max_steps=2, learning_rate=1e-3, disable_tqdm=True, save_strategy="no",
-                  logging_steps=1000)
-    values.update(overrides)
-    return GRPOConfig(**values)
-
-
-def digit_sum_reward(completion_ids, **kwargs):
-    """A reward that varies between completions, so advantages are not all zero."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
-
-
-def make_trainer(tmp_path, tok, dataset, reward=digit_sum_reward, model_seed=0, **overrides):
-    model = toy.build_model("tiny", tokenizer=tok, seed=model_seed)
-    return GRPOTrainer(model, reward, args=config(tmp_path, **overrides), train_dataset=dataset,
-                       processing_class=tok)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -631,20 +609,6 @@ def test_reward_rises_on_toy_addition(tmp_path, tok):
 
 
 # ------------------------------------------------------------------------------------ golden regression
-GOLDEN_GRPO = [-0.019045989777221273, -0.01600946334656328, 0.024846914639056195, 0.0023342259228229523,
-               0.046902469686756376]
-
-
-def golden_run(tmp_path, tok):
-    """spg 4 over windows of 2 micro-steps (old log-probs), beta 0.04 (a reference): every part of the loss."""
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                      seed=0, learning_rate=1e-3, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=4, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.04,
-                      use_bias_correction_kl=False)  # recorded with the plain k3 term (before issue 17)
-    return GRPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
-                       train_dataset=toy.load_task("addition", kind="rl", n=64), processing_class=tok)
-
-
 def test_golden_losses_of_a_fixed_seed(tmp_path, tok):
     """The first 5 logged losses of a fixed-seed run, recorded before generation moved to prepare_window and the
     metrics to the Trainer's window: any change to sampling, rewards, advantages, the loss or the loop shows."""

@@ -2,6 +2,7 @@
 greedy decoding against transformers' generate, compute_metrics' arguments, evaluation that does not perturb
 training, and best-checkpoint selection by pass@1."""
 
+import functools
 import math
 import random
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from _factories import grpo_args, grpo_trainer
 from treadle import checkpoint as ckpt
 from treadle.demos import toy
 from treadle.generation import GenerationOutput, completion_masks, left_pad
@@ -24,19 +26,16 @@ def problems():
     return toy.load_task("addition", "test", kind="rl", n=200, seed=0)
 
 
-def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=4, max_steps=2, learning_rate=1e-3, disable_tqdm=True, save_strategy="no",
-                  logging_steps=1000, per_device_eval_batch_size=50, num_generations_eval=8)
-    values.update(overrides)
-    return GRPOConfig(**values)
+# this module's runs: the shared GRPO run (_factories.grpo_trainer), 8 completions a prompt evaluated 50 prompts a batch
+EVAL_RUN = dict(per_device_train_batch_size=8, max_completion_length=4, per_device_eval_batch_size=50,
+                num_generations_eval=8)
+config = functools.partial(grpo_args, **EVAL_RUN)
 
 
 def make_trainer(tmp_path, tok, problems, reward=toy.addition_reward, model_seed=0, **overrides):
-    compute_metrics = overrides.pop("compute_metrics", None)
-    model = toy.build_model("tiny", tokenizer=tok, seed=model_seed)
-    return GRPOTrainer(model, reward, args=config(tmp_path, **overrides), train_dataset=problems,
-                       eval_dataset=problems, processing_class=tok, compute_metrics=compute_metrics)
+    """Trains on ``problems`` and evaluates on them."""
+    return grpo_trainer(tmp_path, tok, problems, reward, model_seed, eval_dataset=problems,
+                        **{**EVAL_RUN, **overrides})
 
 
 def chen_reference(n: int, c: int, k: int) -> float:

@@ -4,17 +4,19 @@ TRL's code, the config's names and defaults against TRL's, when the trainer appl
 applies with the own sampler's top-k are each token's kept probability mass."""
 
 import dataclasses
+import functools
 import math
 import warnings
 
 import pytest
 import torch
 
+from _factories import grpo_trainer, length_reward
 from treadle.demos import toy
 from treadle.engines.local import LocalEngine
 from treadle.losses import (SAMPLING_CORRECTION_MODES, GRPOObjective, grpo_loss, sampling_correction_metrics,
                             sampling_correction_values, sampling_importance_ratio)
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo.trainer import GRPOConfig
 from treadle.trainers.grpo.correction import corrects_sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,20 +148,12 @@ def test_when_the_correction_applies(tmp_path):
 # ------------------------------------------------------------------------------------------------ the trainer
 @pytest.fixture(scope="module")
 def dataset():
-    return toy.load_task("addition", kind="rl", n=16)
+    return toy.load_task("addition", kind="rl", n=16)  # conftest's dataset holds 32 prompts
 
 
-def length_reward(completion_ids, **kwargs):
-    return [float(len(ids) % 3) for ids in completion_ids]
-
-
-def trainer_for(tmp_path, tok, dataset, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=6, max_steps=2, learning_rate=1e-3, disable_tqdm=True, save_strategy="no",
-                  logging_steps=1, health_checks=False)
-    values.update(overrides)
-    return GRPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), length_reward, args=GRPOConfig(**values),
-                       train_dataset=dataset, processing_class=tok)
+# this module's runs: the shared GRPO run (_factories.grpo_trainer), 2 groups a generation, health checks off
+trainer_for = functools.partial(grpo_trainer, reward=length_reward, per_device_train_batch_size=8,
+                                max_completion_length=6, logging_steps=1, health_checks=False)
 
 
 def kept_mass(model, sample, temperature: float, top_k: int) -> torch.Tensor:

@@ -2,14 +2,15 @@
 positions depend on the images) and LLaVA (the own KV-cached sampler, the images in the prefill) models."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
+from _factories import vision_grpo_trainer
 from treadle.demos import toy_vision as tv
 from treadle import vision
 from treadle.trainers.grpo import vision as grpo_vision
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,12 +31,7 @@ def first_char_reward(prompts, completions, answer, images, **kwargs):
     return [float(c[0]["content"][:1] == a) + 0.1 * len(c[0]["content"]) for c, a in zip(completions, answer)]
 
 
-def trainer_for(tmp_path, kind, processor, **kwargs):
-    args = GRPOConfig(**{**dict(output_dir=str(tmp_path / "grpo"), max_steps=1, per_device_train_batch_size=4,
-                                num_generations=4, max_completion_length=4, learning_rate=1e-2, report_to=[],
-                                disable_tqdm=True, logging_steps=1, save_strategy="no"), **kwargs})
-    return GRPOTrainer(model=tv.build_model(kind, processor), reward_funcs=first_char_reward, args=args,
-                       train_dataset=tv.count_task("train", 16, kind="rl"), processing_class=processor)
+trainer_for = functools.partial(vision_grpo_trainer, reward=first_char_reward)
 
 
 def plain_logps(model, sample, inputs, suppress=()):
