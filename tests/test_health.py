@@ -23,7 +23,7 @@ from treadle.health import (HealthCallback, HealthWarning, TrainingStalled, cons
 from treadle.state import TrainerControl, TrainerState
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.grpo.config import HEALTH_CHECKS, resolve_health_checks
-from treadle.trainers.grpo.data import Rollout, join_rows
+from treadle.trainers.onpolicy.data import Rollout, join_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

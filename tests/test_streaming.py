@@ -247,7 +247,7 @@ def test_grpo_trains_on_prompts_from_a_stream_and_resumes_exactly(tmp_path):
 def test_a_grpo_stream_needs_whole_groups_per_rank_and_no_dynamic_sampling():
     from types import SimpleNamespace
 
-    from treadle.trainers.grpo.data import prompt_stream
+    from treadle.trainers.onpolicy.data import prompt_stream
 
     source = numbered(4).to_iterable_dataset()
     # 2 processes x 2 rows = 4 completions a generation: one group of 4 in all, but half a group on each rank

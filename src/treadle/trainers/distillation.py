@@ -64,7 +64,7 @@ from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
 from treadle.trainers.grpo.trainer import GRPOTrainer
 from treadle.trainers.grpo.config import GRPOConfig
-from treadle.trainers.grpo.data import Rollout, Sample, slice_sample
+from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
 from treadle.trainers.grpo.records import seeded_generator
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "check_shared_tokenizer"]

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO (``max_staleness``; trainers/grpo/asynchronous.py, trainers/grpo/worker.py, docs/async.md): the synchronous run
+"""Asynchronous GRPO (``max_staleness``; trainers/onpolicy/asynchronous.py, trainers/onpolicy/worker.py, docs/async.md): the synchronous run
 unchanged, the schedule's staleness, reproducibility, exact resume after SIGKILL, a dead or hung worker stopping
 the run in one line, SIGTERM, and the importance-sampling correction's unbiasedness on a toy policy."""
 
@@ -19,8 +19,8 @@ from treadle.engines.local import LocalEngine
 from treadle.errors import Preempted, is_user_error
 from treadle.losses import grpo_loss, sampling_importance_ratio
 from treadle.trainers.grpo.trainer import GRPOConfig
-from treadle.trainers.grpo.asynchronous import AsyncRollouts, worker_threads
-from treadle.trainers.grpo.worker import RolloutWorkerError
+from treadle.trainers.onpolicy.asynchronous import AsyncRollouts, worker_threads
+from treadle.trainers.onpolicy.worker import RolloutWorkerError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

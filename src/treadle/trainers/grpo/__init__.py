@@ -4,7 +4,7 @@ sampling), ``correction`` (the sampler correction), ``records`` (what a generati
 ``worker`` (``max_staleness``). Import from the rooms inside treadle; this file re-exports the public names."""
 
 from treadle.trainers.grpo.config import GRPOConfig
-from treadle.trainers.grpo.data import Sample
+from treadle.trainers.onpolicy.data import Sample
 from treadle.trainers.grpo.trainer import GRPOTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "Sample"]

@@ -17,7 +17,7 @@ from treadle.errors import PreflightError
 
 __all__ = ["GRPOConfig", "HEALTH_CHECKS", "WORKER_KINDS", "check_async_config", "resolve_health_checks"]
 
-WORKER_KINDS = ("process", "thread")  # asynchronous GRPO's rollout worker (trainers/grpo/worker.py)
+WORKER_KINDS = ("process", "thread")  # asynchronous GRPO's rollout worker (trainers/onpolicy/worker.py)
 
 
 @dataclass
@@ -107,7 +107,7 @@ class GRPOConfig(TrainingArguments):
     tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
     rollout_workers: int = 8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
 
-    # --- asynchronous GRPO (trainers/grpo/asynchronous.py; docs/async.md): sample the next batches while training
+    # --- asynchronous GRPO (trainers/onpolicy/asynchronous.py; docs/async.md): sample the next batches while training
     max_staleness: int = 0  # N: train batches sampled from weights up to N optimizer steps old; 0: synchronous
     async_worker: str = "process"  # the rollout worker: "process" (own interpreter, own threads) or "thread"
     async_worker_threads: int | None = None  # the worker's torch threads; None: half of the trainer's (at least 1)

@@ -27,7 +27,7 @@ import torch
 from treadle import distributed as dist
 from treadle.generation.sampling import sampler_options
 from treadle.losses import sampling_correction_metrics, sampling_correction_values, sampling_importance_ratio
-from treadle.trainers.grpo.data import Sample
+from treadle.trainers.onpolicy.data import Sample
 
 __all__ = ["corrects_sampling", "correction_metrics", "sampling_ratio"]
 

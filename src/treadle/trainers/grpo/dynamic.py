@@ -25,7 +25,7 @@ import torch
 from treadle import distributed as dist
 from treadle.losses import zero_spread_groups
 from treadle.rewards import weighted_rewards
-from treadle.trainers.grpo.data import Rollout, join_rows
+from treadle.trainers.onpolicy.data import Rollout, join_rows
 
 __all__ = ["extra_rows", "fill_with_signal"]
 

@@ -14,7 +14,7 @@ from treadle.data import require_columns
 from treadle.metrics import pass_at_k_sums
 from treadle.rewards import METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, from_reward_model, reward_name, weighted_rewards
 from treadle.text import encode_prompt
-from treadle.trainers.grpo.data import Rollout
+from treadle.trainers.onpolicy.data import Rollout
 
 __all__ = ["check_dataset", "check_tokenizer", "completion_records", "custom_eval_metrics",
            "generation_metrics", "reward_list", "reward_sums", "reward_weights", "seeded_generator",

@@ -6,7 +6,7 @@ Generation is sequential (one forward per token), so one generation feeds severa
 dataloader yields ``per_device_train_batch_size * steps_per_generation`` rows at once (each prompt G times in
 a row), once per generation; ``training_windows`` hands each optimizer step a window of tickets (generation,
 its rows, micro-step in its cycle), and ``prepare_window`` generates and scores a generation into the buffer
-when it is not there yet and hands out one typed ``Sample`` per micro-step (trainers/grpo/data.py)::
+when it is not there yet and hands out one typed ``Sample`` per micro-step (trainers/onpolicy/data.py)::
 
     dataloader batch (one generation: RepeatSampler, each prompt G times, the same prompts on every rank)
       -> training_windows: spg * μ tickets per generation (the loop counts micro_batches_per_batch() = spg * μ
@@ -102,11 +102,11 @@ from treadle.rollouts.runner import RolloutRunner
 from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
-from treadle.trainers.grpo import vision as grpo_vision
-from treadle.trainers.grpo.asynchronous import (AsyncRollouts, begin_generation, end_run, load_state, saved_state,
+from treadle.trainers.onpolicy import vision as onpolicy_vision
+from treadle.trainers.onpolicy.asynchronous import (AsyncRollouts, begin_generation, end_run, load_state, saved_state,
                                                 scheduled)
 from treadle.trainers.grpo.config import GRPOConfig
-from treadle.trainers.grpo.data import (GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream,
+from treadle.trainers.onpolicy.data import (GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream,
                                         slice_sample)
 from treadle.trainers.grpo.dynamic import extra_rows, fill_with_signal
 from treadle.trainers.grpo.records import (check_dataset, check_tokenizer, completion_records, custom_eval_metrics,
@@ -168,7 +168,7 @@ class GRPOTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config, compute_metrics=compute_metrics)
-        grpo_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images (trainers/grpo/vision.py)
+        onpolicy_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images (trainers/onpolicy/vision.py)
         self.ref_model = self.build_reference_model(ref_model) if self.needs_reference_logps() else None
         self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
         self.buffer = GenerationBuffer(self._cycle_length())
@@ -197,7 +197,7 @@ class GRPOTrainer(Trainer):
         if self.args.use_vllm:
             build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_server
             return build(self.model, self.args, multi_turn=self.rollout_runner is not None)
-        if self.args.max_staleness:  # a rollout worker samples ahead (trainers/grpo/asynchronous.py)
+        if self.args.max_staleness:  # a rollout worker samples ahead (trainers/onpolicy/asynchronous.py)
             return AsyncRollouts(self)
         return LocalEngine(self.model, backend=self.args.generation_backend)
 
@@ -236,7 +236,7 @@ class GRPOTrainer(Trainer):
         sampler = dataloader.sampler
         per_epoch = (sampler.batches_per_epoch if isinstance(sampler, RepeatSampler)  # len() shrinks on resume
                      else len(dataloader) if hasattr(dataloader, "__len__") else 0)  # 0: a stream, one endless epoch
-        return scheduled(self.engine, generation_windows(  # async: read ahead (trainers/grpo/asynchronous.py)
+        return scheduled(self.engine, generation_windows(  # async: read ahead (trainers/onpolicy/asynchronous.py)
             dataloader, epoch, skip_steps, cycle=self._cycle_length(), accum=self.args.gradient_accumulation_steps,
             generations_per_epoch=per_epoch))
 
@@ -276,7 +276,7 @@ class GRPOTrainer(Trainer):
                                   f"{ticket.generation}, without its saved buffer (no extra_state file in the "
                                   f"checkpoint): sampling it again from the current policy, so this run is not an "
                                   f"exact continuation", stacklevel=3)
-                begin_generation(self.engine, ticket.generation)  # async: request ahead (trainers/grpo/asynchronous.py)
+                begin_generation(self.engine, ticket.generation)  # async: request ahead (trainers/onpolicy/asynchronous.py)
                 self.buffer.put(ticket.generation, self.generate_and_score(ticket.rows, ticket.generation))
         window = [self.buffer.take(ticket, self.args.steps_per_generation) for ticket in batch_samples]
         self.buffer.release_consumed()
@@ -386,8 +386,8 @@ class GRPOTrainer(Trainer):
         prompt is prefilled once. With tools or an environment, ``rollout`` samples instead."""
         if self.rollout_runner is not None:
             return self.rollout(rows, generator, mode=mode)
-        if grpo_vision.has_images(rows):
-            return grpo_vision.sample(self, rows, generator, mode)
+        if onpolicy_vision.has_images(rows):
+            return onpolicy_vision.sample(self, rows, generator, mode)
         prompts = [row["prompt"] for row in rows]
         ids = tokenize_prompts(self.processing_class, prompts, self.args.max_prompt_length)
         distinct, group = distinct_prompts(ids, self.sampling_params(mode).num_generations)
@@ -427,7 +427,7 @@ class GRPOTrainer(Trainer):
         rows = slice(index * size, (index + 1) * size)
         sample = slice_sample(rollout.generation, loss_mask, advantages, rows)
         width = sample.completion_mask.shape[1]
-        sample.model_inputs = grpo_vision.slice_inputs(self.processing_class, rollout, rows,
+        sample.model_inputs = onpolicy_vision.slice_inputs(self.processing_class, rollout, rows,
                                                        sample.input_ids.shape[1] - width, width)
         sample = sample.to(self.args.device)
         corrected = self.corrects_sampling and sample.sampling_logps is not None
@@ -460,7 +460,7 @@ class GRPOTrainer(Trainer):
         if shared is not None:  # each prompt once (treadle.logprobs.prefix); None where this model or batch does not share
             return shared
         return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
-                           return_entropy=return_entropy, **grpo_vision.logprob_options(
+                           return_entropy=return_entropy, **onpolicy_vision.logprob_options(
                                model, batch.model_inputs, position_ids(mask), self.args.padding_free))
 
     # ---- the loss ---------------------------------------------------------------------------------------

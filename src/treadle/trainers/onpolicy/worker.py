@@ -1,4 +1,4 @@
-"""The rollout worker of asynchronous GRPO (trainers/grpo/asynchronous.py, docs/async.md): a process (or a thread) that
+"""The rollout worker of asynchronous GRPO (trainers/onpolicy/asynchronous.py, docs/async.md): a process (or a thread) that
 holds its own copy of the policy and samples generation batches with the own KV-cached sampler while the trainer
 trains.
 

@@ -23,7 +23,7 @@ import torch
 from treadle import vision
 from treadle.generation.single import positions_need_images
 from treadle.models import base_model
-from treadle.trainers.grpo.data import Rollout
+from treadle.trainers.onpolicy.data import Rollout
 
 
 def has_images(rows: list[dict]) -> bool:

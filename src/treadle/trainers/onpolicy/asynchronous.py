@@ -1,5 +1,5 @@
 """Asynchronous GRPO (``GRPOConfig(max_staleness=N)``, TRL's AsyncGRPO name; docs/async.md): a rollout worker
-(trainers/grpo/worker.py: its own process with its own copy of the policy) samples the next generation batches while the
+(trainers/onpolicy/worker.py: its own process with its own copy of the policy) samples the next generation batches while the
 trainer trains on this one.
 
 The schedule is fixed, so timing never changes a result. With one generation per optimizer step (required), the
@@ -34,9 +34,9 @@ from treadle.errors import PreflightError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.models import base_model
-from treadle.trainers.grpo import vision as grpo_vision
+from treadle.trainers.onpolicy import vision as onpolicy_vision
 from treadle.trainers.grpo.records import tokenize_prompts
-from treadle.trainers.grpo.worker import RolloutWorker
+from treadle.trainers.onpolicy.worker import RolloutWorker
 
 __all__ = ["AsyncRollouts", "begin_generation", "end_run", "load_state", "saved_state",
            "scheduled", "worker_threads"]
@@ -97,7 +97,7 @@ class AsyncRollouts:
         for h in range(generation, generation + self.staleness + 1):
             if h in self.versions or h not in self.rows or (h >= limit and h != generation):
                 continue
-            if grpo_vision.has_images(self.rows[h]):
+            if onpolicy_vision.has_images(self.rows[h]):
                 raise PreflightError("max_staleness > 0 samples text prompts only: this dataset's rows hold images; "
                                      "set max_staleness: 0")
             self.prompts[h] = self._prompt_ids(self.rows[h])
