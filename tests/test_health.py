@@ -383,8 +383,8 @@ def test_dynamic_sampling_masks_what_its_rounds_could_not_fill(tmp_path, tok, da
     trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=2, dynamic_sampling=True,
                           dynamic_sampling_max_rounds=2, health_checks={"patience": 3})
     calls = []
-    original = trainer._sample
-    trainer._sample = lambda rows, generator, **kw: calls.append(len(rows)) or original(rows, generator, **kw)
+    original = trainer.sample_rows  # every draw of a generation samples through it: the first and each round's
+    trainer.sample_rows = lambda rows, generator, **kw: calls.append(len(rows)) or original(rows, generator, **kw)
     spy = SampleSpy(trainer)
     with pytest.warns(HealthWarning):  # the constant reward
         trainer.train()

@@ -35,7 +35,7 @@ from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.models import base_model
 from treadle.trainers.onpolicy import vision as onpolicy_vision
-from treadle.trainers.grpo.records import tokenize_prompts
+from treadle.trainers.onpolicy.records import tokenize_prompts
 from treadle.trainers.onpolicy.worker import RolloutWorker
 
 __all__ = ["AsyncRollouts", "begin_generation", "end_run", "load_state", "saved_state",

@@ -36,8 +36,8 @@ import multiprocessing as mp
 
 from treadle.errors import UserError
 from treadle.generation.single import GenerationOutput, sample_completions
-from treadle.trainers.grpo.config import WORKER_KINDS
-from treadle.trainers.grpo.records import seeded_generator
+from treadle.trainers.onpolicy.config import WORKER_KINDS
+from treadle.trainers.onpolicy.records import seeded_generator
 
 __all__ = ["RolloutWorker", "RolloutWorkerError"]
 
