@@ -12,6 +12,7 @@ import torch
 
 from treadle.demos import toy
 from treadle.callbacks import TrainerCallback, rl_summary
+from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
 from treadle.metrics import MetricWindow
 from treadle.record.plots import collect_series, health_markers, panel_layout, plot_run, read_events
@@ -204,9 +205,10 @@ def test_a_frozen_policy_warns_once_that_its_entropy_collapsed(tmp_path, tok, da
     assert saved == [{"step": 1, "check": "min_entropy", "stop": False}]
 
 
-class StaleEngine:
-    """A rollout engine (not the own sampler) that drifted from the trained policy: it samples through the own
-    sampler but reports each token's log-prob 1 nat lower than the policy's, as an engine with stale weights would."""
+class StaleEngine(RolloutEngine):
+    """A rollout engine (not the own sampler: no ``exact_logps``) that drifted from the trained policy: it samples
+    through the own sampler but reports each token's log-prob 1 nat lower than the policy's, as an engine with stale
+    weights would."""
 
     def __init__(self, model):
         self.local = LocalEngine(model)
@@ -216,8 +218,8 @@ class StaleEngine:
         out.sampling_logps = out.sampling_logps - out.completion_mask
         return out
 
-    def load_weights(self, model):
-        self.local.load_weights(model)
+    def load_weights(self, model, version=None):
+        self.local.load_weights(model, version)
 
     def close(self):
         self.local.close()
@@ -256,8 +258,8 @@ class UnsyncedEngine(StaleEngine):
         super().__init__(model)
         self.sync_unchanged, self.syncs = None, 0
 
-    def load_weights(self, model):
-        super().load_weights(model)
+    def load_weights(self, model, version=None):
+        super().load_weights(model, version)
         self.syncs += 1
         self.sync_unchanged = True if self.syncs > 1 else None  # the first sync precedes any step: nothing to check
 

@@ -61,10 +61,11 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
     hold the same prompt run it once, their completions after it under a 4D mask (``treadle.logprobs.prefix``; exact, and
     off by itself where the model or the batch does not fit).
 15. Sampling goes through a rollout engine (``treadle.engines``; ``build_engine`` returns the own KV-cached
-    sampler), which also returns the log-probs of the distribution it sampled from; they travel with each
-    ``Sample`` as ``sampling_logps``. Where that distribution may differ from the trained one, the loss is weighed
-    by the sampler correction (trainers/grpo/correction.py; TRL corrects only with vLLM). Multi-turn rollouts call
-    the multi-turn sampler directly (``treadle.rollouts``).
+    sampler), single-turn, multi-turn and image rows alike, which also returns the log-probs of the distribution it
+    sampled from; they travel with each ``Sample`` as ``sampling_logps``. Where that distribution may differ from
+    the trained one (the engine does not report ``exact_logps``, a producer sampled ahead with ``max_staleness``,
+    or the sampling settings reshape it), the loss is weighed by the sampler correction
+    (trainers/grpo/correction.py; TRL corrects only with vLLM).
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ import torch
 
 from treadle import distributed as dist
 from treadle.record import runfiles
-from treadle.engines.local import LocalEngine
 from treadle.health import HealthCallback, generation_health
 from treadle.logprobs.tokens import token_logps
 from treadle.losses import decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages
@@ -90,7 +90,7 @@ from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
 from treadle.trainers.onpolicy.records import seeded_generator
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
 from treadle.trainers.grpo.config import GRPOConfig
-from treadle.trainers.grpo.correction import correction_metrics, corrects_sampling, sampling_ratio
+from treadle.trainers.grpo import correction
 from treadle.trainers.grpo.dynamic import check_stream, extra_rows, fill_with_signal
 from treadle.trainers.grpo.records import completion_records, generation_metrics
 
@@ -133,8 +133,6 @@ class GRPOTrainer(OnPolicyTrainer):
                          peft_config=peft_config, compute_metrics=compute_metrics, reward_funcs=reward_funcs,
                          tools=tools, env_factory=env_factory)
         self.ref_model = self.build_reference_model(ref_model) if self.needs_reference_logps() else None
-        self.corrects_sampling = corrects_sampling(args, own_sampler=isinstance(self.engine, LocalEngine)
-                                                   or self.rollout_runner is not None)  # trainers/grpo/correction.py
         self._completions_file_checked = False
         self.health = HealthCallback(args.health_checks, self.metrics, num_generations=args.num_generations,
                                      max_completion_length=args.max_completion_length)  # treadle.health
@@ -148,6 +146,12 @@ class GRPOTrainer(OnPolicyTrainer):
         """The frozen reference policy for the KL term: ``ref_model``, or a copy of the model as it is now; None
         for a PEFT model, which is its own reference with its adapters disabled (no second copy)."""
         return frozen_reference(self.model, ref_model, device=self.args.device)
+
+    @property
+    def corrects_sampling(self) -> bool:
+        """Whether the sampler correction weighs the loss (trainers/grpo/correction.py): what the engine reports
+        (``exact_logps``), and a producer samples from weights up to ``max_staleness`` steps old."""
+        return correction.corrects_sampling(self.args, exact_logps=self.engine.exact_logps and self.producer is None)
 
     # ---- data -------------------------------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -210,7 +214,7 @@ class GRPOTrainer(OnPolicyTrainer):
             loss_mask = loss_mask * (~rollout.generation.is_truncated).unsqueeze(1).to(loss_mask.dtype)
         slices = [self._build_slice(rollout, loss_mask, local_advantages, s) for s in range(args.steps_per_generation)]
         if slices[0].importance_sampling_ratio is not None:
-            self.metrics.add_many(correction_metrics(slices, args.vllm_importance_sampling_mode))
+            self.metrics.add_many(correction.correction_metrics(slices, args.vllm_importance_sampling_mode))
         return slices
 
     def sample_and_score(self, rows: list[dict], generation: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
@@ -218,7 +222,7 @@ class GRPOTrainer(OnPolicyTrainer):
         ``dynamic_sampling``, groups of equal rewards are replaced by groups of extra prompts (trainers/grpo/dynamic.py)."""
         args = self.args
         rollout = self.sample_generation(rows, generation)
-        if getattr(self.engine, "sync_unchanged", None) is not None:  # an engine with its own weights checked its sync
+        if self.engine.sync_unchanged is not None:  # an engine with its own weights checked its push
             self.health.record_weight_sync(self.engine.sync_unchanged)
         rewards = self.compute_rewards(rollout)
         if not args.dynamic_sampling:
@@ -250,7 +254,7 @@ class GRPOTrainer(OnPolicyTrainer):
         if self._needs_old_logps() or corrected:
             sample.old_logps = self.frozen_logps(self.model, sample)
         if corrected:  # the sampler correction (trainers/grpo/correction.py)
-            sample.importance_sampling_ratio = sampling_ratio(sample, self.args)
+            sample.importance_sampling_ratio = correction.sampling_ratio(sample, self.args)
         if self.needs_reference_logps():
             with reference_of(self.model, self.ref_model) as reference:  # a PEFT policy: adapters disabled
                 sample.ref_logps = self.frozen_logps(reference, sample)

@@ -1,7 +1,7 @@
-"""The typed data of on-policy training (GRPO, distillation): what sampling returns (:class:`Rollout`), what one
-micro-step trains on (:class:`Sample`), the generation buffer that owns its cursor and its checkpoint state
-(:class:`GenerationBuffer`), and the accumulation windows of per-micro-step tickets that one generation batch feeds
-(:func:`generation_windows`).
+"""The typed data of on-policy training (GRPO, distillation): the prompts sampling starts from (:class:`Prompts`),
+what sampling returns (:class:`Rollout`), what one micro-step trains on (:class:`Sample`), the generation buffer
+that owns its cursor and its checkpoint state (:class:`GenerationBuffer`), and the accumulation windows of
+per-micro-step tickets that one generation batch feeds (:func:`generation_windows`).
 
 One generation batch (``generation_batch_size`` rows on this rank: ``steps_per_generation`` slices of
 ``per_device_train_batch_size`` rows) feeds a cycle of ``steps_per_generation * num_iterations`` micro-steps;
@@ -24,8 +24,18 @@ from treadle.errors import PreflightError
 from treadle.streaming import Stream, repeat_rows
 from treadle.generation.single import GenerationOutput
 
-__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows", "prompt_stream",
-           "slice_sample"]
+__all__ = ["GenerationBuffer", "Prompts", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows",
+           "prompt_stream", "slice_sample"]
+
+
+@dataclass
+class Prompts:
+    """A batch of rows' prompts, tokenised once (``OnPolicyTrainer.encode_prompts``): what an engine or the
+    asynchronous producer samples from."""
+
+    ids: list[list[int]]  # the distinct prompts' token ids (rows holding whole groups: each prompt once)
+    group: int  # completions per distinct prompt: G when the rows hold whole groups, else 1
+    inputs: dict[str, Tensor] | None = None  # a VLM's vision inputs for the distinct prompts (pixel_values ...)
 
 
 @dataclass

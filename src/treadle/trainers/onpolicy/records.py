@@ -16,14 +16,18 @@ from treadle.rewards import (METRICS_ARGUMENTS, RewardFunction, call_compute_met
                              weighted_rewards)
 from treadle.text import encode_prompt
 
-__all__ = ["check_dataset", "check_tokenizer", "custom_eval_metrics", "reward_list", "reward_sums", "reward_weights",
-           "seeded_generator", "tokenize_prompts"]
+__all__ = ["check_dataset", "check_tokenizer", "custom_eval_metrics", "generator_seed", "reward_list", "reward_sums",
+           "reward_weights", "seeded_generator", "tokenize_prompts"]
+
+
+def generator_seed(seed: int, *key) -> int:
+    """The seed of (seed, key, rank): sampling is reproducible and a resumed run samples alike."""
+    return random.Random("/".join(str(k) for k in (seed, *key, dist.get_rank()))).getrandbits(63)
 
 
 def seeded_generator(seed: int, device, *key) -> torch.Generator:
-    """A generator seeded by (seed, key, rank): sampling is reproducible and a resumed run samples alike."""
-    value = random.Random("/".join(str(k) for k in (seed, *key, dist.get_rank()))).getrandbits(63)
-    return torch.Generator(device=device).manual_seed(value)
+    """A generator on ``device`` seeded by (seed, key, rank) (``generator_seed``)."""
+    return torch.Generator(device=device).manual_seed(generator_seed(seed, *key))
 
 
 

@@ -18,11 +18,17 @@ one typed ``Sample`` per micro-step (trainers/onpolicy/data.py)::
 
 The hooks a subclass implements: ``generate_and_score(rows, generation)`` (a generation's ``steps_per_generation``
 slices), ``count_items(sample)`` and ``compute_loss``; it sets ``requires_reward_funcs`` when it trains on rewards.
-What it calls to sample: ``sample_rows`` (one completion per row: single-turn through ``generate``, the one place a
-single-turn completion is sampled, text and image rows alike; multi-turn through ``rollout``), with
+What it calls to sample: ``sample_generation`` (a training generation's rollout), ``sample_rows`` (one completion
+per row: single-turn through ``generate``, the one place a single-turn completion is sampled, text and image rows
+alike; multi-turn through ``rollout``; each prompt tokenised once, ``encode_prompts``), with
 ``sampling_params(mode)``; ``compute_rewards`` scores a rollout. ``evaluate`` reports what RL optimises (rewards,
-pass@k) of sampled completions. The engine that samples (``build_engine``) and the rollout runner of multi-turn
-rollouts are the trainer's: ``close()`` closes both, and ``train`` closes the runner's threads when it ends.
+pass@k) of sampled completions.
+
+The trainer owns what samples: the rollout engine (``build_engine``: any ``engines.RolloutEngine``, whose reports
+it reads and whose type it never asks), the producer of asynchronous generation (``build_producer``, only with
+``max_staleness`` > 0: a rollout worker samples the generations ahead, each batch tagged with its policy version)
+and the rollout runner of multi-turn rollouts. ``close()`` closes all three; ``train`` stops the producer's worker
+and the runner's threads when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -49,10 +55,10 @@ from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.onpolicy import vision as onpolicy_vision
-from treadle.trainers.onpolicy.asynchronous import (AsyncRollouts, begin_generation, end_run, load_state,
-                                                    saved_state, scheduled)
 from treadle.trainers.onpolicy.config import OnPolicyConfig
-from treadle.trainers.onpolicy.data import GenerationBuffer, Rollout, Sample, Ticket, generation_windows, prompt_stream
+from treadle.trainers.onpolicy.data import (GenerationBuffer, Prompts, Rollout, Sample, Ticket, generation_windows,
+                                            prompt_stream)
+from treadle.trainers.onpolicy.producer import RolloutProducer
 from treadle.trainers.onpolicy.records import (check_dataset, check_tokenizer, custom_eval_metrics, reward_list,
                                                reward_sums, reward_weights, seeded_generator, tokenize_prompts)
 from treadle.vision import tokenizer_of
@@ -105,6 +111,7 @@ class OnPolicyTrainer(Trainer):
         self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
         self.buffer = GenerationBuffer(self.micro_batches_per_batch())
         self.engine = self.build_engine()
+        self.producer = self.build_producer() if args.max_staleness else None  # N = 0: nothing of it is built
 
     def build_engine(self) -> RolloutEngine:
         """The rollout engine that single-turn training and evaluation sample through: the own KV-cached sampler
@@ -113,15 +120,27 @@ class OnPolicyTrainer(Trainer):
         if self.args.use_vllm:
             build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_server
             return build(self.model, self.args, multi_turn=self.rollout_runner is not None)
-        if self.args.max_staleness:  # a rollout worker samples ahead (trainers/onpolicy/asynchronous.py)
-            return AsyncRollouts(self)
         return LocalEngine(self.model, backend=self.args.generation_backend)
 
+    def build_producer(self, staleness: int | None = None) -> RolloutProducer:
+        """Asynchronous generation (``max_staleness`` > 0; trainers/onpolicy/producer.py, docs/async.md): a
+        producer that samples the training generations up to ``staleness`` (default ``max_staleness``) steps ahead
+        on a rollout worker with its own copy of the policy. Built only when ``max_staleness`` > 0; evaluation
+        samples through the engine all the same."""
+        args = self.args
+        return RolloutProducer(self.model, self.sampling_params("train"), seed=args.seed,
+                               staleness=args.max_staleness if staleness is None else staleness,
+                               backend=args.generation_backend, worker=args.async_worker,
+                               threads=args.async_worker_threads, timeout=args.async_timeout,
+                               multi_turn=self.rollout_runner is not None)
+
     def close(self) -> None:
-        """Release the engine and the rollout runner's threads (a later ``train`` or ``evaluate`` restarts the
-        runner's threads; a closed engine is not used again)."""
+        """Release the engine, the producer and the rollout runner's threads (a later ``train`` or ``evaluate``
+        restarts the runner's threads; a closed engine is not used again)."""
         if self.rollout_runner is not None:
             self.rollout_runner.close()
+        if self.producer is not None:
+            self.producer.close()
         self.engine.close()
 
     # ---- data -------------------------------------------------------------------------------------------
@@ -152,18 +171,20 @@ class OnPolicyTrainer(Trainer):
         sampler = dataloader.sampler
         per_epoch = (sampler.batches_per_epoch if isinstance(sampler, RepeatSampler)  # len() shrinks on resume
                      else len(dataloader) if hasattr(dataloader, "__len__") else 0)  # 0: a stream, one endless epoch
-        return scheduled(self.engine, generation_windows(  # async: read ahead (trainers/onpolicy/asynchronous.py)
-            dataloader, epoch, skip_steps, cycle=self.micro_batches_per_batch(),
-            accum=self.args.gradient_accumulation_steps, generations_per_epoch=per_epoch))
+        windows = generation_windows(dataloader, epoch, skip_steps, cycle=self.micro_batches_per_batch(),
+                                     accum=self.args.gradient_accumulation_steps, generations_per_epoch=per_epoch)
+        return windows if self.producer is None else self.producer.read_ahead(windows)  # async: rows ahead
 
     # ---- the buffer -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None):
-        """``Trainer.train``; the rollout runner's threads are closed when it ends, however it ends."""
+        """``Trainer.train``; the producer's worker and the rollout runner's threads are stopped when it ends,
+        however it ends."""
         self.buffer.clear()  # a resumed run restores its own (load_extra_checkpoint_state)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint)
         finally:
-            end_run(self.engine)  # async: stop the rollout worker
+            if self.producer is not None:
+                self.producer.end()
             if self.rollout_runner is not None:
                 self.rollout_runner.close()
 
@@ -179,11 +200,22 @@ class OnPolicyTrainer(Trainer):
                                   f"{ticket.generation}, without its saved buffer (no extra_state file in the "
                                   f"checkpoint): sampling it again from the current policy, so this run is not an "
                                   f"exact continuation", stacklevel=3)
-                begin_generation(self.engine, ticket.generation)  # async: request ahead
+                if self.producer is not None:
+                    self._request_ahead(ticket.generation)
                 self.buffer.put(ticket.generation, self.generate_and_score(ticket.rows, ticket.generation))
         window = [self.buffer.take(ticket, self.args.steps_per_generation) for ticket in batch_samples]
         self.buffer.release_consumed()
         return window
+
+    def _request_ahead(self, generation: int) -> None:
+        """Generation ``generation`` starts (the policy is its weights): the producer gets these weights and the
+        prompts, tokenised here, of every generation due now (up to ``max_staleness`` ahead)."""
+        self.producer.start()
+        due = self.producer.due(generation, self.state.max_steps)
+        if due:
+            self.producer.push_weights(self.model, version=generation)
+        for ahead, rows in due:
+            self.producer.request(ahead, self.encode_prompts(rows))
 
     def generate_and_score(self, rows: list[dict], generation: int) -> list[Sample]:
         """Generation ``generation`` of this rank's ``rows``: its ``steps_per_generation`` slices (``Sample``s on
@@ -191,12 +223,18 @@ class OnPolicyTrainer(Trainer):
         raise NotImplementedError(f"{type(self).__name__} must implement generate_and_score(rows, generation)")
 
     # ---- sampling ---------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], *, num_generations: int,
-                 generator: torch.Generator | None = None, mode: str = "train") -> GenerationOutput:
+    def generate(self, prompt_ids: list[list[int]], *, num_generations: int, generator: torch.Generator | None = None,
+                 mode: str = "train", prompt_inputs: dict | None = None) -> GenerationOutput:
         """Sample ``num_generations`` completions for each distinct prompt (token ids) with the sampling settings
         of ``mode`` (``sampling_params``) through ``self.engine``; rows come back grouped (prompt b's completions
-        are rows b*G .. b*G+G-1). The one place where training and evaluation sample."""
-        return self.engine.generate(prompt_ids, self.sampling_params(mode, num_generations), generator=generator)
+        are rows b*G .. b*G+G-1). ``prompt_inputs``: the prompts' vision inputs (image rows; their completions never
+        sample an image token). The one place where a single-turn completion is sampled, text and image rows,
+        training and evaluation alike (the asynchronous producer's worker samples ahead through its own engine)."""
+        params = self.sampling_params(mode, num_generations)
+        if prompt_inputs is None:
+            return self.engine.generate(prompt_ids, params, generator=generator)
+        params = onpolicy_vision.without_image_tokens(params, self.processing_class)
+        return self.engine.generate(prompt_ids, params, generator=generator, prompt_inputs=prompt_inputs)
 
     def sampling_params(self, mode: str = "train", num_generations: int | None = None) -> SamplingParams:
         """The sampling settings of ``mode``: "train" (the config's), "eval" (its ``eval_*`` fields; temperature 0
@@ -222,25 +260,47 @@ class OnPolicyTrainer(Trainer):
         ``rollout`` samples instead."""
         if self.rollout_runner is not None:
             return self.rollout(rows, generator, mode=mode)
-        if onpolicy_vision.has_images(rows):
-            return onpolicy_vision.sample(self, rows, generator, mode)
-        prompts = [row["prompt"] for row in rows]
-        ids = tokenize_prompts(self.processing_class, prompts, self.args.max_prompt_length)
-        distinct, group = distinct_prompts(ids, self.sampling_params(mode).num_generations)
+        prompts = self.encode_prompts(rows, mode)
         settings = {"mode": mode} if mode != "train" else {}  # an override written for training only still trains
-        out = self.generate(distinct, num_generations=group, generator=generator, **settings)
+        if prompts.inputs is not None:
+            settings["prompt_inputs"] = prompts.inputs
+        out = self.generate(prompts.ids, num_generations=prompts.group, generator=generator, **settings)
+        return self._decoded(rows, out, chat=prompts.inputs is not None)
+
+    def encode_prompts(self, rows: list[dict], mode: str = "train") -> Prompts:
+        """The rows' prompts tokenised, once per generation: text (``text.encode_prompt``: chat messages rendered
+        with a generation prompt, cut to the last ``max_prompt_length`` tokens) or, for rows with images, one
+        processor call (trainers/onpolicy/vision.py). Rows that hold whole groups of ``mode``'s size give each
+        prompt once."""
+        group = self.sampling_params(mode).num_generations
+        if onpolicy_vision.has_images(rows):
+            distinct, group = onpolicy_vision.distinct_rows(rows, group)
+            ids, inputs = onpolicy_vision.encode(self.processing_class, distinct,
+                                                 max_prompt_length=self.args.max_prompt_length)
+            return Prompts(ids, group, inputs)
+        ids = tokenize_prompts(self.processing_class, [row["prompt"] for row in rows], self.args.max_prompt_length)
+        return Prompts(*distinct_prompts(ids, group))
+
+    def _decoded(self, rows: list[dict], out: GenerationOutput, chat: bool = False) -> Rollout:
+        """The ``Rollout`` of one completion per row: ``out``'s completions cut at their length and decoded, as
+        assistant messages for chat prompts (``chat``: every row's)."""
         lengths = out.completion_mask.sum(dim=1).tolist()
         completion_lists = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
-        texts = self.processing_class.batch_decode(completion_lists, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if is_conversation(p) else t
-                       for p, t in zip(prompts, texts)]
+        texts = tokenizer_of(self.processing_class).batch_decode(completion_lists, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if chat or is_conversation(row["prompt"]) else t
+                       for row, t in zip(rows, texts)]
         return Rollout.of(rows, out, completions, completion_lists)
 
     def sample_generation(self, rows: list[dict], generation: int) -> Rollout:
         """Training generation ``generation``'s rollout of this rank's ``rows`` (``generate_and_score`` starts
-        here): the engine gets the policy's current weights, then samples one completion per row
-        (``sample_rows``) from a generator seeded by (seed, generation, rank)."""
-        self.engine.load_weights(self.model_wrapped)  # the policy changed since the last generation
+        here): the producer's batch, sampled ahead (``async/staleness`` logs its age in optimizer steps); else the
+        engine gets the policy's current weights and samples one completion per row (``sample_rows``) from a
+        generator seeded by (seed, generation, rank)."""
+        if self.producer is not None:
+            produced = self.producer.take(generation)
+            self.metrics.add_many({"async/staleness": (float(produced.staleness), 1)})
+            return self._decoded(rows, produced.output)
+        self.engine.load_weights(self.model_wrapped, version=self.state.global_step)  # the policy moved since
         return self.sample_rows(rows, seeded_generator(self.args.seed, self.args.device, "train", generation))
 
     def rollout(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> Rollout:
@@ -249,9 +309,8 @@ class OnPolicyTrainer(Trainer):
         ``loss_mask`` is 1 on sampled tokens only, with ``transcripts`` and ``rollout_metrics``; the reward
         functions also get the ``transcript`` and ``env_reward`` columns."""
         args = self.args
-        out = self.rollout_runner.run(self.model_wrapped, rows, self.sampling_params(mode),
-                                      max_prompt_length=args.max_prompt_length, generator=generator,
-                                      backend=args.generation_backend)
+        out = self.rollout_runner.run(self.engine, rows, self.sampling_params(mode),
+                                      max_prompt_length=args.max_prompt_length, generator=generator)
         rollout = Rollout.of(rows, out.generation, out.completions, out.completion_lists,
                              loss_mask=out.generation.sampled_mask, transcripts=out.transcripts,
                              rollout_metrics=out.metrics)
@@ -268,12 +327,14 @@ class OnPolicyTrainer(Trainer):
     def extra_checkpoint_state(self) -> dict:
         """This rank's generation buffer (unconsumed slices and cursor), saved in every checkpoint so that resuming
         inside a generation cycle is exact (the metrics are in the Trainer's window)."""
-        return {"buffer": self.buffer.state_dict(), **saved_state(self.engine)}  # + async: batches requested
+        extra = {} if self.producer is None else {"async": self.producer.state_dict()}  # the batches requested
+        return {"buffer": self.buffer.state_dict(), **extra}
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
         # earlier releases saved {"buffers": ...} (their cursor in trainer_state.json); the buffer reads both
         self.buffer.load_state_dict(state.get("buffer", state), self.args.device)
-        load_state(self.engine, state)
+        if self.producer is not None and "async" in state:
+            self.producer.load_state_dict(state["async"])
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -293,7 +354,7 @@ class OnPolicyTrainer(Trainer):
                                        sampler=self.build_sampler(dataset, shuffle=False), collate_fn=_keep_rows)
         self.callback_handler.eval_dataloader = loader
         self.metrics.clear("eval")
-        self.engine.load_weights(self.model_wrapped)
+        self.engine.load_weights(self.model_wrapped, version=self.state.global_step)
         rng = ckpt.rng_state()  # reward functions and compute_metrics may draw from the global RNGs
         try:
             samples = [self._score_eval_batch(rows, index) for index, rows in enumerate(loader)]
