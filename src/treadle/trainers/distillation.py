@@ -29,10 +29,10 @@ How this departs from TRL 1.16's DistillationTrainer:
    sampling) are not fields of it: setting one is an unknown argument. One generation per optimizer step, as TRL:
    ``steps_per_generation`` must equal ``gradient_accumulation_steps`` and ``num_iterations`` is 1.
 2. Sampling goes through the rollout engine (the own KV-cached sampler, or vLLM with ``use_vllm``), seeded per
-   (seed, generation, rank). ``min_p`` and ``generation_kwargs`` are the on-policy base's (``suppress_tokens``: the own sampler
-   only): the ``GenerationConfig`` names it takes (``generation.sampling.GENERATION_KWARGS``) override the config's
-   fields as in TRL; ``temperature`` (also the divergence's), ``max_new_tokens`` and names it has no counterpart for are
-   refused in one line.
+   (seed, generation, rank). ``min_p`` and ``generation_kwargs`` are the on-policy base's (``suppress_tokens``: the
+   own sampler only): the ``GenerationConfig`` names it takes (``generation.sampling.GENERATION_KWARGS``) override
+   the config's fields as in TRL; ``temperature`` (also the divergence's), ``max_new_tokens`` and names it has no
+   counterpart for are refused in one line.
 3. Training forwards get position ids counted from the first prompt token (GRPO's departure 5), for both models.
 4. Models outside the hidden-state fast path (final-logit softcapping, logit scaling, custom heads) fall back to
    both models' full logits for the micro-batch (exact, more memory); TRL applies scale and softcap in its kernel.
@@ -196,9 +196,9 @@ class DistillationTrainer(OnPolicyTrainer):
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """With ``reward_funcs``: the on-policy evaluation (rewards, pass@k, greedy accuracy). Without: ``<prefix>_loss``,
-        the divergence per completion token of completions sampled from the ``eval_*`` settings (seeded per batch),
-        and ``<prefix>_completions/mean_length``. Logs the metrics and fires ``on_evaluate``."""
+        """With ``reward_funcs``: the on-policy evaluation (rewards, pass@k, greedy accuracy). Without:
+        ``<prefix>_loss``, the divergence per completion token of completions sampled from the ``eval_*`` settings
+        (seeded per batch), and ``<prefix>_completions/mean_length``. Logs the metrics and fires ``on_evaluate``."""
         if self.reward_funcs:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -207,7 +207,7 @@ class DistillationTrainer(OnPolicyTrainer):
         loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
                                        sampler=self.build_sampler(dataset, shuffle=False), collate_fn=list)
         self.metrics.clear("eval")
-        self.engine.load_weights(self.model_wrapped)
+        self.engine.load_weights(self.model_wrapped, version=self.state.global_step)
         with torch.no_grad(), eval_mode(self.model):
             for index, rows in enumerate(loader):
                 rollout = self.sample_rows(rows, seeded_generator(self.args.seed, self.args.device, "eval", index),

@@ -1,6 +1,7 @@
-"""Asynchronous GRPO (``max_staleness``; trainers/onpolicy/producer.py, trainers/onpolicy/worker.py, docs/async.md): the
-synchronous run unchanged, the schedule's staleness, reproducibility, exact resume after SIGKILL, a dead or hung worker stopping
-the run in one line, SIGTERM, and the importance-sampling correction's unbiasedness on a toy policy."""
+"""Asynchronous GRPO (``max_staleness``; trainers/onpolicy/producer.py, trainers/onpolicy/worker.py, docs/async.md):
+the synchronous run unchanged, the schedule's staleness, reproducibility, exact resume after SIGKILL, a dead or hung
+worker stopping the run in one line, SIGTERM, and the importance-sampling correction's unbiasedness on a toy
+policy."""
 
 import json
 import os

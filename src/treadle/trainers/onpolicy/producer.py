@@ -10,11 +10,12 @@ is full, fewer at its start. The trainer reads its windows N ahead (``read_ahead
 generations are known; at the start of generation g it asks which generations are ``due`` (every one up to g + N
 whose rows are known and that was not requested yet; never past ``max_steps``), pushes its current weights once
 (``push_weights``: the weight push is its own message, and its own role) and ``request``s each due generation with
-the prompt ids it tokenised (the producer never tokenises; the worker starts at the run's first generation). Then it ``take``s generation g's batch. Each request
-carries the ``SamplingParams`` and the generator seed the worker uses: the seed of (seed, g), as the synchronous
-run seeds generation g, so two runs with the same seed and N train the same weights; the worker's reply names the
-policy version its engine held, checked against the schedule. A checkpoint holds the batches already requested (it
-waits for them), so a resumed run continues exactly. N = 0 builds none of this: the synchronous run, bit for bit.
+the prompt ids it tokenised (the producer never tokenises; its worker starts at the run's first generation). Then
+it ``take``s generation g's batch. Each request carries the ``SamplingParams`` and the generator seed the worker
+uses: the seed of (seed, g), as the synchronous run seeds generation g, so two runs with the same seed and N train
+the same weights; the worker's reply names the policy version its engine held, checked against the schedule. A
+checkpoint holds the batches already requested (it waits for them), so a resumed run continues exactly. N = 0
+builds none of this: the synchronous run, bit for bit.
 
 The producer holds no trainer: the model to copy, the training ``SamplingParams`` and explicit settings (the seed,
 the sampler backend, the worker's kind, threads and timeout) are all it is given.
@@ -126,7 +127,8 @@ class RolloutProducer:
             raise PreflightError("max_staleness > 0 samples text prompts only: this dataset's rows hold images; "
                                  "set max_staleness: 0")
         params = dataclasses.replace(self.params, num_generations=prompts.group)
-        self.worker.sample(SampleRequest(generation, prompts.ids, params, generator_seed(self.seed, "train", generation)))
+        seed = generator_seed(self.seed, "train", generation)  # the synchronous run's seed of this generation
+        self.worker.sample(SampleRequest(generation, prompts.ids, params, seed))
         self.versions[generation] = self.pushed_version
         self.inflight.append(generation)
 

@@ -4,9 +4,10 @@ sampler) and samples generation batches while the trainer trains.
 
 The protocol is one request queue and one reply queue, two kinds of request: a weight push (a version and its state
 dict: the worker loads it into its copy and tells its engine the version) and a :class:`SampleRequest` (a
-generation, the distinct prompt ids, the ``SamplingParams`` and the generator seed to sample with). The worker replies to each sample request ``(generation, the version its engine held,
-GenerationOutput)``, or ``(generation, version, traceback text)`` when the push or the sampling raised. Requests are
-served in order, so the weights a generation is sampled from depend only on the schedule, never on timing.
+generation, the distinct prompt ids, the ``SamplingParams`` and the generator seed to sample with). The worker
+replies to each sample request ``(generation, the version its engine held, GenerationOutput)``, or ``(generation,
+version, traceback text)`` when the push or the sampling raised. Requests are served in order, so the weights a
+generation is sampled from depend only on the schedule, never on timing.
 
 Nothing waits without a limit (``RolloutWorker.wait``): a reply that does not come within ``timeout`` seconds, or a
 worker that dies, raises ``RolloutWorkerError`` (a ``UserError``: one line) naming what was waited for, the exit
