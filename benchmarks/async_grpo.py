@@ -81,7 +81,7 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
     worker_cpu = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     tokens = sum(h["completions/mean_length"] for h in logs) * options.batch
-    timings = getattr(trainer.engine, "timings", {})
+    timings = trainer.producer.timings if trainer.producer is not None else {}
     return {"seconds": seconds, "tokens": round(tokens), "sampling": sampling[0] if not staleness else None,
             "worker_start": timings.get("worker_start"), "waiting": timings.get("waiting"),
             "staleness": [h.get("async/staleness") for h in logs], "cpu": cpu,

@@ -4,7 +4,7 @@ Both contenders roll out the same B prompts x G with the same environment: every
 answered with a tool-like observation of ~10 tokens, for ``--turns`` turns, optionally after a random tool
 latency (``--latency-ms``: uniform in [0, 2 x latency]) in the thread pool. "kept" is
 ``generation.turns.sample_turns`` (observations fed through the batched decode step, a row waiting on its tool sits
-out); "re-prefill" is ``rollouts.reprefill_turns`` with the same fast sampler per turn (each turn prefills the
+out); "re-prefill" is ``generation.reprefill_turns`` with the same fast sampler per turn (each turn prefills the
 prompt and every earlier turn again, and waits for every tool of the batch). The random toy models get a bias on
 the EOS logit so that a turn is ~8 tokens. Contenders run interleaved so that load from other processes hits
 both alike; the ratio of medians is printed with the machine's load average.
@@ -28,8 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from treadle.demos import toy  # noqa: E402
-from treadle.generation import SamplingParams, sample_turns  # noqa: E402
-from treadle.rollouts.runner import reprefill_turns  # noqa: E402
+from treadle.generation import SamplingParams, reprefill_turns, sample_turns  # noqa: E402
 
 EOS = 2
 

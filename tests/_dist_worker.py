@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from treadle.engines.base import RolloutEngine
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -262,7 +264,7 @@ def digit_count_reward(prompts, completions, completion_ids, **columns) -> list[
     return [float(sum(ch.isdigit() for ch in text)) for text in completions]
 
 
-class PromptSeededEngine:
+class PromptSeededEngine(RolloutEngine):
     """The own sampler behind the engine contract, each distinct prompt sampled alone from a generator seeded by
     (its token ids, this engine's call count): the completions of a prompt do not depend on which rank holds it
     or on which prompts share its batch, so 1 process and 2 sample the same. Records the prompts it sampled."""
@@ -298,8 +300,8 @@ class PromptSeededEngine:
                                 is_truncated=torch.cat([o.is_truncated for o in outs]),
                                 sampling_logps=right("sampling_logps", 0.0))
 
-    def load_weights(self, model) -> None:
-        self.inner.load_weights(model)
+    def load_weights(self, model, version=None) -> None:
+        self.inner.load_weights(model, version)
 
     def close(self) -> None:
         self.inner.close()

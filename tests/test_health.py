@@ -14,6 +14,7 @@ import torch
 from _factories import digit_sum_reward, grpo_args, grpo_trainer
 from treadle.demos import toy
 from treadle.callbacks import TrainerCallback, rl_summary
+from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
 from treadle.metrics import MetricWindow
 from treadle.record.plots import collect_series, health_markers, panel_layout, plot_run, read_events
@@ -25,7 +26,7 @@ from treadle.health import (HealthCallback, HealthWarning, TrainingStalled, cons
 from treadle.state import TrainerControl, TrainerState
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.grpo.config import HEALTH_CHECKS, resolve_health_checks
-from treadle.trainers.grpo.data import Rollout, join_rows
+from treadle.trainers.onpolicy.data import Rollout, join_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -190,9 +191,10 @@ def test_a_frozen_policy_warns_once_that_its_entropy_collapsed(tmp_path, tok, da
     assert saved == [{"step": 1, "check": "min_entropy", "stop": False}]
 
 
-class StaleEngine:
-    """A rollout engine (not the own sampler) that drifted from the trained policy: it samples through the own
-    sampler but reports each token's log-prob 1 nat lower than the policy's, as an engine with stale weights would."""
+class StaleEngine(RolloutEngine):
+    """A rollout engine (not the own sampler: no ``exact_logps``) that drifted from the trained policy: it samples
+    through the own sampler but reports each token's log-prob 1 nat lower than the policy's, as an engine with stale
+    weights would."""
 
     def __init__(self, model):
         self.local = LocalEngine(model)
@@ -202,8 +204,8 @@ class StaleEngine:
         out.sampling_logps = out.sampling_logps - out.completion_mask
         return out
 
-    def load_weights(self, model):
-        self.local.load_weights(model)
+    def load_weights(self, model, version=None):
+        self.local.load_weights(model, version)
 
     def close(self):
         self.local.close()
@@ -242,8 +244,8 @@ class UnsyncedEngine(StaleEngine):
         super().__init__(model)
         self.sync_unchanged, self.syncs = None, 0
 
-    def load_weights(self, model):
-        super().load_weights(model)
+    def load_weights(self, model, version=None):
+        super().load_weights(model, version)
         self.syncs += 1
         self.sync_unchanged = True if self.syncs > 1 else None  # the first sync precedes any step: nothing to check
 
@@ -369,8 +371,8 @@ def test_dynamic_sampling_masks_what_its_rounds_could_not_fill(tmp_path, tok, da
     trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=2, dynamic_sampling=True,
                           dynamic_sampling_max_rounds=2, health_checks={"patience": 3})
     calls = []
-    original = trainer._sample
-    trainer._sample = lambda rows, generator, **kw: calls.append(len(rows)) or original(rows, generator, **kw)
+    original = trainer.sample_rows  # every draw of a generation samples through it: the first and each round's
+    trainer.sample_rows = lambda rows, generator, **kw: calls.append(len(rows)) or original(rows, generator, **kw)
     spy = SampleSpy(trainer)
     with pytest.warns(HealthWarning):  # the constant reward
         trainer.train()

@@ -18,8 +18,9 @@ PAGE = SRC.parent / "docs" / "architecture.md"
 LAZY_IMPORTERS = {"treadle.cli.command"}
 LEAVES = {"treadle.errors": set(), "treadle.record.runfiles": {"treadle.errors"},
           "treadle.arguments": {"treadle.optim", "treadle.distributed"},  # a config imports only its validators
-          "treadle.trainers.grpo.config": {"treadle.arguments", "treadle.errors", "treadle.engines.options",
-                                           "treadle.generation.sampling", "treadle.generation.single",
+          "treadle.trainers.onpolicy.config": {"treadle.arguments", "treadle.errors", "treadle.engines.options",
+                                               "treadle.generation.sampling", "treadle.generation.single"},
+          "treadle.trainers.grpo.config": {"treadle.trainers.onpolicy.config", "treadle.arguments", "treadle.errors",
                                            "treadle.losses"}}
 
 

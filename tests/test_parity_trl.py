@@ -15,6 +15,7 @@ pytest.importorskip("accelerate")
 import treadle  # noqa: E402
 from treadle import losses
 from treadle.demos import toy  # noqa: E402
+from treadle.engines.base import RolloutEngine  # noqa: E402
 from treadle.generation import GenerationOutput  # noqa: E402
 
 pytestmark = [pytest.mark.slow,  # each test trains two tiny models for a few steps (seconds each)
@@ -206,17 +207,14 @@ def test_grpo_losses_and_metrics_match_trl_on_fixed_completions(tmp_path, tokeni
     assert_same_weights(theirs, ours)
 
 
-class NotTheOwnSampler:
-    """An engine other than the own sampler (as vLLM is): the sampler correction applies to its rollouts. It samples
-    nothing here (``generate`` is overridden); its weights need no loading."""
+class NotTheOwnSampler(RolloutEngine):
+    """An engine other than the own sampler (as vLLM is: no ``exact_logps``): the sampler correction applies to its
+    rollouts. It samples nothing here (``generate`` is overridden); its weights need no loading."""
 
     def generate(self, prompt_ids, params, *, generator=None):
         raise AssertionError("FixedCompletions samples instead")
 
-    def load_weights(self, model):
-        pass
-
-    def close(self):
+    def load_weights(self, model, version=None):
         pass
 
 

@@ -237,7 +237,8 @@ def test_merge_into_the_base_models_folder_is_refused(tmp_path):
 
 # ---- hangs: the "nearest valid value" hint is arithmetic, not a scan ----------------------------------------------
 def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
-    from treadle.trainers.grpo.config import GRPOConfig, _nearest_divisors, _nearest_multiples
+    from treadle.trainers.grpo.config import GRPOConfig
+    from treadle.trainers.onpolicy.config import _nearest_divisors, _nearest_multiples
 
     assert _nearest_multiples(5, 4) == [4, 8] and _nearest_multiples(3, 4) == [4]  # hand-computed
     assert _nearest_divisors(12, 5) == [4, 6] and _nearest_divisors(12, 13) == [12]

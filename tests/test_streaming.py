@@ -248,15 +248,18 @@ def test_grpo_trains_on_prompts_from_a_stream_and_resumes_exactly(tmp_path):
 def test_a_grpo_stream_needs_whole_groups_per_rank_and_no_dynamic_sampling():
     from types import SimpleNamespace
 
-    from treadle.trainers.grpo.data import prompt_stream
+    from treadle.trainers.grpo.dynamic import check_stream
+    from treadle.trainers.onpolicy.data import prompt_stream
 
     source = numbered(4).to_iterable_dataset()
     # 2 processes x 2 rows = 4 completions a generation: one group of 4 in all, but half a group on each rank
     with pytest.raises(PreflightError, match="generation_batch_size 2 .* multiple of num_generations 4"):
-        prompt_stream(source, SimpleNamespace(generation_batch_size=2, num_generations=4, dynamic_sampling=False))
-    with pytest.raises(PreflightError, match="dynamic_sampling"):
-        prompt_stream(source, SimpleNamespace(generation_batch_size=4, num_generations=4, dynamic_sampling=True))
-    stream = prompt_stream(source, SimpleNamespace(generation_batch_size=4, num_generations=2, dynamic_sampling=False))
+        prompt_stream(source, SimpleNamespace(generation_batch_size=2, num_generations=4))
+    with pytest.raises(PreflightError, match="dynamic_sampling"):  # GRPO's get_train_dataloader checks it
+        check_stream(source, SimpleNamespace(dynamic_sampling=True))
+    check_stream(source, SimpleNamespace(dynamic_sampling=False))
+    check_stream(numbered(4), SimpleNamespace(dynamic_sampling=True))  # a datasets.Dataset: extra draws are fine
+    stream = prompt_stream(source, SimpleNamespace(generation_batch_size=4, num_generations=2))
     assert [row["i"] for row in stream] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 

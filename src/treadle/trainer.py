@@ -71,12 +71,9 @@ class Trainer:
         self.processing_class = processing_class
         models.check_vocabulary(self.model, processing_class)  # the CLI's preflight (load_model), for Python too
         self.data_collator = data_collator if data_collator is not None else collator_for(processing_class)
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.compute_metrics = compute_metrics
+        self.train_dataset, self.eval_dataset, self.compute_metrics = train_dataset, eval_dataset, compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
-        self.state = TrainerState()
-        self.control = TrainerControl()
-        self.loop = LoopState()
+        self.state, self.control, self.loop = TrainerState(), TrainerControl(), LoopState()
         self.metrics = MetricWindow(self.args.device)
         self.preemption = PreemptionCallback()
         self.callback_handler = CallbackHandler(self._default_callbacks() + list(callbacks or []), self.model,
@@ -409,13 +406,16 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Loss (item-weighted mean) and ``compute_metrics`` over the evaluation set; logs the metrics and fires
-        ``on_evaluate``. Returns ``{prefix}_loss``, ``{prefix}_<metric>`` ..."""
+        """``{prefix}_loss`` (item-weighted mean) and ``{prefix}_<metric>`` of ``compute_metrics``, logged."""
         self.callback_handler.eval_dataloader = dataloader = self.get_eval_dataloader(eval_dataset)
         output = self.evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        self.log(output.metrics)
-        self._event("on_evaluate", metrics=output.metrics)
-        return output.metrics
+        return self.log_evaluation(output.metrics)
+
+    def log_evaluation(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The end of every ``evaluate`` (an override's too): log ``metrics``, fire ``on_evaluate``, return them."""
+        self.log(metrics)
+        self._event("on_evaluate", metrics=metrics)
+        return metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy, padded with -100), labels and metrics on ``test_dataset``; fires ``on_predict``."""

@@ -79,7 +79,15 @@ def test_unknown_key_suggests_the_closest(tmp_path, capsys):
 
 
 def test_unknown_override_key(capsys):
-    assert_user_error(["train", EXAMPLES / "sft.yaml", "--beta", "0.1"], capsys, "unknown key 'beta' for trainer sft")
+    assert_user_error(["train", EXAMPLES / "sft.yaml", "--beta", "0.1"], capsys, "unknown key 'beta' for trainer sft",
+                      "it is a key of trainer distillation, dpo, grpo, kto")
+
+
+def test_a_grpo_key_on_distillation_names_its_trainer(capsys):
+    """GRPO and distillation are siblings: GRPO's objective settings are not distillation's, and the one line says
+    whose they are (not "did you mean 'adam_epsilon'")."""
+    assert_user_error(["train", EXAMPLES / "distillation.yaml", "--epsilon", "0.3"], capsys,
+                      "DistillationConfig: unknown key 'epsilon' for trainer distillation; it is a key of trainer grpo")
 
 
 def test_invalid_config_value_is_one_line(capsys):

@@ -1,16 +1,24 @@
 """Rollout engines: the own sampler behind the engine contract returns the log-probs of the distribution it drew
-from (against a plain-PyTorch recomputation: one full forward, temperature, top-k and top-p written out here),
-and GRPO samples through whatever engine ``build_engine`` returns."""
+from (against a plain-PyTorch recomputation: one full forward, temperature, top-k and top-p written out here), the
+contract's reports (exact log-probs, the policy version, multi-turn or not) for every engine that runs here, the
+asynchronous producer's batches tagged with their policy version, and GRPO samples through whatever engine
+``build_engine`` returns."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from test_rollouts import chatty_model
 from treadle.demos import toy
-from treadle.engines import LocalEngine, RolloutEngine
-from treadle.generation import GenerationOutput, SamplingParams, completion_masks, left_pad
+from treadle.engines import LocalEngine, RolloutEngine, VLLMEngine, VLLMServerEngine
+from treadle.engines.vllm import SINGLE_TURN_ONLY
+from treadle.generation import (GenerationOutput, SamplingParams, completion_masks, left_pad, reprefill_turns,
+                                sample_turns)
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from treadle.trainers.onpolicy.data import Prompts
+from treadle.trainers.onpolicy.producer import RolloutProducer
+from treadle.trainers.onpolicy.records import generator_seed
 
 EOS = 2  # the toy tokenizer's eos id
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24]]  # different lengths: left padding
@@ -78,11 +86,12 @@ def test_min_p_sampling_log_probs_are_those_of_the_min_p_distribution(tok, backe
     assert (out.sampling_logps[sampled] > without[sampled] + 1e-3).all()
 
 
-class FixedEngine:
-    """An engine that samples nothing: every completion is [10, EOS]; it records what GRPO asked of it."""
+class FixedEngine(RolloutEngine):
+    """An engine that samples nothing: every completion is [10, EOS]; it records what GRPO asked of it. It states
+    nothing beyond the contract's defaults (log-probs not exact, single-turn only)."""
 
     def __init__(self):
-        self.calls, self.loaded, self.closed = [], 0, False
+        self.calls, self.loaded, self.versions, self.closed = [], 0, [], False
 
     def generate(self, prompt_ids, params, *, generator=None):
         self.calls.append((len(prompt_ids), params))
@@ -93,8 +102,9 @@ class FixedEngine:
         return GenerationOutput(ids, mask, completion_ids, completion_mask, truncated,
                                 sampling_logps=torch.full(completion_ids.shape, -0.5))
 
-    def load_weights(self, model):
-        self.loaded += 1
+    def load_weights(self, model, version=None):
+        self.loaded, self.policy_version = self.loaded + 1, version
+        self.versions.append(version)
 
     def close(self):
         self.closed = True
@@ -116,10 +126,106 @@ def test_grpo_trains_and_evaluates_through_the_engine_build_engine_returns(tmp_p
     try:
         trainer.train()
         assert len(engine.calls) == 2 and engine.loaded == 2  # one generation per step, the policy handed over
+        assert engine.versions == [0, 1]  # each push names the weights' version: the optimizer steps they took
         assert [(n, p.num_generations, p.temperature) for n, p in engine.calls] == [(1, 4, 1.0)] * 2
+        assert trainer.corrects_sampling  # the contract's default: its log-probs are not exact
         metrics = trainer.evaluate()
+        assert engine.policy_version == 2
         assert engine.calls[-1][0] == 2 and engine.calls[-1][1].num_generations == 2
         assert engine.calls[-1][1].temperature == 0.5 and metrics["eval_reward"] == 1.0
     finally:
         trainer.close()
     assert engine.closed
+
+
+# ------------------------------------------------------------------------------------------ the contract's reports
+def echo_twice():
+    """A multi-turn ``respond``: after each of a row's first two turns, feed the turn's first token back twice; its
+    third turn ends the rollout."""
+    turns = {}
+
+    def respond(row, turn_ids):
+        turns[row] = turns.get(row, 0) + 1
+        return None if turns[row] > 2 else [turn_ids[0], turn_ids[0]]
+
+    return respond
+
+
+@pytest.mark.parametrize("backend", ["fast", "hf"])
+def test_the_own_sampler_reports_exact_log_probs_its_version_and_samples_multi_turn_rollouts(tok, backend):
+    """LocalEngine: exact log-probs (the live policy, the trainer's kernels), the version its last push named, and
+    multi-turn rollouts that are the multi-turn sampler's own, bit for bit (the KV cache kept across turns; "hf":
+    every transcript re-prefilled each turn)."""
+    model = chatty_model(tok, eos_bias=4.0).eval()  # its turns end after a few tokens
+    params = SamplingParams(num_generations=2, max_new_tokens=24, eos_token_ids=(EOS,), pad_token_id=0,
+                            temperature=0.9)
+    with LocalEngine(model, backend=backend) as engine:
+        assert engine.exact_logps and engine.policy_version is None
+        engine.load_weights(model, version=3)
+        assert engine.policy_version == 3 and engine.model is model
+        out = engine.generate_turns(PROMPTS, echo_twice(), params, generator=torch.Generator().manual_seed(1))
+    sampler = sample_turns if backend == "fast" else reprefill_turns
+    options = {} if backend == "fast" else {"backend": backend}
+    want = sampler(model, PROMPTS, echo_twice(), params, generator=torch.Generator().manual_seed(1), **options)
+    for name in ("prompt_ids", "completion_ids", "completion_mask", "sampled_mask", "is_truncated", "sampling_logps"):
+        assert torch.equal(getattr(out, name), getattr(want, name)), name
+    assert (out.completion_mask.bool() & ~out.sampled_mask.bool()).any()  # observations were fed
+
+
+def test_the_contracts_defaults_and_the_vllm_engines_refusal_of_multi_turn_rollouts(tok):
+    """An engine states only what differs from the contract's defaults: log-probs not exact, no version before its
+    first push, no sync check, single-turn only. Both vLLM engines refuse multi-turn rollouts with one message."""
+    engine = FixedEngine()
+    assert (engine.exact_logps, engine.policy_version, engine.sync_unchanged) == (False, None, None)
+    params = SamplingParams(num_generations=1, max_new_tokens=4, eos_token_ids=(EOS,), pad_token_id=0)
+    with pytest.raises(ValueError, match="FixedEngine samples single-turn rollouts only"):
+        engine.generate_turns(PROMPTS, echo_twice(), params)
+    for cls in (VLLMEngine, VLLMServerEngine):  # no vLLM needed: the refusal comes before any of it
+        with pytest.raises(ValueError) as info:
+            object.__new__(cls).generate_turns(PROMPTS, echo_twice(), params)
+        assert str(info.value) == SINGLE_TURN_ONLY and "\n" not in SINGLE_TURN_ONLY
+
+
+def test_the_producer_tags_each_batch_with_the_policy_version_it_was_sampled_from(tok):
+    """The asynchronous producer (a thread worker, its own copy of the policy and its own engine): each request
+    carries the sampling settings and the seed it is sampled with, the weight push is its own message, and each
+    batch comes back tagged with the version the worker's engine held, bit for bit what the own sampler samples
+    from those weights with that seed."""
+    model = toy.build_model("tiny", tokenizer=tok, seed=0).eval()
+    params = SamplingParams(num_generations=2, max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=0)
+    producer = RolloutProducer(model, params, staleness=1, seed=7, worker="thread")
+    try:
+        producer.start()
+        producer.push_weights(model, version=0)
+        producer.request(0, Prompts(PROMPTS[:2], group=2))
+        moved = toy.build_model("tiny", tokenizer=tok, seed=1).eval()  # the next version's weights
+        producer.push_weights(moved, version=1)
+        producer.push_weights(moved, version=1)  # a version already pushed is not sent again
+        producer.request(1, Prompts(PROMPTS[2:], group=2))
+        first, second = producer.take(0), producer.take(1)
+    finally:
+        producer.close()
+    assert (first.generation, first.version, second.generation, second.version) == (0, 0, 1, 1)
+    assert first.staleness == 0 and producer.worker is None  # closed: the worker stopped
+    for prompts, weights, produced in ((PROMPTS[:2], model, first), (PROMPTS[2:], moved, second)):
+        seed = generator_seed(7, "train", produced.generation)
+        want = LocalEngine(weights).generate(prompts, params, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(produced.output.completion_ids, want.completion_ids)
+        assert torch.equal(produced.output.sampling_logps, want.sampling_logps)
+    with pytest.raises(Exception, match="text prompts only"):
+        RolloutProducer(model, params, staleness=1, seed=7, worker="thread").request(
+            0, Prompts(PROMPTS, 1, inputs={"pixel_values": torch.zeros(1)}))
+
+
+def test_the_producer_requests_ahead_on_its_fixed_schedule():
+    """At the start of generation g the due generations are g .. g + N whose rows were read ahead and not yet
+    requested, never past max_steps (but g itself always)."""
+    producer = RolloutProducer(None, None, staleness=2, seed=0, worker="thread")
+    windows = [[type("Ticket", (), {"generation": g, "rows": [g]})()] for g in range(5)]
+    reader = producer.read_ahead(iter(windows))
+    assert next(reader)[0].generation == 0 and sorted(producer.rows) == [0, 1, 2]  # read 2 ahead
+    assert [h for h, _ in producer.due(0)] == [0, 1, 2]
+    producer.versions.update({0: 0, 1: 0, 2: 0})  # requested
+    next(reader)
+    assert [h for h, _ in producer.due(1)] == [3] and producer.due(1, max_steps=3) == []  # never past max_steps
+    assert [h for h, _ in producer.due(3, max_steps=3)] == [3]  # ... but the generation that starts always

@@ -14,6 +14,7 @@ import torch
 
 from _factories import add, chatty_model
 from treadle.demos import toy
+from treadle.engines.local import LocalEngine
 from treadle.generation import SamplingParams, generate_turns
 from treadle.rollouts.runner import RolloutRunner, environment_reward, rollout_metrics
 from treadle.rollouts.tools import ToolEnvironment, check_tool, parse_json_call, parse_tagged_call
@@ -126,7 +127,8 @@ def test_bad_runner_arguments_say_how_to_fix_them(tok):
             raise KeyError("oops")
 
     with pytest.raises(RuntimeError, match="Broken.step raised KeyError"):
-        RolloutRunner(tok, env_factory=Broken).run(chatty_model(tok), [{"prompt": "1+1="}] * 2, settings(2, 40))
+        RolloutRunner(tok, env_factory=Broken).run(LocalEngine(chatty_model(tok)), [{"prompt": "1+1="}] * 2,
+                                                   settings(2, 40))
 
 
 def test_chat_prompts_get_template_turns_and_the_json_call_format(tok):
@@ -164,7 +166,8 @@ def test_kv_cache_kept_across_turns_equals_re_prefilling_each_turn(tok):
     model = chatty_model(tok, eos_bias=6.0)
     runner = RolloutRunner(tok, env_factory=lambda: Counter(turns=2))
     rows = [{"prompt": p} for p in ("12+34=", "12+34=", "7+8=", "7+8=", "99+1=", "99+1=")]
-    outs = [runner.run(model, rows, settings(2, 24, do_sample=False), backend=backend) for backend in ("fast", "hf")]
+    outs = [runner.run(LocalEngine(model, backend=backend), rows, settings(2, 24, do_sample=False))
+            for backend in ("fast", "hf")]
     kv, again = (o.generation for o in outs)
     for name in ("completion_ids", "completion_mask", "sampled_mask", "is_truncated", "prompt_ids"):
         assert torch.equal(getattr(kv, name), getattr(again, name)), name
@@ -362,7 +365,7 @@ def test_environments_step_concurrently(tok):
             return "", None, True
 
     with RolloutRunner(tok, env_factory=Meeting, workers=8) as runner:
-        runner.run(chatty_model(tok, eos_bias=8.0), [{"prompt": "1+1="}] * 8, settings(8, 8))
+        runner.run(LocalEngine(chatty_model(tok, eos_bias=8.0)), [{"prompt": "1+1="}] * 8, settings(8, 8))
     assert index[0] >= 2 and not meet.broken
     assert runner.pool is None  # closed with the block
 
@@ -410,8 +413,8 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
     trainer = GRPOTrainer(chatty_model(tok, eos_bias=4.0), judge, args=args, processing_class=tok,
                           train_dataset=rows, eval_dataset=rows.select(range(2)), env_factory=Counter)
     run, settings = trainer.rollout_runner.run, []
-    trainer.rollout_runner.run = lambda model, rows, params, **k: (settings.append(params)
-                                                                   or run(model, rows, params, **k))
+    trainer.rollout_runner.run = lambda engine, rows, params, **k: (settings.append(params)
+                                                                   or run(engine, rows, params, **k))
     metrics = trainer.evaluate()
     sampled, greedy = calls
     assert [(s.num_generations, s.temperature, s.do_sample) for s in settings] == [(3, 0.5, True), (1, 1.0, False)]

@@ -106,6 +106,7 @@ from treadle.generation import GenerationOutput, completion_masks, left_pad  # n
 from treadle.rollouts.tools import ToolEnvironment  # noqa: E402
 from treadle.trainers import distillation as distillation_module  # noqa: E402
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer  # noqa: E402
+from treadle.trainers.grpo.config import GRPOConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EOS = 2  # the toy tokenizer's eos id
@@ -256,13 +257,23 @@ def save_toy(folder, tok):
     return folder
 
 
-@pytest.mark.parametrize("field,value,fragment", [("loss_type", "grpo", "GRPO objective settings"),
-                                                  ("steps_per_generation", 2, "samples once per optimizer step"),
+@pytest.mark.parametrize("field,value,fragment", [("steps_per_generation", 2, "samples once per optimizer step"),
                                                   ("beta", 1.5, "beta must be in"),
                                                   ("num_generations", 0, "num_generations must be")])
 def test_config_refusals(field, value, fragment):
     with pytest.raises(ValueError, match=fragment):
         DistillationConfig(output_dir="unused", **{field: value})
+
+
+@pytest.mark.parametrize("field", ["loss_type", "epsilon", "scale_rewards", "dynamic_sampling", "health_checks",
+                                   "vllm_importance_sampling_mode", "padding_free", "log_completions"])
+def test_a_grpo_field_is_not_a_distillation_field(field):
+    """GRPO's and distillation's configs are siblings: a GRPO setting on a DistillationConfig is an unknown
+    argument, named in one line."""
+    assert field in GRPOConfig.field_names() and field not in DistillationConfig.field_names()
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{field}'") as err:
+        DistillationConfig(output_dir="unused", **{field: GRPOConfig.__dataclass_fields__[field].default})
+    assert "\n" not in str(err.value)
 
 
 def test_eval_loss_without_reward_functions(tmp_path, tok, dataset):

@@ -241,6 +241,11 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     config_cls, trainer_class = kind.trainer.config_class, kind.trainer.__name__
     fields = {k: v for k, v in config.items() if k not in RUN_KEYS}
     fields.setdefault("output_dir", default_output_dir(config))
+    unknown = next((key for key in fields if key not in config_cls.field_names()), None)
+    owners = sorted(other for other, k in kinds.items() if unknown in k.trainer.config_class.field_names())
+    if owners:  # another trainer's setting (GRPO's epsilon on distillation): say whose, not a far-off near name
+        raise UserError(f"{config_cls.__name__}: unknown key {unknown!r} for trainer {name}; it is a key of trainer "
+                        f"{', '.join(owners)}")
     try:
         args = config_cls.from_mapping(fields, other_keys=RUN_KEYS, context=f"trainer {name}")
     except (ValueError, TypeError) as error:

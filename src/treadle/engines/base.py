@@ -1,45 +1,75 @@
-"""The rollout-engine contract: prompt token ids and one ``SamplingParams`` in, completions out.
+"""The rollout-engine contract: what an on-policy trainer samples through, for its whole lifecycle.
 
-A trainer asks its engine for completions and tells it when the policy changed; nothing else. The result is a
-``generation.single.GenerationOutput``: prompt b's G completions are rows ``b*G .. b*G+G-1``, with left-padded
-prompts, right-padded completions, their masks (1 up to and including the first EOS), truncation flags (no EOS
-within ``max_new_tokens``), and ``sampling_logps``, each sampled token's log-prob under the distribution it was
-actually drawn from (after temperature, top-k and top-p), which an importance-sampling correction against the
-sampler needs. The own sampler (``engines.local.LocalEngine``) samples from the live model; an engine that holds
-its own copy of the weights (vLLM) refreshes it in ``load_weights``.
+A trainer asks its engine for completions, tells it when the policy changed, and reads what the engine reports;
+it never asks what type the engine is. ``RolloutEngine`` is the contract and the base class of every engine (its
+reports have defaults, so an engine states only what differs):
+
+- **what it samples**: ``generate`` (single-turn: prompt token ids and one ``SamplingParams`` in, a
+  ``generation.single.GenerationOutput`` out; a VLM's vision inputs ride along as ``prompt_inputs``) and
+  ``generate_turns`` (multi-turn: a ``respond(row, turn_ids)`` callback feeds each turn's observation; a
+  ``generation.turns.MultiTurnOutput`` out). Prompt b's G completions are rows ``b*G .. b*G+G-1``, with left-padded
+  prompts, right-padded completions, their masks (1 up to and including the first EOS), truncation flags (no EOS
+  within ``max_new_tokens``) and ``sampling_logps``, each sampled token's log-prob under the distribution it was
+  actually drawn from (after temperature, top-k and top-p), which an importance-sampling correction against the
+  sampler needs;
+- **whether its log-probs are exact** (``exact_logps``): True when it samples the live policy with the trainer's
+  own kernels, so that its log-probs differ from the trained ones only where the sampling settings reshape the
+  distribution (then no correction is needed for them; trainers/grpo/correction.py);
+- **its policy version** (``policy_version``): the version of the weights it samples from, as the last
+  ``load_weights`` named it (the trainer's optimizer step);
+- **the weight push** (``load_weights(model, version)``): the policy changed, sample from its current weights; an
+  engine holding its own copy refreshes it and may check the push (``sync_unchanged``: True when weights that
+  differ from the last ones left its log-probs unchanged; None when not checked);
+- **close**: release what it holds (threads, processes, memory); a closed engine is not used again.
+
+The own sampler (``engines.local.LocalEngine``) samples from the live model; the vLLM engines hold their own copy of
+the weights and sample single-turn rollouts only.
 """
 
 from __future__ import annotations
-
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput
+from treadle.generation.turns import MultiTurnOutput, Respond
 
 __all__ = ["RolloutEngine"]
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What GRPO samples through (``GRPOTrainer.build_engine`` returns one)."""
+class RolloutEngine:
+    """What on-policy trainers sample through (``OnPolicyTrainer.build_engine`` returns one); subclass it."""
+
+    exact_logps: bool = False  # True: sampling_logps are the live policy's own, with the trainer's own kernels
+    policy_version: int | None = None  # the weights it samples from (the version the last load_weights named)
+    sync_unchanged: bool | None = None  # its check of the last push: True when changed weights moved nothing
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
                  generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
         """``params.num_generations`` completions of each distinct prompt; ``generator`` seeds the draws
         (the same generator state gives the same completions for the same weights). ``prompt_inputs``: a VLM's
-        vision inputs for the prompts (``pixel_values`` ..., as its processor made them; GRPO passes it only for
-        prompts with images)."""
-        ...
+        vision inputs for the prompts (``pixel_values`` ..., as its processor made them; given only for prompts
+        with images)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement generate")
 
-    def load_weights(self, model) -> None:
+    def generate_turns(self, prompt_ids: list[list[int]], respond: Respond, params: SamplingParams, *,
+                       generator: torch.Generator | None = None) -> MultiTurnOutput:
+        """Multi-turn rollouts of each distinct prompt (``generation.turns.sample_turns``' contract): a model turn
+        ends at EOS, then ``respond(row, turn_ids)`` returns the tokens to feed next (or a Future of them), or None
+        when the rollout is over. An engine that samples single-turn completions only keeps this refusal."""
+        raise ValueError(f"{type(self).__name__} samples single-turn rollouts only: multi-turn rollouts (tools=, "
+                         f"env_factory=) need an engine that implements generate_turns (the own sampler does)")
+
+    def load_weights(self, model, version: int | None = None) -> None:
         """The policy changed: sample from ``model``'s current weights from now on (full weights or, for a PEFT
-        model, its adapters). An engine that holds its own copy of the weights may set ``sync_unchanged`` (True:
-        the weights it was sent differ from the last ones but its log-probs did not move) and GRPO reports it to
-        the health checks (``weight_sync``)."""
-        ...
+        model, its adapters), and report ``version`` as ``policy_version``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement load_weights")
 
     def close(self) -> None:
         """Release what the engine holds (threads, processes, memory); a closed engine is not used again."""
-        ...
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,21 +1,29 @@
 """The own KV-cached sampler as a rollout engine (``engines.base.RolloutEngine``): exact, reproducible, CPU default.
 
 It samples from the live model object it was given, so ``load_weights`` only records which model that is (the
-DDP / FSDP wrapper after ``train()`` wraps it); no weights are copied and ``close`` has nothing to release.
+DDP / FSDP wrapper after ``train()`` wraps it) and its version; no weights are copied and ``close`` has nothing to
+release. Its log-probs are exact (``exact_logps``): the live policy's, with the trainer's own kernels. Multi-turn
+rollouts keep each row's KV cache across turns (``generation.turns.sample_turns``) or, with backend "hf" or a model
+the fast path cannot run under "auto", re-prefill the whole transcript each turn
+(``generation.turns.reprefill_turns``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from treadle.engines.base import RolloutEngine
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import BACKENDS, GenerationOutput, sample_completions
+from treadle.generation.turns import MultiTurnOutput, Respond, reprefill_turns, sample_turns
 
 __all__ = ["LocalEngine"]
 
 
-class LocalEngine:
+class LocalEngine(RolloutEngine):
     """``generation.single.sample_completions`` behind the engine contract; ``backend`` is "fast", "hf" or "auto"."""
+
+    exact_logps = True  # the live policy itself, sampled with the trainer's own kernels
 
     def __init__(self, model, backend: str = "auto"):
         if backend not in BACKENDS:
@@ -27,14 +35,17 @@ class LocalEngine:
         return sample_completions(self.model, prompt_ids, params, generator=generator, backend=self.backend,
                                   prompt_inputs=prompt_inputs)
 
-    def load_weights(self, model) -> None:
-        self.model = model  # the live model: its weights are the policy's, nothing to copy
+    def generate_turns(self, prompt_ids: list[list[int]], respond: Respond, params: SamplingParams, *,
+                       generator: torch.Generator | None = None) -> MultiTurnOutput:
+        """"fast"/"auto" keep each row's KV cache across turns ("auto" falls back when the model cannot), "hf"
+        re-prefills the whole transcript each turn."""
+        if self.backend != "hf":
+            try:
+                return sample_turns(self.model, prompt_ids, respond, params, generator=generator)
+            except ValueError:  # raised before any turn when the fast path cannot run this model
+                if self.backend == "fast":
+                    raise
+        return reprefill_turns(self.model, prompt_ids, respond, params, generator=generator, backend=self.backend)
 
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> "LocalEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def load_weights(self, model, version: int | None = None) -> None:
+        self.model, self.policy_version = model, version  # the live model: its weights are the policy's, no copy

@@ -28,17 +28,21 @@ import tempfile
 import torch
 from torch import nn
 
+from treadle.engines.base import RolloutEngine
 from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_bound, write_adapter
 from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, check_prompts, left_pad
+from treadle.generation.turns import MultiTurnOutput, Respond
 from treadle.models import unwrapped_for_generation
 
-__all__ = ["VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict", "require_vllm",
-           "vllm_engine", "weight_sync_unchanged"]
+__all__ = ["SINGLE_TURN_ONLY", "VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict",
+           "require_vllm", "vllm_engine", "weight_sync_unchanged"]
 
 VLLM_INSTALL = ("pip install vllm (a GPU), or the CPU build with its pins: `make test-vllm` installs .venv-vllm "
                 "from constraints-vllm.txt")
+SINGLE_TURN_ONLY = ("use_vllm=True samples single-turn rollouts only: multi-turn rollouts (tools=, env_factory=) "
+                    "sample with the own sampler; set use_vllm=False for them")  # both vLLM engines' refusal
 
 
 class VLLMNotInstalled(UserError, ImportError):
@@ -58,8 +62,7 @@ def require_vllm():
 def vllm_engine(model: nn.Module, args, *, multi_turn: bool = False) -> "VLLMEngine":
     """The colocated engine ``GRPOTrainer.build_engine`` returns under ``use_vllm`` (a ``GRPOConfig``'s fields)."""
     if multi_turn:
-        raise ValueError("use_vllm=True samples single-turn rollouts only: multi-turn rollouts (tools=, env_factory=) "
-                         "sample with the own sampler; set use_vllm=False for them")
+        raise ValueError(SINGLE_TURN_ONLY)
     return VLLMEngine(model, max_model_length=args.vllm_max_model_length, seed=args.seed,
                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                       tensor_parallel_size=args.vllm_tensor_parallel_size,
@@ -117,9 +120,10 @@ def weight_sync_unchanged(logps_before: torch.Tensor, logps_after: torch.Tensor,
     return bool(torch.allclose(logps_before.float(), logps_after.float(), rtol=0.0, atol=atol))
 
 
-class SyncChecked:
-    """What both vLLM engines (in process, and ``engines.vllm_server`` over HTTP) share around the contract: the
-    request checks, the seed drawn from the caller's generator, and the weight-sync check (health.py): a probe
+class SyncChecked(RolloutEngine):
+    """What both vLLM engines (in process, and ``engines.vllm_server`` over HTTP) share around the contract: single-turn
+    rollouts only, the request checks, the seed drawn from the caller's generator, and the weight-sync check
+    (health.py): a probe
     completion (prompt 0 and the last generation's first completion, every token after the first scored: a
     confident completion's log-probs alone may round to the same floats after a step), the last push's fingerprint
     and the last check's verdict (``sync_unchanged``, kept until the next check: an evaluation's sync may be the one
@@ -127,7 +131,10 @@ class SyncChecked:
 
     probe: tuple[list[list[int]], list[list[int]]] | None = None
     pushed: float | None = None
-    sync_unchanged: bool | None = None
+
+    def generate_turns(self, prompt_ids: list[list[int]], respond: Respond, params: SamplingParams, *,
+                       generator: torch.Generator | None = None) -> MultiTurnOutput:
+        raise ValueError(SINGLE_TURN_ONLY)
 
     @staticmethod
     def check_request(prompt_ids: list[list[int]], prompt_inputs: dict | None,
@@ -200,12 +207,13 @@ class VLLMEngine(SyncChecked):
         self.remember_probe(prompt_ids, output)
         return output
 
-    def load_weights(self, model) -> None:
+    def load_weights(self, model, version: int | None = None) -> None:
         """Push the policy's weights, and check the push (``sync_unchanged``): when they differ from the last push,
         the engine's log-probs of one probe completion (the last generation's first) must change with them."""
         self._wake()
         with unwrapped_for_generation(model) as inner:
             self.checked_push(list(self.sync_weights(model, inner).items()))
+        self.policy_version = version
 
     def sync_weights(self, model: nn.Module, inner: nn.Module) -> dict[str, torch.Tensor]:
         """What a sync sends: the LoRA adapter's tensors (a LoRA engine), else the merged state dict."""
@@ -250,12 +258,6 @@ class VLLMEngine(SyncChecked):
         shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
         if shutdown is not None:
             shutdown()
-
-    def __enter__(self) -> "VLLMEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---- beyond the contract -----------------------------------------------------------------------------
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:

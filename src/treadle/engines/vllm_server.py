@@ -31,7 +31,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
 
-from treadle.engines.vllm import SyncChecked, merged_state_dict
+from treadle.engines.vllm import SINGLE_TURN_ONLY, SyncChecked, merged_state_dict
 from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput
@@ -62,8 +62,7 @@ def server_url(args) -> str:
 def vllm_server_engine(model: nn.Module, args, *, multi_turn: bool = False) -> "VLLMServerEngine":
     """The engine ``GRPOTrainer.build_engine`` returns under ``use_vllm`` with ``vllm_mode="server"``."""
     if multi_turn:
-        raise ValueError("use_vllm=True samples single-turn rollouts only: multi-turn rollouts (tools=, env_factory=) "
-                         "sample with the own sampler; set use_vllm=False for them")
+        raise ValueError(SINGLE_TURN_ONLY)
     return VLLMServerEngine(model, server_url(args), timeout=args.vllm_server_timeout)
 
 
@@ -148,11 +147,12 @@ class VLLMServerEngine(SyncChecked):
         self.remember_probe(prompt_ids, output)
         return output
 
-    def load_weights(self, model) -> None:
+    def load_weights(self, model, version: int | None = None) -> None:
         """Push the policy's merged weights and check the push (``sync_unchanged``), as the colocated engine does:
         when they differ from the last push, the server's log-probs of one probe completion must change."""
         with unwrapped_for_generation(model) as inner:
             self.checked_push([(name, tensor.detach()) for name, tensor in merged_state_dict(inner).items()])
+        self.policy_version = version
 
     def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Send ``weights`` in chunks of at most ``CHUNK_BYTES``; the server loads them after the last one."""
@@ -169,12 +169,6 @@ class VLLMServerEngine(SyncChecked):
 
     def close(self) -> None:
         pass  # nothing held here: the server is the user's process, and requests open no lasting connection
-
-    def __enter__(self) -> "VLLMServerEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---- beyond the contract -----------------------------------------------------------------------------
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:

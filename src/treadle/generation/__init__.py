@@ -5,7 +5,7 @@ the public names for users, tests and benchmarks):
   processors (what distribution a token is drawn from);
 - ``generation.cache``: every transformers KV-cache internal (the preallocated and ragged cache layers);
 - ``generation.single``: single-turn sampling, the fast KV-cached backend and the transformers fallback;
-- ``generation.turns``: multi-turn sampling with one KV cache kept across turns.
+- ``generation.turns``: multi-turn sampling with one KV cache kept across turns, and the re-prefilling baseline.
 
 GRPO and evaluation reach the sampler through a rollout engine (``treadle.engines``), not directly.
 """
@@ -15,11 +15,12 @@ from treadle.generation.sampling import (SamplingParams, apply_min_p, apply_repe
                                          sampler_options, token_presence)
 from treadle.generation.single import (BACKENDS, GenerationOutput, completion_masks, distinct_prompts,
                                        fast_path_problem, generate_completions, left_pad, sample_completions)
-from treadle.generation.turns import MultiTurnOutput, Respond, generate_turns, pack_turns, sample_turns
+from treadle.generation.turns import (MultiTurnOutput, Respond, generate_turns, pack_turns, reprefill_turns,
+                                      sample_turns)
 
 
 __all__ = ["BACKENDS", "GenerationOutput", "MultiTurnOutput", "Respond", "SamplingParams", "apply_min_p",
            "apply_repetition_penalty", "apply_temperature", "apply_top_k", "apply_top_p", "completion_masks",
-           "distinct_prompts", "fast_path_problem", "generate_completions", "generate_turns", "left_pad",
-           "pack_turns", "process_logits", "sample_completions", "sample_next_tokens", "sample_turns",
+           "distinct_prompts", "fast_path_problem", "generate_completions", "generate_turns", "left_pad", "pack_turns",
+           "process_logits", "reprefill_turns", "sample_completions", "sample_next_tokens", "sample_turns",
            "sampled_logps", "sampler_options", "token_presence"]

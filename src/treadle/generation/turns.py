@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -21,11 +21,11 @@ from torch import Tensor
 from treadle.generation.cache import RaggedWrites, cache_argument, expand_cache, prefill
 from treadle.generation.sampling import SamplingParams, process_logits, sampled_logps, token_presence
 from treadle.generation.single import (SHRINK_FRACTION, DecodeState, GenerationOutput, check_prompts, left_pad,
-                                       model_device, resolve_backend)
+                                       model_device, resolve_backend, sample_completions)
 from treadle.models import eval_mode, unwrapped_for_generation
 from treadle.text import eos_ids
 
-__all__ = ["MultiTurnOutput", "Respond", "generate_turns", "pack_turns", "sample_turns"]
+__all__ = ["MultiTurnOutput", "Respond", "generate_turns", "pack_turns", "reprefill_turns", "sample_turns"]
 
 
 @dataclass
@@ -249,7 +249,7 @@ class _RaggedDecoder:
         self.capacity = width + params.max_new_tokens + 1  # the last slot takes the padding of ragged writes
         if not expand_cache(self.cache, group, capacity=self.capacity):
             raise ValueError("multi-turn sampling with a kept KV cache needs plain full-attention layers; "
-                             "use treadle.rollouts.reprefill_turns (generation_backend='hf') for this model")
+                             "use treadle.generation.reprefill_turns (generation_backend='hf') for this model")
         self.writes = RaggedWrites.attach(self.cache)
         self.state = DecodeState.start(prompt_ids, prompt_mask, logits, params)
         self.valid = torch.zeros(len(self.state.row_ids), self.capacity, dtype=torch.bool, device=self.device)
@@ -297,3 +297,49 @@ def _model_dtype(model) -> torch.dtype:
     return param.dtype if param is not None else torch.float32
 
 
+def reprefill_turns(model, prompts: list[list[int]], respond, params: SamplingParams, *,
+                    generator: torch.Generator | None = None, backend: str = "auto") -> MultiTurnOutput:
+    """:func:`sample_turns`' contract, one single-turn sampling call per turn on every active row's whole
+    transcript: the baseline, and the fallback for models the fast path cannot run (``engines.LocalEngine`` with
+    backend "hf", or "auto"). Simple, but every turn prefills everything again, and a turn starts only when every
+    row's environment has answered."""
+    eos, max_new_tokens, num_generations = set(params.eos_token_ids), params.max_new_tokens, params.num_generations
+    rows = len(prompts) * num_generations
+    base = [p for p in prompts for _ in range(num_generations)]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    sampled: list[list[int]] = [[] for _ in range(rows)]
+    logps: list[list[float]] = [[] for _ in range(rows)]
+    truncated = [False] * rows
+    active, turn = list(range(rows)), 0
+    while active:
+        room = max(max_new_tokens - len(tokens[r]) for r in active)
+        contexts = prompts if turn == 0 else [base[r] + tokens[r] for r in active]
+        turn_params = replace(params, num_generations=num_generations if turn == 0 else 1,
+                                          max_new_tokens=room)
+        out = sample_completions(model, contexts, turn_params, generator=generator, backend=backend)
+        lengths = out.completion_mask.sum(dim=1).tolist()
+        answers = {}
+        for i, r in enumerate(active):
+            new = out.completion_ids[i, :lengths[i]].tolist()[:max_new_tokens - len(tokens[r])]
+            tokens[r] += new
+            sampled[r] += [1] * len(new)
+            logps[r] += out.sampling_logps[i, :len(new)].tolist()
+            if new and new[-1] in eos:
+                answers[r] = respond(r, new)
+            else:
+                truncated[r] = True
+        active = []
+        for r, answer in answers.items():
+            value = answer.result() if hasattr(answer, "result") else answer
+            if value is None:
+                continue
+            if len(tokens[r]) + len(value) >= max_new_tokens:
+                truncated[r] = True
+                continue
+            tokens[r] += value
+            sampled[r] += [0] * len(value)
+            logps[r] += [0.0] * len(value)
+            active.append(r)
+        turn += 1
+    prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, model_device(model))
+    return pack_turns(prompt_ids, prompt_mask, num_generations, tokens, sampled, truncated, params.pad_token_id, logps)

@@ -17,7 +17,8 @@ unanswered, with a warning naming the environment; what they return is checked a
 **Threads.** The environments of a batch run concurrently in a thread pool (``rollout_workers`` threads):
 the steps of one rollout never overlap, but steps of *different* instances do, so whatever instances share
 (a module-level cache, a client, a tool's global state) must be thread-safe. Sampling goes on meanwhile: a
-rollout waiting for its environment sits out while the others keep sampling (``generation.turns.sample_turns``).
+rollout waiting for its environment sits out while the others keep sampling (the rollout engine's
+``generate_turns``: the own sampler's ``generation.turns.sample_turns``).
 Each row's random draws are keyed by its own position, so the same seed samples the same tokens whenever its
 environment answers; but which rows share a forward then depends on the threads' timing, and a batched forward
 can differ in the last bit with its batch, which can flip a later draw. ``rollout_workers=0`` steps the
@@ -56,11 +57,9 @@ returns it (0.0 where it gave none).
 
 from treadle.rollouts.calls import (EnvironmentContractError, GuardedEnvironment, SlowCallWarning, ToolError, ToolPool,
                                     call_with_timeout)
-from treadle.rollouts.runner import (Environment, RolloutOutput, RolloutRunner, environment_reward, reprefill_turns,
-                                     rollout_metrics)
+from treadle.rollouts.runner import Environment, RolloutOutput, RolloutRunner, environment_reward, rollout_metrics
 from treadle.rollouts.tools import CALL_FORMATS, ToolEnvironment, check_tool, parse_json_call, parse_tagged_call
 
 __all__ = ["CALL_FORMATS", "Environment", "EnvironmentContractError", "GuardedEnvironment", "RolloutOutput",
            "RolloutRunner", "SlowCallWarning", "ToolEnvironment", "ToolError", "ToolPool", "call_with_timeout",
-           "check_tool", "environment_reward", "parse_json_call", "parse_tagged_call", "reprefill_turns",
-           "rollout_metrics"]
+           "check_tool", "environment_reward", "parse_json_call", "parse_tagged_call", "rollout_metrics"]

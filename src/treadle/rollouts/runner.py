@@ -1,6 +1,6 @@
 """Running multi-turn rollouts (the contract in ``treadle.rollouts``): :class:`RolloutRunner` rolls out one
-environment per row, owns the threads the environments step in, and reports what each rollout added; the
-re-prefilling baseline (:func:`reprefill_turns`) and the metrics of a batch."""
+environment per row through a rollout engine's ``generate_turns``, owns the threads the environments step in, and
+reports what each rollout added; the metrics of a batch."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from treadle.engines.base import RolloutEngine
 from treadle.generation.sampling import SamplingParams
-from treadle.generation.single import distinct_prompts, left_pad, model_device, sample_completions
-from treadle.generation.turns import MultiTurnOutput, pack_turns, sample_turns
+from treadle.generation.single import distinct_prompts
+from treadle.generation.turns import MultiTurnOutput
 from treadle.rollouts.calls import GuardedEnvironment, ToolPool
 from treadle.rollouts.tools import CALL_FORMATS, ToolEnvironment, check_json_schemas, check_tool
 from treadle.text import encode_prompts, eos_ids, is_conversation
 
-__all__ = ["Environment", "RolloutOutput", "RolloutRunner", "environment_reward", "reprefill_turns",
-           "rollout_metrics"]
+__all__ = ["Environment", "RolloutOutput", "RolloutRunner", "environment_reward", "rollout_metrics"]
 
 
 class Environment(Protocol):
@@ -138,12 +138,12 @@ class RolloutRunner:
                              f"({before!r} is not a prefix of {after!r}); give the rows as text prompts")
         return list(self.tokenizer(after[len(before):], add_special_tokens=False, verbose=False)["input_ids"])
 
-    def run(self, model, rows: list[dict], params: SamplingParams, *, max_prompt_length: int | None = None,
-            generator: torch.Generator | None = None, backend: str = "auto") -> RolloutOutput:
+    def run(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, *,
+            max_prompt_length: int | None = None, generator: torch.Generator | None = None) -> RolloutOutput:
         """Roll out one environment per row with the sampling settings ``params`` (rows holding the same prompt
-        ``params.num_generations`` times in a row are sampled as distinct prompts x G, else each row once).
-        ``backend``: "fast"/"auto" keep each row's KV cache across turns (``generation.turns.sample_turns``; "auto"
-        falls back when the model cannot), "hf" re-prefills the whole transcript each turn (``reprefill_turns``)."""
+        ``params.num_generations`` times in a row are sampled as distinct prompts x G, else each row once), sampled
+        by ``engine.generate_turns`` (the own sampler keeps each row's KV cache across turns, or re-prefills the
+        transcript each turn: ``engines.LocalEngine``)."""
         pool = self._environment_pool()
         envs = [self.new_environment() for _ in rows]
         firsts = list((pool.map if pool else map)(lambda env, row: env.reset(row), envs, rows))
@@ -166,15 +166,7 @@ class RolloutRunner:
 
         params = dataclasses.replace(params, num_generations=group)
         respond = step if pool is None else (lambda row, turn_ids: pool.submit(step, row, turn_ids))
-        generation = None
-        if backend != "hf":
-            try:
-                generation = sample_turns(model, distinct, respond, params, generator=generator)
-            except ValueError:  # raised before any turn when the fast path cannot run this model
-                if backend == "fast":
-                    raise
-        if generation is None:
-            generation = reprefill_turns(model, distinct, respond, params, generator=generator, backend=backend)
+        generation = engine.generate_turns(distinct, respond, params, generator=generator)
         return self._output(generation, envs, chat, observations, rewards)
 
     def _output(self, generation: MultiTurnOutput, envs: list, chat: list[bool], observations: list[list[str]],
@@ -257,53 +249,3 @@ def rollout_metrics(transcripts: list[list[dict]], truncated: list[bool], envs: 
         for name in tool_names:
             record[f"tools/{name}/calls"] = (sum(e.calls_by_tool[name] for e in tool_envs), n)
     return record
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The baseline (and the fallback for models the fast path cannot run): re-prefill the transcript each turn
-# ---------------------------------------------------------------------------------------------------------
-def reprefill_turns(model, prompts: list[list[int]], respond, params: SamplingParams, *,
-                    generator: torch.Generator | None = None, backend: str = "auto") -> MultiTurnOutput:
-    """``generation.turns.sample_turns``'s contract, one single-turn sampling call per turn on every active row's
-    whole transcript: simple and engine-agnostic, but every turn prefills everything again, and a turn starts
-    only when every row's environment has answered."""
-    eos, max_new_tokens, num_generations = set(params.eos_token_ids), params.max_new_tokens, params.num_generations
-    rows = len(prompts) * num_generations
-    base = [p for p in prompts for _ in range(num_generations)]
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    sampled: list[list[int]] = [[] for _ in range(rows)]
-    logps: list[list[float]] = [[] for _ in range(rows)]
-    truncated = [False] * rows
-    active, turn = list(range(rows)), 0
-    while active:
-        room = max(max_new_tokens - len(tokens[r]) for r in active)
-        contexts = prompts if turn == 0 else [base[r] + tokens[r] for r in active]
-        turn_params = dataclasses.replace(params, num_generations=num_generations if turn == 0 else 1,
-                                          max_new_tokens=room)
-        out = sample_completions(model, contexts, turn_params, generator=generator, backend=backend)
-        lengths = out.completion_mask.sum(dim=1).tolist()
-        answers = {}
-        for i, r in enumerate(active):
-            new = out.completion_ids[i, :lengths[i]].tolist()[:max_new_tokens - len(tokens[r])]
-            tokens[r] += new
-            sampled[r] += [1] * len(new)
-            logps[r] += out.sampling_logps[i, :len(new)].tolist()
-            if new and new[-1] in eos:
-                answers[r] = respond(r, new)
-            else:
-                truncated[r] = True
-        active = []
-        for r, answer in answers.items():
-            value = answer.result() if hasattr(answer, "result") else answer
-            if value is None:
-                continue
-            if len(tokens[r]) + len(value) >= max_new_tokens:
-                truncated[r] = True
-                continue
-            tokens[r] += value
-            sampled[r] += [0] * len(value)
-            logps[r] += [0.0] * len(value)
-            active.append(r)
-        turn += 1
-    prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, model_device(model))
-    return pack_turns(prompt_ids, prompt_mask, num_generations, tokens, sampled, truncated, params.pad_token_id, logps)

@@ -6,16 +6,15 @@ target, and the loss is the generalised JSD between the two (``losses.distill``:
 1 reverse KL, the default), both at ``temperature``, summed over completion tokens and divided by the completion
 tokens of the whole accumulation window on all ranks (exact under accumulation and data parallelism).
 
-It is a ``GRPOTrainer`` that replaces rewards and advantages by the teacher: the dataloader, the generation
-windows and buffer (exact resume), the rollout engine (``build_engine``), multi-turn rollouts (``tools=``) and the
-sampling settings are GRPO's. It overrides these documented hooks and nothing else::
+It is an ``OnPolicyTrainer`` (trainers/onpolicy/trainer.py), sibling of GRPO: the dataloader, the generation
+windows and buffer (exact resume), the rollout engine (``build_engine``), multi-turn rollouts (``tools=``), the
+sampling settings and evaluation by rewards are the on-policy base's. It implements these documented hooks and
+nothing else::
 
-    requires_reward_funcs = False    reward functions are optional (only ``evaluate`` uses them)
-    needs_reference_logps() -> False ``beta`` is the JSD's mixture here, not a KL weight: no reference model
-    generate_and_score(rows, gen)    sample (``sample_rows``), no rewards: the slices carry the loss mask only
+    generate_and_score(rows, gen)    sample (``sample_generation``), no rewards: the slices carry the loss mask only
     count_items(sample)              the slice's completion tokens (the loss's normaliser over the window)
     compute_loss(...)                student and teacher forwards, ``losses.chunked_generalized_jsd``
-    evaluate(...)                    GRPO's reward metrics with ``reward_funcs``, else ``eval_loss``
+    evaluate(...)                    the on-policy evaluation (rewards) with ``reward_funcs``, else ``eval_loss``
 
 Memory: neither model's ``[B, T, V]`` logits are built. Each model's last hidden states are taken through
 ``logprobs.hidden_states_and_head`` (the LM head runs on one position), only the completion positions are kept,
@@ -24,30 +23,29 @@ activation checkpoint.
 
 How this departs from TRL 1.16's DistillationTrainer:
 
-1. The config is a ``GRPOConfig`` (batch semantics, sampling, rollout engine, evaluation fields keep GRPO's
-   meaning); ``num_generations`` defaults to 1 (TRL samples one completion per prompt) and may be raised.
-   GRPO's objective settings (``loss_type``, ``epsilon*``, the objective table, ``scale_rewards``, dynamic
-   sampling) have no meaning here and are refused when set. One generation per optimizer step, as TRL:
+1. The config is an ``OnPolicyConfig`` (batch semantics, sampling, rollout engine and evaluation fields mean what
+   they mean for GRPO); ``num_generations`` defaults to 1 (TRL samples one completion per prompt) and may be
+   raised. GRPO's objective settings (``loss_type``, ``epsilon*``, the objective table, ``scale_rewards``, dynamic
+   sampling) are not fields of it: setting one is an unknown argument. One generation per optimizer step, as TRL:
    ``steps_per_generation`` must equal ``gradient_accumulation_steps`` and ``num_iterations`` is 1.
 2. Sampling goes through the rollout engine (the own KV-cached sampler, or vLLM with ``use_vllm``), seeded per
-   (seed, generation, rank). ``min_p`` and ``generation_kwargs`` are GRPO's (``suppress_tokens``: the own sampler
-   only): the ``GenerationConfig`` names it takes (``generation.sampling.GENERATION_KWARGS``) override the config's
-   fields as in TRL; ``temperature`` (also the divergence's), ``max_new_tokens`` and names it has no counterpart for are
-   refused in one line.
+   (seed, generation, rank). ``min_p`` and ``generation_kwargs`` are the on-policy base's (``suppress_tokens``: the
+   own sampler only): the ``GenerationConfig`` names it takes (``generation.sampling.GENERATION_KWARGS``) override
+   the config's fields as in TRL; ``temperature`` (also the divergence's), ``max_new_tokens`` and names it has no
+   counterpart for are refused in one line.
 3. Training forwards get position ids counted from the first prompt token (GRPO's departure 5), for both models.
 4. Models outside the hidden-state fast path (final-logit softcapping, logit scaling, custom heads) fall back to
    both models' full logits for the micro-batch (exact, more memory); TRL applies scale and softcap in its kernel.
 5. The shared tokenizer is checked before training: equal vocabularies when the teacher's tokenizer is known (a
    folder or Hub id), else equal vocabulary sizes (TRL checks the sizes only). A mismatch is one line.
-6. ``evaluate()``: with ``reward_funcs`` (a treadle addition), GRPO's metrics (rewards, pass@k, greedy
-   accuracy); without, ``eval_loss``, the divergence on completions sampled with the ``eval_*`` settings.
+6. ``evaluate()``: with ``reward_funcs`` (a treadle addition), the on-policy metrics (rewards, pass@k, greedy
+   accuracy, GRPO's); without, ``eval_loss``, the divergence on completions sampled with the ``eval_*`` settings.
 7. No ``entropy`` metric (the chunked divergence does not return the student's entropy); ``completions/*``
    lengths are logged per generation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import types
 from dataclasses import dataclass
 from typing import ClassVar
@@ -63,22 +61,16 @@ from treadle.metrics import means_of
 from treadle.losses import check_distill_options, chunked_generalized_jsd, generalized_jsd
 from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
-from treadle.trainers.grpo.trainer import GRPOTrainer
-from treadle.trainers.grpo.config import GRPOConfig
-from treadle.trainers.grpo.data import Rollout, Sample, slice_sample
-from treadle.trainers.grpo.records import seeded_generator
+from treadle.trainers.onpolicy.config import OnPolicyConfig
+from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
+from treadle.trainers.onpolicy.records import seeded_generator
+from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "check_shared_tokenizer"]
 
-# GRPO's objective settings: a distillation run that sets one of them would silently ignore it
-GRPO_ONLY = ("loss_type", "epsilon", "epsilon_high", "delta", "scale_rewards", "importance_sampling_level",
-             "sapo_temperature_pos", "sapo_temperature_neg", "top_entropy_quantile", "off_policy_mask_threshold",
-             "use_bias_correction_kl", "multi_objective_aggregation", "advantage_estimator", "dynamic_sampling")
-
-
 @dataclass
-class DistillationConfig(LogprobChunkOption, GRPOConfig):
-    """``GRPOConfig`` (sampling, batches, rollout engine, evaluation) plus TRL 1.16's distillation fields."""
+class DistillationConfig(LogprobChunkOption, OnPolicyConfig):
+    """``OnPolicyConfig`` (sampling, batches, rollout engine, evaluation) plus TRL 1.16's distillation fields."""
 
     min_num_generations: ClassVar[int] = 1
 
@@ -88,13 +80,6 @@ class DistillationConfig(LogprobChunkOption, GRPOConfig):
     teacher_model_init_kwargs: dict | None = None  # from_pretrained keywords when the teacher is a folder or Hub id
 
     def __post_init__(self) -> None:
-        defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-        changed = [name for name in GRPO_ONLY if getattr(self, name) != defaults[name]
-                   and not (name == "epsilon_high" and self.epsilon_high == self.epsilon)]  # a saved config's
-        if changed:
-            raise ValueError(f"{', '.join(changed)} set on a DistillationConfig: GRPO objective settings have no "
-                             f"effect on distillation, whose loss is the generalised JSD (beta, temperature); "
-                             f"remove them")
         super().__post_init__()
         check_distill_options(self.beta, self.temperature)
         if self.steps_per_generation != self.gradient_accumulation_steps or self.num_iterations != 1:
@@ -125,16 +110,15 @@ def _vocabulary_rows(model) -> int | None:
     return None if weight is None else weight.shape[0]
 
 
-class DistillationTrainer(GRPOTrainer):
+class DistillationTrainer(OnPolicyTrainer):
     """Trains ``model`` (the student) on its own samples towards ``teacher_model``'s next-token distributions.
 
     ``teacher_model``: a causal LM, or a folder / Hub id (loaded with ``args.teacher_model_init_kwargs``); it must
     share the student's tokenizer. ``train_dataset`` needs a ``prompt`` column (text or chat messages).
-    ``reward_funcs`` (optional) are used by ``evaluate()`` only. ``tools`` as in GRPOTrainer (multi-turn rollouts:
+    ``reward_funcs`` (optional) are used by ``evaluate()`` only. ``tools`` as in OnPolicyTrainer (multi-turn rollouts:
     both models see the tool results in the context, the divergence covers the student's sampled tokens only)."""
 
     config_class = DistillationConfig
-    requires_reward_funcs = False
 
     def __init__(self, model=None, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
@@ -148,13 +132,11 @@ class DistillationTrainer(GRPOTrainer):
         teacher, teacher_tokenizer = from_name(teacher_model, None, teacher_args)
         check_shared_tokenizer(model, teacher, processing_class,
                                teacher_tokenizer if isinstance(teacher_model, str) else None)
-        super().__init__(model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers, peft_config=peft_config, compute_metrics=compute_metrics, tools=tools)
+        super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         peft_config=peft_config, compute_metrics=compute_metrics, reward_funcs=reward_funcs,
+                         tools=tools)
         self.teacher_model = frozen_reference(self.model, teacher, device=args.device)  # eval mode, no grad
-
-    def needs_reference_logps(self) -> bool:
-        return False  # beta selects the divergence; there is no KL to a reference policy
 
     # ---- sampling: the student's completions, no rewards ------------------------------------------------
     def generate_and_score(self, rows: list[dict], generation: int) -> list[Sample]:
@@ -162,8 +144,7 @@ class DistillationTrainer(GRPOTrainer):
         ``completion_mask`` is the loss mask (sampled tokens; truncated completions dropped with
         ``mask_truncated_completions``) and ``advantages`` are zeros (unused)."""
         args = self.args
-        self.engine.load_weights(self.model_wrapped)
-        rollout = self.sample_rows(rows, seeded_generator(args.seed, args.device, "train", generation))
+        rollout = self.sample_generation(rows, generation)
         out = rollout.generation
         self.metrics.add_many({"completions/mean_length": (out.completion_mask.sum().item(), len(rows)),
                                "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows)),
@@ -213,9 +194,9 @@ class DistillationTrainer(GRPOTrainer):
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """With ``reward_funcs``: GRPO's evaluation (rewards, pass@k, greedy accuracy). Without: ``<prefix>_loss``,
-        the divergence per completion token of completions sampled from the ``eval_*`` settings (seeded per batch),
-        and ``<prefix>_completions/mean_length``. Logs the metrics and fires ``on_evaluate``."""
+        """With ``reward_funcs``: the on-policy evaluation (rewards, pass@k, greedy accuracy). Without:
+        ``<prefix>_loss``, the divergence per completion token of completions sampled from the ``eval_*`` settings
+        (seeded per batch), and ``<prefix>_completions/mean_length``. Logs the metrics and fires ``on_evaluate``."""
         if self.reward_funcs:
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -224,18 +205,14 @@ class DistillationTrainer(GRPOTrainer):
         loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
                                        sampler=self.build_sampler(dataset, shuffle=False), collate_fn=list)
         self.metrics.clear("eval")
-        self.engine.load_weights(self.model_wrapped)
+        self.engine.load_weights(self.model_wrapped, version=self.state.global_step)
         with torch.no_grad(), eval_mode(self.model):
             for index, rows in enumerate(loader):
                 rollout = self.sample_rows(rows, seeded_generator(self.args.seed, self.args.device, "eval", index),
                                            mode="eval")
                 self._record_eval_batch(rollout)
         recorded = means_of(self.metrics.reduce("eval"))  # one all-reduce for every metric
-        metrics = {f"{metric_key_prefix}_{name}": value for name, value in recorded.items()}
-        self.log(metrics)
-        self.control = self.callback_handler.call_event("on_evaluate", self.args, self.state, self.control,
-                                                        metrics=metrics)
-        return metrics
+        return self.log_evaluation({f"{metric_key_prefix}_{name}": value for name, value in recorded.items()})
 
     def _record_eval_batch(self, rollout: Rollout) -> None:
         out = rollout.generation

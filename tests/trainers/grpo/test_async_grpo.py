@@ -1,6 +1,7 @@
-"""Asynchronous GRPO (``max_staleness``; trainers/grpo/asynchronous.py, trainers/grpo/worker.py, docs/async.md): the synchronous run
-unchanged, the schedule's staleness, reproducibility, exact resume after SIGKILL, a dead or hung worker stopping
-the run in one line, SIGTERM, and the importance-sampling correction's unbiasedness on a toy policy."""
+"""Asynchronous GRPO (``max_staleness``; trainers/onpolicy/producer.py, trainers/onpolicy/worker.py, docs/async.md):
+the synchronous run unchanged, the schedule's staleness, reproducibility, exact resume after SIGKILL, a dead or hung
+worker stopping the run in one line, SIGTERM, and the importance-sampling correction's unbiasedness on a toy
+policy."""
 
 import json
 import os
@@ -19,8 +20,8 @@ from treadle.engines.local import LocalEngine
 from treadle.errors import Preempted, is_user_error
 from treadle.losses import GRPOObjective, grpo_loss, sampling_importance_ratio
 from treadle.trainers.grpo.trainer import GRPOConfig
-from treadle.trainers.grpo.asynchronous import AsyncRollouts, worker_threads
-from treadle.trainers.grpo.worker import RolloutWorkerError
+from treadle.trainers.onpolicy.producer import RolloutProducer, worker_threads
+from treadle.trainers.onpolicy.worker import RolloutWorkerError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,23 +69,24 @@ def test_settings_async_grpo_does_not_take_are_refused_in_one_line(overrides, fr
 
 def test_thread_split():
     args = GRPOConfig(output_dir="unused", per_device_train_batch_size=4, num_generations=4, max_staleness=1)
-    assert worker_threads(args, 2) == (1, 1) and worker_threads(args, 1) == (1, 1)
-    assert worker_threads(args, 16) == (8, 8)
+    assert worker_threads(args.async_worker_threads, 2) == (1, 1)
+    assert worker_threads(args.async_worker_threads, 1) == (1, 1)
+    assert worker_threads(args.async_worker_threads, 16) == (8, 8)
     args.async_worker_threads = 3
-    assert worker_threads(args, 16) == (3, 13)
+    assert worker_threads(args.async_worker_threads, 16) == (3, 13)
 
 
 # ------------------------------------------------------------------------------------------------ the schedule
 def test_zero_staleness_is_the_synchronous_run_and_builds_no_worker(tmp_path):
     trainer = runner.build({"output_dir": str(tmp_path / "run"), "max_staleness": 0})
-    assert type(trainer.engine) is LocalEngine  # nothing of grpo_async is on the path: today's run, bit for bit
+    assert type(trainer.engine) is LocalEngine and trainer.producer is None  # no producer: today's run, bit for bit
 
 
 def test_the_worker_at_zero_staleness_trains_the_synchronous_weights_bit_for_bit(tmp_path, sync_run):
     """The worker machinery itself (a process, weights pushed through the queue, replies in order) with a schedule
     of staleness 0 and the correction off samples exactly what the live model samples."""
     trainer = runner.build({"output_dir": str(tmp_path / "run"), "vllm_importance_sampling_correction": False})
-    trainer.engine = AsyncRollouts(trainer, staleness=0)
+    trainer.producer = trainer.build_producer(staleness=0)
     with runner.one_thread():
         trainer.train()
     assert logged(trainer, "async/staleness") == [0.0] * 4
@@ -163,7 +165,7 @@ def test_a_dead_worker_stops_the_run_in_one_line_with_its_exit_status(tmp_path):
     pids = []
 
     def kill(trainer):
-        pids.append(trainer.engine.worker.handle.pid)
+        pids.append(trainer.producer.worker.handle.pid)
         os.kill(pids[0], signal.SIGKILL)
 
     with pytest.raises(RolloutWorkerError) as err:
@@ -180,7 +182,7 @@ def test_a_hung_worker_stops_the_run_at_the_timeout_naming_the_wait(tmp_path):
     pids = []
 
     def freeze(trainer):
-        pids.append(trainer.engine.worker.handle.pid)
+        pids.append(trainer.producer.worker.handle.pid)
         os.kill(pids[0], signal.SIGSTOP)  # alive, never answering
 
     with pytest.raises(RolloutWorkerError) as err:
@@ -197,7 +199,7 @@ def test_sigterm_checkpoints_the_pending_batches_stops_the_worker_and_resumes_ex
     pids = []
 
     def term(trainer):
-        pids.append(trainer.engine.worker.handle.pid)
+        pids.append(trainer.producer.worker.handle.pid)
         os.kill(os.getpid(), signal.SIGTERM)
 
     spec = {"max_steps": 5, "save_strategy": "steps", "save_steps": 2}
@@ -264,6 +266,6 @@ def test_the_demo_takes_max_staleness_and_other_tasks_refuse_it(monkeypatch, cap
     assert [s.max_staleness for s in calls] == [1, 0]
     tok = toy.build_tokenizer()
     trainer = demo.heldout_trainer(toy.build_model("tiny", tokenizer=tok), tok, calls[0], tmp_path / "run")
-    assert isinstance(trainer.engine, AsyncRollouts) and trainer.args.max_staleness == 1
+    assert isinstance(trainer.producer, RolloutProducer) and trainer.args.max_staleness == 1
     assert cli.main(["demo", "--task", "tools", "--max_staleness", "1"]) == 2
     assert "--max-staleness is for the addition demo's GRPO" in capsys.readouterr().err

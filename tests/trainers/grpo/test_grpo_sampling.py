@@ -136,13 +136,13 @@ def test_when_the_correction_applies(tmp_path):
     def args(**kw):
         return GRPOConfig(output_dir=str(tmp_path), **kw)
 
-    assert not corrects_sampling(args(), own_sampler=True)  # samples the trained distribution itself
-    assert corrects_sampling(args(), own_sampler=False)  # another engine: always
+    assert not corrects_sampling(args(), exact_logps=True)  # samples the trained distribution itself
+    assert corrects_sampling(args(), exact_logps=False)  # another engine: always
     for reshaped in ({"top_k": 5}, {"top_p": 0.9}, {"repetition_penalty": 1.2}, {"min_p": 0.05},
                      {"generation_kwargs": {"min_p": 0.05}}, {"generation_kwargs": {"suppress_tokens": [7]}}):
-        assert corrects_sampling(args(**reshaped), own_sampler=True), reshaped
-    assert not corrects_sampling(args(min_p=0.0), own_sampler=True)
-    assert not corrects_sampling(args(top_k=5, vllm_importance_sampling_correction=False), own_sampler=False)
+        assert corrects_sampling(args(**reshaped), exact_logps=True), reshaped
+    assert not corrects_sampling(args(min_p=0.0), exact_logps=True)
+    assert not corrects_sampling(args(top_k=5, vllm_importance_sampling_correction=False), exact_logps=False)
 
 
 # ------------------------------------------------------------------------------------------------ the trainer

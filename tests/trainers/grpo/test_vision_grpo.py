@@ -1,4 +1,4 @@
-"""GRPO with images (treadle.trainers.grpo.vision) on tiny Qwen2-VL (sampled through transformers' generate: its
+"""GRPO with images (treadle.trainers.onpolicy.vision) on tiny Qwen2-VL (sampled through transformers' generate: its
 positions depend on the images) and LLaVA (the own KV-cached sampler, the images in the prefill) models."""
 
 import dataclasses
@@ -10,7 +10,7 @@ import torch
 from _factories import vision_grpo_trainer
 from treadle.demos import toy_vision as tv
 from treadle import vision
-from treadle.trainers.grpo import vision as grpo_vision
+from treadle.trainers.onpolicy import vision as onpolicy_vision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,7 +70,7 @@ def test_the_trainer_scores_what_the_sampler_drew_from_the_same_images(tmp_path,
 
 
 def test_a_grpo_step_trains_and_checkpoints_the_vision_inputs(tmp_path, kind, processor):
-    from treadle.trainers.grpo.data import GenerationBuffer
+    from treadle.trainers.onpolicy.data import GenerationBuffer
 
     trainer = trainer_for(tmp_path, kind, processor, steps_per_generation=2, max_steps=1)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -90,15 +90,15 @@ def test_a_grpo_step_trains_and_checkpoints_the_vision_inputs(tmp_path, kind, pr
 
 def test_groups_of_equal_tokens_but_other_images_are_not_merged(processor):
     rows = tv.count_task("train", 2, kind="rl")  # the same question: equal prompt ids, different canvases
-    ids, _ = grpo_vision.encode(processor, rows)
+    ids, _ = onpolicy_vision.encode(processor, rows)
     assert ids[0] == ids[1]
-    assert grpo_vision.distinct_rows([rows[0], rows[0], rows[1], rows[1]], 2) == ([rows[0], rows[1]], 2)
-    assert grpo_vision.distinct_rows([rows[0], rows[1]], 2) == ([rows[0], rows[1]], 1)
+    assert onpolicy_vision.distinct_rows([rows[0], rows[0], rows[1], rows[1]], 2) == ([rows[0], rows[1]], 2)
+    assert onpolicy_vision.distinct_rows([rows[0], rows[1]], 2) == ([rows[0], rows[1]], 1)
 
 
 def test_a_vision_prompt_is_never_cut(processor):
     with pytest.raises(vision.VisionDataError, match="max_prompt_length=5 .* never cut"):
-        grpo_vision.encode(processor, tv.count_task("train", 1, kind="rl"), max_prompt_length=5)
+        onpolicy_vision.encode(processor, tv.count_task("train", 1, kind="rl"), max_prompt_length=5)
 
 
 def test_evaluate_scores_held_out_images_greedily(tmp_path, kind, processor):

@@ -5,8 +5,9 @@ engine sampled from is not the one the trainer trains, each token's policy loss 
 When it applies (``corrects_sampling``): ``vllm_importance_sampling_correction`` is on, the engine returned
 ``sampling_logps`` (the log-probs of the distribution it actually drew from), and either
 
-- the engine is not the own sampler (vLLM: its own copy of the weights, its own kernels; the ratio catches a stale
-  or unsynced copy as well as numeric drift), or
+- the log-probs are not exact (the engine does not report ``exact_logps``: vLLM, with its own copy of the weights
+  and its own kernels, where the ratio catches a stale or unsynced copy as well as numeric drift; or an
+  asynchronous producer, whose batches were sampled from weights up to ``max_staleness`` steps old), or
 - the own sampler draws from a truncated or penalised distribution: ``top_k`` > 0, ``top_p`` < 1,
   ``repetition_penalty`` != 1, ``min_p`` > 0 or ``generation_kwargs``' ``suppress_tokens`` (its ``sampling_logps``
   are exact for that distribution, so the ratio is each token's kept probability mass, ≤ 1).
@@ -27,21 +28,21 @@ import torch
 from treadle import distributed as dist
 from treadle.generation.sampling import sampler_options
 from treadle.losses import sampling_correction_metrics, sampling_correction_values, sampling_importance_ratio
-from treadle.trainers.grpo.data import Sample
+from treadle.trainers.onpolicy.data import Sample
 
 __all__ = ["corrects_sampling", "correction_metrics", "sampling_ratio"]
 
 
-def corrects_sampling(args, *, own_sampler: bool) -> bool:
+def corrects_sampling(args, *, exact_logps: bool) -> bool:
     """Whether the sampler correction applies to the rollouts of an engine (see the module docstring);
-    ``own_sampler``: the engine samples from the live model (``engines.LocalEngine``, multi-turn rollouts)."""
+    ``exact_logps``: its log-probs are the live policy's own (``RolloutEngine.exact_logps``: the own sampler)."""
     if not args.vllm_importance_sampling_correction:
         return False
     options = {"top_k": args.top_k or 0, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
                **sampler_options(args.min_p, args.generation_kwargs)}  # generation_kwargs override, as when sampling
     reshaped = (options["top_k"] > 0 or options["top_p"] < 1 or options["repetition_penalty"] != 1
                 or options.get("min_p", 0) > 0 or bool(options.get("suppress_token_ids")))
-    return reshaped or not own_sampler
+    return reshaped or not exact_logps
 
 
 def sampling_ratio(sample: Sample, args) -> torch.Tensor:

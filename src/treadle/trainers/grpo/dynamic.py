@@ -23,13 +23,22 @@ from typing import Callable
 import torch
 
 from treadle import distributed as dist
+from treadle.errors import PreflightError
 from treadle.losses import zero_spread_groups
 from treadle.rewards import weighted_rewards
-from treadle.trainers.grpo.data import Rollout, join_rows
+from treadle.streaming import is_stream
+from treadle.trainers.onpolicy.data import Rollout, join_rows
 
-__all__ = ["extra_rows", "fill_with_signal"]
+__all__ = ["check_stream", "extra_rows", "fill_with_signal"]
 
 Draw = Callable[[int], tuple[Rollout, torch.Tensor]]  # round -> (its rollout, its rewards (N, F))
+
+
+def check_stream(dataset, args) -> None:
+    """Extra prompts are drawn from the whole dataset, which a stream does not allow: refused in one line."""
+    if args.dynamic_sampling and is_stream(dataset):
+        raise PreflightError("dynamic_sampling draws extra prompts from the whole dataset, which a stream does not "
+                             "allow; set dynamic_sampling: false or give a datasets.Dataset")
 
 
 def extra_rows(dataset, *, seed: int, generation: int, round_: int, group: int, rows_per_rank: int) -> list[dict]:

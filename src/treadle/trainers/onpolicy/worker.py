@@ -1,13 +1,13 @@
-"""The rollout worker of asynchronous GRPO (trainers/grpo/asynchronous.py, docs/async.md): a process (or a thread) that
-holds its own copy of the policy and samples generation batches with the own KV-cached sampler while the trainer
-trains.
+"""The rollout worker of asynchronous generation (trainers/onpolicy/producer.py, docs/async.md): a process (or a
+thread) that holds its own copy of the policy behind its own engine (``engines.LocalEngine``, the own KV-cached
+sampler) and samples generation batches while the trainer trains.
 
-The protocol is one request queue and one reply queue. A request names a generation, the weight version it must be
-sampled from (with the weights, a state dict, when that version is new to the worker), the distinct prompt ids, the
-``SamplingParams``, the run's seed and the sampler backend; the worker loads the weights, samples with a generator
-seeded from (seed, generation) exactly as the synchronous run seeds it, and replies ``(generation, version,
-GenerationOutput)`` (or ``(generation, version, traceback text)`` when sampling raised). Requests are served in
-order, so the weights a generation is sampled from depend only on the schedule, never on timing.
+The protocol is one request queue and one reply queue, two kinds of request: a weight push (a version and its state
+dict: the worker loads it into its copy and tells its engine the version) and a :class:`SampleRequest` (a
+generation, the distinct prompt ids, the ``SamplingParams`` and the generator seed to sample with). The worker
+replies to each sample request ``(generation, the version its engine held, GenerationOutput)``, or ``(generation,
+version, traceback text)`` when the push or the sampling raised. Requests are served in order, so the weights a
+generation is sampled from depend only on the schedule, never on timing.
 
 Nothing waits without a limit (``RolloutWorker.wait``): a reply that does not come within ``timeout`` seconds, or a
 worker that dies, raises ``RolloutWorkerError`` (a ``UserError``: one line) naming what was waited for, the exit
@@ -30,16 +30,18 @@ import tempfile
 import threading
 import time
 import traceback
+from typing import NamedTuple
 
 import torch
 import multiprocessing as mp
 
+from treadle.engines.local import LocalEngine
 from treadle.errors import UserError
-from treadle.generation.single import GenerationOutput, sample_completions
-from treadle.trainers.grpo.config import WORKER_KINDS
-from treadle.trainers.grpo.records import seeded_generator
+from treadle.generation.sampling import SamplingParams
+from treadle.generation.single import GenerationOutput
+from treadle.trainers.onpolicy.config import WORKER_KINDS
 
-__all__ = ["RolloutWorker", "RolloutWorkerError"]
+__all__ = ["RolloutWorker", "RolloutWorkerError", "SampleRequest", "WeightPush"]
 
 _POLL = 0.2  # seconds between liveness checks while waiting for a reply
 START_TIMEOUT = 300.0  # the least a worker's start may take (a new interpreter imports torch and transformers)
@@ -62,7 +64,26 @@ class RolloutWorkerError(UserError, RuntimeError):
     """The rollout worker died, raised, or did not answer in time: the run stops here, its checkpoints intact."""
 
 
-def serve(model, requests, replies, threads: int | None, log_path: str | None, parent_pid: int | None) -> None:
+class WeightPush(NamedTuple):
+    """Weight ``version`` of the policy (a state dict as bytes): the sample requests after it are sampled from it."""
+
+    version: int
+    weights: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRequest:
+    """Sample ``generation`` from the weights pushed last: ``params.num_generations`` completions of each distinct
+    prompt, drawn from a generator seeded with ``seed`` (what the worker samples with, nothing else)."""
+
+    generation: int
+    prompt_ids: list[list[int]]
+    params: SamplingParams
+    seed: int
+
+
+def serve(model, backend: str, requests, replies, threads: int | None, log_path: str | None,
+          parent_pid: int | None) -> None:
     """The worker's loop (the target of the process or the thread): answer requests until a ``None`` request."""
     if log_path is not None:  # a process: its output to the log file, the trainer's signals are the trainer's
         log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -73,6 +94,7 @@ def serve(model, requests, replies, threads: int | None, log_path: str | None, p
     if threads:
         torch.set_num_threads(threads)
     model.eval()
+    engine = LocalEngine(model, backend=backend)
     print(f"treadle rollout worker: pid {os.getpid()}, {torch.get_num_threads()} torch threads, ready", flush=True)
     replies.put(("ready", None, None))
     while True:
@@ -84,18 +106,20 @@ def serve(model, requests, replies, threads: int | None, log_path: str | None, p
             continue
         if request is None:
             return
-        generation, version, weights, prompt_ids, params, seed, backend = request
+        generation = request.generation if isinstance(request, SampleRequest) else None  # None: a weight push
         try:
-            if weights is not None:
-                model.load_state_dict(unpack(weights))
-            generator = seeded_generator(seed, next(model.parameters()).device, "train", generation)
+            if isinstance(request, WeightPush):
+                model.load_state_dict(unpack(request.weights))
+                engine.load_weights(model, version=request.version)
+                continue
+            generator = torch.Generator(device=next(model.parameters()).device).manual_seed(request.seed)
             with torch.no_grad():
-                out = sample_completions(model, prompt_ids, params, generator=generator, backend=backend)
-            replies.put((generation, version, pack(dataclasses.asdict(out))))
-        except Exception:  # noqa: BLE001 -- reported to the trainer, which stops the run with it
+                out = engine.generate(request.prompt_ids, request.params, generator=generator)
+            replies.put((generation, engine.policy_version, pack(dataclasses.asdict(out))))
+        except Exception:  # noqa: BLE001 -- reported to the trainer (at its next wait), which stops the run with it
             text = traceback.format_exc()
             print(text, flush=True)
-            replies.put((generation, version, text))
+            replies.put((generation, engine.policy_version, text))
 
 
 @contextlib.contextmanager
@@ -116,12 +140,15 @@ def _main_not_rerun():
 
 
 class RolloutWorker:
-    """The trainer's handle on one worker: ``submit`` requests, ``wait`` for replies (in order), ``close``.
+    """The trainer's handle on one worker: ``load_weights`` and ``sample`` requests, ``wait`` for replies (in order),
+    ``close``.
 
     ``kind``: "process" (spawned, its own interpreter and ``threads`` torch threads) or "thread" (the same loop on a
-    thread of this process, sharing its torch threads). ``model``: the policy, copied once at start."""
+    thread of this process, sharing its torch threads). ``model``: the policy, copied once at start; ``backend``:
+    its engine's sampler backend ("fast", "hf" or "auto")."""
 
-    def __init__(self, model, *, kind: str = "process", threads: int | None = None, timeout: float = 600.0):
+    def __init__(self, model, *, kind: str = "process", threads: int | None = None, timeout: float = 600.0,
+                 backend: str = "auto"):
         if kind not in WORKER_KINDS:
             raise ValueError(f"async_worker must be one of {WORKER_KINDS}, got {kind!r}")
         self.kind, self.timeout = kind, timeout
@@ -132,11 +159,11 @@ class RolloutWorker:
             handle, self.log_path = tempfile.mkstemp(prefix="treadle-rollout-worker-", suffix=".log")
             os.close(handle)
             self.handle = context.Process(target=serve, daemon=True, name="treadle-rollout-worker", args=(
-                copied, self.requests, self.replies, threads, self.log_path, os.getpid()))
+                copied, backend, self.requests, self.replies, threads, self.log_path, os.getpid()))
         else:
             self.requests, self.replies, self.log_path = queue.Queue(), queue.Queue(), None
             self.handle = threading.Thread(target=serve, daemon=True, name="treadle-rollout-worker",
-                                           args=(copied, self.requests, self.replies, None, None, None))
+                                           args=(copied, backend, self.requests, self.replies, None, None, None))
         if kind == "process":
             with _main_not_rerun():
                 self.handle.start()
@@ -144,11 +171,13 @@ class RolloutWorker:
             self.handle.start()
         self.wait("its start (importing torch, loading the model copy)", max(timeout, START_TIMEOUT))
 
-    def submit(self, generation: int, version: int, weights: dict | None, prompt_ids, params, seed: int,
-               backend: str) -> None:
-        """Request ``generation`` from weight ``version`` (``weights``: a state dict when the version is new)."""
-        packed = None if weights is None else pack(weights)
-        self.requests.put((generation, version, packed, prompt_ids, params, seed, backend))
+    def load_weights(self, version: int, weights: dict) -> None:
+        """Push weight ``version`` (a state dict): the requests after this one are sampled from it."""
+        self.requests.put(WeightPush(version, pack(weights)))
+
+    def sample(self, request: SampleRequest) -> None:
+        """Request one generation's batch; its reply comes, in order, from ``wait``."""
+        self.requests.put(request)
 
     def wait(self, what: str, timeout: float | None = None) -> tuple:
         """The next reply; ``what`` names it in the error when the worker dies, raises or does not answer within

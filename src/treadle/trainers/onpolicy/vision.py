@@ -1,4 +1,5 @@
-"""GRPO's vision path: prompts with images, sampled and scored with their pixels (``treadle.vision``'s conventions).
+"""The on-policy vision path: prompts with images, sampled and scored with their pixels (``treadle.vision``'s
+conventions).
 
 A row holds ``images`` (or ``image``) and a chat ``prompt`` whose user turn has ``{"type": "image"}`` parts. The
 processor renders each prompt with its generation prompt and builds the vision inputs; the engine gets them with
@@ -21,13 +22,14 @@ import dataclasses
 import torch
 
 from treadle import vision
+from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import positions_need_images
 from treadle.models import base_model
-from treadle.trainers.grpo.data import Rollout
+from treadle.trainers.onpolicy.data import Rollout
 
 
 def has_images(rows: list[dict]) -> bool:
-    """Whether GRPO rows carry images (an ``images`` / ``image`` column)."""
+    """Whether dataset rows carry images (an ``images`` / ``image`` column)."""
     return bool(rows) and vision.image_column(list(rows[0])) is not None
 
 
@@ -45,7 +47,7 @@ def check_dataset(dataset, model, processing_class, *, where: str = "the train d
 
 
 def encode(processing_class, rows: list[dict], *, max_prompt_length: int | None = None,
-           where: str = "a GRPO batch") -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+           where: str = "a batch of prompts") -> tuple[list[list[int]], dict[str, torch.Tensor]]:
     """``(prompt ids per row, vision inputs)``: one processor call over the rows' rendered prompts (left-padded),
     the ids without their padding, and every other tensor it made (``pixel_values`` ...)."""
     texts, images = [], []
@@ -77,21 +79,11 @@ def distinct_rows(rows: list[dict], group: int) -> tuple[list[dict], int]:
     return (rows[::group], group) if grouped else (rows, 1)
 
 
-def sample(trainer, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> Rollout:
-    """GRPO's single-turn sampling for rows with images (``GRPOTrainer._sample`` hands them here)."""
-    processor = trainer.processing_class
-    distinct, group = distinct_rows(rows, trainer.sampling_params(mode).num_generations)
-    ids, extras = encode(processor, distinct, max_prompt_length=trainer.args.max_prompt_length)
-    # an image token in a completion would have no pixels behind it in the training forward: never sampled
-    params = trainer.sampling_params(mode, group)  # with generation_kwargs' suppress_tokens, if any
-    params = dataclasses.replace(params, suppress_token_ids=tuple(sorted(set(vision.image_token_ids(processor))
-                                                                         | set(params.suppress_token_ids))))
-    out = trainer.engine.generate(ids, params, generator=generator, prompt_inputs=extras)
-    lengths = out.completion_mask.sum(dim=1).tolist()
-    completion_lists = [row[:n] for row, n in zip(out.completion_ids.tolist(), lengths)]
-    texts = vision.tokenizer_of(processor).batch_decode(completion_lists, skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": t}] for t in texts]
-    return Rollout.of(rows, out, completions, completion_lists)
+def without_image_tokens(params: SamplingParams, processing_class) -> SamplingParams:
+    """``params`` that never sample an image token (with ``generation_kwargs``' suppressed tokens, if any): one in a
+    completion would have no pixels behind it in the training forward."""
+    suppressed = set(vision.image_token_ids(processing_class)) | set(params.suppress_token_ids)
+    return dataclasses.replace(params, suppress_token_ids=tuple(sorted(suppressed)))
 
 
 def slice_inputs(processing_class, rollout: Rollout, rows: slice, prompt_width: int, completion_width: int

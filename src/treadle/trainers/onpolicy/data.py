@@ -1,6 +1,7 @@
-"""GRPO's typed data: what sampling returns (:class:`Rollout`), what one micro-step trains on (:class:`Sample`),
-the generation buffer that owns its cursor and its checkpoint state (:class:`GenerationBuffer`), and the
-accumulation windows of per-micro-step tickets that one generation batch feeds (:func:`generation_windows`).
+"""The typed data of on-policy training (GRPO, distillation): the prompts sampling starts from (:class:`Prompts`),
+what sampling returns (:class:`Rollout`), what one micro-step trains on (:class:`Sample`), the generation buffer
+that owns its cursor and its checkpoint state (:class:`GenerationBuffer`), and the accumulation windows of
+per-micro-step tickets that one generation batch feeds (:func:`generation_windows`).
 
 One generation batch (``generation_batch_size`` rows on this rank: ``steps_per_generation`` slices of
 ``per_device_train_batch_size`` rows) feeds a cycle of ``steps_per_generation * num_iterations`` micro-steps;
@@ -23,14 +24,24 @@ from treadle.errors import PreflightError
 from treadle.streaming import Stream, repeat_rows
 from treadle.generation.single import GenerationOutput
 
-__all__ = ["GenerationBuffer", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows", "prompt_stream",
-           "slice_sample"]
+__all__ = ["GenerationBuffer", "Prompts", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows",
+           "prompt_stream", "slice_sample"]
+
+
+@dataclass
+class Prompts:
+    """A batch of rows' prompts, tokenised once (``OnPolicyTrainer.encode_prompts``): what an engine or the
+    asynchronous producer samples from."""
+
+    ids: list[list[int]]  # the distinct prompts' token ids (rows holding whole groups: each prompt once)
+    group: int  # completions per distinct prompt: G when the rows hold whole groups, else 1
+    inputs: dict[str, Tensor] | None = None  # a VLM's vision inputs for the distinct prompts (pixel_values ...)
 
 
 @dataclass
 class Rollout:
     """One generation's completions on this rank, one per dataset row, as sampling returns them (single-turn
-    ``GRPOTrainer._sample`` or multi-turn ``GRPOTrainer.rollout``)."""
+    ``OnPolicyTrainer.sample_rows``, multi-turn ``OnPolicyTrainer.rollout``)."""
 
     prompts: list  # N prompts (text or chat messages), one per row
     columns: dict[str, list]  # every other dataset column, N values each (reward functions get them)
@@ -218,15 +229,12 @@ class GenerationBuffer:
 
 
 def prompt_stream(dataset, args) -> Stream:
-    """A stream of prompts as GRPO trains on them: each rank reads its own prompts (``treadle.streaming``) and
-    repeats each ``num_generations`` times in a row, so that its groups are whole on it (rewards are still
-    gathered from every rank for the logs and the health checks). A generation's batch must hold whole groups,
-    and dynamic sampling's extra prompts need a dataset to draw from: both are refused otherwise, in one line."""
+    """A stream of prompts as an on-policy trainer trains on them: each rank reads its own prompts
+    (``treadle.streaming``) and repeats each ``num_generations`` times in a row, so that its groups are whole on it
+    (rewards are still gathered from every rank for the logs and the health checks). A generation's batch must hold
+    whole groups: refused otherwise, in one line."""
     if args.generation_batch_size % args.num_generations:
         raise PreflightError(f"a streamed dataset gives each rank whole groups: generation_batch_size "
                              f"{args.generation_batch_size} (per rank) must be a multiple of num_generations "
                              f"{args.num_generations}; change per_device_train_batch_size or steps_per_generation")
-    if args.dynamic_sampling:
-        raise PreflightError("dynamic_sampling draws extra prompts from the whole dataset, which a stream does not "
-                             "allow; set dynamic_sampling: false or give a datasets.Dataset")
     return Stream(dataset, repeat_rows(args.num_generations))
