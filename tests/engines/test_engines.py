@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_rollouts import chatty_model
+from _factories import chatty_model
 from treadle.demos import toy
 from treadle.engines import LocalEngine, RolloutEngine, VLLMEngine, VLLMServerEngine
 from treadle.engines.vllm import SINGLE_TURN_ONLY
