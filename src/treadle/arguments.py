@@ -308,7 +308,7 @@ class TrainingArguments:
 # the trainers that take it, before TrainingArguments: class KTOConfig(LogprobChunkOption, ..., TrainingArguments)
 @dataclass
 class PaddingFreeOption:
-    """``padding_free``: DPO, KTO, GRPO (and distillation, a GRPOConfig)."""
+    """``padding_free``: DPO, KTO, GRPO."""
 
     padding_free: bool = True  # pack each micro-batch's rows without padding for the log-prob forwards (exact)
 
@@ -316,7 +316,7 @@ class PaddingFreeOption:
 @dataclass
 class SharedPrefixOption:
     """``shared_prefix``: DPO (a pair's prompt, then chosen and rejected), GRPO (a group's prompt, then its
-    completions; and distillation, a GRPOConfig)."""
+    completions)."""
 
     shared_prefix: bool = True  # each prompt once per micro-batch, its completions after it (exact; off where unfit)
 
