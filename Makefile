@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 
-.PHONY: demo test test-fast test-vllm bench clean
+.PHONY: demo test test-fast test-vllm lint style bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,15 @@ test: $(DEV_STAMP)
 # the tests marked vllm (the colocated engine and server mode), with the real engine on CPU; `make test` deselects them
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -m vllm tests/engines/test_vllm.py tests/engines/test_vllm_server.py
+
+# ruff (pyproject.toml [tool.ruff]): `make style` formats and fixes what it can; `make lint` checks (.ci/run runs it)
+style: $(DEV_STAMP)
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples
+	$(VENV)/bin/ruff format src tests benchmarks examples
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -q -m "not slow and not vllm"

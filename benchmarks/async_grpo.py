@@ -94,10 +94,10 @@ def part_wall(options, root: Path) -> None:
         contenders.remove((0, "none", 2))
     # the synchronous contenders run first in every round: each row's ratios are to that round's baselines
     results = {c: [] for c in contenders}
-    print(f"| round | max_staleness | worker | model | steps | completions/step | max tokens | torch threads "
-          f"(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | "
-          f"sync: sampling s | async: worker start s | async: trainer waited s | trainer CPU s | worker process CPU s "
-          f"| load average |")
+    print("| round | max_staleness | worker | model | steps | completions/step | max tokens | torch threads "
+          "(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | "
+          "sync: sampling s | async: worker start s | async: trainer waited s | trainer CPU s | worker process CPU s "
+          "| load average |")
     print("|" + "---|" * 18)
     for round_ in range(options.rounds):
         for staleness, worker, threads in contenders:

@@ -32,7 +32,7 @@ def run(out: str, world_size: int, fsdp: str = "") -> dict:
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     optimized = sorted(names[id(p)] for group in trainer.optimizer.param_groups for p in group["params"])
     with torch.no_grad():  # base weights of this rank (its shards under FSDP2) against the model as built
-        full = {k.replace("base_model.model.", "").replace(".base_layer", ""): getattr(v, "full_tensor", lambda: v)()
+        full = {k.replace("base_model.model.", "").replace(".base_layer", ""): getattr(v, "full_tensor", lambda v=v: v)()
                 for k, v in trainer.model.state_dict().items() if "lora_" not in k}
     unchanged = all(torch.equal(full[k], v) for k, v in before.items() if k in full) and len(full) >= len(before)
     return {"losses": base.step_losses(trainer.state.log_history), "optimizer_params": optimized,

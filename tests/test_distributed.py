@@ -141,7 +141,7 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
 def assert_same_weights(got: dict, want: dict, atol: float = WEIGHT_ATOL) -> None:
     assert sorted(got) == sorted(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")

@@ -154,4 +154,4 @@ def test_a_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(tmp_pa
     reference, elastic = _load(tmp_path / "reference" / "final"), _load(tmp_path / "elastic" / "final")
     assert sorted(reference) == sorted(elastic)
     for name in reference:
-        torch.testing.assert_close(elastic[name], reference[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(elastic[name], reference[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")

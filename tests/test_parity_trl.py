@@ -13,7 +13,7 @@ trl = pytest.importorskip("trl", minversion="1.16")  # rollout_func, use_bias_co
 pytest.importorskip("accelerate")
 
 import treadle  # noqa: E402
-from treadle import losses
+from treadle import losses  # noqa: E402
 from treadle.demos import toy  # noqa: E402
 from treadle.engines.base import RolloutEngine  # noqa: E402
 from treadle.generation import GenerationOutput  # noqa: E402

@@ -15,10 +15,10 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from _factories import (PAIRS, SFT_ROWS, dpo_trainer, grpo_trainer, length_reward, reward_trainer, sft_trainer,
-                        tiny_reward_model)
-from treadle import TrainerCallback
-from treadle.demos import toy
+from _factories import (PAIRS, SFT_ROWS, dpo_trainer, grpo_trainer, length_reward, reward_trainer,  # noqa: E402
+                        sft_trainer, tiny_reward_model)
+from treadle import TrainerCallback  # noqa: E402
+from treadle.demos import toy  # noqa: E402
 from treadle import peft as treadle_peft  # noqa: E402
 from treadle.generation import generate_completions  # noqa: E402
 

@@ -359,7 +359,7 @@ def check_hub_model(name: str, revision: str | None = None) -> None:
         validate_repo_id(name)
     except HFValidationError:
         raise ValueError(f"model folder {name} not found, and it is not a Hugging Face model id (org/name); use a "
-                         f"local folder in transformers layout (written by save_pretrained), a Hub id, or toy:tiny")
+                         f"local folder in transformers layout (written by save_pretrained), a Hub id, or toy:tiny") from None
     if not constants.HF_HUB_OFFLINE:
         return
     if not isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):

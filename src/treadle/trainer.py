@@ -20,6 +20,8 @@ whether* it happens. The overridable methods, in the order a run calls them:
 =======================  ==========================================================================
 
 The loop itself is ``train`` -> ``_train_epoch`` -> ``_optimizer_step``; see treadle.callbacks for the event order.
+Evaluation and prediction (``evaluate``, ``predict``, ``evaluation_loop``, ``prediction_step``) live in
+treadle.evaluation, which ``Trainer`` inherits.
 Names and signatures follow ``transformers.Trainer``. Windowed metrics (the loss, and what a subclass records with
 ``self.metrics.add``) live in one ``MetricWindow``: reduced once per log, saved in checkpoints.
 """
@@ -33,23 +35,20 @@ from collections.abc import Iterator
 
 import torch
 
-from treadle import checkpoint as ckpt, distributed as dist, models, peft as treadle_peft
+from treadle import checkpoint as ckpt, data, distributed as dist, models, peft as treadle_peft
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
                                ProgressCallback, RunRecordCallback)
-from treadle.data import (batch_rows, build_dataloader, check_first_batch, collator_for, drop_unused_columns,
-                          epoch_batches, eval_batches, plan_steps, require_eval_dataset, seeded_sampler, step_rows,
-                          to_cpu)
-from treadle.metrics import (MetricWindow, PredictionOutput, TrainOutput, check_logged_loss, count_input_tokens,
-                             fold_loss, prediction_output, record_loss, skip_nonfinite_step, speed_metrics,
-                             training_logs)
+from treadle.evaluation import Evaluation
+from treadle.metrics import (MetricWindow, TrainOutput, check_logged_loss, count_input_tokens, fold_loss, record_loss,
+                             skip_nonfinite_step, speed_metrics, training_logs)
 from treadle.optim import build_optimizer, build_scheduler
 from treadle.state import LoopState, TrainerControl, TrainerState
 from treadle.streaming import restore_stream, stream_state
 from treadle.record import runs, trackers
 
 
-class Trainer:
+class Trainer(Evaluation):
     """Trains ``model`` on ``train_dataset`` with ``args``; see the module docstring for what to override.
 
     ``model`` is a transformers ``PreTrainedModel`` or any ``nn.Module`` whose output has a ``loss`` (a dict
@@ -57,7 +56,6 @@ class Trainer:
     """
 
     config_class = TrainingArguments  # the arguments this trainer needs (subclasses name their config)
-    scored_only = False  # True: evaluation asks compute_loss for the mean loss alone (DPO, KTO, reward models)
 
     def __init__(self, model=None, args: TrainingArguments | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
@@ -65,12 +63,13 @@ class Trainer:
         if model is None:
             raise ValueError(f"{type(self).__name__} needs a model")
         self.args = self.check_args(args)
-        dist.init_distributed(self.args.device, self.args.ddp_timeout)  # under torchrun: the group exists before any data work
+        # under torchrun: the process group exists before any data work
+        dist.init_distributed(self.args.device, self.args.ddp_timeout)
         self.model = treadle_peft.apply_peft(model, peft_config, args=self.args).to(self.args.device)
         self.model_wrapped = self.model  # the DDP / FSDP wrapper once train() has wrapped it
         self.processing_class = processing_class
         models.check_vocabulary(self.model, processing_class)  # the CLI's preflight (load_model), for Python too
-        self.data_collator = data_collator if data_collator is not None else collator_for(processing_class)
+        self.data_collator = data_collator if data_collator is not None else data.collator_for(processing_class)
         self.train_dataset, self.eval_dataset, self.compute_metrics = train_dataset, eval_dataset, compute_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.state, self.control, self.loop = TrainerState(), TrainerControl(), LoopState()
@@ -121,29 +120,13 @@ class Trainer:
                                      sampler=self.build_sampler(dataset, shuffle=True),
                                      drop_last=self.args.dataloader_drop_last)
 
-    def get_eval_dataloader(self, eval_dataset=None):
-        """The evaluation DataLoader over ``eval_dataset`` (or the Trainer's), in order, split across ranks."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset (pass one to Trainer or to evaluate)")
-        return self._ordered_dataloader(dataset, "evaluation")
-
-    def get_test_dataloader(self, test_dataset):
-        """The prediction DataLoader over ``test_dataset``, in order, split across ranks."""
-        return self._ordered_dataloader(test_dataset, "prediction")
-
-    def _ordered_dataloader(self, dataset, description: str):
-        dataset = self.remove_unused_columns(dataset, description)
-        sampler = self.build_sampler(dataset, shuffle=False) if hasattr(dataset, "__len__") else None
-        return self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler)
-
     def build_sampler(self, dataset, *, shuffle: bool):
         """A SeededSampler over ``dataset`` for this rank (None for an iterable dataset)."""
-        return seeded_sampler(dataset, seed=self.args.data_seed, shuffle=shuffle)
+        return data.seeded_sampler(dataset, seed=self.args.data_seed, shuffle=shuffle)
 
     def build_dataloader(self, dataset, *, batch_size: int, sampler=None, collate_fn=None, drop_last=False):
         """A DataLoader with the Trainer's collator and worker settings (``data.build_dataloader``)."""
-        return build_dataloader(dataset, self.args, batch_size=batch_size, sampler=sampler,
+        return data.build_dataloader(dataset, self.args, batch_size=batch_size, sampler=sampler,
                                 collate_fn=collate_fn or self.data_collator, drop_last=drop_last)
 
     def signature_columns(self) -> set[str] | None:
@@ -159,7 +142,7 @@ class Trainer:
         naming them in the log the first time."""
         if not self.args.remove_unused_columns:
             return dataset
-        return drop_unused_columns(dataset, self.signature_columns(), description=description,
+        return data.drop_unused_columns(dataset, self.signature_columns(), description=description,
                                    model_name=type(dist.unwrap_model(self.model)).__name__,
                                    announced=self._dropped_columns_logged)
 
@@ -263,14 +246,14 @@ class Trainer:
         args = self.args
         dist.init_distributed(args.device, args.ddp_timeout)
         ckpt.set_seed(args.seed)
-        require_eval_dataset(args, self.eval_dataset)
+        data.require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
         self.prepare_training()
         self.callback_handler.train_dataloader = dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
-        check_first_batch(dataloader, self.args.label_names if needs_labels else None)
-        steps_per_epoch, max_steps, num_epochs = plan_steps(dataloader, args, self.micro_batches_per_batch())
+        data.check_first_batch(dataloader, self.args.label_names if needs_labels else None)
+        steps_per_epoch, max_steps, num_epochs = data.plan_steps(dataloader, args, self.micro_batches_per_batch())
         self.model_wrapped = dist.wrap_model(self.model, args)
         self.create_optimizer()
         self.create_scheduler(max_steps, self.optimizer)
@@ -307,7 +290,7 @@ class Trainer:
         """The accumulation windows (``gradient_accumulation_steps`` micro-batches each) of epoch ``epoch`` from
         its step ``skip_steps`` on. GRPO overrides it so that one generation batch feeds several steps."""
         accum = self.args.gradient_accumulation_steps
-        batches = epoch_batches(dataloader, epoch, skip_steps * accum)
+        batches = data.epoch_batches(dataloader, epoch, skip_steps * accum)
         while window := list(itertools.islice(batches, accum)):
             yield window
 
@@ -395,7 +378,7 @@ class Trainer:
         if "loss" in self.metrics.names("train"):  # steps not logged yet still count in train_loss
             check_logged_loss(fold_loss(self.state, self.metrics.reduce("train")["loss"]), self.state)
         args, steps = self.args, self.state.global_step - start_step
-        samples = steps * step_rows(args, self.callback_handler.train_dataloader)  # capped at the rows there are
+        samples = steps * data.step_rows(args, self.callback_handler.train_dataloader)  # capped at the rows there are
         metrics = speed_metrics(start_time, steps, samples, self.state)
         self.log(metrics)
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
@@ -403,66 +386,6 @@ class Trainer:
         self._event("on_train_end")
         self.preemption.raise_if_stopped(args, self.state)  # a signal: its checkpoint is written, its message printed
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
-
-    # ---- evaluation ---------------------------------------------------------------------------------------
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """``{prefix}_loss`` (item-weighted mean) and ``{prefix}_<metric>`` of ``compute_metrics``, logged."""
-        self.callback_handler.eval_dataloader = dataloader = self.get_eval_dataloader(eval_dataset)
-        output = self.evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        return self.log_evaluation(output.metrics)
-
-    def log_evaluation(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The end of every ``evaluate`` (an override's too): log ``metrics``, fire ``on_evaluate``, return them."""
-        self.log(metrics)
-        self._event("on_evaluate", metrics=metrics)
-        return metrics
-
-    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
-        """Predictions (numpy, padded with -100), labels and metrics on ``test_dataset``; fires ``on_predict``."""
-        self.callback_handler.eval_dataloader = dataloader = self.get_test_dataloader(test_dataset)
-        output = self.evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
-                                      prediction_loss_only=False)
-        self._event("on_predict", metrics=output.metrics)
-        return output
-
-    def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
-                        prediction_loss_only=None) -> PredictionOutput:
-        """Run ``prediction_step`` over ``dataloader``, moving predictions to the CPU batch by batch. The loss and
-        what the "eval" window records meanwhile (SFT token accuracy, DPO rewards) are reduced once at the end."""
-        if prediction_loss_only is None:  # evaluate(): logits are gathered only when compute_metrics wants them
-            prediction_loss_only = self.args.prediction_loss_only or self.compute_metrics is None
-        self.metrics.clear("eval")
-        preds, labels = [], []
-        with models.eval_mode(self.model_wrapped):
-            for inputs, keep in eval_batches(dataloader, self.args.label_names[0]):
-                items = self.count_items(inputs)
-                weight = items if items is not None else (batch_rows(inputs) if keep is None else keep)
-                loss, logits, label = self.prediction_step(self.model_wrapped, inputs, prediction_loss_only,
-                                                           ignore_keys=ignore_keys)
-                if loss is not None:  # a batch of repeated rows only (no weight) adds 0, not its 0/0 mean
-                    self.metrics.add("loss", loss.double() * weight if weight else 0.0, weight, mode="eval")
-                if logits is not None:
-                    preds.append(to_cpu(logits)[:keep])
-                if label is not None:
-                    labels.append(to_cpu(label)[:keep])
-                self._event("on_prediction_step")
-        return prediction_output(preds, labels, self.metrics.means("eval"), self.compute_metrics, metric_key_prefix)
-
-    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
-        """(loss, logits, labels) for one evaluation batch, without gradients. The loss is the model's mean over
-        the batch's items; logits are its outputs other than the loss (and ``ignore_keys``), none if ``scored_only``."""
-        inputs = self.prepare_inputs(inputs)
-        has_labels = isinstance(inputs, dict) and all(inputs.get(k) is not None for k in self.args.label_names)
-        with torch.no_grad(), self.autocast():
-            if has_labels or self.scored_only:  # a scored trainer's batch holds what its loss needs, never labels
-                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-                loss = loss.detach().float()
-            else:
-                loss, outputs = None, model(**inputs)
-        if prediction_loss_only or self.scored_only:
-            return loss, None, None
-        labels = inputs[self.args.label_names[0]] if has_labels else None
-        return loss, models.logits_of(outputs, ignore_keys), labels
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None) -> None:

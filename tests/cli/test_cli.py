@@ -222,7 +222,7 @@ def test_sft_example_trains_saves_and_plots(tmp_path, capsys):
     assert code == 0
     events = metrics_of(out)
     losses = [e["loss"] for e in events if "loss" in e]
-    assert len(losses) == 3 and all(l == l for l in losses)  # finite
+    assert len(losses) == 3 and all(loss == loss for loss in losses)  # finite
     assert any("eval_loss" in e for e in events)
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert (out / "checkpoint-6").is_dir()

@@ -116,7 +116,7 @@ def test_model_is_deterministic_per_seed_and_leaves_global_rng_alone():
     assert torch.equal(torch.rand(3), before)  # building consumed none of the caller's random numbers
     second = toy.build_model(seed=7)
     other = toy.build_model(seed=8)
-    for (name, a), b, c in zip(first.named_parameters(), second.parameters(), other.parameters()):
+    for (name, a), b in zip(first.named_parameters(), second.parameters()):
         assert torch.equal(a, b), name
     assert not torch.equal(first.model.embed_tokens.weight, other.model.embed_tokens.weight)
 

@@ -100,7 +100,7 @@ def test_log_probs_entropy_and_every_gradient_equal_the_padded_forward(arch):
     torch.testing.assert_close(got_entropy, want_entropy, **TOL)
     assert got_grads.keys() == want_grads.keys() and len(want_grads) == len(list(model.parameters()))
     for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m: f"{arch} {name}: {m}")
+        torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, name=name: f"{arch} {name}: {m}")
 
 
 def test_hidden_state_and_full_logits_paths_agree(tok, monkeypatch):
@@ -166,7 +166,7 @@ def assert_same(results):
         torch.testing.assert_close(loss, want_loss, **TOL)
         assert grads.keys() == want_grads.keys()
         for name, grad in want_grads.items():
-            torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)

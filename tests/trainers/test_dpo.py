@@ -33,8 +33,8 @@ def collate(trainer, rows):
     return trainer.prepare_inputs(trainer.data_collator(rows))  # on the trainer's device
 
 
-def first_batch(trainer, n=len(PAIRS)):
-    return collate(trainer, [trainer.train_dataset[i] for i in range(n)])
+def first_batch(trainer, n=None):
+    return collate(trainer, [trainer.train_dataset[i] for i in range(len(PAIRS) if n is None else n)])
 
 
 def peaked_reference(seed=1):

@@ -76,9 +76,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``treadle`` parser: ``--debug`` and one subcommand (demo, train, report, merge, vllm-serve)."""
     parser = _Parser(prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one loop.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or TREADLE_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_demo_command(commands)
+    _add_train_command(commands)
+    _add_report_command(commands)
+    _add_merge_command(commands)
+    # its flags are treadle.engines.serve's, parsed there: argparse only names the command here
+    commands.add_parser("vllm-serve", add_help=False, help="serve a model with vLLM to GRPO (vllm_mode: server)")
+    return parser
+
+
+def _add_demo_command(commands) -> None:
     # the demo's numbers have no default here: a flag left out is absent from args, so DemoSettings' own default
     # applies and treadle.demos.addition is imported only when the demo runs
     demo = commands.add_parser("demo", argument_default=argparse.SUPPRESS,
@@ -94,20 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
                       "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
                       "count: a tiny VLM counts shapes")
+
+
+def _add_train_command(commands) -> None:
     train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
                                 description="Train from CONFIG.yaml; --key value overrides one key of it.")
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
     train.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
                        help="the newest checkpoint in output_dir, or CHECKPOINT; auto: the newest or a fresh start")
+
+
+def _add_report_command(commands) -> None:
     report = commands.add_parser("report", help="redraw a run's plots, write its report.html, print its summary; "
                                                 "several runs are also overlaid")
     report.add_argument("run_dir", nargs="+", help="a run's output_dir (holding metrics.jsonl), or a folder of runs")
     report.add_argument("--output-dir", help="where the overlay of several runs goes (default: <their folder>/compare)")
+
+
+def _add_merge_command(commands) -> None:
     merge = commands.add_parser("merge", help="merge a LoRA run's adapter into its base model (a transformers folder)")
     merge.add_argument("run_dir", help="a folder holding adapter_config.json (a LoRA run's output_dir)")
     merge.add_argument("--output-dir", default=None, help="where the merged model goes (default: RUN_DIR/merged)")
-    commands.add_parser("vllm-serve", add_help=False, help="serve a model with vLLM to GRPO (vllm_mode: server)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,27 +150,39 @@ def train_method(name: str, checkpoint: str, teacher, tokenizer, settings: Disti
         trainer = heldout_trainer(model, tokenizer, settings, folder, learning_rate=settings.grpo_learning_rate,
                                   **schedule)
     elif name == "distillation":
-        args = DistillationConfig(output_dir=str(folder), seed=settings.seed, max_completion_length=4,
-                                  per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
-                                  temperature=settings.distill_temperature, beta=settings.distill_beta,
-                                  learning_rate=settings.distill_learning_rate, **schedule)
-        trainer = DistillationTrainer(model, teacher, args=args, train_dataset=prompts, processing_class=tokenizer)
+        trainer = distillation_trainer(model, teacher, tokenizer, settings, folder, prompts, schedule)
     else:
-        answers = toy.greedy_completions(teacher, tokenizer, prompts["prompt"], batch_size=250, max_new_tokens=4)
-        rows = prompts.add_column("completion", [toy.extract_answer(a) for a in answers])
-        rows = rows.filter(lambda row: row["completion"] != "")  # no digits: nothing to learn (SFT refuses it)
-        if len(rows) < len(prompts):
-            print(f"SFT on teacher answers: {len(prompts) - len(rows)} of {len(prompts)} teacher answers hold no "
-                  f"number and are left out", flush=True)
-        args = SFTConfig(output_dir=str(folder), seed=settings.seed, max_length=32,
-                         per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
-                         learning_rate=settings.teacher_sft_learning_rate, **schedule)
-        trainer = SFTTrainer(model, args, train_dataset=rows.select_columns(["prompt", "completion"]),
-                             processing_class=tokenizer)
+        trainer = teacher_answers_trainer(model, teacher, tokenizer, settings, folder, prompts, schedule)
     trainer.add_callback(curve)
     print(f"{name}: training from the SFT checkpoint", flush=True)
     trainer.train()
     return curve.curve
+
+
+def distillation_trainer(model, teacher, tokenizer, settings: DistillDemoSettings, folder: Path, prompts,
+                         schedule: dict) -> DistillationTrainer:
+    """The distillation method: one sample per prompt, scored by the teacher's per-token distributions."""
+    args = DistillationConfig(output_dir=str(folder), seed=settings.seed, max_completion_length=4,
+                              per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
+                              temperature=settings.distill_temperature, beta=settings.distill_beta,
+                              learning_rate=settings.distill_learning_rate, **schedule)
+    return DistillationTrainer(model, teacher, args=args, train_dataset=prompts, processing_class=tokenizer)
+
+
+def teacher_answers_trainer(model, teacher, tokenizer, settings: DistillDemoSettings, folder: Path, prompts,
+                            schedule: dict) -> SFTTrainer:
+    """The SFT method: the teacher's greedy answers to ``prompts`` as targets (those holding no number left out)."""
+    answers = toy.greedy_completions(teacher, tokenizer, prompts["prompt"], batch_size=250, max_new_tokens=4)
+    rows = prompts.add_column("completion", [toy.extract_answer(a) for a in answers])
+    rows = rows.filter(lambda row: row["completion"] != "")  # no digits: nothing to learn (SFT refuses it)
+    if len(rows) < len(prompts):
+        print(f"SFT on teacher answers: {len(prompts) - len(rows)} of {len(prompts)} teacher answers hold no "
+              f"number and are left out", flush=True)
+    args = SFTConfig(output_dir=str(folder), seed=settings.seed, max_length=32,
+                     per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
+                     learning_rate=settings.teacher_sft_learning_rate, **schedule)
+    return SFTTrainer(model, args, train_dataset=rows.select_columns(["prompt", "completion"]),
+                      processing_class=tokenizer)
 
 
 def first_reaching(curve: list[tuple[int, float, float]], accuracy: float) -> tuple[int, float] | None:

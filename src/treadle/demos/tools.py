@@ -84,20 +84,50 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
     test = toy.load_task("tools", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
     print(f"treadle demo --task tools: the {settings.model_size} toy model learns to call calc() for 3-digit "
           f"addition (SFT warm start, then GRPO with the tool); run folder {out}", flush=True)
-    calls = {}  # stage -> fraction of held-out problems whose first turn is the right call
+    held_out = HeldOut(tokenizer, test, settings, out)
+    rows, sft_steps, attempts = tool_stages(tokenizer, settings, out, held_out)
+    rows.append(control_stage(tokenizer, settings, out, held_out, sft_steps))
+    write_results(out, settings, rows, held_out.calls, len(test), attempts, start)
+    for run in ("sft", "grpo"):
+        print_plots(out / run)
 
-    def held_out(stage: str, policy, name: str, use_tools: bool = True) -> float:
-        score = score_tools(policy, tokenizer, test, settings, out / f"{name}.jsonl", use_tools=use_tools,
-                            label=f"{stage}: held-out")
-        calls[stage] = score.right_call
+    print(results_table(rows, len(test)))
+    print(f"treadle demo --task tools: done in {time.time() - start:.0f} s; results in {out / 'results.json'}")
+    return 0
+
+
+@dataclasses.dataclass
+class HeldOut:
+    """Scores a stage's policy on the held-out problems ``test`` (transcripts in ``out``/<name>.jsonl) and
+    returns the fraction solved; ``calls`` holds each stage's fraction with the right first call, in order."""
+
+    tokenizer: object
+    test: object
+    settings: ToolsDemoSettings
+    out: Path
+    calls: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, stage: str, policy, name: str, use_tools: bool = True) -> float:
+        score = score_tools(policy, self.tokenizer, self.test, self.settings, self.out / f"{name}.jsonl",
+                            use_tools=use_tools, label=f"{stage}: held-out")
+        self.calls[stage] = score.right_call
         return score.solved
 
+
+def tool_stages(tokenizer, settings: ToolsDemoSettings, out: Path, held_out: HeldOut):
+    """The untrained model, the SFT warm start and GRPO with the tool, each scored: (their rows of (stage,
+    accuracy, steps, seconds), the warm start's SFT steps, its attempts)."""
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     rows = [("untrained", held_out("untrained", model, "untrained"), 0, 0.0)]
     model, sft_steps, seconds, attempts = warm_start(tokenizer, settings, out)
     rows.append(("after SFT", held_out("after SFT", model, "sft"), sft_steps, seconds))
     steps, seconds = tools_grpo(model, tokenizer, settings, out / "grpo", use_tools=True)
     rows.append(("GRPO + tool", held_out("GRPO + tool", model, "grpo"), steps, seconds))
+    return rows, sft_steps, attempts
+
+
+def control_stage(tokenizer, settings: ToolsDemoSettings, out: Path, held_out: HeldOut, sft_steps: int):
+    """The no-tool control, ``sft_steps`` SFT steps then GRPO, scored without the tool: its row."""
     control = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     direct = toy.load_task("tools", "train", kind="sft", n=settings.sft_problems, seed=settings.seed)
     # the control gets the same budget: the same problems, as many times, in as many SFT steps (those of the attempt
@@ -106,21 +136,21 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
     _, sft_seconds = tools_sft(control, tokenizer, direct, settings, out / "control_sft", max_steps=sft_steps,
                                batch_size=settings.sft_batch_size // 2)
     steps, seconds = tools_grpo(control, tokenizer, settings, out / "control_grpo", use_tools=False)
-    rows.append(("no-tool ctrl", held_out("no-tool control", control, "control", use_tools=False), sft_steps + steps,
-                 sft_seconds + seconds))
+    return ("no-tool ctrl", held_out("no-tool control", control, "control", use_tools=False), sft_steps + steps,
+            sft_seconds + seconds)
+
+
+def write_results(out: Path, settings: ToolsDemoSettings, rows: list, calls: dict[str, float], problems: int,
+                  attempts: int, start: float) -> None:
+    """results.json: the settings, and each stage's accuracy, right calls, steps and seconds (``calls`` in the
+    order of ``rows``); the total seconds since ``start``."""
     (out / "results.json").write_text(json.dumps(
-        {"task": "tools", "settings": dataclasses.asdict(settings), "heldout_problems": len(test),
+        {"task": "tools", "settings": dataclasses.asdict(settings), "heldout_problems": problems,
          "sft_attempts": attempts,
          "stages": [{"stage": name, "accuracy": accuracy, "right_call": right, "steps": steps,
                      "train_seconds": round(seconds, 1)}
                     for (name, accuracy, steps, seconds), right in zip(rows, calls.values())],
          "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
-    for run in ("sft", "grpo"):
-        print_plots(out / run)
-
-    print(results_table(rows, len(test)))
-    print(f"treadle demo --task tools: done in {time.time() - start:.0f} s; results in {out / 'results.json'}")
-    return 0
 
 
 class _StopWithTool(TrainerCallback):

@@ -148,32 +148,49 @@ def model_config(kind: str, tokenizer, hidden: int, layers: int):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS.get(kind, ())}
     text = _text_config(tokenizer, hidden, layers)
     if kind == "qwen2_vl":
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-        head = hidden // 4
-        text["rope_scaling"] = {"type": "mrope", "mrope_section": [head // 4, head // 8, head // 8]}
-        return Qwen2VLForConditionalGeneration, Qwen2VLConfig(
-            text_config=text, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-            vision_config=dict(depth=1, embed_dim=hidden, hidden_size=hidden, num_heads=2, mlp_ratio=2,
-                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3))
+        return _qwen2_vl_config(text, ids, hidden)
     if kind == "llava":
-        from transformers import LlavaConfig, LlavaForConditionalGeneration
-
-        return LlavaForConditionalGeneration, LlavaConfig(
-            text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"],
-            vision_feature_select_strategy="default", vision_feature_layer=-1,
-            vision_config=dict(model_type="clip_vision_model", hidden_size=hidden, intermediate_size=2 * hidden,
-                               num_hidden_layers=1, num_attention_heads=2, image_size=CANVAS, patch_size=14,
-                               projection_dim=hidden))
+        return _llava_config(text, ids, hidden)
     if kind == "idefics3":
-        from transformers import Idefics3Config, Idefics3ForConditionalGeneration
-
-        return Idefics3ForConditionalGeneration, Idefics3Config(
-            text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"], scale_factor=IDEFICS3_SCALE,
-            vision_config=dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                               num_attention_heads=2, image_size=IDEFICS3_SIDE, patch_size=14))
+        return _idefics3_config(text, ids, hidden)
     raise ValueError(f"unknown toy vision model {kind!r}; choose one of {sorted(VISION_TOKENS)}")
+
+
+def _qwen2_vl_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
+    """Qwen2-VL around the ``text`` settings (given M-RoPE here), the vision token ``ids`` and a tower of width
+    ``hidden``."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    head = hidden // 4
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [head // 4, head // 8, head // 8]}
+    return Qwen2VLForConditionalGeneration, Qwen2VLConfig(
+        text_config=text, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=dict(depth=1, embed_dim=hidden, hidden_size=hidden, num_heads=2, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3))
+
+
+def _llava_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
+    """LLaVA: a CLIP tower of width ``hidden`` seeing the whole canvas, and a Llama of the ``text`` settings."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration, LlavaConfig(
+        text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"],
+        vision_feature_select_strategy="default", vision_feature_layer=-1,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=CANVAS, patch_size=14,
+                           projection_dim=hidden))
+
+
+def _idefics3_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
+    """Idefics3: a tower of width ``hidden`` seeing an ``IDEFICS3_SIDE`` image, pixel-shuffled by
+    ``IDEFICS3_SCALE``, and a Llama of the ``text`` settings."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    return Idefics3ForConditionalGeneration, Idefics3Config(
+        text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"], scale_factor=IDEFICS3_SCALE,
+        vision_config=dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=IDEFICS3_SIDE, patch_size=14))
 
 
 # ----------------------------------------------------------------------------------------------------

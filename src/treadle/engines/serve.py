@@ -124,7 +124,7 @@ class ServedEngine(VLLMEngine):
     weight loading, its outputs on the CPU (they travel as bytes). The folder is not its own: ``close`` keeps it."""
 
     def __init__(self, folder: str, *, dtype, max_model_length: int | None, gpu_memory_utilization: float,
-                 tensor_parallel_size: int, seed: int):  # noqa: the parent's __init__ saves a live model: not wanted
+                 tensor_parallel_size: int, seed: int):  # not the parent's __init__, which saves a live model
         vllm = require_vllm()
         self.folder, self.device, self._vllm = folder, torch.device("cpu"), vllm
         self.sleep_mode = self.sleeping = False

@@ -206,17 +206,7 @@ def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, run
     figure = Figure(figsize=(4.6 * columns, 3.3 * rows + 0.6 + 0.25 * len(unchanged) // 3) if drawn
                     else (9.0, 1.2 + 0.25 * len(unchanged) // 2), layout="constrained")
     FigureCanvasAgg(figure)  # render with Agg whatever backend the user's matplotlib is set to
-    smoothed = False
-    if drawn:
-        grid = figure.add_gridspec(rows, columns)
-        for index, (name, lines) in enumerate(drawn.items()):
-            axes = figure.add_subplot(grid[index // columns, index % columns])
-            smoothed |= _draw_panel(axes, name, lines, runs)
-            for step, label in markers or ():  # health warnings (orange) and stops (red) at their step
-                colour = "tab:red" if label.startswith("stop") else "tab:orange"
-                axes.axvline(step, color=colour, linestyle=":", linewidth=1.2, zorder=0)
-                axes.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
-                              color=colour, ha="right", va="top")
+    smoothed = _draw_panels(figure, drawn, rows, columns, runs, markers) if drawn else False
     if unchanged:
         figure.supxlabel(_wrap("unchanged over the run: " + ";  ".join(unchanged), 60 * columns if drawn else 120),
                          fontsize=9, color="dimgray")
@@ -224,6 +214,28 @@ def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, run
         title += "\n(faint: logged values, solid: moving average)"
     figure.suptitle(title, fontsize=13, fontweight="bold")
     return figure
+
+
+def _draw_panels(figure, drawn: dict[str, Series], rows: int, columns: int, runs: list[str] | None,
+                 markers: list[tuple[float, str]] | None) -> bool:
+    """Draw each of ``drawn``'s panels in a ``rows`` x ``columns`` grid of ``figure``, with the health
+    ``markers`` on each; return whether any panel drew a moving average."""
+    smoothed = False
+    grid = figure.add_gridspec(rows, columns)
+    for index, (name, lines) in enumerate(drawn.items()):
+        axes = figure.add_subplot(grid[index // columns, index % columns])
+        smoothed |= _draw_panel(axes, name, lines, runs)
+        _draw_markers(axes, markers)
+    return smoothed
+
+
+def _draw_markers(axes, markers: list[tuple[float, str]] | None) -> None:
+    """Health warnings (orange) and stops (red): a dotted vertical line at their step, labelled."""
+    for step, label in markers or ():
+        colour = "tab:red" if label.startswith("stop") else "tab:orange"
+        axes.axvline(step, color=colour, linestyle=":", linewidth=1.2, zorder=0)
+        axes.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
+                      color=colour, ha="right", va="top")
 
 
 def _is_constant(line: tuple[list[float], list[float]]) -> bool:
@@ -258,22 +270,10 @@ NOISY = 0.02  # noisy: the median step-to-step change exceeds this fraction of t
 
 def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
     """Plot the series of one panel; return whether a moving average was drawn over a raw curve."""
-    from matplotlib.ticker import MaxNLocator
-
-    colours = [f"C{i}" for i in range(10)]
     smoothed = False
     bases = list(dict.fromkeys(_base(label, runs) for label in lines))
     for label, (steps, values) in lines.items():
-        run = label.split(": ", 1)[0] if runs else None
-        evaluation, base = _metric(label, runs).startswith("eval_"), _base(label, runs)
-        # a lone training / eval pair in two colours; else one colour per metric, and a total (GRPO's reward) a wide
-        # grey band under the functions' lines, so that a function equal to the total does not hide it
-        index = runs.index(run) if runs else bases.index(base) + (evaluation and len(bases) == 1)
-        total = not runs and len(bases) > 1 and base == name
-        colour = "0.6" if total else colours[(index - (len(bases) > 1 and not runs)) % len(colours)]
-        style = "--" if evaluation else "-"
-        if runs and len(bases) > 1:  # several metrics of each run in one panel: each its own line style
-            style = ["-", "--", ":", "-."][bases.index(base) % 4] if style == "-" else (0, (1, 3))
+        colour, style, total = _line_look(label, name, bases, runs)
         if len(values) >= SMOOTH_FROM and _is_noisy(values):
             axes.plot(steps, values, color=colour, alpha=0.3, linewidth=0.8, linestyle=style)
             axes.plot(steps, _moving_average(values, max(3, len(values) // 25)), color=colour, linewidth=1.8,
@@ -285,6 +285,31 @@ def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
                       linewidth=5 if total else 1.4, alpha=0.6 if total else 1.0, linestyle=style,
                       label=f"{label} (total)" if total else label,
                       zorder=1 if total else 2)
+    _finish_axes(axes, name, lines)
+    return smoothed
+
+
+def _line_look(label: str, name: str, bases: list[str], runs: list[str] | None) -> tuple[str, Any, bool]:
+    """(colour, line style, whether it is the panel's total) of the line ``label`` in panel ``name``, whose
+    lines draw the metrics ``bases``."""
+    colours = [f"C{i}" for i in range(10)]
+    run = label.split(": ", 1)[0] if runs else None
+    evaluation, base = _metric(label, runs).startswith("eval_"), _base(label, runs)
+    # a lone training / eval pair in two colours; else one colour per metric, and a total (GRPO's reward) a wide
+    # grey band under the functions' lines, so that a function equal to the total does not hide it
+    index = runs.index(run) if runs else bases.index(base) + (evaluation and len(bases) == 1)
+    total = not runs and len(bases) > 1 and base == name
+    colour = "0.6" if total else colours[(index - (len(bases) > 1 and not runs)) % len(colours)]
+    style = "--" if evaluation else "-"
+    if runs and len(bases) > 1:  # several metrics of each run in one panel: each its own line style
+        style = ["-", "--", ":", "-."][bases.index(base) % 4] if style == "-" else (0, (1, 3))
+    return colour, style, total
+
+
+def _finish_axes(axes, name: str, lines: Series) -> None:
+    """Title (with the last value when the panel has one line), axis labels, grid, integer steps, legend."""
+    from matplotlib.ticker import MaxNLocator
+
     last = next(iter(lines.values()))[1][-1]
     axes.set_title(f"{name}   (last: {last:.4g})" if len(lines) == 1 else name, fontsize=10)
     axes.set_xlabel("step")
@@ -294,7 +319,6 @@ def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
     axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     if len(lines) > 1:
         axes.legend(fontsize=7, loc="best")
-    return smoothed
 
 
 def _metric(label: str, runs: list[str] | None) -> str:

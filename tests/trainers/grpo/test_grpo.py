@@ -17,7 +17,7 @@ from treadle.demos import toy
 from treadle.callbacks import TrainerCallback
 from treadle.generation import GenerationOutput, completion_masks, left_pad
 from treadle.rewards import RewardFunctionError
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer, Sample
+from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.onpolicy.data import Sample, Ticket
 
 EOS = 2  # the toy tokenizer's eos id

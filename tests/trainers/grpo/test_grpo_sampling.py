@@ -6,7 +6,6 @@ applies with the own sampler's top-k are each token's kept probability mass."""
 import dataclasses
 import functools
 import math
-import warnings
 
 import pytest
 import torch

@@ -1,7 +1,6 @@
 """GRPO with images (treadle.trainers.onpolicy.vision) on tiny Qwen2-VL (sampled through transformers' generate: its
 positions depend on the images) and LLaVA (the own KV-cached sampler, the images in the prefill) models."""
 
-import dataclasses
 import functools
 
 import pytest

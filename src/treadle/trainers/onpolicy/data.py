@@ -83,7 +83,7 @@ def join_rows(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Roll
         return [values[i] for r, rows in parts for values in [get(r)] for i in rows]
 
     return Rollout(prompts=pick(lambda r: r.prompts),
-                   columns={k: pick(lambda r: r.columns[k]) for k in first.columns},
+                   columns={k: pick(lambda r, k=k: r.columns[k]) for k in first.columns},
                    completions=pick(lambda r: r.completions), completion_lists=pick(lambda r: r.completion_lists),
                    generation=dataclasses.replace(first.generation, **generation),
                    loss_mask=_padded([r.loss_mask[rows] for r, rows in parts], 0, left=False),
