@@ -35,7 +35,6 @@ import torch
 from treadle import distributed as dist
 from treadle.record import fingerprints
 from treadle import models, peft as treadle_peft
-from treadle.arguments import changed_settings
 from treadle.errors import UserError
 from treadle.record.runfiles import ARGS_FILE
 from treadle.state import TrainerState
@@ -526,7 +525,7 @@ def _verify_files(path: str, args, dataset: str | None = None) -> None:
 def _announce_resume(path: str, state, args) -> None:
     changed = []
     if args is not None and os.path.isfile(os.path.join(path, ARGS_FILE)):
-        changed = changed_settings(_read_json(os.path.join(path, ARGS_FILE), path), args)
+        changed = fingerprints.changed_settings(_read_json(os.path.join(path, ARGS_FILE), path), args)
     note = f"; settings changed since: {', '.join(changed)}" if changed else ""
     print(f"treadle: resuming from {path} at step {state.global_step} of {state.max_steps}{note}", file=sys.stderr)
 
