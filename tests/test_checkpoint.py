@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import _resume_worker as worker
-from treadle import checkpoint as ckpt
+from treadle import checkpoint as ckpt, resume
 from treadle.callbacks import TrainerCallback, TrainerState
 from treadle.trainer import Trainer
 
@@ -280,7 +280,7 @@ def test_a_save_cut_short_leaves_earlier_checkpoints_and_no_complete_folder(trai
     trainer.state.global_step = 2
     assert sorted(os.listdir(out)) == [".tmp-checkpoint-4", "checkpoint-2"]
     assert ckpt.list_checkpoints(str(out)) == [(2, first)]
-    assert ckpt.resolve(True, str(out)) == first
+    assert resume.resolve(True, str(out)) == first
     assert digest(first) == before
     # the next save clears the debris
     trainer.state.global_step = 6
@@ -317,20 +317,20 @@ def test_resolve_picks_the_newest_complete_checkpoint_by_step(tmp_path):
     (tmp_path / ".tmp-checkpoint-2000").mkdir()
     (tmp_path / "checkpoint-notastep").mkdir()
     assert ckpt.list_checkpoints(str(tmp_path)) == [(5, paths[5]), (40, paths[40]), (300, paths[300])]
-    assert ckpt.resolve(True, str(tmp_path)) == paths[300]  # 300 > 40 > 5 as numbers, not as strings
-    assert ckpt.resolve(paths[40], str(tmp_path)) == paths[40]
-    assert ckpt.resolve(None, str(tmp_path)) is None and ckpt.resolve(False, str(tmp_path)) is None
+    assert resume.resolve(True, str(tmp_path)) == paths[300]  # 300 > 40 > 5 as numbers, not as strings
+    assert resume.resolve(paths[40], str(tmp_path)) == paths[40]
+    assert resume.resolve(None, str(tmp_path)) is None and resume.resolve(False, str(tmp_path)) is None
 
 
 def test_resolve_refuses_what_cannot_be_resumed(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="no complete checkpoint"):
-        ckpt.resolve(True, str(tmp_path / "empty"))
+        resume.resolve(True, str(tmp_path / "empty"))
     with pytest.raises(ckpt.CheckpointError, match="does not exist"):
-        ckpt.resolve(str(tmp_path / "checkpoint-9"), str(tmp_path))
+        resume.resolve(str(tmp_path / "checkpoint-9"), str(tmp_path))
     done = fake_checkpoint(tmp_path, 3)
     half = fake_checkpoint(tmp_path, 6, complete=False)
     with pytest.raises(ckpt.CheckpointError, match=rf"incomplete.*{done}"):
-        ckpt.resolve(half, str(tmp_path))
+        resume.resolve(half, str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------- rotation

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import _resume_worker as resume_worker
-from treadle import checkpoint as ckpt
+from treadle import checkpoint as ckpt, resume
 from treadle.record import runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,10 +39,10 @@ def _fake_checkpoint(folder: Path, step: int, *, complete: bool = True, prefix: 
 # "auto": the newest complete checkpoint, never one being written; nothing on a fresh folder
 # ---------------------------------------------------------------------------------------------------------
 def test_auto_is_nothing_on_a_fresh_or_missing_folder(tmp_path):
-    assert ckpt.resolve("auto", str(tmp_path / "not-yet")) is None
-    assert ckpt.resolve("auto", str(tmp_path)) is None
+    assert resume.resolve("auto", str(tmp_path / "not-yet")) is None
+    assert resume.resolve("auto", str(tmp_path)) is None
     with pytest.raises(ckpt.CheckpointError, match="holds no complete checkpoint"):
-        ckpt.resolve(True, str(tmp_path))  # True still insists: the user asked to continue something
+        resume.resolve(True, str(tmp_path))  # True still insists: the user asked to continue something
 
 
 def test_auto_finds_the_newest_complete_checkpoint_never_one_being_written(tmp_path):
@@ -51,7 +51,7 @@ def test_auto_finds_the_newest_complete_checkpoint_never_one_being_written(tmp_p
     _fake_checkpoint(tmp_path, 4)
     _fake_checkpoint(tmp_path, 12, prefix=ckpt.TMP_PREFIX)  # being written when the kill landed
     _fake_checkpoint(tmp_path, 14, complete=False)  # no trainer_state.json: not a complete checkpoint
-    assert ckpt.resolve("auto", str(tmp_path)) == str(tmp_path / "checkpoint-10")
+    assert resume.resolve("auto", str(tmp_path)) == str(tmp_path / "checkpoint-10")
 
 
 def test_a_fresh_auto_run_trains_and_a_second_one_resumes_its_checkpoint(tmp_path):

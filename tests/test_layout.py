@@ -105,7 +105,7 @@ def cycles() -> list[list[str]]:
 def test_the_checker_sees_imports_inside_functions_and_finds_cycles():
     assert resolve("treadle.losses.dpo_loss") == "treadle.losses" and resolve("torch") is None
     inside_functions = {(target, inside) for target, _, inside in imports("treadle.cli.command")}
-    assert ("treadle.checkpoint", True) in inside_functions
+    assert ("treadle.resume", True) in inside_functions
     saved = {module: set(targets) for module, targets in GRAPH.items()}
     try:
         GRAPH["treadle.errors"].add("treadle.record.runfiles")  # runfiles imports errors: now a circle

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from treadle import checkpoint as ckpt
+from treadle import checkpoint as ckpt, resume
 from treadle.record import fingerprints, runs
 from treadle.state import TrainerState
 
@@ -171,9 +171,9 @@ def test_resume_refuses_a_checkpoint_that_is_not_what_was_saved(tmp_path, tamper
     current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
     tamper(folder)
     with pytest.raises(ckpt.CheckpointError, match=f"is not what was saved: {needle}.*ignore_checkpoint_fingerprints"):
-        ckpt.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=False))
+        resume.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=False))
     if needle == "model.safetensors changed":  # the override, named in the message, resumes
-        state = ckpt.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=True))
+        state = resume.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=True))
         assert state.max_steps == 5
 
 
@@ -182,9 +182,9 @@ def test_resume_past_a_finished_schedule_is_refused_with_the_reason(tmp_path):
     current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
     with pytest.raises(ckpt.CheckpointError, match="ends a finished run of 3 steps: its learning-rate schedule was "
                                                    "built for 3 steps"):
-        ckpt.resumed_state(str(folder), current)
+        resume.resumed_state(str(folder), current)
     unfinished = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=3)
-    assert ckpt.resumed_state(str(unfinished), current).max_steps == 5  # going further mid-run is allowed
+    assert resume.resumed_state(str(unfinished), current).max_steps == 5  # going further mid-run is allowed
 
 
 def test_fingerprints_see_a_swapped_file_and_a_different_dataset(tmp_path):
@@ -627,12 +627,12 @@ def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypa
     (run / "checkpoint-3").mkdir()  # interrupted while being written
     with pytest.raises(ckpt.CheckpointError, match=r"does not exist; resume from a complete one there \(checkpoint-1; "
                                                    r"--resume alone takes the newest"):
-        ckpt.resolve(str(run / "checkpoint-9"), str(run))
+        resume.resolve(str(run / "checkpoint-9"), str(run))
     lone = tmp_path / "lone" / "checkpoint-2"
     lone.mkdir(parents=True)
     with pytest.raises(ckpt.CheckpointError, match="is incomplete .*no complete checkpoint is there .*start without "
                                                    "resuming"):  # was "resume from an earlier one, e.g. None"
-        ckpt.resolve(str(lone), str(lone.parent))
+        resume.resolve(str(lone), str(lone.parent))
     write(run / "checkpoint-1" / ckpt.STATE_FILE, "{not json")
     with pytest.raises(ckpt.CheckpointError, match="the file is corrupt: resume from an earlier checkpoint"):
         ckpt.read_state(str(run / "checkpoint-1"))

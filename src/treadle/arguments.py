@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import importlib.util
 import json
 import math
@@ -490,35 +489,3 @@ def resolve_report_to(report_to) -> list[str]:
 def is_installed(name: str) -> bool:
     """Whether tracker ``name``'s library can be imported (without importing it)."""
     return importlib.util.find_spec(TRACKERS[name][0]) is not None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The settings that shape a run (a resumed run compares them with its checkpoint's)
-# ---------------------------------------------------------------------------------------------------------
-# settings that do not shape the trained weights: a resumed run may change them without a note
-NOT_FINGERPRINTED = frozenset({
-    "output_dir", "run_name", "overwrite_output_dir", "max_steps", "num_train_epochs", "logging_strategy",
-    "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
-    "save_total_limit", "save_only_model", "load_best_model_at_end", "report_to", "disable_tqdm",
-    "per_device_eval_batch_size", "prediction_loss_only", "dataloader_num_workers", "dataloader_pin_memory",
-    "ddp_timeout", "skip_nonfinite_steps", "ignore_checkpoint_fingerprints"})
-
-
-def fingerprinted_settings(settings: dict) -> dict:
-    return {k: v for k, v in settings.items() if k not in NOT_FINGERPRINTED}
-
-
-def config_fingerprint(args) -> str | None:
-    """A short hash of the settings of ``args`` that shape the trained weights (not its cadence or length);
-    None for arguments that are not a TrainingArguments."""
-    if not hasattr(args, "to_dict"):
-        return None
-    text = json.dumps(fingerprinted_settings(args.to_dict()), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def changed_settings(saved: dict, args) -> list[str]:
-    """``name: old -> new`` for each fingerprinted setting of ``args`` that differs from ``saved`` (a
-    checkpoint's training_args.json)."""
-    now = fingerprinted_settings(json.loads(args.to_json_string()))
-    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in sorted(now.items()) if k in saved and saved[k] != v]

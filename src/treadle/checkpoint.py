@@ -17,7 +17,8 @@ into place only when complete, so a process killed mid-save leaves every earlier
 folder that looks complete. Loading never unpickles arbitrary objects: safetensors for weights,
 ``torch.load(weights_only=True)`` for optimizer / scheduler / RNG state, JSON for the rest. Every file is read
 before anything is restored: a missing, truncated or corrupt file raises ``CheckpointError`` naming the file
-(and so its checkpoint) and leaves the model, optimizer and RNG untouched.
+(and so its checkpoint) and leaves the model, optimizer and RNG untouched. Which checkpoint a run resumes from,
+and whether it continues that run exactly, is ``treadle.resume``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import torch
 from treadle import distributed as dist
 from treadle.record import fingerprints
 from treadle import models, peft as treadle_peft
-from treadle.arguments import changed_settings
 from treadle.errors import UserError
 from treadle.record.runfiles import ARGS_FILE
 from treadle.state import TrainerState
@@ -46,7 +46,6 @@ STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 ADAPTER_FILE = "adapter_model.safetensors"  # what a PEFT model's save_pretrained writes instead of the weights
-AUTO = "auto"  # resume_from_checkpoint="auto": the newest complete checkpoint if there is one, else a fresh start
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -85,41 +84,6 @@ WEIGHTS_FIX = ("load them into the model they were saved from: the run's model a
 def latest_checkpoint(output_dir: str) -> str | None:
     found = list_checkpoints(output_dir)
     return found[-1][1] if found else None
-
-
-def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
-    """``True`` -> newest complete checkpoint in output_dir; ``"auto"`` -> the same, or None when there is none
-    (a fresh folder: an elastic worker restarts or starts with the same command); a path -> that folder
-    (checked); None/False -> None. A checkpoint being written is never found: it lives in ``.tmp-checkpoint-<step>``
-    until it is complete, then is renamed into place."""
-    if resume_from_checkpoint in (None, False):
-        return None
-    if resume_from_checkpoint == AUTO:
-        return latest_checkpoint(output_dir)
-    if resume_from_checkpoint is True:
-        path = latest_checkpoint(output_dir)
-        if path is None:
-            raise CheckpointError(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
-                                  f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming (with "
-                                  f"overwrite_output_dir: true if the folder holds an earlier run's files)")
-        return path
-    path = str(resume_from_checkpoint)
-    if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint folder {path!r} does not exist; {_complete_ones(path, output_dir)}")
-    if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path!r} is incomplete (no {STATE_FILE}): it was interrupted while "
-                              f"being written; {_complete_ones(path, output_dir)}")
-    return path
-
-
-def _complete_ones(path: str, output_dir: str) -> str:
-    """Where to resume from instead of ``path``: the complete checkpoints beside it (or in ``output_dir``)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    found = [p for _, p in list_checkpoints(parent if os.path.isdir(parent) else output_dir)]
-    if not found:
-        return f"no complete checkpoint is there ({parent}): start without resuming"
-    names = ", ".join(os.path.basename(p) for p in found[-4:])
-    return f"resume from a complete one there ({names}; --resume alone takes the newest, {found[-1]})"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,7 +149,7 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
 
     index = os.path.join(directory, WEIGHTS_INDEX)
     if os.path.isfile(index):
-        files = sorted(set(_read_json(index, directory)["weight_map"].values()))
+        files = sorted(set(read_json(index, directory)["weight_map"].values()))
     else:
         adapter_only = os.path.isfile(os.path.join(directory, ADAPTER_FILE)) and not os.path.isfile(
             os.path.join(directory, WEIGHTS_FILE))
@@ -391,25 +355,6 @@ def load_extra_state(path: str) -> dict | None:
     return _torch_load(path, name) if os.path.isfile(os.path.join(path, name)) else None
 
 
-def read_run_extra(path: str, state) -> tuple[dict, dict | None]:
-    """This rank's ``(metrics window state, trainer extra state)`` from checkpoint ``path``, whose
-    ``TrainerState`` is ``state``.
-
-    Checkpoints written before the metrics window (the first release) kept the unlogged loss in
-    ``trainer_state.json`` (``_log_window``, already summed over ranks) and a trainer's extra state at the top of
-    ``extra_state_<rank>.pt`` (GRPO: its buffers and its own metric sums): both are read into today's layout,
-    so those runs resume exactly too."""
-    extra = load_extra_state(path) or {}
-    old_window = state.stateful_callbacks.pop("_log_window", None)
-    if "metrics" in extra or "trainer" in extra:
-        return extra.get("metrics", {}), extra.get("trainer")
-    rows = dict(extra.pop("metric_sums", {}))  # name -> [sum, count] of this rank
-    if old_window and dist.is_main_process():  # summed over ranks when saved: rank 0 carries it
-        rows["loss"] = [old_window["loss_sum"], old_window["items"]]
-    sums = torch.tensor([list(map(float, v)) for v in rows.values()], dtype=torch.float64).view(-1, 2)
-    return ({"train": {"names": list(rows), "sums": sums}} if rows else {}), (extra or None)
-
-
 def _load_sharded_checkpoint(path: str, model, optimizer, scheduler, load_rng: bool, state):
     """load_checkpoint for an FSDP2 model: shards through torch.distributed.checkpoint (same world size)."""
     scheduler_state = _torch_load(path, "scheduler.pt") if scheduler is not None else None
@@ -461,7 +406,8 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0]}"[:300] if lines else type(error).__name__
 
 
-def _read_json(path: str, directory: str) -> dict:
+def read_json(path: str, directory: str) -> dict:
+    """The JSON file ``path`` of checkpoint ``directory``; a CheckpointError naming both when it cannot be read."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -471,66 +417,8 @@ def _read_json(path: str, directory: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Resuming and the best checkpoint
+# The best checkpoint and rotation
 # ---------------------------------------------------------------------------------------------------------
-RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
-RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",  # taken from the
-                     "is_world_process_zero", "is_local_process_zero", "config_fingerprint",  # new run, not the saved
-                     "dataset_fingerprint")  # one
-
-
-def resumed_state(path: str, current, args=None):
-    """The TrainerState to continue from checkpoint ``path``, checked against the ``current`` run's before
-    anything is loaded: another Trainer class (an SFT run continued by DPO would mix two losses), or a
-    different batch size, accumulation, number of processes or dataset length would not continue the run
-    exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
-    come from the current arguments (a resumed run may be asked to go further); other settings that changed
-    (``args`` against the checkpoint's training_args.json) are named in a note."""
-    _verify_files(path, args)  # the files first: trainer_state.json is read next
-    state = read_state(path)
-    if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
-        raise CheckpointError(f"checkpoint {path} was written by {state.trainer_class}, and this run is "
-                              f"{current.trainer_class}: resuming would mix two trainings; start a new run in "
-                              f"another output_dir from its weights (model: {path})")
-    _verify_files(path, args, getattr(current, "dataset_fingerprint", None))  # then the data (another trainer's differs)
-    mismatches = [f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
-                  for name in RESUME_MUST_MATCH if getattr(state, name) != getattr(current, name)]
-    if mismatches:
-        raise CheckpointError(f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the same "
-                              f"batch size, accumulation, number of processes and dataset, or start a new run "
-                              f"from its weights (model.from_pretrained({path!r}))")
-    if state.max_steps and state.global_step >= state.max_steps and current.max_steps > state.max_steps:
-        raise CheckpointError(f"checkpoint {path} ends a finished run of {state.max_steps} steps: its learning-rate "
-                              f"schedule was built for {state.max_steps} steps and is spent, so steps past it would "
-                              f"not train as asked (max_steps={current.max_steps}); start a new run from its "
-                              f"weights (model: {path}) with the steps you want")
-    for name in RUN_LENGTH_FIELDS:
-        setattr(state, name, getattr(current, name))
-    if dist.is_main_process():
-        _announce_resume(path, state, args)
-    return state
-
-
-def _verify_files(path: str, args, dataset: str | None = None) -> None:
-    """Refuse a checkpoint whose files differ from its marker's digests (a swapped weights file, an edited
-    trainer_state.json) or that trained on another ``dataset`` (fingerprints), unless
-    ``args.ignore_checkpoint_fingerprints``; a checkpoint without a marker is read with the file checks alone."""
-    if fingerprints.read_marker(path) is None or getattr(args, "ignore_checkpoint_fingerprints", False):
-        return
-    problems = fingerprints.verify(path, dataset)
-    if problems:
-        raise CheckpointError(f"checkpoint {path} is not what was saved: {'; '.join(problems[:3])}; resume from "
-                              f"another checkpoint, or set ignore_checkpoint_fingerprints: true to resume anyway")
-
-
-def _announce_resume(path: str, state, args) -> None:
-    changed = []
-    if args is not None and os.path.isfile(os.path.join(path, ARGS_FILE)):
-        changed = changed_settings(_read_json(os.path.join(path, ARGS_FILE), path), args)
-    note = f"; settings changed since: {', '.join(changed)}" if changed else ""
-    print(f"treadle: resuming from {path} at step {state.global_step} of {state.max_steps}{note}", file=sys.stderr)
-
-
 def update_best(state, args, metrics: dict | None, path: str) -> None:
     """Record checkpoint ``path`` (about to be written at ``state.global_step``) as the best when its
     evaluation ``metrics`` beat ``state.best_metric`` on ``args.metric_for_best_model``."""

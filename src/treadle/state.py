@@ -12,7 +12,6 @@ from typing import Any
 
 from treadle import distributed as dist
 from treadle.record import fingerprints
-from treadle.arguments import config_fingerprint
 
 
 @dataclass
@@ -41,7 +40,7 @@ class TrainerState:
     is_world_process_zero: bool = True
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)  # callback name -> its saved state
     trainer_class: str | None = None  # the Trainer class of the run (resuming with another one is refused)
-    config_fingerprint: str | None = None  # of the settings that shape the run (arguments.config_fingerprint)
+    config_fingerprint: str | None = None  # of the settings that shape the run (fingerprints.config_fingerprint)
     nonfinite_steps_skipped: int = 0  # steps skipped for a NaN / inf loss (args.skip_nonfinite_steps)
     dataset_fingerprint: str | None = None  # of the training rows (fingerprints): a resume into other rows is refused
 
@@ -59,7 +58,7 @@ class TrainerState:
             plan.update(trainer_class=type(trainer).__name__,
                         dataset_fingerprint=fingerprints.sampled_dataset_fingerprint(trainer.train_dataset))
         return cls(logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
-                   config_fingerprint=config_fingerprint(args),
+                   config_fingerprint=fingerprints.config_fingerprint(args),
                    train_batch_size=args.per_device_train_batch_size,
                    gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=dist.get_world_size(),
                    is_world_process_zero=dist.is_main_process(), is_local_process_zero=args.local_process_index == 0,

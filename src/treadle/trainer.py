@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from treadle import checkpoint as ckpt, data, distributed as dist, models, peft as treadle_peft
+from treadle import checkpoint as ckpt, data, distributed as dist, models, peft as treadle_peft, resume
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
                                ProgressCallback, RunRecordCallback)
@@ -237,7 +237,7 @@ class Trainer(Evaluation):
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
         output_dir; "auto": that or a fresh start; a path) continues that run exactly. The folder is claimed first."""
-        resume_path = ckpt.resolve(resume_from_checkpoint, self.args.output_dir)
+        resume_path = resume.resolve(resume_from_checkpoint, self.args.output_dir)
         with runs.claim_run_folder(self.args, resume=resume_path is not None, model=self.model,
                                    main_process=dist.is_main_process()):
             return self._train(resume_path)
@@ -405,10 +405,10 @@ class Trainer(Evaluation):
 
     def _resume(self, path: str) -> None:
         """Continue the run in ``path`` (weights, optimizer, scheduler, RNG, state, metrics, extra state)."""
-        state = ckpt.resumed_state(path, self.state, self.args)
+        state = resume.resumed_state(path, self.state, self.args)
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         self.state, self.loop.last_saved_step = state, state.global_step
-        metrics, extra = ckpt.read_run_extra(path, state)
+        metrics, extra = resume.read_run_extra(path, state)
         restore_stream(self.callback_handler.train_dataloader, (ckpt.load_extra_state(path) or {}).get("data"))
         self.metrics.load_state_dict(metrics)
         if extra is not None:

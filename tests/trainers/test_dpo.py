@@ -11,7 +11,8 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from _factories import PAIRS, dpo_args as make_args, dpo_trainer as make_trainer, tiny_llama
 from treadle.demos import toy
-from treadle.trainers.dpo import DPOCollator, DPOConfig, DPOTrainer, split_implicit_prompt
+from treadle.trainers.dpo import DPOCollator, DPOConfig, DPOTrainer
+from treadle.trainers.pairs import split_implicit_prompt
 
 VOCAB = len(toy.build_tokenizer())  # 103: the toy character tokenizer
 

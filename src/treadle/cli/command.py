@@ -167,7 +167,7 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
     output_dir = str(config.get("output_dir") or default_output_dir(config))
     checkpoint = None
     if resume:  # before building anything: a run with nothing to resume fails at once
-        from treadle.checkpoint import resolve  # heavy: torch
+        from treadle.resume import resolve  # heavy: torch
 
         checkpoint = resolve(resume, output_dir)
     model, overwrite = str(config.get("model") or ""), config.get("overwrite_output_dir") is True

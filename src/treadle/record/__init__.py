@@ -2,7 +2,8 @@
 
 - ``record.runfiles``: THE run folder's record files (metrics.jsonl, completions.jsonl, training_args.json,
   run.json) and their one cut-line policy;
-- ``record.fingerprints``: a checkpoint's marker file (the digests of its files) and the dataset's fingerprint;
+- ``record.fingerprints``: a checkpoint's marker file (the digests of its files), the dataset's fingerprint and
+  the fingerprint of the settings that shape a run;
 - ``record.runs``: a run folder belongs to one run: its checks, the lock, ``overwrite_output_dir``;
 - ``record.describe``: what made a run besides its arguments (model, datasets, reward functions, LoRA), for run.json;
 - ``record.plots``: the PNG plots of a run's metrics;

@@ -1,4 +1,5 @@
-"""What a checkpoint provably is: treadle's marker file and the content fingerprints in it.
+"""What a checkpoint provably is: treadle's marker file and the content fingerprints in it, and the fingerprint of
+the settings that shaped its run.
 
 Every checkpoint folder treadle writes holds ``treadle_checkpoint.json`` (written after every other file, inside
 the same atomic save): the SHA-256 of each file of the folder, and the fingerprint of the dataset the run trained
@@ -9,6 +10,10 @@ on. It serves twice:
 - resuming verifies it (``verify``): a weights file swapped with an earlier checkpoint's, an edited
   ``trainer_state.json`` or a different dataset of the same length is refused, naming the file (or the dataset)
   and the override, ``ignore_checkpoint_fingerprints: true``.
+
+The settings that shape the trained weights (``config_fingerprint``: all but the cadence, length and output of a
+run) are fingerprinted in ``trainer_state.json``; a resumed run names those that changed since its checkpoint
+(``changed_settings``).
 
 A leaf: hashlib and json only.
 """
@@ -68,6 +73,36 @@ def sampled_dataset_fingerprint(dataset, most: int = 1024) -> str | None:
     except (TypeError, NotImplementedError, KeyError):
         return None
     return f"{n}:{dataset_fingerprint(rows)}"
+
+
+# --- a run's settings: their fingerprint (in trainer_state.json) and those changed since a checkpoint (on resume)
+# settings that do not shape the trained weights: a resumed run may change them without a note
+NOT_FINGERPRINTED = frozenset({
+    "output_dir", "run_name", "overwrite_output_dir", "max_steps", "num_train_epochs", "logging_strategy",
+    "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
+    "save_total_limit", "save_only_model", "load_best_model_at_end", "report_to", "disable_tqdm",
+    "per_device_eval_batch_size", "prediction_loss_only", "dataloader_num_workers", "dataloader_pin_memory",
+    "ddp_timeout", "skip_nonfinite_steps", "ignore_checkpoint_fingerprints"})
+
+
+def fingerprinted_settings(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in NOT_FINGERPRINTED}
+
+
+def config_fingerprint(args) -> str | None:
+    """A short hash of the settings of ``args`` that shape the trained weights (not its cadence or length);
+    None for arguments that are not a TrainingArguments."""
+    if not hasattr(args, "to_dict"):
+        return None
+    text = json.dumps(fingerprinted_settings(args.to_dict()), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def changed_settings(saved: dict, args) -> list[str]:
+    """``name: old -> new`` for each fingerprinted setting of ``args`` that differs from ``saved`` (a
+    checkpoint's training_args.json)."""
+    now = fingerprinted_settings(json.loads(args.to_json_string()))
+    return [f"{k}: {saved.get(k)!r} -> {v!r}" for k, v in sorted(now.items()) if k in saved and saved[k] != v]
 
 
 def write_marker(folder: str, dataset: str | None = None) -> None:

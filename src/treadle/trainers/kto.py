@@ -55,8 +55,8 @@ from treadle.packing import prompt_completion_batch
 from treadle.peft import reference_of
 from treadle.text import encode_prompt_responses, is_conversation, pad_token_id
 from treadle.trainer import Trainer
+from treadle.trainers.pairs import split_implicit_prompt
 from treadle.trainers.reference import PrecomputedReference
-from treadle.trainers.dpo import split_implicit_prompt
 
 ID_COLUMNS = ("prompt_input_ids", "completion_input_ids", "label")
 KL_COLUMN = "KL_completion_input_ids"

@@ -6,7 +6,7 @@ loss is ``-logsigmoid(r_c - r_r - margin)``, plus ``center_rewards_coefficient *
 (Eisenstein et al. 2023, https://arxiv.org/abs/2312.09244). Data flow::
 
     rows {prompt, chosen, rejected} (text or chat; or {chosen, rejected} sharing a prompt prefix; optional margin)
-      -> prepare_dataset(): tokenised once by DPO's rules (``trainers.dpo.tokenize_row``), too-long pairs dropped
+      -> prepare_dataset(): tokenised once by DPO's rules (``trainers.pairs.tokenize_row``), too-long pairs dropped
       -> RewardCollator: the B chosen sequences then the B rejected ones (DPOCollator) + ``margin`` (B,)
       -> compute_loss(): ONE forward over the 2B rows -> losses.bradley_terry_loss, summed / pairs of the window
 
@@ -40,7 +40,8 @@ from treadle.metrics import mode_of
 from treadle.models import from_name
 from treadle.text import pad_token_id
 from treadle.trainer import Trainer
-from treadle.trainers.dpo import ID_COLUMNS, ChosenRejected, DPOCollator, pair_count, tokenize_row
+from treadle.trainers.dpo import ChosenRejected, DPOCollator, pair_count
+from treadle.trainers.pairs import ID_COLUMNS, tokenize_row
 
 
 @dataclass
@@ -98,7 +99,7 @@ class RewardTrainer(Trainer):
         self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
 
     def prepare_dataset(self, dataset, split: str):
-        """Tokenise every pair once (``trainers.dpo.tokenize_row``: text or chat, explicit or implicit prompt, or
+        """Tokenise every pair once (``trainers.pairs.tokenize_row``: text or chat, explicit or implicit prompt, or
         ``*_input_ids`` columns), keep ``margin`` if present, and drop pairs longer than ``max_length``."""
         from datasets import Dataset
 
