@@ -50,5 +50,7 @@ def machine_header() -> str:
     model, flags = cpu_model_and_flags()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-    return (f"Machine: {model}, {cores} core(s) usable, flags [{' '.join(flags) or 'none found'}], load average "
-            f"{load} (1/5/15 min) at start, torch {torch.__version__} with {torch.get_num_threads()} thread(s)")
+    return (
+        f"Machine: {model}, {cores} core(s) usable, flags [{' '.join(flags) or 'none found'}], load average "
+        f"{load} (1/5/15 min) at start, torch {torch.__version__} with {torch.get_num_threads()} thread(s)"
+    )

@@ -7,7 +7,8 @@ peak above the start.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,8 +28,11 @@ def peak_memory(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, float]
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"]
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and str(e.device_type()) == "DeviceType.CPU"
+    ]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
         live += event.nbytes()

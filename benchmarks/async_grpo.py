@@ -54,15 +54,30 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
 
     threads = torch.get_num_threads()
     tok = toy.build_tokenizer()
-    args = GRPOConfig(output_dir=str(out), overwrite_output_dir=True, max_steps=options.steps, seed=0,
-                      per_device_train_batch_size=options.batch, num_generations=8,
-                      max_completion_length=options.completion, learning_rate=1e-5, save_strategy="no",
-                      logging_steps=1, disable_tqdm=True, max_staleness=staleness,
-                      async_worker=worker if staleness else "process",
-                      report_to="none", health_checks=False)
-    trainer = GRPOTrainer(toy.build_model(options.model, tokenizer=tok, seed=0), digit_reward, args=args,
-                          train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
-                          processing_class=tok)
+    args = GRPOConfig(
+        output_dir=str(out),
+        overwrite_output_dir=True,
+        max_steps=options.steps,
+        seed=0,
+        per_device_train_batch_size=options.batch,
+        num_generations=8,
+        max_completion_length=options.completion,
+        learning_rate=1e-5,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        max_staleness=staleness,
+        async_worker=worker if staleness else "process",
+        report_to="none",
+        health_checks=False,
+    )
+    trainer = GRPOTrainer(
+        toy.build_model(options.model, tokenizer=tok, seed=0),
+        digit_reward,
+        args=args,
+        train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
+        processing_class=tok,
+    )
     sampling = [0.0]
     if not staleness:
         generate = trainer.engine.generate
@@ -73,6 +88,7 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
                 return generate(*a, **k)
             finally:
                 sampling[0] += time.perf_counter() - start
+
         trainer.engine.generate = timed
     start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     trainer.train()  # a process worker is joined when it ends: its CPU time is then in RUSAGE_CHILDREN
@@ -82,10 +98,16 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     tokens = sum(h["completions/mean_length"] for h in logs) * options.batch
     timings = trainer.producer.timings if trainer.producer is not None else {}
-    return {"seconds": seconds, "tokens": round(tokens), "sampling": sampling[0] if not staleness else None,
-            "worker_start": timings.get("worker_start"), "waiting": timings.get("waiting"),
-            "staleness": [h.get("async/staleness") for h in logs], "cpu": cpu,
-            "worker_cpu": worker_cpu if staleness and worker == "process" else None}
+    return {
+        "seconds": seconds,
+        "tokens": round(tokens),
+        "sampling": sampling[0] if not staleness else None,
+        "worker_start": timings.get("worker_start"),
+        "waiting": timings.get("waiting"),
+        "staleness": [h.get("async/staleness") for h in logs],
+        "cpu": cpu,
+        "worker_cpu": worker_cpu if staleness and worker == "process" else None,
+    }
 
 
 def part_wall(options, root: Path) -> None:
@@ -94,10 +116,12 @@ def part_wall(options, root: Path) -> None:
         contenders.remove((0, "none", 2))
     # the synchronous contenders run first in every round: each row's ratios are to that round's baselines
     results = {c: [] for c in contenders}
-    print("| round | max_staleness | worker | model | steps | completions/step | max tokens | torch threads "
-          "(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | "
-          "sync: sampling s | async: worker start s | async: trainer waited s | trainer CPU s | worker process CPU s "
-          "| load average |")
+    print(
+        "| round | max_staleness | worker | model | steps | completions/step | max tokens | torch threads "
+        "(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | "
+        "sync: sampling s | async: worker start s | async: trainer waited s | trainer CPU s | worker process CPU s "
+        "| load average |"
+    )
     print("|" + "---|" * 18)
     for round_ in range(options.rounds):
         for staleness, worker, threads in contenders:
@@ -109,14 +133,21 @@ def part_wall(options, root: Path) -> None:
     sync = statistics.median(r["seconds"] for r in results[(0, "none", 1)])
     for (staleness, worker, threads), rows in results.items():
         median = statistics.median(r["seconds"] for r in rows)
-        print(f"  max_staleness={staleness} worker={worker} threads={threads}: {median:.1f} s, ratio to sync "
-              f"1 thread {median / sync:.3f}")
+        print(
+            f"  max_staleness={staleness} worker={worker} threads={threads}: {median:.1f} s, ratio to sync "
+            f"1 thread {median / sync:.3f}"
+        )
 
 
 def print_row(round_: int, contender: tuple, r: dict, bases: list[float], options) -> None:
     staleness, worker, threads = contender
-    split = (f"{threads}" if not staleness else f"{threads} / shared" if worker == "thread"
-             else f"{max(1, threads - max(1, threads // 2))} / {max(1, threads // 2)}")
+    split = (
+        f"{threads}"
+        if not staleness
+        else f"{threads} / shared"
+        if worker == "thread"
+        else f"{max(1, threads - max(1, threads // 2))} / {max(1, threads // 2)}"
+    )
 
     def ratio(seconds: float, base: float | None) -> str:
         return "-" if base is None else f"{seconds / base:.3f}"
@@ -124,23 +155,37 @@ def print_row(round_: int, contender: tuple, r: dict, bases: list[float], option
     def fmt(value) -> str:
         return "-" if value is None else f"{value:.1f}"
 
-    print(f"| {round_} | {staleness} | {worker} | {options.model} | {options.steps} | {options.batch} | "
-          f"{options.completion} | {split} | {r['seconds']:.1f} | {ratio(r['seconds'], bases[0])} | "
-          f"{ratio(r['seconds'], bases[1])} | {r['tokens']} | {fmt(r['sampling'])} | {fmt(r['worker_start'])} | "
-          f"{fmt(r['waiting'])} | {fmt(r['cpu'])} | {fmt(r['worker_cpu'])} | {loadavg()} |", flush=True)
+    print(
+        f"| {round_} | {staleness} | {worker} | {options.model} | {options.steps} | {options.batch} | "
+        f"{options.completion} | {split} | {r['seconds']:.1f} | {ratio(r['seconds'], bases[0])} | "
+        f"{ratio(r['seconds'], bases[1])} | {r['tokens']} | {fmt(r['sampling'])} | {fmt(r['worker_start'])} | "
+        f"{fmt(r['waiting'])} | {fmt(r['cpu'])} | {fmt(r['worker_cpu'])} | {loadavg()} |",
+        flush=True,
+    )
 
 
 def demo_run(checkpoint: str, settings, out: Path, staleness: int) -> dict:
+    from treadle.cli.loading import load_model
     from treadle.demos import toy
     from treadle.demos.addition import ACCURACY, heldout_trainer
-    from treadle.cli.loading import load_model
 
     tokenizer = toy.build_tokenizer()
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
-    trainer = heldout_trainer(model, tokenizer, settings, out, max_steps=settings.grpo_steps,
-                              learning_rate=settings.grpo_learning_rate, lr_scheduler_type="cosine",
-                              warmup_steps=settings.grpo_warmup, logging_steps=max(1, settings.grpo_steps // 40),
-                              save_strategy="no", eval_strategy="no", disable_tqdm=True, max_staleness=staleness)
+    trainer = heldout_trainer(
+        model,
+        tokenizer,
+        settings,
+        out,
+        max_steps=settings.grpo_steps,
+        learning_rate=settings.grpo_learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.grpo_warmup,
+        logging_steps=max(1, settings.grpo_steps // 40),
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        max_staleness=staleness,
+    )
     start = time.time()
     trainer.train()
     seconds = time.time() - start
@@ -154,8 +199,10 @@ def part_demo(options, root: Path) -> None:
     from treadle.demos.addition import DemoSettings, demo_sft
 
     torch.set_num_threads(1)  # as the demo
-    print("| seed | after SFT (steps) | GRPO max_staleness=0 | max_staleness=1 | difference | seconds 0 / 1 | "
-          "load average |")
+    print(
+        "| seed | after SFT (steps) | GRPO max_staleness=0 | max_staleness=1 | difference | seconds 0 / 1 | "
+        "load average |"
+    )
     print("|---|---|---|---|---|---|---|")
     for seed in [int(s) for s in options.seeds.split(",")]:
         settings = DemoSettings(seed=seed, **({"grpo_steps": options.grpo_steps} if options.grpo_steps else {}))
@@ -164,9 +211,13 @@ def part_demo(options, root: Path) -> None:
         sync = demo_run(checkpoint, settings, root / f"seed{seed}" / "sync", 0)
         stale = demo_run(checkpoint, settings, root / f"seed{seed}" / "async", 1)
         from treadle.demos.addition import evaluate_heldout  # noqa: F401  (the SFT score: the same evaluation)
-        print(f"| {seed} | ({sft_steps}) | {sync['after']:.1%} | {stale['after']:.1%} | "
-              f"{100 * (stale['after'] - sync['after']):+.1f} | {sync['seconds']:.0f} / {stale['seconds']:.0f} | "
-              f"{loadavg()} |", flush=True)
+
+        print(
+            f"| {seed} | ({sft_steps}) | {sync['after']:.1%} | {stale['after']:.1%} | "
+            f"{100 * (stale['after'] - sync['after']):+.1f} | {sync['seconds']:.0f} / {stale['seconds']:.0f} | "
+            f"{loadavg()} |",
+            flush=True,
+        )
         (root / f"seed{seed}.json").write_text(json.dumps({"sync": sync, "async": stale, "sft_steps": sft_steps}))
 
 

@@ -24,19 +24,29 @@ from pathlib import Path
 
 def control(settings, sft_checkpoint: str, out: Path) -> float:
     """Held-out exact match after ``grpo_steps`` more SFT steps from the SFT checkpoint (gold answers)."""
+    from treadle.cli.loading import load_model
     from treadle.demos import toy
     from treadle.demos.addition import ACCURACY, evaluate_heldout
-    from treadle.cli.loading import load_model
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     tokenizer = toy.build_tokenizer()
     model, _ = load_model(sft_checkpoint, tokenizer=tokenizer)
-    args = SFTConfig(output_dir=str(out), max_steps=settings.grpo_steps, seed=settings.seed,
-                     learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
-                     lr_scheduler_type="cosine", warmup_steps=settings.grpo_warmup, save_strategy="no",
-                     logging_steps=50, max_length=32, disable_tqdm=True)
-    SFTTrainer(model, args, train_dataset=toy.load_task("addition", "train", seed=settings.seed),
-               processing_class=tokenizer).train()
+    args = SFTConfig(
+        output_dir=str(out),
+        max_steps=settings.grpo_steps,
+        seed=settings.seed,
+        learning_rate=settings.sft_learning_rate,
+        per_device_train_batch_size=settings.sft_batch_size,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.grpo_warmup,
+        save_strategy="no",
+        logging_steps=50,
+        max_length=32,
+        disable_tqdm=True,
+    )
+    SFTTrainer(
+        model, args, train_dataset=toy.load_task("addition", "train", seed=settings.seed), processing_class=tokenizer
+    ).train()
     return evaluate_heldout(model, tokenizer, settings, out / "heldout")[ACCURACY]
 
 
@@ -70,18 +80,31 @@ def main() -> None:
         sft, grpo = stages["after SFT"], stages["after GRPO"]
         checkpoint = str(root / f"seed{seed}" / "sft" / f"checkpoint-{sft['steps']}")
         final = last_eval(root / f"seed{seed}" / "grpo")
-        rows.append((seed, sft["accuracy"], grpo["accuracy"], final["eval_pass@1"], final["eval_pass@4"],
-                     control(settings, checkpoint, root / f"control{seed}")))
+        rows.append(
+            (
+                seed,
+                sft["accuracy"],
+                grpo["accuracy"],
+                final["eval_pass@1"],
+                final["eval_pass@4"],
+                control(settings, checkpoint, root / f"control{seed}"),
+            )
+        )
     print(f"\n{header}\nsettings: {DemoSettings()} (seed varies); runs in {root}\n")
-    print("| seed | after SFT | after GRPO | GRPO gain (points) | after GRPO, sampled pass@1 / pass@4 "
-          "| control: 200 more SFT steps instead |")
+    print(
+        "| seed | after SFT | after GRPO | GRPO gain (points) | after GRPO, sampled pass@1 / pass@4 "
+        "| control: 200 more SFT steps instead |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for seed, sft, grpo, pass1, pass4, ctrl in rows:
-        print(f"| {seed} | {sft:.1%} | {grpo:.1%} | {100 * (grpo - sft):+.1f} | {pass1:.1%} / {pass4:.1%} "
-              f"| {ctrl:.1%} |")
+        print(
+            f"| {seed} | {sft:.1%} | {grpo:.1%} | {100 * (grpo - sft):+.1f} | {pass1:.1%} / {pass4:.1%} | {ctrl:.1%} |"
+        )
     gains = [100 * (grpo - sft) for _, sft, grpo, *_ in rows]
-    print(f"\nGRPO gain over {len(gains)} seeds: min {min(gains):+.1f}, mean {sum(gains) / len(gains):+.1f}, "
-          f"max {max(gains):+.1f} points")
+    print(
+        f"\nGRPO gain over {len(gains)} seeds: min {min(gains):+.1f}, mean {sum(gains) / len(gains):+.1f}, "
+        f"max {max(gains):+.1f} points"
+    )
 
 
 if __name__ == "__main__":

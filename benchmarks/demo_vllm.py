@@ -38,8 +38,14 @@ def grpo_run(settings, checkpoint: str, out: Path) -> dict:
 
     before, start = load(), time.time()
     _, curve, steps, seconds = demo_grpo(checkpoint, toy.build_tokenizer(), settings, out)
-    return dict(sft=curve[0][1], grpo=curve[-1][1], steps=steps, train_s=seconds,
-                total_s=time.time() - start, load=f"{before} -> {load()}")
+    return dict(
+        sft=curve[0][1],
+        grpo=curve[-1][1],
+        steps=steps,
+        train_s=seconds,
+        total_s=time.time() - start,
+        load=f"{before} -> {load()}",
+    )
 
 
 def main() -> None:
@@ -63,16 +69,21 @@ def main() -> None:
         model = toy.build_model(settings.model_size, seed=seed, tokenizer=toy.build_tokenizer())
         checkpoint, sft_steps, sft_s = demo_sft(model, toy.build_tokenizer(), settings, root / f"seed{seed}" / "sft")
         for use_vllm in (False, True):
-            run = grpo_run(dataclasses.replace(settings, use_vllm=use_vllm), checkpoint,
-                           root / f"seed{seed}" / ("grpo-vllm" if use_vllm else "grpo-own"))
+            run = grpo_run(
+                dataclasses.replace(settings, use_vllm=use_vllm),
+                checkpoint,
+                root / f"seed{seed}" / ("grpo-vllm" if use_vllm else "grpo-own"),
+            )
             rows.append((seed, "vLLM colocate" if use_vllm else "own sampler", sft_steps, sft_s, run))
             print(rows[-1], flush=True)
     print(f"\n{header}\nsettings: {settings} (seed and use_vllm vary); runs in {root}\n")
     print("| seed | GRPO sampler | SFT steps (s) | after SFT | after GRPO | GRPO train s | GRPO stage s | load |")
     print("|---:|---|---:|---:|---:|---:|---:|---|")
     for seed, sampler, sft_steps, sft_s, run in rows:
-        print(f"| {seed} | {sampler} | {sft_steps} ({sft_s:.0f}) | {run['sft']:.1%} | {run['grpo']:.1%} "
-              f"| {run['train_s']:.0f} | {run['total_s']:.0f} | {run['load']} |")
+        print(
+            f"| {seed} | {sampler} | {sft_steps} ({sft_s:.0f}) | {run['sft']:.1%} | {run['grpo']:.1%} "
+            f"| {run['train_s']:.0f} | {run['total_s']:.0f} | {run['load']} |"
+        )
 
 
 if __name__ == "__main__":

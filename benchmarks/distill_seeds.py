@@ -27,8 +27,11 @@ def row(seed: int, results: dict) -> str:
 
     def reached(method: dict) -> str:
         step = method["steps_to_grpo_final"]
-        return "never" if step is None else (f"{step} ({method['fraction_of_grpo_steps']:.2f}), "
-                                             f"{method['seconds_to_grpo_final']:.0f} s")
+        return (
+            "never"
+            if step is None
+            else (f"{step} ({method['fraction_of_grpo_steps']:.2f}), {method['seconds_to_grpo_final']:.0f} s")
+        )
 
     within = distill["fraction_of_grpo_steps"] is not None and distill["fraction_of_grpo_steps"] <= 0.25
     cells = [seed, f"{results['warm_start']['accuracy']:.1%} ({results['warm_start']['steps']})"]
@@ -59,11 +62,15 @@ def main() -> None:
         run_distill_demo(settings, str(root / f"seed{seed}"))
         rows.append(row(seed, json.loads((root / f"seed{seed}" / "results.json").read_text())))
     teacher = json.loads((root / "teacher" / "teacher.json").read_text())
-    print(f"\nteacher: {teacher['heldout_accuracy']:.1%} held-out after {teacher['steps']} SFT steps "
-          f"(seed {teacher['seed']}); runs in {root}")
-    print("| seed | SFT warm start (steps) | GRPO: final / train time | distillation | SFT on teacher answers | "
-          "distillation reaches GRPO's final at: step (fraction), train time | SFT on teacher answers: the same | "
-          "distillation within 1/4 of GRPO's steps |")
+    print(
+        f"\nteacher: {teacher['heldout_accuracy']:.1%} held-out after {teacher['steps']} SFT steps "
+        f"(seed {teacher['seed']}); runs in {root}"
+    )
+    print(
+        "| seed | SFT warm start (steps) | GRPO: final / train time | distillation | SFT on teacher answers | "
+        "distillation reaches GRPO's final at: step (fraction), train time | SFT on teacher answers: the same | "
+        "distillation within 1/4 of GRPO's steps |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|:---:|")
     print("\n".join(rows))
     load_after = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []

@@ -25,16 +25,27 @@ from pathlib import Path
 def grpo_run(checkpoint: str, settings, out: Path, dynamic: bool) -> dict:
     """GRPO from ``checkpoint`` as the demo runs it (``demo.demo_grpo``'s settings), with or without dynamic
     sampling; returns its held-out scores before and after, the dynamic-sampling metrics' means and its seconds."""
+    from treadle.cli.loading import load_model
     from treadle.demos import toy
     from treadle.demos.addition import ACCURACY, heldout_trainer
-    from treadle.cli.loading import load_model
 
     tokenizer = toy.build_tokenizer()
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
-    trainer = heldout_trainer(model, tokenizer, settings, out, max_steps=settings.grpo_steps,
-                              learning_rate=settings.grpo_learning_rate, lr_scheduler_type="cosine",
-                              warmup_steps=settings.grpo_warmup, logging_steps=max(1, settings.grpo_steps // 40),
-                              save_strategy="no", eval_strategy="no", dynamic_sampling=dynamic, disable_tqdm=True)
+    trainer = heldout_trainer(
+        model,
+        tokenizer,
+        settings,
+        out,
+        max_steps=settings.grpo_steps,
+        learning_rate=settings.grpo_learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.grpo_warmup,
+        logging_steps=max(1, settings.grpo_steps // 40),
+        save_strategy="no",
+        eval_strategy="no",
+        dynamic_sampling=dynamic,
+        disable_tqdm=True,
+    )
     before = trainer.evaluate()[ACCURACY]
     start = time.time()
     trainer.train()
@@ -46,10 +57,17 @@ def grpo_run(checkpoint: str, settings, out: Path, dynamic: bool) -> dict:
         values = [h[key] for h in logs if key in h]
         return sum(values) / len(values) if values else None
 
-    return {"before": before, "after": final[ACCURACY], "pass@1": final["eval_pass@1"], "seconds": seconds,
-            "steps": trainer.state.global_step, "rounds": mean("dynamic_sampling/rounds"),
-            "dropped": mean("dynamic_sampling/dropped_fraction"), "zero_std": mean("frac_reward_zero_std"),
-            "unfilled": mean("dynamic_sampling/unfilled_fraction")}
+    return {
+        "before": before,
+        "after": final[ACCURACY],
+        "pass@1": final["eval_pass@1"],
+        "seconds": seconds,
+        "steps": trainer.state.global_step,
+        "rounds": mean("dynamic_sampling/rounds"),
+        "dropped": mean("dynamic_sampling/dropped_fraction"),
+        "zero_std": mean("frac_reward_zero_std"),
+        "unfilled": mean("dynamic_sampling/unfilled_fraction"),
+    }
 
 
 def main() -> None:
@@ -73,20 +91,33 @@ def main() -> None:
         checkpoint, sft_steps, _ = demo_sft(model, toy.build_tokenizer(), settings, root / f"seed{seed}" / "sft")
         plain = grpo_run(checkpoint, settings, root / f"seed{seed}" / "plain", dynamic=False)
         dynamic = grpo_run(checkpoint, settings, root / f"seed{seed}" / "dynamic", dynamic=True)
-        rows.append({"seed": seed, "sft_steps": sft_steps, "plain": plain, "dynamic": dynamic,
-                     "loadavg": open("/proc/loadavg").read().split()[:3]})
+        rows.append(
+            {
+                "seed": seed,
+                "sft_steps": sft_steps,
+                "plain": plain,
+                "dynamic": dynamic,
+                "loadavg": open("/proc/loadavg").read().split()[:3],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\nGRPO {settings.grpo_steps} optimizer steps from the same SFT checkpoint; held-out greedy exact match "
-          f"on {min(settings.eval_size, 1000)} problems (pass@1 of {settings.num_generations_eval} samples)\n")
-    print("| seed | after SFT | GRPO | GRPO + dynamic sampling | difference | extra rounds / generation | "
-          "groups dropped | zero-spread groups (plain) | seconds plain / dynamic | load average |")
+    print(
+        f"\nGRPO {settings.grpo_steps} optimizer steps from the same SFT checkpoint; held-out greedy exact match "
+        f"on {min(settings.eval_size, 1000)} problems (pass@1 of {settings.num_generations_eval} samples)\n"
+    )
+    print(
+        "| seed | after SFT | GRPO | GRPO + dynamic sampling | difference | extra rounds / generation | "
+        "groups dropped | zero-spread groups (plain) | seconds plain / dynamic | load average |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p, d = r["plain"], r["dynamic"]
-        print(f"| {r['seed']} | {p['before']:.1%} | {p['after']:.1%} ({p['pass@1']:.1%}) | {d['after']:.1%} "
-              f"({d['pass@1']:.1%}) | {100 * (d['after'] - p['after']):+.1f} | {d['rounds']:.2f} | "
-              f"{d['dropped']:.1%} | {p['zero_std']:.1%} | {p['seconds']:.0f} / {d['seconds']:.0f} | "
-              f"{' '.join(r['loadavg'])} |")
+        print(
+            f"| {r['seed']} | {p['before']:.1%} | {p['after']:.1%} ({p['pass@1']:.1%}) | {d['after']:.1%} "
+            f"({d['pass@1']:.1%}) | {100 * (d['after'] - p['after']):+.1f} | {d['rounds']:.2f} | "
+            f"{d['dropped']:.1%} | {p['zero_std']:.1%} | {p['seconds']:.0f} / {d['seconds']:.0f} | "
+            f"{' '.join(r['loadavg'])} |"
+        )
     (root / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     print(f"\nruns in {root}")
 

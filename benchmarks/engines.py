@@ -86,11 +86,23 @@ def start_server(model, size: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+    }
     start = time.perf_counter()
-    command = [sys.executable, "-m", "treadle", "vllm-serve", f"toy:{size}", "--port", str(port),
-               "--max-model-len", "256"]
+    command = [
+        sys.executable,
+        "-m",
+        "treadle",
+        "vllm-serve",
+        f"toy:{size}",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+    ]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=900)
     started = time.perf_counter() - start
@@ -104,11 +116,18 @@ def main(argv=None) -> None:
     tok = toy.build_tokenizer()
     model = toy.build_model(args.model, tokenizer=tok, seed=0).eval()
     prompts = [tok(row["prompt"])["input_ids"] for row in toy.load_task("addition", kind="rl", n=args.prompts)]
-    params = SamplingParams(num_generations=args.generations, max_new_tokens=args.tokens, eos_token_ids=(),
-                            pad_token_id=tok.pad_token_id, temperature=1.0)
+    params = SamplingParams(
+        num_generations=args.generations,
+        max_new_tokens=args.tokens,
+        eos_token_ids=(),
+        pad_token_id=tok.pad_token_id,
+        temperature=1.0,
+    )
     vllm, vllm_start, vllm_sync = start_vllm(model)
-    contenders = {"own sampler (LocalEngine, fast)": LocalEngine(model, backend="fast"),
-                  "transformers generate (LocalEngine, hf)": LocalEngine(model, backend="hf")}
+    contenders = {
+        "own sampler (LocalEngine, fast)": LocalEngine(model, backend="fast"),
+        "transformers generate (LocalEngine, hf)": LocalEngine(model, backend="hf"),
+    }
     if vllm is not None:
         contenders["vLLM colocate (VLLMEngine)"] = vllm
     server = server_start = server_sync = process = None
@@ -128,17 +147,21 @@ def main(argv=None) -> None:
                 times[name].append(elapsed)
     rollouts = len(prompts) * args.generations
     print(machine_header())
-    print(f"\nmodel: toy {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32); "
-          f"{len(prompts)} prompts x {args.generations} completions x {args.tokens} tokens, temperature 1, EOS "
-          f"ignored; {args.rounds} rounds, {args.threads} torch threads\n")
+    print(
+        f"\nmodel: toy {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32); "
+        f"{len(prompts)} prompts x {args.generations} completions x {args.tokens} tokens, temperature 1, EOS "
+        f"ignored; {args.rounds} rounds, {args.threads} torch threads\n"
+    )
     print("| engine | model | B x G x tokens | rollouts/s (median) | best | tokens/s (median) | vs own sampler |")
     print("|---|---|---|---|---|---|---|")
     base = statistics.median(times["own sampler (LocalEngine, fast)"])
     for name, spent in times.items():
         median = statistics.median(spent)
-        print(f"| {name} | toy {args.model} | {len(prompts)} x {args.generations} x {args.tokens} | "
-              f"{rollouts / median:.1f} | {rollouts / min(spent):.1f} | {rollouts * args.tokens / median:.0f} | "
-              f"{base / median:.2f}x |")
+        print(
+            f"| {name} | toy {args.model} | {len(prompts)} x {args.generations} x {args.tokens} | "
+            f"{rollouts / median:.1f} | {rollouts / min(spent):.1f} | {rollouts * args.tokens / median:.0f} | "
+            f"{base / median:.2f}x |"
+        )
     if vllm is None:
         print(f"| vLLM colocate | toy {args.model} | - | not run: {vllm_start} | | | |")
     else:
@@ -146,8 +169,10 @@ def main(argv=None) -> None:
         vllm.close()
     if process is not None:
         mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        print(f"vLLM server start-up (to its first answer): {server_start:.1f} s; one full weight sync over loopback: "
-              f"{server_sync * 1000:.0f} ms ({mib:.0f} MiB of weights)")
+        print(
+            f"vLLM server start-up (to its first answer): {server_start:.1f} s; one full weight sync over loopback: "
+            f"{server_sync * 1000:.0f} ms ({mib:.0f} MiB of weights)"
+        )
         process.terminate()
         process.wait(timeout=60)
 

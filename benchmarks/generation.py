@@ -43,9 +43,18 @@ def build_model(hidden: int, layers: int, heads: int, vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -63,16 +72,31 @@ def run_hf(model, prompts, group: int, new_tokens: int, eos: int, pad: int) -> i
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-                              num_return_sequences=group, eos_token_id=eos, pad_token_id=pad)
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        num_return_sequences=group,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     return out.shape[0]
 
 
 def run_fast(model, prompts, group: int, new_tokens: int, eos: int, pad: int) -> int:
-    out = generate_completions(model, prompts, num_generations=group, max_new_tokens=new_tokens,
-                               eos_token_id=eos, pad_token_id=pad, backend="fast")
+    out = generate_completions(
+        model,
+        prompts,
+        num_generations=group,
+        max_new_tokens=new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        backend="fast",
+    )
     return out.completion_ids.shape[0]
 
 
@@ -95,8 +119,10 @@ class ForwardClock:
 
     def __init__(self, model):
         self.spans: list[tuple[float, float]] = []
-        self.handles = [model.register_forward_pre_hook(lambda *_: self.spans.append((time.perf_counter(), 0.0))),
-                        model.register_forward_hook(lambda *_: self._end())]
+        self.handles = [
+            model.register_forward_pre_hook(lambda *_: self.spans.append((time.perf_counter(), 0.0))),
+            model.register_forward_hook(lambda *_: self._end()),
+        ]
 
     def _end(self) -> None:
         start, _ = self.spans[-1]
@@ -142,10 +168,14 @@ def main(argv=None) -> None:
     eos, pad = 2, 0
 
     print(machine_header() + "\n")
-    print(f"B={args.batch} prompts of ~{args.prompt_length} tokens, G={args.group}, sampling T=1, EOS id {eos}, "
-          f"repeats={repeats}, torch threads={torch.get_num_threads()}\n")
-    print("| model | new tokens | transformers median / best (compl/s) | treadle median / best (compl/s) "
-          "| speed-up (median) |")
+    print(
+        f"B={args.batch} prompts of ~{args.prompt_length} tokens, G={args.group}, sampling T=1, EOS id {eos}, "
+        f"repeats={repeats}, torch threads={torch.get_num_threads()}\n"
+    )
+    print(
+        "| model | new tokens | transformers median / best (compl/s) | treadle median / best (compl/s) "
+        "| speed-up (median) |"
+    )
     print("|---|---|---|---|---|")
     costs = {}
     for name in models:
@@ -155,18 +185,27 @@ def main(argv=None) -> None:
             rates = measure(model, prompts, args.group, new_tokens, eos, pad, repeats)
             hf, fast = rates["transformers"], rates["treadle"]
             ratio = statistics.median(fast) / statistics.median(hf)
-            print(f"| {name} | {new_tokens} | {statistics.median(hf):.0f} / {max(hf):.0f} "
-                  f"| {statistics.median(fast):.0f} / {max(fast):.0f} | {ratio:.2f}x |", flush=True)
-            costs[(name, new_tokens)] = [decode_step_costs(fn, model, prompts, args.group, new_tokens, eos, pad,
-                                                           repeats) for fn in (run_hf, run_fast)]
+            print(
+                f"| {name} | {new_tokens} | {statistics.median(hf):.0f} / {max(hf):.0f} "
+                f"| {statistics.median(fast):.0f} / {max(fast):.0f} | {ratio:.2f}x |",
+                flush=True,
+            )
+            costs[(name, new_tokens)] = [
+                decode_step_costs(fn, model, prompts, args.group, new_tokens, eos, pad, repeats)
+                for fn in (run_hf, run_fast)
+            ]
     rows = args.batch * args.group
     print(f"\nOne decode step ({rows} rows, one new token each; medians): the model's forward is the floor\n")
-    print("| model | new tokens | transformers ms/step (forward) | treadle ms/step (forward) | treadle µs per sampled "
-          "token | treadle non-forward share | floor: transformers step / treadle forward |")
+    print(
+        "| model | new tokens | transformers ms/step (forward) | treadle ms/step (forward) | treadle µs per sampled "
+        "token | treadle non-forward share | floor: transformers step / treadle forward |"
+    )
     print("|---|---|---|---|---:|---:|---:|")
     for (name, new_tokens), ((hf_step, hf_fwd, _), (step, fwd, _)) in costs.items():
-        print(f"| {name} | {new_tokens} | {1000 * hf_step:.2f} ({1000 * hf_fwd:.2f}) | {1000 * step:.2f} "
-              f"({1000 * fwd:.2f}) | {1e6 * step / rows:.0f} | {1 - fwd / step:.0%} | {hf_step / fwd:.2f}x |")
+        print(
+            f"| {name} | {new_tokens} | {1000 * hf_step:.2f} ({1000 * hf_fwd:.2f}) | {1000 * step:.2f} "
+            f"({1000 * fwd:.2f}) | {1e6 * step / rows:.0f} | {1 - fwd / step:.0%} | {hf_step / fwd:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

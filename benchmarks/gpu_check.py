@@ -39,14 +39,30 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 
-from treadle import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from treadle import distributed as dist  # noqa: E402
+from treadle import (  # noqa: E402
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    distributed as dist,  # noqa: E402
+)
 
 # ~0.5B parameters (tied embeddings): 18 layers x 25.2M + 32000 x 1536 embeddings = 502M
-GPU_MODEL = dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=18,
-                 num_attention_heads=12, num_key_value_heads=4)
-SMOKE_MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2)
+GPU_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=1536,
+    intermediate_size=4096,
+    num_hidden_layers=18,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+)
+SMOKE_MODEL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 VLLM_SMOKE_MODEL = dict(SMOKE_MODEL, hidden_size=64, num_attention_heads=2, num_key_value_heads=2)  # head size 32
 H200_BF16_DENSE_TFLOPS = 989.0  # vendor peak, for a rough model-FLOPs utilisation
 FIRST_LOSS_TOLERANCE = 2e-2  # bf16 autocast: DDP and FSDP2 run the same kernels on the same fp32 weights
@@ -89,8 +105,9 @@ def build_model(cpu_smoke: bool, device: torch.device, sizes: dict | None = None
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sizes = sizes or (SMOKE_MODEL if cpu_smoke else GPU_MODEL)
-    config = LlamaConfig(**sizes, max_position_embeddings=4096, tie_word_embeddings=True,
-                         attn_implementation="sdpa", use_cache=False)
+    config = LlamaConfig(
+        **sizes, max_position_embeddings=4096, tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False
+    )
     torch.manual_seed(0)
     with torch.device(device):
         return LlamaForCausalLM(config)
@@ -133,10 +150,21 @@ def run_mode(mode: str, opts, device: torch.device) -> dict:
     rows = random_rows(opts.batch * steps * world, opts.seq_len, model.config.vocab_size)
     clock = StepClock(opts.warmup, device)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=opts.batch, max_steps=steps,
-                                 learning_rate=1e-4, warmup_steps=0, lr_scheduler_type="constant", bf16=True,
-                                 fsdp="full_shard" if mode == "fsdp" else "", logging_steps=1,
-                                 save_strategy="no", disable_tqdm=True, seed=0, dataloader_pin_memory=True)
+        args = TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=opts.batch,
+            max_steps=steps,
+            learning_rate=1e-4,
+            warmup_steps=0,
+            lr_scheduler_type="constant",
+            bf16=True,
+            fsdp="full_shard" if mode == "fsdp" else "",
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            dataloader_pin_memory=True,
+        )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         trainer = Trainer(model, args, train_dataset=rows, callbacks=[clock])
@@ -145,12 +173,21 @@ def run_mode(mode: str, opts, device: torch.device) -> dict:
     seconds = clock.ends[-1] - clock.ends[0]
     tokens_per_s = opts.steps * opts.batch * opts.seq_len * world / seconds
     memory_key, memory = peak_memory_gib(device)
-    result = {"mode": mode, "wrapper": type(trainer.model_wrapped).__name__, "device": str(device),
-              "world_size": world, "params_m": round(params / 1e6, 3),
-              "tokens_per_step": opts.batch * opts.seq_len * world, "timed_steps": opts.steps,
-              "seconds": round(seconds, 3), "tokens_per_s": round(tokens_per_s, 1),
-              "model_tflops_per_device": round(6 * params * tokens_per_s / world / 1e12, 2),
-              memory_key: round(memory, 2), "first_loss": losses[0], "last_loss": losses[-1]}
+    result = {
+        "mode": mode,
+        "wrapper": type(trainer.model_wrapped).__name__,
+        "device": str(device),
+        "world_size": world,
+        "params_m": round(params / 1e6, 3),
+        "tokens_per_step": opts.batch * opts.seq_len * world,
+        "timed_steps": opts.steps,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens_per_s, 1),
+        "model_tflops_per_device": round(6 * params * tokens_per_s / world / 1e12, 2),
+        memory_key: round(memory, 2),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
     if device.type == "cuda":
         result["mfu_vs_h200_peak"] = round(result["model_tflops_per_device"] / H200_BF16_DENSE_TFLOPS, 3)
     del trainer, model
@@ -161,8 +198,11 @@ def run_mode(mode: str, opts, device: torch.device) -> dict:
 
 
 def problems(results: list[dict]) -> list[str]:
-    found = [f"{r['mode']}: a loss is not finite ({r['first_loss']}, {r['last_loss']})" for r in results
-             if not (math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"]))]
+    found = [
+        f"{r['mode']}: a loss is not finite ({r['first_loss']}, {r['last_loss']})"
+        for r in results
+        if not (math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"]))
+    ]
     by_mode = {r["mode"]: r for r in results}
     if "ddp" in by_mode and "fsdp" in by_mode:
         gap = abs(by_mode["ddp"]["first_loss"] - by_mode["fsdp"]["first_loss"])
@@ -216,15 +256,20 @@ def vllm_rows(opts, device: torch.device, world: int) -> list[str]:
             rows.append(vllm_row(sync, opts, device, VLLMEngine))
             print(json.dumps(rows[-1]), flush=True)
             if rows[-1]["unchanged_syncs"]:
-                failures.append(f"vllm {sync}: {rows[-1]['unchanged_syncs']} syncs left the engine's log-probs "
-                                f"as they were")
+                failures.append(
+                    f"vllm {sync}: {rows[-1]['unchanged_syncs']} syncs left the engine's log-probs as they were"
+                )
         except Exception as e:  # report and go on, as the training modes
             failures.append(f"vllm {sync}: {type(e).__name__}: {e}")
-    print(f"\n{'vllm sync':10} {'params(M)':>9} {'start s':>8} {'sync s':>8} {'tensors':>8} {'MB sent':>9} "
-          f"{'rollouts/s':>11}")
+    print(
+        f"\n{'vllm sync':10} {'params(M)':>9} {'start s':>8} {'sync s':>8} {'tensors':>8} {'MB sent':>9} "
+        f"{'rollouts/s':>11}"
+    )
     for r in rows:
-        print(f"{r['sync']:10} {r['params_m']:9.3f} {r['start_s']:8.1f} {r['sync_s']:8.3f} {r['tensors']:8d} "
-              f"{r['mb_sent']:9.2f} {r['rollouts_per_s']:11.1f}")
+        print(
+            f"{r['sync']:10} {r['params_m']:9.3f} {r['start_s']:8.1f} {r['sync_s']:8.3f} {r['tensors']:8d} "
+            f"{r['mb_sent']:9.2f} {r['rollouts_per_s']:11.1f}"
+        )
     print("\n".join(f"FAIL {f}" for f in failures) or "OK (vllm)")
     return failures
 
@@ -264,23 +309,35 @@ def vllm_row(sync: str, opts, device: torch.device, engine_class) -> dict:
     finally:
         engine.close()
     assert int(out.completion_mask.sum()) == prompts_ * group * tokens
-    return {"mode": "vllm", "sync": engine.last_sync["kind"], "device": str(device),
-            "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3), "start_s": round(started, 1),
-            "sync_s": round(sorted(syncs[1:])[1], 3), "tensors": engine.last_sync["tensors"],
-            "mb_sent": round(engine.last_sync["bytes"] / 1e6, 3), "unchanged_syncs": unchanged,
-            "rollouts_per_s": round(prompts_ * group / seconds, 1), "completion_tokens": tokens}
+    return {
+        "mode": "vllm",
+        "sync": engine.last_sync["kind"],
+        "device": str(device),
+        "params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 3),
+        "start_s": round(started, 1),
+        "sync_s": round(sorted(syncs[1:])[1], 3),
+        "tensors": engine.last_sync["tensors"],
+        "mb_sent": round(engine.last_sync["bytes"] / 1e6, 3),
+        "unchanged_syncs": unchanged,
+        "rollouts_per_s": round(prompts_ * group / seconds, 1),
+        "completion_tokens": tokens,
+    }
 
 
 def report(results: list[dict], failures: list[str], opts) -> None:
     memory_key = "peak_gpu_memory_gib" if not opts.cpu_smoke else "peak_process_rss_gib"
     gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() and not opts.cpu_smoke else ""
     print(f"\n{machine_header()}{gpu}")
-    print(f"\n{'mode':6} {'wrapper':28} {'params(M)':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {memory_key:>21} "
-          f"{'loss first -> last':>20}")
+    print(
+        f"\n{'mode':6} {'wrapper':28} {'params(M)':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {memory_key:>21} "
+        f"{'loss first -> last':>20}"
+    )
     for r in results:
-        print(f"{r['mode']:6} {r['wrapper']:28} {r['params_m']:9.3f} {r['tokens_per_s']:11.1f} "
-              f"{r['model_tflops_per_device']:11.2f} {r[memory_key]:21.2f} "
-              f"{r['first_loss']:9.4f} -> {r['last_loss']:.4f}")
+        print(
+            f"{r['mode']:6} {r['wrapper']:28} {r['params_m']:9.3f} {r['tokens_per_s']:11.1f} "
+            f"{r['model_tflops_per_device']:11.2f} {r[memory_key]:21.2f} "
+            f"{r['first_loss']:9.4f} -> {r['last_loss']:.4f}"
+        )
     print("\n".join(f"FAIL {f}" for f in failures) or "OK")
     if opts.out:
         with open(opts.out, "w") as f:

@@ -31,8 +31,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
 from _memory import MiB, peak_memory  # noqa: E402
-from treadle.logprobs.tokens import chunked_token_logps  # noqa: E402
 
+from treadle.logprobs.tokens import chunked_token_logps  # noqa: E402
 
 
 def full_logps(hidden, weight, labels):
@@ -94,8 +94,10 @@ def main(argv=None):
     diff = max((a - b).abs().max().item() for a, b in zip(g_full, g_chunk))
     one_logits = n * vocab * 4 / MiB
     print(machine_header())
-    print(f"device {args.device}, dtype {args.dtype}, V={vocab}, N={batch}x{args.seq}={n}, H={hidden_size}; "
-          f"one float32 [N, V] tensor = {one_logits:.0f} MiB")
+    print(
+        f"device {args.device}, dtype {args.dtype}, V={vocab}, N={batch}x{args.seq}={n}, H={hidden_size}; "
+        f"one float32 [N, V] tensor = {one_logits:.0f} MiB"
+    )
     print(f"{'method':<24}{'peak above inputs (MiB)':>26}{'time (s)':>12}")
     for name, (mib, seconds) in results.items():
         print(f"{name:<24}{mib:>26.0f}{seconds:>12.2f}")

@@ -32,8 +32,15 @@ def build_model(size: str, seed: int = 0):
 
     hidden, layers, heads, vocab, _, _ = SIZES[size]
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=512,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -51,9 +58,13 @@ def plain_loop(size: str, steps: int) -> list[float]:
     batch = SIZES[size][-1]
     model = build_model(size)
     model.train()
-    loader = DataLoader(build_rows(size, steps * batch), batch_size=batch, shuffle=True,
-                        generator=torch.Generator().manual_seed(0),
-                        collate_fn=lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]})
+    loader = DataLoader(
+        build_rows(size, steps * batch),
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+        collate_fn=lambda rows: {k: torch.stack([r[k] for r in rows]) for k in rows[0]},
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / steps)
     times = [time.perf_counter()]
@@ -84,9 +95,16 @@ def treadle_loop(size: str, steps: int, tqdm: bool = False) -> list[float]:
 
     batch = SIZES[size][-1]
     clock = Clock()
-    args = TrainingArguments(output_dir="/tmp/treadle-bench-overhead", max_steps=steps, per_device_train_batch_size=batch,
-                             learning_rate=1e-4, logging_steps=10**6, save_strategy="no", disable_tqdm=not tqdm,
-                             report_to="none")
+    args = TrainingArguments(
+        output_dir="/tmp/treadle-bench-overhead",
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        learning_rate=1e-4,
+        logging_steps=10**6,
+        save_strategy="no",
+        disable_tqdm=not tqdm,
+        report_to="none",
+    )
     trainer = Trainer(build_model(size), args, train_dataset=build_rows(size, steps * batch), callbacks=[clock])
     trainer.pop_callback(trainer.callback_handler.callbacks[1])  # metrics.jsonl: the final summary line only
     if tqdm:
@@ -118,12 +136,21 @@ def transformers_loop(size: str, steps: int) -> list[float] | None:
 
     batch = SIZES[size][-1]
     clock = Clock()
-    args = transformers.TrainingArguments(output_dir="/tmp/treadle-bench-hf", max_steps=steps,
-                                          per_device_train_batch_size=batch, learning_rate=1e-4,
-                                          logging_steps=10**6, save_strategy="no", report_to="none",
-                                          disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
-    trainer = transformers.Trainer(model=build_model(size), args=args, train_dataset=build_rows(size, steps * batch),
-                                   callbacks=[clock])
+    args = transformers.TrainingArguments(
+        output_dir="/tmp/treadle-bench-hf",
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        learning_rate=1e-4,
+        logging_steps=10**6,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        dataloader_pin_memory=False,
+    )
+    trainer = transformers.Trainer(
+        model=build_model(size), args=args, train_dataset=build_rows(size, steps * batch), callbacks=[clock]
+    )
     trainer.train()
     return [b - a for a, b in zip(clock.times, clock.times[1:])]
 
@@ -142,9 +169,12 @@ def main() -> None:
     size = opts.size or ("tiny" if opts.quick else "small")
     rounds = opts.rounds or (2 if opts.quick else 5)
     warmup = 3
-    contenders = {"plain PyTorch": plain_loop, "treadle": treadle_loop,
-                  "treadle + tqdm": lambda s, n: treadle_loop(s, n, tqdm=True),
-                  "transformers.Trainer": transformers_loop}
+    contenders = {
+        "plain PyTorch": plain_loop,
+        "treadle": treadle_loop,
+        "treadle + tqdm": lambda s, n: treadle_loop(s, n, tqdm=True),
+        "transformers.Trainer": transformers_loop,
+    }
     results: dict[str, list[float]] = {name: [] for name in contenders}
     for r in range(rounds):
         for name, fn in contenders.items():  # interleaved: each round runs every contender once
@@ -152,13 +182,17 @@ def main() -> None:
             if samples is None:
                 continue
             results[name].extend(summarise(samples, warmup))
-            print(f"round {r + 1}/{rounds} {name:22s} median {statistics.median(summarise(samples, warmup)):8.2f} ms",
-                  file=sys.stderr)
+            print(
+                f"round {r + 1}/{rounds} {name:22s} median {statistics.median(summarise(samples, warmup)):8.2f} ms",
+                file=sys.stderr,
+            )
     base = statistics.median(results["plain PyTorch"])
     print(f"\n{machine_header()}")
-    print(f"\n### Per-step overhead, {size} model, batch {SIZES[size][-1]} x {SIZES[size][4]} tokens, "
-          f"{rounds} rounds x {opts.steps - warmup} timed steps, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads\n")
+    print(
+        f"\n### Per-step overhead, {size} model, batch {SIZES[size][-1]} x {SIZES[size][4]} tokens, "
+        f"{rounds} rounds x {opts.steps - warmup} timed steps, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads\n"
+    )
     print("| contender | median ms/step | best ms/step | median vs plain |")
     print("|---|---:|---:|---:|")
     for name, samples in results.items():

@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -54,9 +54,11 @@ PADDED, PACKED, TRL = "treadle padded", "treadle padding-free", "TRL float32 (pa
 
 def workloads(quick: bool) -> list[bench.Workload]:
     timed = 6 if quick else 16
-    return [bench.Workload("GRPO L64", "grpo", warmup=2, timed=timed, completion_length=64),
-            bench.Workload("GRPO L256", "grpo", warmup=2, timed=timed, completion_length=256),
-            bench.Workload("DPO", "dpo", warmup=2, timed=timed)]
+    return [
+        bench.Workload("GRPO L64", "grpo", warmup=2, timed=timed, completion_length=64),
+        bench.Workload("GRPO L256", "grpo", warmup=2, timed=timed, completion_length=256),
+        bench.Workload("DPO", "dpo", warmup=2, timed=timed),
+    ]
 
 
 def long_tailed_length(rng: random.Random, longest: int) -> int:
@@ -83,7 +85,8 @@ def dpo_rows(n: int) -> list[dict]:
         prompt, _ = bench.few_shot_prompt(rng, rng.randrange(16, 65))
         chosen, rejected = (
             "".join(rng.choice("0123456789+=") for _ in range(long_tailed_length(rng, DPO_LENGTH) - 1))
-            for _ in range(2))
+            for _ in range(2)
+        )
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})  # + EOS each
     return rows
 
@@ -108,8 +111,9 @@ def treadle_order(n: int, work: bench.Workload) -> list[int]:
     from treadle.data import RepeatSampler, seeded_sampler
 
     if work.kind == "grpo":
-        sampler = RepeatSampler(n, mini_repeat_count=GROUP, batch_size=BATCH // GROUP, repeat_count=1, shuffle=True,
-                                seed=0)
+        sampler = RepeatSampler(
+            n, mini_repeat_count=GROUP, batch_size=BATCH // GROUP, repeat_count=1, shuffle=True, seed=0
+        )
         return list(sampler)[::GROUP]
     return list(seeded_sampler(list(range(n)), seed=0, shuffle=True))
 
@@ -126,22 +130,42 @@ def treadle_grpo(work, size, steps, clock, output_dir, padding_free: bool) -> No
 
     class Prescribed(GRPOTrainer):
         def generate(self, prompt_ids, *, num_generations, generator=None):
-            rows = [completion_for(tokenizer.decode(p, skip_special_tokens=True), k, work.completion_length, tokenizer)
-                    for p in prompt_ids for k in range(num_generations)]
+            rows = [
+                completion_for(tokenizer.decode(p, skip_special_tokens=True), k, work.completion_length, tokenizer)
+                for p in prompt_ids
+                for k in range(num_generations)
+            ]
             trained.extend(len(r) for r in rows)
             raw = torch.tensor([r + [tokenizer.pad_token_id] * (work.completion_length - len(r)) for r in rows])
             ids, mask = left_pad([p for p in prompt_ids for _ in range(num_generations)], tokenizer.pad_token_id)
-            return GenerationOutput(ids, mask, *completion_masks(raw, (tokenizer.eos_token_id,),
-                                                                 tokenizer.pad_token_id))
+            return GenerationOutput(
+                ids, mask, *completion_masks(raw, (tokenizer.eos_token_id,), tokenizer.pad_token_id)
+            )
 
-    args = GRPOConfig(**bench._common(output_dir, steps), num_generations=GROUP, steps_per_generation=1,
-                      max_completion_length=work.completion_length, max_prompt_length=None, beta=0.0,
-                      epsilon=bench.EPSILON, loss_type="dapo", padding_free=padding_free)
-    trainer = Prescribed(model, reward_funcs=length_reward, args=args, train_dataset=grpo_rows(steps * BATCH // GROUP),
-                         processing_class=tokenizer, callbacks=[bench._treadle_clock(clock)])
+    args = GRPOConfig(
+        **bench._common(output_dir, steps),
+        num_generations=GROUP,
+        steps_per_generation=1,
+        max_completion_length=work.completion_length,
+        max_prompt_length=None,
+        beta=0.0,
+        epsilon=bench.EPSILON,
+        loss_type="dapo",
+        padding_free=padding_free,
+    )
+    trainer = Prescribed(
+        model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=grpo_rows(steps * BATCH // GROUP),
+        processing_class=tokenizer,
+        callbacks=[bench._treadle_clock(clock)],
+    )
     trainer.train()
-    clock.settings.update(bench.trainer_settings(work, trainer, model), **{"padding free": padding_free,
-                          "work": zlib.crc32(str(trained).encode())})
+    clock.settings.update(
+        bench.trainer_settings(work, trainer, model),
+        **{"padding free": padding_free, "work": zlib.crc32(str(trained).encode())},
+    )
 
 
 def trl_grpo(work, size, steps, clock, output_dir) -> None:
@@ -153,32 +177,64 @@ def trl_grpo(work, size, steps, clock, output_dir) -> None:
 
     class Prescribed(trl.GRPOTrainer):
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):  # TRL 1.x: one row per completion
-            rows = [completion_for(tokenizer.decode(p, skip_special_tokens=True), i % GROUP, work.completion_length,
-                                   tokenizer) for i, p in enumerate(prompt_ids)]
+            rows = [
+                completion_for(
+                    tokenizer.decode(p, skip_special_tokens=True), i % GROUP, work.completion_length, tokenizer
+                )
+                for i, p in enumerate(prompt_ids)
+            ]
             trained.extend(len(r) for r in rows)
             return rows, None
 
     rows = grpo_rows(steps * BATCH // GROUP)
     rows = [rows[i] for i in treadle_order(len(rows), work)]
-    args = trl.GRPOConfig(**bench._trl_common(output_dir, steps, defaults=False), num_generations=GROUP,
-                          steps_per_generation=1, max_completion_length=work.completion_length, temperature=1.0,
-                          beta=0.0, epsilon=bench.EPSILON, loss_type="dapo", scale_rewards="group",
-                          num_iterations=1, log_completions=False, shuffle_dataset=False)
-    trainer = Prescribed(model=model, reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tokenizer, callbacks=[bench._trl_clock(clock)])
+    args = trl.GRPOConfig(
+        **bench._trl_common(output_dir, steps, defaults=False),
+        num_generations=GROUP,
+        steps_per_generation=1,
+        max_completion_length=work.completion_length,
+        temperature=1.0,
+        beta=0.0,
+        epsilon=bench.EPSILON,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        log_completions=False,
+        shuffle_dataset=False,
+    )
+    trainer = Prescribed(
+        model=model,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[bench._trl_clock(clock)],
+    )
     trainer.train()
-    clock.settings.update(bench.trainer_settings(work, trainer, model), **{"padding free": False,
-                          "work": zlib.crc32(str(trained).encode())})
+    clock.settings.update(
+        bench.trainer_settings(work, trainer, model),
+        **{"padding free": False, "work": zlib.crc32(str(trained).encode())},
+    )
 
 
 def treadle_dpo(work, size, steps, clock, output_dir, padding_free: bool) -> None:
     from treadle import DPOConfig, DPOTrainer
 
     tokenizer, model = bench.build(size)
-    args = DPOConfig(**bench._common(output_dir, steps), beta=bench.BETA_DPO, max_length=None, max_prompt_length=None,
-                     padding_free=padding_free)
-    trainer = DPOTrainer(model, args=args, train_dataset=dpo_rows(steps * BATCH), processing_class=tokenizer,
-                         callbacks=[bench._treadle_clock(clock)])
+    args = DPOConfig(
+        **bench._common(output_dir, steps),
+        beta=bench.BETA_DPO,
+        max_length=None,
+        max_prompt_length=None,
+        padding_free=padding_free,
+    )
+    trainer = DPOTrainer(
+        model,
+        args=args,
+        train_dataset=dpo_rows(steps * BATCH),
+        processing_class=tokenizer,
+        callbacks=[bench._treadle_clock(clock)],
+    )
     trainer.train()
     clock.settings.update(bench.trainer_settings(work, trainer, model), **{"padding free": padding_free})
 
@@ -198,11 +254,22 @@ def trl_dpo(work, size, steps, clock, output_dir) -> None:
 
     rows = dpo_rows(steps * BATCH)
     rows = [rows[i] for i in treadle_order(len(rows), work)]
-    args = trl.DPOConfig(**bench._trl_common(output_dir, steps, defaults=False), beta=bench.BETA_DPO, max_length=None,
-                         loss_type=["sigmoid"], precompute_ref_log_probs=False)
+    args = trl.DPOConfig(
+        **bench._trl_common(output_dir, steps, defaults=False),
+        beta=bench.BETA_DPO,
+        max_length=None,
+        loss_type=["sigmoid"],
+        precompute_ref_log_probs=False,
+    )
     reference = copy.deepcopy(model).eval().requires_grad_(False)
-    trainer = InOrder(model=model, ref_model=reference, args=args, train_dataset=Dataset.from_list(rows),
-                      processing_class=tokenizer, callbacks=[bench._trl_clock(clock)])
+    trainer = InOrder(
+        model=model,
+        ref_model=reference,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[bench._trl_clock(clock)],
+    )
     trainer.train()
     clock.settings.update(bench.trainer_settings(work, trainer, model), **{"padding free": args.padding_free})
 
@@ -219,15 +286,16 @@ def contenders(kind: str, with_trl: bool) -> dict[str, Callable]:
 # Running and reporting
 # ---------------------------------------------------------------------------------------------------------
 def timed_steps(steps: list[float], work: bench.Workload) -> list[float]:
-    return steps[work.warmup:work.steps]
+    return steps[work.warmup : work.steps]
 
 
 def check_same_work(size: str, work: bench.Workload, settings: dict[str, dict]) -> None:
     bench.check_settings(size, work, settings)
     works = {name: s.get("work") for name, s in settings.items() if s.get("work") is not None}
     if len(set(works.values())) > 1:
-        raise AssertionError(f"{size} {work.name}: the contenders trained on different (prompt, completion length) "
-                             f"sequences: {works}")
+        raise AssertionError(
+            f"{size} {work.name}: the contenders trained on different (prompt, completion length) sequences: {works}"
+        )
 
 
 def measure(sizes, works, rounds, with_trl, cpu) -> tuple[dict, dict]:
@@ -241,8 +309,9 @@ def measure(sizes, works, rounds, with_trl, cpu) -> tuple[dict, dict]:
                 seconds, reported = bench.run_lockstep(runners, work, size, cpu, summary=timed_steps)
                 check_same_work(size, work, reported)
                 settings.setdefault((size, work.name), {}).update(reported)
-                cell = results.setdefault((size, work.name), {name: [] for name in (PADDED, PACKED, TRL)
-                                                              if name in dict(runners)})
+                cell = results.setdefault(
+                    (size, work.name), {name: [] for name in (PADDED, PACKED, TRL) if name in dict(runners)}
+                )
                 for name, steps in seconds.items():
                     cell[name].append(statistics.fmean(steps) if isinstance(steps, list) else steps)
                 line = "  ".join(f"{n} {1000 * v[-1]:.1f}" for n, v in cell.items())
@@ -254,8 +323,10 @@ def label(s: dict, kind: str) -> str:
     if not s:
         return "(failed)"
     extra = f", {s['sampled tokens']:.1f} tok/compl" if kind == "grpo" else ""
-    return (f"padding-free {s['padding free']}, {s['precision']}, {'ckpt' if s['grad checkpointing'] else 'no ckpt'}, "
-            f"{s['loss']}, batch {s['batch']}{extra}")
+    return (
+        f"padding-free {s['padding free']}, {s['precision']}, {'ckpt' if s['grad checkpointing'] else 'no ckpt'}, "
+        f"{s['loss']}, batch {s['batch']}{extra}"
+    )
 
 
 def main(argv=None) -> None:
@@ -277,8 +348,10 @@ def main(argv=None) -> None:
     cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     header, start = machine_header(), time.time()
     results, settings = measure(sizes, works, rounds, with_trl, cpu)
-    print(f"\n### Padding-free GRPO / DPO: ms per optimizer step ({time.strftime('%Y-%m-%d')}, {rounds} round(s) in "
-          f"lockstep on CPU {cpu}, 1 torch thread, {time.time() - start:.0f} s)\n\n{header}\n")
+    print(
+        f"\n### Padding-free GRPO / DPO: ms per optimizer step ({time.strftime('%Y-%m-%d')}, {rounds} round(s) in "
+        f"lockstep on CPU {cpu}, 1 torch thread, {time.time() - start:.0f} s)\n\n{header}\n"
+    )
     print("| model | workload | contender | mean ms/step (median of rounds) | vs treadle padded | settings |")
     print("|---|---|---|---:|---:|---|")
     worst = {}
@@ -288,8 +361,10 @@ def main(argv=None) -> None:
             ok = [v for v in values if v == v]
             ratio = bench.ratio_to(values, cell[PADDED])
             med = f"{1000 * statistics.median(ok):.1f}" if ok else "failed"
-            print(f"| {size} | {name} | {contender} | {med} | {ratio} | "
-                  f"{label(settings.get((size, name), {}).get(contender, {}), kind)} |")
+            print(
+                f"| {size} | {name} | {contender} | {med} | {ratio} | "
+                f"{label(settings.get((size, name), {}).get(contender, {}), kind)} |"
+            )
             if name == "GRPO L256" and contender == PACKED and ratio:
                 worst[size] = float(ratio[:-1])
     for size, x in worst.items():

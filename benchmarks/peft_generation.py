@@ -40,12 +40,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     tokenizer = toy.build_tokenizer()
-    model = treadle_peft.apply_peft(toy.build_model(args.size, tokenizer=tokenizer),
-                              LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM",
-                                         init_lora_weights=False)).to(args.device)
+    model = treadle_peft.apply_peft(
+        toy.build_model(args.size, tokenizer=tokenizer),
+        LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False),
+    ).to(args.device)
     prompts = [tokenizer.encode(f"{10 + i}+{50 + i}=") for i in range(args.prompts)]
-    sample = dict(num_generations=args.generations, max_new_tokens=args.tokens, eos_token_id=None,
-                  pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    sample = dict(
+        num_generations=args.generations,
+        max_new_tokens=args.tokens,
+        eos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
 
     def unmerged():
         return generate_completions(model, prompts, **sample).completion_ids
@@ -75,8 +81,10 @@ def main(argv=None):
             times.append(time.perf_counter() - start)
         results[name] = (statistics.median(times), ids)
     assert torch.equal(results["adapters on the fly"][1], results["merged for the call"][1]), "greedy tokens differ"
-    print(f"toy:{args.size} + LoRA r=16 all-linear on {args.device}: {args.prompts} prompts x {args.generations} "
-          f"completions x {args.tokens} tokens, greedy, median of {args.repeats}")
+    print(
+        f"toy:{args.size} + LoRA r=16 all-linear on {args.device}: {args.prompts} prompts x {args.generations} "
+        f"completions x {args.tokens} tokens, greedy, median of {args.repeats}"
+    )
     print("| variant | seconds per call |")
     print("|---|---|")
     for name, (seconds, _) in results.items():

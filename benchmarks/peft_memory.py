@@ -48,21 +48,37 @@ def build(trainer_name: str, mode: str, size: str, device: str, output_dir: str)
     model = toy.build_model(size, tokenizer=tokenizer).to(device)
     peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     kwargs = {} if mode == "full-ft" else {"peft_config": peft_config}
-    common = dict(output_dir=output_dir, max_steps=3, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                  disable_tqdm=True, report_to="none")
+    common = dict(
+        output_dir=output_dir,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+    )
 
     def make():
         ref_model = copy.deepcopy(model) if mode == "lora-full-copy" else None
         if trainer_name == "dpo":
             args = DPOConfig(per_device_train_batch_size=8, **common)
             data = toy.load_task("addition", kind="preference", n=64)
-            return DPOTrainer(model, ref_model=ref_model, args=args, train_dataset=data, processing_class=tokenizer,
-                              **kwargs)
-        args = GRPOConfig(per_device_train_batch_size=16, num_generations=8, max_completion_length=8, beta=0.04,
-                          **common)
+            return DPOTrainer(
+                model, ref_model=ref_model, args=args, train_dataset=data, processing_class=tokenizer, **kwargs
+            )
+        args = GRPOConfig(
+            per_device_train_batch_size=16, num_generations=8, max_completion_length=8, beta=0.04, **common
+        )
         data = toy.load_task("addition", kind="rl", n=64)
-        return GRPOTrainer(model, toy.addition_reward, args=args, train_dataset=data, processing_class=tokenizer,
-                           ref_model=ref_model, **kwargs)
+        return GRPOTrainer(
+            model,
+            toy.addition_reward,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer,
+            ref_model=ref_model,
+            **kwargs,
+        )
 
     return make
 
@@ -82,10 +98,16 @@ def measure_one(trainer_name: str, mode: str, size: str, device: str, output_dir
     trainable, total = parameter_counts(trainer.model)
     reference = getattr(trainer, "ref_model", None)
     ref_bytes = sum(p.numel() * p.element_size() for p in reference.parameters()) if reference is not None else 0
-    return {"trainer": trainer_name, "mode": mode, "peak_mib": peak, "trainable": trainable, "total": total,
-            "reference_copy_mib": ref_bytes / MiB,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e][:1]}
+    return {
+        "trainer": trainer_name,
+        "mode": mode,
+        "peak_mib": peak,
+        "trainable": trainable,
+        "total": total,
+        "reference_copy_mib": ref_bytes / MiB,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e][:1],
+    }
 
 
 def main(argv=None):
@@ -103,16 +125,35 @@ def main(argv=None):
     for trainer_name in TRAINERS:
         for mode in MODES:  # a run folder belongs to one run: each configuration gets its own
             run_dir = os.path.join(root, f"{trainer_name}-{mode}")
-            proc = subprocess.run([sys.executable, __file__, "--one", trainer_name, mode, "--size", args.size,
-                                   "--device", args.device, "--output-dir", run_dir],
-                                  capture_output=True, text=True, check=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    trainer_name,
+                    mode,
+                    "--size",
+                    args.size,
+                    "--device",
+                    args.device,
+                    "--output-dir",
+                    run_dir,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"toy:{args.size} on {args.device}; peak tensor memory during build + 3 training steps, above the base model")
+    print(
+        f"toy:{args.size} on {args.device}; peak tensor memory during build + 3 training steps, above the base model"
+    )
     print("| trainer | mode | trainable / total params | reference copy (MiB) | peak (MiB) | peak RSS (MiB) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['trainer']} | {r['mode']} | {r['trainable']:,} / {r['total']:,} | {r['reference_copy_mib']:.1f} | "
-              f"{r['peak_mib']:.1f} | {r['peak_rss_mib']:.0f} |")
+        print(
+            f"| {r['trainer']} | {r['mode']} | {r['trainable']:,} / {r['total']:,} | {r['reference_copy_mib']:.1f} | "
+            f"{r['peak_mib']:.1f} | {r['peak_rss_mib']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -75,8 +75,10 @@ def main() -> None:
     tokenizer = toy.build_tokenizer()
     settings = [("tiny", 8, 8, 60)] if args.quick else [("tiny", 16, 8, 60), ("small", 8, 8, 60)]
     repeats = 3 if args.quick else args.repeats
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; threads={args.threads}, "
-          f"turns={args.turns}, tool latency={args.latency_ms} ms mean")
+    print(
+        f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; threads={args.threads}, "
+        f"turns={args.turns}, tool latency={args.latency_ms} ms mean"
+    )
     print("| model | prompts x G | prompt tokens | kept: rollouts/s | re-prefill: rollouts/s | ratio |")
     print("|---|---|---|---|---|---|")
     pool = ThreadPoolExecutor(8)
@@ -86,16 +88,20 @@ def main() -> None:
         batch = [torch.randint(7, len(tokenizer), (prompt_len,), generator=gen).tolist() for _ in range(prompts)]
         times: dict[str, list[float]] = {"kept": [], "re-prefill": []}
         for repeat in range(repeats):
-            for name in (("kept", "re-prefill") if repeat % 2 == 0 else ("re-prefill", "kept")):
+            for name in ("kept", "re-prefill") if repeat % 2 == 0 else ("re-prefill", "kept"):
                 respond = make_respond(tokenizer, pool, args.turns, args.latency_ms, seed=repeat)
                 run = sample_turns if name == "kept" else reprefill_turns
-                params = SamplingParams(num_generations=group, max_new_tokens=160, eos_token_ids=(EOS,), pad_token_id=0)
+                params = SamplingParams(
+                    num_generations=group, max_new_tokens=160, eos_token_ids=(EOS,), pad_token_id=0
+                )
                 start = time.perf_counter()
                 run(model, batch, respond, params, generator=torch.Generator().manual_seed(repeat))
                 times[name].append(prompts * group / (time.perf_counter() - start))
         kept, again = statistics.median(times["kept"]), statistics.median(times["re-prefill"])
-        print(f"| {size} | {prompts} x {group} | {prompt_len} | {kept:.1f} | {again:.1f} | {kept / again:.2f}x |",
-              flush=True)
+        print(
+            f"| {size} | {prompts} x {group} | {prompt_len} | {kept:.1f} | {again:.1f} | {kept / again:.2f}x |",
+            flush=True,
+        )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     pool.shutdown()
 

@@ -29,13 +29,24 @@ SPECIAL = {
     "logprob_memory": {"full": [], "quick": ["--small"]},
     "gpu_check": {"full": [], "quick": [], "cpu": ["--cpu-smoke"]},  # on a machine without CUDA: a smoke run
 }
-ORDER = ["startup", "overhead", "trainers", "packing", "generation", "logprob_memory", "gpu_check"]  # others come after
+ORDER = [
+    "startup",
+    "overhead",
+    "trainers",
+    "packing",
+    "generation",
+    "logprob_memory",
+    "gpu_check",
+]  # others come after
 
 
 def discover() -> list[str]:
     """Benchmark names (file stems) in run order."""
-    names = [f[:-3] for f in os.listdir(HERE)
-             if f.endswith(".py") and not f.startswith("_") and f != os.path.basename(__file__)]
+    names = [
+        f[:-3]
+        for f in os.listdir(HERE)
+        if f.endswith(".py") and not f.startswith("_") and f != os.path.basename(__file__)
+    ]
     return sorted(names, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 
 
@@ -66,8 +77,9 @@ def run(name: str, args: list[str], timeout: float | None) -> tuple[int, str, st
     """(exit status, stdout, the last lines of stderr, seconds); stderr is echoed as it comes, as progress."""
     command = [sys.executable, os.path.join(HERE, f"{name}.py"), *args]
     start = time.time()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(HERE))
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE)
+    )
     killed = threading.Event()
 
     def kill() -> None:
@@ -120,8 +132,10 @@ def main(argv=None) -> int:
         if status != 0:
             failed.append(name)
         reports.append((name, shown, note, status, out, err_tail, seconds))
-    print(f"\n# Benchmarks ({time.strftime('%Y-%m-%d %H:%M')}, {'quick' if opts.quick else 'full'} runs, "
-          f"{time.time() - started:.0f} s in all)\n")
+    print(
+        f"\n# Benchmarks ({time.strftime('%Y-%m-%d %H:%M')}, {'quick' if opts.quick else 'full'} runs, "
+        f"{time.time() - started:.0f} s in all)\n"
+    )
     for name, shown, note, status, out, err_tail, seconds in reports:
         print(f"## {name}\n\n`{shown}` ({seconds:.0f} s{'; ' + note if note else ''})\n")
         print(out.strip() or "(no output)")

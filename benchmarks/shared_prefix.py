@@ -40,38 +40,64 @@ from _machine import machine_header  # noqa: E402
 from _memory import peak_memory  # noqa: E402
 
 from treadle import GRPOConfig, GRPOTrainer
-from treadle.logprobs import prefix
 from treadle.demos import toy  # noqa: E402
+from treadle.logprobs import prefix
 from treadle.logprobs.prefix import estimated_cost, token_ratio  # noqa: E402
 
-CONTENDERS = {"padded": dict(shared_prefix=False, padding_free=False),
-              "padding-free": dict(shared_prefix=False, padding_free=True),
-              "shared": dict(shared_prefix=True, padding_free=True)}
+CONTENDERS = {
+    "padded": dict(shared_prefix=False, padding_free=False),
+    "padding-free": dict(shared_prefix=False, padding_free=True),
+    "shared": dict(shared_prefix=True, padding_free=True),
+}
 
 
 def build_trainer(size: str, group: int, completion: int, device: str, output_dir: str) -> GRPOTrainer:
     tok = toy.build_tokenizer()
     model = toy.build_model(size, tokenizer=tok, seed=0).to(device)
-    args = GRPOConfig(output_dir=output_dir, beta=0.04, per_device_train_batch_size=group, num_generations=group,
-                      max_completion_length=completion, loss_type="dapo", disable_tqdm=True, report_to="none")
-    return GRPOTrainer(model, lambda completions, **kw: [0.0] * len(completions), args=args,
-                       train_dataset=[{"prompt": "1+1="}] * group, processing_class=tok)
+    args = GRPOConfig(
+        output_dir=output_dir,
+        beta=0.04,
+        per_device_train_batch_size=group,
+        num_generations=group,
+        max_completion_length=completion,
+        loss_type="dapo",
+        disable_tqdm=True,
+        report_to="none",
+    )
+    return GRPOTrainer(
+        model,
+        lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=[{"prompt": "1+1="}] * group,
+        processing_class=tok,
+    )
 
 
 def batch_of(prompt: int, completion: int, group: int, device: str) -> dict:
     """One prompt of ``prompt`` tokens and ``group`` completions of ``completion`` tokens (ids from 8 to 99)."""
     g = torch.Generator().manual_seed(prompt * 1000 + completion * 10 + group)
-    ids = torch.cat([torch.randint(8, 100, (1, prompt), generator=g).expand(group, prompt),
-                     torch.randint(8, 100, (group, completion), generator=g)], dim=1)
-    return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
-            "completion_mask": torch.ones(group, completion, device=device),
-            "advantages": torch.linspace(-1, 1, group, device=device)}
+    ids = torch.cat(
+        [
+            torch.randint(8, 100, (1, prompt), generator=g).expand(group, prompt),
+            torch.randint(8, 100, (group, completion), generator=g),
+        ],
+        dim=1,
+    )
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": torch.ones_like(ids).to(device),
+        "completion_mask": torch.ones(group, completion, device=device),
+        "advantages": torch.linspace(-1, 1, group, device=device),
+    }
 
 
 def step(trainer: GRPOTrainer, batch: dict) -> None:
     """Old and reference log-probs, then the policy's forward and backward."""
-    batch = dict(batch, old_logps=trainer.frozen_logps(trainer.model, batch),
-                 ref_logps=trainer.frozen_logps(trainer.ref_model, batch))
+    batch = dict(
+        batch,
+        old_logps=trainer.frozen_logps(trainer.model, batch),
+        ref_logps=trainer.frozen_logps(trainer.ref_model, batch),
+    )
     loss = trainer.compute_loss(trainer.model, batch, num_items_in_batch=int(batch["completion_mask"].sum()))
     loss.backward()
     trainer.model.zero_grad(set_to_none=True)
@@ -108,11 +134,17 @@ def measure(size: str, prompt: int, completion: int, group: int, options) -> dic
             times[name].append(timed(trainer, batch, options.steps, options.device))
     ratios = [s / f for s, f in zip(times["shared"], times["padding-free"])]
     hidden = trainer.model.config.hidden_size
-    estimate = estimated_cost(1, prompt + group * completion, hidden) / estimated_cost([prompt + completion] * group,
-                                                                                      None, hidden)
+    estimate = estimated_cost(1, prompt + group * completion, hidden) / estimated_cost(
+        [prompt + completion] * group, None, hidden
+    )
     rule = "share" if estimate <= prefix.MIN_SAVING else "off"
-    return {"ms": {n: 1000 * statistics.median(t) for n, t in times.items()}, "peak": peaks,
-            "ratio": statistics.median(ratios), "estimate": estimate, "rule": rule}
+    return {
+        "ms": {n: 1000 * statistics.median(t) for n, t in times.items()},
+        "peak": peaks,
+        "ratio": statistics.median(ratios),
+        "estimate": estimate,
+        "rule": rule,
+    }
 
 
 def main() -> None:
@@ -135,10 +167,14 @@ def main() -> None:
         prefix.MIN_SAVING = float("inf")
     warnings.filterwarnings("ignore")
     print(machine_header())
-    print(f"device {options.device}, {options.rounds} rounds x {options.steps} timed steps, {options.warmup} warm-up; "
-          "step = old + ref log-probs + policy fwd/bwd, beta 0.04, dapo, B = G rows of one prompt")
-    print(f"{'model':<6} {'P':>4} {'C':>4} {'G':>3} {'tokens':>6} | {'padded ms':>10} {'MiB':>7} | "
-          f"{'pad-free ms':>11} {'MiB':>7} | {'shared ms':>10} {'MiB':>7} | {'shared/pf':>9} | {'est.':>5} {'rule':>5}")
+    print(
+        f"device {options.device}, {options.rounds} rounds x {options.steps} timed steps, {options.warmup} warm-up; "
+        "step = old + ref log-probs + policy fwd/bwd, beta 0.04, dapo, B = G rows of one prompt"
+    )
+    print(
+        f"{'model':<6} {'P':>4} {'C':>4} {'G':>3} {'tokens':>6} | {'padded ms':>10} {'MiB':>7} | "
+        f"{'pad-free ms':>11} {'MiB':>7} | {'shared ms':>10} {'MiB':>7} | {'shared/pf':>9} | {'est.':>5} {'rule':>5}"
+    )
     last = None
     for size in options.sizes:
         for shape in options.shapes:
@@ -146,11 +182,14 @@ def main() -> None:
             for group in options.groups:
                 r = measure(size, prompt, completion, group, options)
                 ms, peak = r["ms"], r["peak"]
-                print(f"{size:<6} {prompt:>4} {completion:>4} {group:>3} "
-                      f"{token_ratio([prompt], [[completion] * group]):>6.3f} | "
-                      f"{ms['padded']:>10.1f} {peak['padded']:>7.1f} | {ms['padding-free']:>11.1f} "
-                      f"{peak['padding-free']:>7.1f} | {ms['shared']:>10.1f} {peak['shared']:>7.1f} | "
-                      f"{r['ratio']:>9.3f} | {r['estimate']:>5.2f} {r['rule']:>5}", flush=True)
+                print(
+                    f"{size:<6} {prompt:>4} {completion:>4} {group:>3} "
+                    f"{token_ratio([prompt], [[completion] * group]):>6.3f} | "
+                    f"{ms['padded']:>10.1f} {peak['padded']:>7.1f} | {ms['padding-free']:>11.1f} "
+                    f"{peak['padding-free']:>7.1f} | {ms['shared']:>10.1f} {peak['shared']:>7.1f} | "
+                    f"{r['ratio']:>9.3f} | {r['estimate']:>5.2f} {r['rule']:>5}",
+                    flush=True,
+                )
                 last = r["ratio"]
     if options.quick:
         print(f"shared/padding-free step time: {last:.3f}")

@@ -114,8 +114,11 @@ def main() -> None:
 
     print(machine_header())
     print_table("Import time (fresh interpreter)", measure(IMPORTS, rounds), "import torch")
-    print_table("Interpreter start to the end of the first optimizer step (tiny model)",
-                measure(FIRST_STEP, rounds), "transformers Trainer")
+    print_table(
+        "Interpreter start to the end of the first optimizer step (tiny model)",
+        measure(FIRST_STEP, rounds),
+        "transformers Trainer",
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,23 @@ def run_one(seed: int, kernels: str, folder: Path) -> dict:
     load = os.getloadavg()[0]
     start = time.time()
     with open(f"{folder}.out", "w") as log:
-        rc = subprocess.run([sys.executable, "-m", "treadle", "demo", "--task", "tools", "--seed", str(seed),
-                             "--output-dir", str(folder)], env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "treadle",
+                "demo",
+                "--task",
+                "tools",
+                "--seed",
+                str(seed),
+                "--output-dir",
+                str(folder),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        ).returncode
     record = {"seed": seed, "kernels": kernels, "load": load, "seconds": round(time.time() - start), "rc": rc}
     record_file.write_text(json.dumps(record) + "\n")
     return record
@@ -59,27 +74,41 @@ def row(record: dict, folder: Path) -> tuple[str, float | None, float | None]:
     attempt = f"attempt {results['sft_attempts']}, " if results.get("sft_attempts", 1) > 1 else ""
     sft, grpo, ctrl = stages["after SFT"], stages["GRPO + tool"], stages["no-tool ctrl"]
     over_sft, over_ctrl = 100 * (grpo["accuracy"] - sft["accuracy"]), 100 * (grpo["accuracy"] - ctrl["accuracy"])
-    return (f"{name}| {sft['accuracy']:.1%} ({attempt}{sft['steps']}; right call {sft['right_call']:.0%}) "
+    return (
+        (
+            f"{name}| {sft['accuracy']:.1%} ({attempt}{sft['steps']}; right call {sft['right_call']:.0%}) "
             f"| {grpo['accuracy']:.1%} (right call {grpo['right_call']:.0%}) | {over_sft:+.1f} "
-            f"| {ctrl['accuracy']:.1%} | {over_ctrl:+.1f} {tail}"), over_sft, over_ctrl
+            f"| {ctrl['accuracy']:.1%} | {over_ctrl:+.1f} {tail}"
+        ),
+        over_sft,
+        over_ctrl,
+    )
 
 
 def spread(gains: list[float | None]) -> str:
     done = [g for g in gains if g is not None]
     if not done:
         return "no finished run"
-    return (f"min {min(done):+.1f}, mean {sum(done) / len(done):+.1f}, max {max(done):+.1f} points over "
-            f"{len(done)} finished run(s) of {len(gains)}")
+    return (
+        f"min {min(done):+.1f}, mean {sum(done) / len(done):+.1f}, max {max(done):+.1f} points over "
+        f"{len(done)} finished run(s) of {len(gains)}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated demo seeds")
-    parser.add_argument("--kernels", default="native,default", help="comma-separated: native (torch's pick for "
-                        "this CPU) and/or default (ATEN_CPU_CAPABILITY=default)")
+    parser.add_argument(
+        "--kernels",
+        default="native,default",
+        help="comma-separated: native (torch's pick for this CPU) and/or default (ATEN_CPU_CAPABILITY=default)",
+    )
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
-    parser.add_argument("--table-only", action="store_true", help="run nothing: print the table of the runs "
-                        "already in --out (a run not there reads 'not run')")
+    parser.add_argument(
+        "--table-only",
+        action="store_true",
+        help="run nothing: print the table of the runs already in --out (a run not there reads 'not run')",
+    )
     options = parser.parse_args()
     kernel_sets = options.kernels.split(",")
     unknown = sorted(set(kernel_sets) - set(KERNELS))
@@ -100,17 +129,23 @@ def main() -> None:
                 continue
             rows[kernels].append(row(run_one(seed, kernels, folder), folder))
             print(rows[kernels][-1][0], flush=True)
-    print(f"\n{header}\nruns in {root}; native = the kernels torch picks on this CPU, default = "
-          f"ATEN_CPU_CAPABILITY=default; load = 1-minute load average at the run's start\n")
-    print("| seed, CPU kernels | after SFT (steps; right call) | GRPO + tool (right call) | gain over SFT "
-          "| no-tool control | gain over control | whole demo | load |")
+    print(
+        f"\n{header}\nruns in {root}; native = the kernels torch picks on this CPU, default = "
+        f"ATEN_CPU_CAPABILITY=default; load = 1-minute load average at the run's start\n"
+    )
+    print(
+        "| seed, CPU kernels | after SFT (steps; right call) | GRPO + tool (right call) | gain over SFT "
+        "| no-tool control | gain over control | whole demo | load |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for kernels in kernel_sets:
         print("\n".join(line for line, _, _ in rows[kernels]))
     every = [r for kernels in kernel_sets for r in rows[kernels]]
     for kernels in kernel_sets:
-        print(f"\n{kernels}: gain over SFT {spread([r[1] for r in rows[kernels]])}; "
-              f"over the control {spread([r[2] for r in rows[kernels]])}")
+        print(
+            f"\n{kernels}: gain over SFT {spread([r[1] for r in rows[kernels]])}; "
+            f"over the control {spread([r[2] for r in rows[kernels]])}"
+        )
     met = sum(r[1] is not None and min(r[1], r[2]) >= CLAIM for r in every)
     print(f"\nclaim (both gains >= {CLAIM:.0f} points): met on {met} of {len(every)} runs")
 

@@ -66,8 +66,8 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,8 +101,9 @@ def workloads(quick: bool) -> list[Workload]:
     rows = [Workload("SFT", "sft", warmup=3, timed=8 * scale), Workload("DPO", "dpo", warmup=3, timed=8 * scale)]
     for length in (16, 64):
         rows.append(Workload(f"GRPO L{length} spg1", "grpo", warmup=2, timed=4 * scale, completion_length=length))
-        rows.append(Workload(f"GRPO L{length} spg4", "grpo", warmup=4, timed=8 * scale, completion_length=length,
-                             spg=4))
+        rows.append(
+            Workload(f"GRPO L{length} spg4", "grpo", warmup=4, timed=8 * scale, completion_length=length, spg=4)
+        )
     return rows
 
 
@@ -110,9 +111,9 @@ def seconds_per_step(steps: list[float], work: Workload) -> float:
     """Mean step time over the fastest half of the timed units: single steps for SFT and DPO (every step does
     the same work), whole generation cycles for GRPO with spg > 1. Other processes only ever add time, so the
     fastest half measures the work itself; the slower half is where they happened to run."""
-    timed = steps[work.warmup:work.steps]
-    units = sorted(statistics.fmean(timed[i:i + work.spg]) for i in range(0, len(timed), work.spg))
-    return statistics.fmean(units[:max(1, len(units) // 2)])
+    timed = steps[work.warmup : work.steps]
+    units = sorted(statistics.fmean(timed[i : i + work.spg]) for i in range(0, len(timed), work.spg))
+    return statistics.fmean(units[: max(1, len(units) // 2)])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -129,7 +130,7 @@ def few_shot_prompt(rng: random.Random, length: int) -> tuple[str, int]:
     while len(shots) < length:
         x, y = rng.randrange(100), rng.randrange(100)
         shots += f"{x}+{y}={x + y}\n"
-    return shots[len(shots) - (length - len(question)):] + question, a + b
+    return shots[len(shots) - (length - len(question)) :] + question, a + b
 
 
 def sft_rows(n: int) -> list[dict]:
@@ -147,8 +148,9 @@ def dpo_rows(n: int) -> list[dict]:
     for _ in range(n):
         prompt, total = few_shot_prompt(rng, DPO_PROMPT)
         wrong = (total + rng.choice([-10, -1, 1, 10])) % 1000
-        rows.append({"prompt": prompt, "chosen": f"{total:03d} is the sum.",
-                     "rejected": f"{wrong:03d} is the sum."})  # 15 characters + EOS each
+        rows.append(
+            {"prompt": prompt, "chosen": f"{total:03d} is the sum.", "rejected": f"{wrong:03d} is the sum."}
+        )  # 15 characters + EOS each
     return rows
 
 
@@ -226,14 +228,24 @@ TRL_DEFAULTS = "TRL defaults (bf16 autocast + grad ckpt)"
 
 
 def loss_label(work: Workload) -> str:
-    return {"sft": "completion-token NLL", "dpo": f"sigmoid DPO, beta {BETA_DPO}",
-            "grpo": f"dapo, eps {EPSILON}, beta 0"}[work.kind]
+    return {
+        "sft": "completion-token NLL",
+        "dpo": f"sigmoid DPO, beta {BETA_DPO}",
+        "grpo": f"dapo, eps {EPSILON}, beta 0",
+    }[work.kind]
 
 
 def plain_settings(work: Workload, bare: bool) -> dict:
-    return {"precision": "float32", "grad checkpointing": False, "loss": loss_label(work), "batch": BATCH,
-            "optimizer": "AdamW for-loop", "clip": "none" if bare else 1.0, "schedule": "none" if bare else "linear",
-            "data": "index permutation" if bare or work.kind == "grpo" else "DataLoader"}
+    return {
+        "precision": "float32",
+        "grad checkpointing": False,
+        "loss": loss_label(work),
+        "batch": BATCH,
+        "optimizer": "AdamW for-loop",
+        "clip": "none" if bare else 1.0,
+        "schedule": "none" if bare else "linear",
+        "data": "index permutation" if bare or work.kind == "grpo" else "DataLoader",
+    }
 
 
 def optimizer_label(optimizer) -> str:
@@ -247,12 +259,16 @@ def trainer_settings(work: Workload, trainer, model) -> dict:
     """Settings read from a treadle or TRL trainer after it trained: what it did, not what was asked."""
     args = trainer.args
     history = {k: v for record in trainer.state.log_history for k, v in record.items()}
-    out = {"precision": "bf16 autocast" if args.bf16 else str(next(model.parameters()).dtype).replace("torch.", ""),
-           "grad checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
-           "loss": loss_label(work) if _loss_matches(work, args) else f"other: {getattr(args, 'loss_type', '?')}",
-           "batch": args.per_device_train_batch_size * args.gradient_accumulation_steps,
-           "optimizer": optimizer_label(trainer.optimizer), "clip": args.max_grad_norm,
-           "schedule": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)), "data": "DataLoader"}
+    out = {
+        "precision": "bf16 autocast" if args.bf16 else str(next(model.parameters()).dtype).replace("torch.", ""),
+        "grad checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "loss": loss_label(work) if _loss_matches(work, args) else f"other: {getattr(args, 'loss_type', '?')}",
+        "batch": args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        "optimizer": optimizer_label(trainer.optimizer),
+        "clip": args.max_grad_norm,
+        "schedule": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+        "data": "DataLoader",
+    }
     if work.kind == "grpo":
         out["sampled tokens"] = history.get("completions/mean_length", float("nan"))
     return out
@@ -269,12 +285,16 @@ def _loss_matches(work: Workload, args) -> bool:
 
 def check_settings(size: str, work: Workload, settings: dict[str, dict]) -> None:
     """Raise if two contenders of one run did different work (see MUST_MATCH)."""
-    for keys, names in ((MUST_MATCH, list(settings)), (MUST_MATCH_COMPARED, [n for n in settings if n != TRL_DEFAULTS])):
+    for keys, names in (
+        (MUST_MATCH, list(settings)),
+        (MUST_MATCH_COMPARED, [n for n in settings if n != TRL_DEFAULTS]),
+    ):
         for key in keys:
             values = {name: settings[name].get(key) for name in names if settings[name]}
             if len({repr(v) for v in values.values()}) > 1:
-                raise AssertionError(f"{size} {work.name}: the contenders differ in {key!r}: {values}; they must do "
-                                     "the same work")
+                raise AssertionError(
+                    f"{size} {work.name}: the contenders differ in {key!r}: {values}; they must do the same work"
+                )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -286,10 +306,11 @@ def batches(examples: list, collate: Callable, bare: bool):
     from torch.utils.data import DataLoader
 
     if not bare:
-        return DataLoader(examples, batch_size=BATCH, shuffle=True, collate_fn=collate,
-                          generator=torch.Generator().manual_seed(0))
+        return DataLoader(
+            examples, batch_size=BATCH, shuffle=True, collate_fn=collate, generator=torch.Generator().manual_seed(0)
+        )
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(0)).tolist()
-    return (collate([examples[i] for i in order[k:k + BATCH]]) for k in range(0, len(order) - BATCH + 1, BATCH))
+    return (collate([examples[i] for i in order[k : k + BATCH]]) for k in range(0, len(order) - BATCH + 1, BATCH))
 
 
 def plain_sft(work: Workload, size: str, steps: int, clock, bare: bool = False) -> None:
@@ -303,8 +324,11 @@ def plain_sft(work: Workload, size: str, steps: int, clock, bare: bool = False) 
 
     def collate(batch):
         ids = torch.tensor([ids for ids, _ in batch])
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "labels": torch.tensor([labels for _, labels in batch])}
+        return {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "labels": torch.tensor([labels for _, labels in batch]),
+        }
 
     clock.settings.update(plain_settings(work, bare))
     optimizer, scheduler = plain_optimizer(model, steps)
@@ -331,8 +355,9 @@ def plain_dpo(work: Workload, size: str, steps: int, clock, bare: bool = False) 
     pairs = []
     for row in rows_for(work, steps):
         prompt = tokenizer(row["prompt"])["input_ids"]
-        pairs.append((prompt, tokenizer(row["chosen"])["input_ids"] + [eos],
-                      tokenizer(row["rejected"])["input_ids"] + [eos]))
+        pairs.append(
+            (prompt, tokenizer(row["chosen"])["input_ids"] + [eos], tokenizer(row["rejected"])["input_ids"] + [eos])
+        )
 
     def collate(batch):  # B chosen sequences, then the B rejected ones (all the same length)
         sequences = [(p, c) for p, c, _ in batch] + [(p, r) for p, _, r in batch]
@@ -356,14 +381,15 @@ def plain_dpo(work: Workload, size: str, steps: int, clock, bare: bool = False) 
 def completion_logps(model, input_ids, attention_mask, prompt_length: int):
     """Per-token log-probs of the completion tokens (after ``prompt_length``): (rows, C)."""
     completion = input_ids[:, prompt_length:]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   logits_to_keep=completion.shape[1] + 1).logits[:, :-1]
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=completion.shape[1] + 1
+    ).logits[:, :-1]
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, completion[:, :, None]).squeeze(-1)
 
 
 def plain_grpo(work: Workload, size: str, steps: int, clock, bare: bool = False) -> None:
-    from treadle.generation import generate_completions
     from treadle.demos.toy import addition_reward
+    from treadle.generation import generate_completions
 
     tokenizer, model = build(size, sampled_lengths=False)
     rows = rows_for(work, steps)
@@ -374,17 +400,30 @@ def plain_grpo(work: Workload, size: str, steps: int, clock, bare: bool = False)
     sampled = []
     clock.settings.update(plain_settings(work, bare))
     for cycle in range(steps // work.spg):
-        chosen = [rows[i] for i in order[cycle * prompts_per_generation:(cycle + 1) * prompts_per_generation]]
-        out = generate_completions(model, [tokenizer(r["prompt"])["input_ids"] for r in chosen],
-                                   num_generations=GROUP, max_new_tokens=work.completion_length,
-                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                   temperature=1.0, generator=generator, backend="fast")
+        chosen = [rows[i] for i in order[cycle * prompts_per_generation : (cycle + 1) * prompts_per_generation]]
+        out = generate_completions(
+            model,
+            [tokenizer(r["prompt"])["input_ids"] for r in chosen],
+            num_generations=GROUP,
+            max_new_tokens=work.completion_length,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=1.0,
+            generator=generator,
+            backend="fast",
+        )
         lengths = out.completion_mask.sum(dim=1).tolist()
         sampled += lengths
-        texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)],
-                                       skip_special_tokens=True)
-        rewards = torch.tensor(addition_reward([r["prompt"] for r in chosen for _ in range(GROUP)], texts,
-                                               [r["answer"] for r in chosen for _ in range(GROUP)]))
+        texts = tokenizer.batch_decode(
+            [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)], skip_special_tokens=True
+        )
+        rewards = torch.tensor(
+            addition_reward(
+                [r["prompt"] for r in chosen for _ in range(GROUP)],
+                texts,
+                [r["answer"] for r in chosen for _ in range(GROUP)],
+            )
+        )
         grouped = rewards.view(-1, GROUP)
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
         ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
@@ -423,9 +462,20 @@ def _treadle_clock(clock):
 
 def _common(output_dir: str, steps: int) -> dict:
     """Arguments shared by treadle's and TRL's configs."""
-    return dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=BATCH, learning_rate=LR,
-                weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="linear", logging_steps=10**6,
-                save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    return dict(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="linear",
+        logging_steps=10**6,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
 
 
 def treadle_sft(work: Workload, size: str, steps: int, clock, output_dir: str) -> None:
@@ -433,8 +483,9 @@ def treadle_sft(work: Workload, size: str, steps: int, clock, output_dir: str) -
 
     tokenizer, model = build(size)
     args = SFTConfig(**_common(output_dir, steps), max_length=SFT_PROMPT + 4)
-    trainer = SFTTrainer(model, args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
-                         callbacks=[_treadle_clock(clock)])
+    trainer = SFTTrainer(
+        model, args, train_dataset=rows_for(work, steps), processing_class=tokenizer, callbacks=[_treadle_clock(clock)]
+    )
     trainer.train()
     clock.settings.update(trainer_settings(work, trainer, model))
 
@@ -444,8 +495,13 @@ def treadle_dpo(work: Workload, size: str, steps: int, clock, output_dir: str) -
 
     tokenizer, model = build(size)
     args = DPOConfig(**_common(output_dir, steps), beta=BETA_DPO, max_length=128, max_prompt_length=96)
-    trainer = DPOTrainer(model, args=args, train_dataset=rows_for(work, steps), processing_class=tokenizer,
-                         callbacks=[_treadle_clock(clock)])
+    trainer = DPOTrainer(
+        model,
+        args=args,
+        train_dataset=rows_for(work, steps),
+        processing_class=tokenizer,
+        callbacks=[_treadle_clock(clock)],
+    )
     trainer.train()
     clock.settings.update(trainer_settings(work, trainer, model))
 
@@ -455,11 +511,26 @@ def treadle_grpo(work: Workload, size: str, steps: int, clock, output_dir: str) 
     from treadle.demos.toy import addition_reward
 
     tokenizer, model = build(size, sampled_lengths=False)
-    args = GRPOConfig(**_common(output_dir, steps), num_generations=GROUP, steps_per_generation=work.spg,
-                      max_completion_length=work.completion_length, max_prompt_length=None, temperature=1.0,
-                      beta=0.0, epsilon=EPSILON, loss_type="dapo", scale_rewards="group")
-    trainer = GRPOTrainer(model, reward_funcs=addition_reward, args=args, train_dataset=rows_for(work, steps),
-                          processing_class=tokenizer, callbacks=[_treadle_clock(clock)])
+    args = GRPOConfig(
+        **_common(output_dir, steps),
+        num_generations=GROUP,
+        steps_per_generation=work.spg,
+        max_completion_length=work.completion_length,
+        max_prompt_length=None,
+        temperature=1.0,
+        beta=0.0,
+        epsilon=EPSILON,
+        loss_type="dapo",
+        scale_rewards="group",
+    )
+    trainer = GRPOTrainer(
+        model,
+        reward_funcs=addition_reward,
+        args=args,
+        train_dataset=rows_for(work, steps),
+        processing_class=tokenizer,
+        callbacks=[_treadle_clock(clock)],
+    )
     trainer.train()
     clock.settings.update(trainer_settings(work, trainer, model))
 
@@ -481,8 +552,15 @@ def _trl_clock(clock):
 def _trl_common(output_dir: str, steps: int, defaults: bool) -> dict:
     # optim: transformers defaults to the fused AdamW kernel; the others run torch's for-loop AdamW
     precision = {} if defaults else dict(bf16=False, gradient_checkpointing=False)
-    return dict(_common(output_dir, steps), use_cpu=True, dataloader_pin_memory=False, optim="adamw_torch",
-                warmup_steps=0, gradient_accumulation_steps=1, **precision)
+    return dict(
+        _common(output_dir, steps),
+        use_cpu=True,
+        dataloader_pin_memory=False,
+        optim="adamw_torch",
+        warmup_steps=0,
+        gradient_accumulation_steps=1,
+        **precision,
+    )
 
 
 def trl_sft(work: Workload, size: str, steps: int, clock, output_dir: str, defaults: bool = False) -> None:
@@ -491,8 +569,13 @@ def trl_sft(work: Workload, size: str, steps: int, clock, output_dir: str, defau
 
     tokenizer, model = build(size)
     args = trl.SFTConfig(**_trl_common(output_dir, steps, defaults), max_length=SFT_PROMPT + 4, packing=False)
-    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows_for(work, steps)),
-                             processing_class=tokenizer, callbacks=[_trl_clock(clock)])
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows_for(work, steps)),
+        processing_class=tokenizer,
+        callbacks=[_trl_clock(clock)],
+    )
     trainer.train()
     clock.settings.update(trainer_settings(work, trainer, model))
 
@@ -504,14 +587,24 @@ def trl_dpo(work: Workload, size: str, steps: int, clock, output_dir: str, defau
     from datasets import Dataset
 
     tokenizer, model = build(size)
-    args = trl.DPOConfig(**_trl_common(output_dir, steps, defaults), beta=BETA_DPO, max_length=128,
-                         loss_type=["sigmoid"], precompute_ref_log_probs=False)
+    args = trl.DPOConfig(
+        **_trl_common(output_dir, steps, defaults),
+        beta=BETA_DPO,
+        max_length=128,
+        loss_type=["sigmoid"],
+        precompute_ref_log_probs=False,
+    )
     # TRL reloads its reference from the model's hub id when none is given; ours has none, so pass the copy
     # that treadle and the plain loop make themselves
     reference = copy.deepcopy(model).eval().requires_grad_(False)
-    trainer = trl.DPOTrainer(model=model, ref_model=reference, args=args,
-                             train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
-                             callbacks=[_trl_clock(clock)])
+    trainer = trl.DPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=args,
+        train_dataset=Dataset.from_list(rows_for(work, steps)),
+        processing_class=tokenizer,
+        callbacks=[_trl_clock(clock)],
+    )
     trainer.train()
     clock.settings.update(trainer_settings(work, trainer, model))
 
@@ -523,13 +616,29 @@ def trl_grpo(work: Workload, size: str, steps: int, clock, output_dir: str, defa
     from treadle.demos.toy import addition_reward
 
     tokenizer, model = build(size, sampled_lengths=False)
-    args = trl.GRPOConfig(**_trl_common(output_dir, steps, defaults), num_generations=GROUP,
-                          steps_per_generation=work.spg, max_completion_length=work.completion_length,
-                          temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=EPSILON, loss_type="dapo",
-                          scale_rewards="group", num_iterations=1, log_completions=False)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=addition_reward, args=args,
-                              train_dataset=Dataset.from_list(rows_for(work, steps)), processing_class=tokenizer,
-                              callbacks=[_trl_clock(clock)])
+    args = trl.GRPOConfig(
+        **_trl_common(output_dir, steps, defaults),
+        num_generations=GROUP,
+        steps_per_generation=work.spg,
+        max_completion_length=work.completion_length,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=EPSILON,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        log_completions=False,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=addition_reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows_for(work, steps)),
+        processing_class=tokenizer,
+        callbacks=[_trl_clock(clock)],
+    )
     trainer.train()
     clock.settings.update(trainer_settings(work, trainer, model))
 
@@ -549,8 +658,10 @@ ROWS = ("bare loop", "plain PyTorch", "plain PyTorch (twin)", "treadle", "TRL fl
 def contenders(kind: str, with_trl: bool, twin: bool = False, trl_defaults: bool = True) -> dict[str, Callable]:
     """{row name: fn(work, size, steps, clock, output_dir)} for one workload kind, in ROWS order."""
     plain = {"sft": plain_sft, "dpo": plain_dpo, "grpo": plain_grpo}[kind]
-    out = {"bare loop": lambda work, size, steps, clock, _dir: plain(work, size, steps, clock, bare=True),
-           "plain PyTorch": lambda work, size, steps, clock, _dir: plain(work, size, steps, clock)}
+    out = {
+        "bare loop": lambda work, size, steps, clock, _dir: plain(work, size, steps, clock, bare=True),
+        "plain PyTorch": lambda work, size, steps, clock, _dir: plain(work, size, steps, clock),
+    }
     if twin:  # the plain loop again: its ratio to the first is the noise floor of this run
         out["plain PyTorch (twin)"] = out["plain PyTorch"]
     out["treadle"] = {"sft": treadle_sft, "dpo": treadle_dpo, "grpo": treadle_grpo}[kind]
@@ -558,8 +669,9 @@ def contenders(kind: str, with_trl: bool, twin: bool = False, trl_defaults: bool
         trl = {"sft": trl_sft, "dpo": trl_dpo, "grpo": trl_grpo}[kind]
         out["TRL float32"] = trl
         if trl_defaults:
-            out[TRL_DEFAULTS] = lambda work, size, steps, clock, output_dir: trl(work, size, steps, clock, output_dir,
-                                                                                 defaults=True)
+            out[TRL_DEFAULTS] = lambda work, size, steps, clock, output_dir: trl(
+                work, size, steps, clock, output_dir, defaults=True
+            )
     return out
 
 
@@ -616,8 +728,9 @@ def quiet():
         yield
 
 
-def run_lockstep(runners: list[tuple[str, Callable]], work: Workload, size: str, cpu: int | None,
-                 summary: Callable = None) -> tuple[dict[str, float], dict[str, dict]]:
+def run_lockstep(
+    runners: list[tuple[str, Callable]], work: Workload, size: str, cpu: int | None, summary: Callable = None
+) -> tuple[dict[str, float], dict[str, dict]]:
     """Run the contenders in threads that take turns step by step, all on CPU ``cpu`` (None: wherever the
     system puts them); {name: seconds per step, see ``seconds_per_step``} (NaN for a contender that failed:
     the error is printed and the others go on), and {name: the settings it reported}. ``summary(steps, work)``
@@ -672,8 +785,15 @@ def single_malloc_arena() -> bool:
         return False
 
 
-def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool, cpu: int | None,
-            twin: bool = False, trl_defaults: bool = True) -> tuple[dict, dict]:
+def measure(
+    sizes: list[str],
+    works: list[Workload],
+    rounds: int,
+    with_trl: bool,
+    cpu: int | None,
+    twin: bool = False,
+    trl_defaults: bool = True,
+) -> tuple[dict, dict]:
     """({(size, workload name): {contender: [seconds per step, one per round]}}, {same key: {contender:
     settings}}); raises as soon as two contenders of a run did different work (``check_settings``)."""
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
@@ -684,8 +804,7 @@ def measure(sizes: list[str], works: list[Workload], rounds: int, with_trl: bool
                 runners = list(contenders(work.kind, with_trl, twin, trl_defaults).items())
                 shift = r % len(runners)  # rotate who steps first
                 runners = runners[shift:] + runners[:shift]
-                cell = results.setdefault((size, work.name), {name: [] for name in ROWS
-                                                              if name in dict(runners)})
+                cell = results.setdefault((size, work.name), {name: [] for name in ROWS if name in dict(runners)})
                 seconds, reported = run_lockstep(runners, work, size, cpu)
                 check_settings(size, work, reported)
                 settings.setdefault((size, work.name), {}).update(reported)
@@ -700,8 +819,14 @@ def settings_label(settings: dict, kind: str) -> str:
     """The contender's settings, short, for its row."""
     if not settings:
         return "(failed)"
-    parts = [settings["precision"], "ckpt" if settings["grad checkpointing"] else "no ckpt",
-             f"clip {settings['clip']}", f"sched {settings['schedule']}", settings["data"], settings["optimizer"]]
+    parts = [
+        settings["precision"],
+        "ckpt" if settings["grad checkpointing"] else "no ckpt",
+        f"clip {settings['clip']}",
+        f"sched {settings['schedule']}",
+        settings["data"],
+        settings["optimizer"],
+    ]
     if kind == "grpo":
         parts.append(f"{settings['sampled tokens']:.1f} tok/compl")
     return ", ".join(str(p) for p in parts)
@@ -715,8 +840,11 @@ def ratio_to(samples: list[float], floor: list[float] | None) -> str:
 
 def table(results: dict, settings: dict, works: list[Workload]) -> str:
     by_name = {w.name: w for w in works}
-    lines = ["| model | workload | contender | median ms/step | best ms/step | throughput (median) | vs bare loop | "
-             "vs plain PyTorch | settings |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| model | workload | contender | median ms/step | best ms/step | throughput (median) | vs bare loop | "
+        "vs plain PyTorch | settings |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for (size, name), cell in results.items():
         work = by_name[name]
         items, unit = items_per_step(work)
@@ -727,9 +855,11 @@ def table(results: dict, settings: dict, works: list[Workload]) -> str:
                 lines.append(f"| {size} | {name} | {contender} | failed | | | | | |")
                 continue
             med = statistics.median(ok)
-            lines.append(f"| {size} | {name} | {contender} | {1000 * med:.1f} | {1000 * min(ok):.1f} | "
-                         f"{items / med:,.0f} {unit} | {ratio_to(samples, cell.get('bare loop'))} | "
-                         f"{ratio_to(samples, cell.get('plain PyTorch'))} | {label} |")
+            lines.append(
+                f"| {size} | {name} | {contender} | {1000 * med:.1f} | {1000 * min(ok):.1f} | "
+                f"{items / med:,.0f} {unit} | {ratio_to(samples, cell.get('bare loop'))} | "
+                f"{ratio_to(samples, cell.get('plain PyTorch'))} | {label} |"
+            )
     return "\n".join(lines)
 
 
@@ -737,18 +867,30 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, fewer steps, 2 rounds")
     parser.add_argument("--sizes", default=None, help="comma-separated toy model sizes (default tiny,small)")
-    parser.add_argument("--only", default=None, help="run the workloads whose name starts with this (SFT, DPO, "
-                                                     "GRPO, 'GRPO L64')")
+    parser.add_argument(
+        "--only", default=None, help="run the workloads whose name starts with this (SFT, DPO, GRPO, 'GRPO L64')"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (2 with --quick)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared "
-                                                               "machine)")
-    parser.add_argument("--cpu", type=int, default=None, help="the CPU all contenders run on (default: the "
-                                                              "lowest this process may use; -1: no pinning)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)"
+    )
+    parser.add_argument(
+        "--cpu",
+        type=int,
+        default=None,
+        help="the CPU all contenders run on (default: the lowest this process may use; -1: no pinning)",
+    )
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even when installed")
-    parser.add_argument("--twin", action="store_true", help="also run a second plain loop: its ratio to the "
-                                                             "first shows how far apart two equal contenders land")
-    parser.add_argument("--no-trl-defaults", action="store_true", help="skip the row of TRL as its defaults "
-                                                                         "configure it (bf16 autocast + grad ckpt)")
+    parser.add_argument(
+        "--twin",
+        action="store_true",
+        help="also run a second plain loop: its ratio to the first shows how far apart two equal contenders land",
+    )
+    parser.add_argument(
+        "--no-trl-defaults",
+        action="store_true",
+        help="skip the row of TRL as its defaults configure it (bf16 autocast + grad ckpt)",
+    )
     parser.add_argument("--json", default=None, help="also write the raw seconds per step to this file")
     opts = parser.parse_args(argv)
     single_malloc_arena()  # before any thread allocates
@@ -773,13 +915,17 @@ def main(argv=None) -> None:
 
         versions += f", transformers {transformers.__version__}, TRL {trl.__version__}"
     where = f"CPU {cpu}" if cpu is not None else "unpinned"
-    print(f"\n### Trainers: ms per optimizer step vs a plain PyTorch loop ({time.strftime('%Y-%m-%d')}, "
-          f"{rounds} rounds in lockstep on {where}, {torch.get_num_threads()} torch thread(s), {versions}, "
-          f"{time.time() - start:.0f} s)\n")
+    print(
+        f"\n### Trainers: ms per optimizer step vs a plain PyTorch loop ({time.strftime('%Y-%m-%d')}, "
+        f"{rounds} rounds in lockstep on {where}, {torch.get_num_threads()} torch thread(s), {versions}, "
+        f"{time.time() - start:.0f} s)\n"
+    )
     print(header + "\n")
     print(table(results, settings, works))
-    print(f"\nEvery run asserted that its contenders match in {', '.join(MUST_MATCH)} and (all but the "
-          f"{TRL_DEFAULTS!r} row) in {', '.join(MUST_MATCH_COMPARED)}.")
+    print(
+        f"\nEvery run asserted that its contenders match in {', '.join(MUST_MATCH)} and (all but the "
+        f"{TRL_DEFAULTS!r} row) in {', '.join(MUST_MATCH_COMPARED)}."
+    )
     if not with_trl:
         why = "skipped (--no-trl)" if opts.no_trl else "not installed (pip install -e '.[bench]')"
         print(f"\nTRL {why}: its rows are left out.")

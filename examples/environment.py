@@ -38,15 +38,36 @@ def main(max_steps: int = 20, output_dir: str | None = None, sft_steps: int = 60
     tokenizer, model = toy.build_tokenizer(), toy.build_model("tiny")
     # A short SFT warm start teaches the format (digits, then EOS): an untrained model rarely ends a turn, so
     # every rollout would run out of tokens with no reward and GRPO would have nothing to learn from.
-    sft = SFTConfig(output_dir=f"{output_dir}/sft", max_steps=sft_steps, per_device_train_batch_size=32,
-                    learning_rate=2e-3, logging_steps=sft_steps, save_strategy="no", disable_tqdm=True)
+    sft = SFTConfig(
+        output_dir=f"{output_dir}/sft",
+        max_steps=sft_steps,
+        per_device_train_batch_size=32,
+        learning_rate=2e-3,
+        logging_steps=sft_steps,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     SFTTrainer(model, args=sft, train_dataset=toy.load_task("addition", n=2048), processing_class=tokenizer).train()
-    args = GRPOConfig(output_dir=f"{output_dir}/grpo", max_steps=max_steps,
-                      per_device_train_batch_size=8, num_generations=4, max_completion_length=48,
-                      learning_rate=1e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                      rollout_workers=0)  # a fast environment: step it in the sampling loop, bit-reproducible
-    trainer = GRPOTrainer(model, environment_reward, args=args, train_dataset=toy.load_task("addition", kind="rl"),
-                          processing_class=tokenizer, env_factory=GuessTheNumber)
+    args = GRPOConfig(
+        output_dir=f"{output_dir}/grpo",
+        max_steps=max_steps,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=48,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        rollout_workers=0,
+    )  # a fast environment: step it in the sampling loop, bit-reproducible
+    trainer = GRPOTrainer(
+        model,
+        environment_reward,
+        args=args,
+        train_dataset=toy.load_task("addition", kind="rl"),
+        processing_class=tokenizer,
+        env_factory=GuessTheNumber,
+    )
     trainer.train()
     return trainer
 

@@ -58,10 +58,21 @@ def lm_rows(n: int, seed: int) -> list[dict]:
 def trainer_args(output_dir: str, world_size: int, **overrides):
     from treadle import TrainingArguments
 
-    settings = dict(output_dir=output_dir, per_device_train_batch_size=PER_RANK_BATCH * 2 // world_size,
-                    per_device_eval_batch_size=3, gradient_accumulation_steps=ACCUM, max_steps=STEPS,
-                    learning_rate=3e-3, warmup_steps=1, max_grad_norm=0.5, logging_steps=1, save_steps=2,
-                    disable_tqdm=True, seed=0, weight_decay=0.1)
+    settings = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=PER_RANK_BATCH * 2 // world_size,
+        per_device_eval_batch_size=3,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_steps=2,
+        disable_tqdm=True,
+        seed=0,
+        weight_decay=0.1,
+    )
     return TrainingArguments(**{**settings, **overrides})
 
 
@@ -73,8 +84,12 @@ def run_trainer(output_dir: str, world_size: int, resume: str | None = None, **o
     """Train the tiny Llama on 32 rows (4 optimizer steps of 8 rows), evaluate on 10 rows."""
     from treadle import Trainer
 
-    trainer = Trainer(tiny_llama(), trainer_args(output_dir, world_size, **overrides),
-                      train_dataset=lm_rows(32, seed=1), eval_dataset=lm_rows(10, seed=2))
+    trainer = Trainer(
+        tiny_llama(),
+        trainer_args(output_dir, world_size, **overrides),
+        train_dataset=lm_rows(32, seed=1),
+        eval_dataset=lm_rows(10, seed=2),
+    )
     trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate()
     trainer.save_model(os.path.join(output_dir, "final"))
@@ -151,8 +166,10 @@ def scenario_dpo(out: str, **overrides) -> dict:
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     history = trainer.state.log_history
-    return {"losses": step_losses(history),
-            "margins": [entry["rewards/margins"] for entry in history if "rewards/margins" in entry]}
+    return {
+        "losses": step_losses(history),
+        "margins": [entry["rewards/margins"] for entry in history if "rewards/margins" in entry],
+    }
 
 
 def scenario_dpo_precomputed(out: str) -> dict:
@@ -167,8 +184,12 @@ def scenario_grpo(out: str, **overrides) -> dict:
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     history = trainer.state.log_history
-    return {"losses": step_losses(history), "rewards": [e["reward"] for e in history if "reward" in e],
-            "final_step": trainer.state.global_step, "wrapper": type(trainer.model_wrapped).__name__}
+    return {
+        "losses": step_losses(history),
+        "rewards": [e["reward"] for e in history if "reward" in e],
+        "final_step": trainer.state.global_step,
+        "wrapper": type(trainer.model_wrapped).__name__,
+    }
 
 
 def scenario_dpo_padded(out: str) -> dict:
@@ -211,8 +232,27 @@ def toy_model_and_tokenizer():
     return toy.build_model("tiny", seed=0), toy.build_tokenizer()
 
 
-ADDITION = [(a, b) for a, b in [(1, 2), (12, 30), (7, 45), (99, 99), (3, 3), (50, 6), (18, 27), (64, 1),
-                                (9, 9), (10, 90), (2, 71), (40, 4), (5, 55), (81, 8), (33, 66), (0, 7)]]
+ADDITION = [
+    (a, b)
+    for a, b in [
+        (1, 2),
+        (12, 30),
+        (7, 45),
+        (99, 99),
+        (3, 3),
+        (50, 6),
+        (18, 27),
+        (64, 1),
+        (9, 9),
+        (10, 90),
+        (2, 71),
+        (40, 4),
+        (5, 55),
+        (81, 8),
+        (33, 66),
+        (0, 7),
+    ]
+]
 
 
 def sft_parts(out: str, world_size: int) -> dict:
@@ -221,11 +261,20 @@ def sft_parts(out: str, world_size: int) -> dict:
     from treadle import SFTConfig
 
     model, tokenizer = toy_model_and_tokenizer()
-    data = Dataset.from_list([{"prompt": f"{a}+{b}=", "completion": str(a + b) * (1 + i % 3)}
-                              for i, (a, b) in enumerate(ADDITION)])
-    args = SFTConfig(output_dir=out, per_device_train_batch_size=4 // world_size, gradient_accumulation_steps=2,
-                     max_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                     seed=0)
+    data = Dataset.from_list(
+        [{"prompt": f"{a}+{b}=", "completion": str(a + b) * (1 + i % 3)} for i, (a, b) in enumerate(ADDITION)]
+    )
+    args = SFTConfig(
+        output_dir=out,
+        per_device_train_batch_size=4 // world_size,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
     return dict(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 
 
@@ -235,11 +284,24 @@ def dpo_parts(out: str, world_size: int, **overrides) -> dict:
     from treadle import DPOConfig
 
     model, tokenizer = toy_model_and_tokenizer()
-    data = Dataset.from_list([{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + i) * 2}
-                              for i, (a, b) in enumerate(ADDITION)])
-    args = DPOConfig(output_dir=out, per_device_train_batch_size=4 // world_size, gradient_accumulation_steps=2,
-                     max_steps=2, learning_rate=3e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                     seed=0, **overrides)
+    data = Dataset.from_list(
+        [
+            {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + i) * 2}
+            for i, (a, b) in enumerate(ADDITION)
+        ]
+    )
+    args = DPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=4 // world_size,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=3e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        **overrides,
+    )
     return dict(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 
 
@@ -251,12 +313,23 @@ def grpo_parts(out: str, world_size: int, **overrides) -> dict:
     model, tokenizer = toy_model_and_tokenizer()
     data = Dataset.from_list([{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ADDITION])
     # 8 completions of one prompt per generation, 4 on each rank: every group spans both ranks
-    settings = dict(output_dir=out, per_device_train_batch_size=8 // world_size, num_generations=8,
-                    max_completion_length=6, max_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-                    disable_tqdm=True, seed=0, log_completions=True)
+    settings = dict(
+        output_dir=out,
+        per_device_train_batch_size=8 // world_size,
+        num_generations=8,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        log_completions=True,
+    )
     args = GRPOConfig(**{**settings, **overrides})
-    return dict(model=model, reward_funcs=digit_count_reward, args=args, train_dataset=data,
-                processing_class=tokenizer)
+    return dict(
+        model=model, reward_funcs=digit_count_reward, args=args, train_dataset=data, processing_class=tokenizer
+    )
 
 
 def digit_count_reward(prompts, completions, completion_ids, **columns) -> list[float]:
@@ -291,14 +364,21 @@ class PromptSeededEngine(RolloutEngine):
         width = max(o.completion_ids.shape[1] for o in outs)
 
         def right(name, value):
-            return torch.cat([torch.nn.functional.pad(getattr(o, name), (0, width - getattr(o, name).shape[1]),
-                                                      value=value) for o in outs])
+            return torch.cat(
+                [
+                    torch.nn.functional.pad(getattr(o, name), (0, width - getattr(o, name).shape[1]), value=value)
+                    for o in outs
+                ]
+            )
 
-        return GenerationOutput(prompt_ids=ids, prompt_mask=mask,
-                                completion_ids=right("completion_ids", params.pad_token_id),
-                                completion_mask=right("completion_mask", 0),
-                                is_truncated=torch.cat([o.is_truncated for o in outs]),
-                                sampling_logps=right("sampling_logps", 0.0))
+        return GenerationOutput(
+            prompt_ids=ids,
+            prompt_mask=mask,
+            completion_ids=right("completion_ids", params.pad_token_id),
+            completion_mask=right("completion_mask", 0),
+            is_truncated=torch.cat([o.is_truncated for o in outs]),
+            sampling_logps=right("sampling_logps", 0.0),
+        )
 
     def load_weights(self, model, version=None) -> None:
         self.inner.load_weights(model, version)
@@ -312,11 +392,15 @@ def cut_completions(out, length: int, params):
     samples EOS, and a test of token-count normalisation needs completions of different lengths."""
     ids, mask = out.completion_ids.clone(), out.completion_mask.clone()
     longer = mask.sum(dim=1) > length
-    ids[longer, length - 1], ids[longer, length:], mask[longer, length:] = params.eos_token_ids[0], \
-        params.pad_token_id, 0
+    ids[longer, length - 1], ids[longer, length:], mask[longer, length:] = (
+        params.eos_token_ids[0],
+        params.pad_token_id,
+        0,
+    )
     logps = None if out.sampling_logps is None else out.sampling_logps * mask
-    return dataclasses.replace(out, completion_ids=ids, completion_mask=mask, is_truncated=out.is_truncated & ~longer,
-                               sampling_logps=logps)
+    return dataclasses.replace(
+        out, completion_ids=ids, completion_mask=mask, is_truncated=out.is_truncated & ~longer, sampling_logps=logps
+    )
 
 
 def grpo_groups_run(out: str, world_size: int):
@@ -332,8 +416,11 @@ def grpo_groups_run(out: str, world_size: int):
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     history = trainer.state.log_history
-    return trainer, {"losses": step_losses(history), "rewards": [e["reward"] for e in history if "reward" in e],
-                     "sampled": trainer.engine.sampled}
+    return trainer, {
+        "losses": step_losses(history),
+        "rewards": [e["reward"] for e in history if "reward" in e],
+        "sampled": trainer.engine.sampled,
+    }
 
 
 def scenario_grpo_groups(out: str) -> dict:
@@ -366,17 +453,32 @@ def distill_run(out: str, world_size: int):
 
     model, tokenizer = toy_model_and_tokenizer()
     data = Dataset.from_list([{"prompt": f"{a}+{b}="} for a, b in ADDITION])
-    args = DistillationConfig(output_dir=out, per_device_train_batch_size=4 // world_size,
-                              gradient_accumulation_steps=2, max_completion_length=6, max_steps=2,
-                              optim="sgd", learning_rate=0.5, logging_steps=1, save_strategy="no",
-                              disable_tqdm=True, seed=0, beta=0.5, temperature=1.3)
-    trainer = PromptSeededDistillation(model, toy.build_model("tiny", seed=1), args=args, train_dataset=data,
-                                       processing_class=tokenizer)
+    args = DistillationConfig(
+        output_dir=out,
+        per_device_train_batch_size=4 // world_size,
+        gradient_accumulation_steps=2,
+        max_completion_length=6,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        beta=0.5,
+        temperature=1.3,
+    )
+    trainer = PromptSeededDistillation(
+        model, toy.build_model("tiny", seed=1), args=args, train_dataset=data, processing_class=tokenizer
+    )
     trainer.micro_batch_tokens = []
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
-    return trainer, {"losses": step_losses(trainer.state.log_history), "tokens": trainer.micro_batch_tokens,
-                     "sampled": trainer.engine.sampled}
+    return trainer, {
+        "losses": step_losses(trainer.state.log_history),
+        "tokens": trainer.micro_batch_tokens,
+        "sampled": trainer.engine.sampled,
+    }
 
 
 def scenario_distill(out: str) -> dict:
@@ -417,13 +519,25 @@ def scenario_collectives(out: str) -> dict:
     return result
 
 
-SCENARIOS = {"collectives": scenario_collectives, "trainer": scenario_trainer, "fsdp": scenario_fsdp,
-             "error": scenario_error, "stuck": scenario_stuck, "sft": scenario_sft, "dpo": scenario_dpo,
-             "dpo_precomputed": scenario_dpo_precomputed, "grpo": scenario_grpo, "grpo_fsdp": scenario_grpo_fsdp,
-             "dpo_padded": scenario_dpo_padded, "grpo_padded": scenario_grpo_padded,
-             "grpo_unshared": scenario_grpo_unshared, "grpo_sgd": scenario_grpo_sgd,
-             "grpo_padded_sgd": scenario_grpo_padded_sgd,
-             "grpo_groups": scenario_grpo_groups, "distill": scenario_distill}
+SCENARIOS = {
+    "collectives": scenario_collectives,
+    "trainer": scenario_trainer,
+    "fsdp": scenario_fsdp,
+    "error": scenario_error,
+    "stuck": scenario_stuck,
+    "sft": scenario_sft,
+    "dpo": scenario_dpo,
+    "dpo_precomputed": scenario_dpo_precomputed,
+    "grpo": scenario_grpo,
+    "grpo_fsdp": scenario_grpo_fsdp,
+    "dpo_padded": scenario_dpo_padded,
+    "grpo_padded": scenario_grpo_padded,
+    "grpo_unshared": scenario_grpo_unshared,
+    "grpo_sgd": scenario_grpo_sgd,
+    "grpo_padded_sgd": scenario_grpo_padded_sgd,
+    "grpo_groups": scenario_grpo_groups,
+    "distill": scenario_distill,
+}
 
 
 def main(argv: list[str]) -> None:

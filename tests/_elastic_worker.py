@@ -17,9 +17,9 @@ import os
 import signal
 import sys
 
+import _dist_worker as builders
 import torch
 
-import _dist_worker as builders
 from treadle import Trainer, checkpoint, distributed as dist
 from treadle.callbacks import TrainerCallback
 

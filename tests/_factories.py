@@ -19,8 +19,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from treadle.demos import toy
-from treadle.demos import toy_vision as tv
+from treadle.demos import toy, toy_vision as tv
 from treadle.trainers.dpo import DPOConfig, DPOTrainer
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.reward import RewardConfig, RewardTrainer
@@ -30,8 +29,16 @@ from treadle.trainers.sft import SFTConfig, SFTTrainer
 # ------------------------------------------------------------------------------------------------ tiny models
 def tiny_llama_config(vocab_size: int, **fields) -> LlamaConfig:
     """The tests' tiny Llama shape: 2 layers of width 32, 4 heads over 2 KV heads, 64 positions."""
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **fields)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **fields,
+    )
 
 
 def tiny_llama(seed: int = 0, vocab_size: int = 64, dropout: float = 0.0, **fields) -> LlamaForCausalLM:
@@ -45,8 +52,13 @@ def tiny_reward_model(seed: int = 0) -> LlamaForSequenceClassification:
     """The tiny Llama shape over the toy vocabulary with a one-output classification head; pad_token_id finds each
     row's last token. The global RNG is left as it was."""
     tok = toy.build_tokenizer()
-    config = tiny_llama_config(len(tok), num_labels=1, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                               eos_token_id=tok.eos_token_id)
+    config = tiny_llama_config(
+        len(tok),
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForSequenceClassification(config)
@@ -72,14 +84,22 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", dict(**_SMALL, num_key_value_heads=2, max_position_embeddings=128)),
     "qwen2": ("Qwen2Config", dict(**_SMALL, num_key_value_heads=2, max_position_embeddings=128)),
     "qwen3": ("Qwen3Config", dict(**_SMALL, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)),
-    "mistral": ("MistralConfig", dict(**_SMALL, num_key_value_heads=2, max_position_embeddings=128,
-                                      sliding_window=16)),
-    "gemma2": ("Gemma2Config", dict(**_SMALL, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                                    sliding_window=16)),
-    "phi3": ("Phi3Config", dict(**_SMALL, num_key_value_heads=2, max_position_embeddings=128,
-                                original_max_position_embeddings=128)),
-    "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
-                                attn_pdrop=0.0)),
+    "mistral": (
+        "MistralConfig",
+        dict(**_SMALL, num_key_value_heads=2, max_position_embeddings=128, sliding_window=16),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        dict(**_SMALL, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, sliding_window=16),
+    ),
+    "phi3": (
+        "Phi3Config",
+        dict(**_SMALL, num_key_value_heads=2, max_position_embeddings=128, original_max_position_embeddings=128),
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
     "gpt_neox": ("GPTNeoXConfig", dict(**_SMALL, max_position_embeddings=128)),
 }
 
@@ -88,8 +108,13 @@ def architecture_config(name: str):
     """The config of ``ARCHITECTURES[name]`` with the toy tokenizer's vocabulary and special tokens."""
     tok = toy.build_tokenizer()
     config_name, fields = ARCHITECTURES[name]
-    return getattr(transformers, config_name)(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **fields)
+    return getattr(transformers, config_name)(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **fields,
+    )
 
 
 def build_architecture(name: str, seed: int = 0):
@@ -126,8 +151,15 @@ REWARD_PAIRS = [PAIRS[0], {**PAIRS[1], "margin": 0.5}, *PAIRS[2:]]  # the reward
 
 def vision_preference_rows(n: int = 4) -> list[dict]:
     """Counting-task rows as preference pairs: the right count chosen, another one rejected."""
-    return [{"images": r["images"], "prompt": r["prompt"], "chosen": r["answer"],
-             "rejected": str(int(r["answer"]) % 4 + 1)} for r in tv.count_task("train", n, kind="rl")]
+    return [
+        {
+            "images": r["images"],
+            "prompt": r["prompt"],
+            "chosen": r["answer"],
+            "rejected": str(int(r["answer"]) % 4 + 1),
+        }
+        for r in tv.count_task("train", n, kind="rl")
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ rewards, tools
@@ -154,24 +186,43 @@ def add(a: int, b: int) -> int:
 def _split(config_class, overrides: dict) -> tuple[dict, dict]:
     """``overrides`` as (the config's fields, the trainer's other keywords)."""
     fields = config_class.field_names()
-    return ({k: v for k, v in overrides.items() if k in fields},
-            {k: v for k, v in overrides.items() if k not in fields})
+    return (
+        {k: v for k, v in overrides.items() if k in fields},
+        {k: v for k, v in overrides.items() if k not in fields},
+    )
 
 
-SFT_ARGS = dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, disable_tqdm=True, save_strategy="no",
-                logging_steps=1, report_to="none")
+SFT_ARGS = dict(
+    max_steps=2,
+    per_device_train_batch_size=2,
+    learning_rate=1e-2,
+    disable_tqdm=True,
+    save_strategy="no",
+    logging_steps=1,
+    report_to="none",
+)
 
 
 def sft_trainer(output_dir, tok, rows=SFT_ROWS, model=None, **overrides) -> SFTTrainer:
     """SFT of ``model`` (default: the tiny toy model, seed 0) on ``rows``."""
     fields, kwargs = _split(SFTConfig, overrides)
     model = model if model is not None else toy.build_model("tiny", tokenizer=tok)
-    return SFTTrainer(model, SFTConfig(**{"output_dir": str(output_dir), **SFT_ARGS, **fields}), train_dataset=rows,
-                      processing_class=tok, **kwargs)
+    return SFTTrainer(
+        model,
+        SFTConfig(**{"output_dir": str(output_dir), **SFT_ARGS, **fields}),
+        train_dataset=rows,
+        processing_class=tok,
+        **kwargs,
+    )
 
 
-DPO_ARGS = dict(disable_tqdm=True, save_strategy="no", report_to="none", per_device_train_batch_size=2,
-                per_device_eval_batch_size=2)
+DPO_ARGS = dict(
+    disable_tqdm=True,
+    save_strategy="no",
+    report_to="none",
+    per_device_train_batch_size=2,
+    per_device_eval_batch_size=2,
+)
 
 
 def dpo_args(output_dir, **overrides) -> DPOConfig:
@@ -185,20 +236,38 @@ def dpo_trainer(output_dir, tok, rows=PAIRS, model=None, **overrides) -> DPOTrai
     return DPOTrainer(model, args=dpo_args(output_dir, **fields), train_dataset=rows, processing_class=tok, **kwargs)
 
 
-REWARD_ARGS = dict(disable_tqdm=True, save_strategy="no", report_to="none", per_device_train_batch_size=2,
-                   per_device_eval_batch_size=4)
+REWARD_ARGS = dict(
+    disable_tqdm=True,
+    save_strategy="no",
+    report_to="none",
+    per_device_train_batch_size=2,
+    per_device_eval_batch_size=4,
+)
 
 
 def reward_trainer(output_dir, tok, rows=REWARD_PAIRS, model=None, **overrides) -> RewardTrainer:
     """A reward model (default: ``tiny_reward_model()``) trained on ``rows``, a pair without a margin given 0."""
     fields, kwargs = _split(RewardConfig, overrides)
     model = model if model is not None else tiny_reward_model()
-    return RewardTrainer(model, args=RewardConfig(**{"output_dir": str(output_dir), **REWARD_ARGS, **fields}),
-                         train_dataset=[{"margin": 0.0, **r} for r in rows], processing_class=tok, **kwargs)
+    return RewardTrainer(
+        model,
+        args=RewardConfig(**{"output_dir": str(output_dir), **REWARD_ARGS, **fields}),
+        train_dataset=[{"margin": 0.0, **r} for r in rows],
+        processing_class=tok,
+        **kwargs,
+    )
 
 
-GRPO_ARGS = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, max_steps=2,
-                 learning_rate=1e-3, disable_tqdm=True, save_strategy="no", logging_steps=1000)
+GRPO_ARGS = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=3,
+    max_steps=2,
+    learning_rate=1e-3,
+    disable_tqdm=True,
+    save_strategy="no",
+    logging_steps=1000,
+)
 
 
 def grpo_args(folder, **overrides) -> GRPOConfig:
@@ -206,45 +275,85 @@ def grpo_args(folder, **overrides) -> GRPOConfig:
     return GRPOConfig(**{"output_dir": str(Path(folder) / "run"), **GRPO_ARGS, **overrides})
 
 
-def grpo_trainer(folder, tok, dataset, reward=digit_sum_reward, model_seed=0, *, model=None,
-                 **overrides) -> GRPOTrainer:
+def grpo_trainer(
+    folder, tok, dataset, reward=digit_sum_reward, model_seed=0, *, model=None, **overrides
+) -> GRPOTrainer:
     """GRPO of ``model`` (default: the tiny toy model of seed ``model_seed``) on the prompts of ``dataset``,
     rewarded by ``reward`` (a function or a list of them), with ``grpo_args(folder, ...)``."""
     fields, kwargs = _split(GRPOConfig, overrides)
     model = model if model is not None else toy.build_model("tiny", tokenizer=tok, seed=model_seed)
-    return GRPOTrainer(model, reward, args=grpo_args(folder, **fields), train_dataset=dataset, processing_class=tok,
-                       **kwargs)
+    return GRPOTrainer(
+        model, reward, args=grpo_args(folder, **fields), train_dataset=dataset, processing_class=tok, **kwargs
+    )
 
 
-GOLDEN_GRPO = [-0.019045989777221273, -0.01600946334656328, 0.024846914639056195, 0.0023342259228229523,
-               0.046902469686756376]
+GOLDEN_GRPO = [
+    -0.019045989777221273,
+    -0.01600946334656328,
+    0.024846914639056195,
+    0.0023342259228229523,
+    0.046902469686756376,
+]
 
 
 def golden_grpo_run(output_dir, tok) -> GRPOTrainer:
     """The run of GOLDEN_GRPO, its first 5 logged losses: spg 4 over windows of 2 micro-steps (old log-probs), beta
     0.04 (a reference), so every part of the loss."""
-    return grpo_trainer(output_dir, tok, toy.load_task("addition", kind="rl", n=64), output_dir=str(output_dir),
-                        max_steps=5, logging_steps=1, seed=0, per_device_train_batch_size=8, max_completion_length=4,
-                        gradient_accumulation_steps=2, steps_per_generation=4, beta=0.04,
-                        use_bias_correction_kl=False)  # recorded with the plain k3 term (before issue 17)
+    return grpo_trainer(
+        output_dir,
+        tok,
+        toy.load_task("addition", kind="rl", n=64),
+        output_dir=str(output_dir),
+        max_steps=5,
+        logging_steps=1,
+        seed=0,
+        per_device_train_batch_size=8,
+        max_completion_length=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        beta=0.04,
+        use_bias_correction_kl=False,
+    )  # recorded with the plain k3 term (before issue 17)
 
 
 # ------------------------------------------------------------------------------------------------ vision
-VISION_ARGS = dict(max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2, report_to=[], disable_tqdm=True,
-                   logging_steps=1, save_strategy="no")
+VISION_ARGS = dict(
+    max_steps=1,
+    per_device_train_batch_size=4,
+    learning_rate=1e-2,
+    report_to=[],
+    disable_tqdm=True,
+    logging_steps=1,
+    save_strategy="no",
+)
 
 
 def vision_dpo_trainer(folder, kind, processor, model=None, **overrides) -> DPOTrainer:
     """DPO of a tiny VLM of ``kind`` (or ``model``) on ``vision_preference_rows()``, writing to ``folder/dpo``."""
     model = model if model is not None else tv.build_model(kind, processor)
     # per_device_eval_batch_size: the precomputed reference's batches, the config's default as these runs always had
-    return dpo_trainer(Path(folder) / "dpo", processor, vision_preference_rows(), model,
-                       **{**VISION_ARGS, "per_device_eval_batch_size": 8, **overrides})
+    return dpo_trainer(
+        Path(folder) / "dpo",
+        processor,
+        vision_preference_rows(),
+        model,
+        **{**VISION_ARGS, "per_device_eval_batch_size": 8, **overrides},
+    )
 
 
 def vision_grpo_trainer(folder, kind, processor, reward, **overrides) -> GRPOTrainer:
     """GRPO of a tiny VLM of ``kind`` on 16 counting-task prompts with their images, writing to ``folder/grpo``."""
-    return grpo_trainer(folder, processor, tv.count_task("train", 16, kind="rl"), reward,
-                        model=tv.build_model(kind, processor),
-                        **{"output_dir": str(Path(folder) / "grpo"), **VISION_ARGS, "num_generations": 4,
-                           "max_completion_length": 4, **overrides})
+    return grpo_trainer(
+        folder,
+        processor,
+        tv.count_task("train", 16, kind="rl"),
+        reward,
+        model=tv.build_model(kind, processor),
+        **{
+            "output_dir": str(Path(folder) / "grpo"),
+            **VISION_ARGS,
+            "num_generations": 4,
+            "max_completion_length": 4,
+            **overrides,
+        },
+    )

@@ -13,9 +13,8 @@ import json
 import os
 import sys
 
-import torch
-
 import _dist_worker as base
+import torch
 
 
 def run(out: str, world_size: int, fsdp: str = "") -> dict:
@@ -25,18 +24,26 @@ def run(out: str, world_size: int, fsdp: str = "") -> dict:
 
     parts = base.dpo_parts(out, world_size, fsdp=fsdp)
     before = {k: v.clone() for k, v in parts["model"].state_dict().items()}
-    trainer = DPOTrainer(**parts, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                         task_type="CAUSAL_LM"))
+    trainer = DPOTrainer(
+        **parts, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     optimized = sorted(names[id(p)] for group in trainer.optimizer.param_groups for p in group["params"])
     with torch.no_grad():  # base weights of this rank (its shards under FSDP2) against the model as built
-        full = {k.replace("base_model.model.", "").replace(".base_layer", ""): getattr(v, "full_tensor", lambda v=v: v)()
-                for k, v in trainer.model.state_dict().items() if "lora_" not in k}
+        full = {
+            k.replace("base_model.model.", "").replace(".base_layer", ""): getattr(v, "full_tensor", lambda v=v: v)()
+            for k, v in trainer.model.state_dict().items()
+            if "lora_" not in k
+        }
     unchanged = all(torch.equal(full[k], v) for k, v in before.items() if k in full) and len(full) >= len(before)
-    return {"losses": base.step_losses(trainer.state.log_history), "optimizer_params": optimized,
-            "base_unchanged": unchanged, "ref_model": trainer.ref_model is None}
+    return {
+        "losses": base.step_losses(trainer.state.log_history),
+        "optimizer_params": optimized,
+        "base_unchanged": unchanged,
+        "ref_model": trainer.ref_model is None,
+    }
 
 
 def main(out: str) -> None:

@@ -26,13 +26,24 @@ import sys
 import time
 
 import torch
-
 from _factories import lm_rows, tiny_llama  # this script's folder, tests/, is on the path
+
 from treadle.callbacks import TrainerCallback
 
-ARGS = dict(max_steps=9, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
-            weight_decay=0.01, warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=1,
-            save_steps=1000, disable_tqdm=True, seed=7)
+ARGS = dict(
+    max_steps=9,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-2,
+    weight_decay=0.01,
+    warmup_steps=2,
+    lr_scheduler_type="linear",
+    max_grad_norm=1.0,
+    logging_steps=1,
+    save_steps=1000,
+    disable_tqdm=True,
+    seed=7,
+)
 NUM_ROWS = 22  # 11 micro-batches of 2: 6 optimizer steps per epoch, the last one with a single micro-batch
 VOCAB = 64
 
@@ -112,8 +123,9 @@ class _SpecCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.spec.get("result"):
             with open(self.spec["result"], "w") as f:
-                json.dump({"log_history": state.log_history, "steps": self.steps,
-                           "train_end_step": state.global_step}, f)
+                json.dump(
+                    {"log_history": state.log_history, "steps": self.steps, "train_end_step": state.global_step}, f
+                )
 
 
 def main() -> None:

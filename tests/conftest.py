@@ -11,6 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from _factories import lm_rows, tiny_llama  # noqa: E402
+
 from treadle.demos import toy  # noqa: E402
 
 

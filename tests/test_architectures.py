@@ -7,25 +7,36 @@ import functools
 
 import pytest
 import torch
+from _factories import (
+    ARCHITECTURES,
+    PAIRS,
+    SFT_ROWS,
+    architecture_config,
+    build_architecture,
+    dpo_trainer,
+    grpo_trainer,
+    length_reward,
+    sft_trainer,
+)
 
-from _factories import (ARCHITECTURES, PAIRS, SFT_ROWS, architecture_config, build_architecture, dpo_trainer,
-                        grpo_trainer, length_reward, sft_trainer)
-from treadle.demos import toy
 from treadle import checkpoint as ckpt
+from treadle.demos import toy
 from treadle.generation import fast_path_problem, generate_completions
 from treadle.logprobs.tokens import fast_path_head, fast_path_verified, token_logps
 
 transformers = pytest.importorskip("transformers")
 
 TOK = toy.build_tokenizer()
-PROMPTS = [[TOK.bos_token_id] + TOK.encode("12+34=", add_special_tokens=False),
-           TOK.encode("7+8=", add_special_tokens=False)]
+PROMPTS = [
+    [TOK.bos_token_id] + TOK.encode("12+34=", add_special_tokens=False),
+    TOK.encode("7+8=", add_special_tokens=False),
+]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def param_count(name: str) -> int:
     return sum(p.numel() for p in build_architecture(name).parameters())
 
@@ -42,12 +53,25 @@ def test_models_are_tiny(arch):
 def test_greedy_fast_generation_equals_generate(arch):
     model = build_architecture(arch)
     backend = "hf" if fast_path_problem(model) else "fast"
-    out = generate_completions(model, PROMPTS, num_generations=2, max_new_tokens=8, eos_token_id=None,
-                               pad_token_id=TOK.pad_token_id, do_sample=False, backend="auto")
+    out = generate_completions(
+        model,
+        PROMPTS,
+        num_generations=2,
+        max_new_tokens=8,
+        eos_token_id=None,
+        pad_token_id=TOK.pad_token_id,
+        do_sample=False,
+        backend="auto",
+    )
     with torch.no_grad():
         for row, prompt in enumerate(PROMPTS):
-            want = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                                  eos_token_id=None, pad_token_id=TOK.pad_token_id)[0, len(prompt):]
+            want = model.generate(
+                input_ids=torch.tensor([prompt]),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=TOK.pad_token_id,
+            )[0, len(prompt) :]
             for g in range(2):
                 assert out.completion_ids[2 * row + g].tolist() == want.tolist(), (arch, backend)
 
@@ -82,8 +106,15 @@ def test_save_reload_gives_the_same_logits(arch, tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
 
-COMMON = dict(max_steps=1, per_device_train_batch_size=2, learning_rate=1e-2, disable_tqdm=True, save_strategy="no",
-              logging_steps=1, report_to="none")
+COMMON = dict(
+    max_steps=1,
+    per_device_train_batch_size=2,
+    learning_rate=1e-2,
+    disable_tqdm=True,
+    save_strategy="no",
+    logging_steps=1,
+    report_to="none",
+)
 
 
 def one_step(kind: str, model, output_dir: str, **overrides):
@@ -95,8 +126,14 @@ def one_step(kind: str, model, output_dir: str, **overrides):
         trainer = dpo_trainer(output_dir, TOK, PAIRS[:2], model, **fields)
     else:
         fields.update(per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
-        trainer = grpo_trainer(output_dir, TOK, [{"prompt": r["prompt"]} for r in SFT_ROWS[:2]], length_reward,
-                               model=model, **{"beta": 0.1, "output_dir": output_dir, **fields})
+        trainer = grpo_trainer(
+            output_dir,
+            TOK,
+            [{"prompt": r["prompt"]} for r in SFT_ROWS[:2]],
+            length_reward,
+            model=model,
+            **{"beta": 0.1, "output_dir": output_dir, **fields},
+        )
     trainer.train()
     return trainer
 
@@ -126,12 +163,24 @@ def test_auto_falls_back_to_hf_with_one_line_saying_why():
     model = _NoCacheLlama(config).eval()
     fallback = "generation_backend='auto' uses 'hf' for _NoCacheLlama: its forward"
     with pytest.warns(UserWarning, match=fallback) as record:
-        out = generate_completions(model, PROMPTS, num_generations=1, max_new_tokens=4, eos_token_id=None,
-                                   pad_token_id=TOK.pad_token_id, do_sample=False)
+        out = generate_completions(
+            model,
+            PROMPTS,
+            num_generations=1,
+            max_new_tokens=4,
+            eos_token_id=None,
+            pad_token_id=TOK.pad_token_id,
+            do_sample=False,
+        )
     assert len(record) == 1 and "\n" not in str(record[0].message)
     with torch.no_grad():
-        want = model.generate(input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False,
-                              eos_token_id=None, pad_token_id=TOK.pad_token_id)[0, len(PROMPTS[0]):]
+        want = model.generate(
+            input_ids=torch.tensor([PROMPTS[0]]),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=TOK.pad_token_id,
+        )[0, len(PROMPTS[0]) :]
     assert out.completion_ids[0].tolist() == want.tolist()
 
 
@@ -141,8 +190,9 @@ def test_lora_dpo_step_with_the_adapters_off_reference(arch, tmp_path):
     peft = pytest.importorskip("peft")
     model = build_architecture(arch).train()
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = dpo_trainer(tmp_path, TOK, PAIRS[:2], model,
-                          peft_config=peft.LoraConfig(r=2, target_modules="all-linear"), **COMMON)
+    trainer = dpo_trainer(
+        tmp_path, TOK, PAIRS[:2], model, peft_config=peft.LoraConfig(r=2, target_modules="all-linear"), **COMMON
+    )
     trainer.train()
     assert trainer.ref_model is None
     assert trainer.state.log_history[0]["loss"] == pytest.approx(0.6931472, abs=1e-5)

@@ -42,23 +42,31 @@ def test_warmup_steps_int_or_ratio(warmup, total, expected):
     assert TrainingArguments(warmup_steps=warmup).num_warmup_steps(total) == expected
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(optim="adam8bit"), r"optim='adam8bit' is not supported; use one of \['adamw'"),
-    (dict(lr_scheduler_type="poly"), "lr_scheduler_type='poly'"),
-    (dict(eval_strategy="sometimes"), "eval_strategy='sometimes'"),
-    (dict(per_device_train_batch_size=0), "per_device_train_batch_size must be an integer >= 1"),
-    (dict(gradient_accumulation_steps=1.5), "gradient_accumulation_steps must be an integer"),
-    (dict(max_steps=-1, num_train_epochs=0), "set max_steps > 0 or num_train_epochs > 0"),
-    (dict(warmup_steps=2.5), "warmup_steps must be a whole number"),
-    (dict(warmup_steps=-1), "warmup_steps"),
-    (dict(max_grad_norm=-1.0), "max_grad_norm"),
-    (dict(save_total_limit=0), "save_total_limit"),
-    (dict(load_best_model_at_end=True), "needs evaluations: set eval_strategy"),
-    (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch"), "save_strategy == eval_strategy"),
-    (dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_steps=25),
-     "multiple of eval_steps.*save_steps=20"),
-    (dict(fsdp="hybrid"), "fsdp='hybrid'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(optim="adam8bit"), r"optim='adam8bit' is not supported; use one of \['adamw'"),
+        (dict(lr_scheduler_type="poly"), "lr_scheduler_type='poly'"),
+        (dict(eval_strategy="sometimes"), "eval_strategy='sometimes'"),
+        (dict(per_device_train_batch_size=0), "per_device_train_batch_size must be an integer >= 1"),
+        (dict(gradient_accumulation_steps=1.5), "gradient_accumulation_steps must be an integer"),
+        (dict(max_steps=-1, num_train_epochs=0), "set max_steps > 0 or num_train_epochs > 0"),
+        (dict(warmup_steps=2.5), "warmup_steps must be a whole number"),
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(max_grad_norm=-1.0), "max_grad_norm"),
+        (dict(save_total_limit=0), "save_total_limit"),
+        (dict(load_best_model_at_end=True), "needs evaluations: set eval_strategy"),
+        (
+            dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="epoch"),
+            "save_strategy == eval_strategy",
+        ),
+        (
+            dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_steps=25),
+            "multiple of eval_steps.*save_steps=20",
+        ),
+        (dict(fsdp="hybrid"), "fsdp='hybrid'"),
+    ],
+)
 def test_invalid_combinations_say_how_to_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainingArguments(**kwargs)
@@ -67,16 +75,24 @@ def test_invalid_combinations_say_how_to_fix(kwargs, message):
 def test_round_trip_through_json():
     import json
 
-    args = TrainingArguments(learning_rate=3e-4, lr_scheduler_type=SCHEDULERS[-1],
-                             lr_scheduler_kwargs={"num_decay_steps": 3}, optim="sgd", optim_args="momentum=0.9")
+    args = TrainingArguments(
+        learning_rate=3e-4,
+        lr_scheduler_type=SCHEDULERS[-1],
+        lr_scheduler_kwargs={"num_decay_steps": 3},
+        optim="sgd",
+        optim_args="momentum=0.9",
+    )
     again = TrainingArguments(**json.loads(args.to_json_string()))
     assert again == args
 
 
 # ---- from_mapping: a config from a YAML mapping ---------------------------------------------------------------
 def test_from_mapping_refuses_an_unknown_key_naming_the_closest():
-    with pytest.raises(ValueError, match=r"unknown key 'lerning_rate' for TrainingArguments; did you mean "
-                                         r"'learning_rate'\?"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown key 'lerning_rate' for TrainingArguments; did you mean "
+        r"'learning_rate'\?",
+    ):
         TrainingArguments.from_mapping({"lerning_rate": 0.1})
     with pytest.raises(ValueError, match=r"unknown key 'modle' for trainer sft; did you mean 'model'\?"):
         TrainingArguments.from_mapping({"modle": "toy:tiny"}, other_keys=("model",), context="trainer sft")
@@ -85,27 +101,31 @@ def test_from_mapping_refuses_an_unknown_key_naming_the_closest():
 
 
 def test_from_mapping_turns_yaml_numbers_into_floats():
-    args = TrainingArguments.from_mapping({"learning_rate": "1e-3", "warmup_steps": 2, "max_grad_norm": 1,
-                                           "ddp_timeout": 60})
+    args = TrainingArguments.from_mapping(
+        {"learning_rate": "1e-3", "warmup_steps": 2, "max_grad_norm": 1, "ddp_timeout": 60}
+    )
     assert (args.learning_rate, args.warmup_steps, args.max_grad_norm, args.ddp_timeout) == (0.001, 2.0, 1.0, 60.0)
     assert all(type(v) is float for v in (args.learning_rate, args.warmup_steps, args.max_grad_norm, args.ddp_timeout))
     assert type(TrainingArguments.from_mapping({"max_steps": 5}).max_steps) is int  # ints stay ints
 
 
-@pytest.mark.parametrize("mapping, message", [
-    ({"max_steps": "ten"}, "max_steps must be an integer, got 'ten'"),
-    ({"max_steps": 2.5}, "max_steps must be an integer, got 2.5"),
-    ({"max_steps": True}, "max_steps must be an integer, got True"),
-    ({"bf16": "maybe"}, "bf16 must be true or false, got 'maybe'"),
-    ({"learning_rate": "fast"}, "learning_rate must be a number, got 'fast'"),
-    ({"learning_rate": True}, "learning_rate must be a number, got True"),
-    ({"learning_rate": None}, "learning_rate must be a number, got None"),
-    ({"save_total_limit": "x"}, r"save_total_limit must be an integer \(or null\), got 'x'"),
-    ({"run_name": 7}, r"run_name must be a string \(or null\), got 7"),
-    ({"report_to": 5}, "report_to must be a string or a list of strings, got 5"),
-    ({"label_names": "labels"}, r"label_names must be a list of strings \(or null\), got 'labels'"),
-    ({"label_names": ["labels", 3]}, r"label_names must be a list of strings \(or null\), got \['labels', 3\]"),
-])
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({"max_steps": "ten"}, "max_steps must be an integer, got 'ten'"),
+        ({"max_steps": 2.5}, "max_steps must be an integer, got 2.5"),
+        ({"max_steps": True}, "max_steps must be an integer, got True"),
+        ({"bf16": "maybe"}, "bf16 must be true or false, got 'maybe'"),
+        ({"learning_rate": "fast"}, "learning_rate must be a number, got 'fast'"),
+        ({"learning_rate": True}, "learning_rate must be a number, got True"),
+        ({"learning_rate": None}, "learning_rate must be a number, got None"),
+        ({"save_total_limit": "x"}, r"save_total_limit must be an integer \(or null\), got 'x'"),
+        ({"run_name": 7}, r"run_name must be a string \(or null\), got 7"),
+        ({"report_to": 5}, "report_to must be a string or a list of strings, got 5"),
+        ({"label_names": "labels"}, r"label_names must be a list of strings \(or null\), got 'labels'"),
+        ({"label_names": ["labels", 3]}, r"label_names must be a list of strings \(or null\), got \['labels', 3\]"),
+    ],
+)
 def test_from_mapping_refuses_a_wrong_type_naming_the_key(mapping, message):
     with pytest.raises(ValueError, match=message):
         TrainingArguments.from_mapping(mapping)
@@ -163,10 +183,17 @@ def test_each_log_prob_option_is_declared_once_and_mixed_into_the_configs_that_t
     from treadle.trainers.grpo.config import GRPOConfig
     from treadle.trainers.kto import KTOConfig
 
-    options = {PaddingFreeOption: ("padding_free", True), SharedPrefixOption: ("shared_prefix", True),
-               LogprobChunkOption: ("logprob_chunk_size", 1024)}  # TRL's names and treadle's defaults
-    takes = {DPOConfig: set(options), KTOConfig: {PaddingFreeOption, LogprobChunkOption},
-             GRPOConfig: {PaddingFreeOption, SharedPrefixOption}, DistillationConfig: {LogprobChunkOption}}
+    options = {
+        PaddingFreeOption: ("padding_free", True),
+        SharedPrefixOption: ("shared_prefix", True),
+        LogprobChunkOption: ("logprob_chunk_size", 1024),
+    }  # TRL's names and treadle's defaults
+    takes = {
+        DPOConfig: set(options),
+        KTOConfig: {PaddingFreeOption, LogprobChunkOption},
+        GRPOConfig: {PaddingFreeOption, SharedPrefixOption},
+        DistillationConfig: {LogprobChunkOption},
+    }
     for option, (name, default) in options.items():
         line = next(line for line in inspect.getsource(option).splitlines() if line.strip().startswith(f"{name}:"))
         assert "#" in line, f"{name} has no one-line comment"

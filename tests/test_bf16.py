@@ -4,15 +4,22 @@ SFT, DPO and GRPO on CPU; the log-probs that reach the losses are float32, with 
 
 import pytest
 import torch
-
 from _factories import PAIRS, SFT_ROWS, dpo_trainer, grpo_trainer, length_reward, sft_trainer
+
 from treadle.demos import toy
 from treadle.trainers import dpo as dpo_module
 from treadle.trainers.grpo import trainer as grpo_module
 
 TOK = toy.build_tokenizer()
-COMMON = dict(max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, disable_tqdm=True, save_strategy="no",
-              logging_steps=1, report_to="none")
+COMMON = dict(
+    max_steps=2,
+    per_device_train_batch_size=2,
+    learning_rate=1e-2,
+    disable_tqdm=True,
+    save_strategy="no",
+    logging_steps=1,
+    report_to="none",
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,8 +66,15 @@ def run(kind, model, tmp_path, monkeypatch, **overrides):
         spy = Spy(grpo_module.grpo_loss)
         monkeypatch.setattr(grpo_module, "grpo_loss", spy)
         fields.update(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, beta=0.1)
-        trainer = grpo_trainer(tmp_path, TOK, [{"prompt": r["prompt"]} for r in SFT_ROWS], length_reward, model=model,
-                               output_dir=str(tmp_path / kind), **fields)
+        trainer = grpo_trainer(
+            tmp_path,
+            TOK,
+            [{"prompt": r["prompt"]} for r in SFT_ROWS],
+            length_reward,
+            model=model,
+            output_dir=str(tmp_path / kind),
+            **fields,
+        )
     return trainer, spy
 
 
@@ -95,8 +109,10 @@ def test_precision_table(bf16_folder):
 
     ids = torch.tensor([[1, 9, 10, 79, 11, 87, 12, 13]])
     seen = {}
-    for name, model, autocast in [("fp32+bf16", toy.build_model("tiny", tokenizer=TOK), True),
-                                  ("bf16", load_bf16(bf16_folder), False)]:
+    for name, model, autocast in [
+        ("fp32+bf16", toy.build_model("tiny", tokenizer=TOK), True),
+        ("bf16", load_bf16(bf16_folder), False),
+    ]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(input_ids=ids).logits
             logps = token_logps(model, ids).logps

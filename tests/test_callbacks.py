@@ -9,8 +9,15 @@ import torch
 from _factories import lm_rows, tiny_llama
 
 from treadle import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
-from treadle.callbacks import (EVENTS, FlowCallback, MetricsFileCallback, PrinterCallback, ProgressCallback,
-                               TrainerState, run_summary)
+from treadle.callbacks import (
+    EVENTS,
+    FlowCallback,
+    MetricsFileCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerState,
+    run_summary,
+)
 
 
 def args_for(tmp_path, **kw):
@@ -33,16 +40,32 @@ class Recorder(TrainerCallback):
 
 def test_event_sequence_of_two_epochs_with_accumulation_and_evaluation(tmp_path):
     recorder = Recorder()
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                             num_train_epochs=2, logging_steps=3, eval_strategy="epoch",
-                                             per_device_eval_batch_size=2),
-                      train_dataset=lm_rows(12), eval_dataset=lm_rows(4, seed=1), callbacks=[recorder])
+    trainer = Trainer(
+        tiny_llama(),
+        args_for(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            num_train_epochs=2,
+            logging_steps=3,
+            eval_strategy="epoch",
+            per_device_eval_batch_size=2,
+        ),
+        train_dataset=lm_rows(12),
+        eval_dataset=lm_rows(4, seed=1),
+        callbacks=[recorder],
+    )
     recorder.events.clear()  # drop on_init_end (checked below)
     trainer.train()
 
     def step(n, log=False):
-        ev = [("on_step_begin", n - 1), ("on_substep_end", n - 1), ("on_pre_optimizer_step", n - 1),
-              ("on_optimizer_step", n - 1), ("on_step_end", n)]
+        ev = [
+            ("on_step_begin", n - 1),
+            ("on_substep_end", n - 1),
+            ("on_pre_optimizer_step", n - 1),
+            ("on_optimizer_step", n - 1),
+            ("on_step_end", n),
+        ]
         return ev + ([("on_log", n)] if log else [])
 
     def evaluation(n):
@@ -95,8 +118,9 @@ def test_a_transformers_callback_works_unchanged(tmp_path):
             self.logs += 1
 
     cb = HFStopper()
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=10, logging_steps=1), train_dataset=lm_rows(40),
-                      callbacks=[cb])
+    trainer = Trainer(
+        tiny_llama(), args_for(tmp_path, max_steps=10, logging_steps=1), train_dataset=lm_rows(40), callbacks=[cb]
+    )
     trainer.train()
     assert trainer.state.global_step == 3 and cb.logs == 4  # 3 step logs + the run summary
 
@@ -104,8 +128,14 @@ def test_a_transformers_callback_works_unchanged(tmp_path):
 def test_add_pop_remove_callback(tmp_path):
     trainer = Trainer(tiny_llama(), args_for(tmp_path))
     names = lambda: [type(c).__name__ for c in trainer.callback_handler.callbacks]  # noqa: E731
-    assert names() == ["FlowCallback", "MetricsFileCallback", "RunSummaryCallback", "RunRecordCallback",
-                       "PreemptionCallback", "PrinterCallback"]
+    assert names() == [
+        "FlowCallback",
+        "MetricsFileCallback",
+        "RunSummaryCallback",
+        "RunRecordCallback",
+        "PreemptionCallback",
+        "PrinterCallback",
+    ]
     popped = trainer.pop_callback(PrinterCallback)
     assert isinstance(popped, PrinterCallback) and "PrinterCallback" not in names()
     trainer.add_callback(popped)
@@ -116,20 +146,41 @@ def test_add_pop_remove_callback(tmp_path):
 
 def test_early_stopping_stops_when_the_metric_stops_improving(tmp_path):
     # learning_rate 0: eval_loss never improves after the first evaluation -> stop after patience more evals
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=50, learning_rate=0.0, eval_strategy="steps",
-                                             eval_steps=2, metric_for_best_model="loss", logging_steps=100),
-                      train_dataset=lm_rows(40), eval_dataset=lm_rows(4, seed=1),
-                      callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer = Trainer(
+        tiny_llama(),
+        args_for(
+            tmp_path,
+            max_steps=50,
+            learning_rate=0.0,
+            eval_strategy="steps",
+            eval_steps=2,
+            metric_for_best_model="loss",
+            logging_steps=100,
+        ),
+        train_dataset=lm_rows(40),
+        eval_dataset=lm_rows(4, seed=1),
+        callbacks=[EarlyStoppingCallback(early_stopping_patience=2)],
+    )
     trainer.train()
     assert trainer.state.global_step == 6  # evals at 2 (best), 4 (no gain), 6 (no gain) -> stop
     assert trainer.state.stateful_callbacks["EarlyStoppingCallback"]["bad_evals"] == 2
 
 
 def test_early_stopping_keeps_going_while_improving(tmp_path):
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=8, learning_rate=3e-3, eval_strategy="steps",
-                                             eval_steps=2, metric_for_best_model="loss"),
-                      train_dataset=lm_rows(8, min_len=10, max_len=10), eval_dataset=lm_rows(8, min_len=10, max_len=10),
-                      callbacks=[EarlyStoppingCallback(1)])
+    trainer = Trainer(
+        tiny_llama(),
+        args_for(
+            tmp_path,
+            max_steps=8,
+            learning_rate=3e-3,
+            eval_strategy="steps",
+            eval_steps=2,
+            metric_for_best_model="loss",
+        ),
+        train_dataset=lm_rows(8, min_len=10, max_len=10),
+        eval_dataset=lm_rows(8, min_len=10, max_len=10),
+        callbacks=[EarlyStoppingCallback(1)],
+    )
     trainer.train()
     evals = [(e["step"], e["eval_loss"]) for e in trainer.state.log_history if "eval_loss" in e]
     assert [step for step, _ in evals] == [2, 4, 6, 8]  # the callback saw an evaluation every 2 steps
@@ -139,14 +190,17 @@ def test_early_stopping_keeps_going_while_improving(tmp_path):
 
 
 def test_early_stopping_needs_a_metric(tmp_path):
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2), train_dataset=lm_rows(8),
-                      callbacks=[EarlyStoppingCallback()])
+    trainer = Trainer(
+        tiny_llama(), args_for(tmp_path, max_steps=2), train_dataset=lm_rows(8), callbacks=[EarlyStoppingCallback()]
+    )
     with pytest.raises(ValueError, match="metric_for_best_model"):
         trainer.train()
 
 
 def test_flow_callback_sets_the_cadence(tmp_path):
-    args = args_for(tmp_path, logging_steps=2, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=4)
+    args = args_for(
+        tmp_path, logging_steps=2, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=4
+    )
     from treadle.callbacks import TrainerControl, TrainerState
 
     state = TrainerState(max_steps=12, logging_steps=2, eval_steps=3, save_steps=4)
@@ -169,12 +223,14 @@ def test_printer_prints_each_log(tmp_path, capsys):
 
 def test_progress_bar_counts_steps_and_writes_logs(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # bars are for a terminal
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=3, logging_steps=3, disable_tqdm=False),
-                      train_dataset=lm_rows(8))
+    trainer = Trainer(
+        tiny_llama(), args_for(tmp_path, max_steps=3, logging_steps=3, disable_tqdm=False), train_dataset=lm_rows(8)
+    )
     bar = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback))
     seen = []
-    trainer.add_callback(type("Peek", (TrainerCallback,), {
-        "on_step_end": lambda self, a, s, c, **k: seen.append(bar.training_bar.n)}))
+    trainer.add_callback(
+        type("Peek", (TrainerCallback,), {"on_step_end": lambda self, a, s, c, **k: seen.append(bar.training_bar.n)})
+    )
     trainer.train()
     captured = capsys.readouterr()
     assert seen == [1, 2, 3]
@@ -183,8 +239,9 @@ def test_progress_bar_counts_steps_and_writes_logs(tmp_path, capsys, monkeypatch
 
 def test_without_a_terminal_no_bars_only_log_lines(tmp_path, capsys):
     """Output redirected (stderr not a terminal, as under pytest): no tqdm bars, nested or not; each log a line."""
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2, logging_steps=1, disable_tqdm=False),
-                      train_dataset=lm_rows(8))
+    trainer = Trainer(
+        tiny_llama(), args_for(tmp_path, max_steps=2, logging_steps=1, disable_tqdm=False), train_dataset=lm_rows(8)
+    )
     bar = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ProgressCallback))
     trainer.train()
     captured = capsys.readouterr()
@@ -196,19 +253,39 @@ def test_a_printed_line_shows_the_watched_metrics_and_counts_the_rest(capsys):
     """A GRPO step's 22 metrics print as a line of the few watched ones and a count of the rest (under 200
     characters, against 560-700 before); a log holding no watched key (a user's own, the run summary) prints
     whole; watched=None prints all."""
-    grpo = {"loss": 0.01, "grad_norm": 0.5, "learning_rate": 1e-3, "clip_ratio/high_mean": 0.0,
-            "clip_ratio/low_mean": 0.0, "clip_ratio/region_mean": 0.0, "completions/clipped_ratio": 0.25,
-            "completions/max_length": 48, "completions/mean_length": 40.5, "completions/min_length": 12,
-            "entropy": 2.5, "frac_reward_zero_std": 0.0, "health/all_truncated": 0.0, "health/no_signal": 0.0,
-            "reward": 0.11, "reward_group_std": 0.05, "reward_std": 0.06, "rewards/environment_reward/mean": 0.11,
-            "rewards/environment_reward/std": 0.06, "rollouts/truncated": 0.25, "rollouts/turns": 4.5, "kl": 0.002}
+    grpo = {
+        "loss": 0.01,
+        "grad_norm": 0.5,
+        "learning_rate": 1e-3,
+        "clip_ratio/high_mean": 0.0,
+        "clip_ratio/low_mean": 0.0,
+        "clip_ratio/region_mean": 0.0,
+        "completions/clipped_ratio": 0.25,
+        "completions/max_length": 48,
+        "completions/mean_length": 40.5,
+        "completions/min_length": 12,
+        "entropy": 2.5,
+        "frac_reward_zero_std": 0.0,
+        "health/all_truncated": 0.0,
+        "health/no_signal": 0.0,
+        "reward": 0.11,
+        "reward_group_std": 0.05,
+        "reward_std": 0.06,
+        "rewards/environment_reward/mean": 0.11,
+        "rewards/environment_reward/std": 0.06,
+        "rollouts/truncated": 0.25,
+        "rollouts/turns": 4.5,
+        "kl": 0.002,
+    }
     state = TrainerState(global_step=7)
     PrinterCallback().on_log(None, state, None, logs=grpo)
     PrinterCallback().on_log(None, state, None, logs={"my_metric": 3.0, "other": 1})
     PrinterCallback(watched=None).on_log(None, state, None, logs=grpo)
     short, own, whole = capsys.readouterr().out.splitlines()
-    assert short == ("[step 7] loss=0.01  reward=0.11  reward_std=0.06  kl=0.002  entropy=2.5  "
-                     "completions/mean_length=40.5  grad_norm=0.5  learning_rate=0.001  (+14 more in metrics.jsonl)")
+    assert short == (
+        "[step 7] loss=0.01  reward=0.11  reward_std=0.06  kl=0.002  entropy=2.5  "
+        "completions/mean_length=40.5  grad_norm=0.5  learning_rate=0.001  (+14 more in metrics.jsonl)"
+    )
     assert len(short) < 200 and own == "[step 7] my_metric=3  other=1"
     assert whole.count("=") == 22 and len(whole) > 500
 
@@ -217,8 +294,11 @@ def test_the_end_summary_shows_an_evaluation_by_its_watched_numbers_and_never_an
     """A GRPO evaluation (eval_reward, eval_pass@1: neither a loss nor an accuracy) printed "last eval (step 8): "
     with nothing after it; now it shows the watched numbers, and an evaluation of none of them is left out."""
     args = args_for(tmp_path)
-    grpo = TrainerState(global_step=8, max_steps=8, log_history=[
-        {"step": 8, "eval_reward": 0.25, "eval_pass@1": 0.5, "eval_completions/mean_length": 9.0}])
+    grpo = TrainerState(
+        global_step=8,
+        max_steps=8,
+        log_history=[{"step": 8, "eval_reward": 0.25, "eval_pass@1": 0.5, "eval_completions/mean_length": 9.0}],
+    )
     assert "last eval (step 8): eval_reward=0.25  eval_pass@1=0.5" in run_summary(args, grpo)
     own = TrainerState(global_step=8, max_steps=8, log_history=[{"step": 8, "eval_my_score": 3.0}])
     assert "last eval" not in run_summary(args, own)
@@ -234,14 +314,20 @@ def test_metrics_file_is_cut_back_on_resume(tmp_path):
 
 def test_tensorboard_writes_event_files(tmp_path):
     pytest.importorskip("tensorboard")
-    Trainer(tiny_llama(), args_for(tmp_path, max_steps=2, logging_steps=1, report_to="tensorboard"),
-            train_dataset=lm_rows(8)).train()
+    Trainer(
+        tiny_llama(),
+        args_for(tmp_path, max_steps=2, logging_steps=1, report_to="tensorboard"),
+        train_dataset=lm_rows(8),
+    ).train()
     found = [f for _, _, files in os.walk(tmp_path / "runs") for f in files if f.startswith("events.out.tfevents")]
     assert found
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(os.path.dirname(next(
-        os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "runs") for f in fs if f.startswith("events"))))
+    acc = EventAccumulator(
+        os.path.dirname(
+            next(os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "runs") for f in fs if f.startswith("events"))
+        )
+    )
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2]
 

@@ -10,12 +10,12 @@ import os
 import random
 import shutil
 
+import _resume_worker as worker
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import _resume_worker as worker
 from treadle import checkpoint as ckpt, resume
 from treadle.callbacks import TrainerCallback, TrainerState
 from treadle.trainer import Trainer
@@ -50,8 +50,9 @@ def trained(tmp_path_factory):
     from treadle.demos import toy
 
     out = tmp_path_factory.mktemp("trained")
-    trainer = Trainer(worker.make_model(), worker.make_args(str(out), max_steps=2, save_steps=2),
-                      train_dataset=worker.make_rows())
+    trainer = Trainer(
+        worker.make_model(), worker.make_args(str(out), max_steps=2, save_steps=2), train_dataset=worker.make_rows()
+    )
     # set after the constructor: its preflight refuses 103 tokens for a 64-row embedding (docs/runs.md row 88); the
     # rows are ids below 64, and what is under test is that the checkpoint saves the tokenizer
     trainer.processing_class = toy.build_tokenizer()
@@ -71,19 +72,34 @@ def copy_of_checkpoint(trained, tmp_path):
 
 
 def fresh_trainer(output_dir, **overrides):
-    return Trainer(worker.make_model(seed=123), worker.make_args(str(output_dir), **overrides),
-                   train_dataset=worker.make_rows())
+    return Trainer(
+        worker.make_model(seed=123), worker.make_args(str(output_dir), **overrides), train_dataset=worker.make_rows()
+    )
 
 
 # ------------------------------------------------------------------------------------------------ layout
 def test_checkpoint_layout(trained):
     trainer, path = trained
     files = set(os.listdir(path))
-    assert {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
-            "trainer_state.json", "training_args.json", "tokenizer.json", "tokenizer_config.json",
-            "treadle_checkpoint.json"} <= files
-    assert sorted(os.listdir(path.parent)) == [".treadle-run.json", "checkpoint-2", "metrics.jsonl", "run.json",
-                                               "training_args.json"]  # no temp folder; the run's manifest
+    assert {
+        "model.safetensors",
+        "config.json",
+        "optimizer.pt",
+        "scheduler.pt",
+        "rng_state_0.pth",
+        "trainer_state.json",
+        "training_args.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "treadle_checkpoint.json",
+    } <= files
+    assert sorted(os.listdir(path.parent)) == [
+        ".treadle-run.json",
+        "checkpoint-2",
+        "metrics.jsonl",
+        "run.json",
+        "training_args.json",
+    ]  # no temp folder; the run's manifest
 
 
 def test_every_checkpoint_file_reads_without_unpickling(trained):
@@ -130,8 +146,15 @@ def test_a_plain_module_is_saved_as_model_safetensors(tmp_path):
 def test_tied_weights_saved_once_load_back(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     a = LlamaForCausalLM(config)
     ckpt.save_weights(a, str(tmp_path))
@@ -239,8 +262,16 @@ def test_weights_that_do_not_fit_are_refused_and_leave_the_model_untouched(train
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _, path = trained
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=worker.VOCAB, hidden_size=32, intermediate_size=48,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=worker.VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(ckpt.CheckpointError, match=r"checkpoint-2.*do not fit.*mlp"):
         ckpt.load_weights(other, str(path))
@@ -254,6 +285,7 @@ class _Crash(Exception):
 
 def crash_in(monkeypatch, name):
     """Make ``treadle.checkpoint.<name>`` raise, as if the process died at that point of the save."""
+
     def boom(*args, **kwargs):
         raise _Crash(name)
 
@@ -265,8 +297,14 @@ def test_a_save_cut_short_leaves_earlier_checkpoints_and_no_complete_folder(trai
     trainer, _ = trained
     out = tmp_path / "run"
     trainer.state.global_step = 2
-    first = ckpt.save_checkpoint(str(out), model=trainer.model, optimizer=trainer.optimizer,
-                                 scheduler=trainer.lr_scheduler, state=trainer.state, args=trainer.args)
+    first = ckpt.save_checkpoint(
+        str(out),
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.lr_scheduler,
+        state=trainer.state,
+        args=trainer.args,
+    )
     before = digest(first)
     trainer.state.global_step = 4
     with monkeypatch.context() as m:
@@ -275,8 +313,14 @@ def test_a_save_cut_short_leaves_earlier_checkpoints_and_no_complete_folder(trai
         else:  # died while writing the per-rank files, before trainer_state.json
             crash_in(m, "rng_state")
         with pytest.raises(_Crash):
-            ckpt.save_checkpoint(str(out), model=trainer.model, optimizer=trainer.optimizer,
-                                 scheduler=trainer.lr_scheduler, state=trainer.state, args=trainer.args)
+            ckpt.save_checkpoint(
+                str(out),
+                model=trainer.model,
+                optimizer=trainer.optimizer,
+                scheduler=trainer.lr_scheduler,
+                state=trainer.state,
+                args=trainer.args,
+            )
     trainer.state.global_step = 2
     assert sorted(os.listdir(out)) == [".tmp-checkpoint-4", "checkpoint-2"]
     assert ckpt.list_checkpoints(str(out)) == [(2, first)]
@@ -284,8 +328,14 @@ def test_a_save_cut_short_leaves_earlier_checkpoints_and_no_complete_folder(trai
     assert digest(first) == before
     # the next save clears the debris
     trainer.state.global_step = 6
-    ckpt.save_checkpoint(str(out), model=trainer.model, optimizer=trainer.optimizer,
-                         scheduler=trainer.lr_scheduler, state=trainer.state, args=trainer.args)
+    ckpt.save_checkpoint(
+        str(out),
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.lr_scheduler,
+        state=trainer.state,
+        args=trainer.args,
+    )
     trainer.state.global_step = 2
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-6"]
 
@@ -293,8 +343,13 @@ def test_a_save_cut_short_leaves_earlier_checkpoints_and_no_complete_folder(trai
 def test_saving_the_same_step_again_replaces_it_whole(trained, tmp_path):
     trainer, _ = trained
     out = tmp_path / "run"
-    kwargs = dict(model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.lr_scheduler,
-                  state=trainer.state, args=trainer.args)
+    kwargs = dict(
+        model=trainer.model,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.lr_scheduler,
+        state=trainer.state,
+        args=trainer.args,
+    )
     path = ckpt.save_checkpoint(str(out), **kwargs)
     (out / os.path.basename(path) / "stray.txt").write_text("from an older save")
     assert ckpt.save_checkpoint(str(out), **kwargs) == path
@@ -334,15 +389,18 @@ def test_resolve_refuses_what_cannot_be_resumed(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- rotation
-@pytest.mark.parametrize("steps, limit, keep, kept", [
-    ([1, 2, 3, 4, 5], 2, 2, [2, 5]),  # the best survives; the newest always does
-    ([1, 2, 3, 4, 5], 1, 2, [2, 5]),  # a limit of 1 cannot drop the best nor the newest: two remain
-    ([1, 2, 3, 4, 5], 3, 5, [3, 4, 5]),  # the best is the newest
-    ([1, 2, 3, 4, 5], 3, None, [3, 4, 5]),
-    ([1, 2, 3, 4, 5], 1, None, [5]),
-    ([10, 20, 100], 2, 10, [10, 100]),  # ordered by step, not by name
-    ([1, 2], 5, None, [1, 2]),  # under the limit: nothing to delete
-])
+@pytest.mark.parametrize(
+    "steps, limit, keep, kept",
+    [
+        ([1, 2, 3, 4, 5], 2, 2, [2, 5]),  # the best survives; the newest always does
+        ([1, 2, 3, 4, 5], 1, 2, [2, 5]),  # a limit of 1 cannot drop the best nor the newest: two remain
+        ([1, 2, 3, 4, 5], 3, 5, [3, 4, 5]),  # the best is the newest
+        ([1, 2, 3, 4, 5], 3, None, [3, 4, 5]),
+        ([1, 2, 3, 4, 5], 1, None, [5]),
+        ([10, 20, 100], 2, 10, [10, 100]),  # ordered by step, not by name
+        ([1, 2], 5, None, [1, 2]),  # under the limit: nothing to delete
+    ],
+)
 def test_rotation_keeps_the_limit_the_best_and_the_newest(tmp_path, steps, limit, keep, kept):
     for step in steps:
         fake_checkpoint(tmp_path, step)
@@ -382,12 +440,25 @@ class _Listing(TrainerCallback):
 def test_training_rotation_keeps_the_best_and_load_best_model_at_end_reloads_it(tmp_path):
     # evaluations at steps 2, 4, 6, 8 score 0.3, 0.9, 0.5, 0.1: the best is step 4 (greater is better)
     listing = _Listing()
-    args = worker.make_args(str(tmp_path), max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=2,
-                            save_total_limit=1, metric_for_best_model="score", greater_is_better=True,
-                            load_best_model_at_end=True)
-    trainer = Trainer(worker.make_model(), args, train_dataset=worker.make_rows(),
-                      eval_dataset=worker.make_rows(6, seed=9), compute_metrics=_Scores([0.3, 0.9, 0.5, 0.1]),
-                      callbacks=[listing])
+    args = worker.make_args(
+        str(tmp_path),
+        max_steps=8,
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_total_limit=1,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        load_best_model_at_end=True,
+    )
+    trainer = Trainer(
+        worker.make_model(),
+        args,
+        train_dataset=worker.make_rows(),
+        eval_dataset=worker.make_rows(6, seed=9),
+        compute_metrics=_Scores([0.3, 0.9, 0.5, 0.1]),
+        callbacks=[listing],
+    )
     trainer.train()
     assert listing.after_save == [[2], [4], [4, 6], [4, 8]]
     assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-4")

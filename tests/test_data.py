@@ -7,11 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from treadle.demos import toy
 from treadle.data import RepeatSampler, SeededSampler, collator_for, require_columns
+from treadle.demos import toy
 from treadle.packing import long_tensor, right_padded
-from treadle.text import (encode_prompt, encode_prompts, is_conversation, pad_token_id, render_chat_prompt,
-                          split_chat_completion, with_eos)
+from treadle.text import (
+    encode_prompt,
+    encode_prompts,
+    is_conversation,
+    pad_token_id,
+    render_chat_prompt,
+    split_chat_completion,
+    with_eos,
+)
 
 
 def test_seeded_sampler_is_a_function_of_seed_and_epoch():
@@ -40,11 +47,13 @@ def test_repeat_sampler_groups_and_repeats():
 
 
 def test_repeat_sampler_same_prompts_on_every_rank():
-    ranks = [list(RepeatSampler(6, mini_repeat_count=3, batch_size=2, shuffle=True, seed=5, rank=r, world_size=2))
-             for r in range(2)]
-    merged = [ranks[r][i * 3:(i + 1) * 3] for i in range(len(ranks[0]) // 3) for r in range(2)]
+    ranks = [
+        list(RepeatSampler(6, mini_repeat_count=3, batch_size=2, shuffle=True, seed=5, rank=r, world_size=2))
+        for r in range(2)
+    ]
+    merged = [ranks[r][i * 3 : (i + 1) * 3] for i in range(len(ranks[0]) // 3) for r in range(2)]
     flat = [x for chunk in merged for x in chunk]
-    assert all(len(set(flat[i:i + 3])) == 1 for i in range(0, len(flat), 3))  # groups stay whole across ranks
+    assert all(len(set(flat[i : i + 3])) == 1 for i in range(0, len(flat), 3))  # groups stay whole across ranks
     assert sorted(set(flat)) == list(range(6))
 
 
@@ -101,7 +110,10 @@ def test_text_prompts_get_the_special_tokens_and_rendered_chats_do_not(bos_token
     # the template wrote its own special tokens (here none): no bos is added in front of them
     assert encode_prompt(bos_tokenizer, CHAT_PROMPT) == [USER] + ids_of("1+2=\n") + [ASSISTANT]
     assert encode_prompts(bos_tokenizer, ["7=", CHAT_PROMPT, "8="]) == [
-        [BOS] + ids_of("7="), [USER] + ids_of("1+2=\n") + [ASSISTANT], [BOS] + ids_of("8=")]
+        [BOS] + ids_of("7="),
+        [USER] + ids_of("1+2=\n") + [ASSISTANT],
+        [BOS] + ids_of("8="),
+    ]
     assert encode_prompts(bos_tokenizer, []) == []
 
 
@@ -118,8 +130,10 @@ def test_split_chat_completion_is_what_the_whole_chat_adds_after_the_prompt(toke
 def test_split_chat_completion_names_both_texts_when_the_prompt_is_not_a_prefix():
     tok = toy.build_tokenizer()
     # a template whose generation prompt ("<|assistant|>\n") differs from how it opens an assistant turn
-    tok.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+    )
     with pytest.raises(ValueError) as error:
         split_chat_completion(tok, CHAT_PROMPT, CHAT_ANSWER)
     message = str(error.value)

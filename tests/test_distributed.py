@@ -22,10 +22,10 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
+import _dist_worker as worker
 import pytest
 import torch
 
-import _dist_worker as worker
 from treadle import distributed as dist
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
@@ -100,8 +100,17 @@ def launch(scenarios: str, out: Path, *, timeout: float = 420, extra_env: dict |
     """Run the worker under torchrun with 2 CPU processes; returns (exit code, output, seconds)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKER), scenarios, str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(WORKER),
+        scenarios,
+        str(out),
+    ]
     start = time.monotonic()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
@@ -111,11 +120,23 @@ def available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-TRAINER_SCENARIOS = {"sft": "sft", "dpo": "dpo", "dpo_precomputed": "dpo", "grpo": "grpo", "grpo_fsdp": "grpo",
-                     "dpo_padded": "dpo", "grpo_padded": "grpo", "grpo_unshared": "grpo", "grpo_sgd": "grpo",
-                     "grpo_padded_sgd": "grpo", "grpo_groups": "grpo", "distill": "distillation"}
+TRAINER_SCENARIOS = {
+    "sft": "sft",
+    "dpo": "dpo",
+    "dpo_precomputed": "dpo",
+    "grpo": "grpo",
+    "grpo_fsdp": "grpo",
+    "dpo_padded": "dpo",
+    "grpo_padded": "grpo",
+    "grpo_unshared": "grpo",
+    "grpo_sgd": "grpo",
+    "grpo_padded_sgd": "grpo",
+    "grpo_groups": "grpo",
+    "distill": "distillation",
+}
 GOOD_SCENARIOS = ["collectives", "trainer", "fsdp"] + [
-    name for name, module in TRAINER_SCENARIOS.items() if available(f"treadle.trainers.{module}")]
+    name for name, module in TRAINER_SCENARIOS.items() if available(f"treadle.trainers.{module}")
+]
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +195,9 @@ def test_collectives_across_two_ranks(job):
 # Base Trainer: DDP and FSDP2 give the one-process numbers; resume continues exactly
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario, wrapper", [("trainer", "DistributedDataParallel"),
-                                               ("fsdp", "FSDPLlamaForCausalLM")])
+@pytest.mark.parametrize(
+    "scenario, wrapper", [("trainer", "DistributedDataParallel"), ("fsdp", "FSDPLlamaForCausalLM")]
+)
 def test_two_processes_match_one_process_with_twice_the_batch(job, reference, scenario, wrapper):
     got = result(job, scenario)
     assert got["world_size"] == 2 and got["wrapper"] == wrapper
@@ -347,8 +369,9 @@ def test_shared_prefix_under_two_processes_equals_padded(job):
     shared, padded = result(job, "grpo_sgd"), result(job, "grpo_padded_sgd")
     assert shared["losses"] == pytest.approx(padded["losses"], rel=1e-5, abs=1e-7)
     assert shared["rewards"] == padded["rewards"]
-    assert_same_weights(load_weights(job / "grpo_sgd" / "final"), load_weights(job / "grpo_padded_sgd" / "final"),
-                        atol=1e-6)
+    assert_same_weights(
+        load_weights(job / "grpo_sgd" / "final"), load_weights(job / "grpo_padded_sgd" / "final"), atol=1e-6
+    )
 
 
 @pytest.fixture(scope="module")
@@ -383,8 +406,9 @@ def assert_grpo_groups_match(got: dict, weights: dict, reference: dict) -> None:
 
 @pytest.mark.slow
 def test_grpo_with_whole_groups_per_rank_matches_one_process(job, grpo_groups_reference):
-    assert_grpo_groups_match(result(job, "grpo_groups"), load_weights(job / "grpo_groups" / "final"),
-                             grpo_groups_reference)
+    assert_grpo_groups_match(
+        result(job, "grpo_groups"), load_weights(job / "grpo_groups" / "final"), grpo_groups_reference
+    )
 
 
 @pytest.mark.slow
@@ -399,7 +423,7 @@ def test_distillation_two_processes_match_one_process(job, tmp_path):
     assert [a + b for a, b in zip(rank0, rank1)] == want["sampled"]  # each rank half of every generation's prompts
     tokens0, tokens1 = got["tokens_by_rank"]  # per micro-batch, counted once for the window's normaliser
     assert len(tokens0) == len(tokens1) == 4 and sum(tokens0) + sum(tokens1) == sum(want["tokens"])
-    assert any(sum(tokens0[i:i + 2]) != sum(tokens1[i:i + 2]) for i in (0, 2))
+    assert any(sum(tokens0[i : i + 2]) != sum(tokens1[i : i + 2]) for i in (0, 2))
     assert got["losses"] == pytest.approx(want["losses"], rel=LOSS_RTOL)
     # SGD: weights linear in the gradients, so only float32 sums in another order differ (~4e-9 observed); the
     # tolerance of the GRPO SGD comparison. A per-rank normaliser moves them by ~6e-5 here.
@@ -427,9 +451,26 @@ def launch_two_nodes(scenarios: str, out: Path, *, timeout: float = 420):
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # its port held
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "LOGLEVEL": "INFO"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0",
-               "--rdzv-id", f"two-nodes-{store.port}", str(WORKER), scenarios, str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{store.port}",
+        "--rdzv-conf",
+        "is_host=0",
+        "--rdzv-id",
+        f"two-nodes-{store.port}",
+        str(WORKER),
+        scenarios,
+        str(out),
+    ]
     logs = [out / f"node{i}.log" for i in range(2)]
     nodes = []
     try:
@@ -462,14 +503,18 @@ def two_nodes(tmp_path_factory):
         failed = [(code, output) for code, output in launch_two_nodes(",".join(TWO_NODE_SCENARIOS), out) if code]
         if not failed:
             return out
-        warnings.warn(f"two-node job, attempt {attempt + 1}: a node exited {failed[0][0]} (both logs in {out}):\n"
-                      f"{failed[0][1][-4000:]}", stacklevel=1)
+        warnings.warn(
+            f"two-node job, attempt {attempt + 1}: a node exited {failed[0][0]} (both logs in {out}):\n"
+            f"{failed[0][1][-4000:]}",
+            stacklevel=1,
+        )
     raise AssertionError(f"a node of the two-node job failed twice (exit {failed[0][0]}):\n{failed[0][1][-6000:]}")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario, wrapper", [("trainer", "DistributedDataParallel"),
-                                               ("fsdp", "FSDPLlamaForCausalLM")])
+@pytest.mark.parametrize(
+    "scenario, wrapper", [("trainer", "DistributedDataParallel"), ("fsdp", "FSDPLlamaForCausalLM")]
+)
 def test_two_nodes_match_one_process_with_twice_the_batch(two_nodes, reference, scenario, wrapper):
     got = result(two_nodes, scenario)
     assert got["world_size"] == 2 and got["wrapper"] == wrapper
@@ -481,8 +526,9 @@ def test_two_nodes_match_one_process_with_twice_the_batch(two_nodes, reference, 
 
 @pytest.mark.slow
 def test_grpo_across_two_nodes_matches_one_process(two_nodes, grpo_groups_reference):
-    assert_grpo_groups_match(result(two_nodes, "grpo_groups"), load_weights(two_nodes / "grpo_groups" / "final"),
-                             grpo_groups_reference)
+    assert_grpo_groups_match(
+        result(two_nodes, "grpo_groups"), load_weights(two_nodes / "grpo_groups" / "final"), grpo_groups_reference
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -492,8 +538,14 @@ def test_grpo_across_two_nodes_matches_one_process(two_nodes, grpo_groups_refere
 def test_gpu_check_cpu_smoke_runs_ddp_and_fsdp2(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--steps", "2",
-                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--steps", "2", "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failures"] == []

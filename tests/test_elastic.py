@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import _resume_worker as resume_worker
 import pytest
 import torch
 
-import _resume_worker as resume_worker
 from treadle import checkpoint as ckpt, resume
 from treadle.record import runs
 
@@ -62,8 +62,9 @@ def test_a_fresh_auto_run_trains_and_a_second_one_resumes_its_checkpoint(tmp_pat
     # finished run is found and nothing is trained twice
     again = resume_worker.run({"output_dir": out, "resume": "auto", "max_steps": 2, "save_steps": 2})
     assert again.state.global_step == 2
-    assert [e["loss"] for e in again.state.log_history if "loss" in e] == \
-        [e["loss"] for e in first.state.log_history if "loss" in e]
+    assert [e["loss"] for e in again.state.log_history if "loss" in e] == [
+        e["loss"] for e in first.state.log_history if "loss" in e
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -74,8 +75,17 @@ def live_lock(tmp_path):
     """A lock held by a live process of this machine (a sleeping child) for attempt 0 of job "job-a"."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     lock = tmp_path / runs.LOCK_FILE
-    lock.write_text(json.dumps({"pid": child.pid, "host": socket.gethostname(), "started": time.time(),
-                                "elastic_run": "job-a", "attempt": 0}))
+    lock.write_text(
+        json.dumps(
+            {
+                "pid": child.pid,
+                "host": socket.gethostname(),
+                "started": time.time(),
+                "elastic_run": "job-a",
+                "attempt": 0,
+            }
+        )
+    )
     try:
         yield tmp_path
     finally:
@@ -139,8 +149,20 @@ def _load(folder: Path) -> dict[str, torch.Tensor]:
 def test_a_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", "--monitor-interval", "0.5", str(WORKER), str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        str(WORKER),
+        str(tmp_path),
+    ]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
@@ -154,4 +176,6 @@ def test_a_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(tmp_pa
     reference, elastic = _load(tmp_path / "reference" / "final"), _load(tmp_path / "elastic" / "final")
     assert sorted(reference) == sorted(elastic)
     for name in reference:
-        torch.testing.assert_close(elastic[name], reference[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            elastic[name], reference[name], rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )

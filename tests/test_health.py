@@ -10,22 +10,28 @@ import warnings
 
 import pytest
 import torch
-
 from _factories import digit_sum_reward, grpo_args, grpo_trainer
-from treadle.demos import toy
+
 from treadle.callbacks import TrainerCallback, rl_summary
+from treadle.demos import toy
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
-from treadle.metrics import MetricWindow
-from treadle.record.plots import collect_series, health_markers, panel_layout, plot_run, read_events
+from treadle.engines.vllm import weight_sync_unchanged
 from treadle.errors import is_user_error
 from treadle.generation import GenerationOutput
-from treadle.engines.vllm import weight_sync_unchanged
-from treadle.health import (HealthCallback, HealthWarning, TrainingStalled, constant_values, generation_health,
-                            log_warnings)
+from treadle.health import (
+    HealthCallback,
+    HealthWarning,
+    TrainingStalled,
+    constant_values,
+    generation_health,
+    log_warnings,
+)
+from treadle.metrics import MetricWindow
+from treadle.record.plots import collect_series, health_markers, panel_layout, plot_run, read_events
 from treadle.state import TrainerControl, TrainerState
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.grpo.config import HEALTH_CHECKS, resolve_health_checks
+from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.onpolicy.data import Rollout, join_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -49,8 +55,11 @@ def logged(tmp_path):
 # ------------------------------------------------------------------------------------------------ settings
 def test_settings_default_override_switch_off_and_refuse():
     assert GRPOConfig().health_checks == HEALTH_CHECKS
-    assert resolve_health_checks({"patience": 3, "min_entropy": None}) == {**HEALTH_CHECKS, "patience": 3,
-                                                                          "min_entropy": None}
+    assert resolve_health_checks({"patience": 3, "min_entropy": None}) == {
+        **HEALTH_CHECKS,
+        "patience": 3,
+        "min_entropy": None,
+    }
     off = resolve_health_checks(False)
     assert not any(off[k] for k in ("no_learning_signal", "all_truncated", "constant_reward", "weight_sync"))
     assert off["min_entropy"] is None and off["max_clip_ratio"] is None and off["importance_ratio_bounds"] is None
@@ -79,8 +88,9 @@ def test_generation_health_by_hand():
 def test_log_warnings_by_hand():
     checks = dict(HEALTH_CHECKS)
     assert log_warnings({"loss": 0.1, "entropy": 0.5, "clip_ratio/region_mean": 0.1}, checks) == {}
-    found = log_warnings({"entropy": 0.001, "clip_ratio/region_mean": 0.3,
-                          "sampling/importance_sampling_ratio/mean": 2.5}, checks)
+    found = log_warnings(
+        {"entropy": 0.001, "clip_ratio/region_mean": 0.3, "sampling/importance_sampling_ratio/mean": 2.5}, checks
+    )
     assert set(found) == {"min_entropy", "max_clip_ratio", "importance_ratio_bounds"}
     assert "0.001 nats per token, below min_entropy=0.01" in found["min_entropy"]
     assert "0.3 of the tokens" in found["max_clip_ratio"]
@@ -101,7 +111,9 @@ def test_weight_sync_hook_stops_at_the_step_end(tmp_path):
     assert control.should_training_stop and control.should_save
     with pytest.raises(TrainingStalled, match=r"'weight_sync' stopped the run at step 5.*checkpoint-5"):
         callback.raise_if_stopped(args, state)
-    off = HealthCallback({**args.health_checks, "weight_sync": False}, MetricWindow(), num_generations=4, max_completion_length=32)
+    off = HealthCallback(
+        {**args.health_checks, "weight_sync": False}, MetricWindow(), num_generations=4, max_completion_length=32
+    )
     control = TrainerControl()
     off.on_train_begin(args, state, control)
     off.record_weight_sync(True)
@@ -113,8 +125,11 @@ def test_weight_sync_hook_stops_at_the_step_end(tmp_path):
 # ------------------------------------------------------------------------------------------------ crafted runs
 def test_constant_reward_stops_for_no_signal_and_warns_by_name(tmp_path, tok, dataset):
     trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=6)
-    with pytest.warns(HealthWarning, match=r"step 2: reward function 'constant_reward' returned 1 for every sample "
-                                           r"since step 1 \(2 steps\)"):
+    with pytest.warns(
+        HealthWarning,
+        match=r"step 2: reward function 'constant_reward' returned 1 for every sample "
+        r"since step 1 \(2 steps\)",
+    ):
         with pytest.raises(TrainingStalled) as stop:
             trainer.train()
     message = str(stop.value)
@@ -142,20 +157,25 @@ def test_report_marks_the_health_events_on_the_panels_and_the_summary_lists_them
     lines = rl_summary(trainer.state.log_history, trainer.state.stateful_callbacks["HealthCallback"])
     assert lines[0].startswith("reward 1 -> 1; entropy ")
     assert "learning signal in 0% of 2 steps" in lines[1]
-    assert lines[2:] == ["health stop at step 2: no_learning_signal",
-                         "health warning at step 2: constant_reward:constant_reward"]
+    assert lines[2:] == [
+        "health stop at step 2: no_learning_signal",
+        "health warning at step 2: constant_reward:constant_reward",
+    ]
 
 
 def test_rl_summary_by_hand():
-    history = [{"reward": 0.2, "entropy": 1.5, "completions/clipped_ratio": 0.5, "step": 1},
-               {"eval_greedy/accuracy": 0.1, "eval_reward": 0.3, "step": 1},
-               {"reward": 0.6, "entropy": 0.9, "completions/clipped_ratio": 0.25, "step": 2},
-               {"eval_greedy/accuracy": 0.4, "eval_reward": 0.5, "step": 2}]
+    history = [
+        {"reward": 0.2, "entropy": 1.5, "completions/clipped_ratio": 0.5, "step": 1},
+        {"eval_greedy/accuracy": 0.1, "eval_reward": 0.3, "step": 1},
+        {"reward": 0.6, "entropy": 0.9, "completions/clipped_ratio": 0.25, "step": 2},
+        {"eval_greedy/accuracy": 0.4, "eval_reward": 0.5, "step": 2},
+    ]
     health = {"steps": 4, "signal_steps": 3, "warnings": [{"step": 2, "check": "min_entropy", "stop": False}]}
     assert rl_summary(history, health) == [
         "reward 0.2 -> 0.6; eval_greedy/accuracy 0.1 -> 0.4; entropy 1.5 -> 0.9",
         "truncated 37.5% of completions; learning signal in 75% of 4 steps",
-        "health warning at step 2: min_entropy"]
+        "health warning at step 2: min_entropy",
+    ]
     assert rl_summary([{"loss": 1.0, "step": 1}], None) == []  # not an RL run
 
 
@@ -170,17 +190,25 @@ def test_the_stop_resumes_from_its_checkpoint_and_stops_again_while_nothing_chan
 
 def test_a_completion_length_of_one_stops_naming_max_completion_length(tmp_path, tok, dataset):
     trainer = trainer_for(tmp_path, tok, dataset, max_completion_length=1, max_steps=6)
-    with pytest.raises(TrainingStalled, match=r"'all_truncated' stopped the run at step 2: every completion hit "
-                                              r"max_completion_length=1"):
+    with pytest.raises(
+        TrainingStalled,
+        match=r"'all_truncated' stopped the run at step 2: every completion hit "
+        r"max_completion_length=1",
+    ):
         trainer.train()
     assert [r["health/all_truncated"] for r in logged(tmp_path) if "loss" in r] == [1.0, 1.0]
 
 
 def test_a_frozen_policy_warns_once_that_its_entropy_collapsed(tmp_path, tok, dataset):
     # temperature 0.01: the policy samples (and trains) as if frozen onto its argmax completion
-    trainer = trainer_for(tmp_path, tok, dataset, temperature=0.01, max_steps=3,
-                          health_checks={"patience": 2, "no_learning_signal": False, "constant_reward": False,
-                                         "all_truncated": False})
+    trainer = trainer_for(
+        tmp_path,
+        tok,
+        dataset,
+        temperature=0.01,
+        max_steps=3,
+        health_checks={"patience": 2, "no_learning_signal": False, "constant_reward": False, "all_truncated": False},
+    )
     with pytest.warns(HealthWarning, match=r"step 1: the policy's entropy is .* below min_entropy=0.01") as caught:
         trainer.train()
     assert len([w for w in caught if issubclass(w.category, HealthWarning)]) == 1  # once, not every log
@@ -219,14 +247,31 @@ class StaleTrainer(GRPOTrainer):
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
 def test_a_drifted_engine_warns_once_that_the_importance_ratio_left_its_bounds(tmp_path, tok, dataset, mode):
     # token_truncate: every ratio is e = 2.72, clamped at 3; sequence_mask: e^length > 3, every sequence masked to 0
-    args = config(tmp_path, max_steps=3, vllm_importance_sampling_mode=mode,
-                  health_checks={"patience": 2, "no_learning_signal": False, "constant_reward": False,
-                                 "all_truncated": False, "max_clip_ratio": None})
-    trainer = StaleTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
-                           train_dataset=dataset, processing_class=tok)
+    args = config(
+        tmp_path,
+        max_steps=3,
+        vllm_importance_sampling_mode=mode,
+        health_checks={
+            "patience": 2,
+            "no_learning_signal": False,
+            "constant_reward": False,
+            "all_truncated": False,
+            "max_clip_ratio": None,
+        },
+    )
+    trainer = StaleTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        digit_sum_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     assert trainer.corrects_sampling  # not the own LocalEngine: the correction applies
-    with pytest.warns(HealthWarning, match=r"step 1: the mean sampler importance ratio .* is (2\.718|0), outside "
-                                           r"importance_ratio_bounds=\[0.5, 2.0\]") as caught:
+    with pytest.warns(
+        HealthWarning,
+        match=r"step 1: the mean sampler importance ratio .* is (2\.718|0), outside "
+        r"importance_ratio_bounds=\[0.5, 2.0\]",
+    ) as caught:
         trainer.train()
     assert len([w for w in caught if issubclass(w.category, HealthWarning)]) == 1  # once, not every log
     records = [r for r in logged(tmp_path) if "loss" in r]
@@ -256,10 +301,20 @@ class UnsyncedTrainer(GRPOTrainer):
 
 
 def test_an_engine_whose_sync_changed_nothing_stops_the_run(tmp_path, tok, dataset):
-    args = config(tmp_path, max_steps=4, save_strategy="steps", save_steps=1,
-                  health_checks={"no_learning_signal": False, "constant_reward": False, "all_truncated": False})
-    trainer = UnsyncedTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
-                              train_dataset=dataset, processing_class=tok)
+    args = config(
+        tmp_path,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=1,
+        health_checks={"no_learning_signal": False, "constant_reward": False, "all_truncated": False},
+    )
+    trainer = UnsyncedTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        digit_sum_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     with pytest.raises(TrainingStalled, match=r"'weight_sync' stopped the run at step 2"):
         trainer.train()
     assert trainer.state.global_step == 2  # the second generation's sync was the first one checked
@@ -319,15 +374,24 @@ def trained_groups(samples, group):
     out = []
     for s in samples:
         for g in range(0, len(s.advantages), group):
-            out.append((s.advantages[g:g + group], bool(s.completion_mask[g:g + group].sum() > 0)))
+            out.append((s.advantages[g : g + group], bool(s.completion_mask[g : g + group].sum() > 0)))
     return out
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_dynamic_sampling_never_trains_on_a_group_of_equal_rewards(tmp_path, tok, dataset, dynamic):
-    trainer = trainer_for(tmp_path, tok, dataset, reward=half_constant_reward, per_device_train_batch_size=8,
-                          max_steps=4, dynamic_sampling=dynamic, dynamic_sampling_max_rounds=8, seed=1,
-                          health_checks={"patience": 100})
+    trainer = trainer_for(
+        tmp_path,
+        tok,
+        dataset,
+        reward=half_constant_reward,
+        per_device_train_batch_size=8,
+        max_steps=4,
+        dynamic_sampling=dynamic,
+        dynamic_sampling_max_rounds=8,
+        seed=1,
+        health_checks={"patience": 100},
+    )
     spy = SampleSpy(trainer)
     trainer.train()
     groups = trained_groups(spy.samples, 4)
@@ -352,10 +416,21 @@ def test_dynamic_sampling_is_exact_under_gradient_accumulation(tmp_path, tok, da
     runs = []
     for batch, accum in ((8, 1), (4, 2)):
         out = tmp_path / f"b{batch}"
-        trainer = trainer_for(out, tok, dataset, reward=half_constant_reward, per_device_train_batch_size=batch,
-                              gradient_accumulation_steps=accum, max_steps=2, dynamic_sampling=True,
-                              dynamic_sampling_max_rounds=8, seed=1, optim="sgd", learning_rate=0.5,
-                              health_checks={"patience": 100})
+        trainer = trainer_for(
+            out,
+            tok,
+            dataset,
+            reward=half_constant_reward,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accum,
+            max_steps=2,
+            dynamic_sampling=True,
+            dynamic_sampling_max_rounds=8,
+            seed=1,
+            optim="sgd",
+            learning_rate=0.5,
+            health_checks={"patience": 100},
+        )
         assert trainer.args.generation_batch_size == 8
         trainer.train()
         runs.append((trainer, [r for r in logged(out) if "loss" in r]))
@@ -368,8 +443,16 @@ def test_dynamic_sampling_is_exact_under_gradient_accumulation(tmp_path, tok, da
 
 
 def test_dynamic_sampling_masks_what_its_rounds_could_not_fill(tmp_path, tok, dataset):
-    trainer = trainer_for(tmp_path, tok, dataset, reward=constant_reward, max_steps=2, dynamic_sampling=True,
-                          dynamic_sampling_max_rounds=2, health_checks={"patience": 3})
+    trainer = trainer_for(
+        tmp_path,
+        tok,
+        dataset,
+        reward=constant_reward,
+        max_steps=2,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=2,
+        health_checks={"patience": 3},
+    )
     calls = []
     original = trainer.sample_rows  # every draw of a generation samples through it: the first and each round's
     trainer.sample_rows = lambda rows, generator, **kw: calls.append(len(rows)) or original(rows, generator, **kw)
@@ -379,19 +462,27 @@ def test_dynamic_sampling_masks_what_its_rounds_could_not_fill(tmp_path, tok, da
     assert calls == [4, 4, 4] * 2  # the first draw and 2 extra rounds, each generation
     assert all(int(s.completion_mask.sum()) == 0 for s in spy.samples)  # nothing trained on
     records = [r for r in logged(tmp_path) if "loss" in r]
-    assert [(r["dynamic_sampling/rounds"], r["dynamic_sampling/dropped_fraction"],
-             r["dynamic_sampling/unfilled_fraction"]) for r in records] == [(2.0, 1.0, 1.0)] * 2
+    assert [
+        (r["dynamic_sampling/rounds"], r["dynamic_sampling/dropped_fraction"], r["dynamic_sampling/unfilled_fraction"])
+        for r in records
+    ] == [(2.0, 1.0, 1.0)] * 2
 
 
 def test_join_rows_pads_prompts_left_and_completions_right():
     def rollout(prompt_width, completion_width, value):
         n = 2
-        out = GenerationOutput(prompt_ids=torch.full((n, prompt_width), value), prompt_mask=torch.ones(n, prompt_width),
-                               completion_ids=torch.full((n, completion_width), value),
-                               completion_mask=torch.ones(n, completion_width), is_truncated=torch.tensor([True, False]),
-                               sampling_logps=None)
-        return Rollout.of([{"prompt": f"p{value}", "answer": value}] * n, out, [f"c{value}"] * n,
-                          [[value] * completion_width] * n)
+        out = GenerationOutput(
+            prompt_ids=torch.full((n, prompt_width), value),
+            prompt_mask=torch.ones(n, prompt_width),
+            completion_ids=torch.full((n, completion_width), value),
+            completion_mask=torch.ones(n, completion_width),
+            is_truncated=torch.tensor([True, False]),
+            sampling_logps=None,
+        )
+        return Rollout.of(
+            [{"prompt": f"p{value}", "answer": value}] * n, out, [f"c{value}"] * n, [[value] * completion_width] * n
+        )
+
     joined = join_rows([(rollout(1, 3, 7), [1]), (rollout(2, 1, 8), [0, 1])], pad_token_id=0)
     assert joined.generation.prompt_ids.tolist() == [[0, 7], [8, 8], [8, 8]]
     assert joined.generation.prompt_mask.tolist() == [[0, 1], [1, 1], [1, 1]]

@@ -37,11 +37,16 @@ def hub_cache(home: Path, repo: str, commit: str, model, tokenizer, *, ref: str 
 
 
 def run_offline(home: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(models.__file__).parents[1]), str(Path(__file__).parent)])}
+    env = {
+        **os.environ,
+        "HF_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(models.__file__).parents[1]), str(Path(__file__).parent)]),
+    }
     env.pop("HF_HUB_CACHE", None)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow
@@ -51,10 +56,14 @@ def test_a_hub_id_loads_from_the_cache_offline_and_a_missing_one_is_one_line(tmp
     hub_cache(home, "org/tiny", COMMIT, main, tok)
     other = tiny_llama(seed=1, vocab_size=len(tok))  # an older commit, reached by revision only
     hub_cache(home, "org/tiny", OTHER, other, tok, ref=None)
-    reference = {"main": main.model.embed_tokens.weight[5, :4].tolist(),
-                 "other": other.model.embed_tokens.weight[5, :4].tolist()}
+    reference = {
+        "main": main.model.embed_tokens.weight[5, :4].tolist(),
+        "other": other.model.embed_tokens.weight[5, :4].tolist(),
+    }
     (tmp_path / "work").mkdir()
-    result = run_offline(home, f"""
+    result = run_offline(
+        home,
+        f"""
         import json
         import torch
         from treadle.models import load_pretrained
@@ -75,7 +84,9 @@ def test_a_hub_id_loads_from_the_cache_offline_and_a_missing_one_is_one_line(tmp
             except ValueError as error:
                 out[key] = str(error)
         print(json.dumps(out))
-        """, cwd=tmp_path / "work")
+        """,
+        cwd=tmp_path / "work",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["main"] == pytest.approx(reference["main"])  # refs/main's snapshot
@@ -100,7 +111,9 @@ def test_an_existing_folder_wins_over_a_hub_id_of_the_same_name(tmp_path, monkey
 
 
 def test_a_name_that_is_neither_a_folder_nor_an_id_is_one_line(tmp_path):
-    with pytest.raises(ValueError, match=r"model folder \./nowhere/x not found, and it is not a Hugging Face model id"):
+    with pytest.raises(
+        ValueError, match=r"model folder \./nowhere/x not found, and it is not a Hugging Face model id"
+    ):
         models.load_pretrained("./nowhere/x")
 
 
@@ -115,7 +128,9 @@ def test_trust_remote_code_is_passed_only_when_asked(monkeypatch, tmp_path, tok)
         def from_pretrained(klass, *args, **kwargs):
             seen.append((klass.__name__, kwargs.get("trust_remote_code"), kwargs.get("revision")))
             return original(klass, *args, **kwargs)
+
         monkeypatch.setattr(cls, "from_pretrained", classmethod(from_pretrained))
+
     for cls in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
         spy(cls)
     folder = tmp_path / "m"

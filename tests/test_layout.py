@@ -16,12 +16,24 @@ PAGE = SRC.parent / "docs" / "architecture.md"
 # the entry point whose imports inside functions are deliberate: each command imports what it needs (torch and
 # transformers cost seconds). (treadle/__init__.py loads its public names lazily by module name, PEP 562.)
 LAZY_IMPORTERS = {"treadle.cli.command"}
-LEAVES = {"treadle.errors": set(), "treadle.record.runfiles": {"treadle.errors"},
-          "treadle.arguments": {"treadle.optim", "treadle.distributed"},  # a config imports only its validators
-          "treadle.trainers.onpolicy.config": {"treadle.arguments", "treadle.errors", "treadle.engines.options",
-                                               "treadle.generation.sampling", "treadle.generation.single"},
-          "treadle.trainers.grpo.config": {"treadle.trainers.onpolicy.config", "treadle.arguments", "treadle.errors",
-                                           "treadle.losses"}}
+LEAVES = {
+    "treadle.errors": set(),
+    "treadle.record.runfiles": {"treadle.errors"},
+    "treadle.arguments": {"treadle.optim", "treadle.distributed"},  # a config imports only its validators
+    "treadle.trainers.onpolicy.config": {
+        "treadle.arguments",
+        "treadle.errors",
+        "treadle.engines.options",
+        "treadle.generation.sampling",
+        "treadle.generation.single",
+    },
+    "treadle.trainers.grpo.config": {
+        "treadle.trainers.onpolicy.config",
+        "treadle.arguments",
+        "treadle.errors",
+        "treadle.losses",
+    },
+}
 
 
 def module_name(path: Path) -> str:
@@ -143,8 +155,7 @@ RUN_SIDE = {module for module, (number, _) in LAYERS.items() if number == max(n 
 def upward_imports(module: str) -> list[str]:
     """The imports of ``module`` that reach a higher layer than its own, as ``target (layer N)``."""
     own = LAYERS[module][0]
-    return [f"{target} (layer {LAYERS[target][0]})" for target in sorted(GRAPH[module])
-            if LAYERS[target][0] > own]
+    return [f"{target} (layer {LAYERS[target][0]})" for target in sorted(GRAPH[module]) if LAYERS[target][0] > own]
 
 
 def test_the_layer_reader_follows_the_page_and_the_rule_fails_an_upward_import():

@@ -56,20 +56,31 @@ def test_clear_forgets_one_mode_or_all():
 
 
 # ------------------------------------------------------------------ windowed metrics across a resume
-COMMON = dict(seed=0, learning_rate=3e-3, disable_tqdm=True, logging_steps=4, max_steps=4, save_strategy="steps",
-              save_steps=2)
+COMMON = dict(
+    seed=0, learning_rate=3e-3, disable_tqdm=True, logging_steps=4, max_steps=4, save_strategy="steps", save_steps=2
+)
 
 
 def sft(tmp_path, tok, callbacks=()):
     args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, **COMMON)
-    return SFTTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args, callbacks=list(callbacks),
-                      train_dataset=toy.load_task("addition", n=64), processing_class=tok)
+    return SFTTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        args,
+        callbacks=list(callbacks),
+        train_dataset=toy.load_task("addition", n=64),
+        processing_class=tok,
+    )
 
 
 def dpo(tmp_path, tok, callbacks=()):
     args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **COMMON)
-    return DPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args=args, callbacks=list(callbacks),
-                      train_dataset=toy.load_task("addition", kind="preference", n=64), processing_class=tok)
+    return DPOTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        args=args,
+        callbacks=list(callbacks),
+        train_dataset=toy.load_task("addition", kind="preference", n=64),
+        processing_class=tok,
+    )
 
 
 class StopAfter2(TrainerCallback):
@@ -77,8 +88,9 @@ class StopAfter2(TrainerCallback):
         control.should_training_stop = state.global_step == 2
 
 
-@pytest.mark.parametrize("build, metric", [(sft, "mean_token_accuracy"), (dpo, "rewards/accuracies")],
-                         ids=["sft", "dpo"])
+@pytest.mark.parametrize(
+    "build, metric", [(sft, "mean_token_accuracy"), (dpo, "rewards/accuracies")], ids=["sft", "dpo"]
+)
 def test_a_resumed_run_logs_the_window_it_was_saved_in_exactly(tmp_path, build, metric):
     """Checkpoint-2 is written between the logs at steps 0 and 4: the metrics of steps 1-2 travel in it, so the
     resumed run logs at step 4 exactly what the uninterrupted run logged."""

@@ -9,8 +9,16 @@ from _factories import tiny_llama
 from torch import nn
 
 from treadle import models
-from treadle.models import (enable_gradient_checkpointing, eval_mode, forward_parameters, forward_signature,
-                            frozen_reference, is_causal_lm, is_peft_model, unwrapped_for_generation)
+from treadle.models import (
+    enable_gradient_checkpointing,
+    eval_mode,
+    forward_parameters,
+    forward_signature,
+    frozen_reference,
+    is_causal_lm,
+    is_peft_model,
+    unwrapped_for_generation,
+)
 
 
 class Plain(nn.Module):
@@ -145,14 +153,22 @@ def test_is_causal_lm_from_the_config_where_there_is_one():
         pass
 
     assert is_causal_lm(MyForCausalLM()) and is_causal_lm(Wrapper(MyForCausalLM()))
-    classifier = LlamaForSequenceClassification(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16,
-                                                            num_hidden_layers=1, num_attention_heads=2,
-                                                            pad_token_id=0))
+    classifier = LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            pad_token_id=0,
+        )
+    )
     assert not is_causal_lm(classifier)  # cannot generate
     classifier.__class__ = type("MisnamedForCausalLM", (LlamaForSequenceClassification,), {})
     assert not is_causal_lm(classifier)  # a config decides, whatever the class is called
-    t5 = T5ForConditionalGeneration(T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1,
-                                             num_heads=2, decoder_start_token_id=0))
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    )
     assert not is_causal_lm(t5)  # encoder-decoder: its labels are the decoder's targets, not shifted inputs
 
 

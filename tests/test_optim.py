@@ -44,18 +44,23 @@ def test_cosine_with_min_lr_and_restarts():
 def test_warmup_stable_decay_and_inverse_sqrt():
     # wsd: 2 warm-up steps (0, 0.5), stable at 1 until the decay's 2 steps (linear: 1, 0.5), then min_lr_ratio 0
     assert lrs("warmup_stable_decay", 2, 6, steps=7, num_decay_steps=2, decay_type="linear") == pytest.approx(
-        [0.0, 0.5, 1.0, 1.0, 1.0, 0.5, 0.0])
+        [0.0, 0.5, 1.0, 1.0, 1.0, 0.5, 0.0]
+    )
     # inverse_sqrt after warm-up w: 1 / sqrt(s / w) (timescale = w)
-    assert lrs("inverse_sqrt", 4, 10, steps=9)[4:] == pytest.approx([1.0, (4 / 5) ** 0.5, (4 / 6) ** 0.5,
-                                                                     (4 / 7) ** 0.5, (4 / 8) ** 0.5])
+    assert lrs("inverse_sqrt", 4, 10, steps=9)[4:] == pytest.approx(
+        [1.0, (4 / 5) ** 0.5, (4 / 6) ** 0.5, (4 / 7) ** 0.5, (4 / 8) ** 0.5]
+    )
 
 
-@pytest.mark.parametrize("name, kwargs, message", [
-    ("cosine_with_min_lr", {}, "exactly one of min_lr or min_lr_rate"),
-    ("warmup_stable_decay", {}, "num_decay_steps"),
-    ("linear", {"num_cycles": 2}, r"\['num_cycles'\] are not read by lr_scheduler_type='linear'"),
-    ("reduce_lr_on_plateau", {}, "ReduceLROnPlateau"),
-])
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        ("cosine_with_min_lr", {}, "exactly one of min_lr or min_lr_rate"),
+        ("warmup_stable_decay", {}, "num_decay_steps"),
+        ("linear", {"num_cycles": 2}, r"\['num_cycles'\] are not read by lr_scheduler_type='linear'"),
+        ("reduce_lr_on_plateau", {}, "ReduceLROnPlateau"),
+    ],
+)
 def test_schedule_options_are_checked_when_the_arguments_are_built(name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         TrainingArguments(lr_scheduler_type=name, lr_scheduler_kwargs=kwargs)

@@ -31,7 +31,7 @@ def ragged_batch(prompt_lengths, completion_lengths, seed=0):
     ids = torch.randint(8, 100, (len(prompt_lengths), width_p + width_c), generator=g)
     mask = torch.zeros_like(ids)
     for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
-        mask[i, width_p - p:width_p + c] = 1
+        mask[i, width_p - p : width_p + c] = 1
     return ids.masked_fill(mask == 0, 0), mask, width_p
 
 
@@ -80,12 +80,27 @@ def test_log_probs_entropy_and_gradients_equal_the_padded_forward(tok, attn, fas
     results = []
     for padding_free in (False, True):
         model.zero_grad()
-        out = token_logps(model, ids, mask, start=start, return_entropy=True, return_mean_logits=True,
-                          position_ids=positions, padding_free=padding_free)
+        out = token_logps(
+            model,
+            ids,
+            mask,
+            start=start,
+            return_entropy=True,
+            return_mean_logits=True,
+            position_ids=positions,
+            padding_free=padding_free,
+        )
         (out.logps * weights).sum().backward()
-        target = mask[:, start + 1:].bool()
-        results.append((out.logps[target], out.entropy[target], out.mean_logits[target],
-                        [p.grad.clone() for p in model.parameters()], out.logps.detach()))
+        target = mask[:, start + 1 :].bool()
+        results.append(
+            (
+                out.logps[target],
+                out.entropy[target],
+                out.mean_logits[target],
+                [p.grad.clone() for p in model.parameters()],
+                out.logps.detach(),
+            )
+        )
     (lp, ent, ml, grads, full), (lp2, ent2, ml2, grads2, full2) = results
     torch.testing.assert_close(lp2, lp, **TOL)
     torch.testing.assert_close(ent2, ent, **TOL)
@@ -94,7 +109,7 @@ def test_log_probs_entropy_and_gradients_equal_the_padded_forward(tok, attn, fas
         torch.testing.assert_close(g2, g, **TOL)
     with torch.no_grad():
         torch.testing.assert_close(full2, rows_alone(model, ids, mask, start), **TOL)
-    assert torch.equal(full2[~mask[:, start + 1:].bool()], torch.zeros(int((mask[:, start + 1:] == 0).sum())))
+    assert torch.equal(full2[~mask[:, start + 1 :].bool()], torch.zeros(int((mask[:, start + 1 :] == 0).sum())))
 
 
 def test_right_padded_rows_without_position_ids_as_dpo_passes_them(tok):
@@ -139,16 +154,33 @@ def test_a_model_that_leaks_across_packed_rows_falls_back_to_padded_with_a_warni
 def test_grpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_type):
     from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, beta=0.04, per_device_train_batch_size=4,
-                      num_generations=4, max_completion_length=30, disable_tqdm=True, report_to="none",
-                      temperature=0.8)
-    trainer = GRPOTrainer(tiny(tok), lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=[{"prompt": "1+1="}] * 8, processing_class=tok)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        loss_type=loss_type,
+        beta=0.04,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=30,
+        disable_tqdm=True,
+        report_to="none",
+        temperature=0.8,
+    )
+    trainer = GRPOTrainer(
+        tiny(tok),
+        lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=[{"prompt": "1+1="}] * 8,
+        processing_class=tok,
+    )
     micro_batches = []
     for seed, (prompts, completions) in enumerate([([9, 1, 4, 12], [30, 1, 3, 17]), ([2, 6, 2, 5], [8, 2, 25, 1])]):
         ids, mask, width_p = ragged_batch(prompts, completions, seed=seed)
-        batch = {"input_ids": ids, "attention_mask": mask, "completion_mask": mask[:, width_p:].float(),
-                 "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8])}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "completion_mask": mask[:, width_p:].float(),
+            "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8]),
+        }
         with torch.no_grad():  # a policy other than the current one: the old log-probs differ
             noise = 0.05 * torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(seed))
         args.padding_free = False
@@ -185,16 +217,26 @@ def assert_window_equal_both_ways(trainer, micro_batches: list, items: int) -> N
 def test_dpo_losses_and_gradients_equal_the_padded_path(tmp_path, tok, loss_type, rpo_alpha):
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
 
-    rows = [{"prompt": "12+34=", "chosen": "46", "rejected": "47 is what it is, surely, isn't it"},
-            {"prompt": "5+5=", "chosen": "ten, as everyone knows by now", "rejected": "1"},
-            {"prompt": "99+1+1000=", "chosen": "1100", "rejected": "11"}]
-    args = DPOConfig(output_dir=str(tmp_path), loss_type=loss_type, rpo_alpha=rpo_alpha,
-                     label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0), per_device_train_batch_size=3,
-                     disable_tqdm=True, report_to="none")
+    rows = [
+        {"prompt": "12+34=", "chosen": "46", "rejected": "47 is what it is, surely, isn't it"},
+        {"prompt": "5+5=", "chosen": "ten, as everyone knows by now", "rejected": "1"},
+        {"prompt": "99+1+1000=", "chosen": "1100", "rejected": "11"},
+    ]
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        loss_type=loss_type,
+        rpo_alpha=rpo_alpha,
+        label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0),
+        per_device_train_batch_size=3,
+        disable_tqdm=True,
+        report_to="none",
+    )
     trainer = DPOTrainer(tiny(tok), args=args, train_dataset=rows, processing_class=tok)
     with torch.no_grad():  # a reference that differs from the policy
         for p in trainer.ref_model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    batches = [trainer.prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in part]))
-               for part in ([0, 1], [2])]
+    batches = [
+        trainer.prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in part]))
+        for part in ([0, 1], [2])
+    ]
     assert_window_equal_both_ways(trainer, batches, 3)

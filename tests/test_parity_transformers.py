@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from _factories import lm_rows, tiny_llama
 
 transformers = pytest.importorskip("transformers", minversion="5.24")  # train_sampling_strategy
@@ -20,16 +19,29 @@ from treadle.data import collator_for  # noqa: E402
 from treadle.optim import build_scheduler  # noqa: E402
 
 SCHEDULES = [  # (lr_scheduler_type, lr_scheduler_kwargs): every name both have, with and without options
-    ("linear", {}), ("cosine", {}), ("cosine", {"num_cycles": 1.5}), ("constant", {}), ("constant_with_warmup", {}),
-    ("cosine_with_restarts", {"num_cycles": 3}), ("polynomial", {}), ("polynomial", {"lr_end": 0.1, "power": 2.0}),
-    ("inverse_sqrt", {}), ("inverse_sqrt", {"timescale": 5}), ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
-    ("cosine_with_min_lr", {"min_lr": 0.05}), ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
+    ("linear", {}),
+    ("cosine", {}),
+    ("cosine", {"num_cycles": 1.5}),
+    ("constant", {}),
+    ("constant_with_warmup", {}),
+    ("cosine_with_restarts", {"num_cycles": 3}),
+    ("polynomial", {}),
+    ("polynomial", {"lr_end": 0.1, "power": 2.0}),
+    ("inverse_sqrt", {}),
+    ("inverse_sqrt", {"timescale": 5}),
+    ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    ("cosine_with_min_lr", {"min_lr": 0.05}),
+    ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
     ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1, "warmup_lr_rate": 0.2}),
     ("warmup_stable_decay", {"num_decay_steps": 4}),
-    ("warmup_stable_decay", {"num_decay_steps": 4, "warmup_type": "1-sqrt", "decay_type": "linear",
-                             "min_lr_ratio": 0.1}),
-    ("warmup_stable_decay", {"num_decay_steps": 3, "num_stable_steps": 2, "warmup_type": "cosine",
-                             "decay_type": "1-sqrt"}),
+    (
+        "warmup_stable_decay",
+        {"num_decay_steps": 4, "warmup_type": "1-sqrt", "decay_type": "linear", "min_lr_ratio": 0.1},
+    ),
+    (
+        "warmup_stable_decay",
+        {"num_decay_steps": 3, "num_stable_steps": 2, "warmup_type": "cosine", "decay_type": "1-sqrt"},
+    ),
 ]
 
 
@@ -51,10 +63,16 @@ def _lrs(make, steps=14):
 def test_every_schedule_gives_transformers_learning_rate_at_every_step(name, kwargs, warmup):
     from transformers.optimization import get_scheduler
 
-    theirs = _lrs(lambda o: get_scheduler(name, o, num_warmup_steps=warmup, num_training_steps=12,
-                                          scheduler_specific_kwargs=dict(kwargs)))
-    ours = _lrs(lambda o: build_scheduler(name, o, num_warmup_steps=warmup, num_training_steps=12,
-                                          scheduler_kwargs=dict(kwargs)))
+    theirs = _lrs(
+        lambda o: get_scheduler(
+            name, o, num_warmup_steps=warmup, num_training_steps=12, scheduler_specific_kwargs=dict(kwargs)
+        )
+    )
+    ours = _lrs(
+        lambda o: build_scheduler(
+            name, o, num_warmup_steps=warmup, num_training_steps=12, scheduler_kwargs=dict(kwargs)
+        )
+    )
     assert ours == pytest.approx(theirs, abs=1e-12)
 
 
@@ -66,10 +84,23 @@ class InOrder(treadle.Trainer):
         return super().build_sampler(dataset, shuffle=False)
 
 
-COMMON = dict(per_device_train_batch_size=2, per_device_eval_batch_size=4, gradient_accumulation_steps=2,
-              max_steps=4, learning_rate=1e-2, warmup_steps=1, lr_scheduler_type="cosine", weight_decay=0.1,
-              max_grad_norm=0.5, seed=0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-              dataloader_pin_memory=False)
+COMMON = dict(
+    per_device_train_batch_size=2,
+    per_device_eval_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_steps=4,
+    learning_rate=1e-2,
+    warmup_steps=1,
+    lr_scheduler_type="cosine",
+    weight_decay=0.1,
+    max_grad_norm=0.5,
+    seed=0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    dataloader_pin_memory=False,
+)
 
 
 def run_both(tmp_path, rows, eval_rows=None, **overrides):
@@ -79,14 +110,24 @@ def run_both(tmp_path, rows, eval_rows=None, **overrides):
     model = tiny_llama()
     kwargs = {**COMMON, **overrides}
     collator = collator_for(None)  # the same padded batches for both
-    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True,
-                                             train_sampling_strategy="sequential", **kwargs)
-    hf = transformers.Trainer(model=copy.deepcopy(model), args=hf_args, train_dataset=Dataset.from_list(rows),
-                              eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
-                              data_collator=collator)
+    hf_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, train_sampling_strategy="sequential", **kwargs
+    )
+    hf = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=hf_args,
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+        data_collator=collator,
+    )
     hf.train()
-    ours = InOrder(copy.deepcopy(model), treadle.TrainingArguments(output_dir=str(tmp_path / "treadle"), **kwargs),
-                   train_dataset=rows, eval_dataset=eval_rows, data_collator=collator)
+    ours = InOrder(
+        copy.deepcopy(model),
+        treadle.TrainingArguments(output_dir=str(tmp_path / "treadle"), **kwargs),
+        train_dataset=rows,
+        eval_dataset=eval_rows,
+        data_collator=collator,
+    )
     ours.train()
     return hf, ours
 
@@ -103,11 +144,16 @@ def assert_same_weights(a, b, atol=1e-4):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optim, extra", [
-    ("adamw_torch", {"include_num_input_tokens_seen": "all"}),
-    ("adamw_torch_fused", {"include_num_input_tokens_seen": "non_padding"}),
-    ("sgd", {}), ("sgd", {"optim_args": "momentum=0.9,nesterov=True"}), ("adafactor", {}),
-])
+@pytest.mark.parametrize(
+    "optim, extra",
+    [
+        ("adamw_torch", {"include_num_input_tokens_seen": "all"}),
+        ("adamw_torch_fused", {"include_num_input_tokens_seen": "non_padding"}),
+        ("sgd", {}),
+        ("sgd", {"optim_args": "momentum=0.9,nesterov=True"}),
+        ("adafactor", {}),
+    ],
+)
 def test_optimizers_step_as_transformers(tmp_path, optim, extra):
     # unequal label counts per row: accumulation must weigh each token of the window alike (num_items_in_batch)
     hf, ours = run_both(tmp_path, lm_rows(16), optim=optim, **extra)
@@ -125,27 +171,44 @@ def equal_length_rows(n, seed, length=8, vocab_size=64):
     """Rows with the same number of label tokens: transformers' logged losses (means of per-step or per-batch
     means) and treadle's (token means) agree only then (docs/coming-from-transformers-and-trl.md)."""
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": ids, "attention_mask": [1] * length, "labels": ids}
-            for ids in torch.randint(1, vocab_size, (n, length), generator=g).tolist()]
+    return [
+        {"input_ids": ids, "attention_mask": [1] * length, "labels": ids}
+        for ids in torch.randint(1, vocab_size, (n, length), generator=g).tolist()
+    ]
 
 
 @pytest.mark.slow
 def test_eval_save_log_cadence_and_warmup_fraction(tmp_path):
     # 7 steps, eval and save every 3: both evaluate at the start (eval_on_start), at 3, 6 and at the last step 7
     # (transformers 5), and save at 3, 6, 7; a warm-up of 0.3 * 7 -> 3 steps from 0, then a cosine to 20%
-    hf, ours = run_both(tmp_path, equal_length_rows(28, seed=0), eval_rows=equal_length_rows(6, seed=1), max_steps=7,
-                        gradient_accumulation_steps=1, logging_steps=2, eval_strategy="steps", eval_steps=3,
-                        save_strategy="steps", save_steps=3, save_total_limit=2, load_best_model_at_end=True,
-                        eval_on_start=True, warmup_steps=0.3,
-                        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.2})
+    hf, ours = run_both(
+        tmp_path,
+        equal_length_rows(28, seed=0),
+        eval_rows=equal_length_rows(6, seed=1),
+        max_steps=7,
+        gradient_accumulation_steps=1,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=3,
+        save_total_limit=2,
+        load_best_model_at_end=True,
+        eval_on_start=True,
+        warmup_steps=0.3,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.2},
+    )
     evals = {"hf": [], "treadle": []}
     for name, trainer in (("hf", hf), ("treadle", ours)):
         evals[name] = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
     assert [s for s, _ in evals["treadle"]] == [s for s, _ in evals["hf"]] == [0, 3, 6, 7]
     assert [v for _, v in evals["treadle"]] == pytest.approx([v for _, v in evals["hf"]], abs=1e-4)
     # rotation keeps the best and the newest of checkpoints 3, 6, 7 in both
-    kept = {name: sorted(d for d in os.listdir(tmp_path / name) if d.startswith("checkpoint"))
-            for name in ("hf", "treadle")}
+    kept = {
+        name: sorted(d for d in os.listdir(tmp_path / name) if d.startswith("checkpoint"))
+        for name in ("hf", "treadle")
+    }
     assert kept["treadle"] == kept["hf"] and len(kept["hf"]) == 2 and "checkpoint-7" in kept["hf"]
     assert os.path.basename(ours.state.best_model_checkpoint) == os.path.basename(hf.state.best_model_checkpoint)
     # logged training windows: 2, 4, 6 in both; treadle also logs the leftover window at the last step (a documented
@@ -162,9 +225,12 @@ def test_refused_fields_point_to_what_to_do():
     import dataclasses
 
     theirs = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    for name, value, pointer in (("fp16", True, "use bf16=True"), ("torch_compile", True, "does not compile"),
-                                 ("neftune_noise_alpha", 5.0, "forward hook"),
-                                 ("eval_accumulation_steps", 2, "after every batch")):
+    for name, value, pointer in (
+        ("fp16", True, "use bf16=True"),
+        ("torch_compile", True, "does not compile"),
+        ("neftune_noise_alpha", 5.0, "forward hook"),
+        ("eval_accumulation_steps", 2, "after every batch"),
+    ):
         assert name in theirs  # a real transformers field, refused with a pointer rather than unknown
         with pytest.raises(ValueError, match=f"{name} is not supported by treadle: .*{pointer}"):
             treadle.TrainingArguments(**{name: value})

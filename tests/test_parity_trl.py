@@ -18,15 +18,30 @@ from treadle.demos import toy  # noqa: E402
 from treadle.engines.base import RolloutEngine  # noqa: E402
 from treadle.generation import GenerationOutput  # noqa: E402
 
-pytestmark = [pytest.mark.slow,  # each test trains two tiny models for a few steps (seconds each)
-              pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed in v6:FutureWarning")]
+pytestmark = [
+    pytest.mark.slow,  # each test trains two tiny models for a few steps (seconds each)
+    pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed in v6:FutureWarning"),
+]
 
 # lr 1e-3: AdamW turns float-rounding differences in tiny gradients into steps of up to lr, so a larger lr would
 # move a few weights apart by more than 1e-4 although every logged loss and metric agrees
-COMMON = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
-              warmup_steps=0, lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0, seed=0,
-              logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_pin_memory=False,
-              optim="adamw_torch")
+COMMON = dict(
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_steps=3,
+    learning_rate=1e-3,
+    warmup_steps=0,
+    lr_scheduler_type="linear",
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    seed=0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    dataloader_pin_memory=False,
+    optim="adamw_torch",
+)
 TRL_ONLY = dict(use_cpu=True, bf16=False, gradient_checkpointing=False)  # TRL defaults both to True
 
 
@@ -67,13 +82,21 @@ def test_sft_completion_only_loss_matches_trl(tmp_path, tokenizer):
     rows = toy.load_task("addition", kind="sft", n=24)  # prompt / completion: loss on completion + EOS only
     model = toy.build_model("tiny", tokenizer=tokenizer)
     kwargs = dict(COMMON, max_length=64)
-    theirs = trl.SFTTrainer(model=copy.deepcopy(model), processing_class=tokenizer, train_dataset=rows,
-                            args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), train_sampling_strategy="sequential",
-                                               **TRL_ONLY, **kwargs))
+    theirs = trl.SFTTrainer(
+        model=copy.deepcopy(model),
+        processing_class=tokenizer,
+        train_dataset=rows,
+        args=trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"), train_sampling_strategy="sequential", **TRL_ONLY, **kwargs
+        ),
+    )
     theirs.train()
-    ours = in_order(treadle.SFTTrainer)(copy.deepcopy(model),
-                                         treadle.SFTConfig(output_dir=str(tmp_path / "t"), **kwargs),
-                                         train_dataset=rows, processing_class=tokenizer)
+    ours = in_order(treadle.SFTTrainer)(
+        copy.deepcopy(model),
+        treadle.SFTConfig(output_dir=str(tmp_path / "t"), **kwargs),
+        train_dataset=rows,
+        processing_class=tokenizer,
+    )
     ours.train()
     # mean_token_accuracy: treadle's counts every token of the window alike, TRL's averages per-micro-batch
     # accuracies (documented); both are the same only when micro-batches hold equal token counts
@@ -82,8 +105,23 @@ def test_sft_completion_only_loss_matches_trl(tmp_path, tokenizer):
 
 
 # ---- DPO --------------------------------------------------------------------------------------------------------
-TRL_DPO_LOSSES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-                  "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"}
+TRL_DPO_LOSSES = {
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+}
 REWARD_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"]
 
 
@@ -93,16 +131,33 @@ def test_dpo_losses_and_reward_metrics_match_trl(tmp_path, tokenizer, loss_type)
     rows = toy.load_task("addition", kind="preference", n=16)
     model = toy.build_model("tiny", tokenizer=tokenizer)
     # label_smoothing only where TRL reads it (robust, exo_pair); cDPO through sigmoid is a documented departure
-    kwargs = dict(COMMON, beta=0.5, loss_type=loss_type, max_length=64, max_steps=2,
-                  label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0))
-    theirs = trl.DPOTrainer(model=copy.deepcopy(model), ref_model=copy.deepcopy(model), processing_class=tokenizer,
-                            train_dataset=rows,
-                            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), train_sampling_strategy="sequential",
-                                               **TRL_ONLY, **{**kwargs, "loss_type": [loss_type]}))
+    kwargs = dict(
+        COMMON,
+        beta=0.5,
+        loss_type=loss_type,
+        max_length=64,
+        max_steps=2,
+        label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0),
+    )
+    theirs = trl.DPOTrainer(
+        model=copy.deepcopy(model),
+        ref_model=copy.deepcopy(model),
+        processing_class=tokenizer,
+        train_dataset=rows,
+        args=trl.DPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            train_sampling_strategy="sequential",
+            **TRL_ONLY,
+            **{**kwargs, "loss_type": [loss_type]},
+        ),
+    )
     theirs.train()
-    ours = in_order(treadle.DPOTrainer)(copy.deepcopy(model), args=treadle.DPOConfig(output_dir=str(tmp_path / "t"),
-                                                                                      max_prompt_length=None, **kwargs),
-                                         train_dataset=rows, processing_class=tokenizer)
+    ours = in_order(treadle.DPOTrainer)(
+        copy.deepcopy(model),
+        args=treadle.DPOConfig(output_dir=str(tmp_path / "t"), max_prompt_length=None, **kwargs),
+        train_dataset=rows,
+        processing_class=tokenizer,
+    )
     ours.train()
     # IPO's rewards are on the length-averaged scale in treadle and token sums in TRL (documented): loss only
     keys = ["loss", "grad_norm", "learning_rate"] + (REWARD_METRICS if loss_type != "ipo" else [])
@@ -114,12 +169,40 @@ def test_dpo_losses_and_reward_metrics_match_trl(tmp_path, tokenizer, loss_type)
 TRL_GRPO_LOSSES = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"}
 GROUP, MAX_COMPLETION = 4, 6
 # the completions both trainers train on, in order: EOS (id 2) ends some; the others are cut at MAX_COMPLETION
-FIXED = [[14, 15, 2], [16, 2], [20, 21, 22, 23, 24, 25], [17, 18, 19, 2], [14, 14, 2], [30, 31, 2],
-         [15, 2], [40, 41, 42, 43, 44, 45], [16, 2], [16, 2], [16, 2], [16, 2]]  # the last group: zero std
-GRPO_METRICS = ["loss", "grad_norm", "learning_rate", "reward", "reward_std", "frac_reward_zero_std",
-                "rewards/fixed_reward/mean", "rewards/fixed_reward/std", "completions/mean_length",
-                "completions/min_length", "completions/max_length", "completions/clipped_ratio", "kl", "entropy",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"]
+FIXED = [
+    [14, 15, 2],
+    [16, 2],
+    [20, 21, 22, 23, 24, 25],
+    [17, 18, 19, 2],
+    [14, 14, 2],
+    [30, 31, 2],
+    [15, 2],
+    [40, 41, 42, 43, 44, 45],
+    [16, 2],
+    [16, 2],
+    [16, 2],
+    [16, 2],
+]  # the last group: zero std
+GRPO_METRICS = [
+    "loss",
+    "grad_norm",
+    "learning_rate",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "rewards/fixed_reward/mean",
+    "rewards/fixed_reward/std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "kl",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "cispo_clip_ratio",
+]
 
 
 def fixed_reward(completion_ids, **kwargs):
@@ -156,8 +239,11 @@ def trl_rollout(tokenizer):
     def rollout(prompts, trainer):
         completions = fixed_completions(len(prompts), state["handed_out"])
         state["handed_out"] += len(prompts)
-        return {"prompt_ids": [encode_prompt(tokenizer, p) for p in prompts], "completion_ids": completions,
-                "logprobs": [[0.0] * len(c) for c in completions]}
+        return {
+            "prompt_ids": [encode_prompt(tokenizer, p) for p in prompts],
+            "completion_ids": completions,
+            "logprobs": [[0.0] * len(c) for c in completions],
+        }
 
     return rollout
 
@@ -168,8 +254,9 @@ GRPO_CASES = [(loss_type, {}) for loss_type in sorted(set(losses.GRPO_LOSS_TYPES
 ]
 
 
-@pytest.mark.parametrize("loss_type, extra", GRPO_CASES,
-                         ids=[f"{t}-{'-'.join(e) or 'defaults'}" for t, e in GRPO_CASES])
+@pytest.mark.parametrize(
+    "loss_type, extra", GRPO_CASES, ids=[f"{t}-{'-'.join(e) or 'defaults'}" for t, e in GRPO_CASES]
+)
 def test_grpo_losses_and_metrics_match_trl_on_fixed_completions(tmp_path, tokenizer, loss_type, extra, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -183,18 +270,42 @@ def test_grpo_losses_and_metrics_match_trl_on_fixed_completions(tmp_path, tokeni
 
     rows = Dataset.from_list([{"prompt": "12+34="}] * 8)
     toy.build_model("tiny", tokenizer=tokenizer).save_pretrained(tmp_path / "init")  # TRL loads its reference
-    kwargs = dict(COMMON, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2, steps_per_generation=2,
-                  num_iterations=2, num_generations=GROUP, max_completion_length=MAX_COMPLETION, beta=0.1,
-                  epsilon=0.02, loss_type=loss_type, scale_rewards="group", temperature=1.0, max_steps=3, **extra)
+    kwargs = dict(
+        COMMON,
+        per_device_train_batch_size=GROUP,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        num_iterations=2,
+        num_generations=GROUP,
+        max_completion_length=MAX_COMPLETION,
+        beta=0.1,
+        epsilon=0.02,
+        loss_type=loss_type,
+        scale_rewards="group",
+        temperature=1.0,
+        max_steps=3,
+        **extra,
+    )
     ours_args = treadle.GRPOConfig(output_dir=str(tmp_path / "t"), max_prompt_length=None, **kwargs)
     bias_correction = getattr(ours_args, "use_bias_correction_kl", False)  # treadle without it: the plain term
-    theirs = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
-                             processing_class=tokenizer, train_dataset=rows, rollout_func=trl_rollout(tokenizer),
-                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **TRL_ONLY,
-                                                 **{**kwargs, "use_bias_correction_kl": bias_correction}))
+    theirs = trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tmp_path / "init"),
+        reward_funcs=fixed_reward,
+        processing_class=tokenizer,
+        train_dataset=rows,
+        rollout_func=trl_rollout(tokenizer),
+        args=trl.GRPOConfig(
+            output_dir=str(tmp_path / "trl"), **TRL_ONLY, **{**kwargs, "use_bias_correction_kl": bias_correction}
+        ),
+    )
     theirs.train()
-    ours = FixedCompletions(AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
-                            args=ours_args, train_dataset=rows, processing_class=tokenizer)
+    ours = FixedCompletions(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "init"),
+        reward_funcs=fixed_reward,
+        args=ours_args,
+        train_dataset=rows,
+        processing_class=tokenizer,
+    )
     ours.train()
     mine, trls = train_logs(ours), train_logs(theirs)
     assert [h["step"] for h in mine] == [h["step"] for h in trls] == [1, 2, 3]
@@ -229,34 +340,51 @@ def sampling_logps_table(model, tokenizer) -> list[list[float]]:
     with torch.no_grad():
         for completion in FIXED:
             ids = torch.tensor([prompt + completion])
-            logps = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            logps = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
             exact = logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
             table.append((exact + (torch.rand(len(completion), generator=g) - 0.5) * 0.5).tolist())
     return table
 
 
 @pytest.mark.parametrize("mode, clip_min, clip_max", [("sequence_mask", None, 1.3), ("token_truncate", 0.9, 1.1)])
-def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(tmp_path, tokenizer, monkeypatch, mode, clip_min,
-                                                                  clip_max):
+def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(
+    tmp_path, tokenizer, monkeypatch, mode, clip_min, clip_max
+):
     """TRL runs its correction only under vLLM: its trainer is given a rollout_func that returns sampling log-probs,
     with ``use_vllm`` switched on after construction and a weight sync that does nothing; treadle's trainer gets the
     same log-probs from an engine that is not the own sampler. Every logged metric (TRL's ``sampling/*`` included)
     and the weights agree."""
     from types import SimpleNamespace
 
-    from transformers import AutoModelForCausalLM
     from datasets import Dataset
+    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     monkeypatch.setattr("trl.trainer.grpo_trainer.shuffle_sequence_dict", lambda batch: batch)
     rows = Dataset.from_list([{"prompt": "12+34="}] * 8)
     toy.build_model("tiny", tokenizer=tokenizer).save_pretrained(tmp_path / "init")
     table = sampling_logps_table(AutoModelForCausalLM.from_pretrained(tmp_path / "init"), tokenizer)
-    correction = dict(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
-                      vllm_importance_sampling_clip_max=clip_max)
-    kwargs = dict(COMMON, per_device_train_batch_size=GROUP, gradient_accumulation_steps=2, steps_per_generation=2,
-                  num_iterations=2, num_generations=GROUP, max_completion_length=MAX_COMPLETION, beta=0.1,
-                  epsilon=0.02, loss_type="dapo", scale_rewards="group", temperature=1.0, max_steps=3, **correction)
+    correction = dict(
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+    )
+    kwargs = dict(
+        COMMON,
+        per_device_train_batch_size=GROUP,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        num_iterations=2,
+        num_generations=GROUP,
+        max_completion_length=MAX_COMPLETION,
+        beta=0.1,
+        epsilon=0.02,
+        loss_type="dapo",
+        scale_rewards="group",
+        temperature=1.0,
+        max_steps=3,
+        **correction,
+    )
     rollout = trl_rollout(tokenizer)
 
     def with_logps(prompts, trainer):
@@ -264,9 +392,14 @@ def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(tmp_path, tokeni
         out["logprobs"] = [table[FIXED.index(c)] for c in out["completion_ids"]]
         return out
 
-    theirs = trl.GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
-                             processing_class=tokenizer, train_dataset=rows, rollout_func=with_logps,
-                             args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **TRL_ONLY, **kwargs))
+    theirs = trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tmp_path / "init"),
+        reward_funcs=fixed_reward,
+        processing_class=tokenizer,
+        train_dataset=rows,
+        rollout_func=with_logps,
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **TRL_ONLY, **kwargs),
+    )
     theirs.use_vllm, theirs.vllm_generation = True, SimpleNamespace(sync_weights=lambda: None)
     theirs._last_loaded_step = -1  # set in its __init__ only under use_vllm
     theirs.train()
@@ -280,18 +413,23 @@ def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(tmp_path, tokeni
             out = super().generate(prompt_ids, num_generations=num_generations, generator=generator)
             logps = torch.zeros(out.completion_ids.shape)
             for row, completion in enumerate(fixed_completions(out.completion_ids.shape[0], start)):
-                logps[row, :len(completion)] = torch.tensor(table[FIXED.index(completion)])
+                logps[row, : len(completion)] = torch.tensor(table[FIXED.index(completion)])
             out.sampling_logps = logps
             return out
 
-    ours = Ours(AutoModelForCausalLM.from_pretrained(tmp_path / "init"), reward_funcs=fixed_reward,
-                args=treadle.GRPOConfig(output_dir=str(tmp_path / "t"), max_prompt_length=None, **kwargs),
-                train_dataset=rows, processing_class=tokenizer)
+    ours = Ours(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "init"),
+        reward_funcs=fixed_reward,
+        args=treadle.GRPOConfig(output_dir=str(tmp_path / "t"), max_prompt_length=None, **kwargs),
+        train_dataset=rows,
+        processing_class=tokenizer,
+    )
     assert ours.corrects_sampling
     ours.train()
     mine, trls = train_logs(ours), train_logs(theirs)
     sampling = [f"sampling/sampling_logp_difference/{k}" for k in ("mean", "max")] + [
-        f"sampling/importance_sampling_ratio/{k}" for k in ("min", "mean", "max")]
+        f"sampling/importance_sampling_ratio/{k}" for k in ("min", "mean", "max")
+    ]
     assert [h["step"] for h in mine] == [h["step"] for h in trls] == [1, 2, 3]
     assert all(k in trls[0] for k in sampling) and trls[0]["sampling/sampling_logp_difference/max"] > 0.1
     for step, (a, b) in enumerate(zip(trls, mine), start=1):

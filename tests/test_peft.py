@@ -15,24 +15,42 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from _factories import (PAIRS, SFT_ROWS, dpo_trainer, grpo_trainer, length_reward, reward_trainer,  # noqa: E402
-                        sft_trainer, tiny_reward_model)
-from treadle import TrainerCallback  # noqa: E402
+from _factories import (  # noqa: E402
+    PAIRS,
+    SFT_ROWS,
+    dpo_trainer,
+    grpo_trainer,
+    length_reward,
+    reward_trainer,
+    sft_trainer,
+    tiny_reward_model,
+)
+
+from treadle import (
+    TrainerCallback,  # noqa: E402
+    peft as treadle_peft,  # noqa: E402
+)
 from treadle.demos import toy  # noqa: E402
-from treadle import peft as treadle_peft  # noqa: E402
 from treadle.generation import generate_completions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = dict(disable_tqdm=True, save_strategy="no", per_device_train_batch_size=2, learning_rate=1e-2,
-              logging_steps=1, report_to="none")
+COMMON = dict(
+    disable_tqdm=True,
+    save_strategy="no",
+    per_device_train_batch_size=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    report_to="none",
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lora(**overrides):
-    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "task_type": "CAUSAL_LM",
-                              **overrides})
+    return peft.LoraConfig(
+        **{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "task_type": "CAUSAL_LM", **overrides}
+    )
 
 
 class StopAt(TrainerCallback):
@@ -51,13 +69,21 @@ def build(kind: str, tmp_path, tok, model=None, peft_config=None, stop=None, **o
     callbacks = [StopAt(stop)] if stop else []
     fields = {**COMMON, "max_steps": 2, **overrides}
     if kind == "sft":
-        return sft_trainer(tmp_path / kind, tok, SFT_ROWS, model, peft_config=peft_config, callbacks=callbacks,
-                           **fields)
+        return sft_trainer(
+            tmp_path / kind, tok, SFT_ROWS, model, peft_config=peft_config, callbacks=callbacks, **fields
+        )
     if kind == "dpo":
         return dpo_trainer(tmp_path / kind, tok, PAIRS, model, peft_config=peft_config, **fields)
     fields.update(per_device_train_batch_size=4, num_generations=4, max_completion_length=4)
-    return grpo_trainer(tmp_path, tok, toy.load_task("addition", kind="rl", n=8), length_reward, model=model,
-                        peft_config=peft_config, **{"beta": 0.1, "output_dir": str(tmp_path / kind), **fields})
+    return grpo_trainer(
+        tmp_path,
+        tok,
+        toy.load_task("addition", kind="rl", n=8),
+        length_reward,
+        model=model,
+        peft_config=peft_config,
+        **{"beta": 0.1, "output_dir": str(tmp_path / kind), **fields},
+    )
 
 
 def logits(model, ids=((1, 9, 10, 79, 11, 87),)):
@@ -94,8 +120,11 @@ def test_reward_trainer_with_a_sequence_classification_lora(tmp_path, tok):
     trainer.train()
     trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trained and all("lora_" in n or "score" in n for n in trained)
-    after = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
-             for k, v in trainer.model.state_dict().items() if "lora_" not in k and "modules_to_save" not in k}
+    after = {
+        k.replace("base_model.model.", "").replace(".base_layer", ""): v
+        for k, v in trainer.model.state_dict().items()
+        if "lora_" not in k and "modules_to_save" not in k
+    }
     after = {k.replace(".original_module", ""): v for k, v in after.items()}
     assert all(torch.equal(after[k], v) for k, v in before.items())  # the base model and its original head
 
@@ -150,16 +179,30 @@ def test_grpo_kl_reference_is_the_base_model(tmp_path, tok):
 def test_fast_generation_samples_from_the_adapted_model(tok):
     model = treadle_peft.apply_peft(toy.build_model("tiny", tokenizer=tok), lora(init_lora_weights=False))
     prompts = [[1, 9, 10, 79], [1, 12, 87]]
-    out = generate_completions(model, prompts, num_generations=1, max_new_tokens=6, eos_token_id=None,
-                               pad_token_id=0, do_sample=False, backend="fast")
+    out = generate_completions(
+        model,
+        prompts,
+        num_generations=1,
+        max_new_tokens=6,
+        eos_token_id=None,
+        pad_token_id=0,
+        do_sample=False,
+        backend="fast",
+    )
     with torch.no_grad():
         for row, prompt in enumerate(prompts):
-            want = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+            want = model.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt) :]
             assert out.completion_ids[row].tolist() == want.tolist()
         with model.disable_adapter():  # and not from the base model
-            base = model.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=6, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, 4:]
+            base = model.generate(
+                input_ids=torch.tensor([prompts[0]]),
+                max_new_tokens=6,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, 4:]
     assert out.completion_ids[0].tolist() != base.tolist()
     assert all(not p.requires_grad or "lora_" in n for n, p in model.named_parameters())
 
@@ -230,8 +273,16 @@ def resume_run(output_dir: str, resume: str | None = None, stop: int | None = No
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same reduction order as the resuming process
     try:
-        trainer = build("sft", Path(output_dir), toy.build_tokenizer(), max_steps=4, save_strategy="steps",
-                        save_steps=2, peft_config=lora(lora_dropout=0.3), stop=stop)
+        trainer = build(
+            "sft",
+            Path(output_dir),
+            toy.build_tokenizer(),
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+            peft_config=lora(lora_dropout=0.3),
+            stop=stop,
+        )
         trainer.train(resume_from_checkpoint=resume)
     finally:
         torch.set_num_threads(threads)
@@ -260,8 +311,15 @@ def test_a_lora_run_resumes_exactly_in_a_new_process(tmp_path):
 
 # ---- the peft: mapping, errors ---------------------------------------------------------------------------
 def test_lora_config_from_a_yaml_mapping():
-    config = treadle_peft.lora_config({"r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": "all-linear",
-                                 "modules_to_save": ["lm_head"]})
+    config = treadle_peft.lora_config(
+        {
+            "r": 8,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "target_modules": "all-linear",
+            "modules_to_save": ["lm_head"],
+        }
+    )
     assert isinstance(config, peft.LoraConfig) and config.task_type == "CAUSAL_LM"
     assert (config.r, config.lora_alpha, config.target_modules) == (8, 16, "all-linear")
     with pytest.raises(ValueError, match="unknown LoraConfig key.*'rank'"):
@@ -293,8 +351,23 @@ def test_cli_trains_a_lora_run_and_merges_it(tmp_path, capsys):
 
     config = ROOT / "examples" / "lora.yaml"
     run = tmp_path / "run"
-    assert main(["train", str(config), "--output_dir", str(run), "--max_steps", "2", "--disable_tqdm", "true",
-                 "--merge_adapters", "false"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(config),
+                "--output_dir",
+                str(run),
+                "--max_steps",
+                "2",
+                "--disable_tqdm",
+                "true",
+                "--merge_adapters",
+                "false",
+            ]
+        )
+        == 0
+    )
     assert not (run / "merged").exists()
     with open(run / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == "toy:tiny"
@@ -313,10 +386,22 @@ def test_cli_trains_a_lora_run_and_merges_it(tmp_path, capsys):
 def test_ddp_and_fsdp2_lora_match_one_process(tmp_path):
     import _peft_dist_worker as worker
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(ROOT / "tests" / "_peft_dist_worker.py"), str(tmp_path)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "tests" / "_peft_dist_worker.py"),
+        str(tmp_path),
+    ]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     want = worker.run(str(tmp_path / "one"), world_size=1)

@@ -18,16 +18,16 @@ import subprocess
 import sys
 import time
 
+import _resume_worker as worker
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import _resume_worker as worker
 from treadle import checkpoint as ckpt
-from treadle.record import fingerprints
 from treadle.callbacks import TrainerCallback
 from treadle.data import SeededSampler
 from treadle.errors import Interrupted, Preempted
+from treadle.record import fingerprints
 from treadle.trainer import Trainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
@@ -67,8 +67,10 @@ def metrics_file(output_dir) -> list[dict]:
 def reference(tmp_path_factory):
     """The uninterrupted runs, never checkpointed: one logging every step, one logging every 4 steps."""
     root = tmp_path_factory.mktemp("reference")
-    return {"every_step": in_process({"output_dir": str(root / "a"), "save_strategy": "no", **LOG_EVERY_STEP}),
-            "windows": in_process({"output_dir": str(root / "b"), "save_strategy": "no", **LOG_WINDOWS})}
+    return {
+        "every_step": in_process({"output_dir": str(root / "a"), "save_strategy": "no", **LOG_EVERY_STEP}),
+        "windows": in_process({"output_dir": str(root / "b"), "save_strategy": "no", **LOG_WINDOWS}),
+    }
 
 
 # ---------------------------------------------------------------------------------------- in one process
@@ -96,7 +98,7 @@ def window_items(steps: list[int]) -> int:
         sampler = SeededSampler(len(rows), seed=worker.ARGS["seed"])
         sampler.set_epoch(epoch)
         order = sampler.indices()
-        for i in order[step_in_epoch * batch * accum: (step_in_epoch + 1) * batch * accum]:
+        for i in order[step_in_epoch * batch * accum : (step_in_epoch + 1) * batch * accum]:
             total += sum(label != -100 for label in rows[i]["labels"][1:])
     return total
 
@@ -157,18 +159,25 @@ class _SignalSelf(TrainerCallback):
         self.train_end_steps.append(state.global_step)
 
 
-@pytest.mark.parametrize("signum, save_only_model, raised", [(signal.SIGTERM, False, Preempted),
-                                                             (signal.SIGINT, True, Interrupted)],
-                         ids=["SIGTERM", "Ctrl-C with save_only_model"])
-def test_a_signal_mid_step_checkpoints_that_step_then_raises(tmp_path, reference, capsys, signum, save_only_model,
-                                                             raised):
+@pytest.mark.parametrize(
+    "signum, save_only_model, raised",
+    [(signal.SIGTERM, False, Preempted), (signal.SIGINT, True, Interrupted)],
+    ids=["SIGTERM", "Ctrl-C with save_only_model"],
+)
+def test_a_signal_mid_step_checkpoints_that_step_then_raises(
+    tmp_path, reference, capsys, signum, save_only_model, raised
+):
     """SIGTERM raises Preempted (a SystemExit with code 143), Ctrl-C Interrupted (a KeyboardInterrupt): never a
     SystemExit(0) that would tell a script or an orchestrator the run had finished."""
     out = str(tmp_path / "run")
     sender = _SignalSelf(4, signum)
     handler_before = signal.getsignal(signum)
-    trainer = Trainer(worker.make_model(), worker.make_args(out, save_only_model=save_only_model),
-                      train_dataset=worker.make_rows(), callbacks=[sender])
+    trainer = Trainer(
+        worker.make_model(),
+        worker.make_args(out, save_only_model=save_only_model),
+        train_dataset=worker.make_rows(),
+        callbacks=[sender],
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as worker.run, to compare with the reference
     try:
@@ -194,8 +203,12 @@ def test_a_signal_mid_step_checkpoints_that_step_then_raises(tmp_path, reference
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     out = str(tmp_path / "run")
     handler_before = signal.getsignal(signal.SIGINT)
-    trainer = Trainer(worker.make_model(), worker.make_args(out), train_dataset=worker.make_rows(),
-                      callbacks=[_SignalSelf(2, signal.SIGINT, times=2)])
+    trainer = Trainer(
+        worker.make_model(),
+        worker.make_args(out),
+        train_dataset=worker.make_rows(),
+        callbacks=[_SignalSelf(2, signal.SIGINT, times=2)],
+    )
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert trainer.state.global_step == 1 and ckpt.list_checkpoints(out) == []
@@ -209,14 +222,18 @@ def stopped_at_2(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"per_device_train_batch_size": 4}, r"train_batch_size: checkpoint 2 vs now 4"),
-    ({"gradient_accumulation_steps": 1}, r"gradient_accumulation_steps: checkpoint 2 vs now 1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"per_device_train_batch_size": 4}, r"train_batch_size: checkpoint 2 vs now 4"),
+        ({"gradient_accumulation_steps": 1}, r"gradient_accumulation_steps: checkpoint 2 vs now 1"),
+    ],
+)
 def test_resuming_with_another_batch_shape_is_refused(stopped_at_2, tmp_path, change, message):
     shutil.copytree(stopped_at_2, tmp_path / "run")
-    trainer = Trainer(worker.make_model(seed=5), worker.make_args(str(tmp_path / "run"), **change),
-                      train_dataset=worker.make_rows())
+    trainer = Trainer(
+        worker.make_model(seed=5), worker.make_args(str(tmp_path / "run"), **change), train_dataset=worker.make_rows()
+    )
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint-2.*{message}.*same batch size, accumulation"):
         trainer.train(resume_from_checkpoint=True)
@@ -242,8 +259,7 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
     in_process({"output_dir": out, "save_steps": 2, "stop_at": 8})
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [2, 4, 6, 8]
     args = worker.make_args(out, save_steps=3, save_total_limit=1)
-    trainer = Trainer(worker.make_model(), args, train_dataset=worker.make_rows(),
-                      callbacks=[_StopAt(3)])
+    trainer = Trainer(worker.make_model(), args, train_dataset=worker.make_rows(), callbacks=[_StopAt(3)])
     trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     assert [s for s, _ in ckpt.list_checkpoints(out)] == [3, 8]
 
@@ -308,8 +324,12 @@ def interrupted(tmp_path_factory, reference):
         "term": {"sigterm_at": 7, "marker": str(root / "term.ready"), "go": str(root / "term.go"), **LOG_WINDOWS},
     }
     second = {"kill": {"save_steps": 4, **LOG_EVERY_STEP}, "term": LOG_WINDOWS}
-    procs = {name: launch({"output_dir": str(dirs[name]), "result": str(root / f"{name}.first.json"), **spec},
-                          f"{name}.first", root) for name, spec in first.items()}
+    procs = {
+        name: launch(
+            {"output_dir": str(dirs[name]), "result": str(root / f"{name}.first.json"), **spec}, f"{name}.first", root
+        )
+        for name, spec in first.items()
+    }
     seen = {name: {} for name in first}
 
     wait_for(first["term"]["marker"], procs["term"])
@@ -330,8 +350,14 @@ def interrupted(tmp_path_factory, reference):
     seen["term"]["first"] = read_json(root / "term.first.json")
     seen["term"]["carried_items"] = carried_loss_items(str(dirs["term"] / "checkpoint-7"))
 
-    procs = {name: launch({"output_dir": str(dirs[name]), "resume": True, "result": str(root / f"{name}.second.json"),
-                           **spec}, f"{name}.second", root) for name, spec in second.items()}
+    procs = {
+        name: launch(
+            {"output_dir": str(dirs[name]), "resume": True, "result": str(root / f"{name}.second.json"), **spec},
+            f"{name}.second",
+            root,
+        )
+        for name, spec in second.items()
+    }
     for name, proc in procs.items():
         code = finish(proc)
         assert code == 0, f"{name} resume failed:\n{proc.log.read_text()[-3000:]}"
@@ -351,14 +377,29 @@ def test_sigkill_during_a_save_leaves_earlier_checkpoints_and_no_complete_folder
     kill = interrupted["kill"]
     assert kill["returncode"] == -signal.SIGKILL
     # the killed run's lock stays behind; the resumed process takes it over (a dead pid of this machine)
-    assert kill["listing"] == [".tmp-checkpoint-8", ".treadle-run.json", ".treadle.lock", "checkpoint-4", "metrics.jsonl",
-                               "run.json", "training_args.json"]
+    assert kill["listing"] == [
+        ".tmp-checkpoint-8",
+        ".treadle-run.json",
+        ".treadle.lock",
+        "checkpoint-4",
+        "metrics.jsonl",
+        "run.json",
+        "training_args.json",
+    ]
     assert "model.safetensors" in kill["tmp listing"] and "trainer_state.json" not in kill["tmp listing"]
     assert kill["checkpoints"] == [4]  # what resume_from_checkpoint=True picks
     assert kill["checkpoint-4 after"] == kill["checkpoint-4 before"]
     # the resumed process cleared the debris and checkpointed at 8 (save_steps) and 9 (the end)
-    assert kill["listing after"] == [".treadle-run.json", "checkpoint-4", "checkpoint-8", "checkpoint-9", "final", "metrics.jsonl",
-                                     "run.json", "training_args.json"]
+    assert kill["listing after"] == [
+        ".treadle-run.json",
+        "checkpoint-4",
+        "checkpoint-8",
+        "checkpoint-9",
+        "final",
+        "metrics.jsonl",
+        "run.json",
+        "training_args.json",
+    ]
 
 
 @pytest.mark.slow
@@ -368,8 +409,15 @@ def test_sigterm_finishes_the_step_saves_and_exits_143(interrupted):
     assert term["first"]["steps"] == [1, 2, 3, 4, 5, 6, 7]  # step 7 was finished, no step 8 begun
     assert term["first"]["train_end_step"] == 7  # on_train_end fired
     assert term["checkpoints"] == [3, 6, 7]
-    assert term["listing"] == [".treadle-run.json", "checkpoint-3", "checkpoint-6", "checkpoint-7", "metrics.jsonl",
-                               "run.json", "training_args.json"]
+    assert term["listing"] == [
+        ".treadle-run.json",
+        "checkpoint-3",
+        "checkpoint-6",
+        "checkpoint-7",
+        "metrics.jsonl",
+        "run.json",
+        "training_args.json",
+    ]
     assert "stopped by SIGTERM after step 7" in term["stderr"]
     assert "checkpoint-7" in term["stderr"] and "resume_from_checkpoint=True" in term["stderr"]
 

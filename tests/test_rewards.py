@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from treadle import rewards
-from treadle.rewards import (RewardFunctionError, call_reward_function, completion_text, exact_match,
-                             overlong_penalty, regex_format, reward_name, score_completions, weighted_rewards)
+from treadle.rewards import (
+    RewardFunctionError,
+    call_reward_function,
+    completion_text,
+    exact_match,
+    overlong_penalty,
+    regex_format,
+    reward_name,
+    score_completions,
+    weighted_rewards,
+)
 
 PROMPTS = ["1+1=", "2+2="]
 COMPLETIONS = ["2", "5"]
@@ -19,8 +28,9 @@ COLUMNS = {"answer": ["2", "4"]}
 
 
 def call(fn, step=3):
-    return call_reward_function(fn, prompts=PROMPTS, completions=COMPLETIONS, completion_ids=IDS,
-                                columns=COLUMNS, step=step)
+    return call_reward_function(
+        fn, prompts=PROMPTS, completions=COMPLETIONS, completion_ids=IDS, columns=COLUMNS, step=step
+    )
 
 
 def test_docstring_examples():
@@ -39,8 +49,9 @@ def test_called_with_keywords_and_every_column():
     assert seen == {"prompts": PROMPTS, "completions": COMPLETIONS, "completion_ids": IDS, "answer": ["2", "4"]}
 
 
-@pytest.mark.parametrize("values", [torch.tensor([1.0, 0.0]), np.array([1.0, 0.0]), (True, 0),
-                                    [np.float32(1.0), torch.tensor(0.0)]])
+@pytest.mark.parametrize(
+    "values", [torch.tensor([1.0, 0.0]), np.array([1.0, 0.0]), (True, 0), [np.float32(1.0), torch.tensor(0.0)]]
+)
 def test_accepted_return_types(values):
     assert call(lambda **kw: values) == [1.0, 0.0]
 
@@ -101,8 +112,15 @@ def test_a_completion_no_function_scores_is_an_error():
         return [None, None]
 
     with pytest.raises(RewardFunctionError, match=r"no reward function scored sample 1 at step 2"):
-        score_completions([only_first, never], [1.0, 1.0], prompts=PROMPTS, completions=COMPLETIONS,
-                          completion_ids=IDS, columns=COLUMNS, step=2)
+        score_completions(
+            [only_first, never],
+            [1.0, 1.0],
+            prompts=PROMPTS,
+            completions=COMPLETIONS,
+            completion_ids=IDS,
+            columns=COLUMNS,
+            step=2,
+        )
 
 
 # ----------------------------------------------------------------------------------------- combination
@@ -113,8 +131,9 @@ def test_score_matrix_and_weighted_sum_skip_no_opinion():
     def b(**kw):
         return [0.5, 2.0]
 
-    matrix = score_completions([a, b], [2.0, -1.0], prompts=PROMPTS, completions=COMPLETIONS, completion_ids=IDS,
-                               columns=COLUMNS, step=0)
+    matrix = score_completions(
+        [a, b], [2.0, -1.0], prompts=PROMPTS, completions=COMPLETIONS, completion_ids=IDS, columns=COLUMNS, step=0
+    )
     assert matrix.shape == (2, 2)
     assert matrix[0].tolist() == [1.0, 0.5] and math.isnan(matrix[1, 0]) and matrix[1, 1] == 2.0
     # row 0: 2*1 - 1*0.5 = 1.5; row 1: a has no opinion, -1*2 = -2
@@ -149,8 +168,14 @@ def test_completion_text():
 
 def test_regex_format_needs_a_full_match():
     fmt = regex_format(r"<answer>\d+</answer>")
-    assert fmt(completions=["<answer>12</answer>", "<answer>12</answer> extra", "<answer>x</answer>",
-                            [{"role": "assistant", "content": "<answer>3</answer>"}]]) == [1.0, 0.0, 0.0, 1.0]
+    assert fmt(
+        completions=[
+            "<answer>12</answer>",
+            "<answer>12</answer> extra",
+            "<answer>x</answer>",
+            [{"role": "assistant", "content": "<answer>3</answer>"}],
+        ]
+    ) == [1.0, 0.0, 0.0, 1.0]
     assert fmt.__name__ == "regex_format"
 
 

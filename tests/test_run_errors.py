@@ -23,8 +23,14 @@ ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (
 
 
 def treadle(*argv, cwd, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "treadle", *map(str, argv)], cwd=cwd, capture_output=True,
-                          text=True, env={**os.environ, **ENV, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "treadle", *map(str, argv)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def error_line(result, code: int = 2) -> str:
@@ -47,9 +53,19 @@ def write_jsonl(path, rows) -> Path:
 
 
 def write_config(folder, **keys) -> Path:
-    config = {"trainer": "sft", "model": "toy:tiny", "dataset": "data.jsonl", "output_dir": "run", "max_steps": 2,
-              "per_device_train_batch_size": 4, "save_steps": 1, "logging_steps": 1, "disable_tqdm": True,
-              "learning_rate": 1e-3, **keys}
+    config = {
+        "trainer": "sft",
+        "model": "toy:tiny",
+        "dataset": "data.jsonl",
+        "output_dir": "run",
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "save_steps": 1,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "learning_rate": 1e-3,
+        **keys,
+    }
     path = Path(folder) / "cfg.yaml"
     path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in config.items()))
     if not (Path(folder) / "data.jsonl").exists():
@@ -94,10 +110,15 @@ def test_a_new_run_into_a_folder_holding_a_run_is_refused_and_nothing_changes(wo
     assert snapshot(work / "run") == before
 
 
-@pytest.mark.parametrize("output_dir, needle", [
-    ("{model}", "is the model folder"), ("{model}/out", "is inside the model folder"),
-    ("cfg.yaml", "is a file, not a folder"), ("cfg.yaml/run", "cannot be created: "),
-])
+@pytest.mark.parametrize(
+    "output_dir, needle",
+    [
+        ("{model}", "is the model folder"),
+        ("{model}/out", "is inside the model folder"),
+        ("cfg.yaml", "is a file, not a folder"),
+        ("cfg.yaml/run", "cannot be created: "),
+    ],
+)
 def test_an_output_dir_that_cannot_take_a_run(work, model_dir, output_dir, needle):
     before = snapshot(model_dir)
     config = write_config(work, model=str(model_dir), output_dir=output_dir.format(model=model_dir))
@@ -133,15 +154,27 @@ def test_bad_config_values(work, extra, needle):
 
 DATA_CASES = {
     "json object that is no columns": ("data.json", '{"prompt": "1+2=", "completion": "3"}', "must hold rows"),
-    "json columns of different lengths": ("data.json", '{"prompt": ["1+2="], "completion": []}',
-                                          "columns of different lengths"),
+    "json columns of different lengths": (
+        "data.json",
+        '{"prompt": ["1+2="], "completion": []}',
+        "columns of different lengths",
+    ),
     "json that does not parse": ("data.json", '[{"prompt": "1+2="', "data.json:1: not valid JSON"),
-    "jsonl line that is a list": ("data.jsonl", '{"prompt": "1+2=", "completion": "3"}\n["1+2=", "3"]\n',
-                                  "data.jsonl:2: a JSON lines dataset holds one object per line"),
-    "int in a text column": ("data.jsonl", '{"prompt": "1+2=", "completion": "3"}\n{"prompt": "4+4=", '
-                             '"completion": 8}\n', "data.jsonl, line 2: column 'completion' holds int '8'"),
-    "null in a text column": ("data.jsonl", '{"prompt": null, "completion": "3"}\n',
-                              "data.jsonl, line 1: column 'prompt' holds nothing (null / empty)"),
+    "jsonl line that is a list": (
+        "data.jsonl",
+        '{"prompt": "1+2=", "completion": "3"}\n["1+2=", "3"]\n',
+        "data.jsonl:2: a JSON lines dataset holds one object per line",
+    ),
+    "int in a text column": (
+        "data.jsonl",
+        '{"prompt": "1+2=", "completion": "3"}\n{"prompt": "4+4=", "completion": 8}\n',
+        "data.jsonl, line 2: column 'completion' holds int '8'",
+    ),
+    "null in a text column": (
+        "data.jsonl",
+        '{"prompt": null, "completion": "3"}\n',
+        "data.jsonl, line 1: column 'prompt' holds nothing (null / empty)",
+    ),
     "empty csv cell": ("data.csv", "prompt,completion\n1+2=,3\n4+4=,\n", "data.csv, line 3: column 'completion'"),
 }
 
@@ -181,8 +214,13 @@ def test_model_vocabulary_smaller_than_the_tokenizer(work, model_dir):
     assert "tokens but the model's embedding has 16 rows" in line and "resize_token_embeddings" in line
 
 
-@pytest.mark.parametrize("source, needle", [("def reward(:\n    pass\n", "rewards.py line 1: invalid syntax"),
-                                            ("1 / 0\n", "raised ZeroDivisionError: division by zero")])
+@pytest.mark.parametrize(
+    "source, needle",
+    [
+        ("def reward(:\n    pass\n", "rewards.py line 1: invalid syntax"),
+        ("1 / 0\n", "raised ZeroDivisionError: division by zero"),
+    ],
+)
 def test_reward_file_that_does_not_import(work, source, needle):
     (work / "rewards.py").write_text(source)
     config = write_config(work, trainer="grpo", reward_funcs=["rewards.py:reward"], num_generations=2)
@@ -201,7 +239,11 @@ def test_report_on_a_metrics_file_reports_its_run(earlier_run):
 def test_debug_shows_the_traceback(work):
     for env, argv in (({"TREADLE_DEBUG": "1"}, ["train", "nope.yaml"]), ({}, ["--debug", "train", "nope.yaml"])):
         result = treadle(*argv, cwd=work, env=env)
-        assert result.returncode == 1 and "Traceback" in result.stderr and "config file nope.yaml not found" in result.stderr
+        assert (
+            result.returncode == 1
+            and "Traceback" in result.stderr
+            and "config file nope.yaml not found" in result.stderr
+        )
 
 
 # ---- against an earlier run: resume mismatches --------------------------------------------------------------
@@ -284,9 +326,14 @@ def test_overwrite_output_dir_deletes_exactly_the_run_files(work, earlier_run):
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_saves_exits_128_plus_it_and_says_how_to_resume(work, signum, status):
     config = write_config(work, max_steps=500, save_steps=1000)
-    proc = subprocess.Popen([sys.executable, "-m", "treadle", "train", str(config), "--max_steps", "500"],
-                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ENV})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treadle", "train", str(config), "--max_steps", "500"],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **ENV},
+    )
     for line in proc.stdout:  # the first logged step: training is under way
         if line.startswith("[step "):
             break
@@ -298,15 +345,18 @@ def test_a_signal_saves_exits_128_plus_it_and_says_how_to_resume(work, signum, s
     (step,) = [int(p.name.split("-")[1]) for p in (work / "run").glob("checkpoint-*")]
     resumed = treadle("train", config, "--max_steps", step + 1, "--learning_rate", 0.002, "--resume", cwd=work)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"treadle: resuming from run/checkpoint-{step} at step {step} of {step + 1}; settings changed since: " \
-           f"learning_rate: 0.001 -> 0.002" in resumed.stderr
+    assert (
+        f"treadle: resuming from run/checkpoint-{step} at step {step} of {step + 1}; settings changed since: "
+        f"learning_rate: 0.001 -> 0.002" in resumed.stderr
+    )
 
 
 @pytest.mark.slow
 def test_a_reward_function_that_breaks_its_contract_is_one_line(work):
     (work / "rewards.py").write_text("def reward(completions, **kwargs):\n    return []\n")
-    config = write_config(work, trainer="grpo", reward_funcs=["rewards.py:reward"], num_generations=2,
-                          max_completion_length=2)
+    config = write_config(
+        work, trainer="grpo", reward_funcs=["rewards.py:reward"], num_generations=2, max_completion_length=2
+    )
     line = error_line(treadle("train", config, cwd=work))
     assert "reward function 'reward' returned 0 values for 4 completions at step" in line
 
@@ -351,9 +401,11 @@ def test_json_layouts(tmp_path):
 def test_truncation_keeps_the_completion_and_cuts_the_prompt_from_the_left(capsys):
     from treadle.trainers.sft import truncate_rows
 
-    rows = [([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 1, 1]),  # prompt 4, completion 2
-            ([7, 8, 9], [0, 1, 1]),  # fits
-            ([1, 2, 3, 4, 5, 6], [1, 1, 1, 1, 1, 1])]  # text: keeps its start
+    rows = [
+        ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 1, 1]),  # prompt 4, completion 2
+        ([7, 8, 9], [0, 1, 1]),  # fits
+        ([1, 2, 3, 4, 5, 6], [1, 1, 1, 1, 1, 1]),
+    ]  # text: keeps its start
     assert truncate_rows(rows, 4) == [([3, 4, 5, 6], [0, 0, 1, 1]), rows[1], ([1, 2, 3, 4], [1, 1, 1, 1])]
     assert "2 of 3 train rows are longer than max_length=4" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"1 train rows have a completion longer than max_length=1 by itself"):
@@ -371,7 +423,9 @@ def test_skip_nonfinite_steps_skips_within_its_budget_then_stops(capsys):
     assert skip_nonfinite_step(torch.tensor(1.5), state, args) is False
     assert skip_nonfinite_step(torch.tensor(float("inf")), state, args) is True
     assert "step 5: the loss is not finite; step skipped (1 of skip_nonfinite_steps=1)" in capsys.readouterr().err
-    with pytest.raises(NonFiniteLossError, match=r"NaN or infinite at step 5: 2 such steps, more than skip_nonfinite_steps=1"):
+    with pytest.raises(
+        NonFiniteLossError, match=r"NaN or infinite at step 5: 2 such steps, more than skip_nonfinite_steps=1"
+    ):
         skip_nonfinite_step(torch.tensor(float("nan")), state, args)
 
 

@@ -38,13 +38,20 @@ def fake_checkpoint(folder: Path) -> Path:
 
 
 def claim(output_dir: Path, *, overwrite=False, resume=False):
-    return runs.claim_run_folder(SimpleNamespace(output_dir=str(output_dir), overwrite_output_dir=overwrite),
-                                 resume=resume, main_process=True)
+    return runs.claim_run_folder(
+        SimpleNamespace(output_dir=str(output_dir), overwrite_output_dir=overwrite), resume=resume, main_process=True
+    )
 
 
 # ---- data loss: overwrite deletes only what a treadle run provably wrote ---------------------------------------
-USER_FILES = ["config.json", "vocab.json", "report.html", "plots/my_figure.png", "checkpoint-2023/holiday.txt",
-              "runs/other-experiment/events.out.tfevents.1"]
+USER_FILES = [
+    "config.json",
+    "vocab.json",
+    "report.html",
+    "plots/my_figure.png",
+    "checkpoint-2023/holiday.txt",
+    "runs/other-experiment/events.out.tfevents.1",
+]
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -93,8 +100,7 @@ def test_a_symlinked_checkpoint_is_refused_and_its_target_untouched(tmp_path):
     os.symlink(target, run / "checkpoint-7")
     with pytest.raises(runs.RunFolderError, match=r"checkpoint-7 \(a symbolic link to .*treadle never makes one"):
         runs.check_run_folder(str(run), resume=False, overwrite=True)
-    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors", "trainer_state.json",
-                                                        fingerprints.MARKER]
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors", "trainer_state.json", fingerprints.MARKER]
 
 
 # ---- the lock: atomic with its contents; empty = being written; a reused pid names the file ------------------
@@ -123,8 +129,9 @@ def test_processes_racing_for_the_lock_never_both_win(tmp_path):
     for round_ in range(6):
         folder, go = tmp_path / f"r{round_}", tmp_path / f"go{round_}"
         results = [tmp_path / f"r{round_}-{i}" for i in range(4)]
-        procs = [subprocess.Popen([sys.executable, "-c", RACER, str(folder), str(r), str(go)], env=env)
-                 for r in results]
+        procs = [
+            subprocess.Popen([sys.executable, "-c", RACER, str(folder), str(r), str(go)], env=env) for r in results
+        ]
         try:
             go.touch()
             for proc, result in zip(procs, results):
@@ -161,11 +168,14 @@ def saved_state(folder: Path, **fields) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("tamper, needle", [
-    (lambda f: write(f / "model.safetensors", "an earlier checkpoint's weights"), "model.safetensors changed"),
-    (lambda f: write(f / ckpt.STATE_FILE, json.dumps({"global_step": 99})), "trainer_state.json changed"),
-    (lambda f: os.remove(f / "model.safetensors"), "model.safetensors is missing"),
-])
+@pytest.mark.parametrize(
+    "tamper, needle",
+    [
+        (lambda f: write(f / "model.safetensors", "an earlier checkpoint's weights"), "model.safetensors changed"),
+        (lambda f: write(f / ckpt.STATE_FILE, json.dumps({"global_step": 99})), "trainer_state.json changed"),
+        (lambda f: os.remove(f / "model.safetensors"), "model.safetensors is missing"),
+    ],
+)
 def test_resume_refuses_a_checkpoint_that_is_not_what_was_saved(tmp_path, tamper, needle):
     folder = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=5)
     current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
@@ -180,8 +190,9 @@ def test_resume_refuses_a_checkpoint_that_is_not_what_was_saved(tmp_path, tamper
 def test_resume_past_a_finished_schedule_is_refused_with_the_reason(tmp_path):
     folder = saved_state(tmp_path / "checkpoint-3", global_step=3, max_steps=3)
     current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
-    with pytest.raises(ckpt.CheckpointError, match="ends a finished run of 3 steps: its learning-rate schedule was "
-                                                   "built for 3 steps"):
+    with pytest.raises(
+        ckpt.CheckpointError, match="ends a finished run of 3 steps: its learning-rate schedule was built for 3 steps"
+    ):
         resume.resumed_state(str(folder), current)
     unfinished = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=3)
     assert resume.resumed_state(str(unfinished), current).max_steps == 5  # going further mid-run is allowed
@@ -193,7 +204,9 @@ def test_fingerprints_see_a_swapped_file_and_a_different_dataset(tmp_path):
     assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 1}])) == []
     write(tmp_path / "b.bin", "two")
     assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 2}])) == [
-        "b.bin was added", "the training dataset differs from the one it trained on (other rows)"]
+        "b.bin was added",
+        "the training dataset differs from the one it trained on (other rows)",
+    ]
 
 
 # ---- paths and values refused or expanded at config time --------------------------------------------------------
@@ -209,11 +222,14 @@ def test_paths_expand_tilde_and_variables_and_root_or_home_are_refused(tmp_path,
             runs.check_run_folder(folder, resume=False)
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("learning_rate", 1e300, r"learning_rate must lie in \[0, 10\]"),
-    ("seed", -1, r"seed and data_seed must lie in \[0, 2\*\*32 - 1\]"),
-    ("dataloader_num_workers", -1, "dataloader_num_workers must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("learning_rate", 1e300, r"learning_rate must lie in \[0, 10\]"),
+        ("seed", -1, r"seed and data_seed must lie in \[0, 2\*\*32 - 1\]"),
+        ("dataloader_num_workers", -1, "dataloader_num_workers must be >= 0"),
+    ],
+)
 def test_out_of_range_values_are_refused_at_config_time(field, value, needle):
     from treadle import TrainingArguments
 
@@ -228,8 +244,11 @@ def test_merge_into_the_base_models_folder_is_refused(tmp_path):
     base = write(tmp_path / "base" / "model.safetensors", "the base weights").parent
     run = tmp_path / "run"
     write(run / "adapter_config.json", json.dumps({"base_model_name_or_path": str(base)}))
-    for out, needle in ((base, "is the model folder"), (base / "sub", "is inside the model folder"),
-                        (run, "is the run folder itself")):
+    for out, needle in (
+        (base, "is the model folder"),
+        (base / "sub", "is inside the model folder"),
+        (run, "is the run folder itself"),
+    ):
         with pytest.raises(ValueError, match=f"--output-dir {out} {needle}"):
             merge_adapter_folder(str(run), str(out))
     assert (base / "model.safetensors").read_text() == "the base weights"
@@ -243,8 +262,11 @@ def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
     assert _nearest_multiples(5, 4) == [4, 8] and _nearest_multiples(3, 4) == [4]  # hand-computed
     assert _nearest_divisors(12, 5) == [4, 6] and _nearest_divisors(12, 13) == [12]
     assert _nearest_divisors(10**15, 7) == []  # too many trials: no hint rather than a wait
-    with pytest.raises(ValueError, match=r"not a multiple of num_generations=1000000000 .* Nearest valid: "
-                                         r"per_device_train_batch_size=1000000000, or num_generations=8, or steps_per_generation=125000000"):
+    with pytest.raises(
+        ValueError,
+        match=r"not a multiple of num_generations=1000000000 .* Nearest valid: "
+        r"per_device_train_batch_size=1000000000, or num_generations=8, or steps_per_generation=125000000",
+    ):
         GRPOConfig(num_generations=10**9, per_device_train_batch_size=8, steps_per_generation=1)
 
 
@@ -260,8 +282,11 @@ def cli_error(argv, capsys) -> str:
 
 
 def test_a_key_written_twice_in_the_yaml_is_refused_by_name(tmp_path, capsys):
-    config = write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\ndataset: toy:addition\nlearning_rate: 1e-3\n"
-                                        "max_steps: 2\nlearning_rate: 1e3\n")
+    config = write(
+        tmp_path / "c.yaml",
+        "trainer: sft\nmodel: toy:tiny\ndataset: toy:addition\nlearning_rate: 1e-3\n"
+        "max_steps: 2\nlearning_rate: 1e3\n",
+    )
     line = cli_error(["train", config], capsys)
     assert "at line 6: duplicate key 'learning_rate' (also at line 4)" in line
 
@@ -269,15 +294,18 @@ def test_a_key_written_twice_in_the_yaml_is_refused_by_name(tmp_path, capsys):
 def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, capsys):
     levels = ["a: &a [" + ",".join(["lol"] * 9) + "]"]
     levels += [f"{chr(98 + i)}: &{chr(98 + i)} [" + ",".join([f"*{chr(97 + i)}"] * 9) + "]" for i in range(6)]
-    config = write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\n" + "\n".join(levels) + "\ndataset: [*g, *g]\n")
+    config = write(
+        tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\n" + "\n".join(levels) + "\ndataset: [*g, *g]\n"
+    )
     assert config.stat().st_size < 1024  # 1 KB that expands to 9**8 values
     line = cli_error(["train", config], capsys)
     assert "expand to more than 100,000 values (an alias bomb?)" in line and len(line) < 300
 
 
 def test_a_huge_path_is_named_short_and_never_a_traceback(tmp_path, capsys):
-    line = cli_error(["train", write(tmp_path / "c.yaml", f"trainer: sft\nmodel: toy:tiny\ndataset: {'d' * 100_000}\n")],
-                     capsys)
+    line = cli_error(
+        ["train", write(tmp_path / "c.yaml", f"trainer: sft\nmodel: toy:tiny\ndataset: {'d' * 100_000}\n")], capsys
+    )
     assert "dataset ddd" in line and "(100,000 characters) not found" in line and len(line) < 500
 
 
@@ -311,11 +339,20 @@ def test_a_reward_function_that_edits_its_arguments_changes_nothing_for_the_next
     prompts, completions = ["p0", "p1"], ["c0", [{"role": "assistant", "content": "c1"}]]
     ids, columns = [[1, 2], [3]], {"answer": ["a0", "a1"]}
     original = json.dumps([prompts, completions, ids, columns])
-    score_completions([vandal, judge], [1.0, 1.0], prompts=prompts, completions=completions, completion_ids=ids,
-                      columns=columns, step=1)
+    score_completions(
+        [vandal, judge],
+        [1.0, 1.0],
+        prompts=prompts,
+        completions=completions,
+        completion_ids=ids,
+        columns=columns,
+        step=1,
+    )
     assert json.dumps([prompts, completions, ids, columns]) == original  # what completions.jsonl logs
-    assert json.dumps([seen["prompts"], seen["completions"], seen["completion_ids"], {"answer": seen["answer"]}]) \
+    assert (
+        json.dumps([seen["prompts"], seen["completions"], seen["completion_ids"], {"answer": seen["answer"]}])
         == original
+    )
 
 
 def test_a_tool_calling_sys_exit_is_a_failed_call_not_the_end_of_training():
@@ -378,8 +415,8 @@ class Hangs:
 
 def test_an_environment_that_never_answers_ends_its_rollout_at_env_timeout(recwarn):
     from treadle.demos import toy
-    from treadle.rollouts.runner import RolloutRunner, rollout_metrics
     from treadle.rollouts.calls import GuardedEnvironment, SlowCallWarning
+    from treadle.rollouts.runner import RolloutRunner, rollout_metrics
 
     with pytest.raises(ValueError, match="env_timeout must be > 0 seconds"):
         RolloutRunner(toy.build_tokenizer(), env_factory=Hangs, env_timeout=0)
@@ -413,14 +450,21 @@ class Wrong:
         return self.answer
 
 
-@pytest.mark.parametrize("env, method, needle", [
-    (Wrong(first=5), "reset", "environment Wrong.reset returned the first observation 5 (int); its contract is reset"),
-    (Wrong(answer=(5, None, False)), "step", "environment Wrong.step returned observation 5 (int)"),
-    (Wrong(answer=("ok", "1.0", False)), "step", "environment Wrong.step returned reward '1.0' (str)"),
-    (Wrong(answer=("ok", None, "False")), "step", "environment Wrong.step returned done 'False' (str)"),
-    (Wrong(answer="ok"), "step", "environment Wrong.step returned 'ok' (str); its contract is step(text) -> ("),
-    (Wrong(error=SystemExit(1)), "step", "environment Wrong.step raised SystemExit: 1 on 'turn'"),
-])
+@pytest.mark.parametrize(
+    "env, method, needle",
+    [
+        (
+            Wrong(first=5),
+            "reset",
+            "environment Wrong.reset returned the first observation 5 (int); its contract is reset",
+        ),
+        (Wrong(answer=(5, None, False)), "step", "environment Wrong.step returned observation 5 (int)"),
+        (Wrong(answer=("ok", "1.0", False)), "step", "environment Wrong.step returned reward '1.0' (str)"),
+        (Wrong(answer=("ok", None, "False")), "step", "environment Wrong.step returned done 'False' (str)"),
+        (Wrong(answer="ok"), "step", "environment Wrong.step returned 'ok' (str); its contract is step(text) -> ("),
+        (Wrong(error=SystemExit(1)), "step", "environment Wrong.step raised SystemExit: 1 on 'turn'"),
+    ],
+)
 def test_an_environment_breaking_its_contract_is_one_line_naming_it(env, method, needle):
     from treadle.errors import is_user_error, one_line
     from treadle.rollouts.calls import EnvironmentContractError, GuardedEnvironment, ToolPool
@@ -444,15 +488,21 @@ def sft(tmp_path, rows, **fields):
     fields = {"max_steps": 2, "per_device_train_batch_size": 2, "save_strategy": "no", **fields}
     args = SFTConfig(output_dir=str(tmp_path / "run"), report_to=[], disable_tqdm=True, logging_steps=1, **fields)
     tok = toy.build_tokenizer()
-    return SFTTrainer(model=toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows,
-                      processing_class=tok)
+    return SFTTrainer(
+        model=toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows, processing_class=tok
+    )
 
 
-@pytest.mark.parametrize("messages, needle", [
-    ([{"role": "hacker", "content": "hi"}], "the train dataset, row 1: column 'messages', message 0 has role 'hacker', "
-                                            "which no chat template renders"),
-    ([{"role": "user"}], "the train dataset, row 1: column 'messages', message 0 (user) has no 'content'"),
-])
+@pytest.mark.parametrize(
+    "messages, needle",
+    [
+        (
+            [{"role": "hacker", "content": "hi"}],
+            "the train dataset, row 1: column 'messages', message 0 has role 'hacker', which no chat template renders",
+        ),
+        ([{"role": "user"}], "the train dataset, row 1: column 'messages', message 0 (user) has no 'content'"),
+    ],
+)
 def test_chat_messages_of_an_unknown_role_or_without_content_name_the_row(tmp_path, messages, needle):
     from treadle.data import DatasetFileError
 
@@ -462,12 +512,20 @@ def test_chat_messages_of_an_unknown_role_or_without_content_name_the_row(tmp_pa
     assert needle in str(error.value) and len(str(error.value)) < 300
 
 
-@pytest.mark.parametrize("rows, needle", [
-    ([{"prompt": "1+1=", "completion": ""}] * 4, r"4 of 4 train rows have an empty 'completion' \(rows 0, 1, 2, 3\)"),
-    ([{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": " "}],
-     r"1 of 2 train rows have an empty 'completion' \(rows 1\): SFT would train them on the end-of-text token"),
-    ([{"text": "1+1=2"}, {"text": ""}], r"1 of 2 train rows have an empty 'text'"),
-])
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        (
+            [{"prompt": "1+1=", "completion": ""}] * 4,
+            r"4 of 4 train rows have an empty 'completion' \(rows 0, 1, 2, 3\)",
+        ),
+        (
+            [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": " "}],
+            r"1 of 2 train rows have an empty 'completion' \(rows 1\): SFT would train them on the end-of-text token",
+        ),
+        ([{"text": "1+1=2"}, {"text": ""}], r"1 of 2 train rows have an empty 'text'"),
+    ],
+)
 def test_sft_refuses_empty_completions_as_dpo_does(tmp_path, rows, needle):
     with pytest.raises(ValueError, match=needle):
         sft(tmp_path, rows)
@@ -478,8 +536,9 @@ def test_a_run_that_trained_on_nothing_never_ends_as_if_it_had(tmp_path):
 
     rows = [{"input_ids": [1, 5, 6, 2], "completion_mask": [0, 0, 0, 0]}] * 4  # not one token with loss
     trainer = sft(tmp_path, rows)
-    with pytest.raises(NothingTrainedError, match="the run took 2 steps but not one of its batches held a token with "
-                                                  "loss") as error:
+    with pytest.raises(
+        NothingTrainedError, match="the run took 2 steps but not one of its batches held a token with loss"
+    ) as error:
         trainer.train()
     assert is_user_error(error.value)
 
@@ -489,15 +548,24 @@ def dpo(tmp_path, rows):
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
 
     tok = toy.build_tokenizer()
-    args = DPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2, report_to=[],
-                     disable_tqdm=True, save_strategy="no")
+    args = DPOConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+    )
     return DPOTrainer(toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows, processing_class=tok)
 
 
 def test_dpo_refuses_pairs_that_are_all_identical_and_notes_some(tmp_path, capsys):
     same = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 1)} for a in range(4)]
-    with pytest.raises(ValueError, match=r"every one of the 4 train pairs has chosen identical to rejected .*loss "
-                                         r"log 2, gradient 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"every one of the 4 train pairs has chosen identical to rejected .*loss "
+        r"log 2, gradient 0",
+    ):
         dpo(tmp_path, same)
     mixed = same[:1] + [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(3)]
     dpo(tmp_path, mixed)
@@ -509,8 +577,10 @@ def test_a_batch_larger_than_the_dataset_is_capped_and_the_header_says_so(tmp_pa
     trainer = sft(tmp_path, rows, per_device_train_batch_size=10**7, max_steps=1)
     out = trainer.train()
     header = capsys.readouterr().out
-    assert "6 rows; 6 rows per step (6 per device x 1 accumulated x 1 processes, per_device_train_batch_size=" \
-           "10000000 capped at the rows there are)" in header
+    assert (
+        "6 rows; 6 rows per step (6 per device x 1 accumulated x 1 processes, per_device_train_batch_size="
+        "10000000 capped at the rows there are)" in header
+    )
     assert trainer.get_train_dataloader().batch_size == 6
     samples_per_step = out.metrics["train_samples_per_second"] / out.metrics["train_steps_per_second"]
     assert samples_per_step == pytest.approx(6, rel=1e-2)  # was 10**7 "samples" a step
@@ -528,9 +598,13 @@ def test_merge_adapters_without_adapters_and_a_classifier_task_type_on_a_causal_
         from treadle.trainers.sft import SFTConfig, SFTTrainer
 
         tok = toy.build_tokenizer()
-        SFTTrainer(toy.build_model("tiny", tokenizer=tok), args=SFTConfig(output_dir=str(tmp_path / "r"), report_to=[]),
-                   train_dataset=rows, processing_class=tok,
-                   peft_config=lora_config({"r": 2, "target_modules": "all-linear", "task_type": "SEQ_CLS"}))
+        SFTTrainer(
+            toy.build_model("tiny", tokenizer=tok),
+            args=SFTConfig(output_dir=str(tmp_path / "r"), report_to=[]),
+            train_dataset=rows,
+            processing_class=tok,
+            peft_config=lora_config({"r": 2, "target_modules": "all-linear", "task_type": "SEQ_CLS"}),
+        )
 
 
 def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
@@ -538,12 +612,18 @@ def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
     other = [{"prompt": f"{a}+2=", "completion": str(a + 2)} for a in range(4)]
     sft(tmp_path, first, save_strategy="steps", save_steps=1).train()
     checkpoint = str(tmp_path / "run" / "checkpoint-1")
-    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint-1 is not what was saved: the training dataset differs "
-                                                   r"from the one it trained on .*ignore_checkpoint_fingerprints"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"checkpoint-1 is not what was saved: the training dataset differs "
+        r"from the one it trained on .*ignore_checkpoint_fingerprints",
+    ):
         sft(tmp_path, other, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=checkpoint)
-    sft(tmp_path, first, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=checkpoint)  # the same: fine
+    sft(tmp_path, first, save_strategy="steps", save_steps=1).train(
+        resume_from_checkpoint=checkpoint
+    )  # the same: fine
     sft(tmp_path, other, save_strategy="steps", save_steps=1, ignore_checkpoint_fingerprints=True).train(
-        resume_from_checkpoint=checkpoint)  # the override named in the message
+        resume_from_checkpoint=checkpoint
+    )  # the override named in the message
 
 
 def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the_cli_does(tmp_path):
@@ -552,19 +632,30 @@ def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     tok = toy.build_tokenizer()
-    with pytest.raises(PreflightError, match=rf"the tokenizer of LlamaForCausalLM has {len(tok)} tokens but the model's "
-                                             r"embedding has 16 rows; .*resize_token_embeddings"):
-        SFTTrainer(toy.build_model("tiny", vocab_size=16), args=SFTConfig(output_dir=str(tmp_path), report_to=[]),
-                   train_dataset=[{"prompt": "1+1=", "completion": "2"}], processing_class=tok)
+    with pytest.raises(
+        PreflightError,
+        match=rf"the tokenizer of LlamaForCausalLM has {len(tok)} tokens but the model's "
+        r"embedding has 16 rows; .*resize_token_embeddings",
+    ):
+        SFTTrainer(
+            toy.build_model("tiny", vocab_size=16),
+            args=SFTConfig(output_dir=str(tmp_path), report_to=[]),
+            train_dataset=[{"prompt": "1+1=", "completion": "2"}],
+            processing_class=tok,
+        )
 
 
 # ---- a disk that fills up or turns read-only mid-run ------------------------------------------------------------
-@pytest.mark.parametrize("code, needle, fix", [
-    (28, "the disk is full (No space left on device)", "free some space"),  # errno.ENOSPC
-    (30, "the file system is read-only (Read-only file system)", "make it writable"),  # errno.EROFS
-])
-def test_a_disk_that_stops_taking_writes_mid_run_is_one_line_and_keeps_what_was_saved(tmp_path, monkeypatch, code,
-                                                                                       needle, fix):
+@pytest.mark.parametrize(
+    "code, needle, fix",
+    [
+        (28, "the disk is full (No space left on device)", "free some space"),  # errno.ENOSPC
+        (30, "the file system is read-only (Read-only file system)", "make it writable"),  # errno.EROFS
+    ],
+)
+def test_a_disk_that_stops_taking_writes_mid_run_is_one_line_and_keeps_what_was_saved(
+    tmp_path, monkeypatch, code, needle, fix
+):
     import errno
 
     from treadle.errors import is_user_error
@@ -586,8 +677,12 @@ def test_a_disk_that_stops_taking_writes_mid_run_is_one_line_and_keeps_what_was_
         trainer.train()
     message = str(error.value)
     assert is_user_error(error.value) and "\n" not in message
-    assert f"output_dir {run}: {needle}, so the run stopped; its checkpoints saved before are intact (newest: " \
-           f"checkpoint-1); {fix}" in message and "--resume" in message
+    assert (
+        f"output_dir {run}: {needle}, so the run stopped; its checkpoints saved before are intact (newest: "
+        f"checkpoint-1); {fix}"
+        in message
+        and "--resume" in message
+    )
     assert fingerprints.verify(str(run / "checkpoint-1")) == []  # intact
     assert not (run / runs.LOCK_FILE).exists() and not list(run.glob(".tmp-checkpoint-*"))
 
@@ -616,22 +711,26 @@ def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypa
     from types import SimpleNamespace as NS
 
     import torch
+    from safetensors.torch import save_file
 
+    from treadle.cli.loading import load_reward_funcs
     from treadle.data import plan_steps
     from treadle.errors import PreflightError
-    from treadle.cli.loading import load_reward_funcs
-    from safetensors.torch import save_file
 
     run = tmp_path / "run"
     saved_state(run / "checkpoint-1", global_step=1, max_steps=5)
     (run / "checkpoint-3").mkdir()  # interrupted while being written
-    with pytest.raises(ckpt.CheckpointError, match=r"does not exist; resume from a complete one there \(checkpoint-1; "
-                                                   r"--resume alone takes the newest"):
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"does not exist; resume from a complete one there \(checkpoint-1; "
+        r"--resume alone takes the newest",
+    ):
         resume.resolve(str(run / "checkpoint-9"), str(run))
     lone = tmp_path / "lone" / "checkpoint-2"
     lone.mkdir(parents=True)
-    with pytest.raises(ckpt.CheckpointError, match="is incomplete .*no complete checkpoint is there .*start without "
-                                                   "resuming"):  # was "resume from an earlier one, e.g. None"
+    with pytest.raises(
+        ckpt.CheckpointError, match="is incomplete .*no complete checkpoint is there .*start without resuming"
+    ):  # was "resume from an earlier one, e.g. None"
         resume.resolve(str(lone), str(lone.parent))
     write(run / "checkpoint-1" / ckpt.STATE_FILE, "{not json")
     with pytest.raises(ckpt.CheckpointError, match="the file is corrupt: resume from an earlier checkpoint"):
@@ -645,17 +744,21 @@ def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypa
     write(tmp_path / "rewards.py", "def length(completions, **kw):\n    return [0.0] * len(completions)\n")
     with pytest.raises(ValueError, match=r"has no function 'lenght'; its functions: \['length'\]"):
         load_reward_funcs(["rewards.py:lenght"], base_dir=tmp_path)
-    with pytest.raises(PreflightError, match="give more rows, a smaller per_device_train_batch_size, or "
-                                             "dataloader_drop_last: false"):
-        plan_steps(torch.utils.data.DataLoader([1, 2], batch_size=4, drop_last=True),
-                   NS(gradient_accumulation_steps=1, max_steps=1))
+    with pytest.raises(
+        PreflightError, match="give more rows, a smaller per_device_train_batch_size, or dataloader_drop_last: false"
+    ):
+        plan_steps(
+            torch.utils.data.DataLoader([1, 2], batch_size=4, drop_last=True),
+            NS(gradient_accumulation_steps=1, max_steps=1),
+        )
 
     def lost_race(src, dst):  # another run linked its lock and removed it again between our check and our link
         raise FileExistsError(dst)
 
     monkeypatch.setattr(runs.os, "link", lost_race)
-    with pytest.raises(runs.RunFolderError, match="was locked and unlocked by another run while this one started; "
-                                                  "try again"):  # was "(its lock is gone again); choose another"
+    with pytest.raises(
+        runs.RunFolderError, match="was locked and unlocked by another run while this one started; try again"
+    ):  # was "(its lock is gone again); choose another"
         runs.acquire_lock(str(tmp_path / "race"))
 
 
@@ -663,6 +766,7 @@ def test_merge_of_a_folder_without_an_adapter_says_what_merge_takes(tmp_path):
     pytest.importorskip("peft")
     from treadle.cli.loading import merge_adapter_folder
 
-    with pytest.raises(ValueError, match="holds no adapter to merge; treadle merge takes the output_dir of a run "
-                                         "trained with peft:"):
+    with pytest.raises(
+        ValueError, match="holds no adapter to merge; treadle merge takes the output_dir of a run trained with peft:"
+    ):
         merge_adapter_folder(str(tmp_path))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 
+import _resume_worker as rw
 import pytest
 import torch
+from _factories import tiny_reward_model
 from datasets import Dataset
 
-import _resume_worker as rw
-from _factories import tiny_reward_model
 from treadle import Trainer, streaming
 from treadle.callbacks import TrainerCallback
 from treadle.errors import PreflightError
@@ -38,13 +38,19 @@ def one_pass(loader) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------
 # Ranks: disjoint shards that cover the data
 # ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("make", [lambda: numbered().to_iterable_dataset(num_shards=4),  # whole shards per rank
-                                  lambda: numbered().to_iterable_dataset(num_shards=3),  # every other row
-                                  lambda: _Rows([{"i": i} for i in range(20)])],
-                         ids=["datasets-4-shards", "datasets-3-shards", "torch"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: numbered().to_iterable_dataset(num_shards=4),  # whole shards per rank
+        lambda: numbered().to_iterable_dataset(num_shards=3),  # every other row
+        lambda: _Rows([{"i": i} for i in range(20)]),
+    ],
+    ids=["datasets-4-shards", "datasets-3-shards", "torch"],
+)
 def test_two_ranks_read_disjoint_rows_that_cover_the_stream(make):
-    seen = [one_pass(streaming.StreamLoader(make(), batch_size=3, collate_fn=list, rank=r, world_size=2))
-            for r in (0, 1)]
+    seen = [
+        one_pass(streaming.StreamLoader(make(), batch_size=3, collate_fn=list, rank=r, world_size=2)) for r in (0, 1)
+    ]
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(20))
     assert abs(len(seen[0]) - len(seen[1])) <= 5  # a shard each (5 rows) at most apart
@@ -81,6 +87,7 @@ def test_resuming_twice_inside_one_chunk_and_after_counting_out_continues_exactl
     """Chunks of 5 rows made into 2 rows each (a transform), batches of 3: a position saved inside a chunk, resumed,
     saved again inside the same chunk and resumed again; and a position counted out from the start (no saved
     one) and saved: every resumed loader gives the batches of the uninterrupted one."""
+
     def loader():
         source = numbered(23).to_iterable_dataset(num_shards=1)
         source = source.shuffle(seed=1, buffer_size=4) if shuffled else source
@@ -107,8 +114,11 @@ def test_resuming_twice_inside_one_chunk_and_after_counting_out_continues_exactl
 
 
 def test_a_stream_without_max_steps_is_refused_in_one_line(tmp_path):
-    trainer = Trainer(rw.make_model(), rw.make_args(str(tmp_path), max_steps=-1, num_train_epochs=1),
-                      train_dataset=Dataset.from_list(rw.make_rows()).to_iterable_dataset())
+    trainer = Trainer(
+        rw.make_model(),
+        rw.make_args(str(tmp_path), max_steps=-1, num_train_epochs=1),
+        train_dataset=Dataset.from_list(rw.make_rows()).to_iterable_dataset(),
+    )
     with pytest.raises(PreflightError, match="stream.*set max_steps") as info:
         trainer.train()
     assert "\n" not in str(info.value)
@@ -155,6 +165,7 @@ def _counted(row):
 @pytest.mark.parametrize("shuffled", [False, True], ids=["state", "skip"])
 def test_a_resumed_stream_run_equals_the_uninterrupted_one(tmp_path, shuffled):
     """22 rows, 4 a step: a pass ends mid-step 6; stopped at step 7 (in the 2nd pass), resumed to step 9."""
+
     def stream():
         source = Dataset.from_list(rw.make_rows()).to_iterable_dataset(num_shards=2).map(_counted)
         return source.shuffle(seed=3, buffer_size=5) if shuffled else source
@@ -192,11 +203,15 @@ def test_sft_packs_a_stream_as_it_packs_the_same_rows_in_memory(tmp_path):
 
     args = SFTConfig(output_dir=str(tmp_path), packing=True, max_length=24, max_steps=1, disable_tqdm=True)
     tokenizer = toy.build_tokenizer()
-    in_memory = SFTTrainer(toy.build_model("tiny", seed=0), args, train_dataset=_addition_rows(),
-                           processing_class=tokenizer)
-    streamed = SFTTrainer(toy.build_model("tiny", seed=0), args,
-                          train_dataset=Dataset.from_list(_addition_rows()).to_iterable_dataset(),
-                          processing_class=tokenizer)
+    in_memory = SFTTrainer(
+        toy.build_model("tiny", seed=0), args, train_dataset=_addition_rows(), processing_class=tokenizer
+    )
+    streamed = SFTTrainer(
+        toy.build_model("tiny", seed=0),
+        args,
+        train_dataset=Dataset.from_list(_addition_rows()).to_iterable_dataset(),
+        processing_class=tokenizer,
+    )
     assert isinstance(streamed.train_dataset, streaming.Stream)
     # one chunk holds all 24 rows: the same best-fit packing as over the whole in-memory dataset
     assert list(streamed.train_dataset) == in_memory.train_dataset.to_list()
@@ -211,11 +226,25 @@ def test_a_resumed_packed_sft_stream_equals_the_uninterrupted_one(tmp_path, monk
     monkeypatch.setattr(sft, "TOKENIZE_CHUNK", 10)  # several packing chunks; the stop lands inside one
 
     def make(out, callbacks):
-        args = SFTConfig(output_dir=out, packing=True, max_length=24, max_steps=6, per_device_train_batch_size=2,
-                         learning_rate=1e-2, logging_steps=1, save_steps=1000, disable_tqdm=True, seed=0)
-        return SFTTrainer(toy.build_model("tiny", seed=0), args, processing_class=toy.build_tokenizer(),
-                          train_dataset=Dataset.from_list(_addition_rows()).to_iterable_dataset(num_shards=2),
-                          callbacks=callbacks)
+        args = SFTConfig(
+            output_dir=out,
+            packing=True,
+            max_length=24,
+            max_steps=6,
+            per_device_train_batch_size=2,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_steps=1000,
+            disable_tqdm=True,
+            seed=0,
+        )
+        return SFTTrainer(
+            toy.build_model("tiny", seed=0),
+            args,
+            processing_class=toy.build_tokenizer(),
+            train_dataset=Dataset.from_list(_addition_rows()).to_iterable_dataset(num_shards=2),
+            callbacks=callbacks,
+        )
 
     full = make(str(tmp_path / "full"), [])
     full.train()
@@ -227,11 +256,13 @@ def test_a_resumed_packed_sft_stream_equals_the_uninterrupted_one(tmp_path, monk
 @pytest.mark.slow
 def test_grpo_trains_on_prompts_from_a_stream_and_resumes_exactly(tmp_path):
     import _dist_worker as worker
+
     from treadle import GRPOTrainer
 
     def make(out, callbacks):
-        parts = worker.grpo_parts(out, 1, num_generations=4, max_steps=4, save_steps=1000,
-                                  per_device_train_batch_size=4)
+        parts = worker.grpo_parts(
+            out, 1, num_generations=4, max_steps=4, save_steps=1000, per_device_train_batch_size=4
+        )
         parts["train_dataset"] = parts["train_dataset"].to_iterable_dataset(num_shards=2)
         return GRPOTrainer(**parts, callbacks=callbacks)
 
@@ -286,13 +317,27 @@ def test_a_config_streams_a_jsonl_file(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 def _preference_trainer(name: str, out: str, callbacks):
     import _dist_worker as worker
+
     import treadle
     from treadle.demos import toy
 
-    pairs = Dataset.from_list([{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + i) * 2}
-                               for i, (a, b) in enumerate(worker.ADDITION)]).to_iterable_dataset(num_shards=2)
-    settings = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
-                    learning_rate=1e-2, logging_steps=1, save_steps=1000, disable_tqdm=True, seed=0)
+    pairs = Dataset.from_list(
+        [
+            {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1 + i) * 2}
+            for i, (a, b) in enumerate(worker.ADDITION)
+        ]
+    ).to_iterable_dataset(num_shards=2)
+    settings = dict(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_steps=1000,
+        disable_tqdm=True,
+        seed=0,
+    )
     tokenizer = toy.build_tokenizer()
     if name == "reward":
         model, config = tiny_reward_model(), treadle.RewardConfig(**settings)
@@ -309,13 +354,15 @@ def test_preference_trainers_train_on_a_stream_and_resume_exactly(tmp_path, name
     full = _preference_trainer(name, str(tmp_path / "full"), [])
     full.train()
     assert full.state.global_step == 3 and all(abs(x) < 1e3 for x in _losses(full))
-    resumed = _interrupted_and_resumed(lambda out, callbacks: _preference_trainer(name, out, callbacks),
-                                       str(tmp_path), stop_at=1)
+    resumed = _interrupted_and_resumed(
+        lambda out, callbacks: _preference_trainer(name, out, callbacks), str(tmp_path), stop_at=1
+    )
     _assert_same_run(full, resumed)
 
 
 def test_precomputed_reference_log_probs_refuse_a_stream_and_a_one_shot_iterator_is_named(tmp_path):
     import _dist_worker as worker
+
     from treadle import DPOTrainer
 
     parts = worker.dpo_parts(str(tmp_path), 1, precompute_ref_log_probs=True)

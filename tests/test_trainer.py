@@ -17,8 +17,15 @@ from treadle.errors import NothingTrainedError
 
 
 def args_for(tmp_path, **kw):
-    defaults = dict(output_dir=str(tmp_path), disable_tqdm=True, save_strategy="no", logging_steps=1,
-                    learning_rate=1e-2, max_grad_norm=0.0, lr_scheduler_type="constant")
+    defaults = dict(
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+    )
     return TrainingArguments(**{**defaults, **kw})
 
 
@@ -46,6 +53,7 @@ class Recorder(TrainerCallback):
                 events.append(name)
                 if name == "on_log":
                     object.__getattribute__(self, "logs").append(dict(kwargs["logs"]))
+
             return record
         return object.__getattribute__(self, name)
 
@@ -56,9 +64,18 @@ def test_gradient_accumulation_matches_the_big_batch_on_variable_lengths(tmp_pat
     results = []
     for batch, accum in ((8, 1), (2, 4), (1, 8)):
         model = tiny_llama()
-        trainer = Trainer(model, args_for(tmp_path / f"{batch}", per_device_train_batch_size=batch,
-                                          gradient_accumulation_steps=accum, max_steps=2, optim="sgd",
-                                          adam_beta1=0.0), train_dataset=rows)
+        trainer = Trainer(
+            model,
+            args_for(
+                tmp_path / f"{batch}",
+                per_device_train_batch_size=batch,
+                gradient_accumulation_steps=accum,
+                max_steps=2,
+                optim="sgd",
+                adam_beta1=0.0,
+            ),
+            train_dataset=rows,
+        )
         trainer.train()
         results.append(([h["loss"] for h in trainer.state.log_history if "loss" in h], model.state_dict()))
     (loss_a, w_a), *others = results
@@ -71,9 +88,19 @@ def test_gradient_accumulation_matches_the_big_batch_on_variable_lengths(tmp_pat
 def test_one_step_equals_plain_pytorch_token_mean(tmp_path):
     rows = lm_rows(8)
     model, reference = tiny_llama(), tiny_llama()
-    trainer = Trainer(model, args_for(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                      max_steps=1, optim="sgd", adam_beta1=0.0, learning_rate=0.1),
-                      train_dataset=rows)
+    trainer = Trainer(
+        model,
+        args_for(
+            tmp_path,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_steps=1,
+            optim="sgd",
+            adam_beta1=0.0,
+            learning_rate=0.1,
+        ),
+        train_dataset=rows,
+    )
     order = trainer.get_train_dataloader().sampler.indices()
     trainer.train()
     loss = reference_token_mean_loss(reference, [rows[i] for i in order[:8]])
@@ -115,9 +142,18 @@ def test_plain_modules_get_the_same_exact_accumulation(tmp_path, module):
     def run(batch, accum):
         model = module(tiny_llama())
         model.inner.config.architectures = None
-        Trainer(model, args_for(tmp_path / f"{module.__name__}{batch}", per_device_train_batch_size=batch,
-                                gradient_accumulation_steps=accum, max_steps=1, optim="sgd", adam_beta1=0.0),
-                train_dataset=rows).train()
+        Trainer(
+            model,
+            args_for(
+                tmp_path / f"{module.__name__}{batch}",
+                per_device_train_batch_size=batch,
+                gradient_accumulation_steps=accum,
+                max_steps=1,
+                optim="sgd",
+                adam_beta1=0.0,
+            ),
+            train_dataset=rows,
+        ).train()
         return model.state_dict()
 
     big, small = run(8, 1), run(2, 4)
@@ -125,8 +161,18 @@ def test_plain_modules_get_the_same_exact_accumulation(tmp_path, module):
         torch.testing.assert_close(small[k], big[k], rtol=1e-5, atol=1e-6)
     # and both equal the transformers model trained the same way
     hf = tiny_llama()
-    Trainer(hf, args_for(tmp_path / "hf", per_device_train_batch_size=2, gradient_accumulation_steps=4,
-                         max_steps=1, optim="sgd", adam_beta1=0.0), train_dataset=rows).train()
+    Trainer(
+        hf,
+        args_for(
+            tmp_path / "hf",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=4,
+            max_steps=1,
+            optim="sgd",
+            adam_beta1=0.0,
+        ),
+        train_dataset=rows,
+    ).train()
     for k, v in hf.state_dict().items():
         torch.testing.assert_close(big[f"inner.{k}"], v, rtol=1e-5, atol=1e-6)
 
@@ -135,9 +181,18 @@ def test_logged_loss_is_the_item_weighted_mean_of_the_logging_window(tmp_path):
     rows = lm_rows(12)
     model = tiny_llama()
     snapshot = copy.deepcopy(model)
-    trainer = Trainer(model, args_for(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                                      max_steps=3, logging_steps=3, learning_rate=0.0),
-                      train_dataset=rows)
+    trainer = Trainer(
+        model,
+        args_for(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=1,
+            max_steps=3,
+            logging_steps=3,
+            learning_rate=0.0,
+        ),
+        train_dataset=rows,
+    )
     order = trainer.get_train_dataloader().sampler.indices()
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]
@@ -149,8 +204,11 @@ def test_logged_loss_is_the_item_weighted_mean_of_the_logging_window(tmp_path):
 
 
 def test_grad_norm_and_learning_rate_are_logged(tmp_path, rows):
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2, max_grad_norm=1.0, learning_rate=1e-3,
-                                             lr_scheduler_type="linear"), train_dataset=rows)
+    trainer = Trainer(
+        tiny_llama(),
+        args_for(tmp_path, max_steps=2, max_grad_norm=1.0, learning_rate=1e-3, lr_scheduler_type="linear"),
+        train_dataset=rows,
+    )
     trainer.train()
     first = trainer.state.log_history[0]
     assert first["grad_norm"] > 0 and math.isfinite(first["grad_norm"])
@@ -159,8 +217,11 @@ def test_grad_norm_and_learning_rate_are_logged(tmp_path, rows):
 
 def test_loss_decreases_on_a_learnable_task(tmp_path):
     rows = lm_rows(8, min_len=10, max_len=10)
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, per_device_train_batch_size=8, max_steps=30,
-                                             learning_rate=3e-3, logging_steps=10), train_dataset=rows)
+    trainer = Trainer(
+        tiny_llama(),
+        args_for(tmp_path, per_device_train_batch_size=8, max_steps=30, learning_rate=3e-3, logging_steps=10),
+        train_dataset=rows,
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0] - 0.5
@@ -177,8 +238,13 @@ def test_evaluate_returns_prefixed_metrics_and_calls_compute_metrics(tmp_path, r
 
     recorder = Recorder()
     model = tiny_llama()
-    trainer = Trainer(model, args_for(tmp_path, per_device_eval_batch_size=5), eval_dataset=rows,
-                      compute_metrics=compute_metrics, callbacks=[recorder])
+    trainer = Trainer(
+        model,
+        args_for(tmp_path, per_device_eval_batch_size=5),
+        eval_dataset=rows,
+        compute_metrics=compute_metrics,
+        callbacks=[recorder],
+    )
     metrics = trainer.evaluate()
     assert set(metrics) == {"eval_loss", "eval_accuracy"}
     assert metrics["eval_loss"] == pytest.approx(reference_token_mean_loss(model, rows).item(), rel=1e-5)
@@ -203,8 +269,11 @@ class MultiBatchTrainer(Trainer):
 
     def get_train_dataloader(self):
         dataset = self.remove_unused_columns(self.train_dataset)
-        return self.build_dataloader(dataset, batch_size=self.args.per_device_train_batch_size * self.factor,
-                                     sampler=self.build_sampler(dataset, shuffle=True))
+        return self.build_dataloader(
+            dataset,
+            batch_size=self.args.per_device_train_batch_size * self.factor,
+            sampler=self.build_sampler(dataset, shuffle=True),
+        )
 
 
 def test_get_train_dataloader_override_changes_the_batch(tmp_path, rows):
@@ -215,8 +284,9 @@ def test_get_train_dataloader_override_changes_the_batch(tmp_path, rows):
             seen.append(inputs["input_ids"].shape[0])
             return super().training_step(model, inputs, num_items_in_batch)
 
-    trainer = Spy(tiny_llama(), args_for(tmp_path, per_device_train_batch_size=2, num_train_epochs=1),
-                  train_dataset=rows)
+    trainer = Spy(
+        tiny_llama(), args_for(tmp_path, per_device_train_batch_size=2, num_train_epochs=1), train_dataset=rows
+    )
     trainer.train()
     assert seen == [6, 6, 6, 6] and trainer.state.global_step == 4
 
@@ -230,8 +300,9 @@ class WeightedLossTrainer(Trainer):
         logits = outputs.logits[:, :-1].float()
         weights = torch.ones(logits.shape[-1])
         weights[:32] = 2.0
-        loss = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], weight=weights, ignore_index=-100,
-                               reduction="sum")
+        loss = F.cross_entropy(
+            logits.transpose(1, 2), labels[:, 1:], weight=weights, ignore_index=-100, reduction="sum"
+        )
         loss = loss / (num_items_in_batch or 1)
         return (loss, outputs) if return_outputs else loss
 
@@ -278,8 +349,7 @@ def test_unused_columns_are_dropped_and_named_once(tmp_path, capsys):
     from datasets import Dataset
 
     data = Dataset.from_list([{**r, "source": "web", "id": i} for i, r in enumerate(lm_rows(8))])
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2, per_device_train_batch_size=2),
-                      train_dataset=data)
+    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=2, per_device_train_batch_size=2), train_dataset=data)
     trainer.train()
     err = capsys.readouterr().err
     assert err.count("dropping training dataset columns ['source', 'id']") == 1
@@ -355,16 +425,23 @@ def test_a_plain_module_returning_a_tuple_trains(tmp_path):
     xs = torch.randn(64, 2, generator=g)
     rows = [{"x": x, "y": (x @ torch.tensor([2.0, -1.0])) + 0.5} for x in xs]
     model = Regressor()
-    trainer = Trainer(model, args_for(tmp_path, per_device_train_batch_size=16, num_train_epochs=40,
-                                      learning_rate=0.05, logging_steps=40), train_dataset=rows)
+    trainer = Trainer(
+        model,
+        args_for(tmp_path, per_device_train_batch_size=16, num_train_epochs=40, learning_rate=0.05, logging_steps=40),
+        train_dataset=rows,
+    )
     trainer.train()
     torch.testing.assert_close(model.lin.weight.detach(), torch.tensor([[2.0, -1.0]]), atol=0.05, rtol=0)
 
 
 # --- run record ----------------------------------------------------------------------------------------------
 def test_metrics_file_has_one_line_per_log_event(tmp_path, rows):
-    trainer = Trainer(tiny_llama(), args_for(tmp_path, max_steps=4, logging_steps=2, eval_strategy="steps",
-                                             eval_steps=4), train_dataset=rows, eval_dataset=rows[:4])
+    trainer = Trainer(
+        tiny_llama(),
+        args_for(tmp_path, max_steps=4, logging_steps=2, eval_strategy="steps", eval_steps=4),
+        train_dataset=rows,
+        eval_dataset=rows[:4],
+    )
     trainer.train()
     with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
@@ -378,8 +455,9 @@ def test_metrics_file_has_one_line_per_log_event(tmp_path, rows):
 
 
 def test_collator_pads_labels_with_ignore_index():
-    batch = PaddingCollator(pad_token_id=7)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]},
-                                            {"input_ids": [4], "labels": [4]}])
+    batch = PaddingCollator(pad_token_id=7)(
+        [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4], "labels": [4]}]
+    )
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 7, 7]]
     assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
     left = PaddingCollator(pad_token_id=7, padding_side="left")([{"input_ids": [1, 2]}, {"input_ids": [3]}])

@@ -4,10 +4,10 @@ locally (treadle.demos.toy_vision: random weights, the toy character tokenizer p
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _factories import vision_dpo_trainer, vision_preference_rows
-from treadle.demos import toy_vision as tv
+
 from treadle import vision
+from treadle.demos import toy_vision as tv
 from treadle.trainers.dpo import ChosenRejected
 from treadle.trainers.sft import SFTConfig, SFTTrainer
 
@@ -52,8 +52,17 @@ def labelled_text(processor, batch, row=0):
 
 
 def config(tmp_path, **kwargs):
-    defaults = dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-                    report_to=[], disable_tqdm=True, save_strategy="no", logging_steps=1, max_length=64)
+    defaults = dict(
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_length=64,
+    )
     return SFTConfig(**{**defaults, **kwargs})
 
 
@@ -67,9 +76,17 @@ def test_labels_are_the_assistant_tokens_only(processor):
 
 
 def test_every_assistant_turn_carries_loss_and_no_user_turn(processor):
-    rows = [{"images": [canvas(2), canvas(3)],
-             "messages": [user(IMAGE, text("How many?")), assistant("2"),
-                          user(IMAGE, text("And here?")), assistant("3")]}]
+    rows = [
+        {
+            "images": [canvas(2), canvas(3)],
+            "messages": [
+                user(IMAGE, text("How many?")),
+                assistant("2"),
+                user(IMAGE, text("And here?")),
+                assistant("3"),
+            ],
+        }
+    ]
     batch = vision.VisionCollator(processor)(rows)
     assert labelled_text(processor, batch) == "2</s>3</s>"
 
@@ -104,8 +121,11 @@ def test_an_image_that_does_not_open_names_file_and_row(tmp_path):
     rows[1]["images"] = [str(tmp_path / "missing.png")]
     from datasets import Dataset
 
-    with pytest.raises(vision.VisionDataError, match=r"row 1 of the train set: cannot open image .*missing\.png.*no "
-                                                     r"such file"):
+    with pytest.raises(
+        vision.VisionDataError,
+        match=r"row 1 of the train set: cannot open image .*missing\.png.*no "
+        r"such file",
+    ):
         vision.check_vision_dataset(Dataset.from_list(rows[:2]), where="the train set")
     with pytest.raises(vision.VisionDataError, match=r"row 1 .*bad\.png.*not an image"):
         vision.check_vision_dataset(Dataset.from_list([rows[0], rows[2]]), where="the train set")
@@ -124,8 +144,9 @@ def test_an_image_path_loads_like_the_image(tmp_path, processor):
 
 def test_more_placeholders_than_images_is_one_line():
     messages = [user(IMAGE, IMAGE, text("compare")), assistant("same")]
-    with pytest.raises(vision.VisionDataError, match="row 4 of the dataset: the chat has 2 image placeholders .* 1 "
-                                                     "image"):
+    with pytest.raises(
+        vision.VisionDataError, match="row 4 of the dataset: the chat has 2 image placeholders .* 1 image"
+    ):
         vision.vision_messages(messages, 1, row=4)
     with pytest.raises(vision.VisionDataError, match="3 images but its chat has only 2"):
         vision.vision_messages(messages, 3, row=0)
@@ -135,19 +156,28 @@ def test_a_text_only_model_given_images_is_refused(tmp_path, tok):
     from treadle.demos import toy
 
     with pytest.raises(vision.VisionDataError, match="LlamaForCausalLM is a text-only model"):
-        SFTTrainer(model=toy.build_model(), args=config(tmp_path), train_dataset=tv.count_task("train", 4),
-                   processing_class=tv.build_processor("llava"))
+        SFTTrainer(
+            model=toy.build_model(),
+            args=config(tmp_path),
+            train_dataset=tv.count_task("train", 4),
+            processing_class=tv.build_processor("llava"),
+        )
     with pytest.raises(vision.VisionDataError, match="not a processor that takes images"):
-        SFTTrainer(model=tv.build_model("llava"), args=config(tmp_path), train_dataset=tv.count_task("train", 4),
-                   processing_class=tok)
+        SFTTrainer(
+            model=tv.build_model("llava"),
+            args=config(tmp_path),
+            train_dataset=tv.count_task("train", 4),
+            processing_class=tok,
+        )
 
 
 # ---- training --------------------------------------------------------------------------------------------
 def test_the_loss_is_cross_entropy_on_the_answer_tokens(tmp_path, kind, processor):
     """An independent reference: cross-entropy of the model's logits at the tokens after ``<|assistant|>``."""
     model = tv.build_model(kind, processor)
-    trainer = SFTTrainer(model=model, args=config(tmp_path), train_dataset=tv.count_task("train", 4),
-                         processing_class=processor)
+    trainer = SFTTrainer(
+        model=model, args=config(tmp_path), train_dataset=tv.count_task("train", 4), processing_class=processor
+    )
     batch = trainer.data_collator(tv.count_task("train", 4))
     loss = trainer.compute_loss(trainer.model, dict(batch))
     inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -158,8 +188,8 @@ def test_the_loss_is_cross_entropy_on_the_answer_tokens(tmp_path, kind, processo
         ids = batch["input_ids"][b].tolist()
         first = ids.index(start) + 1
         last = ids.index(processor.tokenizer.eos_token_id)
-        scores.append(logits[b, first - 1:last])  # predicts first .. last
-        targets += ids[first:last + 1]
+        scores.append(logits[b, first - 1 : last])  # predicts first .. last
+        targets += ids[first : last + 1]
     expected = F.cross_entropy(torch.cat(scores), torch.tensor(targets))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
 
@@ -167,14 +197,21 @@ def test_the_loss_is_cross_entropy_on_the_answer_tokens(tmp_path, kind, processo
 def test_a_training_step_moves_every_weight_and_reloads_with_the_same_logits(tmp_path, kind, processor):
     model = tv.build_model(kind, processor)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = SFTTrainer(model=model, args=config(tmp_path, max_steps=1, packing=True),
-                         train_dataset=tv.count_task("train", 4), processing_class=processor)
+    trainer = SFTTrainer(
+        model=model,
+        args=config(tmp_path, max_steps=1, packing=True),
+        train_dataset=tv.count_task("train", 4),
+        processing_class=processor,
+    )
     assert trainer.args.packing is False  # switched off for image rows
     trainer.train()
     # LLaVA reads the vision tower's last hidden states before its post_layernorm, which takes no gradient
     unchanged = [n for n, p in model.named_parameters() if torch.equal(before[n], p)]
-    assert unchanged == ([] if kind == "qwen2_vl" else ["model.vision_tower.post_layernorm.weight",
-                                                       "model.vision_tower.post_layernorm.bias"])
+    assert unchanged == (
+        []
+        if kind == "qwen2_vl"
+        else ["model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias"]
+    )
     trainer.save_model(str(tmp_path / "saved"))
     reloaded = type(model).from_pretrained(str(tmp_path / "saved")).eval()
     batch = vision.VisionCollator(processor)(tv.count_task("test", 3))
@@ -186,9 +223,13 @@ def test_a_training_step_moves_every_weight_and_reloads_with_the_same_logits(tmp
 def test_lora_adapts_the_language_model_only_by_default(tmp_path, kind, processor):
     from peft import LoraConfig
 
-    trainer = SFTTrainer(model=tv.build_model(kind, processor), args=config(tmp_path, max_steps=1),
-                         train_dataset=tv.count_task("train", 4), processing_class=processor,
-                         peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    trainer = SFTTrainer(
+        model=tv.build_model(kind, processor),
+        args=config(tmp_path, max_steps=1),
+        train_dataset=tv.count_task("train", 4),
+        processing_class=processor,
+        peft_config=LoraConfig(r=4, target_modules="all-linear"),
+    )
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("language_model" in n and "lora_" in n for n in trainable)
     assert any("mlp" in n for n in trainable) and any("self_attn" in n for n in trainable)
@@ -215,7 +256,7 @@ def test_dpo_pairs_share_their_images_and_score_the_response_only(tmp_path, kind
     batch = trainer.data_collator(rows)
     half = len(rows)
     pixels = batch["pixel_values"]
-    torch.testing.assert_close(pixels[:len(pixels) // 2], pixels[len(pixels) // 2:])  # chosen rows, then rejected
+    torch.testing.assert_close(pixels[: len(pixels) // 2], pixels[len(pixels) // 2 :])  # chosen rows, then rejected
     for b, row in enumerate(rows):
         for offset, key in ((0, "chosen"), (half, "rejected")):
             ids = batch["input_ids"][offset + b][batch["completion_mask"][offset + b].bool()]
@@ -233,8 +274,10 @@ def test_dpo_reference_sees_the_same_images(tmp_path, kind, processor, reference
     from peft import LoraConfig
 
     model = tv.build_model(kind, processor)
-    kwargs = {"lora": {"peft_config": LoraConfig(r=4, target_modules="all-linear")},
-              "precomputed": {"precompute_ref_log_probs": True}}.get(reference, {})
+    kwargs = {
+        "lora": {"peft_config": LoraConfig(r=4, target_modules="all-linear")},
+        "precomputed": {"precompute_ref_log_probs": True},
+    }.get(reference, {})
     trainer = vision_dpo_trainer(tmp_path, kind, processor, model, **kwargs)
     trainer.prepare_training()
     batch = trainer.data_collator(vision_preference_rows())
@@ -242,15 +285,20 @@ def test_dpo_reference_sees_the_same_images(tmp_path, kind, processor, reference
         batch = next(iter(trainer.get_train_dataloader()))
     with torch.no_grad():
         policy = torch.cat(trainer.completion_logps(trainer.model, batch).logps)
-        ref = torch.cat(ChosenRejected(batch["ref_chosen_logps"], batch["ref_rejected_logps"])) \
-            if reference == "precomputed" else torch.cat(trainer.reference_logps(batch))
+        ref = (
+            torch.cat(ChosenRejected(batch["ref_chosen_logps"], batch["ref_rejected_logps"]))
+            if reference == "precomputed"
+            else torch.cat(trainer.reference_logps(batch))
+        )
     torch.testing.assert_close(ref, policy, rtol=1e-5, atol=1e-5)  # before training, policy == reference
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     output = trainer.train()
     assert output.training_loss == pytest.approx(0.6931, abs=1e-3)  # log 2 at the first step
-    assert all(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()
-               if n in before and "post_layernorm" not in n and "lora_A" not in n)
-
+    assert all(
+        not torch.equal(before[n], p)
+        for n, p in trainer.model.named_parameters()
+        if n in before and "post_layernorm" not in n and "lora_A" not in n
+    )
 
 
 # ---- configs and the demo --------------------------------------------------------------------------------
@@ -293,7 +341,7 @@ def test_the_answer_is_the_number_of_shapes_or_of_squares_on_the_canvas(what):
     question = {"shapes": "How many shapes?", "squares": "How many squares?"}[what]
     for row in tv.count_task("test", 40, what=what):
         pixels = np.asarray(row["images"][0]).min(axis=2)  # (H, W): 255 where white
-        cells = [pixels[y:y + 14, x:x + 14] for y in range(0, tv.CANVAS, 14) for x in range(0, tv.CANVAS, 14)]
+        cells = [pixels[y : y + 14, x : x + 14] for y in range(0, tv.CANVAS, 14) for x in range(0, tv.CANVAS, 14)]
         shapes = [c < 255 for c in cells if (c < 255).any()]
         full = [s[np.ix_(s.any(1), s.any(0))].all() for s in shapes]  # the shape fills its bounding box
         assert row["answer"] == str(len(shapes) if what == "shapes" else sum(full))
@@ -313,8 +361,10 @@ def test_the_probe_scores_are_argmax_accuracy_and_the_answers_probability():
         def forward(self, input_ids):
             return type("Out", (), {"logits": probs.log()})()
 
-    batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long),
-             "labels": torch.tensor([[-100, -100, 1, 2], [-100, -100, -100, 1]])}
+    batch = {
+        "input_ids": torch.zeros(2, 4, dtype=torch.long),
+        "labels": torch.tensor([[-100, -100, 1, 2], [-100, -100, -100, 1]]),
+    }
     accuracy, reward = probe_scores(Fixed(), batch)
     assert accuracy == 0.5 and reward == pytest.approx(0.35)
 
@@ -325,8 +375,17 @@ def test_the_count_demo_runs_end_to_end(tmp_path):
 
     from treadle.demos.count import CountDemoSettings, run_count_demo
 
-    settings = CountDemoSettings(train_size=32, eval_size=8, sft_steps=2, sft_batch_size=8, sft_probe_size=8,
-                                 grpo_steps=1, num_generations=4, grpo_batch_size=8, hidden=32)
+    settings = CountDemoSettings(
+        train_size=32,
+        eval_size=8,
+        sft_steps=2,
+        sft_batch_size=8,
+        sft_probe_size=8,
+        grpo_steps=1,
+        num_generations=4,
+        grpo_batch_size=8,
+        hidden=32,
+    )
     assert run_count_demo(settings, str(tmp_path / "demo")) == 0
     stages = json.loads((tmp_path / "demo" / "results.json").read_text())["stages"]
     assert [s["stage"] for s in stages] == ["untrained", "after SFT", "after GRPO"]

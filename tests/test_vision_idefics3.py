@@ -5,14 +5,14 @@ no hub, no torchvision) through SFT, GRPO (with LoRA too) and save -> treadle's 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _factories import VISION_ARGS, char_sum_reward, sft_trainer, vision_grpo_trainer
-from treadle.demos import toy_vision as tv
+
 from treadle import vision
 from treadle.cli.loading import load_model
+from treadle.demos import toy_vision as tv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-IMAGE_TOKENS = (tv.IDEFICS3_SIDE // 14) ** 2 // tv.IDEFICS3_SCALE ** 2  # 4 after the 2x2 pixel shuffle
+IMAGE_TOKENS = (tv.IDEFICS3_SIDE // 14) ** 2 // tv.IDEFICS3_SCALE**2  # 4 after the 2x2 pixel shuffle
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +22,25 @@ def processor():
 
 def idefics3_sft(tmp_path, processor):
     """One SFT step of the tiny Idefics3 on 4 counting-task rows (the shared SFT run, _factories.sft_trainer)."""
-    return sft_trainer(tmp_path / "sft", processor, tv.count_task("train", 4), tv.build_model("idefics3", processor),
-                       **VISION_ARGS, max_length=64)
+    return sft_trainer(
+        tmp_path / "sft",
+        processor,
+        tv.count_task("train", 4),
+        tv.build_model("idefics3", processor),
+        **VISION_ARGS,
+        max_length=64,
+    )
 
 
 def test_the_processor_writes_idefics3_markup_and_none_of_it_is_a_label(processor):
     batch = vision.VisionCollator(processor, completion_only_loss=False)(tv.count_task("train", 2))
     tokens = processor.tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
     markup = ["<fake_token_around_image>", "<global-img>", *["<image>"] * IMAGE_TOKENS, "<fake_token_around_image>"]
-    assert tokens[1:1 + len(markup)] == markup
+    assert tokens[1 : 1 + len(markup)] == markup
     vision_ids = vision.image_token_ids(processor)
     assert {processor.tokenizer.convert_tokens_to_ids(t) for t in set(markup)} == vision_ids
     labels = batch["labels"][0]
-    assert (labels[1:1 + len(markup)] == -100).all() and (labels[1 + len(markup):] != -100).all()
+    assert (labels[1 : 1 + len(markup)] == -100).all() and (labels[1 + len(markup) :] != -100).all()
     assert tuple(batch["pixel_values"].shape) == (2, 1, 3, tv.IDEFICS3_SIDE, tv.IDEFICS3_SIDE)
 
 
@@ -52,8 +58,8 @@ def test_sft_loss_is_cross_entropy_on_the_answer_tokens(tmp_path, processor):
     for b in range(len(rows)):
         ids = batch["input_ids"][b].tolist()
         first, last = ids.index(start) + 1, ids.index(processor.tokenizer.eos_token_id)
-        scores.append(logits[b, first - 1:last])
-        targets += ids[first:last + 1]
+        scores.append(logits[b, first - 1 : last])
+        targets += ids[first : last + 1]
     torch.testing.assert_close(loss, F.cross_entropy(torch.cat(scores), torch.tensor(targets)), rtol=1e-5, atol=1e-6)
 
 
@@ -77,8 +83,11 @@ def plain_logps(model, sample, inputs):
     with torch.no_grad():
         logits = model.eval()(input_ids=sample.input_ids, attention_mask=sample.attention_mask, **inputs).logits
     width = sample.completion_mask.shape[1]
-    return torch.log_softmax(logits[:, -width - 1:-1].float(), -1).gather(
-        -1, sample.completion_ids[..., None]).squeeze(-1)
+    return (
+        torch.log_softmax(logits[:, -width - 1 : -1].float(), -1)
+        .gather(-1, sample.completion_ids[..., None])
+        .squeeze(-1)
+    )
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -87,8 +96,14 @@ def test_grpo_scores_what_it_sampled_on_the_same_pixels_and_trains(tmp_path, pro
     no vision token is sampled, and a step moves the weights (with LoRA: only the language model's adapters)."""
     from peft import LoraConfig
 
-    trainer = vision_grpo_trainer(tmp_path, "idefics3", processor, char_sum_reward, beta=0.1,
-                                  peft_config=LoraConfig(r=4, target_modules="all-linear") if lora else None)
+    trainer = vision_grpo_trainer(
+        tmp_path,
+        "idefics3",
+        processor,
+        char_sum_reward,
+        beta=0.1,
+        peft_config=LoraConfig(r=4, target_modules="all-linear") if lora else None,
+    )
     rows = next(iter(trainer.get_train_dataloader()))
     vision_ids = torch.tensor(sorted(vision.image_token_ids(processor)))
     for sample in trainer.generate_and_score(rows, 0):

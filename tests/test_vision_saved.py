@@ -5,11 +5,11 @@ only, a step moves only adapter weights, log-probs against a plain forward of th
 
 import pytest
 import torch
-
 from _factories import char_sum_reward, vision_dpo_trainer, vision_grpo_trainer
-from treadle.demos import toy_vision as tv
+
 from treadle import vision
 from treadle.cli.loading import load_model
+from treadle.demos import toy_vision as tv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,8 +60,9 @@ def test_grpo_with_lora_on_a_vlm_trains_the_adapters_on_the_language_model_only(
     them)."""
     from peft import LoraConfig
 
-    trainer = vision_grpo_trainer(tmp_path, kind, processor, char_sum_reward,
-                                  peft_config=LoraConfig(r=4, target_modules="all-linear"), beta=0.1)
+    trainer = vision_grpo_trainer(
+        tmp_path, kind, processor, char_sum_reward, peft_config=LoraConfig(r=4, target_modules="all-linear"), beta=0.1
+    )
     model = trainer.model
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("language_model" in n and "lora_" in n for n in trainable)
@@ -70,15 +71,16 @@ def test_grpo_with_lora_on_a_vlm_trains_the_adapters_on_the_language_model_only(
         mask = sample.completion_mask.bool()
         logps = trainer.frozen_logps(model, sample)
         with torch.no_grad():
-            logits = model.eval()(input_ids=sample.input_ids, attention_mask=sample.attention_mask,
-                                  **sample.model_inputs).logits
+            logits = model.eval()(
+                input_ids=sample.input_ids, attention_mask=sample.attention_mask, **sample.model_inputs
+            ).logits
             blank = {**sample.model_inputs, "pixel_values": torch.zeros_like(sample.model_inputs["pixel_values"])}
             blank_logits = model(input_ids=sample.input_ids, attention_mask=sample.attention_mask, **blank).logits
         width = sample.completion_mask.shape[1]
         ids = sample.completion_ids[..., None]
-        expected = torch.log_softmax(logits[:, -width - 1:-1].float(), -1).gather(-1, ids).squeeze(-1)
+        expected = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1).gather(-1, ids).squeeze(-1)
         torch.testing.assert_close(logps[mask], expected[mask], rtol=1e-4, atol=1e-4)
-        with_blank = torch.log_softmax(blank_logits[:, -width - 1:-1].float(), -1).gather(-1, ids).squeeze(-1)
+        with_blank = torch.log_softmax(blank_logits[:, -width - 1 : -1].float(), -1).gather(-1, ids).squeeze(-1)
         assert not torch.allclose(with_blank[mask], expected[mask])
         # the reference is the model with its adapters off: equal before any step (lora_B starts at zero)
         torch.testing.assert_close(sample.ref_logps[mask], logps[mask], rtol=1e-5, atol=1e-5)
@@ -98,10 +100,24 @@ def test_a_lora_trained_toy_vlm_merges_into_its_base_and_reloads(tmp_path):
     from treadle.trainers.sft import SFTConfig, SFTTrainer
 
     model, processor = load_model("toy:llava", seed=3)
-    args = SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-                     seed=3, report_to=[], disable_tqdm=True, save_strategy="no", max_length=64)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=tv.count_task("train", 8), processing_class=processor,
-                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    args = SFTConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        seed=3,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+        max_length=64,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=tv.count_task("train", 8),
+        processing_class=processor,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
     trainer.train()
     trainer.save_model()
     merged, merged_processor = load_model(merge_adapter_folder(str(tmp_path / "run")))

@@ -52,12 +52,12 @@ def __dir__():
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from treadle.arguments import TrainingArguments
     from treadle.callbacks import EarlyStoppingCallback, TrainerCallback
-    from treadle.state import TrainerControl, TrainerState
     from treadle.metrics import EvalPrediction
+    from treadle.state import TrainerControl, TrainerState
     from treadle.trainer import Trainer
+    from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
     from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
     from treadle.trainers.kto import KTOConfig, KTOTrainer
-    from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
     from treadle.trainers.reward import RewardConfig, RewardTrainer
     from treadle.trainers.sft import SFTConfig, SFTTrainer

@@ -21,10 +21,28 @@ from typing import Any
 from treadle import distributed
 from treadle.optim import check_scheduler_kwargs, optimizer_options
 
-OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused", "sgd", "adafactor", "adamw_8bit", "adamw_bnb_8bit",
-              "paged_adamw_8bit")  # treadle.optim.build_optimizer
-SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
-              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+OPTIMIZERS = (
+    "adamw",
+    "adamw_torch",
+    "adamw_torch_fused",
+    "sgd",
+    "adafactor",
+    "adamw_8bit",
+    "adamw_bnb_8bit",
+    "paged_adamw_8bit",
+)  # treadle.optim.build_optimizer
+SCHEDULERS = (
+    "constant",
+    "constant_with_warmup",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
 TOKEN_COUNTS = ("no", "all", "non_padding")  # include_num_input_tokens_seen
 STRATEGIES = ("no", "steps", "epoch")
 MAX_LEARNING_RATE = 10.0  # far above any rate that trains; 1e300 overflowed inside torch
@@ -33,6 +51,8 @@ MAX_LEARNING_RATE = 10.0  # far above any rate that trains; 1e300 overflowed ins
 def expand_path(path):
     """``~`` and ``$VARS`` expanded in a path setting (a YAML or Python value), as a shell would."""
     return os.path.expandvars(os.path.expanduser(path)) if isinstance(path, str) else path
+
+
 FSDP_MODES = ("", "full_shard")
 
 
@@ -41,7 +61,9 @@ class TrainingArguments:
     # --- where things go
     output_dir: str = "trainer_output"  # checkpoints, metrics.jsonl and plots land here
     run_name: str | None = None  # a label for loggers (TensorBoard); defaults to output_dir's name
-    overwrite_output_dir: bool = False  # a new run may delete an earlier run's files in output_dir (see treadle.record.runs)
+    overwrite_output_dir: bool = (
+        False  # a new run may delete an earlier run's files in output_dir (see treadle.record.runs)
+    )
     ignore_checkpoint_fingerprints: bool = False  # resume even when a checkpoint's files differ from its marker
 
     # --- how long
@@ -64,7 +86,9 @@ class TrainingArguments:
     skip_nonfinite_steps: int = 0  # steps whose loss is NaN/inf that may be skipped (not applied) before stopping
 
     # --- schedule
-    lr_scheduler_type: str = "linear"  # transformers' names: "linear", "cosine", "constant_with_warmup"... (SCHEDULERS)
+    lr_scheduler_type: str = (
+        "linear"  # transformers' names: "linear", "cosine", "constant_with_warmup"... (SCHEDULERS)
+    )
     warmup_steps: float = 0  # steps of linear warm-up from 0; a float in (0, 1) is a fraction of all steps
 
     # --- logging, evaluation, saving (cadence lives in treadle.callbacks.FlowCallback)
@@ -103,7 +127,9 @@ class TrainingArguments:
     fsdp: str = ""  # "" for DDP when world size > 1, "full_shard" for FSDP2 (fully_shard)
     ddp_find_unused_parameters: bool = False  # set True when some parameters get no gradient in a step
     average_tokens_across_devices: bool = True  # normalise the loss by items summed over all ranks
-    ddp_timeout: float | None = None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
+    ddp_timeout: float | None = (
+        None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
+    )
 
     # --- experiment trackers (report_to; treadle.record.trackers): transformers' names, read by its Trackio callback
     project: str = "huggingface"  # the Trackio project the run is logged in (W&B reads $WANDB_PROJECT)
@@ -116,7 +142,9 @@ class TrainingArguments:
     merge_adapters: bool = False  # save_model also writes the adapters merged into the base, in output_dir/merged
 
     # --- a model named by a string (TRL's names, in every TRL trainer config; treadle.models.load_pretrained)
-    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained keywords, e.g. {"revision": "v1", "dtype": "bfloat16"}
+    model_init_kwargs: dict[str, Any] | None = (
+        None  # from_pretrained keywords, e.g. {"revision": "v1", "dtype": "bfloat16"}
+    )
     trust_remote_code: bool = False  # run Python code shipped with a Hub model or tokenizer; only when you trust it
 
     # --- more of transformers' names, same meaning (docs/coming-from-transformers-and-trl.md)
@@ -154,8 +182,10 @@ class TrainingArguments:
         if isinstance(self.include_num_input_tokens_seen, bool):  # transformers' bool form
             self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
         if self.include_num_input_tokens_seen not in TOKEN_COUNTS:
-            raise ValueError(f"include_num_input_tokens_seen={self.include_num_input_tokens_seen!r} is not supported; "
-                             f"use one of {list(TOKEN_COUNTS)} (or True / False)")
+            raise ValueError(
+                f"include_num_input_tokens_seen={self.include_num_input_tokens_seen!r} is not supported; "
+                f"use one of {list(TOKEN_COUNTS)} (or True / False)"
+            )
         if self.eval_delay < 0:
             raise ValueError(f"eval_delay must be >= 0, got {self.eval_delay}")
         for name in ("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "model_init_kwargs"):
@@ -180,29 +210,42 @@ class TrainingArguments:
                 raise ValueError(f"{name}={value!r} is not supported; use one of {list(allowed)}")
 
     def _validate_numbers(self) -> None:
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "save_steps"):
+        for name in (
+            "per_device_train_batch_size",
+            "per_device_eval_batch_size",
+            "gradient_accumulation_steps",
+            "logging_steps",
+            "save_steps",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.eval_steps is not None and (not isinstance(self.eval_steps, int) or self.eval_steps < 1):
-            raise ValueError(f"eval_steps must be an integer >= 1 (or None for logging_steps), got {self.eval_steps!r}")
+            raise ValueError(
+                f"eval_steps must be an integer >= 1 (or None for logging_steps), got {self.eval_steps!r}"
+            )
         if self.skip_nonfinite_steps < 0:
             raise ValueError(f"skip_nonfinite_steps must be >= 0, got {self.skip_nonfinite_steps}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ValueError("nothing to train: set max_steps > 0 or num_train_epochs > 0")
         if not 0 <= self.learning_rate <= MAX_LEARNING_RATE:
-            raise ValueError(f"learning_rate must lie in [0, {MAX_LEARNING_RATE:g}] (typical: 1e-6 .. 1e-2), "
-                             f"got {self.learning_rate:g}")
+            raise ValueError(
+                f"learning_rate must lie in [0, {MAX_LEARNING_RATE:g}] (typical: 1e-6 .. 1e-2), "
+                f"got {self.learning_rate:g}"
+            )
         if not 0 <= self.seed < 2**32 or (self.data_seed is not None and not 0 <= self.data_seed < 2**32):
-            raise ValueError(f"seed and data_seed must lie in [0, 2**32 - 1] (numpy's range), got "
-                             f"seed={self.seed}, data_seed={self.data_seed}")
+            raise ValueError(
+                f"seed and data_seed must lie in [0, 2**32 - 1] (numpy's range), got "
+                f"seed={self.seed}, data_seed={self.data_seed}"
+            )
         if self.dataloader_num_workers < 0:
-            raise ValueError(f"dataloader_num_workers must be >= 0 (0 loads in the main process), got "
-                             f"{self.dataloader_num_workers}")
+            raise ValueError(
+                f"dataloader_num_workers must be >= 0 (0 loads in the main process), got {self.dataloader_num_workers}"
+            )
         if self.warmup_steps < 0 or (self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps)):
-            raise ValueError(f"warmup_steps must be a whole number of steps or a fraction in [0, 1), "
-                             f"got {self.warmup_steps}")
+            raise ValueError(
+                f"warmup_steps must be a whole number of steps or a fraction in [0, 1), got {self.warmup_steps}"
+            )
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
@@ -215,12 +258,16 @@ class TrainingArguments:
             if self.eval_strategy == "no":
                 raise ValueError("load_best_model_at_end needs evaluations: set eval_strategy='steps' or 'epoch'")
             if self.save_strategy != self.eval_strategy:
-                raise ValueError(f"load_best_model_at_end needs save_strategy == eval_strategy, got "
-                                 f"save_strategy={self.save_strategy!r} and eval_strategy={self.eval_strategy!r}")
+                raise ValueError(
+                    f"load_best_model_at_end needs save_strategy == eval_strategy, got "
+                    f"save_strategy={self.save_strategy!r} and eval_strategy={self.eval_strategy!r}"
+                )
             if self.save_strategy == "steps" and self.save_steps % self.eval_steps:
-                raise ValueError(f"load_best_model_at_end needs save_steps to be a multiple of eval_steps, got "
-                                 f"save_steps={self.save_steps} and eval_steps={self.eval_steps}; e.g. set "
-                                 f"save_steps={self.eval_steps * max(1, round(self.save_steps / self.eval_steps))}")
+                raise ValueError(
+                    f"load_best_model_at_end needs save_steps to be a multiple of eval_steps, got "
+                    f"save_steps={self.save_steps} and eval_steps={self.eval_steps}; e.g. set "
+                    f"save_steps={self.eval_steps * max(1, round(self.save_steps / self.eval_steps))}"
+                )
             if self.metric_for_best_model is None:
                 self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
@@ -273,8 +320,9 @@ class TrainingArguments:
         return {f.name for f in dataclasses.fields(cls)}
 
     @classmethod
-    def from_mapping(cls, mapping: dict[str, Any], *, other_keys: Iterable[str] = (),
-                     context: str | None = None) -> "TrainingArguments":
+    def from_mapping(
+        cls, mapping: dict[str, Any], *, other_keys: Iterable[str] = (), context: str | None = None
+    ) -> TrainingArguments:
         """The config that ``mapping`` describes (e.g. a YAML file read as a dict); ValueError when it cannot.
 
         A key that is not a field is refused, naming the closest of the fields and ``other_keys`` (keys the caller
@@ -298,7 +346,7 @@ class TrainingArguments:
         hints = typing.get_type_hints(cls)
         return cls(**{key: _field_value(key, value, hints[key]) for key, value in mapping.items()})
 
-    def replace(self, **changes) -> "TrainingArguments":
+    def replace(self, **changes) -> TrainingArguments:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -325,7 +373,9 @@ class LogprobChunkOption:
     """``logprob_chunk_size``: DPO, KTO (``logprobs.token_logps``), distillation (through both LM heads,
     ``losses.chunked_generalized_jsd``)."""
 
-    logprob_chunk_size: int = 1024  # positions per chunk through the LM head: a smaller chunk holds fewer logits at once
+    logprob_chunk_size: int = (
+        1024  # positions per chunk through the LM head: a smaller chunk holds fewer logits at once
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the TrainingArguments this is mixed into: its checks (and types) first
@@ -335,8 +385,12 @@ class LogprobChunkOption:
 
 # --- from_mapping's type rules ------------------------------------------------------------------------------
 _WRONG = object()  # "this value does not fit this annotation" (None is a value that may fit)
-_SCALARS = {float: ("a number", "numbers"), int: ("an integer", "integers"), bool: ("true or false", "booleans"),
-            str: ("a string", "strings")}  # annotation -> (how a message names one, how it names several)
+_SCALARS = {
+    float: ("a number", "numbers"),
+    int: ("an integer", "integers"),
+    bool: ("true or false", "booleans"),
+    str: ("a string", "strings"),
+}  # annotation -> (how a message names one, how it names several)
 
 
 def _field_value(key: str, value: Any, annotation: Any) -> Any:
@@ -398,7 +452,7 @@ NOT_SUPPORTED = {
     "bf16_full_eval": "bf16=True already evaluates under bfloat16 autocast",
     "tf32": "set torch.backends.cuda.matmul.allow_tf32 = True before training",
     "torch_compile": "treadle does not compile the model; compile submodules yourself (e.g. "
-                     "layer.compile() on each decoder layer) before passing the model",
+    "layer.compile() on each decoder layer) before passing the model",
     "activation_checkpointing": "use gradient_checkpointing=True (transformers 5's older name, same behaviour)",
     "activation_checkpointing_kwargs": "use gradient_checkpointing_kwargs",
     "eval_accumulation_steps": "not needed: evaluation moves predictions to the CPU after every batch",
@@ -447,8 +501,9 @@ def check_config(args, config_class: type, trainer: str):
         return config_class()
     if not isinstance(args, config_class):
         name = config_class.__name__
-        raise TypeError(f"{trainer} needs a {name}, got {type(args).__name__}; build one with "
-                        f"{name}(**your_args.to_dict())")
+        raise TypeError(
+            f"{trainer} needs a {name}, got {type(args).__name__}; build one with {name}(**your_args.to_dict())"
+        )
     return args
 
 
@@ -481,8 +536,10 @@ def resolve_report_to(report_to) -> list[str]:
         raise ValueError(f"report_to must be a tracker name or a list of them, got {report_to!r}")
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
-        raise ValueError(f"report_to={report_to!r}: {', '.join(map(repr, unknown))} is not a tracker treadle "
-                         f"supports; use some of {sorted(TRACKERS)}, or 'all' / 'none'")
+        raise ValueError(
+            f"report_to={report_to!r}: {', '.join(map(repr, unknown))} is not a tracker treadle "
+            f"supports; use some of {sorted(TRACKERS)}, or 'all' / 'none'"
+        )
     return list(dict.fromkeys(names))  # each tracker once, in the order given
 
 

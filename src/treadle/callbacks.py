@@ -38,17 +38,29 @@ import threading
 from typing import Any
 
 from treadle import distributed as dist
-from treadle.record import runfiles
 from treadle.checkpoint import path_for
 from treadle.data import device_batch_rows, step_rows
 from treadle.errors import stopped_by
+from treadle.record import runfiles
 from treadle.record.describe import describe_run
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
 EVENTS = (
-    "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
-    "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
-    "on_predict", "on_prediction_step", "on_save", "on_log",
+    "on_init_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_step_begin",
+    "on_substep_end",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_evaluate",
+    "on_predict",
+    "on_prediction_step",
+    "on_save",
+    "on_log",
 )
 
 
@@ -56,21 +68,50 @@ class TrainerCallback:
     """Base class: override the events you need. A method named ``on_<something>`` that is not an event is
     rejected when the callback is added, so a typo never silently does nothing."""
 
-    def on_init_end(self, args, state, control, **kwargs): pass
-    def on_train_begin(self, args, state, control, **kwargs): pass
-    def on_train_end(self, args, state, control, **kwargs): pass
-    def on_epoch_begin(self, args, state, control, **kwargs): pass
-    def on_epoch_end(self, args, state, control, **kwargs): pass
-    def on_step_begin(self, args, state, control, **kwargs): pass
-    def on_substep_end(self, args, state, control, **kwargs): pass
-    def on_pre_optimizer_step(self, args, state, control, **kwargs): pass
-    def on_optimizer_step(self, args, state, control, **kwargs): pass
-    def on_step_end(self, args, state, control, **kwargs): pass
-    def on_evaluate(self, args, state, control, **kwargs): pass
-    def on_predict(self, args, state, control, **kwargs): pass
-    def on_prediction_step(self, args, state, control, **kwargs): pass
-    def on_save(self, args, state, control, **kwargs): pass
-    def on_log(self, args, state, control, **kwargs): pass
+    def on_init_end(self, args, state, control, **kwargs):
+        pass
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        pass
+
+    def on_train_end(self, args, state, control, **kwargs):
+        pass
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        pass
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        pass
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        pass
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        pass
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        pass
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        pass
+
+    def on_step_end(self, args, state, control, **kwargs):
+        pass
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        pass
+
+    def on_predict(self, args, state, control, **kwargs):
+        pass
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        pass
+
+    def on_save(self, args, state, control, **kwargs):
+        pass
+
+    def on_log(self, args, state, control, **kwargs):
+        pass
 
 
 def check_callback(callback) -> None:
@@ -85,8 +126,9 @@ def check_callback(callback) -> None:
             continue
         for name in vars(klass):
             if name.startswith("on_") and name not in EVENTS:
-                raise ValueError(f"{cls.__name__}.{name} is not a callback event (misspelt?); "
-                                 f"valid events: {', '.join(EVENTS)}")
+                raise ValueError(
+                    f"{cls.__name__}.{name} is not a callback event (misspelt?); valid events: {', '.join(EVENTS)}"
+                )
 
 
 class CallbackHandler:
@@ -107,8 +149,11 @@ class CallbackHandler:
         check_callback(callback)
         cb = callback() if isinstance(callback, type) else callback
         if any(type(c) is type(cb) for c in self.callbacks):
-            print(f"treadle: adding a second {type(cb).__name__}; the callbacks are now "
-                  f"{[type(c).__name__ for c in self.callbacks + [cb]]}", file=sys.stderr)
+            print(
+                f"treadle: adding a second {type(cb).__name__}; the callbacks are now "
+                f"{[type(c).__name__ for c in self.callbacks + [cb]]}",
+                file=sys.stderr,
+            )
         self.callbacks.append(cb)
 
     def pop_callback(self, callback):
@@ -124,9 +169,17 @@ class CallbackHandler:
     def call_event(self, event: str, args, state, control, **kwargs):
         for callback in self.callbacks:
             result = getattr(callback, event)(
-                args, state, control, model=self.model, processing_class=self.processing_class,
-                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                train_dataloader=self.train_dataloader, eval_dataloader=self.eval_dataloader, **kwargs)
+                args,
+                state,
+                control,
+                model=self.model,
+                processing_class=self.processing_class,
+                optimizer=self.optimizer,
+                lr_scheduler=self.lr_scheduler,
+                train_dataloader=self.train_dataloader,
+                eval_dataloader=self.eval_dataloader,
+                **kwargs,
+            )
             if result is not None:  # transformers semantics: a callback may return a new control
                 control = result
         return control
@@ -185,10 +238,27 @@ def format_logs(logs: dict[str, Any]) -> str:
 
 # The few numbers people watch, in print order; a printed line shows these and counts the rest, which are all in
 # metrics.jsonl and the trackers (a GRPO step logs 19-25 metrics: 600 characters a line).
-WATCHED = ("loss", "reward", "reward_std", "kl", "entropy", "rewards/accuracies", "rewards/margins", "accuracy",
-           "mean_token_accuracy", "completions/mean_length", "grad_norm", "learning_rate", "eval_loss",
-           "eval_reward", "eval_pass@1", "eval_greedy/accuracy", "eval_rewards/accuracies", "eval_accuracy",
-           "eval_mean_token_accuracy")
+WATCHED = (
+    "loss",
+    "reward",
+    "reward_std",
+    "kl",
+    "entropy",
+    "rewards/accuracies",
+    "rewards/margins",
+    "accuracy",
+    "mean_token_accuracy",
+    "completions/mean_length",
+    "grad_norm",
+    "learning_rate",
+    "eval_loss",
+    "eval_reward",
+    "eval_pass@1",
+    "eval_greedy/accuracy",
+    "eval_rewards/accuracies",
+    "eval_accuracy",
+    "eval_mean_token_accuracy",
+)
 
 
 def log_line(step: int, logs: dict[str, Any], watched: tuple[str, ...] | None = WATCHED) -> str:
@@ -232,8 +302,9 @@ class ProgressCallback(TrainerCallback):
         if state.is_world_process_zero and show_progress_bars(args):
             from tqdm.auto import tqdm
 
-            self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train",
-                                     dynamic_ncols=True)
+            self.training_bar = tqdm(
+                total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True
+            )
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.training_bar is not None:
@@ -246,8 +317,7 @@ class ProgressCallback(TrainerCallback):
             from tqdm.auto import tqdm
 
             total = len(eval_dataloader) if hasattr(eval_dataloader, "__len__") else None
-            self.prediction_bar = tqdm(total=total, desc="eval", leave=self.training_bar is None,
-                                       dynamic_ncols=True)
+            self.prediction_bar = tqdm(total=total, desc="eval", leave=self.training_bar is None, dynamic_ncols=True)
         self.prediction_bar.update(1)
 
     def _close_prediction_bar(self):
@@ -322,8 +392,10 @@ class EarlyStoppingCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.metric_for_best_model is None:
-            raise ValueError("EarlyStoppingCallback needs args.metric_for_best_model (e.g. 'loss') and an "
-                             "eval_strategy other than 'no'")
+            raise ValueError(
+                "EarlyStoppingCallback needs args.metric_for_best_model (e.g. 'loss') and an "
+                "eval_strategy other than 'no'"
+            )
         if args.eval_strategy == "no":
             raise ValueError("EarlyStoppingCallback needs evaluations: set eval_strategy='steps' or 'epoch'")
 
@@ -331,8 +403,10 @@ class EarlyStoppingCallback(TrainerCallback):
         key = args.metric_for_best_model
         key = key if key.startswith("eval_") else f"eval_{key}"
         if not metrics or key not in metrics:
-            raise KeyError(f"EarlyStoppingCallback: {key!r} is not among the evaluation metrics "
-                           f"{sorted(metrics or {})}; set metric_for_best_model to one of them")
+            raise KeyError(
+                f"EarlyStoppingCallback: {key!r} is not among the evaluation metrics "
+                f"{sorted(metrics or {})}; set metric_for_best_model to one of them"
+            )
         saved = state.stateful_callbacks.setdefault("EarlyStoppingCallback", {"best": None, "bad_evals": 0})
         value, best = metrics[key], saved["best"]
         sign = 1.0 if args.greater_is_better else -1.0
@@ -391,10 +465,13 @@ class PreemptionCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.signal is not None and state.is_world_process_zero:
-            print(f"treadle: stopped by {signal.Signals(self.signal).name} after step {state.global_step}; "
-                  f"checkpoint: {path_for(args.output_dir, state.global_step)}. Resume with "
-                  f"trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`).",
-                  file=sys.stderr, flush=True)
+            print(
+                f"treadle: stopped by {signal.Signals(self.signal).name} after step {state.global_step}; "
+                f"checkpoint: {path_for(args.output_dir, state.global_step)}. Resume with "
+                f"trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`).",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def raise_if_stopped(self, args, state) -> None:
         """After ``on_train_end`` of a run a signal stopped (its checkpoint written): raise
@@ -424,20 +501,29 @@ def run_header(args, state, model, dataloader) -> str:
     rows = len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else "?"
     device_rows = device_batch_rows(args, dataloader)
     per_step = step_rows(args, dataloader)
-    capped = (f", per_device_train_batch_size={args.per_device_train_batch_size} capped at the rows there are"
-              if device_rows < args.per_device_train_batch_size else "")
-    plan = (f"max_steps={args.max_steps}" if args.max_steps > 0 else
-            f"num_train_epochs={args.num_train_epochs:g} x {state.steps_per_epoch} steps per epoch, as max_steps="
-            f"{args.max_steps} asks")
+    capped = (
+        f", per_device_train_batch_size={args.per_device_train_batch_size} capped at the rows there are"
+        if device_rows < args.per_device_train_batch_size
+        else ""
+    )
+    plan = (
+        f"max_steps={args.max_steps}"
+        if args.max_steps > 0
+        else f"num_train_epochs={args.num_train_epochs:g} x {state.steps_per_epoch} steps per epoch, as max_steps="
+        f"{args.max_steps} asks"
+    )
     start = f", resuming at step {state.global_step}" if state.global_step else ""
-    return "\n".join([
-        f"treadle: {state.trainer_class or 'Trainer'} run",
-        f"  model   {name}: {total:,} parameters, {trainable:,} trainable",
-        f"  data    {rows if isinstance(rows, str) else f'{rows:,}'} rows; {per_step} rows per step "
-        f"({device_rows} per device x {args.gradient_accumulation_steps} accumulated x {state.world_size} "
-        f"processes{capped})",
-        f"  steps   {state.max_steps} ({plan}){start}",
-        f"  output  {args.output_dir}"])
+    return "\n".join(
+        [
+            f"treadle: {state.trainer_class or 'Trainer'} run",
+            f"  model   {name}: {total:,} parameters, {trainable:,} trainable",
+            f"  data    {rows if isinstance(rows, str) else f'{rows:,}'} rows; {per_step} rows per step "
+            f"({device_rows} per device x {args.gradient_accumulation_steps} accumulated x {state.world_size} "
+            f"processes{capped})",
+            f"  steps   {state.max_steps} ({plan}){start}",
+            f"  output  {args.output_dir}",
+        ]
+    )
 
 
 def run_summary(args, state) -> str:
@@ -449,12 +535,15 @@ def run_summary(args, state) -> str:
         parts.append(format_logs({"train_loss": final["train_loss"]}))
     last_eval = next((h for h in reversed(history) if any(k.startswith("eval_") for k in h)), None)
     if last_eval is not None:  # the watched evaluation numbers (GRPO's reward and pass@1 too), else loss / accuracy
-        shown = ({k: last_eval[k] for k in WATCHED if k.startswith("eval_") and k in last_eval}
-                 or {k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))})
+        shown = {k: last_eval[k] for k in WATCHED if k.startswith("eval_") and k in last_eval} or {
+            k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))
+        }
         parts += [f"last eval (step {last_eval['step']}): {format_logs(shown)}"] if shown else []
     if state.best_model_checkpoint:
-        parts.append(f"best {args.metric_for_best_model} {state.best_metric:.4g} at step {state.best_global_step}: "
-                     f"{state.best_model_checkpoint}")
+        parts.append(
+            f"best {args.metric_for_best_model} {state.best_metric:.4g} at step {state.best_global_step}: "
+            f"{state.best_model_checkpoint}"
+        )
     return "\n  ".join(["; ".join(parts), *rl_summary(history, state.stateful_callbacks.get("HealthCallback"))])
 
 
@@ -465,6 +554,7 @@ def rl_summary(history: list[dict], health: dict | None) -> list[str]:
     """The lines an RL run's end summary adds (none for a run that logged no ``reward``): the reward and the held-out
     score at start and end, the entropy trend, the truncation rate, the fraction of steps with a learning signal
     and every health warning (``health``: treadle.health's saved state)."""
+
     def trend(key: str) -> str | None:
         values = [h[key] for h in history if isinstance(h.get(key), (int, float))]
         return f"{key} {values[0]:.4g} -> {values[-1]:.4g}" if values else None

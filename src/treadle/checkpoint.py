@@ -33,10 +33,9 @@ import sys
 
 import torch
 
-from treadle import distributed as dist
-from treadle.record import fingerprints
-from treadle import models, peft as treadle_peft
+from treadle import distributed as dist, models, peft as treadle_peft
 from treadle.errors import UserError
+from treadle.record import fingerprints
 from treadle.record.runfiles import ARGS_FILE
 from treadle.state import TrainerState
 
@@ -77,8 +76,10 @@ def path_for(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"{PREFIX}{step}")
 
 
-WEIGHTS_FIX = ("load them into the model they were saved from: the run's model and peft settings (a LoRA run's "
-               "checkpoint holds adapters only)")
+WEIGHTS_FIX = (
+    "load them into the model they were saved from: the run's model and peft settings (a LoRA run's "
+    "checkpoint holds adapters only)"
+)
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -152,19 +153,24 @@ def read_weights(directory: str) -> dict[str, torch.Tensor]:
         files = sorted(set(read_json(index, directory)["weight_map"].values()))
     else:
         adapter_only = os.path.isfile(os.path.join(directory, ADAPTER_FILE)) and not os.path.isfile(
-            os.path.join(directory, WEIGHTS_FILE))
+            os.path.join(directory, WEIGHTS_FILE)
+        )
         files = [ADAPTER_FILE if adapter_only else WEIGHTS_FILE]
     state = {}
     for name in files:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint {directory!r} has no weights file {name!r}: it is incomplete or not "
-                                  f"a checkpoint of this model; resume from another checkpoint")
+            raise CheckpointError(
+                f"checkpoint {directory!r} has no weights file {name!r}: it is incomplete or not "
+                f"a checkpoint of this model; resume from another checkpoint"
+            )
         try:
             state.update(load_file(path, device="cpu"))
         except Exception as e:  # safetensors raises its own error type for truncated / garbled files
-            raise CheckpointError(f"cannot read {path!r}: {_first_line(e)}. The file is corrupt or truncated; "
-                                  f"resume from an earlier checkpoint") from e
+            raise CheckpointError(
+                f"cannot read {path!r}: {_first_line(e)}. The file is corrupt or truncated; "
+                f"resume from an earlier checkpoint"
+            ) from e
     return state
 
 
@@ -175,20 +181,24 @@ def _load_state_dict(model: torch.nn.Module, state: dict, directory: str) -> Non
     params = treadle_peft.adapter_state_dict(model) if peft else dict(model.state_dict(keep_vars=True))
     unexpected = [k for k in state if k not in params]
     if unexpected:
-        raise CheckpointError(f"weights in {directory!r} do not fit this model: unexpected keys {unexpected[:5]}; "
-                              f"{WEIGHTS_FIX}")
+        raise CheckpointError(
+            f"weights in {directory!r} do not fit this model: unexpected keys {unexpected[:5]}; {WEIGHTS_FIX}"
+        )
     # save_pretrained drops tied duplicates (e.g. lm_head.weight tied to the embeddings): a missing key is
     # fine only when it shares storage with a loaded one.
     loaded = {params[k].data_ptr() for k in state}
     missing = [k for k in params if k not in state and params[k].data_ptr() not in loaded]
     if missing:
-        raise CheckpointError(f"weights in {directory!r} do not fit this model: missing keys {missing[:5]}; "
-                              f"{WEIGHTS_FIX}")
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(params[k].shape)}" for k, v in state.items()
-             if v.shape != params[k].shape]
+        raise CheckpointError(
+            f"weights in {directory!r} do not fit this model: missing keys {missing[:5]}; {WEIGHTS_FIX}"
+        )
+    wrong = [
+        f"{k} {tuple(v.shape)} vs {tuple(params[k].shape)}" for k, v in state.items() if v.shape != params[k].shape
+    ]
     if wrong:
-        raise CheckpointError(f"weights in {directory!r} do not fit this model: shapes differ: {wrong[:5]}; "
-                              f"{WEIGHTS_FIX}")
+        raise CheckpointError(
+            f"weights in {directory!r} do not fit this model: shapes differ: {wrong[:5]}; {WEIGHTS_FIX}"
+        )
     if peft:
         treadle_peft.load_adapter_state_dict(model, state)
     else:
@@ -213,8 +223,13 @@ def rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": pos,
-                  "has_gauss": has_gauss, "cached": cached},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "cached": cached,
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -237,8 +252,18 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Save / load a whole checkpoint
 # ---------------------------------------------------------------------------------------------------------
-def save_checkpoint(output_dir: str, *, model, optimizer, scheduler, state, args, processing_class=None,
-                    save_only_model: bool = False, extra_state: dict | None = None) -> str:
+def save_checkpoint(
+    output_dir: str,
+    *,
+    model,
+    optimizer,
+    scheduler,
+    state,
+    args,
+    processing_class=None,
+    save_only_model: bool = False,
+    extra_state: dict | None = None,
+) -> str:
     """Write ``checkpoint-<state.global_step>`` atomically and return its path. Every rank must call it.
     ``extra_state`` (this rank's, tensors / numbers / strings in lists and dicts) goes to
     ``extra_state_<rank>.pt`` inside the same atomic write."""
@@ -298,8 +323,10 @@ def export_model(model, output_dir: str, processing_class=None, args=None) -> No
     must call it (FSDP2 gathers the full weights on rank 0, which writes)."""
     merge = getattr(args, "merge_adapters", False) and models.is_peft_model(model)
     if merge and dist.is_fsdp(model):
-        raise ValueError("merge_adapters=True cannot merge an FSDP-sharded model; train with merge_adapters=False, "
-                         f"then run `treadle merge {output_dir}`")
+        raise ValueError(
+            "merge_adapters=True cannot merge an FSDP-sharded model; train with merge_adapters=False, "
+            f"then run `treadle merge {output_dir}`"
+        )
     full_weights = dist.full_state_dict(model)
     if dist.is_main_process():
         os.makedirs(output_dir, exist_ok=True)
@@ -307,8 +334,11 @@ def export_model(model, output_dir: str, processing_class=None, args=None) -> No
         folders = [output_dir] + ([os.path.join(output_dir, treadle_peft.MERGED_DIR)] if merge else [])
         if merge:
             save_weights(treadle_peft.merged_model(model), folders[1])
-            print(f"treadle: merge_adapters: the adapters merged into the base model, a plain transformers model, "
-                  f"in {folders[1]}", flush=True)
+            print(
+                f"treadle: merge_adapters: the adapters merged into the base model, a plain transformers model, "
+                f"in {folders[1]}",
+                flush=True,
+            )
         if processing_class is not None and hasattr(processing_class, "save_pretrained"):
             for folder in folders:
                 processing_class.save_pretrained(folder)
@@ -323,8 +353,10 @@ def read_state(path: str):
     try:
         return TrainerState.load_from_json(os.path.join(path, STATE_FILE))
     except (OSError, ValueError, TypeError) as e:
-        raise CheckpointError(f"cannot read {os.path.join(path, STATE_FILE)!r} in checkpoint {path!r}: "
-                              f"{_first_line(e)}; the file is corrupt: resume from an earlier checkpoint") from e
+        raise CheckpointError(
+            f"cannot read {os.path.join(path, STATE_FILE)!r} in checkpoint {path!r}: "
+            f"{_first_line(e)}; the file is corrupt: resume from an earlier checkpoint"
+        ) from e
 
 
 def load_checkpoint(path: str, *, model, optimizer=None, scheduler=None, load_rng: bool = True):
@@ -360,8 +392,10 @@ def _load_sharded_checkpoint(path: str, model, optimizer, scheduler, load_rng: b
     scheduler_state = _torch_load(path, "scheduler.pt") if scheduler is not None else None
     rng = _torch_load(path, f"rng_state_{dist.get_rank()}.pth") if load_rng else None
     if optimizer is not None and not dist.has_sharded_optimizer(path):
-        raise CheckpointError(f"checkpoint {path!r} has no sharded optimizer state ({dist.OPTIMIZER_SHARDS}/): it "
-                              f"was saved with save_only_model=True or is incomplete; load it as weights only")
+        raise CheckpointError(
+            f"checkpoint {path!r} has no sharded optimizer state ({dist.OPTIMIZER_SHARDS}/): it "
+            f"was saved with save_only_model=True or is incomplete; load it as weights only"
+        )
     _load_sharded(path, model, optimizer)
     if scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
@@ -372,27 +406,35 @@ def _load_sharded_checkpoint(path: str, model, optimizer, scheduler, load_rng: b
 
 def _load_sharded(directory: str, model, optimizer=None) -> None:
     if not dist.has_sharded_model(directory):
-        raise CheckpointError(f"{directory!r} holds no sharded weights ({dist.MODEL_SHARDS}/.metadata) for this "
-                              f"FSDP2 model: it was saved without fsdp='full_shard' (load it before sharding) or "
-                              f"is incomplete")
+        raise CheckpointError(
+            f"{directory!r} holds no sharded weights ({dist.MODEL_SHARDS}/.metadata) for this "
+            f"FSDP2 model: it was saved without fsdp='full_shard' (load it before sharding) or "
+            f"is incomplete"
+        )
     try:
         dist.load_sharded(directory, model, optimizer)
     except Exception as e:  # DCP wraps every rank's failure in one CheckpointException
-        raise CheckpointError(f"cannot load the sharded checkpoint {directory!r}: {e}. Resume with the same "
-                              f"model and number of processes, or from an earlier checkpoint") from e
+        raise CheckpointError(
+            f"cannot load the sharded checkpoint {directory!r}: {e}. Resume with the same "
+            f"model and number of processes, or from an earlier checkpoint"
+        ) from e
 
 
 def _torch_load(directory: str, name: str):
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {directory!r} has no {name!r} (saved with save_only_model=True, or "
-                              f"incomplete); it cannot be resumed from, only loaded as weights")
+        raise CheckpointError(
+            f"checkpoint {directory!r} has no {name!r} (saved with save_only_model=True, or "
+            f"incomplete); it cannot be resumed from, only loaded as weights"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot read {path!r}: {_first_line(e)}. The file is corrupt or truncated, or holds "
-                              f"Python objects that treadle never unpickles; resume from an earlier "
-                              f"checkpoint") from e
+        raise CheckpointError(
+            f"cannot read {path!r}: {_first_line(e)}. The file is corrupt or truncated, or holds "
+            f"Python objects that treadle never unpickles; resume from an earlier "
+            f"checkpoint"
+        ) from e
 
 
 def _first_line(error: Exception) -> str:
@@ -412,8 +454,10 @@ def read_json(path: str, directory: str) -> dict:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path!r} in checkpoint {directory!r}: {_first_line(e)}; the file is "
-                              f"corrupt: resume from an earlier checkpoint") from e
+        raise CheckpointError(
+            f"cannot read {path!r} in checkpoint {directory!r}: {_first_line(e)}; the file is "
+            f"corrupt: resume from an earlier checkpoint"
+        ) from e
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -427,8 +471,10 @@ def update_best(state, args, metrics: dict | None, path: str) -> None:
         return
     key = key if key.startswith("eval_") else f"eval_{key}"
     if key not in metrics:
-        raise KeyError(f"metric_for_best_model={args.metric_for_best_model!r} is not among the evaluation "
-                       f"metrics {sorted(metrics)}")
+        raise KeyError(
+            f"metric_for_best_model={args.metric_for_best_model!r} is not among the evaluation "
+            f"metrics {sorted(metrics)}"
+        )
     value, best = metrics[key], state.best_metric
     if best is None or (value > best if args.greater_is_better else value < best):
         state.best_metric, state.best_global_step = value, state.global_step
@@ -444,7 +490,7 @@ def rotate(output_dir: str, limit: int | None, *, keep: tuple[str | None, ...] =
     protected = {os.path.abspath(p) for p in keep if p} | ({os.path.abspath(found[-1])} if found else set())
     deletable = [p for p in found if os.path.abspath(p) not in protected]
     excess = len(found) - limit
-    deleted = deletable[:max(0, excess)]
+    deleted = deletable[: max(0, excess)]
     for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
     return deleted

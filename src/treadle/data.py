@@ -56,8 +56,9 @@ class PaddingCollator:
         batch = {}
         for key in rows[0]:
             values = [row[key] for row in rows]
-            if isinstance(values[0], str) or (isinstance(values[0], (list, tuple)) and values[0]
-                                              and isinstance(values[0][0], (str, dict))):
+            if isinstance(values[0], str) or (
+                isinstance(values[0], (list, tuple)) and values[0] and isinstance(values[0][0], (str, dict))
+            ):
                 batch[key] = values
                 continue
             batch[key] = self.stack(key, values)
@@ -76,7 +77,7 @@ class PaddingCollator:
             if self.padding_side == "right":
                 out[i, : t.shape[0]] = t
             else:
-                out[i, length - t.shape[0]:] = t
+                out[i, length - t.shape[0] :] = t
         return out
 
 
@@ -96,8 +97,7 @@ class SeededSampler(Sampler[int]):
     ``DistributedSampler``), rank r taking positions r, r + world_size, ... of the permutation.
     """
 
-    def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True, rank: int = 0,
-                 world_size: int = 1):
+    def __init__(self, num_samples: int, *, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1):
         self.num_samples = num_samples
         self.seed = seed
         self.shuffle = shuffle
@@ -127,10 +127,10 @@ class SeededSampler(Sampler[int]):
         per_rank = math.ceil(self.num_samples / self.world_size)
         total = per_rank * self.world_size
         order += order[: total - len(order)]
-        return order[self.rank: total: self.world_size]
+        return order[self.rank : total : self.world_size]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices()[self.skip:])
+        return iter(self.indices()[self.skip :])
 
     def __len__(self) -> int:
         return math.ceil(self.num_samples / self.world_size) - self.skip
@@ -154,14 +154,28 @@ class RepeatSampler(SeededSampler):
     Incomplete last batches are dropped, so every group is whole.
     """
 
-    def __init__(self, num_samples: int, *, mini_repeat_count: int, batch_size: int, repeat_count: int = 1,
-                 shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        mini_repeat_count: int,
+        batch_size: int,
+        repeat_count: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if batch_size * mini_repeat_count % world_size:
-            raise ValueError(f"a global batch of {batch_size} prompts x {mini_repeat_count} repeats cannot be "
-                             f"split evenly over {world_size} ranks")
+            raise ValueError(
+                f"a global batch of {batch_size} prompts x {mini_repeat_count} repeats cannot be "
+                f"split evenly over {world_size} ranks"
+            )
         if num_samples < batch_size:
-            raise ValueError(f"the dataset has {num_samples} rows but one batch needs {batch_size} distinct "
-                             f"prompts; use a smaller batch or more data")
+            raise ValueError(
+                f"the dataset has {num_samples} rows but one batch needs {batch_size} distinct "
+                f"prompts; use a smaller batch or more data"
+            )
         super().__init__(num_samples, seed=seed, shuffle=shuffle, rank=rank, world_size=world_size)
         self.mini_repeat_count = mini_repeat_count
         self.batch_size = batch_size
@@ -172,8 +186,8 @@ class RepeatSampler(SeededSampler):
         rows_per_rank = self.batch_size * self.mini_repeat_count // self.world_size
         out = []
         for start in range(0, len(order) - self.batch_size + 1, self.batch_size):
-            batch = [i for i in order[start: start + self.batch_size] for _ in range(self.mini_repeat_count)]
-            mine = batch[self.rank * rows_per_rank: (self.rank + 1) * rows_per_rank]
+            batch = [i for i in order[start : start + self.batch_size] for _ in range(self.mini_repeat_count)]
+            mine = batch[self.rank * rows_per_rank : (self.rank + 1) * rows_per_rank]
             out.extend(mine * self.repeat_count)
         return out
 
@@ -194,8 +208,9 @@ def seeded_sampler(dataset, *, seed: int, shuffle: bool) -> SeededSampler | None
     """A SeededSampler over ``dataset`` for this rank of the process group (None for an iterable dataset)."""
     if not hasattr(dataset, "__len__"):
         return None
-    return SeededSampler(len(dataset), seed=seed, shuffle=shuffle, rank=dist.get_rank(),
-                         world_size=dist.get_world_size())
+    return SeededSampler(
+        len(dataset), seed=seed, shuffle=shuffle, rank=dist.get_rank(), world_size=dist.get_world_size()
+    )
 
 
 def build_dataloader(dataset, args, *, batch_size: int, collate_fn, sampler=None, drop_last: bool = False):
@@ -205,15 +220,27 @@ def build_dataloader(dataset, args, *, batch_size: int, collate_fn, sampler=None
     rows there are (``per_device_train_batch_size: 10000000`` on 40 rows) is capped at them: the same single batch,
     and the header and samples/s report the real one (``device_batch_rows``)."""
     if is_stream(dataset):
-        return StreamLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, rank=dist.get_rank(),
-                            world_size=dist.get_world_size(), drop_last=drop_last)
+        return StreamLoader(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=collate_fn,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            drop_last=drop_last,
+        )
     rows = _length(sampler if sampler is not None else dataset)
     if not drop_last and rows and batch_size > rows:
         batch_size = rows
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
-                      num_workers=args.dataloader_num_workers,
-                      pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
-                      generator=torch.Generator().manual_seed(args.data_seed))
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
+        generator=torch.Generator().manual_seed(args.data_seed),
+    )
 
 
 def _length(source) -> int | None:
@@ -226,8 +253,9 @@ def _length(source) -> int | None:
 def device_batch_rows(args, dataloader) -> int:
     """The rows of one micro-batch on one device: ``per_device_train_batch_size``, or fewer when the training
     dataloader's batches were capped at the rows the dataset holds (``build_dataloader``)."""
-    return min(args.per_device_train_batch_size, getattr(dataloader, "batch_size", None) or
-               args.per_device_train_batch_size)
+    return min(
+        args.per_device_train_batch_size, getattr(dataloader, "batch_size", None) or args.per_device_train_batch_size
+    )
 
 
 def step_rows(args, dataloader) -> int:
@@ -269,13 +297,16 @@ def plan_steps(dataloader, args, micro_batches_per_batch: int = 1) -> tuple[int,
         batches = len(dataloader) * micro_batches_per_batch
     except TypeError:
         if args.max_steps <= 0:
-            raise PreflightError("the training dataset is a stream (no length): set max_steps, the optimizer steps "
-                                 "to train") from None
+            raise PreflightError(
+                "the training dataset is a stream (no length): set max_steps, the optimizer steps to train"
+            ) from None
         return args.max_steps, args.max_steps, 1
     if batches == 0:
-        raise PreflightError(f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
-                             f"{dataloader.batch_size} and drop_last={dataloader.drop_last}; give more rows, a "
-                             f"smaller per_device_train_batch_size, or dataloader_drop_last: false")
+        raise PreflightError(
+            f"the training dataloader is empty: {len(dataloader.dataset)} rows with batch size "
+            f"{dataloader.batch_size} and drop_last={dataloader.drop_last}; give more rows, a "
+            f"smaller per_device_train_batch_size, or dataloader_drop_last: false"
+        )
     steps_per_epoch = math.ceil(batches / accum)
     if args.max_steps > 0:
         return steps_per_epoch, args.max_steps, math.ceil(args.max_steps / steps_per_epoch)
@@ -296,12 +327,15 @@ def check_first_batch(dataloader, label_names: Sequence[str] | None = None) -> N
         batch = dataloader.collate_fn(rows)
     except Exception as e:
         columns = column_names(dataset) or (list(rows[0]) if isinstance(rows[0], dict) else "?")
-        raise PreflightError(f"the data collator failed on the first training rows (columns: {columns}): "
-                         f"{type(e).__name__}: {e}") from e
+        raise PreflightError(
+            f"the data collator failed on the first training rows (columns: {columns}): {type(e).__name__}: {e}"
+        ) from e
     if label_names and isinstance(batch, dict) and not any(k in batch for k in label_names):
-        raise PreflightError(f"the model needs {list(label_names)} to compute its loss but the training batches only "
-                         f"have {sorted(batch)}; add a labels column (for causal LMs, labels = input_ids with "
-                         f"-100 on ignored tokens), or override compute_loss")
+        raise PreflightError(
+            f"the model needs {list(label_names)} to compute its loss but the training batches only "
+            f"have {sorted(batch)}; add a labels column (for causal LMs, labels = input_ids with "
+            f"-100 on ignored tokens), or override compute_loss"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,8 +356,9 @@ def unused_columns(dataset, accepted: set[str], keep: Sequence[str] = ()) -> lis
     return [c for c in names if c not in accepted and c not in keep]
 
 
-def drop_unused_columns(dataset, keep: set[str] | None, *, description: str, model_name: str,
-                        announced: set[str] | None = None):
+def drop_unused_columns(
+    dataset, keep: set[str] | None, *, description: str, model_name: str, announced: set[str] | None = None
+):
     """``dataset`` without the columns outside ``keep`` (None keeps all), naming them on stderr once per
     ``announced`` set. Dropping every column is an error: the model would get no inputs."""
     if keep is None or column_names(dataset) is None:
@@ -332,14 +367,19 @@ def drop_unused_columns(dataset, keep: set[str] | None, *, description: str, mod
     if not dropped:
         return dataset
     if len(dropped) == len(column_names(dataset)):
-        raise ValueError(f"none of the {description} dataset's columns {dropped} is an argument of "
-                         f"{model_name}.forward (it takes {sorted(keep)}); tokenize the dataset first, or set "
-                         f"remove_unused_columns=False and pass a data_collator that builds the model's inputs")
+        raise ValueError(
+            f"none of the {description} dataset's columns {dropped} is an argument of "
+            f"{model_name}.forward (it takes {sorted(keep)}); tokenize the dataset first, or set "
+            f"remove_unused_columns=False and pass a data_collator that builds the model's inputs"
+        )
     key = f"{description}:{','.join(dropped)}"
     if announced is not None and key not in announced and dist.is_main_process():
         announced.add(key)
-        print(f"treadle: dropping {description} dataset columns {dropped} that {model_name}.forward does not "
-              f"take (set remove_unused_columns=False to keep them)", file=sys.stderr)
+        print(
+            f"treadle: dropping {description} dataset columns {dropped} that {model_name}.forward does not "
+            f"take (set remove_unused_columns=False to keep them)",
+            file=sys.stderr,
+        )
     return dataset.remove_columns(dropped)
 
 
@@ -387,8 +427,10 @@ def mask_label_rows(inputs, label_name: str, keep: int):
 def require_eval_dataset(args, eval_dataset) -> None:
     """Refuse, before any work, an ``eval_strategy`` that would evaluate with no evaluation dataset."""
     if args.eval_strategy != "no" and eval_dataset is None:
-        raise PreflightError(f"eval_strategy={args.eval_strategy!r} but there is no evaluation dataset; give one "
-                             f"(eval_dataset: in a config, eval_dataset= in Python) or set eval_strategy: no")
+        raise PreflightError(
+            f"eval_strategy={args.eval_strategy!r} but there is no evaluation dataset; give one "
+            f"(eval_dataset: in a config, eval_dataset= in Python) or set eval_strategy: no"
+        )
 
 
 def require_columns(dataset, required: Sequence[str], *, what: str, fix: str = "") -> None:
@@ -416,8 +458,11 @@ def check_text_columns(dataset, columns, *, source: str, first_row: int = 0) -> 
     may leave it out), naming ``source``, the row (numbered from ``first_row``: 1 for the lines of a JSONL file)
     and the column. ``dataset``: a ``datasets.Dataset`` or a list of row dicts."""
     rows = dataset if isinstance(dataset, list) else None
-    present = [c for c in columns if (rows is not None and any(c in r for r in rows)) or
-               (rows is None and c in (column_names(dataset) or ()))]
+    present = [
+        c
+        for c in columns
+        if (rows is not None and any(c in r for r in rows)) or (rows is None and c in (column_names(dataset) or ()))
+    ]
     for column in present:
         for i, value in enumerate([r.get(column) for r in rows] if rows is not None else dataset[column]):
             where = f"{source}, {f'line {i + first_row}' if first_row else f'row {i}'}: column {column!r}"
@@ -432,16 +477,23 @@ def _check_messages(messages, where: str) -> None:
     for j, message in enumerate(messages):
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise DatasetFileError(f"{where}, message {j} has role {str(role)[:40]!r}, which no chat template "
-                                   f"renders (it would be trained on literally); use one of {list(CHAT_ROLES)}")
+            raise DatasetFileError(
+                f"{where}, message {j} has role {str(role)[:40]!r}, which no chat template "
+                f"renders (it would be trained on literally); use one of {list(CHAT_ROLES)}"
+            )
         if message.get("content") is None and not message.get("tool_calls"):
-            raise DatasetFileError(f"{where}, message {j} ({role}) has no 'content'; give each message its text "
-                                   f"as 'content' (an assistant turn with 'tool_calls' may leave it out)")
+            raise DatasetFileError(
+                f"{where}, message {j} ({role}) has no 'content'; give each message its text "
+                f"as 'content' (an assistant turn with 'tool_calls' may leave it out)"
+            )
 
 
 def empty_texts(values) -> list[int]:
     """The positions of ``values`` (texts or chat messages) that hold no text: ``""``, whitespace, or messages
     whose contents are all empty."""
-    return [i for i, v in enumerate(values)
-            if (isinstance(v, str) and not v.strip())
-            or (is_conversation(v) and not any(str(m.get("content") or "").strip() for m in v))]
+    return [
+        i
+        for i, v in enumerate(values)
+        if (isinstance(v, str) and not v.strip())
+        or (is_conversation(v) and not any(str(m.get("content") or "").strip() for m in v))
+    ]

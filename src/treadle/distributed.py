@@ -80,8 +80,7 @@ def init_distributed(device: torch.device, timeout_s: float | None = None, *, fo
     if is_initialized() or (not force and launched("WORLD_SIZE") <= 1):
         return
     if force:
-        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                            ("MASTER_ADDR", "127.0.0.1")):
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(name, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     cuda = device.type == "cuda"
@@ -90,8 +89,9 @@ def init_distributed(device: torch.device, timeout_s: float | None = None, *, fo
     timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else collective_timeout_s())
     store = _attempt_store(timeout)
     where = {} if store is None else {"store": store, "rank": launched("RANK"), "world_size": launched("WORLD_SIZE")}
-    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None,
-                            **where)
+    dist.init_process_group(
+        backend="nccl" if cuda else "gloo", timeout=timeout, device_id=device if cuda else None, **where
+    )
 
 
 def finish() -> None:
@@ -110,8 +110,13 @@ def _attempt_store(timeout: datetime.timedelta):
     restarted workers found the gloo addresses of the attempt before and failed to connect (torch 2.13)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched("WORLD_SIZE"),
-                          is_master=False, timeout=timeout)
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        launched("WORLD_SIZE"),
+        is_master=False,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"treadle/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
 
 
@@ -188,8 +193,12 @@ def gather_padded(tensors: list[torch.Tensor]):
         out = torch.cat(tensors)
     else:
         length = max(t.shape[1] for t in tensors)
-        out = torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]), value=-100)
-                         for t in tensors])
+        out = torch.cat(
+            [
+                torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]), value=-100)
+                for t in tensors
+            ]
+        )
     return (out.float() if out.dtype == torch.bfloat16 else out).numpy()
 
 
@@ -325,8 +334,12 @@ def load_sharded(directory: str, model: torch.nn.Module, optimizer=None) -> None
     must call it. torch.distributed.checkpoint can reshard, but treadle resumes only at the same world size
     (the data order depends on it)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     state = get_model_state_dict(model)
     dcp.load(state, checkpoint_id=os.path.join(directory, MODEL_SHARDS))

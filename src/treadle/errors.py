@@ -47,8 +47,7 @@ class _Stopped:
         return 128 + self.signum  # the shell's convention for "killed by this signal": 143, 130
 
     def describe(self) -> str:
-        return (f"stopped by {signal.Signals(self.signum).name} after step {self.step}; checkpoint: "
-                f"{self.checkpoint}")
+        return f"stopped by {signal.Signals(self.signum).name} after step {self.step}; checkpoint: {self.checkpoint}"
 
 
 class Preempted(_Stopped, SystemExit):

@@ -50,13 +50,15 @@ class Evaluation:
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (numpy, padded with -100), labels and metrics on ``test_dataset``; fires ``on_predict``."""
         self.callback_handler.eval_dataloader = dataloader = self.get_test_dataloader(test_dataset)
-        output = self.evaluation_loop(dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix,
-                                      prediction_loss_only=False)
+        output = self.evaluation_loop(
+            dataloader, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix, prediction_loss_only=False
+        )
         self._event("on_predict", metrics=output.metrics)
         return output
 
-    def evaluation_loop(self, dataloader, *, ignore_keys=None, metric_key_prefix="eval",
-                        prediction_loss_only=None) -> PredictionOutput:
+    def evaluation_loop(
+        self, dataloader, *, ignore_keys=None, metric_key_prefix="eval", prediction_loss_only=None
+    ) -> PredictionOutput:
         """Run ``prediction_step`` over ``dataloader``, moving predictions to the CPU batch by batch. The loss and
         what the "eval" window records meanwhile (SFT token accuracy, DPO rewards) are reduced once at the end."""
         if prediction_loss_only is None:  # evaluate(): logits are gathered only when compute_metrics wants them
@@ -67,8 +69,9 @@ class Evaluation:
             for inputs, keep in data.eval_batches(dataloader, self.args.label_names[0]):
                 items = self.count_items(inputs)
                 weight = items if items is not None else (data.batch_rows(inputs) if keep is None else keep)
-                loss, logits, label = self.prediction_step(self.model_wrapped, inputs, prediction_loss_only,
-                                                           ignore_keys=ignore_keys)
+                loss, logits, label = self.prediction_step(
+                    self.model_wrapped, inputs, prediction_loss_only, ignore_keys=ignore_keys
+                )
                 if loss is not None:  # a batch of repeated rows only (no weight) adds 0, not its 0/0 mean
                     self.metrics.add("loss", loss.double() * weight if weight else 0.0, weight, mode="eval")
                 if logits is not None:

@@ -35,8 +35,15 @@ from treadle.errors import UserError
 from treadle.losses import zero_spread_groups
 from treadle.record.plots import HEALTH_MARKERS
 
-__all__ = ["GenerationHealth", "HealthCallback", "HealthWarning", "TrainingStalled", "constant_values",
-           "generation_health", "log_warnings"]
+__all__ = [
+    "GenerationHealth",
+    "HealthCallback",
+    "HealthWarning",
+    "TrainingStalled",
+    "constant_values",
+    "generation_health",
+    "log_warnings",
+]
 
 STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (the run summary reads it)
 RESUME = "resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`)"
@@ -74,22 +81,32 @@ def constant_values(rewards: torch.Tensor, names: list[str]) -> dict[str, float 
     return out
 
 
-def generation_health(rewards: torch.Tensor, total: torch.Tensor, truncated: torch.Tensor, group: int,
-                      names: list[str]) -> GenerationHealth:
+def generation_health(
+    rewards: torch.Tensor, total: torch.Tensor, truncated: torch.Tensor, group: int, names: list[str]
+) -> GenerationHealth:
     """The health of one generation from every rank's rewards ``(W*N, F)``, their weighted total ``(W*N,)`` and
     truncation flags ``(W*N,)``; ``group`` completions per prompt."""
-    return GenerationHealth(zero_spread_fraction=float(zero_spread_groups(total, group).float().mean()),
-                            truncated_fraction=float(truncated.float().mean()),
-                            constant_rewards=constant_values(rewards, names))
+    return GenerationHealth(
+        zero_spread_fraction=float(zero_spread_groups(total, group).float().mean()),
+        truncated_fraction=float(truncated.float().mean()),
+        constant_rewards=constant_values(rewards, names),
+    )
 
 
 def merged(parts: list[GenerationHealth]) -> GenerationHealth:
     """The health of one optimizer step that trained on several generations (of equal size)."""
     names = parts[0].constant_rewards
-    same = {n: parts[0].constant_rewards[n] if all(p.constant_rewards[n] == parts[0].constant_rewards[n]
-                                                   for p in parts) else None for n in names}
-    return GenerationHealth(sum(p.zero_spread_fraction for p in parts) / len(parts),
-                            sum(p.truncated_fraction for p in parts) / len(parts), same)
+    same = {
+        n: parts[0].constant_rewards[n]
+        if all(p.constant_rewards[n] == parts[0].constant_rewards[n] for p in parts)
+        else None
+        for n in names
+    }
+    return GenerationHealth(
+        sum(p.zero_spread_fraction for p in parts) / len(parts),
+        sum(p.truncated_fraction for p in parts) / len(parts),
+        same,
+    )
 
 
 def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
@@ -98,15 +115,19 @@ def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
     out = {}
     entropy, floor = logs.get("entropy"), checks["min_entropy"]
     if floor is not None and entropy is not None and entropy < floor:
-        out["min_entropy"] = (f"the policy's entropy is {entropy:.4g} nats per token, below min_entropy={floor:g}: "
-                              f"it has (nearly) collapsed onto one completion per prompt, so groups stop differing; "
-                              f"lower learning_rate, raise temperature, set beta > 0 or epsilon_high (clip-higher)")
+        out["min_entropy"] = (
+            f"the policy's entropy is {entropy:.4g} nats per token, below min_entropy={floor:g}: "
+            f"it has (nearly) collapsed onto one completion per prompt, so groups stop differing; "
+            f"lower learning_rate, raise temperature, set beta > 0 or epsilon_high (clip-higher)"
+        )
     clipped = max((logs[k] for k in ("clip_ratio/region_mean", "cispo_clip_ratio") if k in logs), default=None)
     most = checks["max_clip_ratio"]
     if most is not None and clipped is not None and clipped > most:
-        out["max_clip_ratio"] = (f"{clipped:.3g} of the tokens have a clipped importance ratio, above "
-                                 f"max_clip_ratio={most:g}: the policy moves too far per generation; lower "
-                                 f"learning_rate or num_iterations, or sample more often (steps_per_generation)")
+        out["max_clip_ratio"] = (
+            f"{clipped:.3g} of the tokens have a clipped importance ratio, above "
+            f"max_clip_ratio={most:g}: the policy moves too far per generation; lower "
+            f"learning_rate or num_iterations, or sample more often (steps_per_generation)"
+        )
     ratio, bounds = logs.get("sampling/importance_sampling_ratio/mean"), checks["importance_ratio_bounds"]
     if bounds is not None and ratio is not None and not bounds[0] <= ratio <= bounds[1]:
         out["importance_ratio_bounds"] = (
@@ -115,7 +136,8 @@ def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
             f"from another distribution than the one trained, by stale or unsynced weights or by heavy truncation "
             f"(top_k / top_p / min_p / repetition_penalty); check the engine's load_weights "
             f"(sampling/sampling_logp_difference/max), sample less truncated, or use "
-            f"vllm_importance_sampling_mode='token_truncate'")
+            f"vllm_importance_sampling_mode='token_truncate'"
+        )
     return out
 
 
@@ -127,17 +149,20 @@ _STOPS = {
         "likely causes: a reward that cannot tell completions apart (constant, or 0 for all because the task is too "
         "hard or answers never parse), too little sampling diversity; fix: check the rewards on a few completions "
         "(log_completions=True), raise temperature or num_generations, use easier prompts, or set "
-        "dynamic_sampling=True"),
+        "dynamic_sampling=True",
+    ),
     "all_truncated": (
         "every completion hit max_completion_length={length} without an end-of-sequence token "
         "(completions/clipped_ratio = 1)",
         "likely causes: max_completion_length too small for the task, or a tokenizer whose eos_token_id the model "
         "never emits; fix: raise max_completion_length, check eos_token_id, or start from a model that ends its "
-        "answers (SFT first)"),
+        "answers (SFT first)",
+    ),
     "weight_sync": (
         "the rollout engine's log-probs did not change after a weight sync, although the policy was updated: "
         "it samples from stale weights",
-        "fix: check the engine's load_weights (the weight names, LoRA merging, the server's sync endpoint)"),
+        "fix: check the engine's load_weights (the weight names, LoRA merging, the server's sync endpoint)",
+    ),
 }
 
 
@@ -160,8 +185,10 @@ class HealthCallback(TrainerCallback):
     def record_generation(self, health: GenerationHealth) -> dict[str, tuple[float, int]]:
         """Note one training generation's health; returns its metrics for the trainer's window."""
         self.pending.append(health)
-        return {"health/no_signal": (float(health.zero_spread_fraction == 1.0), 1),
-                "health/all_truncated": (float(health.truncated_fraction == 1.0), 1)}
+        return {
+            "health/no_signal": (float(health.zero_spread_fraction == 1.0), 1),
+            "health/all_truncated": (float(health.truncated_fraction == 1.0), 1),
+        }
 
     def record_weight_sync(self, unchanged: bool) -> None:
         """A rollout engine's report of one weight sync (``engines.vllm.weight_sync_unchanged``): the run stops at this step's
@@ -173,8 +200,10 @@ class HealthCallback(TrainerCallback):
         self._saved(state)
 
     def _saved(self, state) -> dict:
-        return state.stateful_callbacks.setdefault(STATE_KEY, {
-            "streaks": {}, "warned": [], "warnings": [], "steps": 0, "signal_steps": 0, "truncated_sum": 0.0})
+        return state.stateful_callbacks.setdefault(
+            STATE_KEY,
+            {"streaks": {}, "warned": [], "warnings": [], "steps": 0, "signal_steps": 0, "truncated_sum": 0.0},
+        )
 
     def on_step_end(self, args, state, control, **kwargs):
         health = merged(self.pending) if self.pending else self.last
@@ -188,10 +217,13 @@ class HealthCallback(TrainerCallback):
         saved["steps"] += 1
         saved["signal_steps"] += health.zero_spread_fraction < 1.0
         saved["truncated_sum"] += health.truncated_fraction
-        conditions = {"no_learning_signal": health.zero_spread_fraction == 1.0,
-                      "all_truncated": health.truncated_fraction == 1.0}
-        conditions.update({f"constant_reward:{name}": value is not None
-                           for name, value in health.constant_rewards.items()})
+        conditions = {
+            "no_learning_signal": health.zero_spread_fraction == 1.0,
+            "all_truncated": health.truncated_fraction == 1.0,
+        }
+        conditions.update(
+            {f"constant_reward:{name}": value is not None for name, value in health.constant_rewards.items()}
+        )
         for name, holds in conditions.items():
             streak = saved["streaks"].get(name, [0, step])
             saved["streaks"][name] = [streak[0] + 1, streak[1]] if holds else [0, step + 1]
@@ -204,17 +236,23 @@ class HealthCallback(TrainerCallback):
             for name, value in health.constant_rewards.items():
                 count, since = saved["streaks"][f"constant_reward:{name}"]
                 if count >= patience:
-                    self._warn(state, f"constant_reward:{name}", f"reward function {name!r} returned {value:g} for "
-                               f"every sample since step {since} ({count} steps): it adds nothing to the advantages; "
-                               f"check it on a few completions (log_completions=True)")
+                    self._warn(
+                        state,
+                        f"constant_reward:{name}",
+                        f"reward function {name!r} returned {value:g} for "
+                        f"every sample since step {since} ({count} steps): it adds nothing to the advantages; "
+                        f"check it on a few completions (log_completions=True)",
+                    )
 
     def _stop(self, check: str, since: int, step: int, control, state) -> None:
         if self.stopped is not None:
             return
         what, fix = _STOPS[check]
         what = what.format(group=self.num_generations, length=self.max_completion_length)
-        self.stopped = (f"health check {check!r} stopped the run at step {step}: {what}, since step {since}; {fix}; "
-                        f"or turn the check off (health_checks={{{check!r}: False}})")
+        self.stopped = (
+            f"health check {check!r} stopped the run at step {step}: {what}, since step {since}; {fix}; "
+            f"or turn the check off (health_checks={{{check!r}: False}})"
+        )
         self.metrics.add(f"{HEALTH_MARKERS[1]}{check}", 1.0, 1)
         self._saved(state)["warnings"].append({"step": step, "check": check, "stop": True})
         control.should_training_stop = control.should_save = control.should_log = True
@@ -238,5 +276,6 @@ class HealthCallback(TrainerCallback):
         """After ``on_train_end`` of a run a check stopped (its checkpoint written): raise ``TrainingStalled``."""
         if self.stopped is None:
             return
-        raise TrainingStalled(f"{self.stopped}; checkpoint: {path_for(args.output_dir, state.global_step)}; "
-                              f"{RESUME} once fixed")
+        raise TrainingStalled(
+            f"{self.stopped}; checkpoint: {path_for(args.output_dir, state.global_step)}; {RESUME} once fixed"
+        )

@@ -116,15 +116,20 @@ class MetricWindow:
 
     def state_dict(self) -> dict:
         """This rank's unreduced windows as CPU tensors (for ``torch.save`` / ``weights_only`` loading)."""
-        return {mode: {"names": list(window), "sums": self._stacked(window, list(window)).cpu()}
-                for mode, window in self._sums.items() if window}
+        return {
+            mode: {"names": list(window), "sums": self._stacked(window, list(window)).cpu()}
+            for mode, window in self._sums.items()
+            if window
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned (on the same rank)."""
         self.clear()
         for mode, saved in state.items():
             sums = saved["sums"].to(self.device, torch.float64)
-            self._sums[mode] = {name: [sums[i, 0].clone(), sums[i, 1].clone()] for i, name in enumerate(saved["names"])}
+            self._sums[mode] = {
+                name: [sums[i, 0].clone(), sums[i, 1].clone()] for i, name in enumerate(saved["names"])
+            }
 
 
 def mode_of(model) -> str:
@@ -160,8 +165,9 @@ def _as_tensor(value: Number, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # The training loss in the window
 # ---------------------------------------------------------------------------------------------------------
-def record_loss(window: MetricWindow, step_loss: torch.Tensor, num_items: int | None, *,
-                items_are_global: bool) -> None:
+def record_loss(
+    window: MetricWindow, step_loss: torch.Tensor, num_items: int | None, *, items_are_global: bool
+) -> None:
     """Add one optimizer step's loss (this rank's sum of its micro-batches' losses) to ``window``, weighted so
     that the logged loss is the mean over every item of the logging window, over all ranks.
 
@@ -193,8 +199,9 @@ def training_logs(window: MetricWindow, state, grad_norm, learning_rate: float |
     return logs
 
 
-def prediction_output(preds: list, labels: list, recorded: dict[str, float], compute_metrics,
-                      prefix: str) -> PredictionOutput:
+def prediction_output(
+    preds: list, labels: list, recorded: dict[str, float], compute_metrics, prefix: str
+) -> PredictionOutput:
     """What ``evaluation_loop`` returns: predictions and labels gathered from every rank (padded with -100), and
     the metrics: the loss and what the "eval" window ``recorded``, ``compute_metrics(EvalPrediction)`` when
     given, each named ``{prefix}_<name>``."""
@@ -227,19 +234,26 @@ def speed_metrics(start_time: float, steps: int, samples: int, state) -> dict[st
         raise NothingTrainedError(
             f"the run took {steps} steps but not one of its batches held a token with loss (train_loss is "
             f"undefined), so it trained on nothing and nothing was saved after it; check the dataset: every row's "
-            f"loss mask is empty (completion_mask / labels all -100, completions cut away)")
+            f"loss mask is empty (completion_mask / labels all -100, completions cut away)"
+        )
     runtime = time.time() - start_time
     train_loss = state.total_loss_sum / state.total_loss_items if state.total_loss_items else float("nan")
-    return {"train_runtime": round(runtime, 4), "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
-            "train_steps_per_second": round(steps / max(runtime, 1e-9), 3), "train_loss": train_loss}
+    return {
+        "train_runtime": round(runtime, 4),
+        "train_samples_per_second": round(samples / max(runtime, 1e-9), 3),
+        "train_steps_per_second": round(steps / max(runtime, 1e-9), 3),
+        "train_loss": train_loss,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
 # A loss that is not a number
 # ---------------------------------------------------------------------------------------------------------
-NONFINITE_FIX = ("lower learning_rate, keep max_grad_norm > 0 (clipping), check the data (e.g. rows with no "
-                 "loss token), or set skip_nonfinite_steps: N to skip up to N such steps; a checkpoint from before "
-                 "it can be resumed (treadle train CONFIG --resume PATH)")
+NONFINITE_FIX = (
+    "lower learning_rate, keep max_grad_norm > 0 (clipping), check the data (e.g. rows with no "
+    "loss token), or set skip_nonfinite_steps: N to skip up to N such steps; a checkpoint from before "
+    "it can be resumed (treadle train CONFIG --resume PATH)"
+)
 
 
 def check_logged_loss(logs: dict[str, float], state) -> None:
@@ -253,8 +267,9 @@ def check_logged_loss(logs: dict[str, float], state) -> None:
     logged = [h["step"] for h in state.log_history if "loss" in h]
     first = logged[-1] + 1 if logged else 1
     steps = f"step {state.global_step}" if first >= state.global_step else f"steps {first}-{state.global_step}"
-    raise NonFiniteLossError(f"the training loss became {loss} ({steps}); the run stopped without saving "
-                             f"after it; {NONFINITE_FIX}")
+    raise NonFiniteLossError(
+        f"the training loss became {loss} ({steps}); the run stopped without saving after it; {NONFINITE_FIX}"
+    )
 
 
 def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
@@ -271,12 +286,17 @@ def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
     step = state.global_step + 1
     state.nonfinite_steps_skipped += 1
     if state.nonfinite_steps_skipped > args.skip_nonfinite_steps:
-        raise NonFiniteLossError(f"the training loss was NaN or infinite at step {step}: "
-                                 f"{state.nonfinite_steps_skipped} such steps, more than skip_nonfinite_steps="
-                                 f"{args.skip_nonfinite_steps} allows; {NONFINITE_FIX}")
+        raise NonFiniteLossError(
+            f"the training loss was NaN or infinite at step {step}: "
+            f"{state.nonfinite_steps_skipped} such steps, more than skip_nonfinite_steps="
+            f"{args.skip_nonfinite_steps} allows; {NONFINITE_FIX}"
+        )
     if dist.is_main_process():
-        print(f"treadle: step {step}: the loss is not finite; step skipped ({state.nonfinite_steps_skipped} of "
-              f"skip_nonfinite_steps={args.skip_nonfinite_steps})", file=sys.stderr)
+        print(
+            f"treadle: step {step}: the loss is not finite; step skipped ({state.nonfinite_steps_skipped} of "
+            f"skip_nonfinite_steps={args.skip_nonfinite_steps})",
+            file=sys.stderr,
+        )
     return True
 
 
@@ -290,8 +310,10 @@ def count_input_tokens(batches: list, args, tokenizer=None) -> int:
         return 0
     total = 0
     for batch in batches:  # a dict of tensors, or a typed batch with those fields (GRPO's Sample)
-        ids, mask = (batch.get(k) if isinstance(batch, dict) else getattr(batch, k, None)
-                     for k in ("input_ids", "attention_mask"))
+        ids, mask = (
+            batch.get(k) if isinstance(batch, dict) else getattr(batch, k, None)
+            for k in ("input_ids", "attention_mask")
+        )
         if not isinstance(ids, torch.Tensor):
             raise ValueError("include_num_input_tokens_seen needs batches with an 'input_ids' tensor; set it to 'no'")
         if how == "all":

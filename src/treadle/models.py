@@ -28,8 +28,8 @@ import inspect
 import json
 import os
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -37,10 +37,28 @@ from torch import nn
 from treadle import distributed as dist
 from treadle.errors import PreflightError
 
-__all__ = ["ForwardSignature", "causal_lm_problem", "check_model_folder", "check_vocabulary",
-           "check_hub_model", "enable_gradient_checkpointing", "eval_mode", "forward_parameters", "forward_signature",
-           "from_name", "frozen_reference", "is_causal_lm", "is_peft_model", "is_transformers_model", "load_pretrained",
-           "logits_of", "loss_of", "max_positions", "training_forward_kwargs", "unwrapped_for_generation"]
+__all__ = [
+    "ForwardSignature",
+    "causal_lm_problem",
+    "check_model_folder",
+    "check_vocabulary",
+    "check_hub_model",
+    "enable_gradient_checkpointing",
+    "eval_mode",
+    "forward_parameters",
+    "forward_signature",
+    "from_name",
+    "frozen_reference",
+    "is_causal_lm",
+    "is_peft_model",
+    "is_transformers_model",
+    "load_pretrained",
+    "logits_of",
+    "loss_of",
+    "max_positions",
+    "training_forward_kwargs",
+    "unwrapped_for_generation",
+]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -91,7 +109,8 @@ def _read_signature(forward) -> ForwardSignature:
     params = inspect.signature(forward).parameters.values()
     return ForwardSignature(
         names=frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)),
-        takes_var_keyword=any(p.kind is p.VAR_KEYWORD for p in params))
+        takes_var_keyword=any(p.kind is p.VAR_KEYWORD for p in params),
+    )
 
 
 def forward_parameters(model: nn.Module) -> set[str] | None:
@@ -108,8 +127,9 @@ def forward_parameters(model: nn.Module) -> set[str] | None:
 
 def is_transformers_model(model) -> bool:
     """Whether ``model`` is a transformers ``PreTrainedModel`` (checked without importing transformers)."""
-    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-               for c in type(model).__mro__)
+    return any(
+        c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel" for c in type(model).__mro__
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,14 +187,21 @@ def loss_of(outputs, inputs=None) -> torch.Tensor:
         return outputs
     if isinstance(outputs, dict) or hasattr(outputs, "keys"):
         loss = outputs.get("loss") if hasattr(outputs, "get") else None
-    elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0:
+    elif (
+        isinstance(outputs, (tuple, list))
+        and outputs
+        and isinstance(outputs[0], torch.Tensor)
+        and outputs[0].dim() == 0
+    ):
         loss = outputs[0]
     else:
         loss = getattr(outputs, "loss", None)
     if loss is None:
         keys = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
-        raise ValueError(f"the model returned no loss (inputs: {keys}); pass labels (a 'labels' column) or "
-                         f"override Trainer.compute_loss to compute it")
+        raise ValueError(
+            f"the model returned no loss (inputs: {keys}); pass labels (a 'labels' column) or "
+            f"override Trainer.compute_loss to compute it"
+        )
     return loss
 
 
@@ -243,9 +270,11 @@ def enable_gradient_checkpointing(model: nn.Module, kwargs: dict | None = None) 
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
-        raise ValueError(f"gradient_checkpointing=True needs a transformers model; {type(model).__name__} has "
-                         f"no activation_checkpointing_enable() — wrap its blocks with "
-                         f"torch.utils.checkpoint.checkpoint yourself")
+        raise ValueError(
+            f"gradient_checkpointing=True needs a transformers model; {type(model).__name__} has "
+            f"no activation_checkpointing_enable() — wrap its blocks with "
+            f"torch.utils.checkpoint.checkpoint yourself"
+        )
     if hasattr(model, "config"):
         model.config.use_cache = False
     if is_peft_model(model):  # frozen embeddings: a reentrant checkpoint (set by the user) would see no grad
@@ -272,8 +301,10 @@ def unwrapped_for_generation(model: nn.Module) -> Iterator[nn.Module]:
       ``summon_full_params``; wrap with FSDP2 instead.
     """
     if type(model).__name__ == "FullyShardedDataParallel":  # before unwrapping: FSDP1 has a .module too
-        raise ValueError("FSDP1 (FullyShardedDataParallel) models are not supported for generation; "
-                         "shard with FSDP2 (torch.distributed.fsdp.fully_shard) instead")
+        raise ValueError(
+            "FSDP1 (FullyShardedDataParallel) models are not supported for generation; "
+            "shard with FSDP2 (torch.distributed.fsdp.fully_shard) instead"
+        )
     inner = dist.unwrap_model(model)
     if callable(getattr(inner, "get_base_model", None)):
         inner = inner.get_base_model()
@@ -303,8 +334,15 @@ def _fsdp2_modules(model: nn.Module) -> list:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def load_pretrained(name_or_path: str, *, tokenizer=None, revision: str | None = None, trust_remote_code: bool = False,
-                    model_class=None, **model_kwargs):
+def load_pretrained(
+    name_or_path: str,
+    *,
+    tokenizer=None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    model_class=None,
+    **model_kwargs,
+):
     """``(model, tokenizer)`` from a local folder in transformers layout, else from a Hugging Face Hub model id
     (``org/name``) through transformers' ``from_pretrained``: the user's cache (``HF_HOME``), ``revision`` (a
     branch, tag or commit), ``HF_HUB_OFFLINE=1`` honoured. An existing folder always wins over an id of the same
@@ -358,15 +396,19 @@ def check_hub_model(name: str, revision: str | None = None) -> None:
     try:
         validate_repo_id(name)
     except HFValidationError:
-        raise ValueError(f"model folder {name} not found, and it is not a Hugging Face model id (org/name); use a "
-                         f"local folder in transformers layout (written by save_pretrained), a Hub id, or toy:tiny") from None
+        raise ValueError(
+            f"model folder {name} not found, and it is not a Hugging Face model id (org/name); use a "
+            f"local folder in transformers layout (written by save_pretrained), a Hub id, or toy:tiny"
+        ) from None
     if not constants.HF_HUB_OFFLINE:
         return
     if not isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
         at = f" at revision {revision}" if revision else ""
-        raise ValueError(f"model {name}{at} is not a local folder nor in the Hugging Face cache "
-                         f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
-                         f"HF_HUB_OFFLINE to download it, or point HF_HOME at a cache that holds it")
+        raise ValueError(
+            f"model {name}{at} is not a local folder nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
+            f"HF_HUB_OFFLINE to download it, or point HF_HOME at a cache that holds it"
+        )
 
 
 def from_name(model, processing_class, args, *, model_class=None, **model_kwargs):
@@ -377,8 +419,14 @@ def from_name(model, processing_class, args, *, model_class=None, **model_kwargs
         return model, processing_class
     kwargs = {**(getattr(args, "model_init_kwargs", None) or {}), **model_kwargs}
     revision = kwargs.pop("revision", None)
-    return load_pretrained(model, tokenizer=processing_class, revision=revision, model_class=model_class,
-                           trust_remote_code=getattr(args, "trust_remote_code", False), **kwargs)
+    return load_pretrained(
+        model,
+        tokenizer=processing_class,
+        revision=revision,
+        model_class=model_class,
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+        **kwargs,
+    )
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -389,8 +437,10 @@ def check_model_folder(path: str, *, needs_tokenizer: bool = True) -> None:
     truncated ``.safetensors`` file (shorter than its own header says), before transformers reads it."""
     names = set(os.listdir(path))
     if needs_tokenizer and not names & set(TOKENIZER_FILES):
-        raise ValueError(f"model folder {path} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:2])}); save the "
-                         f"tokenizer there too (tokenizer.save_pretrained({path!r}))")
+        raise ValueError(
+            f"model folder {path} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:2])}); save the "
+            f"tokenizer there too (tokenizer.save_pretrained({path!r}))"
+        )
     for name in sorted(n for n in names if n.endswith(".safetensors")):
         problem = _safetensors_problem(os.path.join(path, name))
         if problem:
@@ -421,6 +471,8 @@ def check_vocabulary(model: nn.Module, tokenizer, where: str | None = None) -> N
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     rows = getattr(embeddings, "num_embeddings", None)
     if rows is not None and hasattr(tokenizer, "__len__") and len(tokenizer) > rows:
-        raise PreflightError(f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
-                         f"{rows} rows; use the tokenizer saved with this model, or resize the embedding "
-                         f"(model.resize_token_embeddings(len(tokenizer))) and save both")
+        raise PreflightError(
+            f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
+            f"{rows} rows; use the tokenizer saved with this model, or resize the embedding "
+            f"(model.resize_token_embeddings(len(tokenizer))) and save both"
+        )

@@ -17,8 +17,8 @@ from torch.optim.lr_scheduler import LambdaLR
 # names transformers has that treadle refuses, with what to do instead
 _SCHEDULER_POINTERS = {
     "reduce_lr_on_plateau": "it steps on an evaluation metric; pass your own scheduler with "
-                            "optimizers=(optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(...)) and step it "
-                            "from a callback's on_evaluate",
+    "optimizers=(optimizer, torch.optim.lr_scheduler.ReduceLROnPlateau(...)) and step it "
+    "from a callback's on_evaluate",
     "greedy": "pass your own scheduler with Trainer(optimizers=(optimizer, scheduler))",
 }
 
@@ -61,8 +61,10 @@ def optimizer_options(optim: str, optim_args: str | None) -> dict:
     """
     options = parse_optim_args(optim_args)
     if options and optim != "sgd":
-        raise ValueError(f"optim_args is read by optim='sgd' only (momentum, dampening, weight_decay, nesterov); "
-                         f"optim={optim!r} takes its settings from adam_beta1, adam_beta2, adam_epsilon")
+        raise ValueError(
+            f"optim_args is read by optim='sgd' only (momentum, dampening, weight_decay, nesterov); "
+            f"optim={optim!r} takes its settings from adam_beta1, adam_beta2, adam_epsilon"
+        )
     kwargs: dict = {}
     for key, value in options.items():
         if key in ("momentum", "dampening", "weight_decay"):
@@ -70,19 +72,28 @@ def optimizer_options(optim: str, optim_args: str | None) -> dict:
         elif key == "nesterov":
             kwargs[key] = value.lower() in ("true", "1", "yes")
         else:
-            raise ValueError(f"optim_args key {key!r} is not an SGD setting; use momentum, dampening, weight_decay "
-                             f"or nesterov")
+            raise ValueError(
+                f"optim_args key {key!r} is not an SGD setting; use momentum, dampening, weight_decay or nesterov"
+            )
     return kwargs
 
 
 def _bitsandbytes_adamw(groups: list[dict], args, paged: bool) -> torch.optim.Optimizer:
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ImportError(f"optim={args.optim!r} needs bitsandbytes (8-bit optimizer states, CUDA): "
-                          f"pip install bitsandbytes; or use optim='adamw_torch'")
+        raise ImportError(
+            f"optim={args.optim!r} needs bitsandbytes (8-bit optimizer states, CUDA): "
+            f"pip install bitsandbytes; or use optim='adamw_torch'"
+        )
     from bitsandbytes.optim import AdamW
 
-    return AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                 optim_bits=8, is_paged=paged)
+    return AdamW(
+        groups,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        optim_bits=8,
+        is_paged=paged,
+    )
 
 
 def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
@@ -106,25 +117,47 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     if args.optim in ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"):
         return _bitsandbytes_adamw(groups, args, paged=args.optim.startswith("paged_"))
     fused = args.optim == "adamw_torch_fused"
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                             eps=args.adam_epsilon, fused=fused or None)
+    return torch.optim.AdamW(
+        groups,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        fused=fused or None,
+    )
 
 
 # ---- schedules: transformers' own -----------------------------------------------------------------------------
 WSD_SHAPES = ("linear", "cosine", "1-sqrt")  # warmup_stable_decay's warmup_type and decay_type
 
 SCHEDULE_OPTIONS = {  # lr_scheduler_kwargs each schedule takes (transformers' names)
-    "constant": (), "constant_with_warmup": (), "linear": (), "cosine": ("num_cycles",),
-    "cosine_with_restarts": ("num_cycles",), "polynomial": ("lr_end", "power"), "inverse_sqrt": ("timescale",),
+    "constant": (),
+    "constant_with_warmup": (),
+    "linear": (),
+    "cosine": ("num_cycles",),
+    "cosine_with_restarts": ("num_cycles",),
+    "polynomial": ("lr_end", "power"),
+    "inverse_sqrt": ("timescale",),
     "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
     "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
-    "warmup_stable_decay": ("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
-                            "num_cycles"),
+    "warmup_stable_decay": (
+        "num_decay_steps",
+        "num_stable_steps",
+        "warmup_type",
+        "decay_type",
+        "min_lr_ratio",
+        "num_cycles",
+    ),
 }
 
 
-def build_scheduler(name: str, optimizer: torch.optim.Optimizer, *, num_warmup_steps: int,
-                    num_training_steps: int, scheduler_kwargs: dict | None = None) -> LambdaLR:
+def build_scheduler(
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    *,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    scheduler_kwargs: dict | None = None,
+) -> LambdaLR:
     """The schedule ``name``, built by ``transformers.get_scheduler`` itself (a ``LambdaLR``, its state just
     ``last_epoch``): warm-up from 0 to the peak over ``num_warmup_steps`` (except ``cosine_warmup_with_min_lr``),
     then the named decay over ``num_training_steps``. ``scheduler_kwargs`` is ``lr_scheduler_kwargs``, checked
@@ -134,13 +167,20 @@ def build_scheduler(name: str, optimizer: torch.optim.Optimizer, *, num_warmup_s
     check_scheduler_kwargs(name, scheduler_kwargs)
     kwargs = dict(scheduler_kwargs or {})
     if name == "polynomial" and not optimizer.defaults["lr"] > kwargs.get("lr_end", 1e-7):
-        raise ValueError(f"polynomial schedule: lr_end ({kwargs.get('lr_end', 1e-7)}) must be below the "
-                         f"learning rate ({optimizer.defaults['lr']})")
+        raise ValueError(
+            f"polynomial schedule: lr_end ({kwargs.get('lr_end', 1e-7)}) must be below the "
+            f"learning rate ({optimizer.defaults['lr']})"
+        )
     for shape in ("warmup_type", "decay_type"):
         if name == "warmup_stable_decay" and kwargs.get(shape, "linear") not in WSD_SHAPES:
             raise ValueError(f"{shape}={kwargs[shape]!r} is not supported; use one of {list(WSD_SHAPES)}")
-    return get_scheduler(name, optimizer, num_warmup_steps=num_warmup_steps, num_training_steps=num_training_steps,
-                         scheduler_specific_kwargs=kwargs)
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=num_warmup_steps,
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs=kwargs,
+    )
 
 
 def check_scheduler_kwargs(name: str, scheduler_kwargs: dict | None) -> None:
@@ -153,11 +193,17 @@ def check_scheduler_kwargs(name: str, scheduler_kwargs: dict | None) -> None:
     given = set(scheduler_kwargs or {})
     unknown = sorted(given - set(SCHEDULE_OPTIONS[name]))
     if unknown:
-        raise ValueError(f"lr_scheduler_kwargs {unknown} are not read by lr_scheduler_type={name!r}; it takes "
-                         f"{list(SCHEDULE_OPTIONS[name]) or 'none'}")
+        raise ValueError(
+            f"lr_scheduler_kwargs {unknown} are not read by lr_scheduler_type={name!r}; it takes "
+            f"{list(SCHEDULE_OPTIONS[name]) or 'none'}"
+        )
     if name.endswith("with_min_lr") and len(given & {"min_lr", "min_lr_rate"}) != 1:
-        raise ValueError(f"lr_scheduler_type={name!r} needs exactly one of min_lr or min_lr_rate in "
-                         f"lr_scheduler_kwargs, e.g. lr_scheduler_kwargs={{'min_lr_rate': 0.1}}")
+        raise ValueError(
+            f"lr_scheduler_type={name!r} needs exactly one of min_lr or min_lr_rate in "
+            f"lr_scheduler_kwargs, e.g. lr_scheduler_kwargs={{'min_lr_rate': 0.1}}"
+        )
     if name == "warmup_stable_decay" and "num_decay_steps" not in given:
-        raise ValueError("lr_scheduler_type='warmup_stable_decay' needs lr_scheduler_kwargs={'num_decay_steps': N} "
-                         "(optionally num_stable_steps, warmup_type, decay_type, min_lr_ratio, num_cycles)")
+        raise ValueError(
+            "lr_scheduler_type='warmup_stable_decay' needs lr_scheduler_kwargs={'num_decay_steps': N} "
+            "(optionally num_stable_steps, warmup_type, decay_type, min_lr_ratio, num_cycles)"
+        )

@@ -53,8 +53,9 @@ def right_padded(rows: Sequence[Sequence[int]], width: int, value: int) -> torch
     return long_tensor(flat, (len(rows), width))
 
 
-def prompt_completion_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                            pad_token_id: int) -> dict[str, torch.Tensor]:
+def prompt_completion_batch(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_id: int
+) -> dict[str, torch.Tensor]:
     """(prompt, completion) token rows, each prompt + completion right-padded with ``pad_token_id`` to the longest:
     ``input_ids``, ``attention_mask`` (1 on real tokens) and ``completion_mask`` (1 on completion tokens only, so the
     prompt never counts in a loss), each ``(N, T)`` int64 (DPO's and KTO's collators).
@@ -73,8 +74,11 @@ def prompt_completion_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
         attention += [1] * (len(prompt) + len(answer)) + [0] * pad
         completion += [0] * len(prompt) + [1] * len(answer) + [0] * pad
     shape = (len(pairs), length)
-    return {"input_ids": long_tensor(ids, shape), "attention_mask": long_tensor(attention, shape),
-            "completion_mask": long_tensor(completion, shape)}
+    return {
+        "input_ids": long_tensor(ids, shape),
+        "attention_mask": long_tensor(attention, shape),
+        "completion_mask": long_tensor(completion, shape),
+    }
 
 
 def best_fit_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
@@ -89,8 +93,9 @@ def best_fit_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     for i in order:
         size = sizes[i]
         if size > capacity:
-            raise ValueError(f"row {i} has {size} tokens, more than max_length={capacity} (a packed row's length); "
-                             "truncate first")
+            raise ValueError(
+                f"row {i} has {size} tokens, more than max_length={capacity} (a packed row's length); truncate first"
+            )
         at = bisect.bisect_left(free, (size, -1))
         if at == len(free):
             bins.append([i])

@@ -15,7 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -44,22 +44,30 @@ def apply_peft(model: nn.Module, peft_config, *, seed: int = 0, args=None) -> nn
     and a ``task_type`` other than CAUSAL_LM on a causal LM (SEQ_CLS would train a classifier wrapper instead)."""
     seed = args.seed if args is not None else seed
     if getattr(args, "merge_adapters", False) and peft_config is None and not is_peft_model(model):
-        raise ValueError("merge_adapters=True but the model has no adapters to merge (no peft: / peft_config); add a "
-                         "peft: mapping (peft_config=LoraConfig(...)) or drop merge_adapters")
+        raise ValueError(
+            "merge_adapters=True but the model has no adapters to merge (no peft: / peft_config); add a "
+            "peft: mapping (peft_config=LoraConfig(...)) or drop merge_adapters"
+        )
     if peft_config is None:
         return model
     peft = require_peft()
     if not isinstance(peft_config, peft.PeftConfig):
-        raise TypeError(f"peft_config must be a peft config (e.g. peft.LoraConfig(r=8, target_modules='all-linear')), "
-                        f"got {type(peft_config).__name__}; a YAML mapping goes through treadle.peft.lora_config")
+        raise TypeError(
+            f"peft_config must be a peft config (e.g. peft.LoraConfig(r=8, target_modules='all-linear')), "
+            f"got {type(peft_config).__name__}; a YAML mapping goes through treadle.peft.lora_config"
+        )
     task = getattr(peft_config.task_type, "value", peft_config.task_type)
     if task not in (None, "CAUSAL_LM") and is_causal_lm(model):
-        raise ValueError(f"peft task_type {task!r} does not fit {type(model).__name__}, a causal LM whose next-token "
-                         f"head this trainer trains (PEFT would wrap it as another task); set task_type: CAUSAL_LM or "
-                         f"leave it out")
+        raise ValueError(
+            f"peft task_type {task!r} does not fit {type(model).__name__}, a causal LM whose next-token "
+            f"head this trainer trains (PEFT would wrap it as another task); set task_type: CAUSAL_LM or "
+            f"leave it out"
+        )
     if is_peft_model(model):
-        raise ValueError("the model is already a PEFT model and peft_config was given too; pass the base model "
-                         "with peft_config, or the PEFT model with peft_config=None")
+        raise ValueError(
+            "the model is already a PEFT model and peft_config was given too; pass the base model "
+            "with peft_config, or the PEFT model with peft_config=None"
+        )
     peft_config = lora_on_language_model(model, peft_config)  # a VLM: the language model's layers, by default
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
@@ -69,8 +77,11 @@ def apply_peft(model: nn.Module, peft_config, *, seed: int = 0, args=None) -> nn
         model = peft.get_peft_model(model, peft_config)
     if dist.is_main_process():
         trainable, total = parameter_counts(model)
-        print(f"treadle: {peft_config.peft_type.value} adapters: {trainable:,} trainable of {total:,} parameters "
-              f"({100 * trainable / total:.2f}%)", flush=True)
+        print(
+            f"treadle: {peft_config.peft_type.value} adapters: {trainable:,} trainable of {total:,} parameters "
+            f"({100 * trainable / total:.2f}%)",
+            flush=True,
+        )
     return model
 
 
@@ -85,13 +96,16 @@ def lora_config(mapping: dict):
     ``target_modules`` -- a list or ``all-linear`` --, ``modules_to_save``, any other LoraConfig field)."""
     peft = require_peft()
     if not isinstance(mapping, dict):
-        raise ValueError(f"peft: must be a mapping (r: 8, lora_alpha: 16, target_modules: all-linear), "
-                         f"got {type(mapping).__name__}")
+        raise ValueError(
+            f"peft: must be a mapping (r: 8, lora_alpha: 16, target_modules: all-linear), got {type(mapping).__name__}"
+        )
     known = {f.name for f in dataclasses.fields(peft.LoraConfig)}
     unknown = sorted(set(mapping) - known)
     if unknown:
-        raise ValueError(f"peft: unknown LoraConfig key(s) {unknown}; common keys are r, lora_alpha, lora_dropout, "
-                         f"target_modules (a list or all-linear) and modules_to_save")
+        raise ValueError(
+            f"peft: unknown LoraConfig key(s) {unknown}; common keys are r, lora_alpha, lora_dropout, "
+            f"target_modules (a list or all-linear) and modules_to_save"
+        )
     try:
         return peft.LoraConfig(**{"task_type": "CAUSAL_LM", **mapping})
     except (TypeError, ValueError) as error:

@@ -23,8 +23,17 @@ import sys
 import torch
 
 from treadle import distributed as dist
-from treadle.checkpoint import (PREFIX, STATE_FILE, CheckpointError, is_complete, latest_checkpoint, list_checkpoints,
-                                load_extra_state, read_json, read_state)
+from treadle.checkpoint import (
+    PREFIX,
+    STATE_FILE,
+    CheckpointError,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    load_extra_state,
+    read_json,
+    read_state,
+)
 from treadle.record import fingerprints
 from treadle.record.runfiles import ARGS_FILE
 
@@ -46,16 +55,20 @@ def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
     if resume_from_checkpoint is True:
         path = latest_checkpoint(output_dir)
         if path is None:
-            raise CheckpointError(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
-                                  f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming (with "
-                                  f"overwrite_output_dir: true if the folder holds an earlier run's files)")
+            raise CheckpointError(
+                f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
+                f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming (with "
+                f"overwrite_output_dir: true if the folder holds an earlier run's files)"
+            )
         return path
     path = str(resume_from_checkpoint)
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint folder {path!r} does not exist; {_complete_ones(path, output_dir)}")
     if not is_complete(path):
-        raise CheckpointError(f"checkpoint {path!r} is incomplete (no {STATE_FILE}): it was interrupted while "
-                              f"being written; {_complete_ones(path, output_dir)}")
+        raise CheckpointError(
+            f"checkpoint {path!r} is incomplete (no {STATE_FILE}): it was interrupted while "
+            f"being written; {_complete_ones(path, output_dir)}"
+        )
     return path
 
 
@@ -73,9 +86,17 @@ def _complete_ones(path: str, output_dir: str) -> str:
 # Whether it continues this run
 # ---------------------------------------------------------------------------------------------------------
 RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
-RUN_LENGTH_FIELDS = ("max_steps", "num_train_epochs", "logging_steps", "eval_steps", "save_steps",  # taken from the
-                     "is_world_process_zero", "is_local_process_zero", "config_fingerprint",  # new run, not the saved
-                     "dataset_fingerprint")  # one
+RUN_LENGTH_FIELDS = (
+    "max_steps",
+    "num_train_epochs",
+    "logging_steps",
+    "eval_steps",
+    "save_steps",  # taken from the
+    "is_world_process_zero",
+    "is_local_process_zero",
+    "config_fingerprint",  # new run, not the saved
+    "dataset_fingerprint",
+)  # one
 
 
 def resumed_state(path: str, current, args=None):
@@ -88,21 +109,32 @@ def resumed_state(path: str, current, args=None):
     _verify_files(path, args)  # the files first: trainer_state.json is read next
     state = read_state(path)
     if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
-        raise CheckpointError(f"checkpoint {path} was written by {state.trainer_class}, and this run is "
-                              f"{current.trainer_class}: resuming would mix two trainings; start a new run in "
-                              f"another output_dir from its weights (model: {path})")
-    _verify_files(path, args, getattr(current, "dataset_fingerprint", None))  # then the data (another trainer's differs)
-    mismatches = [f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
-                  for name in RESUME_MUST_MATCH if getattr(state, name) != getattr(current, name)]
+        raise CheckpointError(
+            f"checkpoint {path} was written by {state.trainer_class}, and this run is "
+            f"{current.trainer_class}: resuming would mix two trainings; start a new run in "
+            f"another output_dir from its weights (model: {path})"
+        )
+    _verify_files(
+        path, args, getattr(current, "dataset_fingerprint", None)
+    )  # then the data (another trainer's differs)
+    mismatches = [
+        f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
+        for name in RESUME_MUST_MATCH
+        if getattr(state, name) != getattr(current, name)
+    ]
     if mismatches:
-        raise CheckpointError(f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the same "
-                              f"batch size, accumulation, number of processes and dataset, or start a new run "
-                              f"from its weights (model.from_pretrained({path!r}))")
+        raise CheckpointError(
+            f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the same "
+            f"batch size, accumulation, number of processes and dataset, or start a new run "
+            f"from its weights (model.from_pretrained({path!r}))"
+        )
     if state.max_steps and state.global_step >= state.max_steps and current.max_steps > state.max_steps:
-        raise CheckpointError(f"checkpoint {path} ends a finished run of {state.max_steps} steps: its learning-rate "
-                              f"schedule was built for {state.max_steps} steps and is spent, so steps past it would "
-                              f"not train as asked (max_steps={current.max_steps}); start a new run from its "
-                              f"weights (model: {path}) with the steps you want")
+        raise CheckpointError(
+            f"checkpoint {path} ends a finished run of {state.max_steps} steps: its learning-rate "
+            f"schedule was built for {state.max_steps} steps and is spent, so steps past it would "
+            f"not train as asked (max_steps={current.max_steps}); start a new run from its "
+            f"weights (model: {path}) with the steps you want"
+        )
     for name in RUN_LENGTH_FIELDS:
         setattr(state, name, getattr(current, name))
     if dist.is_main_process():
@@ -118,8 +150,10 @@ def _verify_files(path: str, args, dataset: str | None = None) -> None:
         return
     problems = fingerprints.verify(path, dataset)
     if problems:
-        raise CheckpointError(f"checkpoint {path} is not what was saved: {'; '.join(problems[:3])}; resume from "
-                              f"another checkpoint, or set ignore_checkpoint_fingerprints: true to resume anyway")
+        raise CheckpointError(
+            f"checkpoint {path} is not what was saved: {'; '.join(problems[:3])}; resume from "
+            f"another checkpoint, or set ignore_checkpoint_fingerprints: true to resume anyway"
+        )
 
 
 def _announce_resume(path: str, state, args) -> None:

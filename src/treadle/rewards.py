@@ -43,9 +43,19 @@ from treadle.text import encode_prompt_responses, pad_token_id
 
 RewardFunction = Callable[..., Sequence[Any]]
 
-__all__ = ["RewardFunction", "RewardFunctionError", "call_reward_function", "completion_text", "exact_match",
-           "from_reward_model", "overlong_penalty", "regex_format", "reward_name",
-           "score_completions", "weighted_rewards"]
+__all__ = [
+    "RewardFunction",
+    "RewardFunctionError",
+    "call_reward_function",
+    "completion_text",
+    "exact_match",
+    "from_reward_model",
+    "overlong_penalty",
+    "regex_format",
+    "reward_name",
+    "score_completions",
+    "weighted_rewards",
+]
 
 
 class RewardFunctionError(UserError, ValueError):
@@ -70,8 +80,9 @@ def completion_text(completion: str | list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Calling and checking
 # ---------------------------------------------------------------------------------------------------------
-def call_reward_function(fn: RewardFunction, *, prompts: list, completions: list, completion_ids: list,
-                         columns: dict[str, list], step: int) -> list[float]:
+def call_reward_function(
+    fn: RewardFunction, *, prompts: list, completions: list, completion_ids: list, columns: dict[str, list], step: int
+) -> list[float]:
     """Call ``fn`` by the contract and check what it returns; ``None`` entries come back as NaN.
 
     ``fn`` gets its own copies of the arguments: a function that edits them (``completions[0] = ...``, a chat
@@ -88,27 +99,39 @@ def call_reward_function(fn: RewardFunction, *, prompts: list, completions: list
             f"reward function {name!r} raised {type(e).__name__}: {e} at step {step}; its first sample was "
             f"{_describe(0, prompts, completions, columns)}. Reward functions are called as fn(prompts=..., "
             f"completions=..., completion_ids=..., {', '.join(f'{c}=...' for c in columns)}) and should "
-            f"accept **kwargs") from e
+            f"accept **kwargs"
+        ) from e
     values = _as_list(values, name, step)
     if len(values) != len(completions):
         raise RewardFunctionError(
             f"reward function {name!r} returned {len(values)} values for {len(completions)} completions at "
             f"step {step}; return one value (or None) per completion. First sample: "
-            f"{_describe(0, prompts, completions, columns)}")
+            f"{_describe(0, prompts, completions, columns)}"
+        )
     return [_check_value(v, i, name, step, prompts, completions, columns) for i, v in enumerate(values)]
 
 
-def score_completions(reward_funcs: Sequence[RewardFunction], weights: Sequence[float], *, prompts: list,
-                      completions: list, completion_ids: list, columns: dict[str, list],
-                      step: int) -> torch.Tensor:
+def score_completions(
+    reward_funcs: Sequence[RewardFunction],
+    weights: Sequence[float],
+    *,
+    prompts: list,
+    completions: list,
+    completion_ids: list,
+    columns: dict[str, list],
+    step: int,
+) -> torch.Tensor:
     """Every function's rewards as a float32 ``(N, F)`` tensor, NaN where a function had no opinion.
 
     Fails when some completion got no number from any function with a non-zero weight: its reward would
     be undefined.
     """
-    per_function = [call_reward_function(fn, prompts=prompts, completions=completions,
-                                         completion_ids=completion_ids, columns=columns, step=step)
-                    for fn in reward_funcs]
+    per_function = [
+        call_reward_function(
+            fn, prompts=prompts, completions=completions, completion_ids=completion_ids, columns=columns, step=step
+        )
+        for fn in reward_funcs
+    ]
     rewards = torch.tensor(per_function, dtype=torch.float32).T.reshape(len(completions), len(reward_funcs))
     weighted = [j for j, w in enumerate(weights) if w != 0]
     unscored = rewards[:, weighted].isnan().all(dim=1) if weighted else torch.zeros(len(completions), dtype=torch.bool)
@@ -118,7 +141,8 @@ def score_completions(reward_funcs: Sequence[RewardFunction], weights: Sequence[
         raise RewardFunctionError(
             f"no reward function scored sample {i} at step {step} (all of {names} returned None): "
             f"{_describe(i, prompts, completions, columns)}; make at least one function return a number "
-            f"for every completion")
+            f"for every completion"
+        )
     return rewards
 
 
@@ -134,8 +158,10 @@ def _as_list(values, name: str, step: int) -> list:
     if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays
         values = values.tolist()
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Sequence):
-        raise RewardFunctionError(f"reward function {name!r} returned a {type(values).__name__} at step {step}; "
-                                  f"return a list with one float (or None) per completion")
+        raise RewardFunctionError(
+            f"reward function {name!r} returned a {type(values).__name__} at step {step}; "
+            f"return a list with one float (or None) per completion"
+        )
     return list(values)
 
 
@@ -149,12 +175,14 @@ def _check_value(value, i: int, name: str, step: int, prompts, completions, colu
     if not isinstance(value, (bool, int, float)):
         raise RewardFunctionError(
             f"reward function {name!r} returned {value!r} ({type(value).__name__}) for sample {i} at step "
-            f"{step}; return a float or None. Sample: {_describe(i, prompts, completions, columns)}")
+            f"{step}; return a float or None. Sample: {_describe(i, prompts, completions, columns)}"
+        )
     value = float(value)
     if not math.isfinite(value):
         raise RewardFunctionError(
             f"reward function {name!r} returned {value} for sample {i} at step {step}; rewards must be finite "
-            f"(return None for 'no opinion'). Sample: {_describe(i, prompts, completions, columns)}")
+            f"(return None for 'no opinion'). Sample: {_describe(i, prompts, completions, columns)}"
+        )
     return value
 
 
@@ -177,8 +205,10 @@ def exact_match(completions: list, answer: list, **kwargs: Any) -> list[float]:
     >>> exact_match(completions=["46\\nbecause", " 7"], answer=["46", "8"])
     [1.0, 0.0]
     """
-    return [float(completion_text(c).split("\n", 1)[0].strip() == str(a).strip())
-            for c, a in zip(completions, answer, strict=True)]
+    return [
+        float(completion_text(c).split("\n", 1)[0].strip() == str(a).strip())
+        for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def regex_format(pattern: str, *, name: str | None = None, flags: int = re.DOTALL) -> RewardFunction:
@@ -217,8 +247,9 @@ def overlong_penalty(max_length: int, soft_cache: int) -> RewardFunction:
     return overlong_penalty
 
 
-def from_reward_model(model, tokenizer=None, *, batch_size: int = 32, device=None,
-                      name: str | None = None) -> RewardFunction:
+def from_reward_model(
+    model, tokenizer=None, *, batch_size: int = 32, device=None, name: str | None = None
+) -> RewardFunction:
     """A trained reward model as a reward function: each completion's reward is the model's score of prompt +
     completion, tokenised as ``RewardTrainer`` tokenised its pairs (``data.encode_prompt_responses``).
 
@@ -235,7 +266,9 @@ def from_reward_model(model, tokenizer=None, *, batch_size: int = 32, device=Non
         from transformers import AutoModelForSequenceClassification  # transformers' model classes load ~5 s
 
         name = name or Path(model).name
-        model, tokenizer = load_pretrained(str(model), tokenizer=tokenizer, model_class=AutoModelForSequenceClassification)
+        model, tokenizer = load_pretrained(
+            str(model), tokenizer=tokenizer, model_class=AutoModelForSequenceClassification
+        )
     if tokenizer is None:
         raise ValueError("from_reward_model(model) with a loaded model needs tokenizer=<its tokenizer>")
     if device is not None:
@@ -251,7 +284,7 @@ def from_reward_model(model, tokenizer=None, *, batch_size: int = 32, device=Non
             rows.append(prompt_ids + completion_ids)
         scores = []
         for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
+            chunk = rows[start : start + batch_size]
             width = max(len(r) for r in chunk)
             ids = right_padded(chunk, width, pad).to(device)
             mask = right_padded([[1] * len(r) for r in chunk], width, 0).to(device)
@@ -282,14 +315,18 @@ def check_compute_metrics(fn, columns=()) -> None:
     import inspect
 
     if not callable(fn):
-        raise TypeError(f"compute_metrics={fn!r} is not callable; pass a function "
-                        f"fn({', '.join(METRICS_ARGUMENTS)}, **columns) -> dict[str, float]")
+        raise TypeError(
+            f"compute_metrics={fn!r} is not callable; pass a function "
+            f"fn({', '.join(METRICS_ARGUMENTS)}, **columns) -> dict[str, float]"
+        )
     names = [*METRICS_ARGUMENTS, *(c for c in columns if c != "prompt")]
     try:
         inspect.signature(fn).bind(**dict.fromkeys(names))
     except TypeError as error:
-        raise TypeError(f"compute_metrics {reward_name(fn)!r} cannot be called as fn({', '.join(names)}) "
-                        f"({error}); give it these keyword parameters or **kwargs") from None
+        raise TypeError(
+            f"compute_metrics {reward_name(fn)!r} cannot be called as fn({', '.join(names)}) "
+            f"({error}); give it these keyword parameters or **kwargs"
+        ) from None
     except ValueError:  # a builtin without a signature: checked when called
         return
 
@@ -299,13 +336,16 @@ def call_compute_metrics(fn, **arguments) -> dict[str, float]:
     ``{str: number}``; the numbers come back as floats."""
     out = fn(**arguments)
     if not isinstance(out, dict):
-        raise TypeError(f"compute_metrics {reward_name(fn)!r} returned {type(out).__name__}; return a dict "
-                        f"{{metric name: number}}")
+        raise TypeError(
+            f"compute_metrics {reward_name(fn)!r} returned {type(out).__name__}; return a dict {{metric name: number}}"
+        )
     metrics = {}
     for key, value in out.items():
         try:
             metrics[str(key)] = float(value)
         except (TypeError, ValueError):
-            raise TypeError(f"compute_metrics {reward_name(fn)!r} returned {key!r}: {value!r}, which is not a "
-                            f"number; return numbers only (they are logged and plotted)") from None
+            raise TypeError(
+                f"compute_metrics {reward_name(fn)!r} returned {key!r}: {value!r}, which is not a "
+                f"number; return numbers only (they are logged and plotted)"
+            ) from None
     return metrics

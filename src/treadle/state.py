@@ -50,26 +50,34 @@ class TrainerState:
     trial_params: dict[str, Any] | None = None
 
     @classmethod
-    def for_run(cls, args, *, trainer=None, **plan) -> "TrainerState":
+    def for_run(cls, args, *, trainer=None, **plan) -> TrainerState:
         """The state at the start of a run with ``args``: its cadence, batch shape and process layout, and the
         ``plan`` (``steps_per_epoch``, ``max_steps``, ``num_train_epochs``); with ``trainer``, its class name and
         the fingerprint of its training dataset (a resume into another dataset is refused by it)."""
         if trainer is not None:
-            plan.update(trainer_class=type(trainer).__name__,
-                        dataset_fingerprint=fingerprints.sampled_dataset_fingerprint(trainer.train_dataset))
-        return cls(logging_steps=args.logging_steps, eval_steps=args.eval_steps, save_steps=args.save_steps,
-                   config_fingerprint=fingerprints.config_fingerprint(args),
-                   train_batch_size=args.per_device_train_batch_size,
-                   gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=dist.get_world_size(),
-                   is_world_process_zero=dist.is_main_process(), is_local_process_zero=args.local_process_index == 0,
-                   **plan)
+            plan.update(
+                trainer_class=type(trainer).__name__,
+                dataset_fingerprint=fingerprints.sampled_dataset_fingerprint(trainer.train_dataset),
+            )
+        return cls(
+            logging_steps=args.logging_steps,
+            eval_steps=args.eval_steps,
+            save_steps=args.save_steps,
+            config_fingerprint=fingerprints.config_fingerprint(args),
+            train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            world_size=dist.get_world_size(),
+            is_world_process_zero=dist.is_main_process(),
+            is_local_process_zero=args.local_process_index == 0,
+            **plan,
+        )
 
     def save_to_json(self, path: str) -> None:
         with open(path, "w") as f:
             f.write(json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load_from_json(cls, path: str) -> "TrainerState":
+    def load_from_json(cls, path: str) -> TrainerState:
         with open(path) as f:
             data = json.load(f)
         known = {f.name for f in dataclasses.fields(cls)}

@@ -57,8 +57,11 @@ class Stream:
 def is_stream(dataset) -> bool:
     """Whether ``dataset`` is read as a stream: iterable, without a length (a ``datasets.IterableDataset``, a torch
     ``IterableDataset``, a generator ...), not a ``datasets.Dataset`` or a list."""
-    return isinstance(dataset, Stream) or (hasattr(dataset, "__iter__") and not hasattr(dataset, "__len__")
-                                           and not isinstance(dataset, (str, bytes, dict)))
+    return isinstance(dataset, Stream) or (
+        hasattr(dataset, "__iter__")
+        and not hasattr(dataset, "__len__")
+        and not isinstance(dataset, (str, bytes, dict))
+    )
 
 
 def resume_mode(source) -> str:
@@ -105,8 +108,9 @@ class StreamLoader:
     Trainer gets for a streaming dataset. ``iter(loader)``: one pass (evaluation); ``training_batches(skip)``: the
     endless batches of training from batch ``skip`` on, resumed from ``load_state_dict`` when it matches."""
 
-    def __init__(self, dataset, *, batch_size: int, collate_fn, rank: int = 0, world_size: int = 1,
-                 drop_last: bool = False):
+    def __init__(
+        self, dataset, *, batch_size: int, collate_fn, rank: int = 0, world_size: int = 1, drop_last: bool = False
+    ):
         stream = dataset if isinstance(dataset, Stream) else Stream(dataset)
         self.dataset, self.batch_size, self.collate_fn = stream, batch_size, collate_fn
         self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
@@ -180,10 +184,12 @@ class StreamLoader:
                 yield batch
             empty_passes = 0 if got else empty_passes + 1
             if empty_passes >= 2:
-                raise PreflightError(f"the training stream of rank {self.rank} gives no batch of {self.batch_size} "
-                                     f"rows when read again: its shard is too small, or it is an iterator that can "
-                                     f"be read once only; give more rows, or an iterable that can be read again "
-                                     f"(e.g. a datasets.IterableDataset)")
+                raise PreflightError(
+                    f"the training stream of rank {self.rank} gives no batch of {self.batch_size} "
+                    f"rows when read again: its shard is too small, or it is an iterator that can "
+                    f"be read once only; give more rows, or an iterable that can be read again "
+                    f"(e.g. a datasets.IterableDataset)"
+                )
             epoch, done, batches = epoch + 1, 0, self._batches(epoch + 1)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -216,5 +222,7 @@ def repeat_rows(times: int) -> Callable[[list], list]:
 def require_streamable(dataset, what: str) -> None:
     """Refuse a stream where ``what`` needs a dataset with a length (one line naming the fix)."""
     if is_stream(dataset):
-        raise PreflightError(f"{what} needs a dataset with a length, not a stream; materialise it "
-                             f"(datasets.Dataset.from_list(list(stream))) or turn {what} off")
+        raise PreflightError(
+            f"{what} needs a dataset with a length, not a stream; materialise it "
+            f"(datasets.Dataset.from_list(list(stream))) or turn {what} off"
+        )

@@ -41,11 +41,13 @@ def split_chat_completion(tokenizer, prompt, completion) -> tuple[str, str]:
     prompt_text = render_chat_prompt(tokenizer, prompt)
     full_text = tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
     if not full_text.startswith(prompt_text):
-        raise ValueError(f"the chat template renders the prompt with its generation prompt as {prompt_text!r}, "
-                         f"which is not a prefix of the whole conversation {full_text!r}, so the completion "
-                         f"cannot be split off; fix the template (the prompt with add_generation_prompt=True "
-                         f"must begin the whole chat) or give the rows as text")
-    return prompt_text, full_text[len(prompt_text):]
+        raise ValueError(
+            f"the chat template renders the prompt with its generation prompt as {prompt_text!r}, "
+            f"which is not a prefix of the whole conversation {full_text!r}, so the completion "
+            f"cannot be split off; fix the template (the prompt with add_generation_prompt=True "
+            f"must begin the whole chat) or give the rows as text"
+        )
+    return prompt_text, full_text[len(prompt_text) :]
 
 
 def encode_prompt_responses(tokenizer, prompt, responses: Sequence) -> tuple[list[int], list[list[int]]]:
@@ -110,8 +112,11 @@ def pad_token_id(tokenizer, override: int | None = None) -> int:
         if candidate is not None:
             return candidate
     if tokenizer is not None:
-        print("treadle: the tokenizer has no pad or eos token; padding with id 0 (padded positions carry no "
-              "loss and are masked from attention)", file=sys.stderr)
+        print(
+            "treadle: the tokenizer has no pad or eos token; padding with id 0 (padded positions carry no "
+            "loss and are masked from attention)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -37,15 +37,30 @@ import torch
 
 from treadle import checkpoint as ckpt, data, distributed as dist, models, peft as treadle_peft, resume
 from treadle.arguments import TrainingArguments, check_config
-from treadle.callbacks import (DEFAULT_CALLBACKS, CallbackHandler, PreemptionCallback, PrinterCallback,
-                               ProgressCallback, RunRecordCallback)
+from treadle.callbacks import (
+    DEFAULT_CALLBACKS,
+    CallbackHandler,
+    PreemptionCallback,
+    PrinterCallback,
+    ProgressCallback,
+    RunRecordCallback,
+)
 from treadle.evaluation import Evaluation
-from treadle.metrics import (MetricWindow, TrainOutput, check_logged_loss, count_input_tokens, fold_loss, record_loss,
-                             skip_nonfinite_step, speed_metrics, training_logs)
+from treadle.metrics import (
+    MetricWindow,
+    TrainOutput,
+    check_logged_loss,
+    count_input_tokens,
+    fold_loss,
+    record_loss,
+    skip_nonfinite_step,
+    speed_metrics,
+    training_logs,
+)
 from treadle.optim import build_optimizer, build_scheduler
+from treadle.record import runs, trackers
 from treadle.state import LoopState, TrainerControl, TrainerState
 from treadle.streaming import restore_stream, stream_state
-from treadle.record import runs, trackers
 
 
 class Trainer(Evaluation):
@@ -57,9 +72,19 @@ class Trainer(Evaluation):
 
     config_class = TrainingArguments  # the arguments this trainer needs (subclasses name their config)
 
-    def __init__(self, model=None, args: TrainingArguments | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None):
+    def __init__(
+        self,
+        model=None,
+        args: TrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
         if model is None:
             raise ValueError(f"{type(self).__name__} needs a model")
         self.args = self.check_args(args)
@@ -75,8 +100,13 @@ class Trainer(Evaluation):
         self.state, self.control, self.loop = TrainerState(), TrainerControl(), LoopState()
         self.metrics = MetricWindow(self.args.device)
         self.preemption = PreemptionCallback()
-        self.callback_handler = CallbackHandler(self._default_callbacks() + list(callbacks or []), self.model,
-                                                processing_class, self.optimizer, self.lr_scheduler)
+        self.callback_handler = CallbackHandler(
+            self._default_callbacks() + list(callbacks or []),
+            self.model,
+            processing_class,
+            self.optimizer,
+            self.lr_scheduler,
+        )
         self._forward_params = models.forward_parameters(self.model)
         self._dropped_columns_logged: set[str] = set()
         self.control = self.callback_handler.call_event("on_init_end", self.args, self.state, self.control)
@@ -116,9 +146,12 @@ class Trainer(Evaluation):
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
         dataset = self.remove_unused_columns(self.train_dataset, "training")
-        return self.build_dataloader(dataset, batch_size=self.args.per_device_train_batch_size,
-                                     sampler=self.build_sampler(dataset, shuffle=True),
-                                     drop_last=self.args.dataloader_drop_last)
+        return self.build_dataloader(
+            dataset,
+            batch_size=self.args.per_device_train_batch_size,
+            sampler=self.build_sampler(dataset, shuffle=True),
+            drop_last=self.args.dataloader_drop_last,
+        )
 
     def build_sampler(self, dataset, *, shuffle: bool):
         """A SeededSampler over ``dataset`` for this rank (None for an iterable dataset)."""
@@ -126,8 +159,14 @@ class Trainer(Evaluation):
 
     def build_dataloader(self, dataset, *, batch_size: int, sampler=None, collate_fn=None, drop_last=False):
         """A DataLoader with the Trainer's collator and worker settings (``data.build_dataloader``)."""
-        return data.build_dataloader(dataset, self.args, batch_size=batch_size, sampler=sampler,
-                                collate_fn=collate_fn or self.data_collator, drop_last=drop_last)
+        return data.build_dataloader(
+            dataset,
+            self.args,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=collate_fn or self.data_collator,
+            drop_last=drop_last,
+        )
 
     def signature_columns(self) -> set[str] | None:
         """Dataset columns kept by ``remove_unused_columns``: the model forward's arguments and the label names.
@@ -142,9 +181,13 @@ class Trainer(Evaluation):
         naming them in the log the first time."""
         if not self.args.remove_unused_columns:
             return dataset
-        return data.drop_unused_columns(dataset, self.signature_columns(), description=description,
-                                   model_name=type(dist.unwrap_model(self.model)).__name__,
-                                   announced=self._dropped_columns_logged)
+        return data.drop_unused_columns(
+            dataset,
+            self.signature_columns(),
+            description=description,
+            model_name=type(dist.unwrap_model(self.model)).__name__,
+            announced=self._dropped_columns_logged,
+        )
 
     # ---- optimisation -------------------------------------------------------------------------------------
     def create_optimizer(self):
@@ -157,9 +200,12 @@ class Trainer(Evaluation):
         """The learning-rate schedule over ``num_training_steps`` optimizer steps."""
         if self.lr_scheduler is None:
             self.lr_scheduler = build_scheduler(
-                self.args.lr_scheduler_type, optimizer or self.optimizer,
+                self.args.lr_scheduler_type,
+                optimizer or self.optimizer,
                 num_warmup_steps=self.args.num_warmup_steps(num_training_steps),
-                num_training_steps=num_training_steps, scheduler_kwargs=self.args.lr_scheduler_kwargs)
+                num_training_steps=num_training_steps,
+                scheduler_kwargs=self.args.lr_scheduler_kwargs,
+            )
         return self.lr_scheduler
 
     # ---- the loss -----------------------------------------------------------------------------------------
@@ -195,8 +241,12 @@ class Trainer(Evaluation):
         other model returns its mean over the micro-batch's items (``count_items``; shifted for causal LMs, see
         ``models.is_causal_lm``), which is rescaled here to its share of the window."""
         takes_items = "num_items_in_batch" in (self._forward_params or ())
-        outputs = model(**inputs, **models.training_forward_kwargs(self._forward_params, inputs,
-                                                                   num_items_in_batch if takes_items else None))
+        outputs = model(
+            **inputs,
+            **models.training_forward_kwargs(
+                self._forward_params, inputs, num_items_in_batch if takes_items else None
+            ),
+        )
         loss = models.loss_of(outputs, inputs)
         if num_items_in_batch is not None and not takes_items:
             # counted on the raw batch the loop holds (on the CPU: no device sync); a lone call counts its inputs
@@ -211,8 +261,10 @@ class Trainer(Evaluation):
         """Move one micro-batch to the device (its tensors; other values stay as they are)."""
         if not isinstance(inputs, dict):
             return inputs
-        return {k: v.to(self.args.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in inputs.items()}
+        return {
+            k: v.to(self.args.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()
+        }
 
     def autocast(self):
         """bfloat16 autocast around forwards when ``args.bf16`` (CPU and GPU); a no-op otherwise."""
@@ -238,8 +290,9 @@ class Trainer(Evaluation):
         """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
         output_dir; "auto": that or a fresh start; a path) continues that run exactly. The folder is claimed first."""
         resume_path = resume.resolve(resume_from_checkpoint, self.args.output_dir)
-        with runs.claim_run_folder(self.args, resume=resume_path is not None, model=self.model,
-                                   main_process=dist.is_main_process()):
+        with runs.claim_run_folder(
+            self.args, resume=resume_path is not None, model=self.model, main_process=dist.is_main_process()
+        ):
             return self._train(resume_path)
 
     def _train(self, resume_path: str | None) -> TrainOutput:
@@ -251,7 +304,9 @@ class Trainer(Evaluation):
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
         self.prepare_training()
         self.callback_handler.train_dataloader = dataloader = self.get_train_dataloader()
-        needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(dist.unwrap_model(self.model), "config")
+        needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(
+            dist.unwrap_model(self.model), "config"
+        )
         data.check_first_batch(dataloader, self.args.label_names if needs_labels else None)
         steps_per_epoch, max_steps, num_epochs = data.plan_steps(dataloader, args, self.micro_batches_per_batch())
         self.model_wrapped = dist.wrap_model(self.model, args)
@@ -275,8 +330,9 @@ class Trainer(Evaluation):
         return self._finish_training(start_step, start_time)
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
-        self.state = TrainerState.for_run(self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps,
-                                          num_train_epochs=num_epochs, trainer=self)
+        self.state = TrainerState.for_run(
+            self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps, num_train_epochs=num_epochs, trainer=self
+        )
         self.loop = LoopState()
         self.metrics.clear()
         if resume_path is not None:
@@ -395,11 +451,21 @@ class Trainer(Evaluation):
     def _save_checkpoint(self, metrics: dict | None) -> None:
         # a preempted run must be resumable: its last checkpoint is whole even with save_only_model
         weights_only = self.args.save_only_model and self.preemption.signal is None
-        ckpt.save_run_checkpoint(self.args, self.state, metrics, model=self.model, optimizer=self.optimizer,
-                                 scheduler=self.lr_scheduler, processing_class=self.processing_class,
-                                 save_only_model=weights_only,
-                                 extra_state={"metrics": self.metrics.state_dict(), "data": stream_state(
-                                     self.callback_handler.train_dataloader), "trainer": self.extra_checkpoint_state()})
+        ckpt.save_run_checkpoint(
+            self.args,
+            self.state,
+            metrics,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.lr_scheduler,
+            processing_class=self.processing_class,
+            save_only_model=weights_only,
+            extra_state={
+                "metrics": self.metrics.state_dict(),
+                "data": stream_state(self.callback_handler.train_dataloader),
+                "trainer": self.extra_checkpoint_state(),
+            },
+        )
         self.loop.last_saved_step = self.state.global_step
         self._event("on_save")
 

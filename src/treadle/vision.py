@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,9 +39,18 @@ IMAGE_COLUMNS = ("images", "image")  # TRL's names: a list of images, or one ima
 ROW_COLUMNS = (*IMAGE_COLUMNS, "messages", "prompt", "completion")  # what a vision row keeps until collation
 VISION_TOKEN_PATTERN = re.compile(r"image|img|vision|video|<row_\d+_col_\d+>")  # added tokens of the vision markup
 # Token attributes of processors / configs that name a vision token (never a label)
-VISION_TOKEN_ATTRIBUTES = ("image_token", "boi_token", "eoi_token", "fake_image_token", "global_image_token",
-                           "global_image_tag",
-                           "vision_start_token", "vision_end_token", "image_start_token", "image_end_token")
+VISION_TOKEN_ATTRIBUTES = (
+    "image_token",
+    "boi_token",
+    "eoi_token",
+    "fake_image_token",
+    "global_image_token",
+    "global_image_tag",
+    "vision_start_token",
+    "vision_end_token",
+    "image_start_token",
+    "image_end_token",
+)
 
 
 class VisionDataError(UserError, ValueError):
@@ -86,8 +96,10 @@ def load_image(value, *, row: int, where: str = "the dataset"):
     if isinstance(value, dict):
         source = io.BytesIO(value["bytes"]) if value.get("bytes") else value.get("path")
     if not isinstance(source, (str, os.PathLike, io.BytesIO)):
-        raise VisionDataError(f"row {row} of {where}: an image must be a PIL image or a file path, got "
-                              f"{type(value).__name__}; give the images column PIL images or paths")
+        raise VisionDataError(
+            f"row {row} of {where}: an image must be a PIL image or a file path, got "
+            f"{type(value).__name__}; give the images column PIL images or paths"
+        )
     try:
         with Image.open(source) as image:
             return image.convert("RGB")
@@ -98,8 +110,9 @@ def load_image(value, *, row: int, where: str = "the dataset"):
 def cannot_open(error: OSError, name, row: int, where: str) -> VisionDataError:
     """The one-line error for an image file that does not open."""
     reason = "no such file" if isinstance(error, FileNotFoundError) else "not an image PIL can read"
-    return VisionDataError(f"row {row} of {where}: cannot open image {str(name)!r} ({reason}); fix the path or "
-                           f"drop the row")
+    return VisionDataError(
+        f"row {row} of {where}: cannot open image {str(name)!r} ({reason}); fix the path or drop the row"
+    )
 
 
 def row_images(row: dict, column: str, *, row_index: int, where: str = "the dataset") -> list:
@@ -113,35 +126,49 @@ def row_images(row: dict, column: str, *, row_index: int, where: str = "the data
 
 def image_parts(messages) -> int:
     """How many ``{"type": "image"}`` parts a chat holds."""
-    return sum(1 for m in messages if isinstance(m.get("content"), list)
-               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == "image"
+    )
 
 
 def vision_messages(messages, n_images: int, *, row: int, where: str = "the dataset") -> list[dict]:
     """The chat in the parts form that VLM chat templates read: string contents become one text part; a chat
     with images and no image part gets them at the start of its first user turn (as TRL does). VisionDataError
     when the chat has more image parts than the row has images, or fewer (but not none)."""
-    out = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
-           else dict(m) for m in messages]
+    out = [
+        {**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else dict(m)
+        for m in messages
+    ]
     placeholders = image_parts(out)
     if placeholders == 0 and n_images:
         first = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
         if first is None:
-            raise VisionDataError(f"row {row} of {where}: {n_images} image(s) but no user turn to put them in; "
-                                  f"add a user message with {{'type': 'image'}} parts")
+            raise VisionDataError(
+                f"row {row} of {where}: {n_images} image(s) but no user turn to put them in; "
+                f"add a user message with {{'type': 'image'}} parts"
+            )
         out[first] = {**out[first], "content": [{"type": "image"}] * n_images + list(out[first]["content"])}
     elif placeholders > n_images:
-        raise VisionDataError(f"row {row} of {where}: the chat has {placeholders} image placeholders "
-                              f"({{'type': 'image'}} parts) but the row has {n_images} image(s); give one image "
-                              f"per placeholder")
+        raise VisionDataError(
+            f"row {row} of {where}: the chat has {placeholders} image placeholders "
+            f"({{'type': 'image'}} parts) but the row has {n_images} image(s); give one image "
+            f"per placeholder"
+        )
     elif placeholders < n_images:
-        raise VisionDataError(f"row {row} of {where}: the row has {n_images} images but its chat has only "
-                              f"{placeholders} image placeholders; add a {{'type': 'image'}} part per image")
+        raise VisionDataError(
+            f"row {row} of {where}: the row has {n_images} images but its chat has only "
+            f"{placeholders} image placeholders; add a {{'type': 'image'}} part per image"
+        )
     return out
 
 
-def row_conversation(row: dict, *, row_index: int, n_images: int, where: str = "the dataset"
-                     ) -> tuple[list[dict], int]:
+def row_conversation(
+    row: dict, *, row_index: int, n_images: int, where: str = "the dataset"
+) -> tuple[list[dict], int]:
     """``(messages, first)``: a vision row's chat in parts form and the index of its first message whose
     assistant turns carry loss (0 for ``messages`` rows: every assistant turn; the completion's first message for
     ``prompt`` + ``completion`` rows)."""
@@ -150,13 +177,16 @@ def row_conversation(row: dict, *, row_index: int, n_images: int, where: str = "
     elif "prompt" in row:
         prompt, completion = row["prompt"], row.get("completion") or []
         if not is_conversation(prompt) or not is_conversation(completion):
-            raise VisionDataError(f"row {row_index} of {where}: image rows need chat messages (a 'messages' column, "
-                                  f"or 'prompt'/'completion' as lists of {{'role', 'content'}} messages), got "
-                                  f"{type(prompt).__name__}")
+            raise VisionDataError(
+                f"row {row_index} of {where}: image rows need chat messages (a 'messages' column, "
+                f"or 'prompt'/'completion' as lists of {{'role', 'content'}} messages), got "
+                f"{type(prompt).__name__}"
+            )
         chat, first = list(prompt) + list(completion), len(prompt)
     else:
-        raise VisionDataError(f"{where} has images but neither a 'messages' nor a 'prompt' column; give each row "
-                              f"its chat")
+        raise VisionDataError(
+            f"{where} has images but neither a 'messages' nor a 'prompt' column; give each row its chat"
+        )
     return vision_messages(chat, n_images, row=row_index, where=where), first
 
 
@@ -192,16 +222,20 @@ def takes_images(model: nn.Module) -> bool:
 def check_model_takes_images(model: nn.Module, *, where: str = "the dataset") -> None:
     """VisionDataError when a text-only model is given images."""
     if not takes_images(model):
-        raise VisionDataError(f"{where} has images but {type(dist.unwrap_model(model)).__name__} is a text-only "
-                              f"model (its forward takes no pixel_values); use a vision-language model and its "
-                              f"processor, or drop the images column")
+        raise VisionDataError(
+            f"{where} has images but {type(dist.unwrap_model(model)).__name__} is a text-only "
+            f"model (its forward takes no pixel_values); use a vision-language model and its "
+            f"processor, or drop the images column"
+        )
 
 
 def check_processor(processing_class, *, where: str = "the dataset") -> None:
     """VisionDataError when images come with a tokenizer instead of the model's processor."""
     if not is_vision_processor(processing_class):
-        raise VisionDataError(f"{where} has images but processing_class is {type(processing_class).__name__}, "
-                              f"not a processor that takes images; pass AutoProcessor.from_pretrained(model)")
+        raise VisionDataError(
+            f"{where} has images but processing_class is {type(processing_class).__name__}, "
+            f"not a processor that takes images; pass AutoProcessor.from_pretrained(model)"
+        )
 
 
 def image_token_ids(processing_class) -> set[int]:
@@ -237,12 +271,19 @@ def lora_on_language_model(model: nn.Module, peft_config):
     target = getattr(peft_config, "target_modules", "unset")
     if prefix is None or target not in (None, "all-linear"):
         return peft_config
-    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                     if name.startswith(prefix + ".") and isinstance(module, nn.Linear)})
+    leaves = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if name.startswith(prefix + ".") and isinstance(module, nn.Linear)
+        }
+    )
     pattern = rf"^{re.escape(prefix)}\..*\.(?:{'|'.join(map(re.escape, leaves))})$"
     if dist.is_main_process():
-        print(f"treadle: LoRA on the language model only ({prefix}); name target_modules to adapt the vision "
-              f"tower too", file=sys.stderr)
+        print(
+            f"treadle: LoRA on the language model only ({prefix}); name target_modules to adapt the vision tower too",
+            file=sys.stderr,
+        )
     return type(peft_config)(**{**peft_config.to_dict(), "target_modules": pattern})
 
 
@@ -250,8 +291,9 @@ def lora_on_language_model(model: nn.Module, peft_config):
 # Tokens that carry loss
 # ---------------------------------------------------------------------------------------------------------
 def render(processing_class, messages, *, generation_prompt: bool = False) -> str:
-    return processing_class.apply_chat_template(list(messages), tokenize=False,
-                                                add_generation_prompt=generation_prompt)
+    return processing_class.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
 def turn_boundaries(processing_class, messages, first: int = 0) -> tuple[str, list[tuple[int, int, int, int]]]:
@@ -265,12 +307,14 @@ def turn_boundaries(processing_class, messages, first: int = 0) -> tuple[str, li
         if messages[i]["role"] != "assistant":
             continue
         before = render(processing_class, messages[:i], generation_prompt=True) if i else ""
-        through = render(processing_class, messages[:i + 1])
+        through = render(processing_class, messages[: i + 1])
         if not (text.startswith(through) and through.startswith(before)):
-            raise ValueError(f"the chat template renders the chat up to message {i} as a text that does not begin "
-                             f"the whole chat's, so the assistant's tokens cannot be found; use a template whose "
-                             f"earlier turns render the same once later turns follow")
-        spans.append((len(before), len(through), image_parts(messages[i:]), image_parts(messages[i + 1:])))
+            raise ValueError(
+                f"the chat template renders the chat up to message {i} as a text that does not begin "
+                f"the whole chat's, so the assistant's tokens cannot be found; use a template whose "
+                f"earlier turns render the same once later turns follow"
+            )
+        spans.append((len(before), len(through), image_parts(messages[i:]), image_parts(messages[i + 1 :])))
     return text, spans
 
 
@@ -290,12 +334,14 @@ def assistant_mask(processing_class, ids: list[int], text: str, spans, images: l
     for start, end, images_after_start, images_after_end in spans:
         cuts = []
         for char, count in ((start, images_after_start), (end, images_after_end)):
-            tail = suffix_length(processing_class, text[char:], images[len(images) - count:])
+            tail = suffix_length(processing_class, text[char:], images[len(images) - count :])
             cuts.append(len(ids) - tail)
         if cuts[0] < 0 or cuts[1] < cuts[0]:
-            raise ValueError(f"row {row}: the assistant turn's tokens could not be located in the processed row; "
-                             f"the tokenizer merges tokens across the turn's boundary")
-        mask[cuts[0]:cuts[1]] = [1] * (cuts[1] - cuts[0])
+            raise ValueError(
+                f"row {row}: the assistant turn's tokens could not be located in the processed row; "
+                f"the tokenizer merges tokens across the turn's boundary"
+            )
+        mask[cuts[0] : cuts[1]] = [1] * (cuts[1] - cuts[0])
     return mask
 
 
@@ -309,26 +355,43 @@ def row_chat(row: dict, index: int, where: str) -> Chat:
     return messages, first, images
 
 
-def encode_chats(processing_class, chats: list[Chat], *, completion_only_loss: bool = True,
-                 max_length: int | None = None, where: str = "a batch") -> dict[str, torch.Tensor]:
+def encode_chats(
+    processing_class,
+    chats: list[Chat],
+    *,
+    completion_only_loss: bool = True,
+    max_length: int | None = None,
+    where: str = "a batch",
+) -> dict[str, torch.Tensor]:
     """One processor call over ``chats`` (right-padded): the model's inputs plus ``completion_mask`` ``(B, T)``,
     1 on the tokens that carry loss: the assistant turns from each chat's first loss message
     (``completion_only_loss``; every token otherwise), never padding nor a vision token. A row longer than
     ``max_length`` is an error naming it (cutting it could cut its image tokens from their pixels)."""
     rendered = [turn_boundaries(processing_class, messages, first) for messages, first, _ in chats]
     flat = [image for _, _, images in chats for image in images]
-    batch = dict(processing_class(text=[text for text, _ in rendered], images=flat or None, padding=True,
-                                  padding_side="right", return_tensors="pt"))
+    batch = dict(
+        processing_class(
+            text=[text for text, _ in rendered],
+            images=flat or None,
+            padding=True,
+            padding_side="right",
+            return_tensors="pt",
+        )
+    )
     input_ids = batch["input_ids"]  # (B, T)
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     completion_mask = torch.zeros_like(input_ids)
-    for b, (row_ids, n, (text, spans), (_, _, images)) in enumerate(zip(input_ids.tolist(), lengths, rendered,
-                                                                       chats)):
+    for b, (row_ids, n, (text, spans), (_, _, images)) in enumerate(zip(input_ids.tolist(), lengths, rendered, chats)):
         if max_length is not None and n > max_length:
-            raise VisionDataError(f"row {b} of {where}: {n} tokens with its image tokens, more than "
-                                  f"max_length={max_length}; raise max_length or use smaller images")
-        mask = assistant_mask(processing_class, row_ids[:n], text, spans, images, row=b) if completion_only_loss \
+            raise VisionDataError(
+                f"row {b} of {where}: {n} tokens with its image tokens, more than "
+                f"max_length={max_length}; raise max_length or use smaller images"
+            )
+        mask = (
+            assistant_mask(processing_class, row_ids[:n], text, spans, images, row=b)
+            if completion_only_loss
             else [1] * n
+        )
         completion_mask[b, :n] = torch.tensor(mask)
     vision_ids = torch.tensor(sorted(image_token_ids(processing_class)), dtype=torch.long)
     keep = batch["attention_mask"].bool() & ~torch.isin(input_ids, vision_ids)
@@ -347,8 +410,14 @@ class VisionCollator:
     """SFT's vision rows -> :func:`encode_chats` -> the model's inputs plus ``labels`` (the input ids where the
     completion mask is 1, else -100)."""
 
-    def __init__(self, processing_class, *, completion_only_loss: bool = True, max_length: int | None = None,
-                 where: str = "the dataset"):
+    def __init__(
+        self,
+        processing_class,
+        *,
+        completion_only_loss: bool = True,
+        max_length: int | None = None,
+        where: str = "the dataset",
+    ):
         self.processing_class = processing_class
         self.completion_only_loss = completion_only_loss
         self.max_length = max_length
@@ -356,8 +425,13 @@ class VisionCollator:
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         chats = [row_chat(row, i, self.where) for i, row in enumerate(rows)]
-        batch = encode_chats(self.processing_class, chats, completion_only_loss=self.completion_only_loss,
-                             max_length=self.max_length, where=self.where)
+        batch = encode_chats(
+            self.processing_class,
+            chats,
+            completion_only_loss=self.completion_only_loss,
+            max_length=self.max_length,
+            where=self.where,
+        )
         completion_mask = batch.pop("completion_mask")
         batch["labels"] = batch["input_ids"].masked_fill(completion_mask == 0, -100)
         return batch
@@ -392,8 +466,9 @@ def preference_chat(row: dict, key: str, index: int, where: str) -> dict:
     if isinstance(response, str):
         response = [{"role": "assistant", "content": response}]
     if not is_conversation(response):
-        raise VisionDataError(f"row {index} of {where}: {key!r} must be a string or assistant messages, got "
-                              f"{type(response).__name__}")
+        raise VisionDataError(
+            f"row {index} of {where}: {key!r} must be a string or assistant messages, got {type(response).__name__}"
+        )
     column = image_column(list(row)) or "images"
     return {column: row.get(column), "prompt": row["prompt"], "completion": response}
 

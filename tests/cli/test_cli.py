@@ -2,8 +2,8 @@
 loading, the example configs end to end, `treadle report`, and how `treadle demo` hands its flags to
 treadle.demos.addition (the demo itself: tests/test_demo.py)."""
 
-import shutil
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from treadle.cli import command as cli
-from treadle.cli.loading import load_dataset
-from treadle.cli.loading import load_reward_funcs
+from treadle.cli.loading import load_dataset, load_reward_funcs
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -41,14 +40,37 @@ def write(path, text):
 
 # ---- overrides and configs ----------------------------------------------------------------------------------
 def test_overrides_are_read_as_yaml_1_2_values():
-    assert cli.parse_overrides(["--max_steps", "5", "--learning-rate=1e-3", "--packing", "true", "--name", "x y",
-                                "--report_to", "[tensorboard]", "--eval_strategy", "no", "--max_length", "null"]) == {
-        "max_steps": 5, "learning_rate": 0.001, "packing": True, "name": "x y", "report_to": ["tensorboard"],
-        "eval_strategy": "no", "max_length": None}
+    assert cli.parse_overrides(
+        [
+            "--max_steps",
+            "5",
+            "--learning-rate=1e-3",
+            "--packing",
+            "true",
+            "--name",
+            "x y",
+            "--report_to",
+            "[tensorboard]",
+            "--eval_strategy",
+            "no",
+            "--max_length",
+            "null",
+        ]
+    ) == {
+        "max_steps": 5,
+        "learning_rate": 0.001,
+        "packing": True,
+        "name": "x y",
+        "report_to": ["tensorboard"],
+        "eval_strategy": "no",
+        "max_length": None,
+    }
 
 
-@pytest.mark.parametrize("items, needle", [(["--max_steps"], "--max_steps needs a value"),
-                                           (["max_steps", "5"], "unexpected argument 'max_steps'")])
+@pytest.mark.parametrize(
+    "items, needle",
+    [(["--max_steps"], "--max_steps needs a value"), (["max_steps", "5"], "unexpected argument 'max_steps'")],
+)
 def test_malformed_overrides(items, needle):
     with pytest.raises(cli.UserError, match=needle):
         cli.parse_overrides(items)
@@ -79,55 +101,81 @@ def test_unknown_key_suggests_the_closest(tmp_path, capsys):
 
 
 def test_unknown_override_key(capsys):
-    assert_user_error(["train", EXAMPLES / "sft.yaml", "--beta", "0.1"], capsys, "unknown key 'beta' for trainer sft",
-                      "it is a key of trainer distillation, dpo, grpo, kto")
+    assert_user_error(
+        ["train", EXAMPLES / "sft.yaml", "--beta", "0.1"],
+        capsys,
+        "unknown key 'beta' for trainer sft",
+        "it is a key of trainer distillation, dpo, grpo, kto",
+    )
 
 
 def test_a_grpo_key_on_distillation_names_its_trainer(capsys):
     """GRPO and distillation are siblings: GRPO's objective settings are not distillation's, and the one line says
     whose they are (not "did you mean 'adam_epsilon'")."""
-    assert_user_error(["train", EXAMPLES / "distillation.yaml", "--epsilon", "0.3"], capsys,
-                      "DistillationConfig: unknown key 'epsilon' for trainer distillation; it is a key of trainer grpo")
+    assert_user_error(
+        ["train", EXAMPLES / "distillation.yaml", "--epsilon", "0.3"],
+        capsys,
+        "DistillationConfig: unknown key 'epsilon' for trainer distillation; it is a key of trainer grpo",
+    )
 
 
 def test_invalid_config_value_is_one_line(capsys):
-    assert_user_error(["train", EXAMPLES / "sft.yaml", "--packing", "true", "--max_length", "null"], capsys,
-                      "SFTConfig", "packing=True needs max_length")
+    assert_user_error(
+        ["train", EXAMPLES / "sft.yaml", "--packing", "true", "--max_length", "null"],
+        capsys,
+        "SFTConfig",
+        "packing=True needs max_length",
+    )
 
 
 def test_wrongly_typed_value_is_one_line_naming_the_key(capsys):
-    assert_user_error(["train", EXAMPLES / "sft.yaml", "--max_steps", "ten"], capsys,
-                      "SFTConfig: max_steps must be an integer, got 'ten'")
+    assert_user_error(
+        ["train", EXAMPLES / "sft.yaml", "--max_steps", "ten"],
+        capsys,
+        "SFTConfig: max_steps must be an integer, got 'ten'",
+    )
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("model", "no/such/folder", "model folder no/such/folder not found"),
-    ("model", "toy:huge", "unknown toy model 'toy:huge'"),
-    ("dataset", "missing.jsonl", "dataset missing.jsonl not found"),
-    ("dataset", "toy:subtraction", "unknown toy task 'toy:subtraction'"),
-    ("dataset", "toy:addition:lots", "row count"),
-])
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("model", "no/such/folder", "model folder no/such/folder not found"),
+        ("model", "toy:huge", "unknown toy model 'toy:huge'"),
+        ("dataset", "missing.jsonl", "dataset missing.jsonl not found"),
+        ("dataset", "toy:subtraction", "unknown toy task 'toy:subtraction'"),
+        ("dataset", "toy:addition:lots", "row count"),
+    ],
+)
 def test_missing_model_and_dataset(capsys, key, value, needle):
     assert_user_error(["train", EXAMPLES / "sft.yaml", f"--{key}", value], capsys, needle)
 
 
 def test_missing_required_keys(tmp_path, capsys):
-    assert_user_error(["train", write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\n")], capsys,
-                      "no dataset: key")
+    assert_user_error(
+        ["train", write(tmp_path / "c.yaml", "trainer: sft\nmodel: toy:tiny\n")], capsys, "no dataset: key"
+    )
     assert_user_error(["train", write(tmp_path / "d.yaml", "model: toy:tiny\n")], capsys, "no trainer: key")
 
 
-@pytest.mark.parametrize("funcs, needle", [("[]", "needs reward_funcs"),
-                                           ("[no_such_module.reward]", "cannot import no_such_module"),
-                                           ("[treadle.toy.no_reward]", "has no function 'no_reward'"),
-                                           ("[missing.py:reward]", "file missing.py not found")])
+@pytest.mark.parametrize(
+    "funcs, needle",
+    [
+        ("[]", "needs reward_funcs"),
+        ("[no_such_module.reward]", "cannot import no_such_module"),
+        ("[treadle.toy.no_reward]", "has no function 'no_reward'"),
+        ("[missing.py:reward]", "file missing.py not found"),
+    ],
+)
 def test_reward_function_errors(capsys, funcs, needle):
     assert_user_error(["train", EXAMPLES / "grpo.yaml", "--reward_funcs", funcs], capsys, needle)
 
 
 def test_reward_funcs_only_for_grpo(capsys):
-    assert_user_error(["train", EXAMPLES / "sft.yaml", "--reward_funcs", "[treadle.toy.addition_reward]"], capsys,
-                      "reward_funcs is a GRPO key")
+    assert_user_error(
+        ["train", EXAMPLES / "sft.yaml", "--reward_funcs", "[treadle.toy.addition_reward]"],
+        capsys,
+        "reward_funcs is a GRPO key",
+    )
 
 
 def test_bad_command_line(capsys):
@@ -152,8 +200,13 @@ def test_report_of_a_missing_folder(tmp_path, capsys):
 
 
 def test_the_installed_command_exits_2_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "treadle", "train", str(tmp_path / "missing.yaml")],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "treadle", "train", str(tmp_path / "missing.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == f"treadle: error: config file {tmp_path / 'missing.yaml'} not found"
 
@@ -205,7 +258,10 @@ def test_toy_datasets_take_the_split_and_kind_of_the_trainer():
 
 
 def test_reward_function_from_a_file(tmp_path):
-    write(tmp_path / "my_rewards.py", "def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\n")
+    write(
+        tmp_path / "my_rewards.py",
+        "def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\n",
+    )
     [fn] = load_reward_funcs(["my_rewards.py:length"], base_dir=tmp_path)
     assert fn(prompts=["a"], completions=["abc"]) == [3]
 
@@ -217,8 +273,23 @@ def metrics_of(run_dir):
 
 def test_sft_example_trains_saves_and_plots(tmp_path, capsys):
     out = tmp_path / "sft"
-    code, stdout, _ = run(["train", EXAMPLES / "sft.yaml", "--output_dir", out, "--max_steps", "6",
-                           "--eval_steps", "3", "--logging_steps", "2", "--disable_tqdm", "true"], capsys)
+    code, stdout, _ = run(
+        [
+            "train",
+            EXAMPLES / "sft.yaml",
+            "--output_dir",
+            out,
+            "--max_steps",
+            "6",
+            "--eval_steps",
+            "3",
+            "--logging_steps",
+            "2",
+            "--disable_tqdm",
+            "true",
+        ],
+        capsys,
+    )
     assert code == 0
     events = metrics_of(out)
     losses = [e["loss"] for e in events if "loss" in e]
@@ -241,13 +312,31 @@ def test_a_finished_run_leaves_the_process_group(tmp_path, capsys, monkeypatch):
 
     from treadle import distributed
 
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                        ("MASTER_PORT", str(distributed._free_port()))):
+    for name, value in (
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(distributed._free_port())),
+    ):
         monkeypatch.setenv(name, value)
     distributed.init_distributed(torch.device("cpu"), force=True)
     try:
-        code, _, _ = run(["train", EXAMPLES / "sft.yaml", "--output_dir", tmp_path / "sft", "--max_steps", "2",
-                          "--eval_strategy", "no", "--disable_tqdm", "true"], capsys)
+        code, _, _ = run(
+            [
+                "train",
+                EXAMPLES / "sft.yaml",
+                "--output_dir",
+                tmp_path / "sft",
+                "--max_steps",
+                "2",
+                "--eval_strategy",
+                "no",
+                "--disable_tqdm",
+                "true",
+            ],
+            capsys,
+        )
         assert code == 0 and (tmp_path / "sft" / "model.safetensors").is_file()
         assert not distributed.is_initialized()
     finally:
@@ -256,8 +345,20 @@ def test_a_finished_run_leaves_the_process_group(tmp_path, capsys, monkeypatch):
 
 def test_resume_continues_from_the_newest_checkpoint(tmp_path, capsys):
     out = tmp_path / "sft"
-    base = ["train", EXAMPLES / "sft.yaml", "--output_dir", out, "--disable_tqdm", "true", "--eval_strategy", "no",
-            "--save_steps", "2", "--logging_steps", "1"]
+    base = [
+        "train",
+        EXAMPLES / "sft.yaml",
+        "--output_dir",
+        out,
+        "--disable_tqdm",
+        "true",
+        "--eval_strategy",
+        "no",
+        "--save_steps",
+        "2",
+        "--logging_steps",
+        "1",
+    ]
     assert run(base + ["--max_steps", "4"], capsys)[0] == 0
     shutil.rmtree(out / "checkpoint-4")  # as if the run had died after step 2's checkpoint
     assert run(base + ["--max_steps", "4", "--resume"], capsys)[0] == 0
@@ -265,16 +366,33 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, capsys):
     # a finished run's schedule is spent: more steps on resume are refused (issue 33)
     code, _, err = run(base + ["--max_steps", "6", "--resume"], capsys)
     assert code == 2 and "schedule was built for 4 steps and is spent" in err.strip().splitlines()[-1]
-    assert_user_error(["train", EXAMPLES / "sft.yaml", "--output_dir", tmp_path / "empty", "--resume"], capsys,
-                      "no complete checkpoint")
+    assert_user_error(
+        ["train", EXAMPLES / "sft.yaml", "--output_dir", tmp_path / "empty", "--resume"],
+        capsys,
+        "no complete checkpoint",
+    )
 
 
 @pytest.mark.slow
 def test_dpo_and_grpo_examples_run(tmp_path, capsys):
     for name, extra in (("dpo", ["--eval_steps", "2"]), ("grpo", [])):
         out = tmp_path / name
-        code, _, err = run(["train", EXAMPLES / f"{name}.yaml", "--output_dir", out, "--max_steps", "4",
-                            "--logging_steps", "2", "--disable_tqdm", "true", *extra], capsys)
+        code, _, err = run(
+            [
+                "train",
+                EXAMPLES / f"{name}.yaml",
+                "--output_dir",
+                out,
+                "--max_steps",
+                "4",
+                "--logging_steps",
+                "2",
+                "--disable_tqdm",
+                "true",
+                *extra,
+            ],
+            capsys,
+        )
         assert code == 0, err
         keys = set().union(*metrics_of(out))
         assert "loss" in keys
@@ -288,8 +406,12 @@ def test_dpo_and_grpo_examples_run(tmp_path, capsys):
 def test_report_redraws_plots_and_prints_a_summary(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    write(run_dir / "metrics.jsonl", "".join(json.dumps({"step": s, "epoch": s / 4, "loss": 2.0 / s,
-                                                         "learning_rate": 0.1}) + "\n" for s in (1, 2, 3, 4)))
+    write(
+        run_dir / "metrics.jsonl",
+        "".join(
+            json.dumps({"step": s, "epoch": s / 4, "loss": 2.0 / s, "learning_rate": 0.1}) + "\n" for s in (1, 2, 3, 4)
+        ),
+    )
     code, out, _ = run(["report", run_dir], capsys)
     assert code == 0
     assert (run_dir / "plots" / "training.png").is_file()
@@ -305,8 +427,10 @@ def test_report_redraws_plots_and_prints_a_summary(tmp_path, capsys):
 def test_report_of_several_runs_writes_each_report_and_their_overlay(tmp_path, capsys):
     for name, scale in (("a", 1.0), ("b", 2.0)):
         (tmp_path / name).mkdir()
-        write(tmp_path / name / "metrics.jsonl", "".join(json.dumps({"step": s, "loss": scale / s}) + "\n"
-                                                         for s in (1, 2, 3)))
+        write(
+            tmp_path / name / "metrics.jsonl",
+            "".join(json.dumps({"step": s, "loss": scale / s}) + "\n" for s in (1, 2, 3)),
+        )
     code, out, _ = run(["report", tmp_path / "a", tmp_path / "b"], capsys)
     assert code == 0 and out.count("3 events") == 2
     assert (tmp_path / "a" / "report.html").is_file() and (tmp_path / "b" / "report.html").is_file()
@@ -321,16 +445,33 @@ def test_report_of_several_runs_writes_each_report_and_their_overlay(tmp_path, c
 def test_a_reward_model_trained_by_the_cli_is_a_grpo_reward_in_yaml(tmp_path, capsys):
     """`trainer: reward` (RewardTrainer), then `reward_funcs: [model:PATH]` in a GRPO config."""
     rm = tmp_path / "rm"
-    code, _, err = run(["train", EXAMPLES / "reward.yaml", "--output_dir", rm, "--max_steps", "2",
-                        "--eval_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true"], capsys)
+    code, _, err = run(
+        [
+            "train",
+            EXAMPLES / "reward.yaml",
+            "--output_dir",
+            rm,
+            "--max_steps",
+            "2",
+            "--eval_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--disable_tqdm",
+            "true",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert {"loss", "accuracy", "eval_accuracy"} <= set().union(*metrics_of(rm))
-    config = write(tmp_path / "grpo.yaml", f"""
+    config = write(
+        tmp_path / "grpo.yaml",
+        f"""
 trainer: grpo
 model: toy:tiny
 dataset: toy:addition:16
 reward_funcs: ["model:{rm}", treadle.toy.addition_reward]
-output_dir: {tmp_path / 'grpo'}
+output_dir: {tmp_path / "grpo"}
 max_steps: 1
 per_device_train_batch_size: 8
 num_generations: 4
@@ -338,14 +479,18 @@ max_completion_length: 4
 logging_steps: 1
 save_strategy: "no"
 disable_tqdm: true
-""")
+""",
+    )
     code, _, err = run(["train", config], capsys)
     assert code == 0, err
     keys = set().union(*metrics_of(tmp_path / "grpo"))
     assert {"rewards/rm/mean", "rewards/addition_reward/mean"} <= keys
-    assert_user_error(["train", config, "--output_dir", tmp_path / "g2", "--reward_funcs",
-                       f"[model:{tmp_path / 'nowhere'}]"], capsys,
-                      "reward model model:", "not found")
+    assert_user_error(
+        ["train", config, "--output_dir", tmp_path / "g2", "--reward_funcs", f"[model:{tmp_path / 'nowhere'}]"],
+        capsys,
+        "reward model model:",
+        "not found",
+    )
 
 
 def save_toy_model(folder, seed):
@@ -366,8 +511,10 @@ def test_kto_and_distillation_examples_run_on_local_model_folders(tmp_path, caps
     code, _, err = run(["train", EXAMPLES / "kto.yaml", "--output_dir", tmp_path / "kto", *common], capsys)
     assert code == 0, err
     assert {"loss", "kl", "rewards/chosen", "rewards/rejected"} <= set().union(*metrics_of(tmp_path / "kto"))
-    code, _, err = run(["train", EXAMPLES / "distillation.yaml", "--output_dir", tmp_path / "distill",
-                        "--teacher", teacher, *common], capsys)
+    code, _, err = run(
+        ["train", EXAMPLES / "distillation.yaml", "--output_dir", tmp_path / "distill", "--teacher", teacher, *common],
+        capsys,
+    )
     assert code == 0, err
     losses = [m["loss"] for m in metrics_of(tmp_path / "distill") if "loss" in m]
     assert len(losses) == 2 and all(v > 0 for v in losses)
@@ -375,7 +522,7 @@ def test_kto_and_distillation_examples_run_on_local_model_folders(tmp_path, caps
 
 
 def test_teacher_key_errors(tmp_path, capsys):
-    assert_user_error(["train", EXAMPLES / "distillation.yaml", "--teacher", "null"], capsys,
-                      "names its teacher:")
-    assert_user_error(["train", EXAMPLES / "sft.yaml", "--teacher", "toy:tiny"], capsys,
-                      "teacher: is a distillation key")
+    assert_user_error(["train", EXAMPLES / "distillation.yaml", "--teacher", "null"], capsys, "names its teacher:")
+    assert_user_error(
+        ["train", EXAMPLES / "sft.yaml", "--teacher", "toy:tiny"], capsys, "teacher: is a distillation key"
+    )

@@ -28,10 +28,13 @@ def test_a_short_demo_writes_the_run_folder(tmp_path, capsys):
         assert (out / stage / "metrics.jsonl").is_file()
         assert (out / stage / "plots" / "training.png").is_file()
     # every score is GRPOTrainer.evaluate()'s greedy exact match: before GRPO's first step, every 2 steps, at the end
-    evals = [e for e in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines())
-             if demo.ACCURACY in e]
+    evals = [
+        e for e in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines()) if demo.ACCURACY in e
+    ]
     assert [e["step"] for e in evals] == [0, 2, 3]
-    assert [(p["step"], p["accuracy"]) for p in results["grpo_curve"]] == [(e["step"], e[demo.ACCURACY]) for e in evals]
+    assert [(p["step"], p["accuracy"]) for p in results["grpo_curve"]] == [
+        (e["step"], e[demo.ACCURACY]) for e in evals
+    ]
     accuracy = {s["stage"]: s["accuracy"] for s in results["stages"]}
     assert (accuracy["after SFT"], accuracy["after GRPO"]) == (evals[0][demo.ACCURACY], evals[-1][demo.ACCURACY])
     assert {"eval_pass@1", "eval_pass@4", "eval_reward"} <= set(evals[-1])
@@ -63,8 +66,13 @@ def test_sft_warm_start_stops_at_the_probe_target(tmp_path, monkeypatch):
     tokenizer = toy.build_tokenizer()
     stop = demo.StopAtAccuracy(toy.load_task("addition", kind="rl", n=8), tokenizer, target=0.2, every=2)
     args = SFTConfig(output_dir=str(tmp_path), max_steps=20, save_steps=20, logging_steps=100, disable_tqdm=True)
-    trainer = SFTTrainer(toy.build_model("tiny", tokenizer=tokenizer), args, processing_class=tokenizer,
-                         train_dataset=toy.load_task("addition", n=64), callbacks=[stop])
+    trainer = SFTTrainer(
+        toy.build_model("tiny", tokenizer=tokenizer),
+        args,
+        processing_class=tokenizer,
+        train_dataset=toy.load_task("addition", n=64),
+        callbacks=[stop],
+    )
     trainer.train()
     assert stop.history == [(2, 0.05), (4, 0.1), (6, 0.25)]
     assert trainer.state.global_step == 6

@@ -8,8 +8,17 @@ import pytest
 from treadle.demos import distill as demo_distill
 from treadle.demos.distill import DistillDemoSettings, first_reaching, results_table, summarise
 
-TINY = dict(sft_steps=20, sft_check_every=10, grpo_steps=4, eval_size=40, eval_every=2, teacher_steps=20,
-            teacher_check_every=10, grpo_batch_size=32, num_generations=4)
+TINY = dict(
+    sft_steps=20,
+    sft_check_every=10,
+    grpo_steps=4,
+    eval_size=40,
+    eval_every=2,
+    teacher_steps=20,
+    teacher_check_every=10,
+    grpo_batch_size=32,
+    num_generations=4,
+)
 
 
 @pytest.mark.slow
@@ -38,21 +47,46 @@ def test_a_short_distill_demo_writes_its_results_and_reuses_the_teacher(tmp_path
 
 
 def test_summary_finds_the_first_step_at_grpo_final():
-    curves = {"GRPO": [(10, 0.3, 5.0), (20, 0.5, 10.0)], "distillation": [(10, 0.6, 2.0), (20, 0.7, 4.0)],
-              "SFT on teacher answers": [(10, 0.2, 1.0), (20, 0.4, 2.0)]}
+    curves = {
+        "GRPO": [(10, 0.3, 5.0), (20, 0.5, 10.0)],
+        "distillation": [(10, 0.6, 2.0), (20, 0.7, 4.0)],
+        "SFT on teacher answers": [(10, 0.2, 1.0), (20, 0.4, 2.0)],
+    }
     assert first_reaching(curves["distillation"], 0.5) == (10, 2.0)
     assert first_reaching(curves["SFT on teacher answers"], 0.5) is None
-    results = summarise(DistillDemoSettings(), {"heldout_accuracy": 0.97, "steps": 3000, "train_seconds": 50.0},
-                        (400, 6.0, 0.22), curves, 1000)
+    results = summarise(
+        DistillDemoSettings(),
+        {"heldout_accuracy": 0.97, "steps": 3000, "train_seconds": 50.0},
+        (400, 6.0, 0.22),
+        curves,
+        1000,
+    )
     methods = results["methods"]
     assert results["grpo_final_accuracy"] == 0.5
     assert (methods["distillation"]["steps_to_grpo_final"], methods["distillation"]["fraction_of_grpo_steps"]) == (
-        10, 0.5)
-    assert methods["GRPO"]["steps_to_grpo_final"] == 20 and methods["SFT on teacher answers"]["steps_to_grpo_final"] \
-        is None
+        10,
+        0.5,
+    )
+    assert (
+        methods["GRPO"]["steps_to_grpo_final"] == 20
+        and methods["SFT on teacher answers"]["steps_to_grpo_final"] is None
+    )
     lines = results_table(results).splitlines()
     assert lines[0].split()[:2] == ["method", "held-out"]
     assert lines[2].split()[:2] == ["teacher", "97.0%"] and lines[3].split()[:4] == ["SFT", "warm", "start", "22.0%"]
-    assert lines[5].split() == ["distillation", "70.0%", "of", "1000", "20", "4", "s", "step", "10", "(0.50),", "2", "s"]
+    assert lines[5].split() == [
+        "distillation",
+        "70.0%",
+        "of",
+        "1000",
+        "20",
+        "4",
+        "s",
+        "step",
+        "10",
+        "(0.50),",
+        "2",
+        "s",
+    ]
     assert methods["distillation"]["seconds_to_grpo_final"] == 2.0
     assert lines[6].split()[-1] == "never"

@@ -60,8 +60,9 @@ def test_the_score_is_evaluate_and_the_written_transcripts_agree_with_it(tmp_pat
     one that passes the problems with an even answer), and the transcripts it writes mark the same problems."""
     tok = toy.build_tokenizer()
     test = toy.load_task("tools", "test", kind="rl", n=12)
-    monkeypatch.setattr(toy, "addition_reward", lambda completions, answer, **k: [float(int(a) % 2 == 0)
-                                                                                  for a in answer])
+    monkeypatch.setattr(
+        toy, "addition_reward", lambda completions, answer, **k: [float(int(a) % 2 == 0) for a in answer]
+    )
     model = toy.build_model("tiny", tokenizer=tok, seed=0)
     score, calls = demo_tools.score_tools(model, tok, test, demo_tools.ToolsDemoSettings(), tmp_path / "scored.jsonl")
     records = [json.loads(line) for line in open(tmp_path / "scored.jsonl")]
@@ -79,8 +80,20 @@ def test_the_warm_start_probes_finer_and_slower_near_the_target_and_stops_after_
     on sft_target_calls (the probe scores here are scripted): neither a lucky probe (0.31 at step 34, then 0.19)
     nor a solve rate with wrong calls (0.25 with the right call on 40%, step 38) stops it."""
     Score = demo_tools.ToolScore
-    scores = iter([Score(0.0, 0.3), Score(0.11, 0.9), Score(0.05, 0.9), Score(0.12, 0.95), Score(0.15, 0.95),
-                   Score(0.31, 0.95), Score(0.19, 0.99), Score(0.25, 0.4), Score(0.22, 0.5), Score(0.2, 0.93)])
+    scores = iter(
+        [
+            Score(0.0, 0.3),
+            Score(0.11, 0.9),
+            Score(0.05, 0.9),
+            Score(0.12, 0.95),
+            Score(0.15, 0.95),
+            Score(0.31, 0.95),
+            Score(0.19, 0.99),
+            Score(0.25, 0.4),
+            Score(0.22, 0.5),
+            Score(0.2, 0.93),
+        ]
+    )
     probed, rates = [], []
     monkeypatch.setattr(demo_tools, "score_tools", lambda *a, label, **k: probed.append(label) or next(scores))
     settings = demo_tools.ToolsDemoSettings()
@@ -102,8 +115,7 @@ def test_the_warm_start_probes_finer_and_slower_near_the_target_and_stops_after_
 
 
 @pytest.mark.parametrize("met_on", [1, 2, None])
-def test_the_warm_start_starts_again_from_the_same_weights_in_another_order_until_at_its_targets(monkeypatch,
-                                                                                               met_on):
+def test_the_warm_start_starts_again_from_the_same_weights_in_another_order_until_at_its_targets(monkeypatch, met_on):
     """An attempt not at the targets after sft_steps is dropped: the next starts from the initial weights of
     ``seed`` (not from the dropped attempt's) on the same transcripts in the order of data_seed seed + 1000 x
     attempt; the first attempt at the targets is kept, else the last (sft_attempts of them)."""
@@ -123,8 +135,10 @@ def test_the_warm_start_starts_again_from_the_same_weights_in_another_order_unti
     model, steps, seconds, attempts = demo_tools.warm_start(tok, settings, Path("run"))
     n = met_on or 3
     assert (attempts, len(calls), steps, seconds) == (n, n, 10 if met_on else 30, 2.0 * n)
-    assert model is calls[-1][0] and [c[3:] for c in calls] == [("sft", 4), ("sft-attempt-2", 1004),
-                                                                 ("sft-attempt-3", 2004)][:n]
+    assert (
+        model is calls[-1][0]
+        and [c[3:] for c in calls] == [("sft", 4), ("sft-attempt-2", 1004), ("sft-attempt-3", 2004)][:n]
+    )
     initial = toy.build_model("tiny", seed=4, tokenizer=tok).model.embed_tokens.weight
     assert all(torch.equal(c[1], initial) for c in calls)
     transcripts = toy.tool_transcripts(toy.load_task("tools", "train", kind="rl", n=40, seed=4)).to_list()
@@ -136,8 +150,13 @@ def test_a_right_call_is_the_taught_call_in_the_first_turn_whatever_follows():
     call = [{"role": "assistant", "content": '<call>calc("123+456")</call>'}]
     after = [{"role": "tool", "content": "<result>579</result>"}, {"role": "assistant", "content": "578"}]
     assert demo_tools.right_call("123+456=", call + after) and demo_tools.right_call("123+456=", call)
-    for wrong in ('<call>calc("123+465")</call>', '<call>calc("456+123")</call>', "579", "",
-                  '<call>calc("123+456")</call> 579'):
+    for wrong in (
+        '<call>calc("123+465")</call>',
+        '<call>calc("456+123")</call>',
+        "579",
+        "",
+        '<call>calc("123+456")</call> 579',
+    ):
         assert not demo_tools.right_call("123+456=", [{"role": "assistant", "content": wrong}] + after), wrong
     assert not demo_tools.right_call("123+456=", [])
 
@@ -145,8 +164,15 @@ def test_a_right_call_is_the_taught_call_in_the_first_turn_whatever_follows():
 @pytest.mark.slow
 def test_a_short_tools_demo_writes_its_run_folder(tmp_path, capsys):
     """... and each probe or score line says the stage and step it belongs to (they all read [step 0] before)."""
-    settings = demo_tools.ToolsDemoSettings(eval_size=16, sft_problems=64, sft_steps=4, sft_probe_size=8,
-                                            sft_check_every=2, grpo_steps=2, grpo_batch_size=16)
+    settings = demo_tools.ToolsDemoSettings(
+        eval_size=16,
+        sft_problems=64,
+        sft_steps=4,
+        sft_probe_size=8,
+        sft_check_every=2,
+        grpo_steps=2,
+        grpo_batch_size=16,
+    )
     assert demo_tools.run_tools_demo(settings, str(tmp_path)) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     stages = {s["stage"]: s for s in results["stages"]}
@@ -156,8 +182,10 @@ def test_a_short_tools_demo_writes_its_run_folder(tmp_path, capsys):
         records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
         assert len(records) == 16 and stage["accuracy"] == sum(r["correct"] for r in records) / 16
     assert (tmp_path / "grpo" / "metrics.jsonl").is_file() and (tmp_path / "grpo" / "plots" / "training.png").is_file()
-    checks = {run: json.loads((tmp_path / run / "training_args.json").read_text())["health_checks"]
-              for run in ("grpo", "control_grpo")}  # the control solves nothing by design: not a stalled run
+    checks = {
+        run: json.loads((tmp_path / run / "training_args.json").read_text())["health_checks"]
+        for run in ("grpo", "control_grpo")
+    }  # the control solves nothing by design: not a stalled run
     assert checks["grpo"]["no_learning_signal"] is True and checks["control_grpo"]["no_learning_signal"] is False
     out = capsys.readouterr().out
     assert "[SFT step 2: probe of training problems] " in out and "[after SFT: held-out] " in out

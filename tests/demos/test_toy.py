@@ -26,10 +26,15 @@ def tokenizer():
 
 # ---------------------------------------------------------------------------------------------- tokenizer
 
+
 def test_vocabulary_layout(tokenizer):
     assert len(tokenizer) == 7 + 10 + 52 + 32 + 2 == 103
-    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
-            tokenizer.unk_token_id) == (0, 1, 2, 3)
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (
+        0,
+        1,
+        2,
+        3,
+    )
     assert tokenizer.convert_tokens_to_ids(["<|system|>", "<|user|>", "<|assistant|>"]) == [4, 5, 6]
 
 
@@ -63,8 +68,11 @@ def test_padding_side_is_settable():
 
 
 def test_chat_template(tokenizer):
-    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="},
-                {"role": "assistant", "content": "3"}]
+    messages = [
+        {"role": "system", "content": "Add."},
+        {"role": "user", "content": "1+2="},
+        {"role": "assistant", "content": "3"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     assert text == "<|system|>Add.\n<|user|>1+2=\n<|assistant|>3</s>"
     prompt = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
@@ -90,6 +98,7 @@ def test_save_and_reload_round_trip(tokenizer, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- model
 
+
 def llama_parameter_count(vocab, hidden, layers, intermediate):
     """Tied embedding + per layer (q, k, v, o; gate, up, down; two RMSNorms) + final norm."""
     return vocab * hidden + layers * (4 * hidden**2 + 3 * hidden * intermediate + 2 * hidden) + hidden
@@ -99,8 +108,7 @@ def llama_parameter_count(vocab, hidden, layers, intermediate):
 def test_model_sizes(size, tokenizer):
     model = toy.build_model(size, tokenizer=tokenizer)
     shape = toy.MODEL_SIZES[size]
-    expected = llama_parameter_count(103, shape["hidden_size"], shape["num_hidden_layers"],
-                                     shape["intermediate_size"])
+    expected = llama_parameter_count(103, shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"])
     assert sum(p.numel() for p in model.parameters()) == expected
     assert model.lm_head.weight is model.model.embed_tokens.weight
     config = model.config
@@ -132,6 +140,7 @@ def test_model_forward_and_vocab_override(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- tasks
+
 
 def pairs_of(dataset):
     return [tuple(map(int, re.fullmatch(r"(\d+)\+(\d+)=", p).groups())) for p in dataset["prompt"]]
@@ -172,8 +181,10 @@ def test_rl_and_chat_rows():
     assert all(ans == str(a + b) for (a, b), ans in zip(pairs_of(rl), rl["answer"]))
     chat = toy.load_task("addition", "test", kind="chat", n=50, seed=3)
     assert chat.column_names == ["messages"]
-    assert chat[0]["messages"] == [{"role": "user", "content": rl[0]["prompt"]},
-                                   {"role": "assistant", "content": rl[0]["answer"]}]
+    assert chat[0]["messages"] == [
+        {"role": "user", "content": rl[0]["prompt"]},
+        {"role": "assistant", "content": rl[0]["answer"]},
+    ]
 
 
 def test_preference_rows_are_plausible_and_wrong():
@@ -209,11 +220,23 @@ def test_load_task_errors():
 
 # ---------------------------------------------------------------------------------------------- rewards
 
+
 def test_addition_reward():
-    completions = ["46", " 46 ", "46\n12", "46</s><pad>", "4", "046", "", "47",
-                   [{"role": "assistant", "content": "46"}], [{"role": "assistant", "content": "64"}]]
-    rewards = toy.addition_reward(["12+34="] * 10, completions, ["46"] * 10,
-                                  completion_ids=[[0]] * 10, other_column=[1] * 10)
+    completions = [
+        "46",
+        " 46 ",
+        "46\n12",
+        "46</s><pad>",
+        "4",
+        "046",
+        "",
+        "47",
+        [{"role": "assistant", "content": "46"}],
+        [{"role": "assistant", "content": "64"}],
+    ]
+    rewards = toy.addition_reward(
+        ["12+34="] * 10, completions, ["46"] * 10, completion_ids=[[0]] * 10, other_column=[1] * 10
+    )
     assert rewards == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     assert toy.addition_reward(["1+1="], ["2"], [2]) == [1.0]  # a numeric answer column works too
     with pytest.raises(ValueError):
@@ -221,6 +244,7 @@ def test_addition_reward():
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
+
 
 def reference_greedy(model, tokenizer, prompt, max_new_tokens):
     """Independent greedy decode: one unpadded prompt at a time, argmax of the full forward pass."""
@@ -245,7 +269,7 @@ def half_trained(tokenizer):
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     labels = ids.masked_fill(ids == 0, -100)
     for i, prompt in enumerate(prompts):
-        labels[i, :len(prompt)] = -100
+        labels[i, : len(prompt)] = -100
     model = toy.build_model(seed=1, tokenizer=tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     for _ in range(50):
@@ -268,8 +292,9 @@ def test_exact_match_accuracy_matches_reference(half_trained, tokenizer):
     accuracy = toy.exact_match_accuracy(model, tokenizer, data, batch_size=16)
     assert model.training  # mode restored
     model.eval()
-    expected = sum(reference_greedy(model, tokenizer, p, 4).strip() == a
-                   for p, a in zip(data["prompt"], data["answer"])) / len(data)
+    expected = sum(
+        reference_greedy(model, tokenizer, p, 4).strip() == a for p, a in zip(data["prompt"], data["answer"])
+    ) / len(data)
     assert 0.0 < expected < 1.0  # the check is informative only if some, not all, are right
     assert accuracy == pytest.approx(expected)
     sft = toy.load_task("addition", "train", kind="sft", n=32, seed=5)
@@ -280,10 +305,16 @@ def test_exact_match_accuracy_matches_reference(half_trained, tokenizer):
 def test_exact_match_accuracy_on_chat_rows(tokenizer):
     model = toy.build_model(seed=2, tokenizer=tokenizer)
     chat = toy.load_task("addition", "test", kind="chat", n=8)
-    prompt = tokenizer.apply_chat_template(chat[0]["messages"][:1], add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = tokenizer.apply_chat_template(chat[0]["messages"][:1], add_generation_prompt=True, tokenize=False)
     assert prompt == f"<|user|>{chat[0]['messages'][0]['content']}\n<|assistant|>"
-    expected = sum(reference_greedy(model, tokenizer, tokenizer.apply_chat_template(
-        m[:1], add_generation_prompt=True, tokenize=False), 4).strip() == m[1]["content"]
-        for m in chat["messages"]) / 8
+    expected = (
+        sum(
+            reference_greedy(
+                model, tokenizer, tokenizer.apply_chat_template(m[:1], add_generation_prompt=True, tokenize=False), 4
+            ).strip()
+            == m[1]["content"]
+            for m in chat["messages"]
+        )
+        / 8
+    )
     assert toy.exact_match_accuracy(model, tokenizer, chat) == pytest.approx(expected)

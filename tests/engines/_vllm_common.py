@@ -18,7 +18,7 @@ def model_logps(model, prompt_ids, completion_ids):
     out = []
     with torch.no_grad():
         for p, c in zip(prompt_ids, completion_ids):
-            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1].float()
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float()
             out.append(logits.log_softmax(-1).gather(1, torch.tensor(c)[:, None])[:, 0])
     return out
 

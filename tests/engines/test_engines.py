@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _factories import chatty_model
+
 from treadle.demos import toy
 from treadle.engines import LocalEngine, RolloutEngine, VLLMEngine, VLLMServerEngine
 from treadle.engines.vllm import SINGLE_TURN_ONLY
-from treadle.generation import (GenerationOutput, SamplingParams, completion_masks, left_pad, reprefill_turns,
-                                sample_turns)
+from treadle.generation import (
+    GenerationOutput,
+    SamplingParams,
+    completion_masks,
+    left_pad,
+    reprefill_turns,
+    sample_turns,
+)
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.onpolicy.data import Prompts
 from treadle.trainers.onpolicy.producer import RolloutProducer
@@ -24,8 +30,9 @@ EOS = 2  # the toy tokenizer's eos id
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24]]  # different lengths: left padding
 
 
-def plain_sampling_logps(model, out: GenerationOutput, temperature: float, top_k: int, top_p: float,
-                         min_p: float = 0.0):
+def plain_sampling_logps(
+    model, out: GenerationOutput, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+):
     """(N, C) log-probs of the sampled tokens under the processed distribution, from one forward of prompt +
     completion: logits / temperature, then the k best kept, then the smallest set of mass >= top_p kept, then the
     tokens of at least min_p x the top token's probability kept."""
@@ -35,7 +42,7 @@ def plain_sampling_logps(model, out: GenerationOutput, temperature: float, top_k
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.double()
     width_p = out.prompt_ids.shape[1]
-    scores = logits[:, width_p - 1:-1] / temperature  # (N, C, V): the scores each completion token was drawn from
+    scores = logits[:, width_p - 1 : -1] / temperature  # (N, C, V): the scores each completion token was drawn from
     kth = scores.topk(top_k, dim=-1).values[..., -1:]
     scores = scores.masked_fill(scores < kth, float("-inf"))
     probs, order = scores.softmax(-1).sort(dim=-1, descending=True)
@@ -53,8 +60,15 @@ def test_local_engine_returns_the_log_probs_of_the_distribution_it_sampled_from(
     model = toy.build_model("tiny", tokenizer=tok, seed=0).eval()
     engine = LocalEngine(model, backend=backend)
     assert isinstance(engine, RolloutEngine)
-    params = SamplingParams(num_generations=4, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0,
-                            temperature=0.7, top_k=20, top_p=0.9)
+    params = SamplingParams(
+        num_generations=4,
+        max_new_tokens=12,
+        eos_token_ids=(EOS,),
+        pad_token_id=0,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+    )
     out = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
     want = plain_sampling_logps(model, out, temperature=0.7, top_k=20, top_p=0.9)
     assert out.sampling_logps.shape == out.completion_mask.shape
@@ -75,8 +89,15 @@ def test_min_p_sampling_log_probs_are_those_of_the_min_p_distribution(tok, backe
     """min_p after temperature and top-p (transformers' order): the engine's sampling log-probs equal the plain
     recomputation's, and differ from the same settings without min_p (it removed mass the sampler never drew)."""
     model = toy.build_model("tiny", tokenizer=tok, seed=0).eval()
-    params = SamplingParams(num_generations=4, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0,
-                            temperature=0.7, top_p=0.95, min_p=0.3)
+    params = SamplingParams(
+        num_generations=4,
+        max_new_tokens=12,
+        eos_token_ids=(EOS,),
+        pad_token_id=0,
+        temperature=0.7,
+        top_p=0.95,
+        min_p=0.3,
+    )
     out = LocalEngine(model, backend=backend).generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
     want = plain_sampling_logps(model, out, temperature=0.7, top_k=model.config.vocab_size, top_p=0.95, min_p=0.3)
     torch.testing.assert_close(out.sampling_logps, want, atol=1e-4, rtol=1e-4)
@@ -99,8 +120,14 @@ class FixedEngine(RolloutEngine):
         ids, mask = left_pad(rows, params.pad_token_id)
         raw = torch.tensor([[10, EOS]] * len(rows))
         completion_ids, completion_mask, truncated = completion_masks(raw, params.eos_token_ids, params.pad_token_id)
-        return GenerationOutput(ids, mask, completion_ids, completion_mask, truncated,
-                                sampling_logps=torch.full(completion_ids.shape, -0.5))
+        return GenerationOutput(
+            ids,
+            mask,
+            completion_ids,
+            completion_mask,
+            truncated,
+            sampling_logps=torch.full(completion_ids.shape, -0.5),
+        )
 
     def load_weights(self, model, version=None):
         self.loaded, self.policy_version = self.loaded + 1, version
@@ -116,12 +143,27 @@ def test_grpo_trains_and_evaluates_through_the_engine_build_engine_returns(tmp_p
             return FixedEngine()
 
     rows = toy.load_task("addition", kind="rl", n=8)
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=4, max_steps=2, disable_tqdm=True, save_strategy="no", report_to="none",
-                      eval_temperature=0.5, num_generations_eval=2)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        disable_tqdm=True,
+        save_strategy="no",
+        report_to="none",
+        eval_temperature=0.5,
+        num_generations_eval=2,
+    )
     always_right = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731
-    trainer = WithFixedEngine(toy.build_model("tiny", tokenizer=tok), always_right, args=args, train_dataset=rows,
-                              eval_dataset=rows.select(range(2)), processing_class=tok)
+    trainer = WithFixedEngine(
+        toy.build_model("tiny", tokenizer=tok),
+        always_right,
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows.select(range(2)),
+        processing_class=tok,
+    )
     engine = trainer.engine
     try:
         trainer.train()
@@ -157,8 +199,9 @@ def test_the_own_sampler_reports_exact_log_probs_its_version_and_samples_multi_t
     multi-turn rollouts that are the multi-turn sampler's own, bit for bit (the KV cache kept across turns; "hf":
     every transcript re-prefilled each turn)."""
     model = chatty_model(tok, eos_bias=4.0).eval()  # its turns end after a few tokens
-    params = SamplingParams(num_generations=2, max_new_tokens=24, eos_token_ids=(EOS,), pad_token_id=0,
-                            temperature=0.9)
+    params = SamplingParams(
+        num_generations=2, max_new_tokens=24, eos_token_ids=(EOS,), pad_token_id=0, temperature=0.9
+    )
     with LocalEngine(model, backend=backend) as engine:
         assert engine.exact_logps and engine.policy_version is None
         engine.load_weights(model, version=3)
@@ -214,7 +257,8 @@ def test_the_producer_tags_each_batch_with_the_policy_version_it_was_sampled_fro
         assert torch.equal(produced.output.sampling_logps, want.sampling_logps)
     with pytest.raises(Exception, match="text prompts only"):
         RolloutProducer(model, params, staleness=1, seed=7, worker="thread").request(
-            0, Prompts(PROMPTS, 1, inputs={"pixel_values": torch.zeros(1)}))
+            0, Prompts(PROMPTS, 1, inputs={"pixel_values": torch.zeros(1)})
+        )
 
 
 def test_the_producer_requests_ahead_on_its_fixed_schedule():

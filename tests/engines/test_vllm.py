@@ -23,8 +23,8 @@ import torch
 from _factories import digit_sum_reward
 from _vllm_common import load_with_push_skipped, model_logps, prompts, rows_of
 
-from treadle.demos import toy
 from treadle.cli.command import main
+from treadle.demos import toy
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import VLLMNotInstalled, merged_state_dict, vllm_engine
 from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_bound
@@ -39,10 +39,22 @@ EOS = 2  # the toy tokenizer's eos id
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=8, max_steps=1, learning_rate=1e-2, disable_tqdm=True, save_strategy="no",
-                  logging_steps=1000, use_vllm=True, vllm_max_model_length=128, temperature=1.0,
-                  eval_temperature=0.0, eval_greedy=True)
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        learning_rate=1e-2,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1000,
+        use_vllm=True,
+        vllm_max_model_length=128,
+        temperature=1.0,
+        eval_temperature=0.0,
+        eval_greedy=True,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -53,8 +65,13 @@ def trainer(tmp_path_factory):
     tok = toy.build_tokenizer()
     model = toy.build_model("small", tokenizer=tok, seed=0)
     dataset = toy.load_task("addition", kind="rl", n=16)
-    trainer = GRPOTrainer(model, digit_sum_reward, args=config(tmp_path_factory.mktemp("vllm")),
-                          train_dataset=dataset, processing_class=tok)
+    trainer = GRPOTrainer(
+        model,
+        digit_sum_reward,
+        args=config(tmp_path_factory.mktemp("vllm")),
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     yield trainer
     trainer.close()
 
@@ -65,9 +82,14 @@ def lora_trainer(tmp_path_factory):
     the base weights with vLLM's LoRA support (the module's second and last engine start)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     tok = toy.build_tokenizer()
-    trainer = GRPOTrainer(toy.build_model("small", tokenizer=tok, seed=0), digit_sum_reward,
-                          args=config(tmp_path_factory.mktemp("vllm-lora")), processing_class=tok,
-                          train_dataset=toy.load_task("addition", kind="rl", n=16), peft_config=LORA)
+    trainer = GRPOTrainer(
+        toy.build_model("small", tokenizer=tok, seed=0),
+        digit_sum_reward,
+        args=config(tmp_path_factory.mktemp("vllm-lora")),
+        processing_class=tok,
+        train_dataset=toy.load_task("addition", kind="rl", n=16),
+        peft_config=LORA,
+    )
     yield trainer
     trainer.close()
 
@@ -81,8 +103,9 @@ ADAPTER_TENSORS, ADAPTER_BYTES = 16, 16 * 1024 * 4
 @pytest.mark.vllm
 def test_greedy_completions_equal_the_own_samplers(trainer):
     ids = prompts(trainer.processing_class)
-    params = SamplingParams(num_generations=2, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0,
-                            do_sample=False)
+    params = SamplingParams(
+        num_generations=2, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0, do_sample=False
+    )
     trainer.engine.load_weights(trainer.model)
     ours = sample_completions(trainer.model, ids, params)
     theirs = trainer.engine.generate(ids, params)
@@ -115,8 +138,9 @@ def test_sampling_logps_are_the_processed_distributions(trainer):
     """vLLM's sampled log-probs equal a plain-PyTorch recomputation under temperature, top-k and top-p, and the
     same generator state gives the same completions."""
     ids = prompts(trainer.processing_class, n=3)
-    params = SamplingParams(num_generations=4, max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=0,
-                            temperature=0.7, top_k=12, top_p=0.9)
+    params = SamplingParams(
+        num_generations=4, max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=0, temperature=0.7, top_k=12, top_p=0.9
+    )
     trainer.engine.load_weights(trainer.model)
     out = trainer.engine.generate(ids, params, generator=torch.Generator().manual_seed(3))
     again = trainer.engine.generate(ids, params, generator=torch.Generator().manual_seed(3))
@@ -125,7 +149,7 @@ def test_sampling_logps_are_the_processed_distributions(trainer):
     assert len({tuple(c) for c in completions}) > 1  # sampled, not greedy
     for row, (prompt, completion) in enumerate(zip([p for p in ids for _ in range(4)], completions)):
         with torch.no_grad():
-            logits = trainer.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1] / 0.7
+            logits = trainer.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / 0.7
         kth = logits.topk(12, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
         ascending, order = logits.sort(dim=-1)
@@ -133,9 +157,9 @@ def test_sampling_logps_are_the_processed_distributions(trainer):
         drop[:, -1] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
         expected = logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
-        got = out.sampling_logps[row, :len(completion)]
+        got = out.sampling_logps[row, : len(completion)]
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
-        assert (out.sampling_logps[row, len(completion):] == 0).all()
+        assert (out.sampling_logps[row, len(completion) :] == 0).all()
 
 
 @pytest.mark.vllm
@@ -144,21 +168,22 @@ def test_min_p_reaches_vllm_and_its_log_probs_are_the_min_p_distributions(traine
     top-k and min-p (no top-p: there the two orders keep the same tokens), and no completion holds a token min-p
     drops; a suppress list (generation_kwargs' suppress_tokens) is refused in one line."""
     ids = prompts(trainer.processing_class, n=3)
-    params = SamplingParams(num_generations=6, max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=0,
-                            temperature=1.5, top_k=40, min_p=0.8)  # 0.2 dropped nothing from this flat model
+    params = SamplingParams(
+        num_generations=6, max_new_tokens=8, eos_token_ids=(EOS,), pad_token_id=0, temperature=1.5, top_k=40, min_p=0.8
+    )  # 0.2 dropped nothing from this flat model
     trainer.engine.load_weights(trainer.model)
     out = trainer.engine.generate(ids, params, generator=torch.Generator().manual_seed(5))
     dropped_mass = []
     for row, (prompt, completion) in enumerate(zip([p for p in ids for _ in range(6)], rows_of(out))):
         with torch.no_grad():
-            logits = trainer.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1] / 1.5
+            logits = trainer.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / 1.5
         logits = logits.masked_fill(logits < logits.topk(40, dim=-1).values[:, -1:], float("-inf"))
         probs = logits.softmax(-1)
         dropped = probs < 0.8 * probs.amax(-1, keepdim=True)
         dropped_mass.append(probs.masked_fill(~dropped, 0).sum(-1))
         assert not dropped.gather(1, torch.tensor(completion)[:, None]).any()
         expected = logits.masked_fill(dropped, float("-inf")).log_softmax(-1)
-        got = out.sampling_logps[row, :len(completion)]
+        got = out.sampling_logps[row, : len(completion)]
         torch.testing.assert_close(got, expected.gather(1, torch.tensor(completion)[:, None])[:, 0], atol=1e-4, rtol=0)
     assert torch.cat(dropped_mass).max() > 0.05  # min-p dropped real mass: without it the log-probs would differ
     with pytest.raises(UserError, match="suppress_tokens reach treadle's own sampler only"):
@@ -187,8 +212,9 @@ def test_after_a_grpo_step_the_engine_scores_like_the_trained_model(trainer):
 def test_a_lora_policy_generates_as_its_merged_model(trainer):
     """load_weights(peft model) sends base + B A scaling: vLLM then scores as peft's own merge_and_unload."""
     base = copy.deepcopy(trainer.model)
-    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     init_lora_weights=False))
+    lora = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     merged = copy.deepcopy(lora).merge_and_unload()
     tok = trainer.processing_class
     ids, fixed = prompts(tok, n=2), [tok("42")["input_ids"], tok("9")["input_ids"] + [EOS]]
@@ -209,13 +235,23 @@ def test_resume_with_vllm_is_exact(trainer, tmp_path):
     tok, dataset = trainer.processing_class, toy.load_task("addition", kind="rl", n=16)
     shared = type("SharedEngineGRPO", (GRPOTrainer,), {"build_engine": lambda self: trainer.engine})
     common = dict(max_steps=3, save_strategy="steps", save_steps=1, logging_steps=1)
-    full = shared(toy.build_model("small", tokenizer=tok, seed=1), digit_sum_reward,
-                  args=config(tmp_path / "full", **common), train_dataset=dataset, processing_class=tok)
+    full = shared(
+        toy.build_model("small", tokenizer=tok, seed=1),
+        digit_sum_reward,
+        args=config(tmp_path / "full", **common),
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     full.train()
     os.makedirs(tmp_path / "resumed" / "run")
     shutil.copytree(tmp_path / "full" / "run" / "checkpoint-1", tmp_path / "resumed" / "run" / "checkpoint-1")
-    resumed = shared(toy.build_model("small", tokenizer=tok, seed=5), digit_sum_reward,  # weights come from disk
-                     args=config(tmp_path / "resumed", **common), train_dataset=dataset, processing_class=tok)
+    resumed = shared(
+        toy.build_model("small", tokenizer=tok, seed=5),
+        digit_sum_reward,  # weights come from disk
+        args=config(tmp_path / "resumed", **common),
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     resumed.train(resume_from_checkpoint=True)
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
@@ -230,8 +266,11 @@ def test_a_sync_that_changed_nothing_is_caught(trainer):
     does not; a push of the same weights is not checked (its log-probs rightly stay)."""
     engine, policy = trainer.engine, trainer.model
     engine.load_weights(policy)
-    engine.generate(prompts(trainer.processing_class, 2), trainer.sampling_params("train"),
-                    generator=torch.Generator().manual_seed(0))
+    engine.generate(
+        prompts(trainer.processing_class, 2),
+        trainer.sampling_params("train"),
+        generator=torch.Generator().manual_seed(0),
+    )
     moved = copy.deepcopy(policy)
     with torch.no_grad():
         for p in moved.parameters():
@@ -251,8 +290,9 @@ def test_a_sync_that_changed_nothing_is_caught(trainer):
 # ------------------------------------------------------------------------------- no vLLM needed
 def test_merged_state_dict_of_a_lora_model_is_the_merge_and_names_the_base_weights():
     model = toy.build_model("tiny", seed=0)
-    lora = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=["q_proj"],
-                                                                     init_lora_weights=False))
+    lora = peft.get_peft_model(
+        copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    )
     state = merged_state_dict(lora)
     with unwrapped_for_generation(lora) as injected:  # what load_weights sees: the base model, adapters injected
         assert merged_state_dict(injected).keys() == state.keys()
@@ -260,19 +300,23 @@ def test_merged_state_dict_of_a_lora_model_is_the_merge_and_names_the_base_weigh
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(state[name], tensor, atol=1e-6, rtol=0)
-    assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"],
-                           model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        state["model.layers.0.self_attn.q_proj.weight"], model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    )
     base = merged_state_dict(lora, adapters=False)  # what a LoRA engine starts from: the untouched base weights
     assert base.keys() == model.state_dict().keys()
     assert all(torch.equal(base[name], tensor) for name, tensor in model.state_dict().items())
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("vllm_mode", "remote", "vllm_mode='remote' is not supported"),
-    ("vllm_gpu_memory_utilization", 0.0, "vllm_gpu_memory_utilization must be in (0, 1]"),
-    ("vllm_tensor_parallel_size", 0, "vllm_tensor_parallel_size must be an integer >= 1"),
-    ("vllm_max_model_length", 8, "leaves no room"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("vllm_mode", "remote", "vllm_mode='remote' is not supported"),
+        ("vllm_gpu_memory_utilization", 0.0, "vllm_gpu_memory_utilization must be in (0, 1]"),
+        ("vllm_tensor_parallel_size", 0, "vllm_tensor_parallel_size must be an integer >= 1"),
+        ("vllm_max_model_length", 8, "leaves no room"),
+    ],
+)
 def test_config_refuses_vllm_settings_in_one_line(tmp_path, field, value, fragment):
     with pytest.raises(ValueError) as info:
         config(tmp_path, **{field: value})
@@ -289,8 +333,13 @@ def test_use_vllm_without_vllm_is_one_line_naming_the_install(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed (import raises ImportError)
     tok = toy.build_tokenizer()
     with pytest.raises(VLLMNotInstalled, match="make test-vllm") as info:
-        GRPOTrainer(toy.build_model("tiny", tokenizer=tok), digit_sum_reward, args=config(tmp_path),
-                    train_dataset=toy.load_task("addition", kind="rl", n=8), processing_class=tok)
+        GRPOTrainer(
+            toy.build_model("tiny", tokenizer=tok),
+            digit_sum_reward,
+            args=config(tmp_path),
+            train_dataset=toy.load_task("addition", kind="rl", n=8),
+            processing_class=tok,
+        )
     assert is_user_error(info.value) and "\n" not in str(info.value)
 
 
@@ -302,8 +351,11 @@ def test_a_lora_policy_syncs_its_adapters_alone_and_scores_as_its_merge(lora_tra
     generates as peft's merge_and_unload of the trained policy (before that sync it did not: a skipped sync
     fails)."""
     engine, tok = lora_trainer.engine, lora_trainer.processing_class
-    assert engine.lora is not None and engine.last_sync == {"kind": "lora", "tensors": ADAPTER_TENSORS,
-                                                           "bytes": ADAPTER_BYTES}
+    assert engine.lora is not None and engine.last_sync == {
+        "kind": "lora",
+        "tensors": ADAPTER_TENSORS,
+        "bytes": ADAPTER_BYTES,
+    }
     base_file = os.path.getsize(os.path.join(engine.folder, "model.safetensors"))
     assert os.path.getsize(os.path.join(engine.folder, "adapter", "adapter_model.safetensors")) < base_file / 100
     full_pushes, rpc = [], engine.llm.collective_rpc
@@ -325,8 +377,9 @@ def test_a_lora_policy_syncs_its_adapters_alone_and_scores_as_its_merge(lora_tra
     assert engine.last_sync["bytes"] == ADAPTER_BYTES and engine.lora_request.lora_int_id == first + 2
     for s, a in zip(engine.score(ids, fixed), after):
         torch.testing.assert_close(s, a, atol=1e-4, rtol=0)
-    params = SamplingParams(num_generations=2, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0,
-                            do_sample=False)
+    params = SamplingParams(
+        num_generations=2, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0, do_sample=False
+    )
     assert rows_of(engine.generate(ids, params)) == rows_of(sample_completions(merged, ids, params))
 
 
@@ -334,8 +387,11 @@ def test_a_lora_policy_syncs_its_adapters_alone_and_scores_as_its_merge(lora_tra
 def test_a_lora_sync_that_changed_nothing_is_caught(lora_trainer):
     """The weight-sync check with adapters: a planted no-op push of a moved adapter is caught, a real one is not."""
     engine, policy = lora_trainer.engine, lora_trainer.model
-    engine.generate(prompts(lora_trainer.processing_class, 2), lora_trainer.sampling_params("train"),
-                    generator=torch.Generator().manual_seed(0))
+    engine.generate(
+        prompts(lora_trainer.processing_class, 2),
+        lora_trainer.sampling_params("train"),
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -359,15 +415,31 @@ def test_a_distillation_step_samples_through_vllm(trainer, tmp_path):
     tok = trainer.processing_class
     shared = type("SharedEngineDistillation", (DistillationTrainer,), {"build_engine": lambda self: trainer.engine})
     student = toy.build_model("small", tokenizer=tok, seed=2)
-    args = DistillationConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
-                              max_completion_length=6, learning_rate=1e-2, top_k=1, use_vllm=True,
-                              vllm_max_model_length=128, disable_tqdm=True, save_strategy="no", logging_steps=1)
-    distill = shared(student, toy.build_model("small", tokenizer=tok, seed=3), args=args, processing_class=tok,
-                     train_dataset=toy.load_task("addition", kind="rl", n=8))
+    args = DistillationConfig(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        top_k=1,
+        use_vllm=True,
+        vllm_max_model_length=128,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
+    distill = shared(
+        student,
+        toy.build_model("small", tokenizer=tok, seed=3),
+        args=args,
+        processing_class=tok,
+        train_dataset=toy.load_task("addition", kind="rl", n=8),
+    )
     before = copy.deepcopy(student)
     calls, generate = [], trainer.engine.generate
-    trainer.engine.generate = lambda ids, params, **kwargs: calls.append((ids, generate(ids, params, **kwargs)))\
-        or calls[-1][1]
+    trainer.engine.generate = lambda ids, params, **kwargs: (
+        calls.append((ids, generate(ids, params, **kwargs))) or calls[-1][1]
+    )
     try:
         distill.train()
     finally:
@@ -375,8 +447,9 @@ def test_a_distillation_step_samples_through_vllm(trainer, tmp_path):
         trainer.engine.load_weights(trainer.model)  # the module's trainer samples from its own policy again
     assert len(calls) == 1
     ids, out = calls[0]
-    greedy = SamplingParams(num_generations=1, max_new_tokens=6, eos_token_ids=(EOS,), pad_token_id=tok.pad_token_id,
-                            do_sample=False)
+    greedy = SamplingParams(
+        num_generations=1, max_new_tokens=6, eos_token_ids=(EOS,), pad_token_id=tok.pad_token_id, do_sample=False
+    )
     assert rows_of(out) == rows_of(sample_completions(before, ids, greedy))
     assert any(not torch.equal(p, q) for p, q in zip(student.parameters(), before.parameters()))
     assert distill.state.log_history[0]["loss"] > 0
@@ -390,8 +463,23 @@ def test_the_demo_runs_grpo_through_vllm(tmp_path):
     only under an engine other than the own sampler, and agree to 1e-4: the engine holds the trained weights) on
     tiny32 (vLLM has no CPU kernel for tiny's head size 16). A third engine start (~1 minute with the demo)."""
     out = tmp_path / "demo"
-    assert main(["demo", "--use_vllm", "--sft-steps", "20", "--grpo-steps", "3", "--eval-size", "20",
-                 "--output-dir", str(out)]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--use_vllm",
+                "--sft-steps",
+                "20",
+                "--grpo-steps",
+                "3",
+                "--eval-size",
+                "20",
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["use_vllm"] is True and results["settings"]["model_size"] == "tiny32"
     steps = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
@@ -414,6 +502,7 @@ def test_demo_use_vllm_trains_tiny32_and_other_tasks_refuse_it(capsys):
 # --------------------------------------------------------------------------- the LoRA plan, no vLLM
 def test_lora_plan_takes_plain_lora_and_leaves_the_rest_to_merged_weights():
     """vLLM serves one plain LoRA adapter; DoRA, modules_to_save, biases, a plain model go the merged way."""
+
     def policy(**options):
         config = peft.LoraConfig(**{"r": 4, "target_modules": ["q_proj"], **options})
         return peft.get_peft_model(toy.build_model("tiny", seed=0), config)

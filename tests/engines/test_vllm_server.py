@@ -27,8 +27,8 @@ from _vllm_common import load_with_push_skipped, model_logps, prompts, rows_of
 from treadle import checkpoint
 from treadle.cli import command as cli
 from treadle.demos import toy
-from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError, identity_mismatch, server_url
 from treadle.engines.vllm import merged_state_dict
+from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError, identity_mismatch, server_url
 from treadle.errors import is_user_error
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import sample_completions
@@ -45,10 +45,22 @@ def free_port() -> int:
 
 
 def config(tmp_path, url, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4,
-                  max_completion_length=8, max_steps=1, learning_rate=1e-2, disable_tqdm=True, save_strategy="no",
-                  logging_steps=1000, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                  vllm_server_timeout=600.0, temperature=1.0)
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=1,
+        learning_rate=1e-2,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1000,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        vllm_server_timeout=600.0,
+        temperature=1.0,
+    )
     values.update(overrides)
     return GRPOConfig(**values)
 
@@ -59,10 +71,17 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served") / "small"
     toy.build_model("small", tokenizer=toy.build_tokenizer(), seed=0).save_pretrained(folder)
     port, log = free_port(), open(folder.parent / "server.log", "w")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, "-m", "treadle", "vllm-serve", str(folder), "--port", str(port)],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "treadle", "vllm-serve", str(folder), "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         yield f"http://127.0.0.1:{port}", process
     finally:
@@ -88,8 +107,9 @@ def test_greedy_completions_over_the_server_equal_the_own_samplers(server, polic
     engine = VLLMServerEngine(model, server[0], timeout=600)
     engine.load_weights(model)
     ids = prompts(tok)
-    params = SamplingParams(num_generations=2, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0,
-                            do_sample=False)
+    params = SamplingParams(
+        num_generations=2, max_new_tokens=12, eos_token_ids=(EOS,), pad_token_id=0, do_sample=False
+    )
     ours, theirs = sample_completions(model, ids, params), engine.generate(ids, params)
     assert rows_of(theirs) == rows_of(ours)
     assert torch.equal(theirs.prompt_ids, ours.prompt_ids) and torch.equal(theirs.is_truncated, ours.is_truncated)
@@ -100,15 +120,19 @@ def test_greedy_completions_over_the_server_equal_the_own_samplers(server, polic
     assert len({tuple(r) for r in rows_of(once)}) > 1
     for row, (prompt, completion) in enumerate(zip([p for p in ids for _ in range(4)], rows_of(once))):
         expected = model_logps(model, [prompt], [completion])[0]  # temperature 1, no truncation: the model's own
-        torch.testing.assert_close(once.sampling_logps[row, :len(completion)], expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(once.sampling_logps[row, : len(completion)], expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.vllm
 def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_path):
     tok = toy.build_tokenizer()
-    trainer = GRPOTrainer(toy.build_model("small", tokenizer=tok, seed=4), digit_sum_reward,
-                          args=config(tmp_path, server[0]), train_dataset=toy.load_task("addition", kind="rl", n=16),
-                          processing_class=tok)
+    trainer = GRPOTrainer(
+        toy.build_model("small", tokenizer=tok, seed=4),
+        digit_sum_reward,
+        args=config(tmp_path, server[0]),
+        train_dataset=toy.load_task("addition", kind="rl", n=16),
+        processing_class=tok,
+    )
     engine, ids = trainer.engine, prompts(tok, n=3)
     fixed = [tok("12")["input_ids"] + [EOS], tok("7")["input_ids"], tok("345")["input_ids"] + [EOS]]
     before = [t.clone() for t in model_logps(trainer.model, ids, fixed)]
@@ -131,8 +155,9 @@ def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("overrides, field", [(dict(size="base"), "hidden_size"),
-                                              (dict(size="small", vocab_size=120), "vocab_size")])
+@pytest.mark.parametrize(
+    "overrides, field", [(dict(size="base"), "hidden_size"), (dict(size="small", vocab_size=120), "vocab_size")]
+)
 def test_a_server_of_another_model_is_refused_in_one_line(server, overrides, field):
     size = overrides.pop("size")
     other = toy.build_model(size, tokenizer=toy.build_tokenizer(), **overrides)
@@ -143,19 +168,38 @@ def test_a_server_of_another_model_is_refused_in_one_line(server, overrides, fie
 
 
 @pytest.mark.vllm
-def test_killing_the_server_mid_run_is_exit_2_one_line_and_the_last_checkpoint_intact(server, tmp_path, capsys,
-                                                                                      monkeypatch):
+def test_killing_the_server_mid_run_is_exit_2_one_line_and_the_last_checkpoint_intact(
+    server, tmp_path, capsys, monkeypatch
+):
     """`treadle train` with the server killed before the third generation: steps 1-2 and their checkpoints are
     done, the run ends with exit 2 and one line naming the URL, checkpoint-2 is complete and loads. Last in the
     module: it kills the module's server."""
     url, process = server
-    (tmp_path / "rewards.py").write_text("def varied(completion_ids, **kwargs):\n"
-                                         "    return [float(sum(ids) % 5) for ids in completion_ids]\n")
-    (tmp_path / "run.yaml").write_text(json.dumps(dict(
-        trainer="grpo", model="toy:small", dataset="toy:addition:64", reward_funcs=["rewards.py:varied"],
-        output_dir=str(tmp_path / "run"), max_steps=6, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=8, save_steps=1, logging_steps=1, disable_tqdm=True, use_vllm=True,
-        vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=600)))
+    (tmp_path / "rewards.py").write_text(
+        "def varied(completion_ids, **kwargs):\n    return [float(sum(ids) % 5) for ids in completion_ids]\n"
+    )
+    (tmp_path / "run.yaml").write_text(
+        json.dumps(
+            dict(
+                trainer="grpo",
+                model="toy:small",
+                dataset="toy:addition:64",
+                reward_funcs=["rewards.py:varied"],
+                output_dir=str(tmp_path / "run"),
+                max_steps=6,
+                per_device_train_batch_size=8,
+                num_generations=4,
+                max_completion_length=8,
+                save_steps=1,
+                logging_steps=1,
+                disable_tqdm=True,
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_url=url,
+                vllm_server_timeout=600,
+            )
+        )
+    )
     calls, generate = [], VLLMServerEngine.generate
 
     def generate_then_die(self, *args, **kwargs):
@@ -203,8 +247,11 @@ def stand_in():
     """(url, server) of a stand-in that answers toy tiny's identity until shut down."""
     model = toy.build_model("tiny", seed=0)
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
-    server.identity = {"model": "toy:tiny", "config": model.config.to_dict(),
-                       "weights": {k: list(v.shape) for k, v in merged_state_dict(model).items()}}
+    server.identity = {
+        "model": "toy:tiny",
+        "config": model.config.to_dict(),
+        "weights": {k: list(v.shape) for k, v in merged_state_dict(model).items()},
+    }
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -236,8 +283,10 @@ def test_identity_mismatch_names_a_weight_of_another_shape():
     weights = merged_state_dict(model)
     name = "model.layers.0.mlp.up_proj.weight"
     identity = {"config": {}, "weights": {name: [7, 7]}}
-    assert identity_mismatch(identity, model, weights) == f"{name} of shape (7, 7) (the policy's: " \
-                                                           f"{tuple(weights[name].shape)})"
+    assert (
+        identity_mismatch(identity, model, weights) == f"{name} of shape (7, 7) (the policy's: "
+        f"{tuple(weights[name].shape)})"
+    )
     assert identity_mismatch({"weights": {"extra.weight": [1]}}, model, weights).startswith("a weight extra.weight")
     assert identity_mismatch({"weights": {name: list(weights[name].shape)}}, model, weights) is None
 
@@ -258,20 +307,37 @@ def test_a_server_that_stops_answering_mid_run_is_one_line(stand_in):
 
 def test_treadle_train_with_no_server_exits_2_with_one_line(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
-    (tmp_path / "run.yaml").write_text(json.dumps(dict(
-        trainer="grpo", model="toy:tiny", dataset="toy:addition:16", reward_funcs=["treadle.toy.addition_reward"],
-        output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
-        use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=0.2)))
+    (tmp_path / "run.yaml").write_text(
+        json.dumps(
+            dict(
+                trainer="grpo",
+                model="toy:tiny",
+                dataset="toy:addition:16",
+                reward_funcs=["treadle.toy.addition_reward"],
+                output_dir=str(tmp_path / "run"),
+                max_steps=1,
+                per_device_train_batch_size=4,
+                num_generations=2,
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_base_url=url,
+                vllm_server_timeout=0.2,
+            )
+        )
+    )
     assert cli.main(["train", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("treadle: error: no vLLM server answered at " + url)
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("vllm_server_base_url", "localhost:8000", "must be an http:// URL"),
-    ("vllm_server_port", 0, "vllm_server_port must be a port number"),
-    ("vllm_server_timeout", 0, "vllm_server_timeout must be a number of seconds > 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("vllm_server_base_url", "localhost:8000", "must be an http:// URL"),
+        ("vllm_server_port", 0, "vllm_server_port must be a port number"),
+        ("vllm_server_timeout", 0, "vllm_server_timeout must be a number of seconds > 0"),
+    ],
+)
 def test_config_refuses_server_settings_in_one_line(tmp_path, field, value, fragment):
     with pytest.raises(ValueError) as info:
         config(tmp_path, None, **{field: value})

@@ -10,9 +10,20 @@ import pytest
 import torch
 from torch import nn
 
-from treadle.generation import (GenerationOutput, SamplingParams, apply_min_p, apply_repetition_penalty,
-                                apply_temperature, apply_top_k, apply_top_p, completion_masks, generate_completions,
-                                left_pad, process_logits, token_presence)
+from treadle.generation import (
+    GenerationOutput,
+    SamplingParams,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    completion_masks,
+    generate_completions,
+    left_pad,
+    process_logits,
+    token_presence,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,10 +35,20 @@ def tiny_llama(seed: int = 0, attention: str = "sdpa") -> nn.Module:
     """2-layer Llama with grouped-query attention; initializer_range=0.3 makes next-token distributions peaked
     (entropy ~3 nats of 4.16), so that greedy has no near-ties and the sampling tests have real shape."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                      initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
-                                      attn_implementation=attention)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=PAD,
+        attn_implementation=attention,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -40,12 +61,12 @@ def model():
 # Processors against hand-computed numbers.
 # ---------------------------------------------------------------------------------------------------------
 
+
 def test_token_presence_ignores_padding():
     ids = torch.tensor([[0, 3, 3], [2, 1, 5]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
     seen = token_presence(ids, mask, vocab_size=6)
-    assert seen.tolist() == [[False, False, False, True, False, False],
-                             [False, True, True, False, False, True]]
+    assert seen.tolist() == [[False, False, False, True, False, False], [False, True, True, False, False, True]]
 
 
 def test_repetition_penalty_divides_positive_multiplies_negative():
@@ -81,7 +102,9 @@ def test_processing_order_is_penalty_temperature_top_k_top_p():
     # temperature 0.5 squares the probabilities: 0.533, 0.3, 0.133, 0.033. top-p 0.8 then keeps 2 tokens;
     # applied before the temperature it would keep 3 (0.4 + 0.3 < 0.8).
     params = SamplingParams(1, 1, (), PAD, temperature=0.5, top_p=0.8)
-    assert torch.allclose(process_logits(base, params), torch.tensor([[2 * math.log(0.4), 2 * math.log(0.3), inf, inf]]))
+    assert torch.allclose(
+        process_logits(base, params), torch.tensor([[2 * math.log(0.4), 2 * math.log(0.3), inf, inf]])
+    )
     # top-k 2 renormalises to 0.571, 0.429, then top-p 0.5 keeps only the first; top-p first would keep two.
     params = SamplingParams(1, 1, (), PAD, top_k=2, top_p=0.5)
     assert torch.isfinite(process_logits(base, params)).tolist() == [[True, False, False, False]]
@@ -135,6 +158,7 @@ def test_left_pad():
 # Greedy: identical tokens to transformers generate.
 # ---------------------------------------------------------------------------------------------------------
 
+
 def hf_greedy_reference(model, prompts, group, max_new_tokens, eos, penalty=1.0):
     """transformers generate on the prompts repeated G times (it refuses num_return_sequences > 1 when greedy),
     then the completion mask computed token by token in plain Python."""
@@ -142,8 +166,9 @@ def hf_greedy_reference(model, prompts, group, max_new_tokens, eos, penalty=1.0)
     width = max(map(len, rows))
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in rows])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                           pad_token_id=PAD, repetition_penalty=penalty)
+    config = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=PAD, repetition_penalty=penalty
+    )
     with torch.no_grad():
         completions = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, width:]
     out_ids, out_mask, truncated = [], [], []
@@ -160,8 +185,9 @@ def hf_greedy_reference(model, prompts, group, max_new_tokens, eos, penalty=1.0)
 @pytest.fixture(scope="module")
 def early_eos(model):
     """An EOS id that ends the greedy completion of the first prompt at its 2nd token but never ends the others."""
-    out = generate_completions(model, PROMPTS, num_generations=1, max_new_tokens=12, eos_token_id=None,
-                               pad_token_id=PAD, do_sample=False)
+    out = generate_completions(
+        model, PROMPTS, num_generations=1, max_new_tokens=12, eos_token_id=None, pad_token_id=PAD, do_sample=False
+    )
     eos = out.completion_ids[0, 1].item()
     assert eos != out.completion_ids[0, 0].item()
     assert eos not in out.completion_ids[1:].tolist(), "test set-up: pick another prompt set or seed"
@@ -172,11 +198,20 @@ def early_eos(model):
 @pytest.mark.parametrize("backend", ["fast", "hf"])
 def test_greedy_matches_transformers(model, early_eos, backend, penalty):
     group, max_new = 3, 12
-    expected_ids, expected_mask, expected_truncated = hf_greedy_reference(model, PROMPTS, group, max_new,
-                                                                          early_eos, penalty)
-    out = generate_completions(model, PROMPTS, num_generations=group, max_new_tokens=max_new,
-                               eos_token_id=early_eos, pad_token_id=PAD, do_sample=False,
-                               repetition_penalty=penalty, backend=backend)
+    expected_ids, expected_mask, expected_truncated = hf_greedy_reference(
+        model, PROMPTS, group, max_new, early_eos, penalty
+    )
+    out = generate_completions(
+        model,
+        PROMPTS,
+        num_generations=group,
+        max_new_tokens=max_new,
+        eos_token_id=early_eos,
+        pad_token_id=PAD,
+        do_sample=False,
+        repetition_penalty=penalty,
+        backend=backend,
+    )
     assert isinstance(out, GenerationOutput)
     assert out.completion_ids.tolist() == expected_ids
     assert out.completion_mask.tolist() == expected_mask
@@ -194,29 +229,54 @@ def test_greedy_matches_transformers_with_eager_attention(early_eos):
     model = tiny_llama(attention="eager")
     assert model.config._attn_implementation == "eager"
     expected_ids, expected_mask, _ = hf_greedy_reference(model, PROMPTS, 2, 10, early_eos)
-    out = generate_completions(model, PROMPTS, num_generations=2, max_new_tokens=10, eos_token_id=early_eos,
-                               pad_token_id=PAD, do_sample=False, backend="fast")
+    out = generate_completions(
+        model,
+        PROMPTS,
+        num_generations=2,
+        max_new_tokens=10,
+        eos_token_id=early_eos,
+        pad_token_id=PAD,
+        do_sample=False,
+        backend="fast",
+    )
     assert out.completion_ids.tolist() == expected_ids and out.completion_mask.tolist() == expected_mask
 
 
 def test_fast_prefills_distinct_prompts_once_and_stops_when_all_finished(model, early_eos):
     batch_sizes = []
-    hook = model.register_forward_pre_hook(lambda m, a, kw: batch_sizes.append(kw["input_ids"].shape),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: batch_sizes.append(kw["input_ids"].shape), with_kwargs=True
+    )
     try:
         # every token is an EOS, so every row finishes with its first token: the prefill is the only forward
-        out = generate_completions(model, PROMPTS, num_generations=4, max_new_tokens=10,
-                                   eos_token_id=list(range(VOCAB)), pad_token_id=PAD, backend="fast")
+        out = generate_completions(
+            model,
+            PROMPTS,
+            num_generations=4,
+            max_new_tokens=10,
+            eos_token_id=list(range(VOCAB)),
+            pad_token_id=PAD,
+            backend="fast",
+        )
         assert batch_sizes == [(len(PROMPTS), 7)]
         assert out.completion_ids.shape == (4 * len(PROMPTS), 1) and not out.is_truncated.any()
         batch_sizes.clear()
-        generate_completions(model, PROMPTS, num_generations=4, max_new_tokens=5, eos_token_id=None,
-                             pad_token_id=PAD, backend="fast")
+        generate_completions(
+            model, PROMPTS, num_generations=4, max_new_tokens=5, eos_token_id=None, pad_token_id=PAD, backend="fast"
+        )
         assert batch_sizes == [(len(PROMPTS), 7)] + [(4 * len(PROMPTS), 1)] * 4
         batch_sizes.clear()
         # the first prompt's 4 rows end with their 2nd token (1/3 of the batch): they leave the batch
-        generate_completions(model, PROMPTS, num_generations=4, max_new_tokens=5, eos_token_id=early_eos,
-                             pad_token_id=PAD, do_sample=False, backend="fast")
+        generate_completions(
+            model,
+            PROMPTS,
+            num_generations=4,
+            max_new_tokens=5,
+            eos_token_id=early_eos,
+            pad_token_id=PAD,
+            do_sample=False,
+            backend="fast",
+        )
         assert batch_sizes == [(len(PROMPTS), 7), (12, 1)] + [(8, 1)] * 3
     finally:
         hook.remove()
@@ -236,7 +296,7 @@ def reference_probs(logits: torch.Tensor, history: list[int]) -> torch.Tensor:
         penalty = SAMPLING["repetition_penalty"]
         scores[token] = scores[token] * penalty if scores[token] < 0 else scores[token] / penalty
     scores = scores / SAMPLING["temperature"]
-    order = sorted(range(len(scores)), key=lambda t: -scores[t].item())[:SAMPLING["top_k"]]
+    order = sorted(range(len(scores)), key=lambda t: -scores[t].item())[: SAMPLING["top_k"]]
     probs = torch.softmax(scores[order], dim=0)
     kept, mass = [], 0.0
     for token, p in zip(order, probs.tolist()):  # most likely first, until the mass reaches top_p
@@ -304,8 +364,16 @@ def test_sampled_frequencies_match_exact_probabilities(model, with_eos):
     eos = None
     if with_eos:  # the 2nd most likely first token: many rows stop at once, so finished rows get dropped
         eos = exact_marginals(model, prompts[0])[0].argsort(descending=True)[1].item()
-    out = generate_completions(model, prompts, num_generations=group, max_new_tokens=3, eos_token_id=eos,
-                               pad_token_id=PAD, generator=torch.Generator().manual_seed(1234), **SAMPLING)
+    out = generate_completions(
+        model,
+        prompts,
+        num_generations=group,
+        max_new_tokens=3,
+        eos_token_id=eos,
+        pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(1234),
+        **SAMPLING,
+    )
     assert out.completion_ids.shape == (2 * group, 3)
     for b, prompt in enumerate(prompts):
         first, third = exact_marginals(model, prompt, eos)
@@ -328,9 +396,17 @@ def test_sampled_frequencies_match_exact_probabilities(model, with_eos):
 def test_hf_backend_samples_the_same_distribution(model):
     # transformers' own processors against the same exact reference: validates reference_probs itself
     group = 2000
-    out = generate_completions(model, [PROMPTS[1]], num_generations=group, max_new_tokens=1, eos_token_id=None,
-                               pad_token_id=PAD, generator=torch.Generator().manual_seed(7), backend="hf",
-                               **SAMPLING)
+    out = generate_completions(
+        model,
+        [PROMPTS[1]],
+        num_generations=group,
+        max_new_tokens=1,
+        eos_token_id=None,
+        pad_token_id=PAD,
+        generator=torch.Generator().manual_seed(7),
+        backend="hf",
+        **SAMPLING,
+    )
     first, _ = exact_marginals(model, PROMPTS[1])
     stat, critical = chi_square(torch.bincount(out.completion_ids[:, 0], minlength=VOCAB + 1), first)
     assert stat < critical
@@ -338,9 +414,16 @@ def test_hf_backend_samples_the_same_distribution(model):
 
 def test_generator_makes_sampling_reproducible(model):
     def run(seed, backend):
-        return generate_completions(model, PROMPTS, num_generations=4, max_new_tokens=6, eos_token_id=2,
-                                    pad_token_id=PAD, generator=torch.Generator().manual_seed(seed),
-                                    backend=backend).completion_ids
+        return generate_completions(
+            model,
+            PROMPTS,
+            num_generations=4,
+            max_new_tokens=6,
+            eos_token_id=2,
+            pad_token_id=PAD,
+            generator=torch.Generator().manual_seed(seed),
+            backend=backend,
+        ).completion_ids
 
     for backend in ("fast", "hf"):
         global_state = torch.get_rng_state()
@@ -352,6 +435,7 @@ def test_generator_makes_sampling_reproducible(model):
 # ---------------------------------------------------------------------------------------------------------
 # Backends, fallbacks, arguments, model state.
 # ---------------------------------------------------------------------------------------------------------
+
 
 class NoPositionsLlama(transformers.LlamaForCausalLM):
     """A causal LM whose forward hides position_ids and the cache: the fast path must refuse it."""
@@ -372,22 +456,26 @@ def test_auto_falls_back_to_hf_for_models_the_fast_path_refuses(model):
 
 def test_plain_module_raises_clear_error():
     with pytest.raises(ValueError, match="cannot generate.*no `generate` method"):
-        generate_completions(nn.Linear(4, 4), PROMPTS, num_generations=2, max_new_tokens=3, eos_token_id=2,
-                             pad_token_id=PAD)
+        generate_completions(
+            nn.Linear(4, 4), PROMPTS, num_generations=2, max_new_tokens=3, eos_token_id=2, pad_token_id=PAD
+        )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_generations=0), "num_generations must be >= 1.*e.g. 8"),
-    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\].*1.0 to disable"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-1), "top_k must be >= 0"),
-    (dict(temperature=0.0), "temperature must be > 0.*do_sample=False"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
-    (dict(backend="vllm"), "backend must be one of"),
-    (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
-    (dict(prompts=[]), "non-empty list"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_generations=0), "num_generations must be >= 1.*e.g. 8"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\].*1.0 to disable"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(temperature=0.0), "temperature must be > 0.*do_sample=False"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+        (dict(backend="vllm"), "backend must be one of"),
+        (dict(prompts=[[1, 2], []]), "prompt 1 is empty"),
+        (dict(prompts=[]), "non-empty list"),
+    ],
+)
 def test_bad_arguments_raise_with_a_fix(model, kwargs, message):
     args = dict(prompts=PROMPTS, num_generations=2, max_new_tokens=3, eos_token_id=2, pad_token_id=PAD)
     args.update(kwargs)
@@ -403,8 +491,9 @@ def test_restores_train_mode_of_every_submodule(backend):
     modes = {name: m.training for name, m in model.named_modules()}
     seen_training = []
     hook = model.register_forward_pre_hook(lambda m, args: seen_training.append(m.training))
-    generate_completions(model, PROMPTS, num_generations=2, max_new_tokens=3, eos_token_id=None, pad_token_id=PAD,
-                         backend=backend)
+    generate_completions(
+        model, PROMPTS, num_generations=2, max_new_tokens=3, eos_token_id=None, pad_token_id=PAD, backend=backend
+    )
     hook.remove()
     assert seen_training and not any(seen_training)  # generated in eval mode (dropout off)
     assert {name: m.training for name, m in model.named_modules()} == modes
@@ -421,8 +510,10 @@ def test_peft_style_wrapper_is_unwrapped(model):
             return self.inner
 
     kwargs = dict(num_generations=2, max_new_tokens=4, eos_token_id=None, pad_token_id=PAD, do_sample=False)
-    assert torch.equal(generate_completions(Wrapper(model), PROMPTS, backend="fast", **kwargs).completion_ids,
-                       generate_completions(model, PROMPTS, **kwargs).completion_ids)
+    assert torch.equal(
+        generate_completions(Wrapper(model), PROMPTS, backend="fast", **kwargs).completion_ids,
+        generate_completions(model, PROMPTS, **kwargs).completion_ids,
+    )
 
 
 def test_ddp_and_fsdp2_models_generate_like_the_plain_model(model):

@@ -81,8 +81,7 @@ def _head_problem(n=10, hidden_size=8, dtype=torch.float64, seed=2):
 
 def test_chunked_token_logps_hand_value():
     # hidden e1, weight rows (1, 0) and (0, 0): logits (1, 0) -> log p[0] = 1 - ln(e + 1) = -0.313262
-    out = chunked_token_logps(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
-                              torch.tensor([0]))
+    out = chunked_token_logps(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0], [0.0, 0.0]]), torch.tensor([0]))
     assert out.item() == pytest.approx(1 - math.log(math.e + 1), abs=1e-6)
 
 
@@ -91,8 +90,9 @@ def test_chunked_token_logps_matches_plain_values_and_gradients(chunk_size):
     hidden, weight, bias, labels = _head_problem()
     labels[4] = -100
     weights_out = torch.linspace(-1, 2, 10, dtype=torch.float64)  # a non-uniform upstream gradient
-    out, entropy = chunked_token_logps(hidden, weight, labels, bias=bias, temperature=1.3,
-                                       chunk_size=chunk_size, return_entropy=True)
+    out, entropy = chunked_token_logps(
+        hidden, weight, labels, bias=bias, temperature=1.3, chunk_size=chunk_size, return_entropy=True
+    )
     grads = torch.autograd.grad((out * weights_out).sum(), (hidden, weight, bias))
 
     logits = F.linear(hidden, weight, bias)
@@ -147,9 +147,16 @@ def tiny_llama(tie=False, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -164,8 +171,8 @@ def batch(seed=3):
 
 def reference_logps(model, input_ids, attention_mask, temperature=1.0, start=0):
     logits = model(input_ids, attention_mask=attention_mask).logits[:, start:-1]
-    logps = plain_logps(logits, input_ids[:, start + 1:], temperature)
-    return logps * attention_mask[:, start + 1:], plain_entropy(logits, temperature)
+    logps = plain_logps(logits, input_ids[:, start + 1 :], temperature)
+    return logps * attention_mask[:, start + 1 :], plain_entropy(logits, temperature)
 
 
 def grads_of(model, loss):
@@ -190,8 +197,9 @@ def test_token_logps_matches_full_log_softmax(tie, temperature, start):
     upstream = torch.rand(3, 11 - start, generator=torch.Generator().manual_seed(5))
 
     seen = lm_head_positions(model)
-    logps, entropy = token_logps(model, input_ids, attention_mask, temperature=temperature, start=start,
-                                 chunk_size=5, return_entropy=True)
+    logps, entropy = token_logps(
+        model, input_ids, attention_mask, temperature=temperature, start=start, chunk_size=5, return_entropy=True
+    )
     assert seen == [1]  # the fast path: the head projected one position only
     got = grads_of(model, (logps * upstream).sum())
 
@@ -274,8 +282,7 @@ def test_token_logps_detects_a_logit_transform_and_falls_back():
 
     class ScaledLlama(LlamaForCausalLM):  # a head transform the config does not announce
         def forward(self, input_ids=None, attention_mask=None, logits_to_keep=0, **kwargs):
-            out = super().forward(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                                  **kwargs)
+            out = super().forward(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep, **kwargs)
             out.logits = out.logits * 3.0
             return out
 
@@ -383,12 +390,22 @@ def test_fallback_reads_logits_from_a_plain_dict_output():
 
 
 def test_small_problems_take_plain_autograd_and_agree_with_the_chunked_path(monkeypatch):
-    import treadle.logprobs.tokens as lp
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import treadle.logprobs.tokens as lp
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
     ids = torch.randint(1, 50, (3, 7))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0

@@ -9,16 +9,22 @@ import warnings
 
 import pytest
 import torch
-
 from _factories import ARCHITECTURES, GOLDEN_GRPO, build_architecture, golden_grpo_run, grpo_trainer
-from treadle.logprobs import prefix
+
 from treadle.demos import toy
+from treadle.logprobs import prefix
+from treadle.logprobs.prefix import (
+    estimated_cost,
+    pack_shared_prefix,
+    prompt_first_layout,
+    shared_prefix_logps,
+    shared_prefix_problem,
+    token_ratio,
+)
 from treadle.logprobs.tokens import token_logps
 from treadle.losses import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
 from treadle.packing import position_ids
 from treadle.peft import reference_of
-from treadle.logprobs.prefix import (estimated_cost, pack_shared_prefix, prompt_first_layout, shared_prefix_logps,
-                                     shared_prefix_problem, token_ratio)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,10 +41,10 @@ def grouped_batch(prompt_lengths, completion_lengths, seed=0, vocab=(8, 60)):
         prompt = torch.randint(*vocab, (p,), generator=g)
         for c in cs:
             row = torch.zeros(width_p + width_c, dtype=torch.long)
-            row[width_p - p:width_p] = prompt
-            row[width_p:width_p + c] = torch.randint(*vocab, (c,), generator=g)
+            row[width_p - p : width_p] = prompt
+            row[width_p : width_p + c] = torch.randint(*vocab, (c,), generator=g)
             mask = torch.zeros_like(row)
-            mask[width_p - p:width_p + c] = 1
+            mask[width_p - p : width_p + c] = 1
             rows.append(row)
             masks.append(mask)
     return torch.stack(rows), torch.stack(masks), width_p
@@ -88,8 +94,11 @@ def test_log_probs_entropy_and_every_gradient_equal_the_padded_forward(arch):
     weights = torch.rand(ids.shape[0], ids.shape[1] - width_p, generator=torch.Generator().manual_seed(1))
     results = []
     for shared in (False, True):
-        out = (shared_prefix_logps(model, ids, mask, prompt_width=width_p, return_entropy=True) if shared
-               else padded_logps(model, ids, mask, width_p, return_entropy=True))
+        out = (
+            shared_prefix_logps(model, ids, mask, prompt_width=width_p, return_entropy=True)
+            if shared
+            else padded_logps(model, ids, mask, width_p, return_entropy=True)
+        )
         assert out is not None
         model.zero_grad()
         (out.logps * weights).sum().backward()
@@ -118,20 +127,37 @@ def test_hidden_state_and_full_logits_paths_agree(tok, monkeypatch):
 def window_trainer(tmp_path, tok, **overrides):
     """The shared GRPO run (_factories.grpo_trainer) on 6 rows of one prompt, a zero reward, beta 0.04: its windows
     are built by hand below."""
-    settings = dict(output_dir=str(tmp_path), beta=0.04, per_device_train_batch_size=6, num_generations=3,
-                    max_completion_length=12, report_to="none", temperature=0.8)
-    return grpo_trainer(tmp_path, tok, [{"prompt": "1+1="}] * 6, lambda completions, **kw: [0.0] * len(completions),
-                        **{**settings, **overrides})
+    settings = dict(
+        output_dir=str(tmp_path),
+        beta=0.04,
+        per_device_train_batch_size=6,
+        num_generations=3,
+        max_completion_length=12,
+        report_to="none",
+        temperature=0.8,
+    )
+    return grpo_trainer(
+        tmp_path,
+        tok,
+        [{"prompt": "1+1="}] * 6,
+        lambda completions, **kw: [0.0] * len(completions),
+        **{**settings, **overrides},
+    )
 
 
 def grouped_micro_batches(trainer):
     """Two micro-batches of two groups of 3: old log-probs (padded forward, plus noise) and reference log-probs."""
     batches = []
-    for seed, (prompts, completions) in enumerate([([12, 9], [[12, 1, 3], [7, 0, 2]]),
-                                                   ([10, 14], [[5, 8, 2], [11, 1, 4]])]):
+    for seed, (prompts, completions) in enumerate(
+        [([12, 9], [[12, 1, 3], [7, 0, 2]]), ([10, 14], [[5, 8, 2], [11, 1, 4]])]
+    ):
         ids, mask, width_p = grouped_batch(prompts, completions, seed=seed)
-        batch = {"input_ids": ids, "attention_mask": mask, "completion_mask": mask[:, width_p:].float(),
-                 "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8, 0.6, -0.2])}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "completion_mask": mask[:, width_p:].float(),
+            "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8, 0.6, -0.2]),
+        }
         with torch.no_grad():
             noise = 0.05 * torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(seed))
         trainer.args.shared_prefix, trainer.args.padding_free = False, False
@@ -238,8 +264,8 @@ def test_the_cost_estimate_by_hand():
     """tokens + pairs / (6 h): (256, 32), G 8 at h = 64 (toy tiny) shares, (256, 128), G 16 does not; at h = 512
     (toy base) it does."""
     unshared = estimated_cost([288] * 8, None, 64)
-    assert unshared == 8 * 288 + 8 * 288 ** 2 / 2 / 384
-    assert estimated_cost(1, 512, 64) == 512 + 512 ** 2 / 384 and estimated_cost(1, 512, 64) < 0.4 * unshared
+    assert unshared == 8 * 288 + 8 * 288**2 / 2 / 384
+    assert estimated_cost(1, 512, 64) == 512 + 512**2 / 384 and estimated_cost(1, 512, 64) < 0.4 * unshared
     assert estimated_cost(1, 2304, 64) > estimated_cost([384] * 16, None, 64)
     assert estimated_cost(1, 2304, 512) < prefix.MIN_SAVING * estimated_cost([384] * 16, None, 512)
     assert estimated_cost([3], None, None) == 3 and estimated_cost(2, 4, None) == 8
@@ -286,27 +312,40 @@ def test_prompt_first_layout_refuses_what_is_not_prompt_then_response():
     assert prompt_first_layout(ids, torch.ones_like(ids), torch.tensor([[0, 1, 0, 1]])) is None  # two runs
 
 
-@pytest.mark.parametrize("loss_type, rpo_alpha, ld_alpha", [(t, 0.0, None) for t in DPO_LOSS_TYPES]
-                         + [("sigmoid", 1.0, None), ("sigmoid", 0.0, 0.5)])
-def test_dpo_losses_and_gradients_equal_the_unshared_paths(tmp_path, tok, loss_type, rpo_alpha, ld_alpha,
-                                                           monkeypatch):
+@pytest.mark.parametrize(
+    "loss_type, rpo_alpha, ld_alpha",
+    [(t, 0.0, None) for t in DPO_LOSS_TYPES] + [("sigmoid", 1.0, None), ("sigmoid", 0.0, 0.5)],
+)
+def test_dpo_losses_and_gradients_equal_the_unshared_paths(tmp_path, tok, loss_type, rpo_alpha, ld_alpha, monkeypatch):
     """Each pair's prompt once (long prompts, short responses of different lengths: the rule shares), every DPO
     loss type, RPO's NLL term, LD-DPO's weights: the window's losses and gradients equal padded and padding-free."""
     from treadle.trainers.dpo import DPOConfig, DPOTrainer
 
-    rows = [{"prompt": "Add the two numbers, then say only the sum: 12+34=", "chosen": "46", "rejected": "47 or so"},
-            {"prompt": "Add the two numbers, then say only the sum: 5+5=", "chosen": "ten, surely", "rejected": "1"},
-            {"prompt": "Add the numbers and say the sum, nothing else: 99+1+1000=", "chosen": "1100", "rejected": "11"}]
-    args = DPOConfig(output_dir=str(tmp_path), loss_type=loss_type, rpo_alpha=rpo_alpha, ld_alpha=ld_alpha,
-                     label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0),
-                     per_device_train_batch_size=3, disable_tqdm=True, report_to="none")
-    trainer = DPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args=args, train_dataset=rows,
-                         processing_class=tok)
+    rows = [
+        {"prompt": "Add the two numbers, then say only the sum: 12+34=", "chosen": "46", "rejected": "47 or so"},
+        {"prompt": "Add the two numbers, then say only the sum: 5+5=", "chosen": "ten, surely", "rejected": "1"},
+        {"prompt": "Add the numbers and say the sum, nothing else: 99+1+1000=", "chosen": "1100", "rejected": "11"},
+    ]
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        loss_type=loss_type,
+        rpo_alpha=rpo_alpha,
+        ld_alpha=ld_alpha,
+        label_smoothing={"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0),
+        per_device_train_batch_size=3,
+        disable_tqdm=True,
+        report_to="none",
+    )
+    trainer = DPOTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0), args=args, train_dataset=rows, processing_class=tok
+    )
     with torch.no_grad():  # a reference that differs from the policy
         for p in trainer.ref_model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    batches = [trainer.prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in part]))
-               for part in ([0, 1], [2])]
+    batches = [
+        trainer.prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in part]))
+        for part in ([0, 1], [2])
+    ]
     calls = []
     forward = prefix._shared_forward
     monkeypatch.setattr(prefix, "_shared_forward", lambda *a: calls.append(1) or forward(*a))

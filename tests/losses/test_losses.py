@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-from treadle.losses import GRPOObjective, dpo_loss, grpo_loss, group_advantages, kl_k3, sft_loss
+from treadle.losses import GRPOObjective, dpo_loss, group_advantages, grpo_loss, kl_k3, sft_loss
 
 
 def t(*values):
@@ -22,8 +22,7 @@ def softplus(x):  # -log sigmoid(-x) = log(1 + e^x), written out so the test doe
 # One pair used throughout: pc = -1, rc = -2  -> chosen log-ratio   pc - rc = 1
 #                           pr = -3, rr = -2.5 -> rejected log-ratio pr - rr = -0.5
 #                           h = 1 - (-0.5) = 1.5;  beta = 0.1 -> logits = 0.15
-PAIR = dict(chosen_logps=t(-1.0), rejected_logps=t(-3.0), ref_chosen_logps=t(-2.0),
-            ref_rejected_logps=t(-2.5))
+PAIR = dict(chosen_logps=t(-1.0), rejected_logps=t(-3.0), ref_chosen_logps=t(-2.0), ref_rejected_logps=t(-2.5))
 
 
 def test_dpo_sigmoid_hand_value_and_rewards():
@@ -49,8 +48,9 @@ def test_dpo_beta_scales_the_whole_difference_not_only_chosen():
 def test_dpo_sigmoid_gradient_wrt_chosen():
     # d/dpc [-log sigmoid(beta h)] = -beta * sigmoid(-beta h) = -0.1 / (1 + e^0.15) = -0.0462570
     chosen = t(-1.0).requires_grad_()
-    losses, _ = dpo_loss(chosen, PAIR["rejected_logps"], PAIR["ref_chosen_logps"],
-                         PAIR["ref_rejected_logps"], beta=0.1)
+    losses, _ = dpo_loss(
+        chosen, PAIR["rejected_logps"], PAIR["ref_chosen_logps"], PAIR["ref_rejected_logps"], beta=0.1
+    )
     losses.sum().backward()
     assert chosen.grad.item() == pytest.approx(-0.1 / (1 + math.exp(0.15)), abs=1e-12)
     assert chosen.grad.item() == pytest.approx(-0.0462570, abs=1e-6)
@@ -88,8 +88,9 @@ def test_dpo_hinge():
     # pair 1: relu(1 - 0.15) = 0.85
     # pair 2: pc - rc = 0, pr - rr = -20 -> h = 20, logits = 2 -> relu(1 - 2) = 0
     # pair 3: policy == reference -> logits 0 -> relu(1) = 1
-    losses, _ = dpo_loss(t(-1.0, 0.0, -4.0), t(-3.0, -20.0, -5.0), t(-2.0, 0.0, -4.0), t(-2.5, 0.0, -5.0),
-                         beta=0.1, loss_type="hinge")
+    losses, _ = dpo_loss(
+        t(-1.0, 0.0, -4.0), t(-3.0, -20.0, -5.0), t(-2.0, 0.0, -4.0), t(-2.5, 0.0, -5.0), beta=0.1, loss_type="hinge"
+    )
     assert losses.tolist() == pytest.approx([0.85, 0.0, 1.0], abs=1e-12)
 
 
@@ -162,7 +163,7 @@ def test_group_advantages_match_plain_python():
     values = rewards.tolist()
     stds = []
     for start in range(0, 12, 4):
-        group = values[start:start + 4]
+        group = values[start : start + 4]
         mean, std = statistics.fmean(group), statistics.stdev(group)  # stdev: n - 1, like torch.std
         stds.append(std)
         for i, r in enumerate(group):
@@ -193,16 +194,19 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
 LOGPS = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -2.5]], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("loss_type, normalizer, expected", [
-    # ratio 1, per-token loss -A: row 0 (-1, -1, pad), row 1 (2, 2, 2); masked sum -2 + 6 = 4
-    ("grpo", None, 0.5),                       # sequence means (-1, 2), sum 1, / B = 2
-    ("grpo", 4, 0.25),                         # 1 / 4
-    ("bnpo", None, 0.8),                       # 4 / 5 tokens
-    ("bnpo", 100, 0.8),                        # normalizer ignored
-    ("dr_grpo", None, 0.5),                    # 4 / (2 * max_completion_length 4)
-    ("dapo", None, 0.8),                       # 4 / 5 tokens
-    ("dapo", 10, 0.4),                         # 4 / 10
-])
+@pytest.mark.parametrize(
+    "loss_type, normalizer, expected",
+    [
+        # ratio 1, per-token loss -A: row 0 (-1, -1, pad), row 1 (2, 2, 2); masked sum -2 + 6 = 4
+        ("grpo", None, 0.5),  # sequence means (-1, 2), sum 1, / B = 2
+        ("grpo", 4, 0.25),  # 1 / 4
+        ("bnpo", None, 0.8),  # 4 / 5 tokens
+        ("bnpo", 100, 0.8),  # normalizer ignored
+        ("dr_grpo", None, 0.5),  # 4 / (2 * max_completion_length 4)
+        ("dapo", None, 0.8),  # 4 / 5 tokens
+        ("dapo", 10, 0.4),  # 4 / 10
+    ],
+)
 def test_grpo_loss_types_ratio_one(loss_type, normalizer, expected):
     objective = GRPOObjective(loss_type=loss_type, max_completion_length=4)
     loss, metrics = grpo_loss(LOGPS, A, MASK, objective, normalizer=normalizer)
@@ -276,8 +280,9 @@ def test_grpo_ratio_one_gradient_is_reinforce():
     torch.testing.assert_close(logps.grad, -adv[:, None] * mask / 30)
 
 
-def _reference_grpo(logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, normalizer, length,
-                    bias_correction=True):
+def _reference_grpo(
+    logps, old, ref, adv, mask, beta, eps_low, eps_high, loss_type, normalizer, length, bias_correction=True
+):
     """Token-by-token plain-Python version of the documented formula (the k3 term times r when bias-corrected)."""
     B, T = len(logps), len(logps[0])
     per_seq, total, count = [], 0.0, 0
@@ -314,11 +319,29 @@ def test_grpo_matches_plain_reference(loss_type, bias_correction):
     ref = logps + torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.3
     adv = torch.randn(3, generator=g, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    objective = GRPOObjective(loss_type=loss_type, beta=0.05, epsilon_low=0.1, epsilon_high=0.25,
-                              use_bias_correction_kl=bias_correction, max_completion_length=7)
+    objective = GRPOObjective(
+        loss_type=loss_type,
+        beta=0.05,
+        epsilon_low=0.1,
+        epsilon_high=0.25,
+        use_bias_correction_kl=bias_correction,
+        max_completion_length=7,
+    )
     loss, _ = grpo_loss(logps, adv, mask, objective, old_logps=old, ref_logps=ref)
-    expected = _reference_grpo(logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(),
-                               0.05, 0.1, 0.25, loss_type, None, 7, bias_correction)
+    expected = _reference_grpo(
+        logps.tolist(),
+        old.tolist(),
+        ref.tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        0.05,
+        0.1,
+        0.25,
+        loss_type,
+        None,
+        7,
+        bias_correction,
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-12)
 
 
@@ -431,6 +454,7 @@ def test_dpo_f_divergence_forward_kl():
 
 def test_ld_token_weights_and_wpo_weights_by_hand():
     from treadle.losses import ld_token_weights, wpo_weights
+
     chosen = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]])  # 3 and 2 tokens (prompt/padding 0)
     rejected = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]])  # 2 and 4 tokens
     c, r = ld_token_weights(chosen, rejected, 0.25)
@@ -454,6 +478,7 @@ def test_dpo_table_validation():
 
 def test_bradley_terry_loss_by_hand():
     from treadle.losses import bradley_terry_loss
+
     losses = bradley_terry_loss(t(1.0, 0.5), t(0.0, 1.5), margin=t(0.5, 0.0), center_rewards_coefficient=0.01)
     # pair 0: -log s(1 - 0 - 0.5) + 0.01 * 1^2; pair 1: -log s(-1) + 0.01 * 2^2
     assert losses.tolist() == pytest.approx([softplus(-0.5) + 0.01, softplus(1.0) + 0.04], abs=1e-12)
@@ -471,6 +496,7 @@ def test_rloo_leave_one_out_advantages():
 
 def test_decoupled_advantages_gdpo_by_hand():
     from treadle.losses import decoupled_advantages
+
     rewards = t(1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0).view(4, 2)  # (N=4, F=2), G = 2: f0 1,0,1,1; f1 0,1,0,0
     # group 0: f0 (1, 0) -> +-0.5/(s + eps), f1 (0, 1) -> -+0.5/(s + eps) with s = sqrt(0.5); weights (1, 2)
     # group 1: constant -> 0. Sums: -u, u, 0, 0 with u = 0.5/(s + eps); then (x - 0)/(std + eps)
@@ -486,8 +512,9 @@ def test_gspo_sequence_level_ratio():
     r0, r1 = math.sqrt(0.75), 0.825 ** (1 / 3)  # exp of the mean log-ratio of each row; both inside [0.8, 1.2]
     loss, metrics = grpo_loss(logps, A, MASK, GRPOObjective(importance_sampling_level="sequence"), old_logps=old)
     assert loss.item() == pytest.approx((2 * -r0 + 3 * 2 * r1) / 5, abs=1e-12)
-    loss, _ = grpo_loss(logps, A, MASK, GRPOObjective(importance_sampling_level="sequence", loss_type="grpo"),
-                        old_logps=old)
+    loss, _ = grpo_loss(
+        logps, A, MASK, GRPOObjective(importance_sampling_level="sequence", loss_type="grpo"), old_logps=old
+    )
     assert loss.item() == pytest.approx((-r0 + 2 * r1) / 2, abs=1e-12)
     assert metrics["clip_ratio/region_mean"].item() == 0.0
 
@@ -543,8 +570,13 @@ def test_bias_corrected_kl_gradient(bias_correction):
     # plain: 1 - e^d. Both times beta / 5 tokens. The value is the same (r = 1).
     logps = LOGPS.clone().requires_grad_()
     ref = LOGPS + t(-1.0, 0.5, 0.0, 0.0, 0.3, -0.2).view(2, 3)
-    loss, metrics = grpo_loss(logps, torch.zeros(2, dtype=torch.float64), MASK,
-                              GRPOObjective(beta=0.1, use_bias_correction_kl=bias_correction), ref_logps=ref)
+    loss, metrics = grpo_loss(
+        logps,
+        torch.zeros(2, dtype=torch.float64),
+        MASK,
+        GRPOObjective(beta=0.1, use_bias_correction_kl=bias_correction),
+        ref_logps=ref,
+    )
     d = (ref - LOGPS) * MASK
     assert loss.item() == pytest.approx(0.1 * float(((torch.exp(d) - d - 1) * MASK).sum()) / 5, abs=1e-12)
     loss.backward()

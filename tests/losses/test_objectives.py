@@ -16,8 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from treadle.losses import (GRPOObjective, decoupled_advantages, dpo_loss, grpo_aggregation, grpo_loss,
-                            group_advantages, ld_token_weights)
+from treadle.losses import (
+    GRPOObjective,
+    decoupled_advantages,
+    dpo_loss,
+    group_advantages,
+    grpo_aggregation,
+    grpo_loss,
+    ld_token_weights,
+)
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 trl_dpo = pytest.importorskip("trl.trainer.dpo_trainer")
@@ -57,30 +64,51 @@ def grpo_tensors(seed=0):
     return logps, old, ref, entropies, adv, mask
 
 
-def trl_grpo_loss(logps, old, ref, entropies, adv, mask, *, loss_type, beta, importance_sampling_ratio=None,
-                  **options):
+def trl_grpo_loss(
+    logps, old, ref, entropies, adv, mask, *, loss_type, beta, importance_sampling_ratio=None, **options
+):
     """TRL 1.16's GRPOTrainer._compute_loss on fixed per-token log-probs (one process, no accumulation); with
     ``importance_sampling_ratio``, as TRL runs it under vLLM's importance-sampling correction."""
     cls = trl_grpo.GRPOTrainer
-    args = SimpleNamespace(use_bias_correction_kl=options.get("use_bias_correction_kl", True),
-                           delta=options.get("delta"), sapo_temperature_pos=options.get("sapo_temperature_pos", 1.0),
-                           sapo_temperature_neg=options.get("sapo_temperature_neg", 1.05), steps_per_generation=1)
+    args = SimpleNamespace(
+        use_bias_correction_kl=options.get("use_bias_correction_kl", True),
+        delta=options.get("delta"),
+        sapo_temperature_pos=options.get("sapo_temperature_pos", 1.0),
+        sapo_temperature_neg=options.get("sapo_temperature_neg", 1.05),
+        steps_per_generation=1,
+    )
     stub = SimpleNamespace(
-        args=args, loss_type=loss_type, beta=beta, epsilon_low=options.get("epsilon_low", 0.2),
-        epsilon_high=options.get("epsilon_high", 0.2), importance_sampling_level=options.get(
-            "importance_sampling_level", "token"), top_entropy_quantile=options.get("top_entropy_quantile", 1.0),
+        args=args,
+        loss_type=loss_type,
+        beta=beta,
+        epsilon_low=options.get("epsilon_low", 0.2),
+        epsilon_high=options.get("epsilon_high", 0.2),
+        importance_sampling_level=options.get("importance_sampling_level", "token"),
+        top_entropy_quantile=options.get("top_entropy_quantile", 1.0),
         off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
-        use_vllm=importance_sampling_ratio is not None, vllm_importance_sampling_correction=True,
-        current_gradient_accumulation_steps=1, max_completion_length=T, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, model=SimpleNamespace(training=True), accelerator=IdentityAccelerator(),
+        use_vllm=importance_sampling_ratio is not None,
+        vllm_importance_sampling_correction=True,
+        current_gradient_accumulation_steps=1,
+        max_completion_length=T,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        model=SimpleNamespace(training=True),
+        accelerator=IdentityAccelerator(),
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
         get_off_policy_mask=cls.get_off_policy_mask,
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None))
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropies, None),
+    )
     stub.get_high_entropy_mask = functools.partial(cls.get_high_entropy_mask, stub)
-    inputs = {"prompt_ids": torch.ones(B, 2, dtype=torch.long), "prompt_mask": torch.ones(B, 2, dtype=torch.long),
-              "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum()}
+    inputs = {
+        "prompt_ids": torch.ones(B, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 2, dtype=torch.long),
+        "completion_ids": torch.ones(B, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
     if importance_sampling_ratio is not None:
         inputs["importance_sampling_ratio"] = importance_sampling_ratio
     loss = cls._compute_loss(stub, None, inputs)
@@ -110,11 +138,13 @@ def test_grpo_objectives_equal_trl(case, beta):
     options = dict(GRPO_CASES[case])
     loss_type = options.pop("loss_type")
     logps, old, ref, entropies, adv, mask = grpo_tensors()
-    expected, trl_metrics = trl_grpo_loss(logps, old, ref, entropies, adv, mask, loss_type=loss_type, beta=beta,
-                                          **options)
+    expected, trl_metrics = trl_grpo_loss(
+        logps, old, ref, entropies, adv, mask, loss_type=loss_type, beta=beta, **options
+    )
     objective = GRPOObjective(loss_type=loss_type, beta=beta, max_completion_length=T, **options)
-    ours, metrics = grpo_loss(logps, adv, mask, objective, old_logps=old, ref_logps=ref if beta else None,
-                              entropies=entropies)
+    ours, metrics = grpo_loss(
+        logps, adv, mask, objective, old_logps=old, ref_logps=ref if beta else None, entropies=entropies
+    )
     # TRL builds SAPO's temperatures as float32 tensors: 1.05 becomes 1.0499999523, a 6e-8 difference
     assert ours.item() == pytest.approx(expected.item(), abs=1e-6 if loss_type == "sapo" else 1e-10)
     for name in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"):
@@ -134,12 +164,23 @@ def test_the_sampler_correction_weighs_the_loss_as_trl(case, mode):
     sampling = old + torch.randn(B, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 0.2
     ratio = sampling_importance_ratio(old, sampling, mask, mode=mode, clip_max=1.5)
     theirs = logps.clone().requires_grad_()
-    expected, _ = trl_grpo_loss(theirs, old, ref, entropies, adv, mask, loss_type=loss_type, beta=0.04,
-                                importance_sampling_ratio=ratio, **options)
+    expected, _ = trl_grpo_loss(
+        theirs,
+        old,
+        ref,
+        entropies,
+        adv,
+        mask,
+        loss_type=loss_type,
+        beta=0.04,
+        importance_sampling_ratio=ratio,
+        **options,
+    )
     ours = logps.clone().requires_grad_()
     objective = GRPOObjective(loss_type=loss_type, beta=0.04, max_completion_length=T, **options)
-    loss, _ = grpo_loss(ours, adv, mask, objective, old_logps=old, ref_logps=ref, entropies=entropies,
-                        importance_sampling_ratio=ratio)
+    loss, _ = grpo_loss(
+        ours, adv, mask, objective, old_logps=old, ref_logps=ref, entropies=entropies, importance_sampling_ratio=ratio
+    )
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6 if loss_type == "sapo" else 1e-10)
     uncorrected, _ = grpo_loss(logps, adv, mask, objective, old_logps=old, ref_logps=ref, entropies=entropies)
     assert loss.item() != pytest.approx(uncorrected.item(), abs=1e-6)  # the ratio mattered
@@ -154,8 +195,9 @@ def test_grpo_gradients_equal_trl_for_every_loss_type():
         theirs = logps.clone().requires_grad_()
         trl_grpo_loss(theirs, old, ref, entropies, adv, mask, loss_type=loss_type, beta=0.04)[0].backward()
         ours = logps.clone().requires_grad_()
-        grpo_loss(ours, adv, mask, GRPOObjective(loss_type=loss_type, beta=0.04), old_logps=old,
-                  ref_logps=ref)[0].backward()
+        grpo_loss(ours, adv, mask, GRPOObjective(loss_type=loss_type, beta=0.04), old_logps=old, ref_logps=ref)[
+            0
+        ].backward()
         torch.testing.assert_close(ours.grad * mask, theirs.grad * mask, msg=loss_type)
     assert grpo_aggregation("cispo") == "dapo" and grpo_aggregation("sapo") == "grpo"
 
@@ -164,7 +206,7 @@ def test_rloo_advantages_equal_trls_rloo_trainer_formula():
     """TRL's RLOOTrainer (normalize_advantages=False): baselines (group sum - r) / (G - 1); re-derived here."""
     rewards = torch.tensor([1.0, 0.0, 2.0, 0.5, 3.0, 3.0, 1.0, 0.0])
     grouped = rewards.view(-1, 4)
-    trl_advantages = (rewards - ((grouped.sum(1, keepdim=True) - grouped) / 3).view(-1))
+    trl_advantages = rewards - ((grouped.sum(1, keepdim=True) - grouped) / 3).view(-1)
     ours, _ = group_advantages(rewards, 4, scale_rewards="none", advantage_estimator="rloo")
     torch.testing.assert_close(ours, trl_advantages)
 
@@ -177,7 +219,7 @@ def test_gdpo_advantages_equal_trls_normalize_then_sum():
     rewards[1, 2] = float("nan")
     weights = torch.tensor([1.0, 0.5, 2.0])
     grouped = rewards.view(-1, 4, 3)
-    reward_k = ((grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4))
+    reward_k = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)
     summed = (reward_k.view(-1, 3) * weights).nansum(dim=1)
     expected = (summed - torch.nanmean(summed)) / (nanstd(summed) + 1e-4)
     torch.testing.assert_close(decoupled_advantages(rewards, weights.tolist(), 4), expected)
@@ -198,9 +240,19 @@ def dpo_tensors(seed=0, dtype=torch.float64):
     return completion_mask, token_logps, ref_token_logps, log_sum_sq
 
 
-def trl_dpo_loss(loss_type, *, beta=0.1, ld_alpha=None, use_weighting=False, label_smoothing=0.0,
-                 loss_weights=None, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5, seed=0,
-                 dtype=torch.float64):
+def trl_dpo_loss(
+    loss_type,
+    *,
+    beta=0.1,
+    ld_alpha=None,
+    use_weighting=False,
+    label_smoothing=0.0,
+    loss_weights=None,
+    f_divergence_type="reverse_kl",
+    f_alpha_divergence_coef=0.5,
+    seed=0,
+    dtype=torch.float64,
+):
     """TRL 1.16's DPOTrainer._compute_loss with a stand-in model returning fixed per-token log-probs; the reference
     log-probs are 'precomputed' (given as columns), with ld_alpha's shared/tail split applied as TRL does."""
     completion_mask, token_logps, ref_token_logps, log_sum_sq = dpo_tensors(seed, dtype)
@@ -214,25 +266,42 @@ def trl_dpo_loss(loss_type, *, beta=0.1, ld_alpha=None, use_weighting=False, lab
 
     def model(**kwargs):
         zeros = torch.zeros_like(token_logps)
-        return SimpleNamespace(log_probs=token_logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(),
-                               log_sum_sq_probs=log_sum_sq)
+        return SimpleNamespace(
+            log_probs=token_logps, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), log_sum_sq_probs=log_sum_sq
+        )
 
     stub = SimpleNamespace(
-        beta=beta, loss_types=loss_type if isinstance(loss_type, list) else [loss_type],
+        beta=beta,
+        loss_types=loss_type if isinstance(loss_type, list) else [loss_type],
         loss_weights=loss_weights or [1.0] * (len(loss_type) if isinstance(loss_type, list) else 1),
-        ld_alpha=ld_alpha, f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
-        label_smoothing=label_smoothing, use_weighting=use_weighting, precompute_ref_logps=True,
-        aux_loss_enabled=False, accelerator=IdentityAccelerator(), model=SimpleNamespace(training=True),
-        args=SimpleNamespace(discopop_tau=0.05), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        _total_train_tokens=0, _tp_size=1)
-    inputs = {"input_ids": torch.ones(2 * P, L, dtype=torch.long), "attention_mask": torch.ones(2 * P, L),
-              "completion_mask": completion_mask, "ref_chosen_logps": ref[:P], "ref_rejected_logps": ref[P:]}
+        ld_alpha=ld_alpha,
+        f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef,
+        label_smoothing=label_smoothing,
+        use_weighting=use_weighting,
+        precompute_ref_logps=True,
+        aux_loss_enabled=False,
+        accelerator=IdentityAccelerator(),
+        model=SimpleNamespace(training=True),
+        args=SimpleNamespace(discopop_tau=0.05),
+        _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    inputs = {
+        "input_ids": torch.ones(2 * P, L, dtype=torch.long),
+        "attention_mask": torch.ones(2 * P, L),
+        "completion_mask": completion_mask,
+        "ref_chosen_logps": ref[:P],
+        "ref_rejected_logps": ref[P:],
+    }
     loss = trl_dpo.DPOTrainer._compute_loss(stub, model, inputs, return_outputs=False)
     return loss, {k: v[-1] for k, v in stub._metrics["train"].items()}
 
 
-def treadle_dpo_loss(loss_type, *, beta=0.1, ld_alpha=None, use_weighting=False, seed=0, dtype=torch.float64,
-                     **options):
+def treadle_dpo_loss(
+    loss_type, *, beta=0.1, ld_alpha=None, use_weighting=False, seed=0, dtype=torch.float64, **options
+):
     """treadle's path: summed (LD-weighted) completion log-probs -> losses.dpo_loss, WPO weights, mean over pairs."""
     from treadle.losses import wpo_weights
 
@@ -240,8 +309,17 @@ def treadle_dpo_loss(loss_type, *, beta=0.1, ld_alpha=None, use_weighting=False,
     shift = completion_mask[:, 1:].to(token_logps.dtype)
     weights = shift if ld_alpha is None else torch.cat(ld_token_weights(*shift.chunk(2), ld_alpha))
     logps, ref, counts = (token_logps * weights).sum(1), (ref_token_logps * weights).sum(1), shift.sum(1)
-    losses, metrics = dpo_loss(logps[:P], logps[P:], ref[:P], ref[P:], beta=beta, loss_type=loss_type,
-                               chosen_counts=counts[:P], rejected_counts=counts[P:], **options)
+    losses, metrics = dpo_loss(
+        logps[:P],
+        logps[P:],
+        ref[:P],
+        ref[P:],
+        beta=beta,
+        loss_type=loss_type,
+        chosen_counts=counts[:P],
+        rejected_counts=counts[P:],
+        **options,
+    )
     if use_weighting:
         means = ((token_logps - log_sum_sq) * shift).sum(1) / counts
         losses = losses * wpo_weights(means[:P], means[P:])
@@ -268,8 +346,9 @@ DPO_CASES = {
     "use_weighting (WPO)": dict(loss_type="sigmoid", use_weighting=True),
     "f-DPO js": dict(loss_type="sigmoid", f_divergence_type="js_divergence"),
     # TRL's alpha divergence knows only float16/bfloat16/float32 (its clamp table): compared in float32
-    "f-DPO alpha": dict(loss_type="hinge", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3,
-                        dtype=torch.float32),
+    "f-DPO alpha": dict(
+        loss_type="hinge", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3, dtype=torch.float32
+    ),
     "f-DPO forward_kl": dict(loss_type="ipo", f_divergence_type="forward_kl"),
 }
 
@@ -318,7 +397,8 @@ def test_ld_token_weights_equal_trls_shared_and_tail_split():
     lengths = shift.sum(1)
     shared = torch.minimum(*lengths.chunk(2)).repeat(2).unsqueeze(1)
     trl_sums = (token_logps * ((comp_pos > 0) & (comp_pos <= shared))).sum(1) + 0.6 * (
-        token_logps * (comp_pos > shared)).sum(1)
+        token_logps * (comp_pos > shared)
+    ).sum(1)
     ours = (token_logps * torch.cat(ld_token_weights(*shift.chunk(2), 0.6))).sum(1)
     torch.testing.assert_close(ours, trl_sums)
     assert math.isfinite(float(ours.sum()))

@@ -21,12 +21,23 @@ def sft_events():
     events = []
     for i in range(5):
         step = i + 1
-        events.append({"step": step, "epoch": step / 5, "loss": LOSS[i], "learning_rate": LR[i],
-                       "grad_norm": GRAD_NORM[i], "note": "warmup", "is_best": True, "hist": [1, 2]})
+        events.append(
+            {
+                "step": step,
+                "epoch": step / 5,
+                "loss": LOSS[i],
+                "learning_rate": LR[i],
+                "grad_norm": GRAD_NORM[i],
+                "note": "warmup",
+                "is_best": True,
+                "hist": [1, 2],
+            }
+        )
         if step in (2, 4):
             events.append({"step": step, "epoch": step / 5, "eval_loss": EVAL_LOSS[step // 2 - 1]})
-    events.append({"step": 5, "epoch": 1.0, "train_loss": 1.275, "train_runtime": 3.5,
-                   "train_samples_per_second": 91.4})
+    events.append(
+        {"step": 5, "epoch": 1.0, "train_loss": 1.275, "train_runtime": 3.5, "train_samples_per_second": 91.4}
+    )
     return events
 
 
@@ -48,6 +59,7 @@ def assert_png(path):
 
 # ---------------------------------------------------------------------------------------------- reading
 
+
 def test_series_use_only_the_events_that_have_the_key():
     series = plots.collect_series(sft_events())
     assert series["loss"] == ([1, 2, 3, 4, 5], LOSS)
@@ -58,37 +70,82 @@ def test_series_use_only_the_events_that_have_the_key():
 
 def test_panel_layout_sft_draws_eval_loss_over_the_training_loss():
     layout = plots.panel_layout(plots.collect_series(sft_events()))
-    assert layout == {"training": {"loss": ["loss", "eval_loss"], "learning_rate": ["learning_rate"],
-                                   "grad_norm": ["grad_norm"]}}
+    assert layout == {
+        "training": {"loss": ["loss", "eval_loss"], "learning_rate": ["learning_rate"], "grad_norm": ["grad_norm"]}
+    }
 
 
 def test_panel_layout_grpo_and_dpo_keys():
-    grpo = {"step": 1, "loss": 0.1, "reward": 0.5, "reward_std": 0.2, "kl": 0.01,
-            "rewards/addition_reward/mean": 0.5, "completions/mean_length": 3.0, "entropy": 1.2,
-            "clip_ratio/region_mean": 0.0, "num_tokens": 640}
-    dpo = {"step": 2, "rewards/chosen": 0.3, "rewards/rejected": -0.2, "rewards/accuracies": 0.75,
-           "rewards/margins": 0.5, "logps/chosen": -3.0, "logps/rejected": -4.0, "eval_reward": 0.6}
+    grpo = {
+        "step": 1,
+        "loss": 0.1,
+        "reward": 0.5,
+        "reward_std": 0.2,
+        "kl": 0.01,
+        "rewards/addition_reward/mean": 0.5,
+        "completions/mean_length": 3.0,
+        "entropy": 1.2,
+        "clip_ratio/region_mean": 0.0,
+        "num_tokens": 640,
+    }
+    dpo = {
+        "step": 2,
+        "rewards/chosen": 0.3,
+        "rewards/rejected": -0.2,
+        "rewards/accuracies": 0.75,
+        "rewards/margins": 0.5,
+        "logps/chosen": -3.0,
+        "logps/rejected": -4.0,
+        "eval_reward": 0.6,
+    }
     layout = plots.panel_layout(plots.collect_series([grpo, dpo]))
     one = lambda *keys: {key: [key] for key in keys}  # noqa: E731 - a panel per metric
     assert layout == {
         "training": {"loss": ["loss"]},
         # the reward panel: the total (and its evaluation, dashed), then each reward function's mean
-        "rewards": {"reward": ["reward", "eval_reward", "rewards/addition_reward/mean"], **one(
-            "reward_std", "kl", "completions/mean_length", "entropy", "clip_ratio/region_mean", "rewards/chosen",
-            "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")},
+        "rewards": {
+            "reward": ["reward", "eval_reward", "rewards/addition_reward/mean"],
+            **one(
+                "reward_std",
+                "kl",
+                "completions/mean_length",
+                "entropy",
+                "clip_ratio/region_mean",
+                "rewards/chosen",
+                "rewards/rejected",
+                "rewards/accuracies",
+                "rewards/margins",
+                "logps/chosen",
+                "logps/rejected",
+            ),
+        },
         "other": {"num_tokens": ["num_tokens"]},
     }
 
 
 def test_grpo_reward_panel_holds_every_function_and_the_total_even_when_they_come_first():
-    events = [{"step": 1, "rewards/b/mean": 1.0, "rewards/a/mean": 0.0, "rewards/a/std": 0.5, "reward": 1.0,
-               "reward_std": 0.5, "eval_rewards/a/mean": 0.2}]
+    events = [
+        {
+            "step": 1,
+            "rewards/b/mean": 1.0,
+            "rewards/a/mean": 0.0,
+            "rewards/a/std": 0.5,
+            "reward": 1.0,
+            "reward_std": 0.5,
+            "eval_rewards/a/mean": 0.2,
+        }
+    ]
     layout = plots.panel_layout(plots.collect_series(events))
-    assert layout == {"rewards": {"reward": ["reward", "rewards/b/mean", "rewards/a/mean", "eval_rewards/a/mean"],
-                                  "reward_std": ["reward_std", "rewards/a/std"]}}
+    assert layout == {
+        "rewards": {
+            "reward": ["reward", "rewards/b/mean", "rewards/a/mean", "eval_rewards/a/mean"],
+            "reward_std": ["reward_std", "rewards/a/std"],
+        }
+    }
 
 
 # ---------------------------------------------------------------------------------------------- plots
+
 
 def test_plot_run_writes_the_expected_pngs(tmp_path):
     run = write_run(tmp_path / "run", sft_events() + [{"step": 5, "eval_accuracy": a} for a in (0.5, 0.75)])
@@ -114,8 +171,16 @@ def test_eval_loss_is_drawn_dashed_in_the_loss_panel(tmp_path):
     assert list(evaluation.get_xdata()) == [2, 4] and evaluation.get_linestyle() == "--"
     assert train.get_color() != evaluation.get_color()  # a lone pair: two colours
     # with several metrics in a panel (GRPO's rewards), each metric has one colour, its evaluation dashed
-    figure = plots.build_figure("t", {"reward": {"reward": ([1, 2], [0.0, 1.0]), "eval_reward": ([2], [0.5]),
-                                                  "rewards/a/mean": ([1, 2], [1.0, 0.0])}})
+    figure = plots.build_figure(
+        "t",
+        {
+            "reward": {
+                "reward": ([1, 2], [0.0, 1.0]),
+                "eval_reward": ([2], [0.5]),
+                "rewards/a/mean": ([1, 2], [1.0, 0.0]),
+            }
+        },
+    )
     total, total_eval, function = figure.axes[0].get_lines()
     assert total.get_color() == total_eval.get_color() == "0.6" != function.get_color()
     assert total.get_linewidth() > function.get_linewidth() and total.get_zorder() < function.get_zorder()
@@ -124,8 +189,11 @@ def test_eval_loss_is_drawn_dashed_in_the_loss_panel(tmp_path):
 
 def test_a_metric_that_never_changed_is_a_line_of_text_not_a_panel():
     steps = [1, 2, 3]
-    panels = {"loss": {"loss": (steps, [3.0, 2.0, 1.0])}, "clip_ratio/low_mean": {"clip_ratio/low_mean": (
-        steps, [0.0] * 3)}, "kl": {"kl": (steps, [0.25] * 3)}}
+    panels = {
+        "loss": {"loss": (steps, [3.0, 2.0, 1.0])},
+        "clip_ratio/low_mean": {"clip_ratio/low_mean": (steps, [0.0] * 3)},
+        "kl": {"kl": (steps, [0.25] * 3)},
+    }
     figure = plots.build_figure("t", panels)
     assert [a.get_ylabel() for a in figure.axes] == ["loss"]
     text = " ".join(figure.get_supxlabel().split())  # wrapped to the figure's width
@@ -136,8 +204,9 @@ def test_a_metric_that_never_changed_is_a_line_of_text_not_a_panel():
 
 
 def test_plot_run_out_dir_and_every_figure(tmp_path):
-    events = sft_events() + [{"step": s, "reward": 0.5 * s, "kl": 0.1 * s, "num_tokens": 100 * s,
-                              "eval_accuracy": 0.1 * s} for s in (6, 7)]
+    events = sft_events() + [
+        {"step": s, "reward": 0.5 * s, "kl": 0.1 * s, "num_tokens": 100 * s, "eval_accuracy": 0.1 * s} for s in (6, 7)
+    ]
     run = write_run(tmp_path / "run", events)
     paths = report.plot_run(run / "metrics.jsonl", out_dir=tmp_path / "elsewhere")
     assert [p.name for p in paths] == ["training.png", "rewards.png", "eval.png", "other.png"]
@@ -168,7 +237,7 @@ def test_long_noisy_series_get_a_centred_moving_average():
     assert list(raw.get_ydata()) == values
     window = 100 // 25  # 4 -> 2 points either side, fewer at the ends
     for i in (0, 1, 50, 99):
-        near = values[max(0, i - window // 2):i + window // 2 + 1]
+        near = values[max(0, i - window // 2) : i + window // 2 + 1]
         assert smooth.get_ydata()[i] == pytest.approx(sum(near) / len(near))
     # a smooth series of the same length (a learning-rate schedule) is drawn once, unsmoothed
     figure = plots.build_figure("t", {"learning_rate": {"learning_rate": (steps, [1 - s / 100 for s in steps])}})
@@ -176,6 +245,7 @@ def test_long_noisy_series_get_a_centred_moving_average():
 
 
 # ---------------------------------------------------------------------------------------------- summary
+
 
 def parse_table(text):
     lines = text.splitlines()
@@ -188,17 +258,31 @@ def test_summarize_numbers_match_the_input(tmp_path):
     text = report.summarize(run)
     assert text.splitlines()[0].endswith("metrics.jsonl: 8 events, steps 1..5, epochs 0.2..1")
     table = parse_table(text)
-    for key, values in {"loss": LOSS, "learning_rate": LR, "grad_norm": GRAD_NORM,
-                        "eval_loss": EVAL_LOSS, "train_runtime": [3.5]}.items():
-        assert table[key] == pytest.approx(
-            [len(values), values[0], values[-1], min(values), max(values)], rel=1e-5), key
-    assert list(table) == ["loss", "learning_rate", "grad_norm", "eval_loss", "train_loss",
-                           "train_runtime", "train_samples_per_second"]
+    for key, values in {
+        "loss": LOSS,
+        "learning_rate": LR,
+        "grad_norm": GRAD_NORM,
+        "eval_loss": EVAL_LOSS,
+        "train_runtime": [3.5],
+    }.items():
+        assert table[key] == pytest.approx([len(values), values[0], values[-1], min(values), max(values)], rel=1e-5), (
+            key
+        )
+    assert list(table) == [
+        "loss",
+        "learning_rate",
+        "grad_norm",
+        "eval_loss",
+        "train_loss",
+        "train_runtime",
+        "train_samples_per_second",
+    ]
 
 
 def test_summarize_ignores_nan_in_min_and_max(tmp_path):
-    run = write_run(tmp_path / "run", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": math.nan},
-                                       {"step": 3, "loss": 1.0}])
+    run = write_run(
+        tmp_path / "run", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": math.nan}, {"step": 3, "loss": 1.0}]
+    )
     text = report.summarize(run)
     assert text.splitlines()[0].endswith("3 events, steps 1..3")  # no epochs logged, none shown
     count, first, last, low, high = parse_table(text)["loss"]
@@ -206,6 +290,7 @@ def test_summarize_ignores_nan_in_min_and_max(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- errors
+
 
 def test_missing_folder(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
@@ -224,11 +309,14 @@ def test_empty_metrics(tmp_path, content):
         report.plot_run(tmp_path)
 
 
-@pytest.mark.parametrize("bad_line, message", [
-    ('{"step": 3, "loss": 0.5', "corrupt line, not valid JSON"),
-    ("[1, 2, 3]", "expected a JSON object"),
-    ('{"loss": 0.5}', "event has no numeric 'step'"),
-])
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ('{"step": 3, "loss": 0.5', "corrupt line, not valid JSON"),
+        ("[1, 2, 3]", "expected a JSON object"),
+        ('{"loss": 0.5}', "event has no numeric 'step'"),
+    ],
+)
 def test_bad_line_names_file_and_line(tmp_path, bad_line, message):
     write_run(tmp_path, sft_events()[:2], extra_lines=[bad_line])
     for call in (report.plot_run, report.summarize):
@@ -240,17 +328,27 @@ def test_bad_line_names_file_and_line(tmp_path, bad_line, message):
 
 # ---------------------------------------------------------------------------------------------- report.html
 
+
 def completion_records():
-    return [{"step": s, "prompt": f"{s}+1=<b>", "completion": str(s + 1), "rewards": {"exact": 1.0, "len": None},
-             "advantage": 0.5 - s} for s in range(3)]
+    return [
+        {
+            "step": s,
+            "prompt": f"{s}+1=<b>",
+            "completion": str(s + 1),
+            "rewards": {"exact": 1.0, "len": None},
+            "advantage": 0.5 - s,
+        }
+        for s in range(3)
+    ]
 
 
 def write_full_run(run_dir, learning_rate=1e-3, loss_scale=1.0):
     events = [{**e, "loss": e["loss"] * loss_scale} if "loss" in e else e for e in sft_events()]
     write_run(run_dir, events)
     (run_dir / "training_args.json").write_text(json.dumps({"learning_rate": learning_rate, "seed": 42}))
-    (run_dir / "completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in completion_records())
-                                               + '{"step": 3, "prom')  # a line cut by a crash: skipped
+    (run_dir / "completions.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in completion_records()) + '{"step": 3, "prom'
+    )  # a line cut by a crash: skipped
     return run_dir
 
 
@@ -262,12 +360,21 @@ def embedded_pngs(page):
 
 
 def test_completions_table_has_a_column_per_reward():
-    records = completion_records()[:1] + [{"step": 1, "prompt": [{"role": "user", "content": "hi"}],
-                                           "completion": "x", "rewards": {"len": 2.0}, "advantage": -0.5}]
+    records = completion_records()[:1] + [
+        {
+            "step": 1,
+            "prompt": [{"role": "user", "content": "hi"}],
+            "completion": "x",
+            "rewards": {"len": 2.0},
+            "advantage": -0.5,
+        }
+    ]
     columns, rows = plots.completions_table(records)
     assert columns == ["step", "prompt", "completion", "exact", "len", "advantage"]
-    assert rows == [[0, "0+1=<b>", "1", 1.0, None, 0.5],
-                    [1, '[{"role": "user", "content": "hi"}]', "x", None, 2.0, -0.5]]
+    assert rows == [
+        [0, "0+1=<b>", "1", 1.0, None, 0.5],
+        [1, '[{"role": "user", "content": "hi"}]', "x", None, 2.0, -0.5],
+    ]
 
 
 def test_report_html_is_one_self_contained_page(tmp_path):
@@ -317,8 +424,10 @@ def test_overlay_page_lists_last_values_and_the_arguments_that_differ(tmp_path):
 
 def test_an_overlay_names_a_metric_unchanged_in_every_run_once():
     steps = [1, 2]
-    panels = {"kl": {"a: kl": (steps, [0.0, 0.0]), "b: kl": (steps, [0.0, 0.0])},
-              "lr": {"a: lr": (steps, [1.0, 1.0]), "b: lr": (steps, [2.0, 2.0])}}
+    panels = {
+        "kl": {"a: kl": (steps, [0.0, 0.0]), "b: kl": (steps, [0.0, 0.0])},
+        "lr": {"a: lr": (steps, [1.0, 1.0]), "b: lr": (steps, [2.0, 2.0])},
+    }
     figure = plots.build_figure("t", panels, runs=["a", "b"])
     text = " ".join(figure.get_supxlabel().split())
     assert text == "unchanged over the run: kl = 0 (2 logs, every run); a: lr = 1 (2 logs); b: lr = 2 (2 logs)"
@@ -328,9 +437,18 @@ def test_a_metric_equal_to_an_earlier_one_shares_its_panel():
     """One reward function: its greedy accuracy equals the total's at every step, so it is drawn in that panel;
     a metric equal only at some steps, a constant one, and a training metric equal to an evaluation one keep
     their own places."""
-    events = [{"step": s, "eval_greedy/accuracy": a, "eval_greedy/rewards/f/accuracy": a, "eval_pass@1": p,
-               "eval_other": a if s else 0.9, "eval_const": 0.5, "frac": a} for s, a, p in
-              [(0, 0.2, 0.1), (10, 0.4, 0.3), (20, 0.5, 0.35)]]
+    events = [
+        {
+            "step": s,
+            "eval_greedy/accuracy": a,
+            "eval_greedy/rewards/f/accuracy": a,
+            "eval_pass@1": p,
+            "eval_other": a if s else 0.9,
+            "eval_const": 0.5,
+            "frac": a,
+        }
+        for s, a, p in [(0, 0.2, 0.1), (10, 0.4, 0.3), (20, 0.5, 0.35)]
+    ]
     layout = plots.panel_layout(plots.collect_series(events))
     assert layout["eval"]["eval_greedy/accuracy"] == ["eval_greedy/accuracy", "eval_greedy/rewards/f/accuracy"]
     assert {"eval_pass@1", "eval_other", "eval_const"} <= set(layout["eval"])

@@ -16,11 +16,10 @@ import sys
 import tempfile
 
 import pytest
-
 from _factories import digit_sum_reward, grpo_trainer
+
+from treadle.arguments import TRACKERS, TrainingArguments, is_installed, resolve_report_to
 from treadle.demos import toy
-from treadle.arguments import TRACKERS, is_installed, resolve_report_to
-from treadle.arguments import TrainingArguments
 from treadle.record.report import completions_table
 from treadle.record.trackers import tracker_callbacks
 from treadle.trainers.grpo.trainer import GRPOConfig
@@ -42,8 +41,11 @@ def test_report_to_reads_like_transformers():
 
 
 def test_an_unknown_tracker_is_refused_naming_the_valid_ones():
-    with pytest.raises(ValueError, match=r"'neptune' is not a tracker treadle supports; use some of "
-                                         r"\['comet_ml', 'mlflow', 'tensorboard', 'trackio', 'wandb'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"'neptune' is not a tracker treadle supports; use some of "
+        r"\['comet_ml', 'mlflow', 'tensorboard', 'trackio', 'wandb'\]",
+    ):
         TrainingArguments(report_to=["wandb", "neptune"])
     with pytest.raises(ValueError, match="report_to must be a tracker name or a list of them"):
         resolve_report_to(5)
@@ -79,23 +81,42 @@ def run(tmp_path_factory):
     if not trackers:
         pytest.skip("no tracker installed (pip install 'treadle[trackers,tensorboard]')")
     root = tmp_path_factory.mktemp("trackers")
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_CONFIG_DIR": str(root / "wandb-config"),
-           "WANDB_CACHE_DIR": str(root / "wandb-cache"), "WANDB_DATA_DIR": str(root / "wandb-data"),
-           "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
-           "WANDB_PROJECT": "treadle-test", "MLFLOW_TRACKING_URI": (root / "mlruns").as_uri(),
-           "MLFLOW_ALLOW_FILE_STORE": "true", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-           "GRADIO_ANALYTICS_ENABLED": "False", "DO_NOT_TRACK": "1"}
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(root),
+        "WANDB_CONFIG_DIR": str(root / "wandb-config"),
+        "WANDB_CACHE_DIR": str(root / "wandb-cache"),
+        "WANDB_DATA_DIR": str(root / "wandb-data"),
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_PROJECT": "treadle-test",
+        "MLFLOW_TRACKING_URI": (root / "mlruns").as_uri(),
+        "MLFLOW_ALLOW_FILE_STORE": "true",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "DO_NOT_TRACK": "1",
+    }
     refused = []
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)
         patch.delenv("WANDB_LOG_MODEL", raising=False)
         patch.setattr(socket.socket, "connect", _local_only(socket.socket.connect, refused))
-        trainer = grpo_trainer(root, toy.build_tokenizer(), toy.load_task("addition", kind="rl", n=16),
-                               [digit_sum_reward, length_reward],
-                               eval_dataset=toy.load_task("addition", kind="rl", n=2, seed=1), max_steps=STEPS,
-                               logging_steps=LOG_EVERY, eval_strategy="steps", log_completions=True,
-                               per_device_eval_batch_size=4, report_to=trackers, run_name="tracked")
+        trainer = grpo_trainer(
+            root,
+            toy.build_tokenizer(),
+            toy.load_task("addition", kind="rl", n=16),
+            [digit_sum_reward, length_reward],
+            eval_dataset=toy.load_task("addition", kind="rl", n=2, seed=1),
+            max_steps=STEPS,
+            logging_steps=LOG_EVERY,
+            eval_strategy="steps",
+            log_completions=True,
+            per_device_eval_batch_size=4,
+            report_to=trackers,
+            run_name="tracked",
+        )
         trainer.train()
         if "wandb" in trackers:
             import wandb
@@ -114,13 +135,18 @@ def _local_only(connect, refused):
             refused.append(address)
             raise OSError(f"test_trackers: no network ({address})")
         return connect(sock, address)
+
     return guarded
 
 
 def expected_metrics(events) -> dict[tuple[str, int], float]:
     """(metric, step) -> value for every number in metrics.jsonl, under its metrics.jsonl name."""
-    return {(key, event["step"]): value for event in events for key, value in event.items()
-            if key not in ("step", "epoch") and isinstance(value, (int, float))}
+    return {
+        (key, event["step"]): value
+        for event in events
+        for key, value in event.items()
+        if key not in ("step", "epoch") and isinstance(value, (int, float))
+    }
 
 
 def tracker_name(key: str) -> str:
@@ -134,17 +160,31 @@ def table_of_steps(completions, start, stop):
 
 def test_the_run_logged_what_the_trackers_must_receive(run):
     keys = {key for key, _ in expected_metrics(run["events"])}
-    assert {"loss", "reward", "rewards/digit_sum_reward/mean", "rewards/length_reward/mean", "eval_reward",
-            "train_runtime", "train_loss"} <= keys
+    assert {
+        "loss",
+        "reward",
+        "rewards/digit_sum_reward/mean",
+        "rewards/length_reward/mean",
+        "eval_reward",
+        "train_runtime",
+        "train_loss",
+    } <= keys
     assert sorted({r["step"] for r in run["completions"]}) == [0, 1, 2, 3]
 
 
 def test_wandb_offline_run_holds_config_metrics_summary_table_and_plots(run):
     pytest.importorskip("wandb")
     [path] = glob.glob(str(run["root"] / "wandb" / "offline-run-*" / "run-*.wandb"))
-    records = [json.loads(line) for line in subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", path], capture_output=True, text=True,
-        check=True, timeout=120).stdout.splitlines()]
+    records = [
+        json.loads(line)
+        for line in subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", path],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.splitlines()
+    ]
     config = {k: v for r in records if r["type"] == "config" for k, v in r["config"].get("update", {}).items()}
     for key, value in run["args"].to_dict().items():  # every argument
         assert config[key] == value, key
@@ -183,14 +223,16 @@ def test_mlflow_file_store_holds_params_metrics_table_and_plots(run):
     artifacts = {a.path for a in client.list_artifacts(found.info.run_id, "completions")}
     assert artifacts == {"completions/step_000002.json", "completions/step_000004.json"}
     for step in (2, 4):
-        local = client.download_artifacts(found.info.run_id, f"completions/step_{step:06d}.json",
-                                          str(run["root"] / "downloads"))
+        local = client.download_artifacts(
+            found.info.run_id, f"completions/step_{step:06d}.json", str(run["root"] / "downloads")
+        )
         with open(local) as f:
             stored = json.load(f)
         columns, rows = table_of_steps(run["completions"], step - LOG_EVERY, step)
         assert stored == {"columns": columns, "data": rows}
-    assert {"plots/training.png", "plots/rewards.png"} <= {a.path for a in client.list_artifacts(
-        found.info.run_id, "plots")}
+    assert {"plots/training.png", "plots/rewards.png"} <= {
+        a.path for a in client.list_artifacts(found.info.run_id, "plots")
+    }
 
 
 def test_tensorboard_events_hold_args_scalars_completions_and_plots(run):
@@ -255,8 +297,12 @@ class FakeCometCallback:
 def write_completions(path, steps):
     with open(path, "a") as f:
         for step in steps:
-            f.write(json.dumps({"step": step, "prompt": "p", "completion": str(step), "rewards": {"r": 1.0},
-                                "advantage": 0.0}) + "\n")
+            f.write(
+                json.dumps(
+                    {"step": step, "prompt": "p", "completion": str(step), "rewards": {"r": 1.0}, "advantage": 0.0}
+                )
+                + "\n"
+            )
 
 
 def test_media_sends_each_completion_once_and_rereads_the_file_after_a_resume(tmp_path):
@@ -281,10 +327,13 @@ def test_media_sends_each_completion_once_and_rereads_the_file_after_a_resume(tm
     state.global_step = 4
     media.on_log(args, state, None, logs={"loss": 1.0})
     assert [(c[1], [row[0] for row in c[2]]) for c in comet._experiment.calls] == [
-        ("completions_step_000002.csv", [0, 1]), ("completions_step_000004.csv", [2, 3])]
+        ("completions_step_000002.csv", [0, 1]),
+        ("completions_step_000004.csv", [2, 3]),
+    ]
     assert comet._experiment.calls[0][3] == ["step", "prompt", "completion", "r", "advantage"]
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n" +
-                                            json.dumps({"step": 2, "loss": 1.0}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "loss": 2.0}) + "\n" + json.dumps({"step": 2, "loss": 1.0}) + "\n"
+    )
     media.on_train_end(args, state, None)
     assert comet._experiment.calls[-1] == ("image", str(tmp_path / "plots" / "training.png"), "plots/training", 4)
 
@@ -298,9 +347,22 @@ def test_a_tracker_that_cannot_start_is_one_line_before_the_run_folder_is_writte
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     out = tmp_path / "run"
-    argv = ["train", os.path.join(os.path.dirname(__file__), "..", "..", "examples", "sft.yaml"), "--output_dir", str(out),
-            "--max_steps", "1", "--report_to", "mlflow", "--disable_tqdm", "true", "--save_strategy", "no",
-            "--eval_strategy", "no"]
+    argv = [
+        "train",
+        os.path.join(os.path.dirname(__file__), "..", "..", "examples", "sft.yaml"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "1",
+        "--report_to",
+        "mlflow",
+        "--disable_tqdm",
+        "true",
+        "--save_strategy",
+        "no",
+        "--eval_strategy",
+        "no",
+    ]
     assert cli.main(argv) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("treadle: error")]
     assert len(err) == 1 and "report_to mlflow cannot start" in err[0] and "MLFLOW_ALLOW_FILE_STORE=true" in err[0]

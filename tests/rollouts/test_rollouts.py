@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _factories import add, chatty_model
+
 from treadle.demos import toy
 from treadle.engines.local import LocalEngine
 from treadle.generation import SamplingParams, generate_turns
@@ -25,8 +25,13 @@ EOS = 2  # the toy tokenizer's eos id
 
 def settings(num_generations, max_new_tokens, **sampling) -> SamplingParams:
     """The sampling settings of a rollout batch with the toy tokenizer's EOS and pad ids."""
-    return SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens, eos_token_ids=(EOS,),
-                          pad_token_id=0, **sampling)
+    return SamplingParams(
+        num_generations=num_generations,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=(EOS,),
+        pad_token_id=0,
+        **sampling,
+    )
 
 
 class Counter:
@@ -62,9 +67,14 @@ def test_a_tool_needs_annotations_and_a_docstring_named_in_the_error(tok):
         check_tool(lambda x: x)
     assert check_tool(add) == "add"
     with pytest.raises(TypeError, match="'bare'"):  # refused when the trainer is built, before any training
-        GRPOTrainer(toy.build_model("tiny", tokenizer=tok), lambda **k: [0.0], args=GRPOConfig(
-            output_dir="unused", per_device_train_batch_size=2, num_generations=2), processing_class=tok,
-            train_dataset=toy.load_task("addition", kind="rl", n=4), tools=[add, bare])
+        GRPOTrainer(
+            toy.build_model("tiny", tokenizer=tok),
+            lambda **k: [0.0],
+            args=GRPOConfig(output_dir="unused", per_device_train_batch_size=2, num_generations=2),
+            processing_class=tok,
+            train_dataset=toy.load_task("addition", kind="rl", n=4),
+            tools=[add, bare],
+        )
 
 
 def test_call_parsing_by_hand():
@@ -127,8 +137,9 @@ def test_bad_runner_arguments_say_how_to_fix_them(tok):
             raise KeyError("oops")
 
     with pytest.raises(RuntimeError, match="Broken.step raised KeyError"):
-        RolloutRunner(tok, env_factory=Broken).run(LocalEngine(chatty_model(tok)), [{"prompt": "1+1="}] * 2,
-                                                   settings(2, 40))
+        RolloutRunner(tok, env_factory=Broken).run(
+            LocalEngine(chatty_model(tok)), [{"prompt": "1+1="}] * 2, settings(2, 40)
+        )
 
 
 def test_chat_prompts_get_template_turns_and_the_json_call_format(tok):
@@ -147,8 +158,10 @@ def test_chat_prompts_get_template_turns_and_the_json_call_format(tok):
         return a * b
 
     hermes = toy.build_tokenizer()
-    hermes.chat_template = ("{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}{% endfor %}</tools>"
-                            "{% endif %}" + toy.CHAT_TEMPLATE + "{# answers in <tool_call> tags #}")
+    hermes.chat_template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}{% endfor %}</tools>"
+        "{% endif %}" + toy.CHAT_TEMPLATE + "{# answers in <tool_call> tags #}"
+    )
     with pytest.raises(TypeError, match="'add' cannot be described to the chat template"):
         RolloutRunner(hermes, tools=[add])  # no Args: section
     runner = RolloutRunner(hermes, tools=[mul])
@@ -166,8 +179,10 @@ def test_kv_cache_kept_across_turns_equals_re_prefilling_each_turn(tok):
     model = chatty_model(tok, eos_bias=6.0)
     runner = RolloutRunner(tok, env_factory=lambda: Counter(turns=2))
     rows = [{"prompt": p} for p in ("12+34=", "12+34=", "7+8=", "7+8=", "99+1=", "99+1=")]
-    outs = [runner.run(LocalEngine(model, backend=backend), rows, settings(2, 24, do_sample=False))
-            for backend in ("fast", "hf")]
+    outs = [
+        runner.run(LocalEngine(model, backend=backend), rows, settings(2, 24, do_sample=False))
+        for backend in ("fast", "hf")
+    ]
     kv, again = (o.generation for o in outs)
     for name in ("completion_ids", "completion_mask", "sampled_mask", "is_truncated", "prompt_ids"):
         assert torch.equal(getattr(kv, name), getattr(again, name)), name
@@ -188,16 +203,25 @@ def test_rollout_log_probs_equal_rescoring_the_whole_transcript(tok):
         pool[row] = pool.get(row, 0) + 1
         return None if pool[row] > 2 else tok(f"<r>{row}:{len(turn_ids)}</r>")["input_ids"]
 
-    out = generate_turns(model, [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]], respond, num_generations=3,
-                         max_new_tokens=40, eos_token_id=EOS, pad_token_id=0, temperature=0.7,
-                         generator=torch.Generator().manual_seed(0))
+    out = generate_turns(
+        model,
+        [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]],
+        respond,
+        num_generations=3,
+        max_new_tokens=40,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        temperature=0.7,
+        generator=torch.Generator().manual_seed(0),
+    )
     ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
     mask = torch.cat([out.prompt_mask, out.completion_mask], dim=1)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
     width = out.prompt_ids.shape[1]
-    reference = (logits[:, width - 1:-1].float() / 0.7).log_softmax(-1).gather(
-        2, out.completion_ids[..., None]).squeeze(2)  # (N, C)
+    reference = (
+        (logits[:, width - 1 : -1].float() / 0.7).log_softmax(-1).gather(2, out.completion_ids[..., None]).squeeze(2)
+    )  # (N, C)
     sampled = out.sampled_mask.bool()
     assert (out.completion_mask.bool() & ~sampled).any()  # the transcripts hold observation tokens
     assert torch.allclose(out.sampling_logps[sampled], reference[sampled], atol=1e-5)
@@ -226,8 +250,16 @@ def test_a_row_waiting_on_its_environment_does_not_stall_the_others(tok):
         turns[row] = turns.get(row, 0) + 1
         return executor.submit(step, row)
 
-    out = generate_turns(model, [tok("1+1=")["input_ids"]], respond, num_generations=6, max_new_tokens=60,
-                         eos_token_id=EOS, pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    out = generate_turns(
+        model,
+        [tok("1+1=")["input_ids"]],
+        respond,
+        num_generations=6,
+        max_new_tokens=60,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert others_done.is_set() and not out.is_truncated.any()
     executor.shutdown()
 
@@ -266,9 +298,19 @@ def test_sampled_rollouts_do_not_depend_on_when_the_environment_answers(tok):
     try:
         for respond in (lambda row, turn_ids: observation(row), respond_late):
             turns.clear()
-            outs.append(generate_turns(model, [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]], respond,
-                                       num_generations=4, max_new_tokens=48, eos_token_id=EOS, pad_token_id=0,
-                                       temperature=1.0, generator=torch.Generator().manual_seed(3)))
+            outs.append(
+                generate_turns(
+                    model,
+                    [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]],
+                    respond,
+                    num_generations=4,
+                    max_new_tokens=48,
+                    eos_token_id=EOS,
+                    pad_token_id=0,
+                    temperature=1.0,
+                    generator=torch.Generator().manual_seed(3),
+                )
+            )
     finally:
         pending.put(None)
         releaser.join()
@@ -283,9 +325,17 @@ def test_multi_turn_sampling_draws_from_the_model_distribution(tok):
     a sampler off by one token, or ignoring the temperature, is hundreds of sds away)."""
     model = chatty_model(tok).eval()
     prompt = tok("12+34=")["input_ids"]
-    out = generate_turns(model, [prompt], lambda row, turn_ids: None, num_generations=6000, max_new_tokens=1,
-                         eos_token_id=EOS, pad_token_id=0, temperature=0.8,
-                         generator=torch.Generator().manual_seed(0))
+    out = generate_turns(
+        model,
+        [prompt],
+        lambda row, turn_ids: None,
+        num_generations=6000,
+        max_new_tokens=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(0),
+    )
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
     expected = (logits / 0.8).softmax(-1)
@@ -296,25 +346,43 @@ def test_multi_turn_sampling_draws_from_the_model_distribution(tok):
 
 # --------------------------------------------------------------------------------------------------- GRPO
 def grpo(tmp_path, tok, reward, run="run", workers=2, **kwargs):
-    args = GRPOConfig(output_dir=str(tmp_path / run), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=16, max_steps=1, learning_rate=1e-3, disable_tqdm=True,
-                      save_strategy="no", logging_steps=1, log_completions=True, rollout_workers=workers)
-    return GRPOTrainer(chatty_model(tok, eos_bias=4.0), reward, args=args, processing_class=tok,
-                       train_dataset=toy.load_task("addition", kind="rl", n=8), **kwargs)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / run),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=16,
+        max_steps=1,
+        learning_rate=1e-3,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        log_completions=True,
+        rollout_workers=workers,
+    )
+    return GRPOTrainer(
+        chatty_model(tok, eos_bias=4.0),
+        reward,
+        args=args,
+        processing_class=tok,
+        train_dataset=toy.load_task("addition", kind="rl", n=8),
+        **kwargs,
+    )
 
 
 def test_observation_tokens_get_no_loss_and_no_gradient(tmp_path, tok):
     """The loss of a multi-turn slice has zero gradient with respect to the log-probs of observation tokens, and
     equals the hand-computed REINFORCE value over the sampled tokens only (ratio 1: -sum(A) / sampled tokens)."""
-    trainer = grpo(tmp_path, tok, lambda completion_ids, **k: [float(len(i) % 3) for i in completion_ids],
-                   env_factory=Counter)
+    trainer = grpo(
+        tmp_path, tok, lambda completion_ids, **k: [float(len(i) % 3) for i in completion_ids], env_factory=Counter
+    )
     rows = trainer.train_dataset.to_list()[:2]
     batch = trainer.generate_and_score([rows[0], rows[0], rows[1], rows[1]], 0)[0]
-    loss_mask, attention = batch.completion_mask, batch.attention_mask[:, -batch.completion_mask.shape[1]:]
+    loss_mask, attention = batch.completion_mask, batch.attention_mask[:, -batch.completion_mask.shape[1] :]
     observation = attention.bool() & ~loss_mask.bool()
     assert observation.any() and loss_mask.any()
-    loss, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True,
-                                         num_items_in_batch=int(loss_mask.sum()))
+    loss, outputs = trainer.compute_loss(
+        trainer.model, batch, return_outputs=True, num_items_in_batch=int(loss_mask.sum())
+    )
     logps = outputs["logps"]
     logps.retain_grad()
     loss.backward()
@@ -406,15 +474,34 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
         calls.append(transcript)
         return [float(len(t)) for t in transcript]
 
-    args = GRPOConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2,
-                      num_generations_eval=3, eval_pass_at_k=[1, 3], eval_greedy=True, eval_temperature=0.5,
-                      max_completion_length=16, max_steps=1, disable_tqdm=True, save_strategy="no", rollout_workers=2)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        num_generations_eval=3,
+        eval_pass_at_k=[1, 3],
+        eval_greedy=True,
+        eval_temperature=0.5,
+        max_completion_length=16,
+        max_steps=1,
+        disable_tqdm=True,
+        save_strategy="no",
+        rollout_workers=2,
+    )
     rows = toy.load_task("addition", kind="rl", n=8)
-    trainer = GRPOTrainer(chatty_model(tok, eos_bias=4.0), judge, args=args, processing_class=tok,
-                          train_dataset=rows, eval_dataset=rows.select(range(2)), env_factory=Counter)
+    trainer = GRPOTrainer(
+        chatty_model(tok, eos_bias=4.0),
+        judge,
+        args=args,
+        processing_class=tok,
+        train_dataset=rows,
+        eval_dataset=rows.select(range(2)),
+        env_factory=Counter,
+    )
     run, settings = trainer.rollout_runner.run, []
-    trainer.rollout_runner.run = lambda engine, rows, params, **k: (settings.append(params)
-                                                                   or run(engine, rows, params, **k))
+    trainer.rollout_runner.run = lambda engine, rows, params, **k: (
+        settings.append(params) or run(engine, rows, params, **k)
+    )
     metrics = trainer.evaluate()
     sampled, greedy = calls
     assert [(s.num_generations, s.temperature, s.do_sample) for s in settings] == [(3, 0.5, True), (1, 1.0, False)]
@@ -487,7 +574,7 @@ def test_the_environment_example_runs_and_docs_agents_shows_its_code(tmp_path):
     source = (root / "examples" / "environment.py").read_text()
     page = (root / "docs" / "agents.md").read_text()
     for name in ("class GuessTheNumber:", "def main("):
-        block = page[page.index(name):page.index("```", page.index(name))].split("\n\n\nenv = ")[0]
+        block = page[page.index(name) : page.index("```", page.index(name))].split("\n\n\nenv = ")[0]
         assert block.strip() in source, f"docs/agents.md's {name} block differs from examples/environment.py"
     example = runpy.run_path(str(root / "examples" / "environment.py"), run_name="example")
     env = example["GuessTheNumber"]()

@@ -20,8 +20,9 @@ def test_hand_numbers():
     assert generalized_jsd(student, teacher, beta=0.0).item() == pytest.approx(kl(p_t, p_s), abs=1e-6)
     assert generalized_jsd(student, teacher, beta=1.0).item() == pytest.approx(kl(p_s, p_t), abs=1e-6)
     m = [0.5 * a + 0.5 * b for a, b in zip(p_s, p_t)]
-    assert generalized_jsd(student, teacher, beta=0.5).item() == pytest.approx(0.5 * kl(p_t, m) + 0.5 * kl(p_s, m),
-                                                                              abs=1e-6)
+    assert generalized_jsd(student, teacher, beta=0.5).item() == pytest.approx(
+        0.5 * kl(p_t, m) + 0.5 * kl(p_s, m), abs=1e-6
+    )
     # temperature 2 halves the logits of both before the softmax
     hot = generalized_jsd(student, teacher, beta=1.0, temperature=2.0).item()
     assert hot == pytest.approx(generalized_jsd(student / 2, teacher / 2, beta=1.0).item(), abs=1e-7)
@@ -61,8 +62,12 @@ def test_bad_options_and_shared_vocabulary():
 
 def heads(seed=0, n=13, hs=6, ht=9, v=17):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, hs, generator=g, requires_grad=True), torch.randn(v, hs, generator=g, requires_grad=True),
-            torch.randn(n, ht, generator=g), torch.randn(v, ht, generator=g))
+    return (
+        torch.randn(n, hs, generator=g, requires_grad=True),
+        torch.randn(v, hs, generator=g, requires_grad=True),
+        torch.randn(n, ht, generator=g),
+        torch.randn(v, ht, generator=g),
+    )
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
@@ -83,8 +88,9 @@ def test_loss_on_fixed_completions_matches_trl(beta):
     hs, ws, ht, wt = heads(seed=1)
     mask = torch.tensor([1, 1, 1, 0, 1, 1, 0, 0, 1, 1, 1, 1, 0])
     n_items = 17  # the window's completion tokens (more than this micro-batch's: accumulation)
-    theirs, _, _ = trl_distill._chunked_divergence_loss(hs[None], ht[None], ws, wt, mask[None], beta,
-                                                        num_items_in_batch=n_items, temperature=1.5)
+    theirs, _, _ = trl_distill._chunked_divergence_loss(
+        hs[None], ht[None], ws, wt, mask[None], beta, num_items_in_batch=n_items, temperature=1.5
+    )
     per_token = chunked_generalized_jsd(hs, ws, ht, wt, beta=beta, temperature=1.5)
     ours = (per_token * mask).sum() / n_items
     torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=1e-5, rtol=1e-5)
@@ -97,8 +103,8 @@ def test_loss_on_fixed_completions_matches_trl(beta):
 # ------------------------------------------------------------------------------------ the trainer
 import copy  # noqa: E402  (the trainer's tests below share the module with the loss tests above)
 
-from datasets import Dataset  # noqa: E402
 from _factories import add, chatty_model  # noqa: E402  (the tool and the EOS-biased toy model of GRPO's tests)
+from datasets import Dataset  # noqa: E402
 
 from treadle.demos import toy  # noqa: E402
 from treadle.errors import PreflightError  # noqa: E402
@@ -114,8 +120,16 @@ FIXED = [[5, 6, EOS, 0], [7, 8, 9, 10], [EOS, 0, 0, 0], [11, EOS, 0, 0]]  # raw 
 
 
 def config(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_completion_length=4,
-                  max_steps=2, learning_rate=1e-3, disable_tqdm=True, save_strategy="no", logging_steps=1000)
+    values = dict(
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        max_completion_length=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1000,
+    )
     values.update(overrides)
     return DistillationConfig(**values)
 
@@ -123,8 +137,9 @@ def config(tmp_path, **overrides):
 def make_trainer(tmp_path, tok, dataset, student_seed=0, teacher_seed=1, **overrides):
     student = toy.build_model("tiny", tokenizer=tok, seed=student_seed)
     teacher = toy.build_model("tiny", tokenizer=tok, seed=teacher_seed)
-    return DistillationTrainer(student, teacher, args=config(tmp_path, **overrides), train_dataset=dataset,
-                               processing_class=tok)
+    return DistillationTrainer(
+        student, teacher, args=config(tmp_path, **overrides), train_dataset=dataset, processing_class=tok
+    )
 
 
 def fixed_generation(prompt_ids, *, num_generations, generator=None):
@@ -139,19 +154,39 @@ def fixed_generation(prompt_ids, *, num_generations, generator=None):
 def trl_one_step(tmp_path, tok, student, teacher, prompt_ids, beta, temperature, lr):
     """One SGD step of trl.DistillationTrainer with its generation replaced by the FIXED completions."""
     trl = pytest.importorskip("trl")
-    args = trl.DistillationConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(FIXED),
-                                  max_steps=1, learning_rate=lr, optim="sgd", max_grad_norm=0.0, beta=beta,
-                                  temperature=temperature, lr_scheduler_type="constant", bf16=False,
-                                  gradient_checkpointing=False, report_to=[], use_cpu=True, save_strategy="no",
-                                  logging_steps=1, disable_tqdm=True, max_completion_length=4)
+    args = trl.DistillationConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=len(FIXED),
+        max_steps=1,
+        learning_rate=lr,
+        optim="sgd",
+        max_grad_norm=0.0,
+        beta=beta,
+        temperature=temperature,
+        lr_scheduler_type="constant",
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        max_completion_length=4,
+    )
     rows = Dataset.from_dict({"prompt": ["12+34="] * 8})
-    trainer = trl.DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=rows,
-                                      processing_class=tok)
+    trainer = trl.DistillationTrainer(
+        model=student, teacher_model=teacher, args=args, train_dataset=rows, processing_class=tok
+    )
     out = fixed_generation([prompt_ids] * len(FIXED), num_generations=1)
 
     def fixed(_inputs):
-        return {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask, "completion_ids": out.completion_ids,
-                "completion_mask": out.completion_mask, "num_items_in_batch": out.completion_mask.sum()}
+        return {
+            "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_mask,
+            "completion_ids": out.completion_ids,
+            "completion_mask": out.completion_mask,
+            "num_items_in_batch": out.completion_mask.sum(),
+        }
 
     trainer._generate_and_score_completions = fixed
     trainer.train()
@@ -166,12 +201,24 @@ def test_one_sgd_step_equals_trl(tmp_path, tok, beta, temperature):
     teacher = toy.build_model("tiny", tokenizer=tok, seed=1)
     lr = 0.5
     prompt = tok("12+34=", add_special_tokens=True)["input_ids"]
-    theirs = trl_one_step(tmp_path, tok, copy.deepcopy(student), copy.deepcopy(teacher), prompt, beta,
-                          temperature, lr)
+    theirs = trl_one_step(tmp_path, tok, copy.deepcopy(student), copy.deepcopy(teacher), prompt, beta, temperature, lr)
     rows = Dataset.from_dict({"prompt": ["12+34="] * 8})
-    ours = DistillationTrainer(copy.deepcopy(student), teacher, train_dataset=rows, processing_class=tok,
-                               args=config(tmp_path, max_steps=1, optim="sgd", learning_rate=lr, max_grad_norm=0.0,
-                                           lr_scheduler_type="constant", beta=beta, temperature=temperature))
+    ours = DistillationTrainer(
+        copy.deepcopy(student),
+        teacher,
+        train_dataset=rows,
+        processing_class=tok,
+        args=config(
+            tmp_path,
+            max_steps=1,
+            optim="sgd",
+            learning_rate=lr,
+            max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+            beta=beta,
+            temperature=temperature,
+        ),
+    )
     ours.generate = fixed_generation
     ours.train()
     moved = 0.0
@@ -185,8 +232,9 @@ def test_accumulation_two_by_two_equals_one_by_four(tmp_path, tok, dataset):
     """One generation of 4 completions in one micro-batch, or in 2 micro-batches of 2: the same SGD step."""
     common = dict(max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, temperature=1.3, beta=0.5)
     big = make_trainer(tmp_path / "big", tok, dataset, per_device_train_batch_size=4, **common)
-    small = make_trainer(tmp_path / "small", tok, dataset, per_device_train_batch_size=2,
-                         gradient_accumulation_steps=2, **common)
+    small = make_trainer(
+        tmp_path / "small", tok, dataset, per_device_train_batch_size=2, gradient_accumulation_steps=2, **common
+    )
     before = {n: p.detach().clone() for n, p in big.model.named_parameters()}
     big.train()
     small.train()
@@ -226,8 +274,11 @@ def test_loss_is_the_divergence_of_the_full_logits(tmp_path, tok, dataset, monke
     expected = plain_gjsd(student.double(), teacher.double(), 0.5, 0.7).sum() / keep.sum()
     torch.testing.assert_close(loss.double(), expected, atol=1e-6, rtol=1e-5)
     # a model outside the fast path (full logits) gives the same loss
-    monkeypatch.setattr(distillation_module, "hidden_states_and_head",
-                        lambda model, ids, mask, **kw: (model(ids, attention_mask=mask, **kw).logits, None))
+    monkeypatch.setattr(
+        distillation_module,
+        "hidden_states_and_head",
+        lambda model, ids, mask, **kw: (model(ids, attention_mask=mask, **kw).logits, None),
+    )
     torch.testing.assert_close(trainer.compute_loss(trainer.model, sample), loss, atol=1e-6, rtol=1e-5)
 
 
@@ -247,8 +298,13 @@ def test_a_teacher_folder_with_another_tokenizer_is_refused(tmp_path, tok, datas
     toy.build_model("tiny", tokenizer=tok, seed=1, vocab_size=len(other)).save_pretrained(folder)
     other.save_pretrained(folder)
     with pytest.raises(PreflightError, match="teacher's tokenizer"):
-        DistillationTrainer(toy.build_model("tiny", tokenizer=tok), str(folder), args=config(tmp_path),
-                            train_dataset=dataset, processing_class=tok)
+        DistillationTrainer(
+            toy.build_model("tiny", tokenizer=tok),
+            str(folder),
+            args=config(tmp_path),
+            train_dataset=dataset,
+            processing_class=tok,
+        )
 
 
 def save_toy(folder, tok):
@@ -257,16 +313,32 @@ def save_toy(folder, tok):
     return folder
 
 
-@pytest.mark.parametrize("field,value,fragment", [("steps_per_generation", 2, "samples once per optimizer step"),
-                                                  ("beta", 1.5, "beta must be in"),
-                                                  ("num_generations", 0, "num_generations must be")])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("steps_per_generation", 2, "samples once per optimizer step"),
+        ("beta", 1.5, "beta must be in"),
+        ("num_generations", 0, "num_generations must be"),
+    ],
+)
 def test_config_refusals(field, value, fragment):
     with pytest.raises(ValueError, match=fragment):
         DistillationConfig(output_dir="unused", **{field: value})
 
 
-@pytest.mark.parametrize("field", ["loss_type", "epsilon", "scale_rewards", "dynamic_sampling", "health_checks",
-                                   "vllm_importance_sampling_mode", "padding_free", "log_completions"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "loss_type",
+        "epsilon",
+        "scale_rewards",
+        "dynamic_sampling",
+        "health_checks",
+        "vllm_importance_sampling_mode",
+        "padding_free",
+        "log_completions",
+    ],
+)
 def test_a_grpo_field_is_not_a_distillation_field(field):
     """GRPO's and distillation's configs are siblings: a GRPO setting on a DistillationConfig is an unknown
     argument, named in one line."""
@@ -281,9 +353,13 @@ def test_eval_loss_without_reward_functions(tmp_path, tok, dataset):
     metrics = trainer.evaluate(dataset.select(range(6)))
     assert set(metrics) == {"eval_loss", "eval_completions/mean_length"}
     assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] > 0
-    same_teacher = DistillationTrainer(toy.build_model("tiny", tokenizer=tok, seed=0),
-                                       toy.build_model("tiny", tokenizer=tok, seed=0), args=config(tmp_path),
-                                       train_dataset=dataset, processing_class=tok)
+    same_teacher = DistillationTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        args=config(tmp_path),
+        train_dataset=dataset,
+        processing_class=tok,
+    )
     assert same_teacher.evaluate(dataset.select(range(6)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -293,12 +369,19 @@ def test_with_tools_the_teacher_scores_only_the_students_own_tokens(tmp_path, to
     its tool result (``<result>5</result>``) sits in the completion between sampled turns. The loss is the
     divergence over the sampled tokens only (both models' full logits, plain PyTorch), not over the result's."""
     real_step = ToolEnvironment.step
-    monkeypatch.setattr(ToolEnvironment, "step", lambda env, text: real_step(
-        env, "<call>add(2, 3)</call>" if env.iterations == 0 else text))
-    trainer = DistillationTrainer(chatty_model(tok, eos_bias=4.0), toy.build_model("tiny", tokenizer=tok, seed=1),
-                                  args=config(tmp_path, max_completion_length=40, beta=0.5, temperature=0.7,
-                                              max_steps=1, logging_steps=1),
-                                  train_dataset=dataset, processing_class=tok, tools=[add])
+    monkeypatch.setattr(
+        ToolEnvironment,
+        "step",
+        lambda env, text: real_step(env, "<call>add(2, 3)</call>" if env.iterations == 0 else text),
+    )
+    trainer = DistillationTrainer(
+        chatty_model(tok, eos_bias=4.0),
+        toy.build_model("tiny", tokenizer=tok, seed=1),
+        args=config(tmp_path, max_completion_length=40, beta=0.5, temperature=0.7, max_steps=1, logging_steps=1),
+        train_dataset=dataset,
+        processing_class=tok,
+        tools=[add],
+    )
     (sample,) = trainer.generate_and_score(list(dataset.select(range(4))), 0)
     loss_mask, width = sample.completion_mask.bool(), sample.completion_mask.shape[1]
     in_completion = sample.attention_mask[:, -width:].bool()
@@ -326,15 +409,25 @@ def test_min_p_and_generation_kwargs_reach_the_students_sampler(tmp_path, tok, d
     """GRPO's sampling fields: one step samples through min_p and top-k with suppressed tokens (every digit but 1,
     which the untrained student samples otherwise) and logs a finite divergence."""
     digits = [tok.convert_tokens_to_ids(d) for d in "023456789"]
-    trainer = make_trainer(tmp_path, tok, dataset, max_steps=1, logging_steps=1, min_p=0.05,
-                           generation_kwargs={"suppress_tokens": digits, "top_k": 40})
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        dataset,
+        max_steps=1,
+        logging_steps=1,
+        min_p=0.05,
+        generation_kwargs={"suppress_tokens": digits, "top_k": 40},
+    )
     params = trainer.sampling_params()
     assert (params.min_p, params.top_k, params.suppress_token_ids) == (0.05, 40, tuple(digits))
     rollout = trainer.sample_rows(list(dataset.select(range(8))), torch.Generator().manual_seed(0))
     sampled = rollout.generation.completion_ids[rollout.generation.completion_mask.bool()]
     assert sampled.numel() > 8 and not set(sampled.tolist()) & set(digits)
-    plain = make_trainer(tmp_path, tok, dataset).sample_rows(list(dataset.select(range(8))),
-                                                             torch.Generator().manual_seed(0)).generation
+    plain = (
+        make_trainer(tmp_path, tok, dataset)
+        .sample_rows(list(dataset.select(range(8))), torch.Generator().manual_seed(0))
+        .generation
+    )
     assert set(plain.completion_ids[plain.completion_mask.bool()].tolist()) & set(digits)  # it would sample them
     trainer.train()
     assert math.isfinite(trainer.state.log_history[0]["loss"])

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _factories import PAIRS, dpo_args as make_args, dpo_trainer as make_trainer, tiny_llama
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from _factories import PAIRS, dpo_args as make_args, dpo_trainer as make_trainer, tiny_llama
 from treadle.demos import toy
 from treadle.trainers.dpo import DPOCollator, DPOConfig, DPOTrainer
 from treadle.trainers.pairs import split_implicit_prompt
@@ -60,23 +60,32 @@ def plain_sequence_logps(model, batch):
 
 
 def test_collator_stacks_chosen_then_rejected_pads_right_and_masks_the_prompt():
-    rows = [{"prompt_input_ids": [5, 6], "chosen_input_ids": [7], "rejected_input_ids": [8, 9, 10]},
-            {"prompt_input_ids": [11], "chosen_input_ids": [12, 13], "rejected_input_ids": [14]}]
+    rows = [
+        {"prompt_input_ids": [5, 6], "chosen_input_ids": [7], "rejected_input_ids": [8, 9, 10]},
+        {"prompt_input_ids": [11], "chosen_input_ids": [12, 13], "rejected_input_ids": [14]},
+    ]
     batch = DPOCollator(pad_token_id=0)(rows)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0],  # chosen of row 0
-                                           [11, 12, 13, 0, 0],  # chosen of row 1
-                                           [5, 6, 8, 9, 10],  # rejected of row 0
-                                           [11, 14, 0, 0, 0]]  # rejected of row 1
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1],
-                                                [1, 1, 0, 0, 0]]
-    assert batch["completion_mask"].tolist() == [[0, 0, 1, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1],
-                                                 [0, 1, 0, 0, 0]]
+    assert batch["input_ids"].tolist() == [
+        [5, 6, 7, 0, 0],  # chosen of row 0
+        [11, 12, 13, 0, 0],  # chosen of row 1
+        [5, 6, 8, 9, 10],  # rejected of row 0
+        [11, 14, 0, 0, 0],
+    ]  # rejected of row 1
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
     assert "labels" not in batch and "ref_chosen_logps" not in batch
 
 
 def test_collator_passes_reference_logps_only_when_every_row_has_them():
-    rows = [{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3],
-             "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}] * 2
+    rows = [
+        {
+            "prompt_input_ids": [1],
+            "chosen_input_ids": [2],
+            "rejected_input_ids": [3],
+            "ref_chosen_logps": -1.5,
+            "ref_rejected_logps": -2.0,
+        }
+    ] * 2
     batch = DPOCollator(pad_token_id=9)(rows)
     assert batch["ref_chosen_logps"].tolist() == [-1.5, -1.5]
     assert batch["ref_rejected_logps"].dtype == torch.float32
@@ -89,17 +98,20 @@ def test_collator_passes_reference_logps_only_when_every_row_has_them():
 def test_text_rows_tokenise_prompt_and_responses_separately_with_eos(tmp_path, tokenizer):
     trainer = make_trainer(tmp_path, tokenizer)
     row = trainer.train_dataset[0]
-    assert set(trainer.train_dataset.column_names) == {"prompt_input_ids", "chosen_input_ids",
-                                                       "rejected_input_ids"}
+    assert set(trainer.train_dataset.column_names) == {"prompt_input_ids", "chosen_input_ids", "rejected_input_ids"}
     assert row["prompt_input_ids"] == [digit(1), digit(2), PLUS, digit(3), digit(4), EQUALS]  # "12+34="
     assert row["chosen_input_ids"] == [digit(4), digit(6), EOS]  # "46" + eos
     assert row["rejected_input_ids"] == [digit(4), digit(7), EOS]
 
 
 def test_chat_rows_are_rendered_with_the_chat_template(tmp_path, tokenizer):
-    rows = [{"prompt": [{"role": "user", "content": "1+2="}],
-             "chosen": [{"role": "assistant", "content": "3"}],
-             "rejected": [{"role": "assistant", "content": "4"}]}]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "1+2="}],
+            "chosen": [{"role": "assistant", "content": "3"}],
+            "rejected": [{"role": "assistant", "content": "4"}],
+        }
+    ]
     row = make_trainer(tmp_path, tokenizer, rows=rows).train_dataset[0]
     # "<|user|>1+2=\n<|assistant|>" then "3</s>": the template ends the turn with eos, nothing is added
     assert row["prompt_input_ids"] == [USER, digit(1), PLUS, digit(2), EQUALS, NEWLINE, ASSISTANT]
@@ -109,8 +121,12 @@ def test_chat_rows_are_rendered_with_the_chat_template(tmp_path, tokenizer):
 
 def test_implicit_prompt_conversations_split_at_their_longest_common_prefix(tmp_path, tokenizer):
     user = {"role": "user", "content": "1+2="}
-    rows = [{"chosen": [user, {"role": "assistant", "content": "3"}],
-             "rejected": [user, {"role": "assistant", "content": "4"}]}]
+    rows = [
+        {
+            "chosen": [user, {"role": "assistant", "content": "3"}],
+            "rejected": [user, {"role": "assistant", "content": "4"}],
+        }
+    ]
     row = make_trainer(tmp_path, tokenizer, rows=rows).train_dataset[0]
     assert row["prompt_input_ids"] == [USER, digit(1), PLUS, digit(2), EQUALS, NEWLINE, ASSISTANT]
     assert row["chosen_input_ids"] == [digit(3), EOS]
@@ -119,17 +135,23 @@ def test_implicit_prompt_conversations_split_at_their_longest_common_prefix(tmp_
 
 def test_split_implicit_prompt_by_characters_and_by_messages():
     assert split_implicit_prompt("ab=12", "ab=13") == ("ab=1", "2", "3")
-    a, b, c = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "assistant",
-                                                                                         "content": "z"}
+    a, b, c = (
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y"},
+        {"role": "assistant", "content": "z"},
+    )
     assert split_implicit_prompt([a, b], [a, c]) == ([a], [b], [c])
 
 
-@pytest.mark.parametrize("mode, kept", [("keep_end", [PLUS, digit(3), digit(4), EQUALS]),
-                                        ("keep_start", [digit(1), digit(2), PLUS, digit(3)])])
+@pytest.mark.parametrize(
+    "mode, kept",
+    [("keep_end", [PLUS, digit(3), digit(4), EQUALS]), ("keep_start", [digit(1), digit(2), PLUS, digit(3)])],
+)
 def test_truncation_of_prompt_then_responses(tmp_path, tokenizer, mode, kept):
     rows = [{"prompt": "12+34=", "chosen": "4646", "rejected": "47"}]
-    row = make_trainer(tmp_path, tokenizer, rows=rows, max_prompt_length=4, max_length=6,
-                       truncation_mode=mode).train_dataset[0]
+    row = make_trainer(
+        tmp_path, tokenizer, rows=rows, max_prompt_length=4, max_length=6, truncation_mode=mode
+    ).train_dataset[0]
     assert row["prompt_input_ids"] == kept
     assert row["chosen_input_ids"] == [digit(4), digit(6)]  # 2 tokens of room; the response keeps its start
     assert row["rejected_input_ids"] == [digit(4), digit(7)]
@@ -146,11 +168,14 @@ def test_missing_columns_are_named(tmp_path, tokenizer):
         make_trainer(tmp_path, tokenizer, rows=[{"prompt": "1+1=", "chosen": "2"}])
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"prompt": "1+1=", "chosen": "2", "rejected": ""}, "row 0: the rejected response is empty"),
-    ({"chosen": "1+1=2", "rejected": "1+1=2"}, "row 0: the chosen response is empty"),
-    ({"prompt": "1+1=", "chosen": [{"role": "assistant", "content": "2"}], "rejected": "3"}, "all be text"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "1+1=", "chosen": "2", "rejected": ""}, "row 0: the rejected response is empty"),
+        ({"chosen": "1+1=2", "rejected": "1+1=2"}, "row 0: the chosen response is empty"),
+        ({"prompt": "1+1=", "chosen": [{"role": "assistant", "content": "2"}], "rejected": "3"}, "all be text"),
+    ],
+)
 def test_bad_rows_are_rejected_with_the_row_number(tmp_path, tokenizer, row, message):
     with pytest.raises(ValueError, match=message):
         make_trainer(tmp_path, tokenizer, rows=[row])
@@ -164,15 +189,18 @@ def test_prompt_longer_than_max_length_is_an_error_that_says_how_to_fix_it(tmp_p
 # --------------------------------------------------------------------------------------- the config
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(loss_type="kto"), "loss_type='kto' is not supported"),
-    (dict(beta=0.0), "beta must be > 0"),
-    (dict(loss_type="hinge", label_smoothing=0.1), "does not use label_smoothing"),
-    (dict(loss_type="robust", label_smoothing=0.5), r"\[0, 0.5\)"),
-    (dict(max_length=8, max_prompt_length=8), "must be < max_length"),
-    (dict(truncation_mode="middle"), "truncation_mode"),
-    (dict(rpo_alpha=-1.0), "rpo_alpha"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(loss_type="kto"), "loss_type='kto' is not supported"),
+        (dict(beta=0.0), "beta must be > 0"),
+        (dict(loss_type="hinge", label_smoothing=0.1), "does not use label_smoothing"),
+        (dict(loss_type="robust", label_smoothing=0.5), r"\[0, 0.5\)"),
+        (dict(max_length=8, max_prompt_length=8), "must be < max_length"),
+        (dict(truncation_mode="middle"), "truncation_mode"),
+        (dict(rpo_alpha=-1.0), "rpo_alpha"),
+    ],
+)
 def test_config_validation(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message):
         DPOConfig(output_dir=str(tmp_path), **fields)
@@ -186,6 +214,7 @@ def test_trainer_needs_a_dpo_config(tmp_path):
 
 
 # ------------------------------------------------------------------------------ loss types by hand
+
 
 # pc = -1, rc = -2 (chosen log-ratio 1); pr = -3, rr = -2.5 (rejected log-ratio -0.5); beta = 0.1:
 # h = 1.5, z = beta h = 0.15. Chosen has 2 response tokens, rejected 4.
@@ -208,8 +237,10 @@ HAND = {
 
 @pytest.mark.parametrize("loss_type, smoothing, alpha", list(HAND))
 def test_pair_losses_against_hand_values(tmp_path, loss_type, smoothing, alpha):
-    trainer = DPOTrainer(tiny_llama(0, VOCAB), args=make_args(tmp_path, loss_type=loss_type, beta=0.1,
-                                                              label_smoothing=smoothing, rpo_alpha=alpha))
+    trainer = DPOTrainer(
+        tiny_llama(0, VOCAB),
+        args=make_args(tmp_path, loss_type=loss_type, beta=0.1, label_smoothing=smoothing, rpo_alpha=alpha),
+    )
     t = lambda v: torch.tensor([v], dtype=torch.float64)  # noqa: E731
     losses, metrics = trainer.pair_losses(t(-1.0), t(-3.0), t(-2.0), t(-2.5), t(2.0), t(4.0))
     assert losses.item() == pytest.approx(HAND[(loss_type, smoothing, alpha)], abs=1e-12)
@@ -287,8 +318,14 @@ def test_loss_is_normalised_by_the_pairs_of_the_whole_accumulation_window(tmp_pa
 
 def test_precomputed_reference_logps_give_the_same_loss_as_a_live_reference(tmp_path, tokenizer):
     live = make_trainer(tmp_path / "live", tokenizer, ref_model=peaked_reference())
-    pre = make_trainer(tmp_path / "pre", tokenizer, ref_model=peaked_reference(),
-                       precompute_ref_log_probs=True, max_steps=1, learning_rate=0.0)
+    pre = make_trainer(
+        tmp_path / "pre",
+        tokenizer,
+        ref_model=peaked_reference(),
+        precompute_ref_log_probs=True,
+        max_steps=1,
+        learning_rate=0.0,
+    )
     pre.precompute_reference_logps()
     assert pre.ref_model is None  # freed
     assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(pre.train_dataset.column_names)
@@ -359,8 +396,9 @@ def test_peft_policy_is_its_own_reference_with_adapters_disabled(tmp_path, token
 def test_training_run_logs_window_averages_and_evaluate_returns_dpo_metrics(tmp_path, tokenizer):
     # learning_rate 0: the policy stays equal to its reference, so every logged value is known in advance;
     # 4 pairs, 2 per step, one log after both steps: the log averages over all 4 pairs.
-    trainer = make_trainer(tmp_path, tokenizer, learning_rate=0.0, max_steps=2, logging_steps=2,
-                           eval_strategy="steps", eval_steps=2)
+    trainer = make_trainer(
+        tmp_path, tokenizer, learning_rate=0.0, max_steps=2, logging_steps=2, eval_strategy="steps", eval_steps=2
+    )
     trainer.eval_dataset = trainer.prepare_dataset(PAIRS[:3], "eval")
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -378,21 +416,37 @@ def test_training_run_logs_window_averages_and_evaluate_returns_dpo_metrics(tmp_
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["eval_logps/chosen"] == pytest.approx(logps[:3].mean().item(), abs=1e-4)
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                "logps/rejected", "logits/chosen", "logits/rejected"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+    ):
         assert f"eval_{key}" in metrics
 
 
 def test_short_run_with_accumulation_changes_every_parameter_and_never_the_reference(tmp_path, tokenizer):
-    trainer = make_trainer(tmp_path, tokenizer, max_steps=3, gradient_accumulation_steps=2, learning_rate=1e-2,
-                           per_device_train_batch_size=1, logging_steps=1, rpo_alpha=1.0)
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        per_device_train_batch_size=1,
+        logging_steps=1,
+        rpo_alpha=1.0,
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     ref_before = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3 and all(math.isfinite(h["loss"]) for h in logs)
-    assert all(h["rewards/margins"] == pytest.approx(h["rewards/chosen"] - h["rewards/rejected"], abs=1e-6)
-               for h in logs)
+    assert all(
+        h["rewards/margins"] == pytest.approx(h["rewards/chosen"] - h["rewards/rejected"], abs=1e-6) for h in logs
+    )
     assert "nll_loss" in logs[0]
     unchanged = [n for n, p in trainer.model.named_parameters() if torch.equal(p.detach(), before[n])]
     assert unchanged == []
@@ -403,9 +457,20 @@ def test_toy_preference_task_reaches_high_reward_accuracy(tmp_path, tokenizer):
     """On 64 addition problems (toy.load_task, preference kind) the policy learns to prefer the right sums of its
     training pairs over plausible wrong ones, relative to its frozen starting point."""
     pairs = toy.load_task("addition", kind="preference", n=64, seed=0)
-    trainer = DPOTrainer(toy.build_model("tiny", seed=0), args=make_args(
-        tmp_path, max_steps=50, per_device_train_batch_size=16, learning_rate=5e-3, beta=1.0,
-        lr_scheduler_type="constant", logging_steps=10), train_dataset=pairs, processing_class=tokenizer)
+    trainer = DPOTrainer(
+        toy.build_model("tiny", seed=0),
+        args=make_args(
+            tmp_path,
+            max_steps=50,
+            per_device_train_batch_size=16,
+            learning_rate=5e-3,
+            beta=1.0,
+            lr_scheduler_type="constant",
+            logging_steps=10,
+        ),
+        train_dataset=pairs,
+        processing_class=tokenizer,
+    )
     trainer.train()
     accuracies = [h["rewards/accuracies"] for h in trainer.state.log_history if "rewards/accuracies" in h]
     assert accuracies[0] < 0.8 and accuracies[-1] > 0.9, accuracies
@@ -420,10 +485,25 @@ def test_golden_losses_of_a_fixed_seed(tmp_path):
     """The first 5 logged losses of a fixed-seed run (toy preference pairs, accumulation 2), recorded before the
     metrics window refactor: any change to the loss, the reference, the data order or the loop shows up here."""
     tok = toy.build_tokenizer()
-    args = DPOConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                     seed=0, learning_rate=3e-3, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    trainer = DPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args=args,
-                         train_dataset=toy.load_task("addition", kind="preference", n=64), processing_class=tok)
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=5,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=3e-3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
+    trainer = DPOTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        args=args,
+        train_dataset=toy.load_task("addition", kind="preference", n=64),
+        processing_class=tok,
+    )
     trainer.train()
     assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_DPO, rel=1e-5)
-    assert {"rewards/chosen", "rewards/accuracies", "logits/chosen", "logps/rejected"} <= set(trainer.state.log_history[0])
+    assert {"rewards/chosen", "rewards/accuracies", "logits/chosen", "logps/rejected"} <= set(
+        trainer.state.log_history[0]
+    )

@@ -64,8 +64,14 @@ def test_kl_is_detached_mean():
     assert kl.item() == pytest.approx(0.75) and not kl.requires_grad
 
 
-@pytest.mark.parametrize("bad, match", [(dict(loss_type="dpo"), "not a KTO loss"), (dict(beta=0.0), "beta"),
-                                        (dict(desirable_weight=0.0), "desirable_weight")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(loss_type="dpo"), "not a KTO loss"),
+        (dict(beta=0.0), "beta"),
+        (dict(desirable_weight=0.0), "desirable_weight"),
+    ],
+)
 def test_bad_options_are_refused(bad, match):
     kwargs = {**dict(beta=0.1, loss_type="kto", desirable_weight=1.0, undesirable_weight=1.0), **bad}
     z = torch.zeros(1)
@@ -75,10 +81,22 @@ def test_bad_options_are_refused(bad, match):
 
 # ---- data -------------------------------------------------------------------------------------------------------
 def test_collator_layout_and_kl_rows():
-    rows = [{"prompt_input_ids": [1, 2, 3], "completion_input_ids": [4, 5], "KL_completion_input_ids": [6],
-             "label": True, "ref_logps": -1.0},
-            {"prompt_input_ids": [7, 8], "completion_input_ids": [9], "KL_completion_input_ids": [10, 11],
-             "label": False, "ref_logps": -2.0}]
+    rows = [
+        {
+            "prompt_input_ids": [1, 2, 3],
+            "completion_input_ids": [4, 5],
+            "KL_completion_input_ids": [6],
+            "label": True,
+            "ref_logps": -1.0,
+        },
+        {
+            "prompt_input_ids": [7, 8],
+            "completion_input_ids": [9],
+            "KL_completion_input_ids": [10, 11],
+            "label": False,
+            "ref_logps": -2.0,
+        },
+    ]
     batch = KTOCollator(pad_token_id=0)(rows)
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [7, 8, 9, 0, 0]]
     assert batch["completion_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 0, 0]]
@@ -90,28 +108,49 @@ def test_collator_layout_and_kl_rows():
 
 def test_unpair_and_rotate():
     out = unpair_rows({"prompt": ["a", "b"], "chosen": ["1", "2"], "rejected": ["x", "y"]})
-    assert out == {"prompt": ["a", "b", "a", "b"], "completion": ["1", "2", "x", "y"],
-                   "label": [True, True, False, False]}
+    assert out == {
+        "prompt": ["a", "b", "a", "b"],
+        "completion": ["1", "2", "x", "y"],
+        "label": [True, True, False, False],
+    }
     assert unpair_rows({"chosen": ["Q: 4"], "rejected": ["Q: 5"]})["prompt"] == ["Q: ", "Q: "]
-    assert rotate_completions({"completion_input_ids": [[1], [2], [3]]}) == {"KL_completion_input_ids": [[3], [1], [2]]}
+    assert rotate_completions({"completion_input_ids": [[1], [2], [3]]}) == {
+        "KL_completion_input_ids": [[3], [1], [2]]
+    }
 
 
 def kto_rows(n=8):
     pairs = toy.load_task("addition", kind="preference", n=n)
     rows = []
     for i, r in enumerate(pairs):
-        rows.append({"prompt": r["prompt"], "completion": r["chosen"] if i % 3 else r["rejected"], "label": bool(i % 3)})
+        rows.append(
+            {"prompt": r["prompt"], "completion": r["chosen"] if i % 3 else r["rejected"], "label": bool(i % 3)}
+        )
     return rows
 
 
-ARGS = dict(per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=2, learning_rate=1e-2,
-            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, max_length=64, seed=0)
+ARGS = dict(
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=4,
+    max_steps=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    max_length=64,
+    seed=0,
+)
 
 
 def test_paired_dataset_is_split_and_kl_columns_added(tmp_path, tok):
     pairs = toy.load_task("addition", kind="preference", n=3)
-    trainer = treadle.KTOTrainer(toy.build_model("tiny", tokenizer=tok), args=treadle.KTOConfig(
-        output_dir=str(tmp_path), **ARGS), train_dataset=pairs, processing_class=tok)
+    trainer = treadle.KTOTrainer(
+        toy.build_model("tiny", tokenizer=tok),
+        args=treadle.KTOConfig(output_dir=str(tmp_path), **ARGS),
+        train_dataset=pairs,
+        processing_class=tok,
+    )
     data = trainer.train_dataset
     assert data["label"] == [True] * 3 + [False] * 3
     assert data["completion_input_ids"][0] == tok(pairs[0]["chosen"], add_special_tokens=False)["input_ids"] + [2]
@@ -123,12 +162,19 @@ def test_paired_dataset_is_split_and_kl_columns_added(tmp_path, tok):
 def test_missing_columns_and_long_prompt_are_clear_errors(tmp_path, tok):
     model = toy.build_model("tiny", tokenizer=tok)
     with pytest.raises(ValueError, match="completion"):
-        treadle.KTOTrainer(model, args=treadle.KTOConfig(output_dir=str(tmp_path), **ARGS),
-                           train_dataset=[{"prompt": "1+1=", "text": "2"}], processing_class=tok)
+        treadle.KTOTrainer(
+            model,
+            args=treadle.KTOConfig(output_dir=str(tmp_path), **ARGS),
+            train_dataset=[{"prompt": "1+1=", "text": "2"}],
+            processing_class=tok,
+        )
     with pytest.raises(ValueError, match="leaves no room"):
-        treadle.KTOTrainer(model, args=treadle.KTOConfig(output_dir=str(tmp_path), **{**ARGS, "max_length": 4}),
-                           train_dataset=[{"prompt": "12+34=", "completion": "46", "label": True}] * 2,
-                           processing_class=tok)
+        treadle.KTOTrainer(
+            model,
+            args=treadle.KTOConfig(output_dir=str(tmp_path), **{**ARGS, "max_length": 4}),
+            train_dataset=[{"prompt": "12+34=", "completion": "46", "label": True}] * 2,
+            processing_class=tok,
+        )
     with pytest.raises(ValueError, match="per_device_train_batch_size must be >= 2"):
         treadle.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=1)
 
@@ -137,8 +183,12 @@ def test_missing_columns_and_long_prompt_are_clear_errors(tmp_path, tok):
 def trained(tmp_path, tok, **overrides):
     model = toy.build_model("tiny", tokenizer=tok)
     before = copy.deepcopy(model.state_dict())
-    trainer = treadle.KTOTrainer(model, args=treadle.KTOConfig(output_dir=str(tmp_path), **{**ARGS, **overrides}),
-                                 train_dataset=kto_rows(), processing_class=tok)
+    trainer = treadle.KTOTrainer(
+        model,
+        args=treadle.KTOConfig(output_dir=str(tmp_path), **{**ARGS, **overrides}),
+        train_dataset=kto_rows(),
+        processing_class=tok,
+    )
     trainer.train()
     return trainer, before
 
@@ -148,8 +198,17 @@ def test_tiny_run_changes_every_weight_and_logs_trl_metrics(tmp_path, tok, loss_
     trainer, before = trained(tmp_path, tok, loss_type=loss_type)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
-    for key in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
-                "logits/chosen", "logits/rejected", "entropy"):
+    for key in (
+        "kl",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "logits/chosen",
+        "logits/rejected",
+        "entropy",
+    ):
         assert key in logs[-1], key
     after = trainer.model.state_dict()
     assert all(not torch.equal(before[k], after[k]) for k in before), "every trainable weight moves"
@@ -169,8 +228,13 @@ def test_peft_policy_is_its_own_reference(tmp_path, tok):
     peft = pytest.importorskip("peft")
     model = toy.build_model("tiny", tokenizer=tok)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    trainer = treadle.KTOTrainer(model, args=treadle.KTOConfig(output_dir=str(tmp_path), **ARGS),
-                                 train_dataset=kto_rows(), processing_class=tok, peft_config=config)
+    trainer = treadle.KTOTrainer(
+        model,
+        args=treadle.KTOConfig(output_dir=str(tmp_path), **ARGS),
+        train_dataset=kto_rows(),
+        processing_class=tok,
+        peft_config=config,
+    )
     assert trainer.ref_model is None
     trainer.train()
     # LoRA's B starts at zero: at the first step policy and reference agree, so KL and rewards start at exactly 0
@@ -181,20 +245,53 @@ def test_peft_policy_is_its_own_reference(tmp_path, tok):
 def test_gradient_accumulation_gives_the_big_batch_gradient(tmp_path, tok):
     # apo_zero_unpaired has no batch-dependent KL term, so 2 x 2 accumulated rows are exactly one batch of 4
     big, _ = trained(tmp_path / "big", tok, loss_type="apo_zero_unpaired", max_steps=1, optim="sgd")
-    small, _ = trained(tmp_path / "small", tok, loss_type="apo_zero_unpaired", max_steps=1, optim="sgd",
-                       per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    small, _ = trained(
+        tmp_path / "small",
+        tok,
+        loss_type="apo_zero_unpaired",
+        max_steps=1,
+        optim="sgd",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+    )
     a, b = big.model.state_dict(), small.model.state_dict()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
 
 
 # ---- parity with TRL --------------------------------------------------------------------------------------------
-PARITY = dict(per_device_train_batch_size=6, per_device_eval_batch_size=6, max_steps=1, learning_rate=0.5,
-              optim="sgd", warmup_steps=0, weight_decay=0.0, max_grad_norm=1e9, seed=0, logging_steps=1,
-              save_strategy="no", report_to="none", disable_tqdm=True, dataloader_pin_memory=False, beta=0.3,
-              desirable_weight=1.4, undesirable_weight=0.6, max_length=64)
-METRICS = ["loss", "kl", "entropy", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-           "logps/rejected", "logits/chosen", "logits/rejected"]
+PARITY = dict(
+    per_device_train_batch_size=6,
+    per_device_eval_batch_size=6,
+    max_steps=1,
+    learning_rate=0.5,
+    optim="sgd",
+    warmup_steps=0,
+    weight_decay=0.0,
+    max_grad_norm=1e9,
+    seed=0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    dataloader_pin_memory=False,
+    beta=0.3,
+    desirable_weight=1.4,
+    undesirable_weight=0.6,
+    max_length=64,
+)
+METRICS = [
+    "loss",
+    "kl",
+    "entropy",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+]
 
 
 def perturbed(model, seed, scale):
@@ -219,13 +316,24 @@ def test_eval_metrics_and_one_sgd_step_match_trl(tmp_path, tok, loss_type):
     # the reference far from the policy on its mismatched pairs makes z > 0 for one seed; check both branches below
     reference = perturbed(policy, 1, 0.05)
     kwargs = dict(PARITY, loss_type=loss_type)
-    theirs = trl.KTOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), processing_class=tok,
-                            train_dataset=rows, eval_dataset=rows,
-                            args=trl.KTOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,
-                                               gradient_checkpointing=False, **kwargs))
-    ours = treadle.KTOTrainer(copy.deepcopy(policy), ref_model=copy.deepcopy(reference), processing_class=tok,
-                              train_dataset=rows, eval_dataset=rows,
-                              args=treadle.KTOConfig(output_dir=str(tmp_path / "t"), **kwargs))
+    theirs = trl.KTOTrainer(
+        model=copy.deepcopy(policy),
+        ref_model=copy.deepcopy(reference),
+        processing_class=tok,
+        train_dataset=rows,
+        eval_dataset=rows,
+        args=trl.KTOConfig(
+            output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, gradient_checkpointing=False, **kwargs
+        ),
+    )
+    ours = treadle.KTOTrainer(
+        copy.deepcopy(policy),
+        ref_model=copy.deepcopy(reference),
+        processing_class=tok,
+        train_dataset=rows,
+        eval_dataset=rows,
+        args=treadle.KTOConfig(output_dir=str(tmp_path / "t"), **kwargs),
+    )
     a, b = theirs.evaluate(), ours.evaluate()
     assert [b[f"eval_{k}"] for k in METRICS] == pytest.approx([a[f"eval_{k}"] for k in METRICS], abs=1e-4)
     assert a["eval_rewards/margins"] != 0.0

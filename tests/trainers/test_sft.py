@@ -9,10 +9,17 @@ import torch.nn.functional as F
 from _factories import tiny_llama
 
 from treadle import SFTConfig, SFTTrainer
-from treadle.demos import toy
 from treadle.data import SeededSampler
-from treadle.trainers.sft import (SFTCollator, dataset_form, pack_rows, token_accuracy_counts, tokenize_messages,
-                                  tokenize_prompt_completion, tokenize_text)
+from treadle.demos import toy
+from treadle.trainers.sft import (
+    SFTCollator,
+    dataset_form,
+    pack_rows,
+    token_accuracy_counts,
+    tokenize_messages,
+    tokenize_prompt_completion,
+    tokenize_text,
+)
 
 EOS = 2
 VOCAB = 103  # the toy tokenizer's
@@ -29,14 +36,37 @@ def ids_of(text):
 
 
 def config(tmp_path, **kw):
-    defaults = dict(output_dir=str(tmp_path), disable_tqdm=True, save_strategy="no", logging_steps=1,
-                    max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, max_grad_norm=0.0,
-                    lr_scheduler_type="constant")
+    defaults = dict(
+        output_dir=str(tmp_path),
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+    )
     return SFTConfig(**{**defaults, **kw})
 
 
-PAIRS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in
-         [(1, 2), (12, 30), (7, 45), (99, 99), (3, 3), (50, 6), (18, 27), (64, 1), (9, 9), (10, 90), (2, 71), (40, 4)]]
+PAIRS = [
+    {"prompt": f"{a}+{b}=", "completion": str(a + b)}
+    for a, b in [
+        (1, 2),
+        (12, 30),
+        (7, 45),
+        (99, 99),
+        (3, 3),
+        (50, 6),
+        (18, 27),
+        (64, 1),
+        (9, 9),
+        (10, 90),
+        (2, 71),
+        (40, 4),
+    ]
+]
 
 
 # ---- the dataset forms --------------------------------------------------------------------------------------
@@ -71,14 +101,18 @@ def test_chat_prompt_completion_is_split_after_the_generation_prompt(tokenizer):
     assert mask == [0] * 7 + [1, 1]
 
 
-@pytest.mark.parametrize("columns, form", [(["prompt", "completion", "x"], "prompt_completion"),
-                                           (["messages"], "messages"), (["text", "id"], "text")])
+@pytest.mark.parametrize(
+    "columns, form",
+    [(["prompt", "completion", "x"], "prompt_completion"), (["messages"], "messages"), (["text", "id"], "text")],
+)
 def test_dataset_form_is_read_from_the_columns(columns, form):
     assert dataset_form(columns) == form
 
 
-@pytest.mark.parametrize("columns, needle", [(["prompt"], "'completion'"), (["completion"], "'prompt'"),
-                                             (["question", "answer"], "none of its columns")])
+@pytest.mark.parametrize(
+    "columns, needle",
+    [(["prompt"], "'completion'"), (["completion"], "'prompt'"), (["question", "answer"], "none of its columns")],
+)
 def test_missing_columns_are_named(columns, needle):
     with pytest.raises(ValueError, match=needle) as error:
         dataset_form(columns)
@@ -94,13 +128,18 @@ def test_the_missing_column_message_names_each_other_form_once():
 
 def test_missing_columns_fail_in_the_constructor(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"'body'.*dataset_text_field"):
-        SFTTrainer(tiny_llama(vocab_size=VOCAB), config(tmp_path), train_dataset=[{"body": "x"}],
-                   processing_class=tokenizer)
+        SFTTrainer(
+            tiny_llama(vocab_size=VOCAB), config(tmp_path), train_dataset=[{"body": "x"}], processing_class=tokenizer
+        )
 
 
 def test_other_text_field_and_truncation(tmp_path, tokenizer):
-    trainer = SFTTrainer(tiny_llama(vocab_size=VOCAB), config(tmp_path, dataset_text_field="body", max_length=4),
-                         train_dataset=[{"body": "abcdef"}, {"body": "ab"}], processing_class=tokenizer)
+    trainer = SFTTrainer(
+        tiny_llama(vocab_size=VOCAB),
+        config(tmp_path, dataset_text_field="body", max_length=4),
+        train_dataset=[{"body": "abcdef"}, {"body": "ab"}],
+        processing_class=tokenizer,
+    )
     assert trainer.train_dataset["input_ids"] == [ids_of("abcd"), ids_of("ab") + [EOS]]
 
 
@@ -115,8 +154,13 @@ def test_a_tokenizer_is_needed_for_text(tmp_path):
         SFTTrainer(tiny_llama(), config(tmp_path), train_dataset=[{"text": "a"}])
 
 
-@pytest.mark.parametrize("kw, needle", [(dict(packing=True, max_length=None), "packing=True needs max_length"),
-                                        (dict(max_length=1), "max_length must be")])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(packing=True, max_length=None), "packing=True needs max_length"),
+        (dict(max_length=1), "max_length must be"),
+    ],
+)
 def test_config_validation_says_how_to_fix(tmp_path, kw, needle):
     with pytest.raises(ValueError, match=needle):
         config(tmp_path, **kw)
@@ -126,13 +170,16 @@ def test_a_plain_training_arguments_is_refused(tmp_path, tokenizer):
     from treadle import TrainingArguments
 
     with pytest.raises(TypeError, match="SFTConfig"):
-        SFTTrainer(tiny_llama(vocab_size=VOCAB), TrainingArguments(output_dir=str(tmp_path)), processing_class=tokenizer)
+        SFTTrainer(
+            tiny_llama(vocab_size=VOCAB), TrainingArguments(output_dir=str(tmp_path)), processing_class=tokenizer
+        )
 
 
 # ---- collation ----------------------------------------------------------------------------------------------
 def test_collator_builds_labels_from_the_completion_mask():
-    batch = SFTCollator(pad_token_id=0)([{"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]},
-                                         {"input_ids": [8, 9], "completion_mask": [1, 1]}])
+    batch = SFTCollator(pad_token_id=0)(
+        [{"input_ids": [5, 6, 7], "completion_mask": [0, 1, 1]}, {"input_ids": [8, 9], "completion_mask": [1, 1]}]
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, 9, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
@@ -184,18 +231,19 @@ def test_packed_rows_do_not_attend_across_rows(attention):
                 continue  # padding
             found += 1
             # the loss at t predicts token t+1: a row's own predictions are positions start .. end-2
-            torch.testing.assert_close(together[r, start:end - 1], alone[ids], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(together[r, start : end - 1], alone[ids], rtol=1e-5, atol=1e-5)
             if start > 0:
                 assert together[r, start - 1].item() == 0.0  # no label across the boundary
-                assert not torch.allclose(plain[r, start:end - 1], alone[ids], atol=1e-3)  # the test can fail
+                assert not torch.allclose(plain[r, start : end - 1], alone[ids], atol=1e-3)  # the test can fail
     assert found == len(rows)
 
 
 def test_the_trainer_loss_of_a_packed_batch_is_that_of_the_rows_alone(tmp_path, tokenizer):
     model = tiny_llama(vocab_size=VOCAB)
     rows = PAIRS[:6]
-    packed = SFTTrainer(model, config(tmp_path, packing=True, max_length=24), train_dataset=rows,
-                        processing_class=tokenizer)
+    packed = SFTTrainer(
+        model, config(tmp_path, packing=True, max_length=24), train_dataset=rows, processing_class=tokenizer
+    )
     alone = SFTTrainer(model, config(tmp_path), train_dataset=rows, processing_class=tokenizer)
     assert len(packed.train_dataset) < len(alone.train_dataset)
     with torch.no_grad():
@@ -205,8 +253,12 @@ def test_the_trainer_loss_of_a_packed_batch_is_that_of_the_rows_alone(tmp_path, 
 
 
 def test_packed_training_sees_every_row_once(tmp_path, tokenizer):
-    trainer = SFTTrainer(tiny_llama(vocab_size=VOCAB), config(tmp_path, packing=True, max_length=32),
-                         train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        tiny_llama(vocab_size=VOCAB),
+        config(tmp_path, packing=True, max_length=32),
+        train_dataset=PAIRS,
+        processing_class=tokenizer,
+    )
     unpacked = tokenize_prompt_completion(tokenizer, [r["prompt"] for r in PAIRS], [r["completion"] for r in PAIRS])
     assert sorted(sum(trainer.train_dataset["input_ids"], [])) == sorted(sum((ids for ids, _ in unpacked), []))
     assert all(len(ids) <= 32 for ids in trainer.train_dataset["input_ids"])
@@ -222,18 +274,22 @@ def test_training_equals_plain_pytorch_on_completion_tokens(tmp_path, tokenizer)
     """Two SGD steps of 2 x 2 accumulated rows against a hand-written loop: completion tokens + eos only."""
     model = tiny_llama(vocab_size=VOCAB)
     reference = copy.deepcopy(model)
-    trainer = SFTTrainer(model, config(tmp_path, optim="sgd", adam_beta1=0.0, learning_rate=0.5,
-                                       gradient_accumulation_steps=2), train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model,
+        config(tmp_path, optim="sgd", adam_beta1=0.0, learning_rate=0.5, gradient_accumulation_steps=2),
+        train_dataset=PAIRS,
+        processing_class=tokenizer,
+    )
     trainer.train()
     order = SeededSampler(len(PAIRS), seed=42).indices()
     losses = []
     for step in range(2):
-        window = [PAIRS[i] for i in order[4 * step: 4 * step + 4]]
+        window = [PAIRS[i] for i in order[4 * step : 4 * step + 4]]
         total, count = 0.0, 0
         for row in window:
             prompt, completion = ids_of(row["prompt"]), ids_of(row["completion"]) + [EOS]
             logits = reference(input_ids=torch.tensor([prompt + completion])).logits[0]
-            predicted = logits[len(prompt) - 1:-1]  # the logits that predict the completion tokens
+            predicted = logits[len(prompt) - 1 : -1]  # the logits that predict the completion tokens
             total = total + F.cross_entropy(predicted, torch.tensor(completion), reduction="sum")
             count += len(completion)
         loss = total / count
@@ -252,8 +308,12 @@ def test_training_equals_plain_pytorch_on_completion_tokens(tmp_path, tokenizer)
 def test_every_parameter_changes_and_the_loss_falls(tmp_path, tokenizer):
     model = tiny_llama(vocab_size=VOCAB)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = SFTTrainer(model, config(tmp_path, max_steps=30, per_device_train_batch_size=4, learning_rate=1e-2),
-                         train_dataset=PAIRS, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model,
+        config(tmp_path, max_steps=30, per_device_train_batch_size=4, learning_rate=1e-2),
+        train_dataset=PAIRS,
+        processing_class=tokenizer,
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert all(torch.isfinite(torch.tensor(losses)))
@@ -264,8 +324,12 @@ def test_every_parameter_changes_and_the_loss_falls(tmp_path, tokenizer):
 
 def test_chat_datasets_train(tmp_path, tokenizer):
     data = toy.load_task("addition", kind="chat", n=8)
-    trainer = SFTTrainer(tiny_llama(vocab_size=VOCAB), config(tmp_path, assistant_only_loss=True),
-                         train_dataset=data, processing_class=tokenizer)
+    trainer = SFTTrainer(
+        tiny_llama(vocab_size=VOCAB),
+        config(tmp_path, assistant_only_loss=True),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     assert sum(trainer.train_dataset["completion_mask"][0]) == len(data[0]["messages"][1]["content"]) + 1
     trainer.train()
     assert trainer.state.global_step == 2
@@ -281,14 +345,19 @@ def test_token_accuracy_counts_by_hand():
 
 def test_eval_reports_loss_and_token_accuracy_like_plain_pytorch(tmp_path, tokenizer):
     model = tiny_llama(vocab_size=VOCAB)
-    trainer = SFTTrainer(model, config(tmp_path, per_device_eval_batch_size=3), train_dataset=PAIRS,
-                         eval_dataset=PAIRS[:5], processing_class=tokenizer)
+    trainer = SFTTrainer(
+        model,
+        config(tmp_path, per_device_eval_batch_size=3),
+        train_dataset=PAIRS,
+        eval_dataset=PAIRS[:5],
+        processing_class=tokenizer,
+    )
     metrics = trainer.evaluate()
     total, correct, count = 0.0, 0, 0
     with torch.no_grad():
         for row in PAIRS[:5]:
             prompt, completion = ids_of(row["prompt"]), ids_of(row["completion"]) + [EOS]
-            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+            logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
             total += F.cross_entropy(logits, torch.tensor(completion), reduction="sum").item()
             correct += int((logits.argmax(-1) == torch.tensor(completion)).sum())
             count += len(completion)
@@ -299,8 +368,9 @@ def test_eval_reports_loss_and_token_accuracy_like_plain_pytorch(tmp_path, token
 
 
 def test_training_logs_token_accuracy(tmp_path, tokenizer):
-    trainer = SFTTrainer(tiny_llama(vocab_size=VOCAB), config(tmp_path), train_dataset=PAIRS,
-                         processing_class=tokenizer)
+    trainer = SFTTrainer(
+        tiny_llama(vocab_size=VOCAB), config(tmp_path), train_dataset=PAIRS, processing_class=tokenizer
+    )
     trainer.train()
     accuracies = [h["mean_token_accuracy"] for h in trainer.state.log_history if "loss" in h]
     assert len(accuracies) == 2 and all(0.0 <= a <= 1.0 for a in accuracies)
@@ -325,9 +395,22 @@ def test_golden_losses_of_a_fixed_seed(tmp_path):
     """The first 5 logged losses of a fixed-seed run (toy model, accumulation 2), recorded before the metrics
     window and loop refactor: any change to the loss, the data order or the loop shows up here."""
     tok = toy.build_tokenizer()
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=5, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                     seed=0, learning_rate=3e-3, per_device_train_batch_size=8, gradient_accumulation_steps=2)
-    trainer = SFTTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), args,
-                         train_dataset=toy.load_task("addition", n=64), processing_class=tok)
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=5,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        learning_rate=3e-3,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+    )
+    trainer = SFTTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        args,
+        train_dataset=toy.load_task("addition", n=64),
+        processing_class=tok,
+    )
     trainer.train()
     assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_SFT, rel=1e-5)

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from treadle.cli import configfile
-from treadle.record import report, runfiles
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
+from treadle.record import report, runfiles
 from treadle.record.runs import check_run_folder, disk_errors
 
 
@@ -50,18 +50,21 @@ class TrainerKind:
 def trainer_kinds() -> dict[str, TrainerKind]:
     """The trainers a config can name. Imports them (torch, transformers: seconds), so ``treadle report`` and a
     config that fails its first checks never pay for it."""
-    from treadle.trainers.dpo import DPOTrainer  # heavy: torch and transformers, only for `treadle train`
     from treadle.trainers.distillation import DistillationTrainer  # heavy, as above
+    from treadle.trainers.dpo import DPOTrainer  # heavy: torch and transformers, only for `treadle train`
     from treadle.trainers.grpo.trainer import GRPOTrainer  # heavy, as above
     from treadle.trainers.kto import KTOTrainer  # heavy, as above
     from treadle.trainers.reward import RewardTrainer  # heavy, as above
     from treadle.trainers.sft import SFTTrainer  # heavy, as above
 
-    return {"sft": TrainerKind(SFTTrainer, "sft"), "dpo": TrainerKind(DPOTrainer, "preference"),
-            "reward": TrainerKind(RewardTrainer, "preference", reward_head=True),
-            "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True),
-            "kto": TrainerKind(KTOTrainer, "preference"),  # paired rows are split into unpaired ones
-            "distillation": TrainerKind(DistillationTrainer, "rl", takes_teacher=True)}
+    return {
+        "sft": TrainerKind(SFTTrainer, "sft"),
+        "dpo": TrainerKind(DPOTrainer, "preference"),
+        "reward": TrainerKind(RewardTrainer, "preference", reward_head=True),
+        "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True),
+        "kto": TrainerKind(KTOTrainer, "preference"),  # paired rows are split into unpaired ones
+        "distillation": TrainerKind(DistillationTrainer, "rl", takes_teacher=True),
+    }
 
 
 RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft", "teacher")  # not config fields
@@ -77,7 +80,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``treadle`` parser: ``--debug`` and one subcommand (demo, train, report, merge, vllm-serve)."""
-    parser = _Parser(prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one loop.")
+    parser = _Parser(
+        prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one loop."
+    )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (or TREADLE_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_demo_command(commands)
@@ -92,34 +97,58 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_demo_command(commands) -> None:
     # the demo's numbers have no default here: a flag left out is absent from args, so DemoSettings' own default
     # applies and treadle.demos.addition is imported only when the demo runs
-    demo = commands.add_parser("demo", argument_default=argparse.SUPPRESS,
-                               help="SFT then GRPO the tiny model on addition; compare held-out accuracy")
+    demo = commands.add_parser(
+        "demo",
+        argument_default=argparse.SUPPRESS,
+        help="SFT then GRPO the tiny model on addition; compare held-out accuracy",
+    )
     demo.add_argument("--output-dir", default=None, help="run folder (default: runs/demo-<time>)")
     demo.add_argument("--seed", type=int, help="seed of model, data and sampling")
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps (tools: per attempt)")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
     demo.add_argument("--use-vllm", "--use_vllm", action="store_true", help="addition: GRPO samples with vLLM")
-    demo.add_argument("--max-staleness", "--max_staleness", type=int, help="addition: GRPO samples up to N steps "
-                      "ahead (docs/async.md)")
-    demo.add_argument("--task", choices=("addition", "tools", "distill", "count"), help="addition (default); tools: "
-                      "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
-                      "count: a tiny VLM counts shapes")
+    demo.add_argument(
+        "--max-staleness",
+        "--max_staleness",
+        type=int,
+        help="addition: GRPO samples up to N steps ahead (docs/async.md)",
+    )
+    demo.add_argument(
+        "--task",
+        choices=("addition", "tools", "distill", "count"),
+        help="addition (default); tools: "
+        "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
+        "count: a tiny VLM counts shapes",
+    )
 
 
 def _add_train_command(commands) -> None:
-    train = commands.add_parser("train", allow_abbrev=False, help="train from a YAML config",
-                                description="Train from CONFIG.yaml; --key value overrides one key of it.")
+    train = commands.add_parser(
+        "train",
+        allow_abbrev=False,
+        help="train from a YAML config",
+        description="Train from CONFIG.yaml; --key value overrides one key of it.",
+    )
     train.add_argument("config", help="YAML file: trainer, model, dataset, [eval_dataset, reward_funcs], config keys")
-    train.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                       help="the newest checkpoint in output_dir, or CHECKPOINT; auto: the newest or a fresh start")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CHECKPOINT",
+        help="the newest checkpoint in output_dir, or CHECKPOINT; auto: the newest or a fresh start",
+    )
 
 
 def _add_report_command(commands) -> None:
-    report = commands.add_parser("report", help="redraw a run's plots, write its report.html, print its summary; "
-                                                "several runs are also overlaid")
+    report = commands.add_parser(
+        "report", help="redraw a run's plots, write its report.html, print its summary; several runs are also overlaid"
+    )
     report.add_argument("run_dir", nargs="+", help="a run's output_dir (holding metrics.jsonl), or a folder of runs")
-    report.add_argument("--output-dir", help="where the overlay of several runs goes (default: <their folder>/compare)")
+    report.add_argument(
+        "--output-dir", help="where the overlay of several runs goes (default: <their folder>/compare)"
+    )
 
 
 def _add_merge_command(commands) -> None:
@@ -174,10 +203,17 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
     from treadle import distributed  # heavy: torch
 
     if distributed.launched("RANK") == 0:  # under torchrun, rank 0 owns the folder (and soon holds its lock)
-        check_run_folder(output_dir, resume=checkpoint is not None, overwrite=overwrite,
-                         model_dir=None if model.startswith("toy:") else model)
-    status = train_and_save(build_trainer(config, base_dir=Path(config_path).parent), checkpoint,
-                            resume_command=["treadle", "train", config_path, *overrides, "--resume"])
+        check_run_folder(
+            output_dir,
+            resume=checkpoint is not None,
+            overwrite=overwrite,
+            model_dir=None if model.startswith("toy:") else model,
+        )
+    status = train_and_save(
+        build_trainer(config, base_dir=Path(config_path).parent),
+        checkpoint,
+        resume_command=["treadle", "train", config_path, *overrides, "--resume"],
+    )
     distributed.finish()  # under torchrun, after the trainer is gone: a normal exit leaves the process group
     return status
 
@@ -213,8 +249,10 @@ def load_config(path: str, overrides: list[str] = ()) -> dict[str, Any]:
         line = f" at line {where.line + 1}" if where is not None else ""
         raise UserError(f"{path} is not valid YAML{line}: {getattr(error, 'problem', None) or error}") from None
     if not isinstance(config, dict):
-        raise UserError(f"{path} must hold a mapping of keys to values (trainer: sft, model: ..., dataset: ...), "
-                        f"got {type(config).__name__}")
+        raise UserError(
+            f"{path} must hold a mapping of keys to values (trainer: sft, model: ..., dataset: ...), "
+            f"got {type(config).__name__}"
+        )
     config.update(parse_overrides(overrides))
     return config
 
@@ -244,14 +282,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     """The trainer a config describes: the model, tokenizer, datasets and config class it names."""
-    from treadle.data import require_eval_dataset  # heavy: torch
     from treadle.cli.loading import load_run_objects  # heavy, as above
+    from treadle.data import require_eval_dataset  # heavy: torch
     from treadle.record.trackers import preflight  # heavy, as above
 
     name, kinds = config.get("trainer"), trainer_kinds()
     if name not in kinds:
-        raise UserError(f"unknown trainer {name!r}; set trainer: to one of {sorted(kinds)}"
-                        if name is not None else f"the config has no trainer: key; set it to one of {sorted(kinds)}")
+        raise UserError(
+            f"unknown trainer {name!r}; set trainer: to one of {sorted(kinds)}"
+            if name is not None
+            else f"the config has no trainer: key; set it to one of {sorted(kinds)}"
+        )
     for key in ("model", "dataset"):
         if not config.get(key):
             raise UserError(f"the config has no {key}: key (see examples/{name}.yaml)")
@@ -262,8 +303,10 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     unknown = next((key for key in fields if key not in config_cls.field_names()), None)
     owners = sorted(other for other, k in kinds.items() if unknown in k.trainer.config_class.field_names())
     if owners:  # another trainer's setting (GRPO's epsilon on distillation): say whose, not a far-off near name
-        raise UserError(f"{config_cls.__name__}: unknown key {unknown!r} for trainer {name}; it is a key of trainer "
-                        f"{', '.join(owners)}")
+        raise UserError(
+            f"{config_cls.__name__}: unknown key {unknown!r} for trainer {name}; it is a key of trainer "
+            f"{', '.join(owners)}"
+        )
     try:
         args = config_cls.from_mapping(fields, other_keys=RUN_KEYS, context=f"trainer {name}")
     except (ValueError, TypeError) as error:
@@ -300,14 +343,21 @@ def run_report(run_dirs: list[str], output_dir: str | None = None) -> int:
             raise UserError(f"run folder {run_dir} not found")
         if root.is_file():
             if root.name != runfiles.METRICS_FILE:
-                raise UserError(f"{run_dir} is a file; treadle report takes a run folder (an output_dir holding "
-                                f"{runfiles.METRICS_FILE}), e.g. treadle report {root.parent}")
+                raise UserError(
+                    f"{run_dir} is a file; treadle report takes a run folder (an output_dir holding "
+                    f"{runfiles.METRICS_FILE}), e.g. treadle report {root.parent}"
+                )
             root = root.parent
-        found = [root] if (root / runfiles.METRICS_FILE).is_file() else sorted(
-            p for p in root.iterdir() if (p / runfiles.METRICS_FILE).is_file())
+        found = (
+            [root]
+            if (root / runfiles.METRICS_FILE).is_file()
+            else sorted(p for p in root.iterdir() if (p / runfiles.METRICS_FILE).is_file())
+        )
         if not found:
-            raise UserError(f"{run_dir} holds no {runfiles.METRICS_FILE} (nor do its subfolders): is it the output_dir "
-                            f"of a treadle run?")
+            raise UserError(
+                f"{run_dir} holds no {runfiles.METRICS_FILE} (nor do its subfolders): is it the output_dir "
+                f"of a treadle run?"
+            )
         runs += found
     try:
         for run in runs:
@@ -337,22 +387,28 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demos.addition."""
     from treadle.demos import addition as demo  # heavy: torch, transformers
+
     names = ("seed", "sft_steps", "grpo_steps", "eval_size", "use_vllm", "max_staleness")
     given = {name: getattr(args, name) for name in names if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"
     if task == "tools":
         from treadle.demos import tools as demo_tools  # heavy, as above
+
         settings_class, run = demo_tools.ToolsDemoSettings, demo_tools.run_tools_demo
     elif task == "distill":
         from treadle.demos import distill as demo_distill  # heavy, as above
+
         settings_class, run = demo_distill.DistillDemoSettings, demo_distill.run_distill_demo
     elif task == "count":
         from treadle.demos import count as demo_count  # heavy, as above
+
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     for name in ("use_vllm", "max_staleness"):  # the addition demo's GRPO settings
         if name in given and not hasattr(settings_class, name):
-            raise UserError(f"--{name.replace('_', '-')} is for the addition demo's GRPO, not --task {task}; leave it out")
+            raise UserError(
+                f"--{name.replace('_', '-')} is for the addition demo's GRPO, not --task {task}; leave it out"
+            )
     try:
         settings = settings_class(**given)
     except ValueError as error:

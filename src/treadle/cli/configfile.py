@@ -21,8 +21,10 @@ from yaml.constructor import ConstructorError
 MOST_VALUES = 100_000  # values a config may hold once its aliases are expanded (a real one holds under 1,000)
 
 _BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
-_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$"
-                    r"|^\.(?:nan|NaN|NAN)$")
+_FLOAT = re.compile(
+    r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$"
+    r"|^\.(?:nan|NaN|NAN)$"
+)
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -32,8 +34,12 @@ class StrictLoader(yaml.SafeLoader):
         expanded = expanded_size(node, MOST_VALUES)
         if expanded > MOST_VALUES:
             raise ConstructorError(
-                None, None, f"its aliases (*name) expand to more than {MOST_VALUES:,} values (an alias bomb?); write "
-                f"the values out, or use fewer aliases", node.start_mark)
+                None,
+                None,
+                f"its aliases (*name) expand to more than {MOST_VALUES:,} values (an alias bomb?); write "
+                f"the values out, or use fewer aliases",
+                node.start_mark,
+            )
         return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
@@ -44,16 +50,22 @@ class StrictLoader(yaml.SafeLoader):
                     continue
                 if key_node.value in seen:
                     raise ConstructorError(
-                        None, None, f"duplicate key {key_node.value!r} (also at line {seen[key_node.value] + 1}): a "
-                        f"mapping holds each key once; keep the one you mean", key_node.start_mark)
+                        None,
+                        None,
+                        f"duplicate key {key_node.value!r} (also at line {seen[key_node.value] + 1}): a "
+                        f"mapping holds each key once; keep the one you mean",
+                        key_node.start_mark,
+                    )
                 seen[key_node.value] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
 
 StrictLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool",
-                                                                        "tag:yaml.org,2002:float")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    first: [
+        (tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:float")
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 StrictLoader.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL, list("tTfF"))
 StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 

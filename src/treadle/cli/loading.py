@@ -15,13 +15,13 @@ from typing import Any
 import datasets
 
 from treadle import peft as treadle_peft
-from treadle.demos import toy, toy_vision
 from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
+from treadle.demos import toy, toy_vision
 from treadle.errors import shorten
 from treadle.models import from_name
-from treadle.rewards import RewardFunction, from_reward_model
 from treadle.record.runs import check_not_in_model
+from treadle.rewards import RewardFunction, from_reward_model
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 
@@ -34,20 +34,24 @@ def load_run_objects(config: dict[str, Any], *, kind, args, base_dir: Path) -> d
     if kind.takes_reward_funcs:
         kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
     if bool(config.get("teacher")) != kind.takes_teacher:
-        raise ValueError("a distillation config names its teacher: (a model folder, Hub id or toy:<size>)"
-                         if kind.takes_teacher else "teacher: is a distillation key; remove it or set trainer: "
-                                                    "distillation")
+        raise ValueError(
+            "a distillation config names its teacher: (a model folder, Hub id or toy:<size>)"
+            if kind.takes_teacher
+            else "teacher: is a distillation key; remove it or set trainer: distillation"
+        )
     kwargs["train_dataset"] = load_dataset(config["dataset"], kind=kind.rows, split="train", base_dir=base_dir)
     evaluation = config.get("eval_dataset")
     if evaluation:
         kwargs["eval_dataset"] = load_dataset(evaluation, kind=kind.rows, split="test", base_dir=base_dir)
     if config.get("peft") is not None:
         kwargs["peft_config"] = treadle_peft.lora_config(config["peft"])
-    kwargs["model"], kwargs["processing_class"] = load_model(str(config["model"]), seed=args.seed, args=args,
-                                                             reward_head=kind.reward_head)
+    kwargs["model"], kwargs["processing_class"] = load_model(
+        str(config["model"]), seed=args.seed, args=args, reward_head=kind.reward_head
+    )
     if kind.takes_teacher:
-        kwargs["teacher_model"] = load_teacher(str(config["teacher"]), tokenizer=kwargs["processing_class"],
-                                               seed=args.seed)
+        kwargs["teacher_model"] = load_teacher(
+            str(config["teacher"]), tokenizer=kwargs["processing_class"], seed=args.seed
+        )
     return kwargs
 
 
@@ -72,17 +76,28 @@ def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Pat
         return _toy_dataset(spec, kind=kind, split=split)
     path = existing_path(spec, base_dir)
     if path is None:
-        raise ValueError(f"dataset {shorten(spec)} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
-                        f"Dataset.save_to_disk, or toy:addition)")
+        raise ValueError(
+            f"dataset {shorten(spec)} not found (a .json, .jsonl, .csv or .parquet file, a folder written by "
+            f"Dataset.save_to_disk, or toy:addition)"
+        )
+
     def from_rows(rows: list[dict]):  # checked before datasets infers (and refuses) a column type
-        check_text_columns(rows, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0))
+        check_text_columns(
+            rows, TEXT_COLUMNS.get(kind, ()), source=str(path), first_row=FIRST_LINE.get(path.suffix, 0)
+        )
         return datasets.Dataset.from_list(rows)
 
-    readers = {".json": lambda: from_rows(_read_json_rows(path)), ".jsonl": lambda: _read_jsonl(path, kind, from_rows),
-               ".csv": lambda: _read_csv(path), ".parquet": lambda: datasets.Dataset.from_parquet(str(path))}
+    readers = {
+        ".json": lambda: from_rows(_read_json_rows(path)),
+        ".jsonl": lambda: _read_jsonl(path, kind, from_rows),
+        ".csv": lambda: _read_csv(path),
+        ".parquet": lambda: datasets.Dataset.from_parquet(str(path)),
+    }
     if not path.is_dir() and path.suffix not in readers:
-        raise ValueError(f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "
-                         f"or a save_to_disk folder")
+        raise ValueError(
+            f"dataset {spec}: unsupported file type {path.suffix!r}; use one of {list(DATA_SUFFIXES)} "
+            f"or a save_to_disk folder"
+        )
     try:
         data = datasets.load_from_disk(str(path)) if path.is_dir() else readers[path.suffix]()
     except DatasetFileError:
@@ -101,8 +116,10 @@ def _dataset_from_mapping(spec: dict, *, kind: str, split: str, base_dir: Path):
     """``{path: ..., streaming: true|false}``: ``path`` as ``load_dataset`` reads it, streamed when asked."""
     unknown = sorted(set(spec) - {"path", "streaming"})
     if unknown or not spec.get("path") or not isinstance(spec.get("streaming", False), bool):
-        raise ValueError(f"a dataset mapping takes path: (a file, folder or toy:) and streaming: true/false, got "
-                         f"{dict(spec)!r}; e.g. dataset: {{path: data/train.jsonl, streaming: true}}")
+        raise ValueError(
+            f"a dataset mapping takes path: (a file, folder or toy:) and streaming: true/false, got "
+            f"{dict(spec)!r}; e.g. dataset: {{path: data/train.jsonl, streaming: true}}"
+        )
     path = existing_path(str(spec["path"]), base_dir)
     if not spec.get("streaming") or path is None or path.is_dir() or path.suffix not in STREAM_BUILDERS:
         data = load_dataset(str(spec["path"]), kind=kind, split=split, base_dir=base_dir)
@@ -112,8 +129,11 @@ def _dataset_from_mapping(spec: dict, *, kind: str, split: str, base_dir: Path):
 
 
 FIRST_LINE = {".jsonl": 1, ".csv": 2}  # the file line of row 0, where rows are lines (a CSV has a header)
-TEXT_COLUMNS = {"sft": ("prompt", "completion", "text", "messages"), "preference": ("prompt", "chosen", "rejected"),
-                "rl": ("prompt",)}  # per toy-dataset kind: the columns that hold text (or chat messages)
+TEXT_COLUMNS = {
+    "sft": ("prompt", "completion", "text", "messages"),
+    "preference": ("prompt", "chosen", "rejected"),
+    "rl": ("prompt",),
+}  # per toy-dataset kind: the columns that hold text (or chat messages)
 
 
 def _toy_dataset(spec: str, *, kind: str, split: str):
@@ -147,18 +167,24 @@ def _read_json_rows(path: Path) -> list[dict]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise DatasetFileError(f"{path}:{error.lineno}: not valid JSON ({error.msg}); a .json dataset is one JSON "
-                               f"document (JSON lines go in a .jsonl file)") from None
+        raise DatasetFileError(
+            f"{path}:{error.lineno}: not valid JSON ({error.msg}); a .json dataset is one JSON "
+            f"document (JSON lines go in a .jsonl file)"
+        ) from None
     if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
         lengths = {k: len(v) for k, v in data.items()}
         if len(set(lengths.values())) != 1:
-            raise DatasetFileError(f"{path} holds columns of different lengths {lengths}; give every column one "
-                                   f"value per row, or write a list of row objects")
+            raise DatasetFileError(
+                f"{path} holds columns of different lengths {lengths}; give every column one "
+                f"value per row, or write a list of row objects"
+            )
         data = [dict(zip(data, values)) for values in zip(*data.values())]
     if not isinstance(data, list) or not data or not all(isinstance(r, dict) for r in data):
-        raise DatasetFileError(f"{path} must hold rows: a JSON list of objects ([{{\"prompt\": ...}}, ...]) or an "
-                               f"object of equal-length column lists ({{\"prompt\": [...], ...}}); got "
-                               f"{_shape_of(data)}")
+        raise DatasetFileError(
+            f'{path} must hold rows: a JSON list of objects ([{{"prompt": ...}}, ...]) or an '
+            f'object of equal-length column lists ({{"prompt": [...], ...}}); got '
+            f"{_shape_of(data)}"
+        )
     return data
 
 
@@ -188,8 +214,9 @@ def _read_jsonl_rows(path: Path) -> list[dict]:
         except json.JSONDecodeError as error:
             raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
         if not isinstance(row, dict):
-            raise DatasetFileError(f"{path}:{number}: a JSON lines dataset holds one object per line, got "
-                                   f"{_shape_of(row)}")
+            raise DatasetFileError(
+                f"{path}:{number}: a JSON lines dataset holds one object per line, got {_shape_of(row)}"
+            )
         rows.append(row)
     if not rows:
         raise DatasetFileError(f"{path} holds no rows; write one JSON object per line")
@@ -256,13 +283,17 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
     peft = treadle_peft.require_peft()
     config_path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"{adapter_dir} holds no adapter_config.json, so it holds no adapter to merge; treadle merge "
-                         f"takes the output_dir of a run trained with peft: (a full fine-tune is already a whole model)")
+        raise ValueError(
+            f"{adapter_dir} holds no adapter_config.json, so it holds no adapter to merge; treadle merge "
+            f"takes the output_dir of a run trained with peft: (a full fine-tune is already a whole model)"
+        )
     with open(config_path) as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{config_path} names no base_model_name_or_path; merge in Python: "
-                         f"PeftModel.from_pretrained(base_model, {adapter_dir!r}).merge_and_unload()")
+        raise ValueError(
+            f"{config_path} names no base_model_name_or_path; merge in Python: "
+            f"PeftModel.from_pretrained(base_model, {adapter_dir!r}).merge_and_unload()"
+        )
     args_path, seed = os.path.join(adapter_dir, "training_args.json"), 0
     if os.path.isfile(args_path):  # a toy base is rebuilt from the run's seed, as `treadle train` built it
         with open(args_path) as f:
@@ -270,8 +301,10 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
     output_dir = expand_path(output_dir) if output_dir else os.path.join(adapter_dir, treadle_peft.MERGED_DIR)
     check_not_in_model(output_dir, base, what="--output-dir")  # as train refuses it: the base weights stay
     if os.path.realpath(output_dir) == os.path.realpath(adapter_dir):
-        raise ValueError(f"--output-dir {output_dir} is the run folder itself: the merged model would mix with the "
-                         f"adapter; leave --output-dir out (it writes {os.path.join(adapter_dir, treadle_peft.MERGED_DIR)})")
+        raise ValueError(
+            f"--output-dir {output_dir} is the run folder itself: the merged model would mix with the "
+            f"adapter; leave --output-dir out (it writes {os.path.join(adapter_dir, treadle_peft.MERGED_DIR)})"
+        )
     model, tokenizer = load_model(base, seed=seed)
     merged = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     merged.save_pretrained(output_dir)
@@ -286,11 +319,15 @@ def load_reward_funcs(spec, base_dir: Path = Path(".")) -> list[RewardFunction]:
     with ``trainer: reward``, or a Hub id: ``rewards.from_reward_model``), as a config names them. ValueError
     names what is missing."""
     if not spec:
-        raise ValueError("the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
-                        "[treadle.toy.addition_reward]")
+        raise ValueError(
+            "the grpo trainer needs reward_funcs: a list of dotted paths to functions, e.g. "
+            "[treadle.toy.addition_reward]"
+        )
     specs = [spec] if isinstance(spec, str) else list(spec)
-    return [_reward_model(str(s), base_dir) if str(s).startswith("model:") else _import_callable(str(s), base_dir)
-            for s in specs]
+    return [
+        _reward_model(str(s), base_dir) if str(s).startswith("model:") else _import_callable(str(s), base_dir)
+        for s in specs
+    ]
 
 
 def _reward_model(spec: str, base_dir: Path) -> RewardFunction:
@@ -309,18 +346,23 @@ def _import_callable(spec: str, base_dir: Path):
         if path is None:
             raise ValueError(f"reward function {shorten(spec)}: file {shorten(file)} not found")
         if path.suffix != ".py" or not path.is_file():
-            raise ValueError(f"reward function {shorten(spec)}: {shorten(file)} is not a Python file; name a .py file "
-                             f"and a function in it (rewards.py:my_reward), or a dotted path (package.module.function)")
+            raise ValueError(
+                f"reward function {shorten(spec)}: {shorten(file)} is not a Python file; name a .py file "
+                f"and a function in it (rewards.py:my_reward), or a dotted path (package.module.function)"
+            )
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         try:
             module_spec.loader.exec_module(module)
         except SyntaxError as error:
-            raise ValueError(f"reward function {spec}: {path} line {error.lineno}: {error.msg}; fix the "
-                             f"file") from error
+            raise ValueError(
+                f"reward function {spec}: {path} line {error.lineno}: {error.msg}; fix the file"
+            ) from error
         except Exception as error:  # the file's own code failed at import: the user's to fix, not treadle's
-            raise ValueError(f"reward function {spec}: importing {path} raised {type(error).__name__}: {error}; fix "
-                             f"the file (--debug shows the traceback)") from error
+            raise ValueError(
+                f"reward function {spec}: importing {path} raised {type(error).__name__}: {error}; fix "
+                f"the file (--debug shows the traceback)"
+            ) from error
     else:
         module_name, _, name = spec.rpartition(".")
         try:
@@ -328,11 +370,13 @@ def _import_callable(spec: str, base_dir: Path):
         except (ImportError, SyntaxError) as error:
             raise ValueError(f"reward function {spec}: cannot import {module_name} ({error})") from error
         if module is None:
-            raise ValueError(f"reward function {spec!r} must be a dotted path (package.module.function) or "
-                            f"file.py:function")
+            raise ValueError(
+                f"reward function {spec!r} must be a dotted path (package.module.function) or file.py:function"
+            )
     fn = getattr(module, name, None)
     if not callable(fn):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
-        raise ValueError(f"reward function {shorten(spec)}: {module.__name__} has no function {name!r}; its "
-                         f"functions: {names}")
+        raise ValueError(
+            f"reward function {shorten(spec)}: {module.__name__} has no function {name!r}; its functions: {names}"
+        )
     return fn

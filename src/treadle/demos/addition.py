@@ -32,9 +32,9 @@ import os
 import time
 from pathlib import Path
 
-from treadle.demos import toy
 from treadle.callbacks import TrainerCallback
 from treadle.cli.loading import load_model
+from treadle.demos import toy
 from treadle.record.report import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
@@ -119,27 +119,44 @@ def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
     start = time.time()
     tokenizer = toy.build_tokenizer()
     problems = min(settings.eval_size, 1000)  # the held-out problems every stage is scored on
-    print(f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition"
-          f"{' (GRPO samples with vLLM)' if settings.use_vllm else ''}; run folder {out}", flush=True)
+    print(
+        f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition"
+        f"{' (GRPO samples with vLLM)' if settings.use_vllm else ''}; run folder {out}",
+        flush=True,
+    )
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     untrained = evaluate_heldout(model, tokenizer, settings, out / "untrained")
     rows = [("untrained", untrained[ACCURACY], 0, 0.0)]
     checkpoint, sft_steps, sft_seconds = demo_sft(model, tokenizer, settings, out / "sft")
     model, curve, steps, seconds = demo_grpo(checkpoint, tokenizer, settings, out / "grpo")
     rows += [("after SFT", curve[0][1], sft_steps, sft_seconds), ("after GRPO", curve[-1][1], steps, seconds)]
-    (out / "results.json").write_text(json.dumps(
-        {"settings": dataclasses.asdict(settings), "heldout_problems": problems,
-         "stages": [{"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
-                    for name, accuracy, steps, seconds in rows],
-         "grpo_curve": [{"step": step, "accuracy": accuracy} for step, accuracy in curve],
-         "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "settings": dataclasses.asdict(settings),
+                "heldout_problems": problems,
+                "stages": [
+                    {"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
+                    for name, accuracy, steps, seconds in rows
+                ],
+                "grpo_curve": [{"step": step, "accuracy": accuracy} for step, accuracy in curve],
+                "total_seconds": round(time.time() - start, 1),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     for run in (out / "sft", out / "grpo"):
         print_plots(run)
-    print("held-out greedy exact match over GRPO steps: "
-          + ", ".join(f"{step}: {accuracy:.1%}" for step, accuracy in curve))
+    print(
+        "held-out greedy exact match over GRPO steps: "
+        + ", ".join(f"{step}: {accuracy:.1%}" for step, accuracy in curve)
+    )
     print(results_table(rows, problems))
-    print(f"treadle demo: done in {time.time() - start:.0f} s; results in {out / 'results.json'}; "
-          f"see `treadle report {out}`")
+    print(
+        f"treadle demo: done in {time.time() - start:.0f} s; results in {out / 'results.json'}; "
+        f"see `treadle report {out}`"
+    )
     return 0
 
 
@@ -149,10 +166,18 @@ def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tupl
     train = toy.load_task("addition", "train", seed=settings.seed)
     probe = toy.load_task("addition", "train", kind="rl", n=settings.sft_probe_size, seed=settings.seed + 1)
     stop = StopAtAccuracy(probe, tokenizer, target=settings.sft_target_accuracy, every=settings.sft_check_every)
-    args = SFTConfig(output_dir=str(output_dir), max_steps=settings.sft_steps, seed=settings.seed,
-                     learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
-                     lr_scheduler_type="constant_with_warmup", warmup_steps=0.05, logging_steps=25,
-                     save_steps=settings.sft_steps, max_length=32)
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        max_steps=settings.sft_steps,
+        seed=settings.seed,
+        learning_rate=settings.sft_learning_rate,
+        per_device_train_batch_size=settings.sft_batch_size,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=0.05,
+        logging_steps=25,
+        save_steps=settings.sft_steps,
+        max_length=32,
+    )
     trainer = SFTTrainer(model, args, train_dataset=train, processing_class=tokenizer, callbacks=[stop])
     start = time.time()
     trainer.train()
@@ -167,11 +192,23 @@ def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Pa
     """GRPO from the SFT checkpoint with the exact-match reward, evaluated on the held-out problems before its
     first step and every ``eval_every`` steps; returns (the model, the curve [(step, accuracy)], steps, seconds)."""
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
-    trainer = heldout_trainer(model, tokenizer, settings, output_dir, max_steps=settings.grpo_steps,
-                              learning_rate=settings.grpo_learning_rate, lr_scheduler_type="cosine",
-                              warmup_steps=settings.grpo_warmup, logging_steps=max(1, settings.grpo_steps // 40),
-                              save_strategy="steps", save_steps=settings.grpo_steps, log_completions=True,
-                              eval_strategy="steps", eval_steps=settings.eval_every, use_vllm=settings.use_vllm)
+    trainer = heldout_trainer(
+        model,
+        tokenizer,
+        settings,
+        output_dir,
+        max_steps=settings.grpo_steps,
+        learning_rate=settings.grpo_learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.grpo_warmup,
+        logging_steps=max(1, settings.grpo_steps // 40),
+        save_strategy="steps",
+        save_steps=settings.grpo_steps,
+        log_completions=True,
+        eval_strategy="steps",
+        eval_steps=settings.eval_every,
+        use_vllm=settings.use_vllm,
+    )
     curve = [(0, trainer.evaluate()[ACCURACY])]  # the SFT model (train() starts a new log_history)
     start = time.time()
     trainer.train()
@@ -186,16 +223,31 @@ def heldout_trainer(model, tokenizer, settings: DemoSettings, output_dir: Path, 
     ``eval_dataset``, scored greedily (``eval_greedy``) and by pass@1 / pass@n of ``num_generations_eval``
     samples; ``overrides`` are further GRPOConfig fields (the training run's)."""
     n = settings.num_generations_eval
-    values = dict(output_dir=str(output_dir), seed=settings.seed, per_device_train_batch_size=settings.grpo_batch_size,
-                  num_generations=settings.num_generations, steps_per_generation=settings.steps_per_generation,
-                  temperature=settings.temperature, max_completion_length=4, save_strategy="no",
-                  num_generations_eval=n, eval_pass_at_k=sorted({1, n}), eval_greedy=True,
-                  per_device_eval_batch_size=250, max_staleness=settings.max_staleness)
+    values = dict(
+        output_dir=str(output_dir),
+        seed=settings.seed,
+        per_device_train_batch_size=settings.grpo_batch_size,
+        num_generations=settings.num_generations,
+        steps_per_generation=settings.steps_per_generation,
+        temperature=settings.temperature,
+        max_completion_length=4,
+        save_strategy="no",
+        num_generations_eval=n,
+        eval_pass_at_k=sorted({1, n}),
+        eval_greedy=True,
+        per_device_eval_batch_size=250,
+        max_staleness=settings.max_staleness,
+    )
     values.update(overrides)
     test = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    return GRPOTrainer(model, reward_funcs=toy.addition_reward, args=GRPOConfig(**values), processing_class=tokenizer,
-                       train_dataset=toy.load_task("addition", "train", kind="rl", seed=settings.seed),
-                       eval_dataset=test)
+    return GRPOTrainer(
+        model,
+        reward_funcs=toy.addition_reward,
+        args=GRPOConfig(**values),
+        processing_class=tokenizer,
+        train_dataset=toy.load_task("addition", "train", kind="rl", seed=settings.seed),
+        eval_dataset=test,
+    )
 
 
 def evaluate_heldout(model, tokenizer, settings: DemoSettings, output_dir: Path) -> dict[str, float]:
@@ -206,8 +258,10 @@ def evaluate_heldout(model, tokenizer, settings: DemoSettings, output_dir: Path)
 
 def results_table(rows: list[tuple[str, float, int, float]], problems: int) -> str:
     """The before/after table: stage, held-out exact match, steps, training time."""
-    lines = [f"{'stage':<12} {'held-out exact match':>22} {'steps':>6} {'train time':>11}",
-             f"{'-' * 12} {'-' * 22} {'-' * 6} {'-' * 11}"]
+    lines = [
+        f"{'stage':<12} {'held-out exact match':>22} {'steps':>6} {'train time':>11}",
+        f"{'-' * 12} {'-' * 22} {'-' * 6} {'-' * 11}",
+    ]
     for stage, accuracy, steps, seconds in rows:
         lines.append(f"{stage:<12} {f'{accuracy:6.1%} of {problems}':>22} {steps:>6} {f'{seconds:.0f} s':>11}")
     return "\n".join(lines)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from treadle.demos import toy_vision
 from treadle.callbacks import TrainerCallback
+from treadle.demos import toy_vision
 from treadle.demos.addition import ACCURACY, results_table, start_demo
 from treadle.record.report import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
@@ -67,8 +67,10 @@ class CountDemoSettings:
         if self.what not in toy_vision.QUESTIONS:
             raise ValueError(f"what must be one of {sorted(toy_vision.QUESTIONS)}, got {self.what!r}")
         if not 1 <= self.max_squares <= 9 - self.max_circles or self.max_circles < 0:
-            raise ValueError(f"a canvas holds at most 9 shapes: max_squares={self.max_squares} and "
-                             f"max_circles={self.max_circles} do not fit")
+            raise ValueError(
+                f"a canvas holds at most 9 shapes: max_squares={self.max_squares} and "
+                f"max_circles={self.max_circles} do not fit"
+            )
         if self.kind not in toy_vision.VISION_TOKENS:
             raise ValueError(f"kind must be one of {sorted(toy_vision.VISION_TOKENS)}, got {self.kind!r}")
 
@@ -112,8 +114,10 @@ def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -
     """SFT the tiny VLM on counting, then GRPO; print the held-out greedy accuracy of each stage."""
     out = start_demo("count", output_dir)
     start = time.time()
-    print(f"treadle demo: SFT then GRPO of a tiny {settings.kind} model counting {settings.what}; run folder {out}",
-          flush=True)
+    print(
+        f"treadle demo: SFT then GRPO of a tiny {settings.kind} model counting {settings.what}; run folder {out}",
+        flush=True,
+    )
     processor = toy_vision.build_processor(settings.kind)
     model = toy_vision.build_model(settings.kind, processor, seed=settings.seed, hidden=settings.hidden)
     grpo = count_grpo_trainer(model, processor, settings, out / "grpo")
@@ -123,11 +127,21 @@ def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -
     began = time.time()
     grpo.train()
     rows.append(("after GRPO", grpo.evaluate()[ACCURACY], grpo.state.global_step, time.time() - began))
-    (out / "results.json").write_text(json.dumps(
-        {"settings": dataclasses.asdict(settings), "heldout_canvases": settings.eval_size,
-         "stages": [{"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
-                    for name, accuracy, steps, seconds in rows],
-         "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "settings": dataclasses.asdict(settings),
+                "heldout_canvases": settings.eval_size,
+                "stages": [
+                    {"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
+                    for name, accuracy, steps, seconds in rows
+                ],
+                "total_seconds": round(time.time() - start, 1),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     for run in (out / "sft", out / "grpo"):
         print_plots(run)
     print(results_table(rows, settings.eval_size))
@@ -140,10 +154,19 @@ def count_sft(model, processor, settings: CountDemoSettings, output_dir: Path) -
     train = canvases(settings, "train", settings.train_size)
     probe = canvases(settings, "train", settings.sft_probe_size)  # the first training canvases
     stop = StopAtProbeReward(processor, probe, target=settings.sft_target_reward, every=settings.sft_check_every)
-    args = SFTConfig(output_dir=str(output_dir), max_steps=settings.sft_steps, seed=settings.seed,
-                     learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
-                     lr_scheduler_type="constant_with_warmup", warmup_steps=0.05, logging_steps=25,
-                     save_strategy="no", max_length=64, report_to=[])
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        max_steps=settings.sft_steps,
+        seed=settings.seed,
+        learning_rate=settings.sft_learning_rate,
+        per_device_train_batch_size=settings.sft_batch_size,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=0.05,
+        logging_steps=25,
+        save_strategy="no",
+        max_length=64,
+        report_to=[],
+    )
     trainer = SFTTrainer(model, args, train_dataset=train, processing_class=processor, callbacks=[stop])
     began = time.time()
     trainer.train()
@@ -153,18 +176,37 @@ def count_sft(model, processor, settings: CountDemoSettings, output_dir: Path) -
 def count_grpo_trainer(model, processor, settings: CountDemoSettings, output_dir: Path) -> GRPOTrainer:
     """GRPO with the exact-match reward on the training canvases; ``evaluate()`` scores the held-out ones
     greedily (``eval_greedy/accuracy``)."""
-    args = GRPOConfig(output_dir=str(output_dir), seed=settings.seed, max_steps=settings.grpo_steps,
-                      learning_rate=settings.grpo_learning_rate, lr_scheduler_type="cosine", warmup_steps=0.1,
-                      per_device_train_batch_size=settings.grpo_batch_size, num_generations=settings.num_generations,
-                      temperature=settings.temperature, max_completion_length=3, logging_steps=5,
-                      save_strategy="no", num_generations_eval=1, eval_pass_at_k=[1], eval_greedy=True,
-                      per_device_eval_batch_size=100, report_to=[])
-    return GRPOTrainer(model, reward_funcs=toy_vision.count_reward, args=args, processing_class=processor,
-                       train_dataset=canvases(settings, "train", settings.train_size, kind="rl"),
-                       eval_dataset=canvases(settings, "test", settings.eval_size, kind="rl"))
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        seed=settings.seed,
+        max_steps=settings.grpo_steps,
+        learning_rate=settings.grpo_learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.1,
+        per_device_train_batch_size=settings.grpo_batch_size,
+        num_generations=settings.num_generations,
+        temperature=settings.temperature,
+        max_completion_length=3,
+        logging_steps=5,
+        save_strategy="no",
+        num_generations_eval=1,
+        eval_pass_at_k=[1],
+        eval_greedy=True,
+        per_device_eval_batch_size=100,
+        report_to=[],
+    )
+    return GRPOTrainer(
+        model,
+        reward_funcs=toy_vision.count_reward,
+        args=args,
+        processing_class=processor,
+        train_dataset=canvases(settings, "train", settings.train_size, kind="rl"),
+        eval_dataset=canvases(settings, "test", settings.eval_size, kind="rl"),
+    )
 
 
 def canvases(settings: CountDemoSettings, split: str, n: int, kind: str = "sft") -> list[dict]:
     """``n`` rows of the counting task with the settings' numbers of squares and circles."""
-    return toy_vision.count_task(split, n, kind=kind, what=settings.what, max_squares=settings.max_squares,
-                                 max_circles=settings.max_circles)
+    return toy_vision.count_task(
+        split, n, kind=kind, what=settings.what, max_squares=settings.max_squares, max_circles=settings.max_circles
+    )

@@ -29,10 +29,10 @@ import json
 import time
 from pathlib import Path
 
-from treadle.demos import toy
 from treadle.callbacks import TrainerCallback
-from treadle.demos.addition import DemoSettings, StopAtAccuracy, demo_sft, heldout_trainer, start_demo
 from treadle.cli.loading import load_model
+from treadle.demos import toy
+from treadle.demos.addition import DemoSettings, StopAtAccuracy, demo_sft, heldout_trainer, start_demo
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
 
@@ -89,10 +89,14 @@ def run_distill_demo(settings: DistillDemoSettings, output_dir: str | None = Non
     start = time.time()
     tokenizer = toy.build_tokenizer()
     problems = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    print(f"treadle demo --task distill: a teacher, the SFT warm start, then GRPO vs on-policy distillation vs "
-          f"SFT on the teacher's answers, {settings.grpo_steps} steps each; run folder {out}", flush=True)
-    teacher, teacher_record = load_or_train_teacher(settings, tokenizer, Path(settings.teacher_dir or out / "teacher"),
-                                                    problems)
+    print(
+        f"treadle demo --task distill: a teacher, the SFT warm start, then GRPO vs on-policy distillation vs "
+        f"SFT on the teacher's answers, {settings.grpo_steps} steps each; run folder {out}",
+        flush=True,
+    )
+    teacher, teacher_record = load_or_train_teacher(
+        settings, tokenizer, Path(settings.teacher_dir or out / "teacher"), problems
+    )
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     checkpoint, sft_steps, sft_seconds = demo_sft(model, tokenizer, settings, out / "sft")
     start_accuracy = score(load_model(checkpoint, tokenizer=tokenizer)[0], tokenizer, problems)
@@ -116,39 +120,68 @@ def load_or_train_teacher(settings: DistillDemoSettings, tokenizer, folder: Path
         return load_model(str(folder), tokenizer=tokenizer)[0], record
     teacher = toy.build_model(settings.model_size, seed=settings.teacher_seed, tokenizer=tokenizer)
     probe = toy.load_task("addition", "train", kind="rl", n=512, seed=settings.teacher_seed + 1)
-    stop = StopAtAccuracy(probe, tokenizer, target=settings.teacher_target_accuracy,
-                          every=settings.teacher_check_every)
-    args = SFTConfig(output_dir=str(folder / "run"), max_steps=settings.teacher_steps, seed=settings.teacher_seed,
-                     learning_rate=settings.sft_learning_rate, per_device_train_batch_size=settings.sft_batch_size,
-                     lr_scheduler_type="constant_with_warmup", warmup_steps=0.02, logging_steps=100,
-                     save_strategy="no", max_length=32, disable_tqdm=True)
+    stop = StopAtAccuracy(
+        probe, tokenizer, target=settings.teacher_target_accuracy, every=settings.teacher_check_every
+    )
+    args = SFTConfig(
+        output_dir=str(folder / "run"),
+        max_steps=settings.teacher_steps,
+        seed=settings.teacher_seed,
+        learning_rate=settings.sft_learning_rate,
+        per_device_train_batch_size=settings.sft_batch_size,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=0.02,
+        logging_steps=100,
+        save_strategy="no",
+        max_length=32,
+        disable_tqdm=True,
+    )
     began = time.time()
-    trainer = SFTTrainer(teacher, args, train_dataset=toy.load_task("addition", "train", seed=settings.teacher_seed),
-                         processing_class=tokenizer, callbacks=[stop])
+    trainer = SFTTrainer(
+        teacher,
+        args,
+        train_dataset=toy.load_task("addition", "train", seed=settings.teacher_seed),
+        processing_class=tokenizer,
+        callbacks=[stop],
+    )
     trainer.train()
-    record = {"steps": trainer.state.global_step,
-              "train_seconds": round(time.time() - began, 1), "heldout_accuracy": score(teacher, tokenizer, problems),
-              "probe_accuracy": stop.history[-1][1] if stop.history else None, "seed": settings.teacher_seed}
+    record = {
+        "steps": trainer.state.global_step,
+        "train_seconds": round(time.time() - began, 1),
+        "heldout_accuracy": score(teacher, tokenizer, problems),
+        "probe_accuracy": stop.history[-1][1] if stop.history else None,
+        "seed": settings.teacher_seed,
+    }
     teacher.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     record_path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"teacher: {record['steps']} SFT steps, {record['heldout_accuracy']:.1%} held-out, saved in {folder}",
-          flush=True)
+    print(
+        f"teacher: {record['steps']} SFT steps, {record['heldout_accuracy']:.1%} held-out, saved in {folder}",
+        flush=True,
+    )
     return teacher, record
 
 
-def train_method(name: str, checkpoint: str, teacher, tokenizer, settings: DistillDemoSettings, out: Path,
-                 problems) -> list[tuple[int, float, float]]:
+def train_method(
+    name: str, checkpoint: str, teacher, tokenizer, settings: DistillDemoSettings, out: Path, problems
+) -> list[tuple[int, float, float]]:
     """``grpo_steps`` steps of one method from the SFT checkpoint; its curve [(step, accuracy, train seconds)]."""
     model, _ = load_model(checkpoint, tokenizer=tokenizer)
     curve = HeldoutCurve(problems, tokenizer, settings.eval_every)
-    schedule = dict(max_steps=settings.grpo_steps, lr_scheduler_type="cosine", warmup_steps=settings.grpo_warmup,
-                    logging_steps=max(1, settings.grpo_steps // 20), save_strategy="no", disable_tqdm=True)
+    schedule = dict(
+        max_steps=settings.grpo_steps,
+        lr_scheduler_type="cosine",
+        warmup_steps=settings.grpo_warmup,
+        logging_steps=max(1, settings.grpo_steps // 20),
+        save_strategy="no",
+        disable_tqdm=True,
+    )
     folder = out / name.split()[0].lower() if name != "SFT on teacher answers" else out / "sft_teacher"
     prompts = toy.load_task("addition", "train", kind="rl", seed=settings.seed)
     if name == "GRPO":
-        trainer = heldout_trainer(model, tokenizer, settings, folder, learning_rate=settings.grpo_learning_rate,
-                                  **schedule)
+        trainer = heldout_trainer(
+            model, tokenizer, settings, folder, learning_rate=settings.grpo_learning_rate, **schedule
+        )
     elif name == "distillation":
         trainer = distillation_trainer(model, teacher, tokenizer, settings, folder, prompts, schedule)
     else:
@@ -159,30 +192,47 @@ def train_method(name: str, checkpoint: str, teacher, tokenizer, settings: Disti
     return curve.curve
 
 
-def distillation_trainer(model, teacher, tokenizer, settings: DistillDemoSettings, folder: Path, prompts,
-                         schedule: dict) -> DistillationTrainer:
+def distillation_trainer(
+    model, teacher, tokenizer, settings: DistillDemoSettings, folder: Path, prompts, schedule: dict
+) -> DistillationTrainer:
     """The distillation method: one sample per prompt, scored by the teacher's per-token distributions."""
-    args = DistillationConfig(output_dir=str(folder), seed=settings.seed, max_completion_length=4,
-                              per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
-                              temperature=settings.distill_temperature, beta=settings.distill_beta,
-                              learning_rate=settings.distill_learning_rate, **schedule)
+    args = DistillationConfig(
+        output_dir=str(folder),
+        seed=settings.seed,
+        max_completion_length=4,
+        per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
+        temperature=settings.distill_temperature,
+        beta=settings.distill_beta,
+        learning_rate=settings.distill_learning_rate,
+        **schedule,
+    )
     return DistillationTrainer(model, teacher, args=args, train_dataset=prompts, processing_class=tokenizer)
 
 
-def teacher_answers_trainer(model, teacher, tokenizer, settings: DistillDemoSettings, folder: Path, prompts,
-                            schedule: dict) -> SFTTrainer:
+def teacher_answers_trainer(
+    model, teacher, tokenizer, settings: DistillDemoSettings, folder: Path, prompts, schedule: dict
+) -> SFTTrainer:
     """The SFT method: the teacher's greedy answers to ``prompts`` as targets (those holding no number left out)."""
     answers = toy.greedy_completions(teacher, tokenizer, prompts["prompt"], batch_size=250, max_new_tokens=4)
     rows = prompts.add_column("completion", [toy.extract_answer(a) for a in answers])
     rows = rows.filter(lambda row: row["completion"] != "")  # no digits: nothing to learn (SFT refuses it)
     if len(rows) < len(prompts):
-        print(f"SFT on teacher answers: {len(prompts) - len(rows)} of {len(prompts)} teacher answers hold no "
-              f"number and are left out", flush=True)
-    args = SFTConfig(output_dir=str(folder), seed=settings.seed, max_length=32,
-                     per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
-                     learning_rate=settings.teacher_sft_learning_rate, **schedule)
-    return SFTTrainer(model, args, train_dataset=rows.select_columns(["prompt", "completion"]),
-                      processing_class=tokenizer)
+        print(
+            f"SFT on teacher answers: {len(prompts) - len(rows)} of {len(prompts)} teacher answers hold no "
+            f"number and are left out",
+            flush=True,
+        )
+    args = SFTConfig(
+        output_dir=str(folder),
+        seed=settings.seed,
+        max_length=32,
+        per_device_train_batch_size=settings.grpo_batch_size // settings.num_generations,
+        learning_rate=settings.teacher_sft_learning_rate,
+        **schedule,
+    )
+    return SFTTrainer(
+        model, args, train_dataset=rows.select_columns(["prompt", "completion"]), processing_class=tokenizer
+    )
 
 
 def first_reaching(curve: list[tuple[int, float, float]], accuracy: float) -> tuple[int, float] | None:
@@ -197,30 +247,45 @@ def summarise(settings, teacher: dict, start: tuple[int, float, float], runs: di
     methods = {}
     for name, curve in runs.items():
         reached = first_reaching(curve, target)
-        methods[name] = {"final_accuracy": curve[-1][1], "steps": curve[-1][0],
-                         "train_seconds": round(curve[-1][2], 1),
-                         "steps_to_grpo_final": None if reached is None else reached[0],
-                         "seconds_to_grpo_final": None if reached is None else round(reached[1], 1),
-                         "fraction_of_grpo_steps": None if reached is None else reached[0] / runs["GRPO"][-1][0],
-                         "curve": [{"step": s, "accuracy": a, "train_seconds": round(t, 1)} for s, a, t in curve]}
+        methods[name] = {
+            "final_accuracy": curve[-1][1],
+            "steps": curve[-1][0],
+            "train_seconds": round(curve[-1][2], 1),
+            "steps_to_grpo_final": None if reached is None else reached[0],
+            "seconds_to_grpo_final": None if reached is None else round(reached[1], 1),
+            "fraction_of_grpo_steps": None if reached is None else reached[0] / runs["GRPO"][-1][0],
+            "curve": [{"step": s, "accuracy": a, "train_seconds": round(t, 1)} for s, a, t in curve],
+        }
     sft_steps, sft_seconds, start_accuracy = start
-    return {"settings": dataclasses.asdict(settings), "heldout_problems": problems, "teacher": teacher,
-            "warm_start": {"steps": sft_steps, "train_seconds": round(sft_seconds, 1), "accuracy": start_accuracy},
-            "grpo_final_accuracy": target, "methods": methods}
+    return {
+        "settings": dataclasses.asdict(settings),
+        "heldout_problems": problems,
+        "teacher": teacher,
+        "warm_start": {"steps": sft_steps, "train_seconds": round(sft_seconds, 1), "accuracy": start_accuracy},
+        "grpo_final_accuracy": target,
+        "methods": methods,
+    }
 
 
 def results_table(results: dict) -> str:
     """Held-out exact match, steps, training time, and steps to reach GRPO's final accuracy, per method."""
     n = results["heldout_problems"]
-    lines = [f"{'method':<24} {'held-out exact match':>21} {'steps':>6} {'train time':>11} {'at GRPO final':>25}",
-             f"{'-' * 24} {'-' * 21} {'-' * 6} {'-' * 11} {'-' * 25}"]
+    lines = [
+        f"{'method':<24} {'held-out exact match':>21} {'steps':>6} {'train time':>11} {'at GRPO final':>25}",
+        f"{'-' * 24} {'-' * 21} {'-' * 6} {'-' * 11} {'-' * 25}",
+    ]
     teacher, start = results["teacher"], results["warm_start"]
-    rows = [("teacher", teacher["heldout_accuracy"], teacher["steps"], teacher["train_seconds"], ""),
-            ("SFT warm start", start["accuracy"], start["steps"], start["train_seconds"], "")]
+    rows = [
+        ("teacher", teacher["heldout_accuracy"], teacher["steps"], teacher["train_seconds"], ""),
+        ("SFT warm start", start["accuracy"], start["steps"], start["train_seconds"], ""),
+    ]
     for name, method in results["methods"].items():
         reached = method["steps_to_grpo_final"]
-        where = "never" if reached is None else (f"step {reached} ({method['fraction_of_grpo_steps']:.2f}), "
-                                                 f"{method['seconds_to_grpo_final']:.0f} s")
+        where = (
+            "never"
+            if reached is None
+            else (f"step {reached} ({method['fraction_of_grpo_steps']:.2f}), {method['seconds_to_grpo_final']:.0f} s")
+        )
         rows.append((name, method["final_accuracy"], method["steps"], method["train_seconds"], where))
     for name, accuracy, steps, seconds, where in rows:
         lines.append(f"{name:<24} {f'{accuracy:6.1%} of {n}':>21} {steps:>6} {f'{seconds:.0f} s':>11} {where:>25}")

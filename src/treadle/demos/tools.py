@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from treadle.demos import toy
 from treadle.callbacks import PrinterCallback, TrainerCallback
+from treadle.demos import toy
 from treadle.demos.addition import results_table, start_demo
 from treadle.record.report import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
@@ -82,8 +82,11 @@ def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -
     start = time.time()
     tokenizer = toy.build_tokenizer()
     test = toy.load_task("tools", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    print(f"treadle demo --task tools: the {settings.model_size} toy model learns to call calc() for 3-digit "
-          f"addition (SFT warm start, then GRPO with the tool); run folder {out}", flush=True)
+    print(
+        f"treadle demo --task tools: the {settings.model_size} toy model learns to call calc() for 3-digit "
+        f"addition (SFT warm start, then GRPO with the tool); run folder {out}",
+        flush=True,
+    )
     held_out = HeldOut(tokenizer, test, settings, out)
     rows, sft_steps, attempts = tool_stages(tokenizer, settings, out, held_out)
     rows.append(control_stage(tokenizer, settings, out, held_out, sft_steps))
@@ -108,8 +111,15 @@ class HeldOut:
     calls: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def __call__(self, stage: str, policy, name: str, use_tools: bool = True) -> float:
-        score = score_tools(policy, self.tokenizer, self.test, self.settings, self.out / f"{name}.jsonl",
-                            use_tools=use_tools, label=f"{stage}: held-out")
+        score = score_tools(
+            policy,
+            self.tokenizer,
+            self.test,
+            self.settings,
+            self.out / f"{name}.jsonl",
+            use_tools=use_tools,
+            label=f"{stage}: held-out",
+        )
         self.calls[stage] = score.right_call
         return score.solved
 
@@ -133,24 +143,58 @@ def control_stage(tokenizer, settings: ToolsDemoSettings, out: Path, held_out: H
     # the control gets the same budget: the same problems, as many times, in as many SFT steps (those of the attempt
     # kept) from the same initial weights, as direct answers: half as many rows per step, since each problem is two
     # rows (two turns) in the tool run; then as many GRPO steps
-    _, sft_seconds = tools_sft(control, tokenizer, direct, settings, out / "control_sft", max_steps=sft_steps,
-                               batch_size=settings.sft_batch_size // 2)
+    _, sft_seconds = tools_sft(
+        control,
+        tokenizer,
+        direct,
+        settings,
+        out / "control_sft",
+        max_steps=sft_steps,
+        batch_size=settings.sft_batch_size // 2,
+    )
     steps, seconds = tools_grpo(control, tokenizer, settings, out / "control_grpo", use_tools=False)
-    return ("no-tool ctrl", held_out("no-tool control", control, "control", use_tools=False), sft_steps + steps,
-            sft_seconds + seconds)
+    return (
+        "no-tool ctrl",
+        held_out("no-tool control", control, "control", use_tools=False),
+        sft_steps + steps,
+        sft_seconds + seconds,
+    )
 
 
-def write_results(out: Path, settings: ToolsDemoSettings, rows: list, calls: dict[str, float], problems: int,
-                  attempts: int, start: float) -> None:
+def write_results(
+    out: Path,
+    settings: ToolsDemoSettings,
+    rows: list,
+    calls: dict[str, float],
+    problems: int,
+    attempts: int,
+    start: float,
+) -> None:
     """results.json: the settings, and each stage's accuracy, right calls, steps and seconds (``calls`` in the
     order of ``rows``); the total seconds since ``start``."""
-    (out / "results.json").write_text(json.dumps(
-        {"task": "tools", "settings": dataclasses.asdict(settings), "heldout_problems": problems,
-         "sft_attempts": attempts,
-         "stages": [{"stage": name, "accuracy": accuracy, "right_call": right, "steps": steps,
-                     "train_seconds": round(seconds, 1)}
-                    for (name, accuracy, steps, seconds), right in zip(rows, calls.values())],
-         "total_seconds": round(time.time() - start, 1)}, indent=2) + "\n")
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "task": "tools",
+                "settings": dataclasses.asdict(settings),
+                "heldout_problems": problems,
+                "sft_attempts": attempts,
+                "stages": [
+                    {
+                        "stage": name,
+                        "accuracy": accuracy,
+                        "right_call": right,
+                        "steps": steps,
+                        "train_seconds": round(seconds, 1),
+                    }
+                    for (name, accuracy, steps, seconds), right in zip(rows, calls.values())
+                ],
+                "total_seconds": round(time.time() - start, 1),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 class _StopWithTool(TrainerCallback):
@@ -216,36 +260,65 @@ def warm_start(tokenizer, settings: ToolsDemoSettings, out: Path):
     weights (``seed``) with its own data order (``data_seed`` seed + 1000 x attempt); the first at the targets is
     kept, else the last. Returns (model, its SFT steps, seconds of every attempt, attempts); attempt k > 1 trains
     in ``out``/sft-attempt-k."""
-    rows = toy.tool_transcripts(toy.load_task("tools", "train", kind="rl", n=settings.sft_problems,
-                                              seed=settings.seed))
+    rows = toy.tool_transcripts(
+        toy.load_task("tools", "train", kind="rl", n=settings.sft_problems, seed=settings.seed)
+    )
     probe = toy.load_task("tools", "train", kind="rl", n=settings.sft_probe_size, seed=settings.seed + 1)
     spent = 0.0
     for attempt in range(1, settings.sft_attempts + 1):
         model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
         stop = _StopWithTool(probe, tokenizer, settings)
-        steps, seconds = tools_sft(model, tokenizer, rows, settings, out / ("sft" if attempt == 1 else
-                                                                            f"sft-attempt-{attempt}"),
-                                   stop=stop, data_seed=settings.seed + 1000 * (attempt - 1))
+        steps, seconds = tools_sft(
+            model,
+            tokenizer,
+            rows,
+            settings,
+            out / ("sft" if attempt == 1 else f"sft-attempt-{attempt}"),
+            stop=stop,
+            data_seed=settings.seed + 1000 * (attempt - 1),
+        )
         spent += seconds
         if stop.done or attempt == settings.sft_attempts:
             return model, steps, spent, attempt
-        print(f"treadle demo --task tools: SFT attempt {attempt} is not at its targets after {steps} steps; "
-              f"starting again from the same initial weights with another data order", flush=True)
+        print(
+            f"treadle demo --task tools: SFT attempt {attempt} is not at its targets after {steps} steps; "
+            f"starting again from the same initial weights with another data order",
+            flush=True,
+        )
 
 
-def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir: Path, *,
-              stop: _StopWithTool | None = None, max_steps: int | None = None, data_seed: int | None = None,
-              batch_size: int | None = None) -> tuple[int, float]:
+def tools_sft(
+    model,
+    tokenizer,
+    dataset,
+    settings: ToolsDemoSettings,
+    output_dir: Path,
+    *,
+    stop: _StopWithTool | None = None,
+    max_steps: int | None = None,
+    data_seed: int | None = None,
+    batch_size: int | None = None,
+) -> tuple[int, float]:
     """SFT ``model`` in place on ``dataset`` (prompt, completion) for ``max_steps`` (default ``sft_steps``) of
     ``batch_size`` rows (default ``sft_batch_size``) in the order of ``data_seed`` (default ``seed``), or until
     ``stop`` stops it; returns (steps, seconds)."""
-    args = SFTConfig(output_dir=str(output_dir), max_steps=max_steps or settings.sft_steps, seed=settings.seed,
-                     data_seed=data_seed, learning_rate=settings.sft_learning_rate,
-                     per_device_train_batch_size=batch_size or settings.sft_batch_size,
-                     lr_scheduler_type="constant_with_warmup", warmup_steps=settings.sft_warmup_steps,
-                     logging_steps=10, save_strategy="no", max_length=64, disable_tqdm=True)
-    trainer = SFTTrainer(model, args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[] if stop is None else [stop])
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        max_steps=max_steps or settings.sft_steps,
+        seed=settings.seed,
+        data_seed=data_seed,
+        learning_rate=settings.sft_learning_rate,
+        per_device_train_batch_size=batch_size or settings.sft_batch_size,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=settings.sft_warmup_steps,
+        logging_steps=10,
+        save_strategy="no",
+        max_length=64,
+        disable_tqdm=True,
+    )
+    trainer = SFTTrainer(
+        model, args, train_dataset=dataset, processing_class=tokenizer, callbacks=[] if stop is None else [stop]
+    )
     start = time.time()
     trainer.train()
     return trainer.state.global_step, time.time() - start
@@ -254,20 +327,36 @@ def tools_sft(model, tokenizer, dataset, settings: ToolsDemoSettings, output_dir
 def tools_grpo(model, tokenizer, settings: ToolsDemoSettings, output_dir: Path, *, use_tools: bool):
     """GRPO ``model`` in place with the exact-match reward, with or without the ``calc`` tool; returns (steps,
     seconds)."""
-    args = GRPOConfig(output_dir=str(output_dir), max_steps=settings.grpo_steps, seed=settings.seed,
-                      learning_rate=settings.grpo_learning_rate, per_device_train_batch_size=settings.grpo_batch_size,
-                      num_generations=settings.num_generations, max_completion_length=settings.max_completion_length,
-                      temperature=settings.temperature, beta=settings.grpo_beta,
-                      lr_scheduler_type="constant_with_warmup", warmup_steps=0.1,
-                      logging_steps=5, save_strategy="no", log_completions=use_tools, disable_tqdm=True,
-                      rollout_workers=0,  # calc takes microseconds: stepping it in the loop makes a seed exact
-                      # the no-tool control shows that GRPO has nothing to learn from without the tool (every reward
-                      # 0 on sums it cannot do): that is its expected result, not a fault, so its no-signal stop and
-                      # constant-reward warning are off (they stopped it at step 80 of seed 0); the tool run keeps all
-                      health_checks=None if use_tools else {"no_learning_signal": False, "constant_reward": False})
-    trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
-                          train_dataset=toy.load_task("tools", "train", kind="rl", seed=settings.seed),
-                          tools=[toy.calc] if use_tools else None)
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=settings.grpo_steps,
+        seed=settings.seed,
+        learning_rate=settings.grpo_learning_rate,
+        per_device_train_batch_size=settings.grpo_batch_size,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        temperature=settings.temperature,
+        beta=settings.grpo_beta,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=0.1,
+        logging_steps=5,
+        save_strategy="no",
+        log_completions=use_tools,
+        disable_tqdm=True,
+        rollout_workers=0,  # calc takes microseconds: stepping it in the loop makes a seed exact
+        # the no-tool control shows that GRPO has nothing to learn from without the tool (every reward
+        # 0 on sums it cannot do): that is its expected result, not a fault, so its no-signal stop and
+        # constant-reward warning are off (they stopped it at step 80 of seed 0); the tool run keeps all
+        health_checks=None if use_tools else {"no_learning_signal": False, "constant_reward": False},
+    )
+    trainer = GRPOTrainer(
+        model,
+        reward_funcs=toy.addition_reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=toy.load_task("tools", "train", kind="rl", seed=settings.seed),
+        tools=[toy.calc] if use_tools else None,
+    )
     start = time.time()
     trainer.train()  # rollout_workers=0: no thread pool to close
     return trainer.state.global_step, time.time() - start
@@ -281,8 +370,17 @@ class ToolScore(NamedTuple):
     right_call: float
 
 
-def score_tools(model, tokenizer, dataset, settings: ToolsDemoSettings, completions_file: Path | None = None, *,
-                use_tools: bool = True, batch_size: int = 250, label: str | None = None) -> ToolScore:
+def score_tools(
+    model,
+    tokenizer,
+    dataset,
+    settings: ToolsDemoSettings,
+    completions_file: Path | None = None,
+    *,
+    use_tools: bool = True,
+    batch_size: int = 250,
+    label: str | None = None,
+) -> ToolScore:
     """Greedy held-out exact match through ``GRPOTrainer.evaluate()``, the one way treadle measures a policy (as
     ``treadle.demos.addition``): each problem rolled out greedily (``eval_temperature=0``; with the ``calc`` tool unless
     ``use_tools`` is False) and scored by the exact-match reward, so ``eval_pass@1`` is the fraction solved; a
@@ -290,26 +388,43 @@ def score_tools(model, tokenizer, dataset, settings: ToolsDemoSettings, completi
     line, ``[label] 35.3% of 300 solved, right call on 92.0%``, when a ``label`` (what is scored, at which stage
     and step) is given; never the evaluation's own log line, whose ``[step 0]`` would be the scoring trainer's
     step, not the stage's."""
+
     def calls_and_transcripts(prompts, completions, reward, answer, transcript=None, **columns):
         turns = transcript or [[{"role": "assistant", "content": completion}] for completion in completions]
         if completions_file is not None:
             with open(completions_file, "w") as f:
                 for prompt, turn, ok, gold in zip(prompts, turns, reward, answer):
-                    f.write(json.dumps({"prompt": prompt, "transcript": turn, "answer": gold,
-                                        "correct": ok == 1.0}) + "\n")
+                    f.write(
+                        json.dumps({"prompt": prompt, "transcript": turn, "answer": gold, "correct": ok == 1.0}) + "\n"
+                    )
         return {"right_call": sum(map(right_call, prompts, turns)) / max(len(prompts), 1)}
 
     with tempfile.TemporaryDirectory(prefix="treadle-score-") as folder:
-        args = GRPOConfig(output_dir=folder, seed=settings.seed, max_completion_length=settings.max_completion_length,
-                          num_generations_eval=1, eval_temperature=0.0, per_device_eval_batch_size=batch_size,
-                          disable_tqdm=True, save_strategy="no", rollout_workers=0)
-        trainer = GRPOTrainer(model, reward_funcs=toy.addition_reward, args=args, processing_class=tokenizer,
-                              eval_dataset=dataset, tools=[toy.calc] if use_tools else None,
-                              compute_metrics=calls_and_transcripts)
+        args = GRPOConfig(
+            output_dir=folder,
+            seed=settings.seed,
+            max_completion_length=settings.max_completion_length,
+            num_generations_eval=1,
+            eval_temperature=0.0,
+            per_device_eval_batch_size=batch_size,
+            disable_tqdm=True,
+            save_strategy="no",
+            rollout_workers=0,
+        )
+        trainer = GRPOTrainer(
+            model,
+            reward_funcs=toy.addition_reward,
+            args=args,
+            processing_class=tokenizer,
+            eval_dataset=dataset,
+            tools=[toy.calc] if use_tools else None,
+            compute_metrics=calls_and_transcripts,
+        )
         trainer.pop_callback(PrinterCallback)
         metrics = trainer.evaluate()  # rollout_workers=0: no thread pool to close
     score = ToolScore(metrics["eval_pass@1"], metrics["eval_right_call"])
     if label is not None:
-        print(f"[{label}] {score.solved:.1%} of {len(dataset)} solved, right call on {score.right_call:.1%}",
-              flush=True)
+        print(
+            f"[{label}] {score.solved:.1%} of {len(dataset)} solved, right call on {score.right_call:.1%}", flush=True
+        )
     return score

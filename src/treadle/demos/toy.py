@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import random
 import string
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,7 +79,10 @@ def build_tokenizer(*, padding_side: str = "right") -> PreTrainedTokenizerFast:
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        pad_token=PAD_TOKEN, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
         extra_special_tokens=list(ROLE_TOKENS.values()),
         chat_template=CHAT_TEMPLATE,
         padding_side=padding_side,
@@ -103,8 +107,14 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def build_model(size: str = "tiny", *, vocab_size: int | None = None, seed: int = 0,
-                tokenizer: PreTrainedTokenizerFast | None = None, reward_head: bool = False) -> LlamaForCausalLM:
+def build_model(
+    size: str = "tiny",
+    *,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    reward_head: bool = False,
+) -> LlamaForCausalLM:
     """A randomly initialised ``LlamaForCausalLM`` of one of ``MODEL_SIZES``, identical for equal seeds
     (``reward_head=True``: a ``LlamaForSequenceClassification`` with one label, for ``trainer: reward``).
 
@@ -171,8 +181,7 @@ def addition_wrong_answer(a: int, b: int, rng: random.Random) -> str:
 def _addition(split: str, rng: random.Random) -> list[Problem]:
     problems = []
     for a, b in _addition_pairs(split):
-        problems.append({"prompt": f"{a}+{b}=", "answer": str(a + b),
-                         "rejected": addition_wrong_answer(a, b, rng)})
+        problems.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "rejected": addition_wrong_answer(a, b, rng)})
     return problems
 
 
@@ -189,13 +198,15 @@ def _tools_pairs(split: str) -> list[tuple[int, int]]:
         if a != b:
             chosen.setdefault((min(a, b), max(a, b)), None)
     unordered = list(chosen)
-    part = unordered[:TOOLS_TEST_PAIRS // 2] if split == "test" else unordered[TOOLS_TEST_PAIRS // 2:]
+    part = unordered[: TOOLS_TEST_PAIRS // 2] if split == "test" else unordered[TOOLS_TEST_PAIRS // 2 :]
     return sorted([(a, b) for a, b in part] + [(b, a) for a, b in part])
 
 
 def _tools(split: str, rng: random.Random) -> list[Problem]:
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b), "rejected": addition_wrong_answer(a, b, rng)}
-            for a, b in _tools_pairs(split)]
+    return [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b), "rejected": addition_wrong_answer(a, b, rng)}
+        for a, b in _tools_pairs(split)
+    ]
 
 
 def calc(expression: str) -> int:
@@ -245,8 +256,7 @@ TASKS: dict[str, Callable[[str, random.Random], list[Problem]]] = {"addition": _
 KINDS = ("sft", "preference", "rl", "chat")
 
 
-def load_task(name: str, split: str = "train", *, kind: str = "sft", n: int | None = None,
-              seed: int = 0) -> Dataset:
+def load_task(name: str, split: str = "train", *, kind: str = "sft", n: int | None = None, seed: int = 0) -> Dataset:
     """One split of a toy task as a ``datasets.Dataset``, shuffled by ``seed``, first ``n`` rows.
 
     ``name`` is a key of ``TASKS``, optionally prefixed ``toy:``. Columns by ``kind``:
@@ -284,13 +294,13 @@ def _format(problem: Problem, kind: str) -> dict[str, Any]:
         return {"prompt": prompt, "chosen": answer, "rejected": problem["rejected"]}
     if kind == "rl":
         return {"prompt": prompt, "answer": answer}
-    return {"messages": [{"role": "user", "content": prompt},
-                         {"role": "assistant", "content": answer}]}
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
 
 
 # ----------------------------------------------------------------------------------------------------
 # Verifiers
 # ----------------------------------------------------------------------------------------------------
+
 
 def extract_answer(completion: str | list[dict[str, str]]) -> str:
     """The answer a completion gives: its text up to the first newline or eos, stripped.
@@ -317,6 +327,7 @@ REWARDS: dict[str, Callable[..., list[float]]] = {"addition": addition_reward, "
 # Evaluation
 # ----------------------------------------------------------------------------------------------------
 
+
 def _prompts_and_answers(dataset: Dataset, tokenizer) -> tuple[list[str], list[str]]:
     if "messages" in dataset.column_names:  # chat form: the last message is the reference answer
         conversations = dataset["messages"]
@@ -330,22 +341,34 @@ def _prompts_and_answers(dataset: Dataset, tokenizer) -> tuple[list[str], list[s
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list[str], *, batch_size: int = 64,
-                       max_new_tokens: int = 4) -> list[str]:
+def greedy_completions(
+    model, tokenizer, prompts: list[str], *, batch_size: int = 64, max_new_tokens: int = 4
+) -> list[str]:
     """Greedy continuations of ``prompts`` (special tokens dropped), decoded in left-padded batches."""
     completions = []
     for start in range(0, len(prompts), batch_size):
-        batch = tokenizer(prompts[start:start + batch_size], padding=True, padding_side="left",
-                          return_tensors="pt", add_special_tokens=False).to(model.device)
-        output = model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens,
-                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        new_tokens = output[:, batch["input_ids"].shape[1]:]
+        batch = tokenizer(
+            prompts[start : start + batch_size],
+            padding=True,
+            padding_side="left",
+            return_tensors="pt",
+            add_special_tokens=False,
+        ).to(model.device)
+        output = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        new_tokens = output[:, batch["input_ids"].shape[1] :]
         completions += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
     return completions
 
 
-def exact_match_accuracy(model, tokenizer, dataset: Dataset, *, batch_size: int = 64,
-                         max_new_tokens: int = 4) -> float:
+def exact_match_accuracy(
+    model, tokenizer, dataset: Dataset, *, batch_size: int = 64, max_new_tokens: int = 4
+) -> float:
     """Fraction of rows whose greedy completion of ``prompt`` equals ``answer`` (or ``completion``).
 
     Rows in chat form (a ``messages`` column) are prompted with all but the last message. The answer
@@ -355,7 +378,8 @@ def exact_match_accuracy(model, tokenizer, dataset: Dataset, *, batch_size: int 
     if not prompts:
         raise ValueError("exact_match_accuracy needs a non-empty dataset")
     with eval_mode(model):
-        completions = greedy_completions(model, tokenizer, prompts, batch_size=batch_size,
-                                         max_new_tokens=max_new_tokens)
+        completions = greedy_completions(
+            model, tokenizer, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens
+        )
     correct = sum(extract_answer(c) == a.strip() for c, a in zip(completions, answers))
     return correct / len(answers)

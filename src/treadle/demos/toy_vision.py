@@ -41,8 +41,9 @@ def chat_template(kind: str) -> str:
     return (
         "{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-        "{% for part in message['content'] %}{% if part['type'] == 'image' %}" + IMAGE_MARKUP[kind] +
-        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+        + IMAGE_MARKUP[kind]
+        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
         "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% else %}{{ '\n' }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
     )
@@ -54,8 +55,9 @@ def build_tokenizer(kind: str):
 
     tokenizer = toy.build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": []})
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS[kind]],
-                         special_tokens=True)
+    tokenizer.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS[kind]], special_tokens=True
+    )
     tokenizer.chat_template = chat_template(kind)
     return tokenizer
 
@@ -98,8 +100,9 @@ def build_processor(kind: str = "qwen2_vl"):
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         pixels = 56 * 56  # any canvas becomes 4x4 patches of 14: 4 image tokens after the 2x2 merge
-        images = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2,
-                                          temporal_patch_size=2)
+        images = Qwen2VLImageProcessorPil(
+            min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2, temporal_patch_size=2
+        )
         return _qwen2_vl_processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=template)
     if kind == "llava":
         from transformers import LlavaProcessor
@@ -107,24 +110,43 @@ def build_processor(kind: str = "qwen2_vl"):
 
         images = LlavaImageProcessorPil(size={"shortest_edge": CANVAS}, crop_size={"height": CANVAS, "width": CANVAS})
         tokenizer.image_token = "<image>"
-        return LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template, patch_size=14,
-                              vision_feature_select_strategy="default", num_additional_image_tokens=1)
+        return LlavaProcessor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            chat_template=template,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+        )
     if kind == "idefics3":
         from transformers import Idefics3Processor
         from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
         side = {"longest_edge": IDEFICS3_SIDE}  # one image, never split into tiles: no <row_i_col_j> markup
         images = Idefics3ImageProcessorPil(size=side, max_image_size=side, do_image_splitting=False)
-        return Idefics3Processor(image_processor=images, tokenizer=tokenizer, chat_template=template,
-                                 image_seq_len=(IDEFICS3_SIDE // 14) ** 2 // IDEFICS3_SCALE ** 2)
+        return Idefics3Processor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            chat_template=template,
+            image_seq_len=(IDEFICS3_SIDE // 14) ** 2 // IDEFICS3_SCALE**2,
+        )
     raise ValueError(f"unknown toy vision model {kind!r}; choose one of {sorted(VISION_TOKENS)}")
 
 
 def _text_config(tokenizer, hidden: int, layers: int) -> dict[str, Any]:
-    return dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
-                num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                max_position_embeddings=toy.MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=toy.MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
 
 
 def build_model(kind: str = "qwen2_vl", processor=None, *, seed: int = 0, hidden: int = 32, layers: int = 2):
@@ -164,10 +186,23 @@ def _qwen2_vl_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
     head = hidden // 4
     text["rope_scaling"] = {"type": "mrope", "mrope_section": [head // 4, head // 8, head // 8]}
     return Qwen2VLForConditionalGeneration, Qwen2VLConfig(
-        text_config=text, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        vision_config=dict(depth=1, embed_dim=hidden, hidden_size=hidden, num_heads=2, mlp_ratio=2,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3))
+        text_config=text,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        vision_config=dict(
+            depth=1,
+            embed_dim=hidden,
+            hidden_size=hidden,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+    )
 
 
 def _llava_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
@@ -175,11 +210,21 @@ def _llava_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     return LlavaForConditionalGeneration, LlavaConfig(
-        text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"],
-        vision_feature_select_strategy="default", vision_feature_layer=-1,
-        vision_config=dict(model_type="clip_vision_model", hidden_size=hidden, intermediate_size=2 * hidden,
-                           num_hidden_layers=1, num_attention_heads=2, image_size=CANVAS, patch_size=14,
-                           projection_dim=hidden))
+        text_config={"model_type": "llama", **text},
+        image_token_id=ids["<image>"],
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=CANVAS,
+            patch_size=14,
+            projection_dim=hidden,
+        ),
+    )
 
 
 def _idefics3_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
@@ -188,9 +233,18 @@ def _idefics3_config(text: dict[str, Any], ids: dict[str, int], hidden: int):
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
     return Idefics3ForConditionalGeneration, Idefics3Config(
-        text_config={"model_type": "llama", **text}, image_token_id=ids["<image>"], scale_factor=IDEFICS3_SCALE,
-        vision_config=dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=IDEFICS3_SIDE, patch_size=14))
+        text_config={"model_type": "llama", **text},
+        image_token_id=ids["<image>"],
+        scale_factor=IDEFICS3_SCALE,
+        vision_config=dict(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=IDEFICS3_SIDE,
+            patch_size=14,
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -228,8 +282,15 @@ def count_reward(prompts: list, completions: list, answer: list, **kwargs) -> li
     return [float(t.strip() == a) for t, a in zip(texts, answer)]
 
 
-def count_task(split: str = "train", n: int = 200, *, kind: str = "sft", max_squares: int = 4,
-               max_circles: int = 2, what: str = "squares") -> list[dict]:
+def count_task(
+    split: str = "train",
+    n: int = 200,
+    *,
+    kind: str = "sft",
+    max_squares: int = 4,
+    max_circles: int = 2,
+    what: str = "squares",
+) -> list[dict]:
     """``n`` rows of the counting task: ``images`` (one canvas), ``prompt`` (a user turn: the image and the
     question), ``answer`` (the digit) and, by ``kind``: ``"sft"`` a ``completion`` (the assistant's digit),
     ``"preference"`` ``chosen`` (the digit) and ``rejected`` (another count), ``"rl"`` nothing more.
@@ -242,11 +303,13 @@ def count_task(split: str = "train", n: int = 200, *, kind: str = "sft", max_squ
     rows = []
     for _ in range(n):
         count = rng.randint(1, max_squares)
-        squares, circles = (count, rng.randint(0, max_circles)) if what == "squares" else (
-            rng.randint(0, count), 0)
+        squares, circles = (count, rng.randint(0, max_circles)) if what == "squares" else (rng.randint(0, count), 0)
         image = draw_canvas(rng, squares, circles if what == "squares" else count - squares, sides=SIDES[what])
-        row = {"images": [image], "answer": str(count),
-               "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[what]}]}]}
+        row = {
+            "images": [image],
+            "answer": str(count),
+            "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTIONS[what]}]}],
+        }
         if kind == "sft":
             row["completion"] = [{"role": "assistant", "content": [{"type": "text", "text": str(count)}]}]
         elif kind == "preference":

@@ -44,21 +44,35 @@ class RolloutEngine:
     policy_version: int | None = None  # the weights it samples from (the version the last load_weights named)
     sync_unchanged: bool | None = None  # its check of the last push: True when changed weights moved nothing
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        prompt_inputs: dict | None = None,
+    ) -> GenerationOutput:
         """``params.num_generations`` completions of each distinct prompt; ``generator`` seeds the draws
         (the same generator state gives the same completions for the same weights). ``prompt_inputs``: a VLM's
         vision inputs for the prompts (``pixel_values`` ..., as its processor made them; given only for prompts
         with images)."""
         raise NotImplementedError(f"{type(self).__name__} must implement generate")
 
-    def generate_turns(self, prompt_ids: list[list[int]], respond: Respond, params: SamplingParams, *,
-                       generator: torch.Generator | None = None) -> MultiTurnOutput:
+    def generate_turns(
+        self,
+        prompt_ids: list[list[int]],
+        respond: Respond,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> MultiTurnOutput:
         """Multi-turn rollouts of each distinct prompt (``generation.turns.sample_turns``' contract): a model turn
         ends at EOS, then ``respond(row, turn_ids)`` returns the tokens to feed next (or a Future of them), or None
         when the rollout is over. An engine that samples single-turn completions only keeps this refusal."""
-        raise ValueError(f"{type(self).__name__} samples single-turn rollouts only: multi-turn rollouts (tools=, "
-                         f"env_factory=) need an engine that implements generate_turns (the own sampler does)")
+        raise ValueError(
+            f"{type(self).__name__} samples single-turn rollouts only: multi-turn rollouts (tools=, "
+            f"env_factory=) need an engine that implements generate_turns (the own sampler does)"
+        )
 
     def load_weights(self, model, version: int | None = None) -> None:
         """The policy changed: sample from ``model``'s current weights from now on (full weights or, for a PEFT
@@ -68,7 +82,7 @@ class RolloutEngine:
     def close(self) -> None:
         """Release what the engine holds (threads, processes, memory); a closed engine is not used again."""
 
-    def __enter__(self) -> "RolloutEngine":
+    def __enter__(self) -> RolloutEngine:
         return self
 
     def __exit__(self, *exc) -> None:

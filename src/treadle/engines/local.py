@@ -30,14 +30,27 @@ class LocalEngine(RolloutEngine):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.model, self.backend = model, backend
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
-        return sample_completions(self.model, prompt_ids, params, generator=generator, backend=self.backend,
-                                  prompt_inputs=prompt_inputs)
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        prompt_inputs: dict | None = None,
+    ) -> GenerationOutput:
+        return sample_completions(
+            self.model, prompt_ids, params, generator=generator, backend=self.backend, prompt_inputs=prompt_inputs
+        )
 
-    def generate_turns(self, prompt_ids: list[list[int]], respond: Respond, params: SamplingParams, *,
-                       generator: torch.Generator | None = None) -> MultiTurnOutput:
-        """"fast"/"auto" keep each row's KV cache across turns ("auto" falls back when the model cannot), "hf"
+    def generate_turns(
+        self,
+        prompt_ids: list[list[int]],
+        respond: Respond,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> MultiTurnOutput:
+        """ "fast"/"auto" keep each row's KV cache across turns ("auto" falls back when the model cannot), "hf"
         re-prefills the whole transcript each turn."""
         if self.backend != "hf":
             try:

@@ -28,25 +28,36 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_tensors
 
+from treadle.cli.loading import load_model
 from treadle.engines.vllm import VLLMEngine, require_vllm
 from treadle.engines.vllm_server import IDENTITY_FIELDS, pack_output
 from treadle.errors import UserError, one_line
 from treadle.generation.sampling import SamplingParams
-from treadle.cli.loading import load_model
 
 __all__ = ["ServedEngine", "build_parser", "identity_of", "main"]
 
 
 def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser = parser_class(prog="treadle vllm-serve", description="Serve MODEL with vLLM to GRPO runs with "
-                          "use_vllm: true, vllm_mode: server (generation, scoring, a weight-update endpoint).")
+    parser = parser_class(
+        prog="treadle vllm-serve",
+        description="Serve MODEL with vLLM to GRPO runs with "
+        "use_vllm: true, vllm_mode: server (generation, scoring, a weight-update endpoint).",
+    )
     parser.add_argument("model", help="a transformers model folder (the policy's architecture), or toy:<size>")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
-                        "only: anyone who reaches the port can replace the weights; 0.0.0.0 for every interface)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, this machine "
+        "only: anyone who reaches the port can replace the weights; 0.0.0.0 for every interface)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000, TRL's vllm_server_port)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-    parser.add_argument("--dtype", default=None, help="weights' dtype in vLLM (default: the saved config's dtype, as "
-                        "the colocated engine uses the policy's; vLLM's own 'auto' would halve float32)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="weights' dtype in vLLM (default: the saved config's dtype, as "
+        "the colocated engine uses the policy's; vLLM's own 'auto' would halve float32)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU share (TRL vllm-serve's 0.9)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -66,13 +77,17 @@ def main(argv: list[str], parser_class=argparse.ArgumentParser) -> int:
         model.save_pretrained(owned, safe_serialization=True)  # vLLM runs without the tokenizer (treadle tokenises)
     folder = owned or os.path.abspath(args.model)
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise UserError(f"{args.model} is not a model folder (no config.json); pass a folder written by "
-                        f"save_pretrained, or toy:<size>")
+        raise UserError(
+            f"{args.model} is not a model folder (no config.json); pass a folder written by "
+            f"save_pretrained, or toy:<size>"
+        )
     try:
         server = ThreadingHTTPServer((args.host, args.port), Handler)  # bound before vLLM's minutes-long start
     except OSError as error:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({error.strerror or error}); pass another "
-                        f"--port, or stop what holds it") from None
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port} ({error.strerror or error}); pass another "
+            f"--port, or stop what holds it"
+        ) from None
     try:
         serve(server, folder, args)
     finally:
@@ -86,14 +101,22 @@ def serve(server: ThreadingHTTPServer, folder: str, args: argparse.Namespace) ->
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     dtype = args.dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
-    server.engine = ServedEngine(folder, dtype=dtype, max_model_length=args.max_model_len, seed=args.seed,
-                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                 tensor_parallel_size=args.tensor_parallel_size)
+    server.engine = ServedEngine(
+        folder,
+        dtype=dtype,
+        max_model_length=args.max_model_len,
+        seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     server.identity = identity_of(args.model, folder, config, dtype, server.engine)
     server.lock, server.pending = threading.Lock(), {}
     url = f"http://{args.host}:{server.server_address[1]}"
-    print(f"treadle: vLLM serves {args.model} at {url} (GET /health; a run connects with use_vllm: true, "
-          f"vllm_mode: server, vllm_server_base_url: {url})", flush=True)
+    print(
+        f"treadle: vLLM serves {args.model} at {url} (GET /health; a run connects with use_vllm: true, "
+        f"vllm_mode: server, vllm_server_base_url: {url})",
+        flush=True,
+    )
     signal.signal(signal.SIGTERM, interrupt)  # as Ctrl-C: the engine shut down, a toy's folder removed
     try:
         server.serve_forever()
@@ -107,32 +130,54 @@ def interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def identity_of(name: str, folder: str, config: dict, dtype: str, engine: "ServedEngine") -> dict:
+def identity_of(name: str, folder: str, config: dict, dtype: str, engine: ServedEngine) -> dict:
     """What ``GET /health`` answers: the model's name, its config's shape fields, each weight's name and shape (read
     from the safetensors headers, no tensor loaded), the dtype and the context window."""
     weights = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
         with safe_open(path, framework="pt") as f:
             weights.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
-    return {"server": "treadle vllm-serve", "model": name, "folder": folder, "dtype": str(dtype),
-            "config": {field: config.get(field) for field in IDENTITY_FIELDS},
-            "max_model_len": engine.llm.llm_engine.model_config.max_model_len, "weights": weights}
+    return {
+        "server": "treadle vllm-serve",
+        "model": name,
+        "folder": folder,
+        "dtype": str(dtype),
+        "config": {field: config.get(field) for field in IDENTITY_FIELDS},
+        "max_model_len": engine.llm.llm_engine.model_config.max_model_len,
+        "weights": weights,
+    }
 
 
 class ServedEngine(VLLMEngine):
     """The colocated engine started from a model folder: the same ``vllm.LLM`` settings, generation, scoring and
     weight loading, its outputs on the CPU (they travel as bytes). The folder is not its own: ``close`` keeps it."""
 
-    def __init__(self, folder: str, *, dtype, max_model_length: int | None, gpu_memory_utilization: float,
-                 tensor_parallel_size: int, seed: int):  # not the parent's __init__, which saves a live model
+    def __init__(
+        self,
+        folder: str,
+        *,
+        dtype,
+        max_model_length: int | None,
+        gpu_memory_utilization: float,
+        tensor_parallel_size: int,
+        seed: int,
+    ):  # not the parent's __init__, which saves a live model
         vllm = require_vllm()
         self.folder, self.device, self._vllm = folder, torch.device("cpu"), vllm
         self.sleep_mode = self.sleeping = False
         self.lora = self.lora_request = None  # the server is sent merged weights (engines.vllm_lora: colocated only)
-        self.llm = vllm.LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                            max_model_len=max_model_length, gpu_memory_utilization=gpu_memory_utilization,
-                            tensor_parallel_size=tensor_parallel_size, logprobs_mode="processed_logprobs",
-                            max_logprobs=0, worker_extension_cls="treadle.engines.vllm.WeightLoader")
+        self.llm = vllm.LLM(
+            model=folder,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_length,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=0,
+            worker_extension_cls="treadle.engines.vllm.WeightLoader",
+        )
 
     def close(self) -> None:
         self.shutdown()  # the folder is the user's (or the toy folder vllm_serve.main removes)
@@ -168,8 +213,13 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/generate":
             request = json.loads(body)
             params = request["params"]
-            params = SamplingParams(**{**params, "eos_token_ids": tuple(params["eos_token_ids"]),
-                                       "suppress_token_ids": tuple(params.get("suppress_token_ids", ()))})
+            params = SamplingParams(
+                **{
+                    **params,
+                    "eos_token_ids": tuple(params["eos_token_ids"]),
+                    "suppress_token_ids": tuple(params.get("suppress_token_ids", ())),
+                }
+            )
             seed = request.get("seed")
             generator = None if seed is None else torch.Generator().manual_seed(int(seed))
             output = engine.generate(request["prompt_ids"], params, generator=generator)

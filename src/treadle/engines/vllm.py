@@ -36,13 +36,26 @@ from treadle.generation.single import GenerationOutput, check_prompts, left_pad
 from treadle.generation.turns import MultiTurnOutput, Respond
 from treadle.models import unwrapped_for_generation
 
-__all__ = ["SINGLE_TURN_ONLY", "VLLM_INSTALL", "VLLMEngine", "VLLMNotInstalled", "WeightLoader", "merged_state_dict",
-           "require_vllm", "vllm_engine", "weight_sync_unchanged"]
+__all__ = [
+    "SINGLE_TURN_ONLY",
+    "VLLM_INSTALL",
+    "VLLMEngine",
+    "VLLMNotInstalled",
+    "WeightLoader",
+    "merged_state_dict",
+    "require_vllm",
+    "vllm_engine",
+    "weight_sync_unchanged",
+]
 
-VLLM_INSTALL = ("pip install vllm (a GPU), or the CPU build with its pins: `make test-vllm` installs .venv-vllm "
-                "from constraints-vllm.txt")
-SINGLE_TURN_ONLY = ("use_vllm=True samples single-turn rollouts only: multi-turn rollouts (tools=, env_factory=) "
-                    "sample with the own sampler; set use_vllm=False for them")  # both vLLM engines' refusal
+VLLM_INSTALL = (
+    "pip install vllm (a GPU), or the CPU build with its pins: `make test-vllm` installs .venv-vllm "
+    "from constraints-vllm.txt"
+)
+SINGLE_TURN_ONLY = (
+    "use_vllm=True samples single-turn rollouts only: multi-turn rollouts (tools=, env_factory=) "
+    "sample with the own sampler; set use_vllm=False for them"
+)  # both vLLM engines' refusal
 
 
 class VLLMNotInstalled(UserError, ImportError):
@@ -59,14 +72,18 @@ def require_vllm():
     return vllm
 
 
-def vllm_engine(model: nn.Module, args, *, multi_turn: bool = False) -> "VLLMEngine":
+def vllm_engine(model: nn.Module, args, *, multi_turn: bool = False) -> VLLMEngine:
     """The colocated engine ``GRPOTrainer.build_engine`` returns under ``use_vllm`` (a ``GRPOConfig``'s fields)."""
     if multi_turn:
         raise ValueError(SINGLE_TURN_ONLY)
-    return VLLMEngine(model, max_model_length=args.vllm_max_model_length, seed=args.seed,
-                      gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                      tensor_parallel_size=args.vllm_tensor_parallel_size,
-                      enable_sleep_mode=args.vllm_enable_sleep_mode)
+    return VLLMEngine(
+        model,
+        max_model_length=args.vllm_max_model_length,
+        seed=args.seed,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+    )
 
 
 class WeightLoader:
@@ -99,8 +116,12 @@ def merged_state_dict(model: nn.Module, *, adapters: bool = True) -> dict[str, t
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     deltas: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
-        if (adapters and hasattr(module, "lora_A") and callable(getattr(module, "get_delta_weight", None))
-                and not module.merged):
+        if (
+            adapters
+            and hasattr(module, "lora_A")
+            and callable(getattr(module, "get_delta_weight", None))
+            and not module.merged
+        ):
             active = [a for a in module.active_adapters if a in module.lora_A]
             if active:
                 deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in active)
@@ -132,24 +153,33 @@ class SyncChecked(RolloutEngine):
     probe: tuple[list[list[int]], list[list[int]]] | None = None
     pushed: float | None = None
 
-    def generate_turns(self, prompt_ids: list[list[int]], respond: Respond, params: SamplingParams, *,
-                       generator: torch.Generator | None = None) -> MultiTurnOutput:
+    def generate_turns(
+        self,
+        prompt_ids: list[list[int]],
+        respond: Respond,
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+    ) -> MultiTurnOutput:
         raise ValueError(SINGLE_TURN_ONLY)
 
     @staticmethod
-    def check_request(prompt_ids: list[list[int]], prompt_inputs: dict | None,
-                      generator: torch.Generator | None) -> int | None:
+    def check_request(
+        prompt_ids: list[list[int]], prompt_inputs: dict | None, generator: torch.Generator | None
+    ) -> int | None:
         """Refuse what vLLM is not given (images), check the prompts; the request's seed (None: unseeded)."""
         if prompt_inputs:
-            raise UserError("use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into treadle "
-                            "yet; set use_vllm: false to sample prompts with images with treadle's own sampler")
+            raise UserError(
+                "use_vllm=True samples text prompts only: vLLM's multimodal input is not wired into treadle "
+                "yet; set use_vllm: false to sample prompts with images with treadle's own sampler"
+            )
         check_prompts(prompt_ids)
         if generator is None:
             return None
         return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
 
     def remember_probe(self, prompt_ids: list[list[int]], output: GenerationOutput) -> None:
-        text = list(prompt_ids[0]) + output.completion_ids[0, :int(output.completion_mask[0].sum())].tolist()
+        text = list(prompt_ids[0]) + output.completion_ids[0, : int(output.completion_mask[0].sum())].tolist()
         self.probe = ([text[:1]], [text[1:]]) if len(text) > 1 else None
 
     def checked_push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -166,24 +196,45 @@ class SyncChecked(RolloutEngine):
 class VLLMEngine(SyncChecked):
     """A colocated ``vllm.LLM`` behind the engine contract; ``close`` shuts it down and deletes its folder."""
 
-    def __init__(self, model: nn.Module, *, max_model_length: int | None = None, gpu_memory_utilization: float = 0.3,
-                 tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_model_length: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+    ):
         vllm = require_vllm()
         self.folder = tempfile.mkdtemp(prefix="treadle-vllm-")
         self.lora = lora_plan(model)  # (PEFT model, adapter name, LoraConfig): adapters synced alone; None: merged
         with unwrapped_for_generation(model) as inner:
-            inner.save_pretrained(self.folder, state_dict=merged_state_dict(inner, adapters=self.lora is None),
-                                  safe_serialization=True)
+            inner.save_pretrained(
+                self.folder, state_dict=merged_state_dict(inner, adapters=self.lora is None), safe_serialization=True
+            )
             self.device = next(inner.parameters()).device
             dtype = next(inner.parameters()).dtype
         self.sleep_mode, self.sleeping = enable_sleep_mode, False
-        lora_options = {} if self.lora is None else dict(enable_lora=True, max_loras=1,
-                                                          max_lora_rank=lora_rank_bound(self.lora[2]))
-        self.llm = vllm.LLM(model=os.path.abspath(self.folder), skip_tokenizer_init=True, dtype=dtype, seed=seed,
-                            max_model_len=max_model_length, gpu_memory_utilization=gpu_memory_utilization,
-                            tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=enable_sleep_mode,
-                            logprobs_mode="processed_logprobs", max_logprobs=0,
-                            worker_extension_cls=f"{__name__}.WeightLoader", **lora_options)
+        lora_options = (
+            {}
+            if self.lora is None
+            else dict(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_bound(self.lora[2]))
+        )
+        self.llm = vllm.LLM(
+            model=os.path.abspath(self.folder),
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_length,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=enable_sleep_mode,
+            logprobs_mode="processed_logprobs",
+            max_logprobs=0,
+            worker_extension_cls=f"{__name__}.WeightLoader",
+            **lora_options,
+        )
         self._vllm = vllm
         self.lora_request = None  # the adapter's current vllm LoRARequest (a fresh lora_int_id per sync)
         self.last_sync: dict | None = None  # what the last push sent: {"kind": "full" | "lora", "tensors", "bytes"}
@@ -192,14 +243,25 @@ class VLLMEngine(SyncChecked):
             self.load_weights(model)
 
     # ---- the contract ------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        prompt_inputs: dict | None = None,
+    ) -> GenerationOutput:
         seed = self.check_request(prompt_ids, prompt_inputs, generator)
         self._wake()
-        requests = [self.vllm_params(params, None if seed is None else seed + 7919 * i)
-                    for i in range(len(prompt_ids))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], requests, use_tqdm=False,
-                                    lora_request=self.lora_request)
+        requests = [
+            self.vllm_params(params, None if seed is None else seed + 7919 * i) for i in range(len(prompt_ids))
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompt_ids],
+            requests,
+            use_tqdm=False,
+            lora_request=self.lora_request,
+        )
         if self.sleep_mode:  # the optimizer step runs next: free the engine's memory until the next sync
             self.llm.sleep(level=1)
             self.sleeping = True
@@ -221,16 +283,21 @@ class VLLMEngine(SyncChecked):
             return {name: tensor.detach() for name, tensor in merged_state_dict(inner).items()}
         plan = lora_plan(model)
         if plan is None or plan[1:] != self.lora[1:]:
-            raise ValueError("this vLLM engine was started for a LoRA policy's adapters and was given another model; "
-                             "build a new engine (GRPOTrainer.build_engine) for it")
+            raise ValueError(
+                "this vLLM engine was started for a LoRA policy's adapters and was given another model; "
+                "build a new engine (GRPOTrainer.build_engine) for it"
+            )
         return adapter_tensors(inner, plan[0], plan[1])
 
     def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Load ``weights`` into the engine's model in place (the worker extension below), or under LoRA write the
         adapter and register it with vLLM under a fresh id (loaded now, the last sync's adapter removed); then clear
         the prefix cache, whose blocks hold keys and values of the old weights."""
-        self.last_sync = {"kind": "full" if self.lora is None else "lora", "tensors": len(weights),
-                          "bytes": sum(t.numel() * t.element_size() for _, t in weights)}
+        self.last_sync = {
+            "kind": "full" if self.lora is None else "lora",
+            "tensors": len(weights),
+            "bytes": sum(t.numel() * t.element_size() for _, t in weights),
+        }
         if self.lora is None:
             self.llm.collective_rpc("treadle_load_weights", args=(weights,))
         else:
@@ -269,13 +336,16 @@ class VLLMEngine(SyncChecked):
         # under LoRA one sequence per call: vLLM 0.32's LoRA logits layer indexes its adapters per request, not per
         # prompt position, and fails on prompt log-probs of a batch of several ("subscript b has size 3 ...")
         batches = [texts] if self.lora_request is None else [[text] for text in texts]
-        outputs = [out for batch in batches for out in self.llm.generate(batch, request, use_tqdm=False,
-                                                                          lora_request=self.lora_request)]
+        outputs = [
+            out
+            for batch in batches
+            for out in self.llm.generate(batch, request, use_tqdm=False, lora_request=self.lora_request)
+        ]
         scored = []
         for prompt, out in zip(prompt_ids, outputs):
             ids = out.prompt_token_ids
-            entries = out.prompt_logprobs[len(prompt):]
-            scored.append(torch.tensor([e[t].logprob for e, t in zip(entries, ids[len(prompt):])]))
+            entries = out.prompt_logprobs[len(prompt) :]
+            scored.append(torch.tensor([e[t].logprob for e, t in zip(entries, ids[len(prompt) :])]))
         return scored
 
     def vllm_params(self, params: SamplingParams, seed: int | None):
@@ -283,15 +353,24 @@ class VLLMEngine(SyncChecked):
         ``min_p`` after temperature and before top-k / top-p (transformers: after them); the two orders keep the
         same tokens unless ``top_p < 1`` is set too, where vLLM's nucleus is taken over the min-p survivors."""
         if params.suppress_token_ids:
-            raise UserError("generation_kwargs' suppress_tokens reach treadle's own sampler only (vLLM takes no "
-                            "suppress list); unset it or set use_vllm: false")
+            raise UserError(
+                "generation_kwargs' suppress_tokens reach treadle's own sampler only (vLLM takes no "
+                "suppress list); unset it or set use_vllm: false"
+            )
         return self._vllm.SamplingParams(
-            n=params.num_generations if params.do_sample else 1, max_tokens=params.max_new_tokens, seed=seed,
+            n=params.num_generations if params.do_sample else 1,
+            max_tokens=params.max_new_tokens,
+            seed=seed,
             temperature=params.temperature if params.do_sample else 0.0,
-            top_p=params.top_p if params.do_sample else 1.0, top_k=params.top_k if params.do_sample else 0,
-            min_p=params.min_p if params.do_sample else 0.0, repetition_penalty=params.repetition_penalty,
+            top_p=params.top_p if params.do_sample else 1.0,
+            top_k=params.top_k if params.do_sample else 0,
+            min_p=params.min_p if params.do_sample else 0.0,
+            repetition_penalty=params.repetition_penalty,
             stop_token_ids=list(params.eos_token_ids),
-            ignore_eos=True, logprobs=0, detokenize=False)
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+        )
 
     def _wake(self) -> None:
         if self.sleeping:
@@ -313,14 +392,16 @@ class VLLMEngine(SyncChecked):
         completion_mask = torch.zeros((len(tokens), width), dtype=torch.long)
         sampling_logps = torch.zeros((len(tokens), width), dtype=torch.float32)
         for row, (ids, row_logps) in enumerate(zip(tokens, logps)):
-            completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            completion_mask[row, :len(ids)] = 1
-            sampling_logps[row, :len(ids)] = torch.tensor(row_logps, dtype=torch.float32)
+            completion_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            completion_mask[row, : len(ids)] = 1
+            sampling_logps[row, : len(ids)] = torch.tensor(row_logps, dtype=torch.float32)
         prompt, prompt_mask = left_pad(prompt_ids, params.pad_token_id)
         group = params.num_generations
         return GenerationOutput(
             prompt_ids=prompt.repeat_interleave(group, dim=0).to(self.device),
             prompt_mask=prompt_mask.repeat_interleave(group, dim=0).to(self.device),
-            completion_ids=completion_ids.to(self.device), completion_mask=completion_mask.to(self.device),
+            completion_ids=completion_ids.to(self.device),
+            completion_mask=completion_mask.to(self.device),
             is_truncated=torch.tensor(truncated, dtype=torch.bool, device=self.device),
-            sampling_logps=sampling_logps.to(self.device))
+            sampling_logps=sampling_logps.to(self.device),
+        )

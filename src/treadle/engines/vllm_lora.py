@@ -38,10 +38,15 @@ def lora_plan(model: nn.Module):
     if len(active) != 1 or active[0] not in configs:
         return None
     config = configs[active[0]]
-    unsupported = (getattr(config, "peft_type", None) != "LORA" or getattr(config, "use_dora", False)
-                   or getattr(config, "modules_to_save", None) or getattr(config, "bias", "none") != "none"
-                   or getattr(config, "lora_bias", False) or getattr(config, "layer_replication", None)
-                   or max([config.r, *(config.rank_pattern or {}).values()]) > LORA_RANKS[-1])
+    unsupported = (
+        getattr(config, "peft_type", None) != "LORA"
+        or getattr(config, "use_dora", False)
+        or getattr(config, "modules_to_save", None)
+        or getattr(config, "bias", "none") != "none"
+        or getattr(config, "lora_bias", False)
+        or getattr(config, "layer_replication", None)
+        or max([config.r, *(config.rank_pattern or {}).values()]) > LORA_RANKS[-1]
+    )
     return None if unsupported else (peft_model, active[0], config)
 
 
@@ -56,10 +61,13 @@ def adapter_tensors(inner: nn.Module, peft_model: nn.Module, adapter: str) -> di
     (the base model with the adapters injected, gathered: ``models.unwrapped_for_generation``)."""
     from peft import get_peft_model_state_dict  # optional: PEFT policies only
 
-    state = {f"base_model.model.{key}": tensor.detach() for key, tensor in inner.state_dict().items()
-             if "lora_" in key}
-    return {key: tensor.contiguous() for key, tensor in
-            get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter).items()}
+    state = {
+        f"base_model.model.{key}": tensor.detach() for key, tensor in inner.state_dict().items() if "lora_" in key
+    }
+    return {
+        key: tensor.contiguous()
+        for key, tensor in get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter).items()
+    }
 
 
 def write_adapter(folder: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -27,8 +27,7 @@ import urllib.error
 import urllib.request
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
+from safetensors.torch import load as load_tensors, save as save_tensors
 from torch import nn
 
 from treadle.engines.vllm import SINGLE_TURN_ONLY, SyncChecked, merged_state_dict
@@ -37,14 +36,33 @@ from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput
 from treadle.models import unwrapped_for_generation
 
-__all__ = ["CHUNK_BYTES", "IDENTITY_FIELDS", "REQUEST_TIMEOUT", "VLLMServerEngine", "VLLMServerError",
-           "identity_mismatch", "pack_output", "pack_tensors", "server_url", "unpack_output", "vllm_server_engine"]
+__all__ = [
+    "CHUNK_BYTES",
+    "IDENTITY_FIELDS",
+    "REQUEST_TIMEOUT",
+    "VLLMServerEngine",
+    "VLLMServerError",
+    "identity_mismatch",
+    "pack_output",
+    "pack_tensors",
+    "server_url",
+    "unpack_output",
+    "vllm_server_engine",
+]
 
 CHUNK_BYTES = 256 * 2**20  # a weight push travels in POSTs of at most this many bytes (bounded buffers on both ends)
 REQUEST_TIMEOUT = 1800.0  # seconds one request may wait for its answer (a long generation on a busy CPU)
 # the config fields that fix a model's shapes: a server whose values differ serves another model
-IDENTITY_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                   "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+IDENTITY_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
 START_HINT = "start one with `treadle vllm-serve MODEL --port PORT` (docs/vllm.md)"
 
 
@@ -59,7 +77,7 @@ def server_url(args) -> str:
     return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
 
 
-def vllm_server_engine(model: nn.Module, args, *, multi_turn: bool = False) -> "VLLMServerEngine":
+def vllm_server_engine(model: nn.Module, args, *, multi_turn: bool = False) -> VLLMServerEngine:
     """The engine ``GRPOTrainer.build_engine`` returns under ``use_vllm`` with ``vllm_mode="server"``."""
     if multi_turn:
         raise ValueError(SINGLE_TURN_ONLY)
@@ -80,8 +98,9 @@ def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def pack_output(output: GenerationOutput) -> bytes:
-    return pack_tensors({f.name: getattr(output, f.name) for f in dataclasses.fields(output)
-                         if getattr(output, f.name) is not None})
+    return pack_tensors(
+        {f.name: getattr(output, f.name) for f in dataclasses.fields(output) if getattr(output, f.name) is not None}
+    )
 
 
 def unpack_output(data: bytes, device: torch.device | str = "cpu") -> GenerationOutput:
@@ -115,9 +134,11 @@ class VLLMServerEngine(SyncChecked):
             identity = self.wait_for_server(timeout)
             problem = identity_mismatch(identity, inner, merged_state_dict(inner))
         if problem:
-            raise VLLMServerError(f"the vLLM server at {self.url} serves another model ({identity.get('model')!r}: "
-                                  f"{problem}); restart it with the policy's model: treadle vllm-serve MODEL "
-                                  f"--port PORT, or point vllm_server_base_url at a server of the policy's model")
+            raise VLLMServerError(
+                f"the vLLM server at {self.url} serves another model ({identity.get('model')!r}: "
+                f"{problem}); restart it with the policy's model: treadle vllm-serve MODEL "
+                f"--port PORT, or point vllm_server_base_url at a server of the policy's model"
+            )
         self.identity = identity
 
     def wait_for_server(self, timeout: float) -> dict:
@@ -130,19 +151,30 @@ class VLLMServerEngine(SyncChecked):
                     return json.loads(response.read())
             except (OSError, http.client.HTTPException, ValueError) as error:  # refused, reset, not JSON: not yet up
                 if time.monotonic() + pause > deadline:
-                    raise VLLMServerError(f"no vLLM server answered at {self.url}/health within {timeout:g} s "
-                                          f"({reason(error)}); {START_HINT}, or set vllm_server_base_url (or "
-                                          f"vllm_server_host / vllm_server_port) to where it runs, and "
-                                          f"vllm_server_timeout to wait longer for its start") from None
+                    raise VLLMServerError(
+                        f"no vLLM server answered at {self.url}/health within {timeout:g} s "
+                        f"({reason(error)}); {START_HINT}, or set vllm_server_base_url (or "
+                        f"vllm_server_host / vllm_server_port) to where it runs, and "
+                        f"vllm_server_timeout to wait longer for its start"
+                    ) from None
             time.sleep(pause)
             pause = min(2.0, pause * 2)
 
     # ---- the contract ------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, *,
-                 generator: torch.Generator | None = None, prompt_inputs: dict | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        prompt_inputs: dict | None = None,
+    ) -> GenerationOutput:
         seed = self.check_request(prompt_ids, prompt_inputs, generator)
-        body = {"prompt_ids": [list(map(int, p)) for p in prompt_ids], "params": dataclasses.asdict(params),
-                "seed": seed}
+        body = {
+            "prompt_ids": [list(map(int, p)) for p in prompt_ids],
+            "params": dataclasses.asdict(params),
+            "seed": seed,
+        }
         output = unpack_output(self.request("generate", json.dumps(body).encode()), self.device)
         self.remember_probe(prompt_ids, output)
         return output
@@ -173,25 +205,32 @@ class VLLMServerEngine(SyncChecked):
     # ---- beyond the contract -----------------------------------------------------------------------------
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
         """Each completion's per-token log-probs under the server's current weights (temperature 1)."""
-        body = {"prompt_ids": [list(map(int, p)) for p in prompt_ids],
-                "completion_ids": [list(map(int, c)) for c in completion_ids]}
+        body = {
+            "prompt_ids": [list(map(int, p)) for p in prompt_ids],
+            "completion_ids": [list(map(int, c)) for c in completion_ids],
+        }
         logps = json.loads(self.request("score", json.dumps(body).encode()))["logps"]
         return [torch.tensor(row, dtype=torch.float32) for row in logps]
 
     def request(self, route: str, body: bytes) -> bytes:
         """POST ``body`` to ``route``; the answer's bytes. A server that stopped answering is one line."""
         try:
-            with urllib.request.urlopen(urllib.request.Request(f"{self.url}/{route}", data=body, method="POST"),
-                                        timeout=REQUEST_TIMEOUT) as response:
+            with urllib.request.urlopen(
+                urllib.request.Request(f"{self.url}/{route}", data=body, method="POST"), timeout=REQUEST_TIMEOUT
+            ) as response:
                 return response.read()
         except urllib.error.HTTPError as error:  # the server answered with an error: its one line says what
             detail = error.read().decode(errors="replace").strip()
-            raise VLLMServerError(f"the vLLM server at {self.url} refused /{route.partition('?')[0]} (HTTP "
-                                  f"{error.code}: {detail or error.reason})") from None
+            raise VLLMServerError(
+                f"the vLLM server at {self.url} refused /{route.partition('?')[0]} (HTTP "
+                f"{error.code}: {detail or error.reason})"
+            ) from None
         except (OSError, http.client.HTTPException) as error:  # refused, reset, cut off, timed out: gone or hung
-            raise VLLMServerError(f"the vLLM server at {self.url} stopped answering ({reason(error)}); the "
-                                  f"checkpoints written so far are intact: restart the server ({START_HINT}) and "
-                                  f"resume the run (treadle train CONFIG --resume)") from None
+            raise VLLMServerError(
+                f"the vLLM server at {self.url} stopped answering ({reason(error)}); the "
+                f"checkpoints written so far are intact: restart the server ({START_HINT}) and "
+                f"resume the run (treadle train CONFIG --resume)"
+            ) from None
 
 
 def reason(error: BaseException) -> str:

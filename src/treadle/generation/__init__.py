@@ -10,17 +10,62 @@ the public names for users, tests and benchmarks):
 GRPO and evaluation reach the sampler through a rollout engine (``treadle.engines``), not directly.
 """
 
-from treadle.generation.sampling import (SamplingParams, apply_min_p, apply_repetition_penalty, apply_temperature,
-                                         apply_top_k, apply_top_p, process_logits, sample_next_tokens, sampled_logps,
-                                         sampler_options, token_presence)
-from treadle.generation.single import (BACKENDS, GenerationOutput, completion_masks, distinct_prompts,
-                                       fast_path_problem, generate_completions, left_pad, sample_completions)
-from treadle.generation.turns import (MultiTurnOutput, Respond, generate_turns, pack_turns, reprefill_turns,
-                                      sample_turns)
+from treadle.generation.sampling import (
+    SamplingParams,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    process_logits,
+    sample_next_tokens,
+    sampled_logps,
+    sampler_options,
+    token_presence,
+)
+from treadle.generation.single import (
+    BACKENDS,
+    GenerationOutput,
+    completion_masks,
+    distinct_prompts,
+    fast_path_problem,
+    generate_completions,
+    left_pad,
+    sample_completions,
+)
+from treadle.generation.turns import (
+    MultiTurnOutput,
+    Respond,
+    generate_turns,
+    pack_turns,
+    reprefill_turns,
+    sample_turns,
+)
 
-
-__all__ = ["BACKENDS", "GenerationOutput", "MultiTurnOutput", "Respond", "SamplingParams", "apply_min_p",
-           "apply_repetition_penalty", "apply_temperature", "apply_top_k", "apply_top_p", "completion_masks",
-           "distinct_prompts", "fast_path_problem", "generate_completions", "generate_turns", "left_pad", "pack_turns",
-           "process_logits", "reprefill_turns", "sample_completions", "sample_next_tokens", "sample_turns",
-           "sampled_logps", "sampler_options", "token_presence"]
+__all__ = [
+    "BACKENDS",
+    "GenerationOutput",
+    "MultiTurnOutput",
+    "Respond",
+    "SamplingParams",
+    "apply_min_p",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "apply_top_k",
+    "apply_top_p",
+    "completion_masks",
+    "distinct_prompts",
+    "fast_path_problem",
+    "generate_completions",
+    "generate_turns",
+    "left_pad",
+    "pack_turns",
+    "process_logits",
+    "reprefill_turns",
+    "sample_completions",
+    "sample_next_tokens",
+    "sample_turns",
+    "sampled_logps",
+    "sampler_options",
+    "token_presence",
+]

@@ -47,8 +47,14 @@ def prefill(model, prompt_ids: Tensor, prompt_mask: Tensor, cache_name: str, pro
         if keep_name in signature:
             kwargs[keep_name] = 1
             break
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                **kwargs, **(prompt_inputs or {}))
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=positions,
+        use_cache=True,
+        **kwargs,
+        **(prompt_inputs or {}),
+    )
     cache = out[cache_name] if cache_name in out else out["past_key_values"]
     return out.logits[:, -1], cache
 
@@ -113,20 +119,21 @@ class _PreallocatedLayerMixin:
 
     def batch_select_indices(self, indices: Tensor) -> None:
         # Copy only the filled part into fresh, smaller buffers; the old ones are freed.
-        keys, values = self._key_buffer[indices, :, :self._length], self._value_buffer[indices, :, :self._length]
+        keys, values = self._key_buffer[indices, :, : self._length], self._value_buffer[indices, :, : self._length]
         capacity = self._key_buffer.shape[2]
         self._key_buffer = keys.new_empty(len(indices), keys.shape[1], capacity, keys.shape[3])
         self._value_buffer = values.new_empty(len(indices), values.shape[1], capacity, values.shape[3])
-        self._key_buffer[:, :, :self._length] = keys
-        self._value_buffer[:, :, :self._length] = values
+        self._key_buffer[:, :, : self._length] = keys
+        self._value_buffer[:, :, : self._length] = values
         self._set_length(self._length)
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.batch_select_indices(torch.arange(self._key_buffer.shape[0], device=self.device)
-                                  .repeat_interleave(repeats))
+        self.batch_select_indices(
+            torch.arange(self._key_buffer.shape[0], device=self.device).repeat_interleave(repeats)
+        )
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
@@ -137,7 +144,7 @@ class _PreallocatedLayerMixin:
         self._set_length(0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _preallocated_layer_class():
     """Built on first use so that importing this module does not import transformers."""
     from transformers.cache_utils import DynamicLayer  # heavy: see the docstring
@@ -153,7 +160,7 @@ class RaggedWrites:
     span: int  # slots that attention reads this step
 
     @classmethod
-    def attach(cls, cache) -> "RaggedWrites":
+    def attach(cls, cache) -> RaggedWrites:
         writes = cls()
         ragged = _ragged_layer_class()
         for layer in cache.layers:
@@ -173,20 +180,20 @@ class _RaggedLayerMixin:
         self._value_buffer[rows[:, None], :, self.writes.index] = value_states.transpose(1, 2)
         self._set_length(max(self._length, self.writes.span))
         if subset is None:
-            return self._key_buffer[:, :, :self.writes.span], self._value_buffer[:, :, :self.writes.span]
-        return self._key_buffer[subset, :, :self.writes.span], self._value_buffer[subset, :, :self.writes.span]
+            return self._key_buffer[:, :, : self.writes.span], self._value_buffer[:, :, : self.writes.span]
+        return self._key_buffer[subset, :, : self.writes.span], self._value_buffer[subset, :, : self.writes.span]
 
     def clear_unfilled(self) -> None:
         # Slots a row has not written yet are read (with zero weight) by rows that have: they must hold numbers,
         # not the garbage of an empty buffer, since 0 * NaN is NaN.
-        self._key_buffer[:, :, self._length:] = 0
-        self._value_buffer[:, :, self._length:] = 0
+        self._key_buffer[:, :, self._length :] = 0
+        self._value_buffer[:, :, self._length :] = 0
 
     def batch_select_indices(self, indices: Tensor) -> None:
         super().batch_select_indices(indices)
         self.clear_unfilled()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ragged_layer_class():
     return type("RaggedLayer", (_RaggedLayerMixin, _preallocated_layer_class()), {})

@@ -15,20 +15,38 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["GENERATION_KWARGS", "SamplingParams", "apply_min_p", "apply_repetition_penalty", "apply_temperature",
-           "apply_top_k", "apply_top_p", "process_logits", "sample_next_tokens", "sampled_logps", "sampler_options",
-           "token_presence"]
+__all__ = [
+    "GENERATION_KWARGS",
+    "SamplingParams",
+    "apply_min_p",
+    "apply_repetition_penalty",
+    "apply_temperature",
+    "apply_top_k",
+    "apply_top_p",
+    "process_logits",
+    "sample_next_tokens",
+    "sampled_logps",
+    "sampler_options",
+    "token_presence",
+]
 
 # generation_kwargs (GenerationConfig names) that the own sampler takes, and the SamplingParams field each sets
-GENERATION_KWARGS = {"min_p": "min_p", "top_p": "top_p", "top_k": "top_k", "repetition_penalty": "repetition_penalty",
-                     "suppress_tokens": "suppress_token_ids"}
+GENERATION_KWARGS = {
+    "min_p": "min_p",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "suppress_tokens": "suppress_token_ids",
+}
 # names the config sets through a field of its own, with the reason generation_kwargs may not override them
-OWN_FIELDS = {"temperature": "the trained log-probs (and distillation's divergence) use the sampling temperature "
-                             "too; set the config's temperature",
-              "max_new_tokens": "set the config's max_completion_length",
-              "do_sample": "training samples; evaluate greedily with eval_temperature=0",
-              "eos_token_id": "the tokenizer's eos_token_id ends completions",
-              "pad_token_id": "the tokenizer's pad token pads completions"}
+OWN_FIELDS = {
+    "temperature": "the trained log-probs (and distillation's divergence) use the sampling temperature "
+    "too; set the config's temperature",
+    "max_new_tokens": "set the config's max_completion_length",
+    "do_sample": "training samples; evaluate greedily with eval_temperature=0",
+    "eos_token_id": "the tokenizer's eos_token_id ends completions",
+    "pad_token_id": "the tokenizer's pad token pads completions",
+}
 
 
 @dataclass(frozen=True)
@@ -49,19 +67,31 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (self.num_generations >= 1, f"num_generations must be >= 1, got {self.num_generations}; "
-                                        "pass the number of completions wanted per prompt (e.g. 8)"),
-            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}; "
-                                       "pass the longest completion length you accept (e.g. 64)"),
+            (
+                self.num_generations >= 1,
+                f"num_generations must be >= 1, got {self.num_generations}; "
+                "pass the number of completions wanted per prompt (e.g. 8)",
+            ),
+            (
+                self.max_new_tokens >= 1,
+                f"max_new_tokens must be >= 1, got {self.max_new_tokens}; "
+                "pass the longest completion length you accept (e.g. 64)",
+            ),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it"),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}; use 0 to disable it"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}; 0.01-0.2 is typical, 0 or "
-                                       "None disables it"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}; "
-                                            "use 1.0 to disable it"),
-            (not self.do_sample or self.temperature > 0.0,
-             f"temperature must be > 0 when sampling, got {self.temperature}; 1.0 samples the model as is "
-             f"(generate_completions: do_sample=False decodes greedily)"),
+            (
+                0.0 <= self.min_p <= 1.0,
+                f"min_p must be in [0, 1], got {self.min_p}; 0.01-0.2 is typical, 0 or None disables it",
+            ),
+            (
+                self.repetition_penalty > 0.0,
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}; use 1.0 to disable it",
+            ),
+            (
+                not self.do_sample or self.temperature > 0.0,
+                f"temperature must be > 0 when sampling, got {self.temperature}; 1.0 samples the model as is "
+                f"(generate_completions: do_sample=False decodes greedily)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -71,6 +101,7 @@ class SamplingParams:
 # ---------------------------------------------------------------------------------------------------------
 # Logits processors: pure functions on (N, V) float scores, in transformers' order.
 # ---------------------------------------------------------------------------------------------------------
+
 
 def token_presence(token_ids: Tensor, mask: Tensor, vocab_size: int) -> Tensor:
     """(N, V) bool: whether each vocabulary id occurs among the unmasked ``token_ids`` (N, T) of its row."""
@@ -156,14 +187,18 @@ def sampler_options(min_p: float | None = None, generation_kwargs: dict | None =
     if generation_kwargs is None:
         return options
     if not isinstance(generation_kwargs, dict):
-        raise ValueError(f"generation_kwargs must be a dict of GenerationConfig names, e.g. {{'min_p': 0.05}}, got "
-                         f"{generation_kwargs!r}")
+        raise ValueError(
+            f"generation_kwargs must be a dict of GenerationConfig names, e.g. {{'min_p': 0.05}}, got "
+            f"{generation_kwargs!r}"
+        )
     for key, value in generation_kwargs.items():
         if key in OWN_FIELDS:
             raise ValueError(f"generation_kwargs[{key!r}] is not taken: {OWN_FIELDS[key]}")
         if key not in GENERATION_KWARGS:
-            raise ValueError(f"generation_kwargs[{key!r}] has no counterpart in treadle's own sampler, which takes "
-                             f"{', '.join(GENERATION_KWARGS)}; remove it")
+            raise ValueError(
+                f"generation_kwargs[{key!r}] has no counterpart in treadle's own sampler, which takes "
+                f"{', '.join(GENERATION_KWARGS)}; remove it"
+            )
         options[GENERATION_KWARGS[key]] = tuple(int(t) for t in value) if key == "suppress_tokens" else value
     return options
 

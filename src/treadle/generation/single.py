@@ -30,27 +30,41 @@ from the global RNG, which is seeded from ``generator`` inside a forked RNG stat
 A GPU engine (vLLM) plugs in as a rollout engine (``treadle.engines``), not as a backend here.
 """
 
-
 from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from treadle.generation.cache import attention_kind, cache_argument, expand_cache, prefill
-from treadle.generation.sampling import (SamplingParams, process_logits, sample_next_tokens, sampled_logps,
-                                         token_presence)
+from treadle.generation.sampling import (
+    SamplingParams,
+    process_logits,
+    sample_next_tokens,
+    sampled_logps,
+    token_presence,
+)
 from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
 from treadle.text import eos_ids
 
-__all__ = ["BACKENDS", "GenerationOutput", "check_prompts", "completion_masks", "distinct_prompts",
-           "fast_path_problem", "generate_completions", "left_pad", "model_device", "positions_need_images",
-           "resolve_backend",
-           "sample_completions"]
+__all__ = [
+    "BACKENDS",
+    "GenerationOutput",
+    "check_prompts",
+    "completion_masks",
+    "distinct_prompts",
+    "fast_path_problem",
+    "generate_completions",
+    "left_pad",
+    "model_device",
+    "positions_need_images",
+    "resolve_backend",
+    "sample_completions",
+]
 
 BACKENDS = ("auto", "fast", "hf")
 
@@ -78,26 +92,27 @@ def distinct_prompts(prompt_ids: list[list[int]], group: int) -> tuple[list[list
     """``(distinct prompts, completions per prompt)`` for rows that may hold whole groups: when every run of
     ``group`` rows repeats one prompt, each prompt once and ``group`` (the layout :func:`generate_completions`
     returns); otherwise every row's prompt and 1."""
-    grouped = len(prompt_ids) % group == 0 and all(prompt_ids[i] == prompt_ids[i - i % group]
-                                                   for i in range(len(prompt_ids)))
+    grouped = len(prompt_ids) % group == 0 and all(
+        prompt_ids[i] == prompt_ids[i - i % group] for i in range(len(prompt_ids))
+    )
     return (prompt_ids[::group], group) if grouped else (prompt_ids, 1)
 
 
-def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu"
-             ) -> tuple[Tensor, Tensor]:
+def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
     """Stack token-id lists into (ids, mask), both (B, P), padded on the left so that every prompt ends at P-1."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         if prompt:
-            ids[row, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
 
 
-def completion_masks(raw_ids: Tensor, eos_token_ids: tuple[int, ...], pad_token_id: int
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+def completion_masks(
+    raw_ids: Tensor, eos_token_ids: tuple[int, ...], pad_token_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Cut raw completions (N, C) after their first EOS.
 
     Returns ``(completion_ids, completion_mask, is_truncated)``: ids with pad after the first EOS, the mask
@@ -118,15 +133,20 @@ def completion_masks(raw_ids: Tensor, eos_token_ids: tuple[int, ...], pad_token_
     return completion_ids[:, :keep], completion_mask[:, :keep], is_truncated
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The public entry points.
 # ---------------------------------------------------------------------------------------------------------
 
-def sample_completions(model, prompts: list[list[int]], params: SamplingParams, *,
-                       generator: torch.Generator | None = None, backend: str = "auto",
-                       prompt_inputs: dict | None = None) -> GenerationOutput:
+
+def sample_completions(
+    model,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+    prompt_inputs: dict | None = None,
+) -> GenerationOutput:
     """Sample ``params.num_generations`` completions for each of the distinct ``prompts`` (token-id lists).
 
     Runs under ``torch.no_grad()`` with the model in eval mode and restores every submodule's train/eval mode
@@ -147,14 +167,17 @@ def sample_completions(model, prompts: list[list[int]], params: SamplingParams, 
         name = resolve_backend(backend, inner)
         if prompt_inputs and name == "fast" and positions_need_images(inner):
             if backend == "fast":
-                raise ValueError(f"backend='fast' cannot sample {type(inner).__name__} from images: its positions "
-                                 f"depend on the images (M-RoPE); use backend='hf' or 'auto'")
+                raise ValueError(
+                    f"backend='fast' cannot sample {type(inner).__name__} from images: its positions "
+                    f"depend on the images (M-RoPE); use backend='hf' or 'auto'"
+                )
             name = "hf"
         prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, model_device(inner))
         extras = {k: v.to(prompt_ids.device) for k, v in (prompt_inputs or {}).items()}
         raw_ids, raw_logps = _run_backend(name, inner, prompt_ids, prompt_mask, params, generator, extras)
-    completion_ids, completion_mask, is_truncated = completion_masks(raw_ids, params.eos_token_ids,
-                                                                     params.pad_token_id)
+    completion_ids, completion_mask, is_truncated = completion_masks(
+        raw_ids, params.eos_token_ids, params.pad_token_id
+    )
     width = completion_ids.shape[1]
     return GenerationOutput(
         prompt_ids=prompt_ids.repeat_interleave(params.num_generations, dim=0),
@@ -166,17 +189,35 @@ def sample_completions(model, prompts: list[list[int]], params: SamplingParams, 
     )
 
 
-def generate_completions(model, prompts: list[list[int]], *, num_generations: int, max_new_tokens: int,
-                         eos_token_id: int | list[int] | None, pad_token_id: int, temperature: float = 1.0,
-                         top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-                         do_sample: bool = True, generator: torch.Generator | None = None,
-                         backend: str = "auto") -> GenerationOutput:
+def generate_completions(
+    model,
+    prompts: list[list[int]],
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    repetition_penalty: float = 1.0,
+    do_sample: bool = True,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+) -> GenerationOutput:
     """:func:`sample_completions` with the sampling settings as keywords (``eos_token_id=None`` never stops
     early); raises ValueError for bad settings too."""
-    params = SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens,
-                            eos_token_ids=eos_ids(eos_token_id), pad_token_id=pad_token_id,
-                            temperature=temperature, top_p=top_p, top_k=top_k,
-                            repetition_penalty=repetition_penalty, do_sample=do_sample)
+    params = SamplingParams(
+        num_generations=num_generations,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_ids(eos_token_id),
+        pad_token_id=pad_token_id,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+        do_sample=do_sample,
+    )
     return sample_completions(model, prompts, params, generator=generator, backend=backend)
 
 
@@ -188,8 +229,15 @@ def check_prompts(prompts) -> None:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)")
 
 
-def _run_backend(name: str, model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                 generator: torch.Generator | None, extras: dict | None = None) -> tuple[Tensor, Tensor]:
+def _run_backend(
+    name: str,
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    extras: dict | None = None,
+) -> tuple[Tensor, Tensor]:
     """Dispatch to a backend; each returns raw completion ids (B*G, C<=max_new_tokens), EOS not yet cut, and
     each token's sampling log-prob (B*G, C)."""
     if name == "fast":
@@ -197,6 +245,7 @@ def _run_backend(name: str, model, prompt_ids: Tensor, prompt_mask: Tensor, para
     if name == "hf":
         return _generate_hf(model, prompt_ids, prompt_mask, params, generator, extras)
     raise AssertionError(f"unresolved backend {name!r}")  # resolve_backend only returns the names above
+
 
 def resolve_backend(backend: str, model) -> str:
     if backend not in BACKENDS:
@@ -207,8 +256,10 @@ def resolve_backend(backend: str, model) -> str:
     if backend == "fast" or (backend == "auto" and not problem):
         return "fast"
     if not callable(getattr(model, "generate", None)):
-        raise ValueError(f"{type(model).__name__} cannot generate: the fast path refuses it ({problem}) and it "
-                         "has no `generate` method. Pass a transformers causal LM (e.g. LlamaForCausalLM).")
+        raise ValueError(
+            f"{type(model).__name__} cannot generate: the fast path refuses it ({problem}) and it "
+            "has no `generate` method. Pass a transformers causal LM (e.g. LlamaForCausalLM)."
+        )
     if backend == "auto":  # the architecture matrix (tests/test_architectures.py) lists who takes the fast path
         warnings.warn(f"generation_backend='auto' uses 'hf' for {type(model).__name__}: {problem}", stacklevel=4)
     return "hf"
@@ -241,8 +292,15 @@ def model_device(model) -> torch.device:
 # Backend "hf": transformers generate.
 # ---------------------------------------------------------------------------------------------------------
 
-def _generate_hf(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                 generator: torch.Generator | None, extras: dict | None = None) -> tuple[Tensor, Tensor]:
+
+def _generate_hf(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    extras: dict | None = None,
+) -> tuple[Tensor, Tensor]:
     """``model.generate`` with a GenerationConfig built from ``params`` only; the sampling log-probs come from
     its processed ``scores`` (after every logits processor and warper, i.e. what it sampled from).
 
@@ -253,28 +311,40 @@ def _generate_hf(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Samplin
 
     group, sampling, repeat = params.num_generations, {}, 1
     if params.do_sample:
-        sampling = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                        min_p=params.min_p or None, num_return_sequences=group)
+        sampling = dict(
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p or None,
+            num_return_sequences=group,
+        )
     elif extras:  # greedy: one row per prompt, repeated after (a VLM's extras repeat by its own layout)
         repeat = group
     else:  # generate refuses num_return_sequences > 1 when greedy; G identical rows give the same result
         prompt_ids, prompt_mask = (t.repeat_interleave(group, dim=0) for t in (prompt_ids, prompt_mask))
     config = GenerationConfig(
-        max_new_tokens=params.max_new_tokens, do_sample=params.do_sample,
-        repetition_penalty=params.repetition_penalty, eos_token_id=list(params.eos_token_ids) or None,
-        pad_token_id=params.pad_token_id, output_scores=True, return_dict_in_generate=True,
-        suppress_tokens=list(params.suppress_token_ids) or None, **sampling)
+        max_new_tokens=params.max_new_tokens,
+        do_sample=params.do_sample,
+        repetition_penalty=params.repetition_penalty,
+        eos_token_id=list(params.eos_token_ids) or None,
+        pad_token_id=params.pad_token_id,
+        output_scores=True,
+        return_dict_in_generate=True,
+        suppress_tokens=list(params.suppress_token_ids) or None,
+        **sampling,
+    )
     saved_config = getattr(model, "generation_config", None)
     if saved_config is not None:
         model.generation_config = GenerationConfig()
     try:
         with _global_rng_from(generator, prompt_ids.device):
-            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                 **(extras or {}))
+            out = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **(extras or {})
+            )
     finally:
         if saved_config is not None:
             model.generation_config = saved_config
-    completion = out.sequences[:, prompt_ids.shape[1]:]
+    completion = out.sequences[:, prompt_ids.shape[1] :]
     logps = [sampled_logps(scores, completion[:, step]) for step, scores in enumerate(out.scores)]
     return completion.repeat_interleave(repeat, dim=0), torch.stack(logps, dim=1).repeat_interleave(repeat, dim=0)
 
@@ -296,8 +366,15 @@ def _global_rng_from(generator: torch.Generator | None, device: torch.device) ->
 # Backend "fast": prefill once, shared preallocated KV cache, early exit.
 # ---------------------------------------------------------------------------------------------------------
 
-def _generate_fast(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                   generator: torch.Generator | None, extras: dict | None = None) -> tuple[Tensor, Tensor]:
+
+def _generate_fast(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    extras: dict | None = None,
+) -> tuple[Tensor, Tensor]:
     """Decode all B*G rows together; returns raw ids (B*G, max_new_tokens), pad where a row stopped early, and
     each token's log-prob under the scores it was drawn from."""
     group, width = params.num_generations, prompt_ids.shape[1]
@@ -305,8 +382,9 @@ def _generate_fast(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampl
     logits, cache = prefill(model, prompt_ids, prompt_mask, cache_name, extras)
     all_preallocated = expand_cache(cache, group, capacity=width + params.max_new_tokens)
 
-    state = DecodeState.start(prompt_ids, prompt_mask, logits, params,
-                              four_d_mask=all_preallocated and attention_kind(model) == "sdpa")
+    state = DecodeState.start(
+        prompt_ids, prompt_mask, logits, params, four_d_mask=all_preallocated and attention_kind(model) == "sdpa"
+    )
     for step in range(params.max_new_tokens):
         scores = process_logits(state.logits, params, state.seen)
         next_tokens = sample_next_tokens(scores, params.do_sample, generator)
@@ -315,9 +393,13 @@ def _generate_fast(model, prompt_ids: Tensor, prompt_mask: Tensor, params: Sampl
         if step == params.max_new_tokens - 1 or unfinished == 0:
             break
         state.drop_finished_rows(cache, unfinished)
-        out = model(**{cache_name: cache}, input_ids=state.next_tokens[:, None],
-                    attention_mask=state.attention_mask[..., :width + step + 1],
-                    position_ids=state.positions[:, None], use_cache=True)
+        out = model(
+            **{cache_name: cache},
+            input_ids=state.next_tokens[:, None],
+            attention_mask=state.attention_mask[..., : width + step + 1],
+            position_ids=state.positions[:, None],
+            use_cache=True,
+        )
         state.logits = out.logits[:, -1]
         state.positions += 1
     return state.completion, state.completion_logps
@@ -339,16 +421,18 @@ class DecodeState:
     eos: Tensor | None  # (E,) EOS ids, None: never stop early
 
     @classmethod
-    def start(cls, prompt_ids: Tensor, prompt_mask: Tensor, logits: Tensor, params: SamplingParams,
-              four_d_mask: bool = False):
+    def start(
+        cls, prompt_ids: Tensor, prompt_mask: Tensor, logits: Tensor, params: SamplingParams, four_d_mask: bool = False
+    ):
         group, device = params.num_generations, prompt_ids.device
         rows = prompt_ids.shape[0] * group
         seen = None
         if params.repetition_penalty != 1.0:
             seen = token_presence(prompt_ids, prompt_mask, logits.shape[-1]).repeat_interleave(group, dim=0)
-        attention_mask = torch.ones(rows, prompt_ids.shape[1] + params.max_new_tokens, dtype=prompt_mask.dtype,
-                                    device=device)
-        attention_mask[:, :prompt_ids.shape[1]] = prompt_mask.repeat_interleave(group, dim=0)
+        attention_mask = torch.ones(
+            rows, prompt_ids.shape[1] + params.max_new_tokens, dtype=prompt_mask.dtype, device=device
+        )
+        attention_mask[:, : prompt_ids.shape[1]] = prompt_mask.repeat_interleave(group, dim=0)
         if four_d_mask:
             # A one-token query may attend to every non-padding key, so the (R, 1, 1, T) boolean padding mask
             # is the whole attention mask; transformers passes a 4-D mask through to SDPA untouched, which
@@ -364,8 +448,7 @@ class DecodeState:
             row_ids=torch.arange(rows, device=device),
             unfinished=torch.ones(rows, dtype=torch.bool, device=device),
             next_tokens=torch.empty(0),
-            completion=torch.full((rows, params.max_new_tokens), params.pad_token_id, dtype=torch.long,
-                                  device=device),
+            completion=torch.full((rows, params.max_new_tokens), params.pad_token_id, dtype=torch.long, device=device),
             completion_logps=torch.zeros((rows, params.max_new_tokens), dtype=torch.float32, device=device),
             eos=torch.tensor(params.eos_token_ids, device=device) if params.eos_token_ids else None,
         )
@@ -391,5 +474,3 @@ class DecodeState:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, value[keep])
-
-

@@ -10,18 +10,27 @@ settings as keywords.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from treadle.generation.cache import RaggedWrites, cache_argument, expand_cache, prefill
 from treadle.generation.sampling import SamplingParams, process_logits, sampled_logps, token_presence
-from treadle.generation.single import (SHRINK_FRACTION, DecodeState, GenerationOutput, check_prompts, left_pad,
-                                       model_device, resolve_backend, sample_completions)
+from treadle.generation.single import (
+    SHRINK_FRACTION,
+    DecodeState,
+    GenerationOutput,
+    check_prompts,
+    left_pad,
+    model_device,
+    resolve_backend,
+    sample_completions,
+)
 from treadle.models import eval_mode, unwrapped_for_generation
 from treadle.text import eos_ids
 
@@ -40,8 +49,14 @@ class MultiTurnOutput(GenerationOutput):
 Respond = Callable[[int, list[int]], "Future | list[int] | None"]
 
 
-def sample_turns(model, prompts: list[list[int]], respond: Respond, params: SamplingParams, *,
-                 generator: torch.Generator | None = None) -> MultiTurnOutput:
+def sample_turns(
+    model,
+    prompts: list[list[int]],
+    respond: Respond,
+    params: SamplingParams,
+    *,
+    generator: torch.Generator | None = None,
+) -> MultiTurnOutput:
     """Multi-turn sampling on the fast path, with each row's KV cache kept across turns.
 
     Rows are laid out as in single-turn sampling (prompt b's rollouts are rows b*G .. b*G+G-1). A model turn
@@ -59,25 +74,59 @@ def sample_turns(model, prompts: list[list[int]], respond: Respond, params: Samp
         resolve_backend("fast", inner)
         prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, model_device(inner))
         rows = _decode_turns(inner, prompt_ids, prompt_mask, params, respond, generator)
-    return pack_turns(prompt_ids, prompt_mask, params.num_generations, rows.tokens, rows.sampled, rows.truncated,
-                      params.pad_token_id, rows.logps)
+    return pack_turns(
+        prompt_ids,
+        prompt_mask,
+        params.num_generations,
+        rows.tokens,
+        rows.sampled,
+        rows.truncated,
+        params.pad_token_id,
+        rows.logps,
+    )
 
 
-def generate_turns(model, prompts: list[list[int]], respond: Respond, *, num_generations: int,
-                   max_new_tokens: int, eos_token_id: int | list[int] | None, pad_token_id: int,
-                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, repetition_penalty: float = 1.0,
-                   do_sample: bool = True, generator: torch.Generator | None = None) -> MultiTurnOutput:
+def generate_turns(
+    model,
+    prompts: list[list[int]],
+    respond: Respond,
+    *,
+    num_generations: int,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    repetition_penalty: float = 1.0,
+    do_sample: bool = True,
+    generator: torch.Generator | None = None,
+) -> MultiTurnOutput:
     """:func:`sample_turns` with the sampling settings as keywords."""
-    params = SamplingParams(num_generations=num_generations, max_new_tokens=max_new_tokens,
-                            eos_token_ids=eos_ids(eos_token_id), pad_token_id=pad_token_id,
-                            temperature=temperature, top_p=top_p, top_k=top_k,
-                            repetition_penalty=repetition_penalty, do_sample=do_sample)
+    params = SamplingParams(
+        num_generations=num_generations,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_ids(eos_token_id),
+        pad_token_id=pad_token_id,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+        do_sample=do_sample,
+    )
     return sample_turns(model, prompts, respond, params, generator=generator)
 
 
-def pack_turns(prompt_ids: Tensor, prompt_mask: Tensor, group: int, tokens: list[list[int]],
-               sampled: list[list[int]], truncated: list[bool], pad_token_id: int,
-               logps: list[list[float]] | None = None) -> MultiTurnOutput:
+def pack_turns(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group: int,
+    tokens: list[list[int]],
+    sampled: list[list[int]],
+    truncated: list[bool],
+    pad_token_id: int,
+    logps: list[list[float]] | None = None,
+) -> MultiTurnOutput:
     """A MultiTurnOutput from the distinct prompts (B, P) and each row's completion tokens, sampled flags,
     truncation and (optionally) sampled-token log-probs, right-padded."""
     device = prompt_ids.device
@@ -86,16 +135,20 @@ def pack_turns(prompt_ids: Tensor, prompt_mask: Tensor, group: int, tokens: list
     mask, sampled_mask = torch.zeros_like(ids), torch.zeros_like(ids)
     logp_tensor = torch.zeros(ids.shape, dtype=torch.float32)
     for row, (t, s) in enumerate(zip(tokens, sampled)):
-        ids[row, :len(t)] = torch.as_tensor(t, dtype=torch.long)
-        mask[row, :len(t)] = 1
-        sampled_mask[row, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        ids[row, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+        mask[row, : len(t)] = 1
+        sampled_mask[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         if logps is not None:
-            logp_tensor[row, :len(logps[row])] = torch.as_tensor(logps[row], dtype=torch.float32)
-    return MultiTurnOutput(prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
-                           prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
-                           completion_ids=ids.to(device), completion_mask=mask.to(device),
-                           is_truncated=torch.tensor(truncated, device=device), sampled_mask=sampled_mask.to(device),
-                           sampling_logps=logp_tensor.to(device) if logps is not None else None)
+            logp_tensor[row, : len(logps[row])] = torch.as_tensor(logps[row], dtype=torch.float32)
+    return MultiTurnOutput(
+        prompt_ids=prompt_ids.repeat_interleave(group, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(group, dim=0),
+        completion_ids=ids.to(device),
+        completion_mask=mask.to(device),
+        is_truncated=torch.tensor(truncated, device=device),
+        sampled_mask=sampled_mask.to(device),
+        sampling_logps=logp_tensor.to(device) if logps is not None else None,
+    )
 
 
 _SAMPLE, _FEED, _WAIT, _DONE = range(4)
@@ -123,7 +176,7 @@ class _TurnRows:
         self.sampled[row].append(1)
         self.logps[row].append(logp)
         if sampled_token in self.params.eos_token_ids:
-            turn = self.tokens[row][self.turn_start[row]:]
+            turn = self.tokens[row][self.turn_start[row] :]
             self.pending[row], self.mode[row] = self.respond(row, turn), _WAIT
         elif len(self.tokens[row]) >= self.params.max_new_tokens:
             self.finish(row, truncated=True)
@@ -150,8 +203,9 @@ class _TurnRows:
     def collect(self, block: bool) -> None:
         """Move rows whose observation has arrived to feeding it (or to done); ``block``: wait for at least one."""
         if block and self.pending:
-            futures.wait([f for f in self.pending.values() if isinstance(f, Future)],
-                         return_when=futures.FIRST_COMPLETED)
+            futures.wait(
+                [f for f in self.pending.values() if isinstance(f, Future)], return_when=futures.FIRST_COMPLETED
+            )
         for row, value in list(self.pending.items()):
             if isinstance(value, Future):
                 if not value.done():
@@ -173,8 +227,14 @@ class _TurnRows:
 _FEED_FRACTION = 0.25
 
 
-def _decode_turns(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, respond: Respond,
-                  generator: torch.Generator | None) -> _TurnRows:
+def _decode_turns(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    params: SamplingParams,
+    respond: Respond,
+    generator: torch.Generator | None,
+) -> _TurnRows:
     """The multi-turn decode loop; returns every row's tokens, sampled flags, log-probs and truncation.
 
     Each iteration: collect the observations that have arrived; if enough rows have one, prefill them in one
@@ -222,8 +282,11 @@ class _RowDraws:
     def __init__(self, rows: int, params: SamplingParams, generator: torch.Generator | None, device):
         self.do_sample = params.do_sample
         where = generator.device if generator is not None else device
-        self.uniforms = (torch.rand((rows, params.max_new_tokens), generator=generator, device=where).to(device)
-                         if self.do_sample else None)
+        self.uniforms = (
+            torch.rand((rows, params.max_new_tokens), generator=generator, device=where).to(device)
+            if self.do_sample
+            else None
+        )
 
     def sample(self, scores: Tensor, rows: list[int], positions: list[int]) -> Tensor:
         """(N,) tokens from processed scores (N, V) of output ``rows`` at ``positions`` in their completions.
@@ -248,8 +311,10 @@ class _RaggedDecoder:
         logits, self.cache = prefill(model, prompt_ids, prompt_mask, self.cache_name)
         self.capacity = width + params.max_new_tokens + 1  # the last slot takes the padding of ragged writes
         if not expand_cache(self.cache, group, capacity=self.capacity):
-            raise ValueError("multi-turn sampling with a kept KV cache needs plain full-attention layers; "
-                             "use treadle.generation.reprefill_turns (generation_backend='hf') for this model")
+            raise ValueError(
+                "multi-turn sampling with a kept KV cache needs plain full-attention layers; "
+                "use treadle.generation.reprefill_turns (generation_backend='hf') for this model"
+            )
         self.writes = RaggedWrites.attach(self.cache)
         self.state = DecodeState.start(prompt_ids, prompt_mask, logits, params)
         self.valid = torch.zeros(len(self.state.row_ids), self.capacity, dtype=torch.bool, device=self.device)
@@ -278,13 +343,20 @@ class _RaggedDecoder:
         index = (self.slots[rows, None] + offsets).clamp(max=self.capacity - 1)  # (r, k) where new keys go
         self.valid[rows[:, None].expand_as(index)[real], index[real]] = True
         span = int((self.slots[rows] + step).clamp(max=self.capacity).max())
-        readable = self.valid[rows, None, :span] & (torch.arange(span, device=device)[None, None, :]
-                                                    <= index[:, :, None])  # (r, k, T)
+        readable = self.valid[rows, None, :span] & (
+            torch.arange(span, device=device)[None, None, :] <= index[:, :, None]
+        )  # (r, k, T)
         mask = torch.zeros(readable.shape, dtype=self.dtype, device=device).masked_fill(
-            ~readable, torch.finfo(self.dtype).min)[:, None]  # (r, 1, k, T) additive: eager and SDPA read it alike
+            ~readable, torch.finfo(self.dtype).min
+        )[:, None]  # (r, 1, k, T) additive: eager and SDPA read it alike
         self.writes.rows, self.writes.index, self.writes.span = (None if subset is None else rows), index, span
-        out = self.model(**{self.cache_name: self.cache}, input_ids=inputs, attention_mask=mask,
-                         position_ids=state.positions[rows, None] + offsets, use_cache=True)
+        out = self.model(
+            **{self.cache_name: self.cache},
+            input_ids=inputs,
+            attention_mask=mask,
+            position_ids=state.positions[rows, None] + offsets,
+            use_cache=True,
+        )
         last = out.logits[torch.arange(len(added), device=device), (lengths - 1).clamp(min=0)]  # (r, V)
         # a row that added nothing keeps the logits of its last real token (its next step may sample from them)
         state.logits[rows] = torch.where(lengths[:, None] > 0, last.to(state.logits.dtype), state.logits[rows])
@@ -297,8 +369,15 @@ def _model_dtype(model) -> torch.dtype:
     return param.dtype if param is not None else torch.float32
 
 
-def reprefill_turns(model, prompts: list[list[int]], respond, params: SamplingParams, *,
-                    generator: torch.Generator | None = None, backend: str = "auto") -> MultiTurnOutput:
+def reprefill_turns(
+    model,
+    prompts: list[list[int]],
+    respond,
+    params: SamplingParams,
+    *,
+    generator: torch.Generator | None = None,
+    backend: str = "auto",
+) -> MultiTurnOutput:
     """:func:`sample_turns`' contract, one single-turn sampling call per turn on every active row's whole
     transcript: the baseline, and the fallback for models the fast path cannot run (``engines.LocalEngine`` with
     backend "hf", or "auto"). Simple, but every turn prefills everything again, and a turn starts only when every
@@ -314,16 +393,15 @@ def reprefill_turns(model, prompts: list[list[int]], respond, params: SamplingPa
     while active:
         room = max(max_new_tokens - len(tokens[r]) for r in active)
         contexts = prompts if turn == 0 else [base[r] + tokens[r] for r in active]
-        turn_params = replace(params, num_generations=num_generations if turn == 0 else 1,
-                                          max_new_tokens=room)
+        turn_params = replace(params, num_generations=num_generations if turn == 0 else 1, max_new_tokens=room)
         out = sample_completions(model, contexts, turn_params, generator=generator, backend=backend)
         lengths = out.completion_mask.sum(dim=1).tolist()
         answers = {}
         for i, r in enumerate(active):
-            new = out.completion_ids[i, :lengths[i]].tolist()[:max_new_tokens - len(tokens[r])]
+            new = out.completion_ids[i, : lengths[i]].tolist()[: max_new_tokens - len(tokens[r])]
             tokens[r] += new
             sampled[r] += [1] * len(new)
-            logps[r] += out.sampling_logps[i, :len(new)].tolist()
+            logps[r] += out.sampling_logps[i, : len(new)].tolist()
             if new and new[-1] in eos:
                 answers[r] = respond(r, new)
             else:

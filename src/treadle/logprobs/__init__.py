@@ -12,5 +12,12 @@ from treadle.logprobs.logsoftmax import chunked_token_logps, selective_log_softm
 from treadle.logprobs.prefix import prompt_first_layout, shared_prefix_logps
 from treadle.logprobs.tokens import TokenLogps, hidden_states_and_head, token_logps
 
-__all__ = ["TokenLogps", "chunked_token_logps", "hidden_states_and_head", "prompt_first_layout",
-           "selective_log_softmax", "shared_prefix_logps", "token_logps"]
+__all__ = [
+    "TokenLogps",
+    "chunked_token_logps",
+    "hidden_states_and_head",
+    "prompt_first_layout",
+    "selective_log_softmax",
+    "shared_prefix_logps",
+    "token_logps",
+]

@@ -20,8 +20,9 @@ IGNORE_INDEX = -100
 # ------------------------------------------------------------------------------ selective log-softmax
 
 
-def selective_log_softmax(logits: Tensor, index: Tensor, *, temperature: float = 1.0,
-                          chunk_size: int | None = None) -> Tensor:
+def selective_log_softmax(
+    logits: Tensor, index: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> Tensor:
     """``log_softmax(logits / temperature, -1)`` at ``index``, without a log-softmax copy.
 
     ``logits`` ``(..., V)`` in any float dtype, ``index`` ``(...)`` integer. Returns ``(...)`` in float32
@@ -36,8 +37,10 @@ def selective_log_softmax(logits: Tensor, index: Tensor, *, temperature: float =
     tensor([-0.6931,  0.0000])
     """
     if logits.shape[:-1] != index.shape:
-        raise ValueError(f"index shape {tuple(index.shape)} must equal logits shape without the vocabulary "
-                         f"dimension {tuple(logits.shape[:-1])}")
+        raise ValueError(
+            f"index shape {tuple(index.shape)} must equal logits shape without the vocabulary "
+            f"dimension {tuple(logits.shape[:-1])}"
+        )
     check_temperature(temperature)
     vocab = logits.shape[-1]
     rows = chunk_size or max(1, (1 << 24) // vocab)
@@ -89,10 +92,10 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_blocks = as_blocks(grad)
         g_all = torch.where(valid, grad_logps.reshape(-1).to(lse.dtype), 0.0)  # (N,)
-        for (s, e, chunk), (_, _, out) in zip(row_chunks(as_blocks(logits), ctx.rows),
-                                               row_chunks(grad_blocks, ctx.rows)):
-            d = _dlogits(chunk.to(lse.dtype) / ctx.temperature, lse[s:e], safe_index[s:e], g_all[s:e],
-                         ctx.temperature)
+        for (s, e, chunk), (_, _, out) in zip(
+            row_chunks(as_blocks(logits), ctx.rows), row_chunks(grad_blocks, ctx.rows)
+        ):
+            d = _dlogits(chunk.to(lse.dtype) / ctx.temperature, lse[s:e], safe_index[s:e], g_all[s:e], ctx.temperature)
             out.copy_(d)
             del d
         return grad, None, None, None
@@ -115,9 +118,16 @@ def _dlogits(scaled: Tensor, lse: Tensor, labels: Tensor, g: Tensor, temperature
 # ------------------------------------------------------------------------ chunked hidden -> logprobs
 
 
-def chunked_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
-                        temperature: float = 1.0, chunk_size: int = 1024,
-                        return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+def chunked_token_logps(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``, chunked.
 
     Args:
@@ -139,8 +149,7 @@ def chunked_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias:
     tensor([-0.3133, -0.6931])
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden (N, H) and weight (V, H); got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(f"need hidden (N, H) and weight (V, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be (N,) = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}")
     if chunk_size < 1:
@@ -154,8 +163,9 @@ def chunked_token_logps(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias:
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        logps, entropy = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, temperature, chunk_size,
-                                                  return_entropy)
+        logps, entropy = _ChunkedTokenLogps.apply(
+            hidden, weight, bias, labels, temperature, chunk_size, return_entropy
+        )
     return (logps, entropy) if return_entropy else logps
 
 

@@ -47,8 +47,17 @@ from treadle.logprobs.tokens import TokenLogps, logps_at_rows, token_logps
 from treadle.models import eval_mode, forward_signature
 from treadle.packing import position_ids
 
-__all__ = ["MAX_GROUP_TOKENS", "MIN_SAVING", "SharedPrefixBatch", "estimated_cost", "pack_shared_prefix",
-           "prompt_first_layout", "shared_prefix_logps", "shared_prefix_problem", "token_ratio"]
+__all__ = [
+    "MAX_GROUP_TOKENS",
+    "MIN_SAVING",
+    "SharedPrefixBatch",
+    "estimated_cost",
+    "pack_shared_prefix",
+    "prompt_first_layout",
+    "shared_prefix_logps",
+    "shared_prefix_problem",
+    "token_ratio",
+]
 
 # Share only when the shared forward's estimated cost (``estimated_cost``: tokens, plus attention pairs, which the
 # dense 4D mask computes for the whole packed row) is at most this fraction of the unshared one's (docs/performance.md).
@@ -58,9 +67,9 @@ MAX_GROUP_TOKENS = 8192
 # The attention implementations that take a custom 4D mask, and the mask each wants.
 _MASK_KIND = {"sdpa": "bool", "eager": "additive"}
 # Result of the one-time exactness check, per model (weak: does not keep models alive).
-_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 # Models already told (one warning each) why they cannot share.
-_NOTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_NOTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class SharedPrefixBatch(NamedTuple):
@@ -119,15 +128,17 @@ def pack_shared_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_width: 
     ids, positions, segments, rows = [], [], [], [torch.zeros(0, dtype=torch.long)] * len(lengths_c)
     for k, members in enumerate(groups):
         p = lengths_p[members[0]]
-        parts = [input_ids[members[0], prompt_width - p:prompt_width]]
+        parts = [input_ids[members[0], prompt_width - p : prompt_width]]
         pos, seg, offset = [torch.arange(p)], [torch.zeros(p, dtype=torch.long)], p
         for i, r in enumerate(members, start=1):
             c = lengths_c[r]
-            parts.append(input_ids[r, prompt_width:prompt_width + c])
+            parts.append(input_ids[r, prompt_width : prompt_width + c])
             pos.append(torch.arange(p, p + c))
             seg.append(torch.full((c,), i))
             # the first target is predicted by the prompt's last token, each next one by the completion token before
-            rows[r] = torch.cat([torch.tensor([k * width + p - 1]), k * width + offset + torch.arange(max(c - 1, 0))])[:c]
+            rows[r] = torch.cat([torch.tensor([k * width + p - 1]), k * width + offset + torch.arange(max(c - 1, 0))])[
+                :c
+            ]
             offset += c
         tail = width - offset
         ids.append(torch.cat([*(t.cpu() for t in parts), torch.zeros(tail, dtype=input_ids.dtype)]))
@@ -139,13 +150,19 @@ def pack_shared_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_width: 
     used = segment >= 0  # (K, W)
     allowed = (causal & same & used[:, None, :] & used[:, :, None]) | torch.eye(width, dtype=torch.bool)
     device = input_ids.device
-    return SharedPrefixBatch(torch.stack(ids).to(device), torch.stack(positions).to(device),
-                             allowed[:, None].to(device), torch.cat(rows).to(device),
-                             input_ids[:, prompt_width:][completion], completion)
+    return SharedPrefixBatch(
+        torch.stack(ids).to(device),
+        torch.stack(positions).to(device),
+        allowed[:, None].to(device),
+        torch.cat(rows).to(device),
+        input_ids[:, prompt_width:][completion],
+        completion,
+    )
 
 
-def prompt_first_layout(input_ids: Tensor, attention_mask: Tensor,
-                        completion_mask: Tensor) -> tuple[Tensor, Tensor, int] | None:
+def prompt_first_layout(
+    input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor
+) -> tuple[Tensor, Tensor, int] | None:
     """Right-padded rows of prompt then response (DPO's collator: ``completion_mask`` 1 on response tokens) re-laid
     out as GRPO's: ``(ids, mask, P)`` with the prompts left-padded to ``P`` columns and the responses right-padded
     after them, so that :func:`shared_prefix_logps` can share a pair's prompt. None where a row is not prompt, then
@@ -165,8 +182,9 @@ def prompt_first_layout(input_ids: Tensor, attention_mask: Tensor,
         return None
     width_p, width_r = int(prompt_lengths.max()), max(int(response_lengths.max()), 1)
     target = torch.arange(width_p + width_r, device=real.device)  # (P + R,) output columns
-    source = torch.where(target < width_p, target - (width_p - prompt_lengths[:, None]),
-                         prompt_lengths[:, None] + target - width_p)  # (N, P + R) input column of each output one
+    source = torch.where(
+        target < width_p, target - (width_p - prompt_lengths[:, None]), prompt_lengths[:, None] + target - width_p
+    )  # (N, P + R) input column of each output one
     mask = torch.where(target < width_p, source >= 0, target - width_p < response_lengths[:, None])
     ids = input_ids.gather(1, source.clamp(0, real.shape[1] - 1)).masked_fill(~mask, 0)
     return ids, mask.to(attention_mask.dtype), width_p
@@ -180,8 +198,10 @@ def shared_prefix_problem(model: nn.Module) -> str | None:
     if "position_ids" not in forward_signature(base) or attention is None:
         return f"{type(base).__name__} is not a transformers causal LM taking position_ids"
     if attention not in _MASK_KIND:
-        return (f"its attention implementation {attention!r} takes no custom 4D mask (sdpa and eager do; "
-                "attn_implementation='sdpa' enables it)")
+        return (
+            f"its attention implementation {attention!r} takes no custom 4D mask (sdpa and eager do; "
+            "attn_implementation='sdpa' enables it)"
+        )
     if _CHECKED.get(base) is False:
         return "its one-time check found the shared forward inexact"
     return None
@@ -197,8 +217,9 @@ def _mask(allowed: Tensor, base: nn.Module) -> Tensor:
     if _MASK_KIND[base.config._attn_implementation] == "bool":
         return allowed
     dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed,
-                                                                                       torch.finfo(dtype).min)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
 def estimated_cost(rows: Tensor | list[int], width: int | None, hidden_size: int | None) -> float:
@@ -231,9 +252,17 @@ def _worth_sharing(packed: SharedPrefixBatch, attention_mask: Tensor, base: nn.M
     return saving and width <= MAX_GROUP_TOKENS and (window is None or max(lengths) <= window)
 
 
-def shared_prefix_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, prompt_width: int,
-                        temperature: float = 1.0, chunk_size: int = 1024, return_entropy: bool = False,
-                        return_mean_logits: bool = False) -> TokenLogps | None:
+def shared_prefix_logps(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    prompt_width: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    return_mean_logits: bool = False,
+) -> TokenLogps | None:
     """Per-token log-probs ``(B, C)`` of a GRPO batch's completions (``input_ids[:, prompt_width:]``) through one
     shared-prefix forward, as ``logprobs.token_logps(model, input_ids, attention_mask, start=prompt_width - 1,
     position_ids=position_ids(attention_mask))`` returns them (0 at padded targets, entropies and mean logits too);
@@ -252,36 +281,50 @@ def shared_prefix_logps(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     if base not in _CHECKED:
         _CHECKED[base] = _is_exact(base, input_ids, attention_mask, prompt_width, packed, options)
         if not _CHECKED[base]:
-            warnings.warn(f"{type(base).__name__}: a shared-prefix forward does not reproduce the padded one; "
-                          "using the unshared forwards", stacklevel=2)
+            warnings.warn(
+                f"{type(base).__name__}: a shared-prefix forward does not reproduce the padded one; "
+                "using the unshared forwards",
+                stacklevel=2,
+            )
             return None
     return _shared_forward(model, base, packed, options)
 
 
 def _shared_forward(model, base, packed: SharedPrefixBatch, options: tuple) -> TokenLogps:
     kwargs = {"position_ids": packed.position_ids, "attention_mask": _mask(packed.allowed, base)}
-    logps, entropy, mean_logits = logps_at_rows(model, base, packed.input_ids, kwargs, packed.rows, packed.labels,
-                                                options)
+    logps, entropy, mean_logits = logps_at_rows(
+        model, base, packed.input_ids, kwargs, packed.rows, packed.labels, options
+    )
 
     def unpack(values: Tensor | None) -> Tensor | None:  # (M,) -> (B, C), zeros at the other targets
-        return None if values is None else values.new_zeros(packed.targets.shape).masked_scatter(packed.targets,
-                                                                                                 values)
+        return (
+            None if values is None else values.new_zeros(packed.targets.shape).masked_scatter(packed.targets, values)
+        )
 
     return TokenLogps(unpack(logps), unpack(entropy), unpack(mean_logits))
 
 
 @torch.no_grad()
-def _is_exact(base, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, packed: SharedPrefixBatch,
-              options: tuple) -> bool:
+def _is_exact(
+    base, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, packed: SharedPrefixBatch, options: tuple
+) -> bool:
     """Whether ``base`` gives the same log-probs shared as padded on this batch (eval mode: no dropout)."""
     temperature, chunk_size = options[:2]
     if dist.is_fsdp(base):
         return True  # the check's forwards would gather shards on this rank only; trust the tested rule
     with eval_mode(base):
-        padded = token_logps(base, input_ids, attention_mask, start=prompt_width - 1, temperature=temperature,
-                             chunk_size=chunk_size, position_ids=position_ids(attention_mask)).logps
+        padded = token_logps(
+            base,
+            input_ids,
+            attention_mask,
+            start=prompt_width - 1,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            position_ids=position_ids(attention_mask),
+        ).logps
         shared = _shared_forward(base, base, packed, (temperature, chunk_size, False, False)).logps
     low_precision = torch.is_autocast_enabled(input_ids.device.type) or any(
-        p.dtype != torch.float32 and p.is_floating_point() for p in base.parameters())
+        p.dtype != torch.float32 and p.is_floating_point() for p in base.parameters()
+    )
     tolerance = 5e-2 if low_precision else 1e-4
     return torch.allclose(shared.float(), padded.float(), rtol=tolerance, atol=tolerance)

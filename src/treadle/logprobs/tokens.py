@@ -41,20 +41,31 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from treadle import distributed as dist
+from treadle.logprobs.logsoftmax import (
+    IGNORE_INDEX,
+    as_blocks,
+    check_temperature,
+    chunked_token_logps,
+    row_chunks,
+    selective_log_softmax,
+    upcast,
+)
 from treadle.models import eval_mode, forward_signature, is_transformers_model
-from treadle.logprobs.logsoftmax import (IGNORE_INDEX, as_blocks, check_temperature, chunked_token_logps, row_chunks,
-                                         selective_log_softmax, upcast)
 from treadle.packing import pack_padded_batch, position_ids
 
 # Config attributes of transformers models that transform logits after the LM head.
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0,
-                     "output_logits_scale": 1.0}
+_LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": None,
+    "logit_scale": None,
+    "logits_scaling": 1.0,
+    "output_logits_scale": 1.0,
+}
 # Up to this many logits (rows x V; 4 MB in float32) token_logps skips the chunking (see _small_token_logps).
 SMALL_LOGITS = 1 << 20
 # Result of the one-time numeric check of the fast path, per model (weak: does not keep models alive).
-_FAST_PATH_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_FAST_PATH_CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 # Result of the one-time check that a padding-free forward reproduces the padded one, per model (weak).
-_PADDING_FREE_CHECKED: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_PADDING_FREE_CHECKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 # ---------------------------------------------------------------------------------- causal LM driver
@@ -85,10 +96,19 @@ class TokenLogps(tuple):
         return self[1]
 
 
-def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, *,
-                temperature: float = 1.0, start: int = 0, chunk_size: int = 1024,
-                return_entropy: bool = False, return_mean_logits: bool = False, padding_free: bool = False,
-                **forward_kwargs: Any) -> TokenLogps:
+def token_logps(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    start: int = 0,
+    chunk_size: int = 1024,
+    return_entropy: bool = False,
+    return_mean_logits: bool = False,
+    padding_free: bool = False,
+    **forward_kwargs: Any,
+) -> TokenLogps:
     """Per-token log-probs of a causal LM's own input: ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
 
     Args:
@@ -119,46 +139,72 @@ def token_logps(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | No
         raise ValueError(f"start must satisfy 0 <= start < T - 1 = {seq_len - 1}, got {start}")
     check_temperature(temperature)
     if padding_free and attention_mask is not None and attention_mask.dim() == 2:
-        packed = _padding_free_logps(model, input_ids, attention_mask, start, (temperature, chunk_size,
-                                     return_entropy, return_mean_logits), forward_kwargs)
+        packed = _padding_free_logps(
+            model,
+            input_ids,
+            attention_mask,
+            start,
+            (temperature, chunk_size, return_entropy, return_mean_logits),
+            forward_kwargs,
+        )
         if packed is not None:
             return packed
-    labels = input_ids[:, start + 1:]  # (B, T-1-start)
+    labels = input_ids[:, start + 1 :]  # (B, T-1-start)
     if attention_mask is not None and attention_mask.dim() == 2:
-        labels = labels.masked_fill(attention_mask[:, start + 1:] == 0, IGNORE_INDEX)
+        labels = labels.masked_fill(attention_mask[:, start + 1 :] == 0, IGNORE_INDEX)
     base = dist.unwrap_model(model)
     head = fast_path_head(base)
     hidden = None
     if head is not None:
         hidden = _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
     if hidden is None:
-        return _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start,
-                                  return_entropy, return_mean_logits, forward_kwargs)
+        return _logps_from_logits(
+            model,
+            base,
+            input_ids,
+            attention_mask,
+            labels,
+            temperature,
+            start,
+            return_entropy,
+            return_mean_logits,
+            forward_kwargs,
+        )
     hidden = hidden[:, start:-1]  # (B, T-1-start, H)
     mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
-    logps, entropy = _hidden_token_logps(hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1),
-                                         temperature, chunk_size, return_entropy)
+    logps, entropy = _hidden_token_logps(
+        hidden.reshape(-1, hidden.shape[-1]), head, labels.reshape(-1), temperature, chunk_size, return_entropy
+    )
     entropy = None if entropy is None else entropy.view(labels.shape)
     return TokenLogps(logps.view(labels.shape), entropy, mean_logits)
 
 
-def _hidden_token_logps(hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float, chunk_size: int,
-                        return_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def _hidden_token_logps(
+    hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float, chunk_size: int, return_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """``(N, H)`` final hidden states and ``(N,)`` labels -> ``(N,)`` log-probs (and entropies): in one piece
     (``_small_token_logps``) up to ``chunk_size`` rows and ``SMALL_LOGITS`` logits, else chunked."""
     rows = labels.numel()
     if rows <= chunk_size and rows * head.weight.shape[0] <= SMALL_LOGITS:
         return _small_token_logps(hidden, head, labels, temperature, return_entropy)
-    result = chunked_token_logps(hidden, head.weight, labels, bias=head.bias, temperature=temperature,
-                                 chunk_size=chunk_size, return_entropy=return_entropy)
+    result = chunked_token_logps(
+        hidden,
+        head.weight,
+        labels,
+        bias=head.bias,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
     return result if return_entropy else (result, None)
 
 
 # ------------------------------------------------------------------------------- padding-free forwards
 
 
-def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start: int, options: tuple,
-                        forward_kwargs: dict) -> TokenLogps | None:
+def _padding_free_logps(
+    model, input_ids: Tensor, attention_mask: Tensor, start: int, options: tuple, forward_kwargs: dict
+) -> TokenLogps | None:
     """:func:`token_logps` through a padding-free forward, or None where the padded forward must run.
 
     Exact (the same attention, positions and targets as the padded forward) when: the model takes
@@ -172,7 +218,7 @@ def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start:
     if _PADDING_FREE_CHECKED.get(base) is False or "position_ids" not in forward_signature(base):
         return None
     real = attention_mask.bool()  # (B, T)
-    if bool(real.all()) or bool((real[:, start + 1:] & ~real[:, start:-1]).any()):
+    if bool(real.all()) or bool((real[:, start + 1 :] & ~real[:, start:-1]).any()):
         return None
     given = forward_kwargs.get("position_ids")
     ranks = position_ids(real)  # (B, T): the position of each real token in its row
@@ -184,34 +230,41 @@ def _padding_free_logps(model, input_ids: Tensor, attention_mask: Tensor, start:
         # hang the others. Sharded, trust transformers' rule (rows separated by their position ids).
         _PADDING_FREE_CHECKED[base] = is_transformers_model(base)
     if base not in _PADDING_FREE_CHECKED:
-        _PADDING_FREE_CHECKED[base] = _padding_free_is_exact(base, input_ids, attention_mask, start, options,
-                                                             forward_kwargs)
+        _PADDING_FREE_CHECKED[base] = _padding_free_is_exact(
+            base, input_ids, attention_mask, start, options, forward_kwargs
+        )
         if not _PADDING_FREE_CHECKED[base]:
-            warnings.warn(f"{type(base).__name__}: a padding-free forward (rows packed with restarting position "
-                          "ids) does not reproduce the padded one; using padded forwards", stacklevel=3)
+            warnings.warn(
+                f"{type(base).__name__}: a padding-free forward (rows packed with restarting position "
+                "ids) does not reproduce the padded one; using padded forwards",
+                stacklevel=3,
+            )
             return None
     return _packed_token_logps(model, base, input_ids, real, start, options, kwargs)
 
 
-def _packed_token_logps(model, base, input_ids: Tensor, real: Tensor, start: int, options: tuple,
-                        kwargs: dict) -> TokenLogps:
+def _packed_token_logps(
+    model, base, input_ids: Tensor, real: Tensor, start: int, options: tuple, kwargs: dict
+) -> TokenLogps:
     """One forward over ``data.pack_padded_batch(input_ids, real)``; log-probs only at the real targets of
     ``input_ids[:, start+1:]``, each predicted from the real token before it in its own row, scattered back into
     the padded ``(B, T-1-start)`` layout (0 elsewhere)."""
     packed = pack_padded_batch(input_ids, real)
-    targets = real[:, start + 1:]  # (B, T') the targets that count
-    labels = input_ids[:, start + 1:][targets]  # (M,)
+    targets = real[:, start + 1 :]  # (B, T') the targets that count
+    labels = input_ids[:, start + 1 :][targets]  # (M,)
     rows = packed.index[:, start:-1][targets]  # (M,) where each target's predicting token sits, flat
     kwargs = {**kwargs, "position_ids": packed.position_ids}
     logps, entropy, mean_logits = logps_at_rows(model, base, packed.input_ids, kwargs, rows, labels, options)
+
     def unpack(values: Tensor | None) -> Tensor | None:  # (M,) -> (B, T'), zeros at the other targets
         return None if values is None else values.new_zeros(targets.shape).masked_scatter(targets, values)
 
     return TokenLogps(unpack(logps), unpack(entropy), unpack(mean_logits))
 
 
-def logps_at_rows(model, base, input_ids: Tensor, forward_kwargs: dict, rows: Tensor, labels: Tensor,
-                  options: tuple) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def logps_at_rows(
+    model, base, input_ids: Tensor, forward_kwargs: dict, rows: Tensor, labels: Tensor, options: tuple
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """One forward of ``model`` over a packed ``input_ids`` ``(K, W)`` (``forward_kwargs``: its ``position_ids``,
     and an ``attention_mask`` when the packing needs one), then log-probs of ``labels`` ``(M,)`` at the flat
     positions ``rows`` ``(M,)`` of ``input_ids.view(-1)`` only: the hidden-state fast path in chunks where the head
@@ -237,18 +290,28 @@ def logps_at_rows(model, base, input_ids: Tensor, forward_kwargs: dict, rows: Te
 
 
 @torch.no_grad()
-def _padding_free_is_exact(base, input_ids: Tensor, attention_mask: Tensor, start: int, options: tuple,
-                           forward_kwargs: dict) -> bool:
+def _padding_free_is_exact(
+    base, input_ids: Tensor, attention_mask: Tensor, start: int, options: tuple, forward_kwargs: dict
+) -> bool:
     """Whether ``base`` gives the same log-probs packed as padded on this batch (eval mode: no dropout)."""
     temperature, chunk_size = options[:2]
     kwargs = {k: v for k, v in forward_kwargs.items() if k != "position_ids"}
     with eval_mode(base):
-        padded = token_logps(base, input_ids, attention_mask, start=start, temperature=temperature,
-                             chunk_size=chunk_size, **forward_kwargs).logps
-        packed = _packed_token_logps(base, base, input_ids, attention_mask.bool(), start,
-                                     (temperature, chunk_size, False, False), kwargs).logps
+        padded = token_logps(
+            base,
+            input_ids,
+            attention_mask,
+            start=start,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            **forward_kwargs,
+        ).logps
+        packed = _packed_token_logps(
+            base, base, input_ids, attention_mask.bool(), start, (temperature, chunk_size, False, False), kwargs
+        ).logps
     low_precision = torch.is_autocast_enabled(input_ids.device.type) or any(
-        p.dtype != torch.float32 and p.is_floating_point() for p in base.parameters())
+        p.dtype != torch.float32 and p.is_floating_point() for p in base.parameters()
+    )
     tolerance = 5e-2 if low_precision else 1e-4
     return torch.allclose(packed.float(), padded.float(), rtol=tolerance, atol=tolerance)
 
@@ -260,8 +323,9 @@ def _mean_logits(hidden: Tensor, head: nn.Linear) -> Tensor:
     return mean_logits + head.bias.float().mean() if head.bias is not None else mean_logits
 
 
-def _small_token_logps(hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float,
-                       return_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def _small_token_logps(
+    hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float, return_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """:func:`chunked_token_logps` for at most ``SMALL_LOGITS`` logits, through plain autograd: a one-chunk
     custom Function costs more in Python than a small model's whole head (a few % of a tiny model's step),
     and a few MB of logits held for backward do not matter. Same results, dtypes and -100 handling."""
@@ -305,14 +369,16 @@ def fast_path_head(base: nn.Module) -> nn.Linear | None:
     return head
 
 
-def hidden_states_and_head(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None,
-                           **forward_kwargs: Any) -> tuple[Tensor, nn.Linear | None]:
+def hidden_states_and_head(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, **forward_kwargs: Any
+) -> tuple[Tensor, nn.Linear | None]:
     """For losses over the whole vocabulary (distillation): the decoder's last hidden states ``(B, T, H)`` and the
     LM head through the fast path's seam (no ``[B, T, V]`` logits), or ``(logits (B, T, V), None)`` elsewhere."""
     base = dist.unwrap_model(model)
     head = fast_path_head(base)
-    hidden = None if head is None else _final_hidden_states(model, base, head, input_ids, attention_mask,
-                                                            forward_kwargs)
+    hidden = (
+        None if head is None else _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
+    )
     if hidden is not None:
         return hidden, head
     return _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))), None
@@ -337,8 +403,11 @@ def _final_hidden_states(model, base, head, input_ids, attention_mask, forward_k
     if base not in _FAST_PATH_CHECKED:
         _FAST_PATH_CHECKED[base] = _head_reproduces_logits(hidden, head, outputs.logits)
         if not _FAST_PATH_CHECKED[base]:
-            warnings.warn(f"{type(base).__name__}: the LM head applied to the decoder output does not match "
-                          "the model's logits; using the full-logits path (more memory)", stacklevel=3)
+            warnings.warn(
+                f"{type(base).__name__}: the LM head applied to the decoder output does not match "
+                "the model's logits; using the full-logits path (more memory)",
+                stacklevel=3,
+            )
             return None
     return hidden
 
@@ -360,8 +429,18 @@ def _model_kwargs(base: nn.Module, attention_mask: Tensor | None, forward_kwargs
     return kwargs
 
 
-def _logps_from_logits(model, base, input_ids, attention_mask, labels, temperature, start, return_entropy,
-                       return_mean_logits, forward_kwargs) -> TokenLogps:
+def _logps_from_logits(
+    model,
+    base,
+    input_ids,
+    attention_mask,
+    labels,
+    temperature,
+    start,
+    return_entropy,
+    return_mean_logits,
+    forward_kwargs,
+) -> TokenLogps:
     """Fallback: the model's full logits, then :func:`selective_log_softmax` (no log-softmax copy)."""
     logits = _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs)))
     logits = logits[:, start:-1]  # (B, T-1-start, V), a view

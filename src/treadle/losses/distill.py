@@ -33,8 +33,9 @@ def check_distill_options(beta: float, temperature: float) -> None:
         raise ValueError(f"temperature must be > 0 (1.0 leaves the logits as they are), got {temperature}")
 
 
-def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor, *, beta: float = 0.5,
-                    temperature: float = 1.0) -> Tensor:
+def generalized_jsd(
+    student_logits: Tensor, teacher_logits: Tensor, *, beta: float = 0.5, temperature: float = 1.0
+) -> Tensor:
     """Per-position divergence ``(...)`` between the student's and the teacher's next-token distributions, from
     logits ``(..., V)`` (any float dtype; computed in float32 at least). Gradients reach the student's logits; the
     teacher's are detached.
@@ -45,8 +46,10 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor, *, beta: flo
     """
     check_distill_options(beta, temperature)
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student and teacher logits must have the same shape (a shared vocabulary); got "
-                         f"{tuple(student_logits.shape)} and {tuple(teacher_logits.shape)}")
+        raise ValueError(
+            f"student and teacher logits must have the same shape (a shared vocabulary); got "
+            f"{tuple(student_logits.shape)} and {tuple(teacher_logits.shape)}"
+        )
     dtype = torch.promote_types(student_logits.dtype, torch.float32)
     log_s = torch.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
     log_t = torch.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
@@ -58,19 +61,34 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor, *, beta: flo
     return (beta * log_t.exp() * (log_t - log_m) + (1 - beta) * log_s.exp() * (log_s - log_m)).sum(dim=-1)
 
 
-def _chunk_divergence(student_hidden: Tensor, teacher_hidden: Tensor, student_weight: Tensor,
-                      student_bias: Tensor | None, teacher_weight: Tensor, teacher_bias: Tensor | None,
-                      beta: float, temperature: float) -> Tensor:
+def _chunk_divergence(
+    student_hidden: Tensor,
+    teacher_hidden: Tensor,
+    student_weight: Tensor,
+    student_bias: Tensor | None,
+    teacher_weight: Tensor,
+    teacher_bias: Tensor | None,
+    beta: float,
+    temperature: float,
+) -> Tensor:
     with torch.no_grad():  # the teacher's logits are rebuilt from its hidden states, never saved
         teacher_logits = F.linear(teacher_hidden, teacher_weight, teacher_bias)  # (r, V)
     logits = F.linear(student_hidden, student_weight, student_bias)  # (r, V)
     return generalized_jsd(logits, teacher_logits, beta=beta, temperature=temperature)
 
 
-def chunked_generalized_jsd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
-                            teacher_weight: Tensor, *, student_bias: Tensor | None = None,
-                            teacher_bias: Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
-                            chunk_size: int = 1024) -> Tensor:
+def chunked_generalized_jsd(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    *,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> Tensor:
     """``generalized_jsd`` per row ``(N,)`` from final hidden states ``(N, H_s)`` / ``(N, H_t)`` and each model's
     LM head ``(V, H)``, ``chunk_size`` rows at a time: each chunk's logits are built inside an activation checkpoint
     (the teacher's without gradient) and rebuilt in the backward pass, so at most one chunk of each
@@ -78,8 +96,10 @@ def chunked_generalized_jsd(student_hidden: Tensor, student_weight: Tensor, teac
     """
     check_distill_options(beta, temperature)
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
-        raise ValueError(f"student and teacher hidden states must have the same rows, got "
-                         f"{student_hidden.shape[0]} and {teacher_hidden.shape[0]}")
+        raise ValueError(
+            f"student and teacher hidden states must have the same rows, got "
+            f"{student_hidden.shape[0]} and {teacher_hidden.shape[0]}"
+        )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     pieces = []
@@ -87,9 +107,20 @@ def chunked_generalized_jsd(student_hidden: Tensor, student_weight: Tensor, teac
     for s in range(0, student_hidden.shape[0], chunk_size):
         # checkpointed: only the two chunks of hidden states are kept for the backward pass, which recomputes the
         # chunk's logits (a saved [r, V] per chunk would add up to the whole [N, V])
-        pieces.append(checkpoint(_chunk_divergence, student_hidden[s:s + chunk_size], teacher_hidden[s:s + chunk_size],
-                                 student_weight, student_bias, teacher_weight, teacher_bias, beta, temperature,
-                                 use_reentrant=False))
+        pieces.append(
+            checkpoint(
+                _chunk_divergence,
+                student_hidden[s : s + chunk_size],
+                teacher_hidden[s : s + chunk_size],
+                student_weight,
+                student_bias,
+                teacher_weight,
+                teacher_bias,
+                beta,
+                temperature,
+                use_reentrant=False,
+            )
+        )
     if not pieces:
         return student_hidden.new_zeros(0, dtype=torch.float32)
     return torch.cat(pieces)

@@ -5,14 +5,30 @@ Papers and TRL names: ``treadle.losses``' docstring.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-DPO_LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "sigmoid_norm", "apo_zero", "apo_down", "bco_pair",
-                  "sppo_hard", "nca_pair", "exo_pair", "discopop", "aot", "aot_unpaired", "sft")
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "robust",
+    "hinge",
+    "ipo",
+    "sigmoid_norm",
+    "apo_zero",
+    "apo_down",
+    "bco_pair",
+    "sppo_hard",
+    "nca_pair",
+    "exo_pair",
+    "discopop",
+    "aot",
+    "aot_unpaired",
+    "sft",
+)
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
 # Losses built on the chosen-minus-rejected score, the only ones an f-divergence generalises (as TRL).
 F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
@@ -81,28 +97,49 @@ def dpo_loss(
     >>> round(losses[0].item(), 4)  # log 2 when policy == reference
     0.6931
     """
-    check_same_shape(chosen_logps=chosen_logps, rejected_logps=rejected_logps,
-                      ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    check_same_shape(
+        chosen_logps=chosen_logps,
+        rejected_logps=rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+    )
     types = dpo_loss_types(loss_type)
-    check_dpo_options(beta, types, label_smoothing, loss_weights=loss_weights, discopop_tau=discopop_tau,
-                      f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef)
+    check_dpo_options(
+        beta,
+        types,
+        label_smoothing,
+        loss_weights=loss_weights,
+        discopop_tau=discopop_tau,
+        f_divergence_type=f_divergence_type,
+        f_alpha_divergence_coef=f_alpha_divergence_coef,
+    )
     if (chosen_counts is None) != (rejected_counts is None):
         raise ValueError("pass both chosen_counts and rejected_counts (completion tokens per pair), or neither")
     if chosen_counts is not None:
         check_same_shape(chosen_logps=chosen_logps, chosen_counts=chosen_counts, rejected_counts=rejected_counts)
     one = torch.ones_like(chosen_logps)
-    counts = ChosenRejectedCounts(*(one if c is None else c.to(chosen_logps.dtype).clamp(min=1)
-                                    for c in (chosen_counts, rejected_counts)))
+    counts = ChosenRejectedCounts(
+        *(one if c is None else c.to(chosen_logps.dtype).clamp(min=1) for c in (chosen_counts, rejected_counts))
+    )
     chosen_logratios = chosen_logps - ref_chosen_logps  # (B,)
     rejected_logratios = rejected_logps - ref_rejected_logps  # (B,)
-    scores = (f_divergence_score(chosen_logratios, f_divergence_type, f_alpha_divergence_coef),
-              f_divergence_score(rejected_logratios, f_divergence_type, f_alpha_divergence_coef))  # (B,) each
+    scores = (
+        f_divergence_score(chosen_logratios, f_divergence_type, f_alpha_divergence_coef),
+        f_divergence_score(rejected_logratios, f_divergence_type, f_alpha_divergence_coef),
+    )  # (B,) each
     weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
     losses = torch.zeros_like(chosen_logratios)
     for name, weight in zip(types, weights):
-        losses = losses + weight * _one_dpo_loss(name, beta, label_smoothing, discopop_tau, scores,
-                                                 (chosen_logratios, rejected_logratios), counts,
-                                                 (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps))
+        losses = losses + weight * _one_dpo_loss(
+            name,
+            beta,
+            label_smoothing,
+            discopop_tau,
+            scores,
+            (chosen_logratios, rejected_logratios),
+            counts,
+            (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps),
+        )
     metrics = {
         "chosen_rewards": (beta * chosen_logratios).detach(),
         "rejected_rewards": (beta * rejected_logratios).detach(),
@@ -131,11 +168,15 @@ def _one_dpo_loss(name: str, beta: float, eps: float, tau: float, scores, lograt
         h = chosen_score / counts.chosen - rejected_score / counts.rejected  # per-token means
         return (h - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * h)
     if name == "exo_pair":  # KL(softmax(z, -z) || (1 - eps, eps))
-        return (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
-                + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps)))
+        return torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps)) + torch.sigmoid(-z) * (
+            F.logsigmoid(-z) - math.log(eps)
+        )
     if name == "nca_pair":
-        return -F.logsigmoid(beta * chosen_lr) - 0.5 * F.logsigmoid(-beta * chosen_lr) - 0.5 * F.logsigmoid(
-            -beta * rejected_lr)
+        return (
+            -F.logsigmoid(beta * chosen_lr)
+            - 0.5 * F.logsigmoid(-beta * chosen_lr)
+            - 0.5 * F.logsigmoid(-beta * rejected_lr)
+        )
     if name == "bco_pair":
         return -F.logsigmoid(beta * chosen_lr) - F.logsigmoid(-beta * rejected_lr)
     if name == "sppo_hard":  # the hard-label form: P(win) = 1, P(lose) = 0
@@ -208,42 +249,63 @@ def wpo_weights(chosen_log_weights: Tensor, rejected_log_weights: Tensor) -> Ten
     return torch.exp(chosen_log_weights + rejected_log_weights).detach()
 
 
-def check_dpo_options(beta: float, loss_type: str | Sequence[str], label_smoothing: float, *,
-                      loss_weights: Sequence[float] | None = None, ld_alpha: float | None = None,
-                      discopop_tau: float = 0.05, f_divergence_type: str = "reverse_kl",
-                      f_alpha_divergence_coef: float = 0.5, use_weighting: bool = False) -> None:
+def check_dpo_options(
+    beta: float,
+    loss_type: str | Sequence[str],
+    label_smoothing: float,
+    *,
+    loss_weights: Sequence[float] | None = None,
+    ld_alpha: float | None = None,
+    discopop_tau: float = 0.05,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    use_weighting: bool = False,
+) -> None:
     """The DPO options' rules, in one place: ``dpo_loss`` and ``DPOConfig`` both check with this."""
     types = dpo_loss_types(loss_type)
     unknown = [t for t in types if t not in DPO_LOSS_TYPES] or ([] if types else [loss_type])
     if unknown:
-        raise ValueError(f"loss_type={unknown[0]!r} is not supported; valid: {', '.join(DPO_LOSS_TYPES)}, or a list of "
-                         f"them with loss_weights (add an NLL term on the chosen response with rpo_alpha or 'sft')")
+        raise ValueError(
+            f"loss_type={unknown[0]!r} is not supported; valid: {', '.join(DPO_LOSS_TYPES)}, or a list of "
+            f"them with loss_weights (add an NLL term on the chosen response with rpo_alpha or 'sft')"
+        )
     if not beta > 0:
         raise ValueError(f"beta must be > 0 (typical 0.1), got {beta}")
     if loss_weights is not None and len(loss_weights) != len(types):
-        raise ValueError(f"loss_weights has {len(loss_weights)} entries for {len(types)} loss types {list(types)}; "
-                         f"give one weight per loss type (e.g. [0.8, 0.2, 1.0] for MPO)")
+        raise ValueError(
+            f"loss_weights has {len(loss_weights)} entries for {len(types)} loss types {list(types)}; "
+            f"give one weight per loss type (e.g. [0.8, 0.2, 1.0] for MPO)"
+        )
     _check_label_smoothing(types, label_smoothing)
     if ld_alpha is not None and not 0 <= ld_alpha <= 1:
-        raise ValueError(f"ld_alpha must be in [0, 1] (1 weighs the verbose tail fully, 0 drops it) or None, "
-                         f"got {ld_alpha}")
+        raise ValueError(
+            f"ld_alpha must be in [0, 1] (1 weighs the verbose tail fully, 0 drops it) or None, got {ld_alpha}"
+        )
     if not discopop_tau > 0:
         raise ValueError(f"discopop_tau must be > 0 (the paper uses 0.05), got {discopop_tau}")
     if f_divergence_type not in F_DIVERGENCES:
-        raise ValueError(f"f_divergence_type={f_divergence_type!r} is not supported; valid: {', '.join(F_DIVERGENCES)}")
+        raise ValueError(
+            f"f_divergence_type={f_divergence_type!r} is not supported; valid: {', '.join(F_DIVERGENCES)}"
+        )
     if f_divergence_type != "reverse_kl" and not set(types) <= F_DIVERGENCE_LOSSES:
-        raise ValueError(f"f_divergence_type={f_divergence_type!r} works only with {sorted(F_DIVERGENCE_LOSSES)}, "
-                         f"got {list(types)}; use f_divergence_type='reverse_kl' with these losses")
+        raise ValueError(
+            f"f_divergence_type={f_divergence_type!r} works only with {sorted(F_DIVERGENCE_LOSSES)}, "
+            f"got {list(types)}; use f_divergence_type='reverse_kl' with these losses"
+        )
     if use_weighting and {"aot", "aot_unpaired"} & set(types):
-        raise ValueError("use_weighting (WPO) cannot be combined with 'aot'/'aot_unpaired': they sort the pairs, "
-                         "which would misalign the per-pair weights; drop one of them")
+        raise ValueError(
+            "use_weighting (WPO) cannot be combined with 'aot'/'aot_unpaired': they sort the pairs, "
+            "which would misalign the per-pair weights; drop one of them"
+        )
 
 
 def _check_label_smoothing(types: tuple[str, ...], label_smoothing: float) -> None:
     users = [t for t in types if t in SMOOTHING_RULES]
     if not users and label_smoothing != 0:
-        raise ValueError(f"loss_type {list(types) if len(types) > 1 else types[0]!r} does not use label_smoothing; "
-                         f"set it to 0 (got {label_smoothing})")
+        raise ValueError(
+            f"loss_type {list(types) if len(types) > 1 else types[0]!r} does not use label_smoothing; "
+            f"set it to 0 (got {label_smoothing})"
+        )
     for name in users:
         ok, allowed = SMOOTHING_RULES[name]
         if not ok(label_smoothing):

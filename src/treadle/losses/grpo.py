@@ -5,8 +5,8 @@ of tensors and floats. Papers and TRL names: ``treadle.losses``' docstring.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -59,13 +59,16 @@ def group_advantages(
     if num_generations < 2:
         raise ValueError(f"num_generations must be >= 2 to form a group baseline, got {num_generations}")
     if rewards.numel() % num_generations != 0:
-        raise ValueError(f"the number of rewards ({rewards.numel()}) is not divisible by num_generations "
-                         f"({num_generations}): every prompt needs exactly num_generations completions")
+        raise ValueError(
+            f"the number of rewards ({rewards.numel()}) is not divisible by num_generations "
+            f"({num_generations}): every prompt needs exactly num_generations completions"
+        )
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}; valid: {', '.join(SCALE_REWARDS)}")
     if advantage_estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage_estimator {advantage_estimator!r}; "
-                         f"valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(
+            f"unknown advantage_estimator {advantage_estimator!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}"
+        )
     rewards = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32))
     grouped = rewards.view(-1, num_generations)  # (N/G, G)
     group_mean = grouped.mean(dim=1, keepdim=True)  # (N/G, 1)
@@ -100,8 +103,9 @@ def zero_spread_groups(rewards: Tensor, num_generations: int) -> Tensor:
     return grouped.amax(dim=1) == grouped.amin(dim=1)
 
 
-def decoupled_advantages(rewards_per_func: Tensor, weights: Sequence[float], num_generations: int, *,
-                         eps: float = 1e-4) -> Tensor:
+def decoupled_advantages(
+    rewards_per_func: Tensor, weights: Sequence[float], num_generations: int, *, eps: float = 1e-4
+) -> Tensor:
     """GDPO (``multi_objective_aggregation="normalize_then_sum"``, https://arxiv.org/abs/2601.05242): normalise
     each reward function within its group first, then sum with ``weights``, then normalise the sum over the batch.
 
@@ -113,8 +117,10 @@ def decoupled_advantages(rewards_per_func: Tensor, weights: Sequence[float], num
     [0.707, -0.707]
     """
     if rewards_per_func.dim() != 2 or rewards_per_func.shape[0] % num_generations:
-        raise ValueError(f"rewards_per_func must be (N, F) with N a multiple of num_generations={num_generations}, "
-                         f"got {tuple(rewards_per_func.shape)}")
+        raise ValueError(
+            f"rewards_per_func must be (N, F) with N a multiple of num_generations={num_generations}, "
+            f"got {tuple(rewards_per_func.shape)}"
+        )
     rewards = rewards_per_func.detach().to(torch.promote_types(rewards_per_func.dtype, torch.float32))
     grouped = rewards.view(-1, num_generations, rewards.shape[1])  # (N/G, G, F)
     normalised = (grouped - grouped.nanmean(dim=1, keepdim=True)) / (_nanstd(grouped, dim=1) + eps)
@@ -172,8 +178,14 @@ class GRPOObjective:
 
     def __post_init__(self) -> None:
         check_grpo_options(self.loss_type, self.beta, self.epsilon_low, self.epsilon_high)
-        check_grpo_extras(self.importance_sampling_level, self.delta, self.sapo_temperature_pos,
-                          self.sapo_temperature_neg, self.top_entropy_quantile, self.off_policy_mask_threshold)
+        check_grpo_extras(
+            self.importance_sampling_level,
+            self.delta,
+            self.sapo_temperature_pos,
+            self.sapo_temperature_neg,
+            self.top_entropy_quantile,
+            self.off_policy_mask_threshold,
+        )
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ValueError("loss_type 'dr_grpo' needs max_completion_length (the constant L in B * L)")
 
@@ -246,8 +258,17 @@ def grpo_loss(
     >>> loss.item()  # r = 1: each token's term is -A
     -1.0
     """
-    _check_grpo_inputs(logps, advantages, completion_mask, objective, old_logps, ref_logps, normalizer, entropies,
-                       importance_sampling_ratio)
+    _check_grpo_inputs(
+        logps,
+        advantages,
+        completion_mask,
+        objective,
+        old_logps,
+        ref_logps,
+        normalizer,
+        entropies,
+        importance_sampling_ratio,
+    )
     is_token = completion_mask.bool()  # (B, T)
     mask = is_token.to(logps.dtype)  # (B, T)
     if old_logps is None:
@@ -278,9 +299,15 @@ def grpo_loss(
     return loss, metrics
 
 
-def sampling_importance_ratio(trainer_logps: Tensor, sampling_logps: Tensor, completion_mask: Tensor, *,
-                              mode: str = "sequence_mask", clip_min: float | None = None,
-                              clip_max: float | None = 3.0) -> Tensor:
+def sampling_importance_ratio(
+    trainer_logps: Tensor,
+    sampling_logps: Tensor,
+    completion_mask: Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> Tensor:
     """The importance weight that corrects for sampling from another distribution than the one trained (TRL 1.16's
     ``vllm_importance_sampling_*``; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
     training"): ``ρ = π_trainer / π_sampler`` per token, or ``exp`` of its log summed over the sequence.
@@ -320,8 +347,9 @@ def sampling_importance_ratio(trainer_logps: Tensor, sampling_logps: Tensor, com
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
-def sampling_correction_values(trainer_logps: Tensor, sampling_logps: Tensor, ratio: Tensor, completion_mask: Tensor,
-                               mode: str) -> tuple[Tensor, Tensor]:
+def sampling_correction_values(
+    trainer_logps: Tensor, sampling_logps: Tensor, ratio: Tensor, completion_mask: Tensor, mode: str
+) -> tuple[Tensor, Tensor]:
     """What the sampler-correction metrics count, as TRL: ``(n,)`` the ``|trainer - sampling|`` log-prob gaps of the
     completion tokens (NaN ones left out) and ``(m,)`` the ratios (per completion token, or per sequence in a
     ``sequence_*`` mode, every sequence). Concatenate several batches' values before :func:`sampling_correction_metrics`.
@@ -341,33 +369,43 @@ def sampling_correction_metrics(gaps: Tensor, ratios: Tensor) -> dict[str, Tenso
     >>> [round(m[k].item(), 3) for k in sorted(m)]
     [2.0, 1.25, 0.5, 0.3, 0.2]
     """
+
     def stat(values: Tensor, reduce) -> Tensor:
         return reduce(values) if values.numel() else values.new_zeros(())
 
-    return {"sampling/sampling_logp_difference/mean": stat(gaps, torch.mean),
-            "sampling/sampling_logp_difference/max": stat(gaps, torch.max),
-            "sampling/importance_sampling_ratio/min": stat(ratios, torch.min),
-            "sampling/importance_sampling_ratio/mean": stat(ratios, torch.mean),
-            "sampling/importance_sampling_ratio/max": stat(ratios, torch.max)}
+    return {
+        "sampling/sampling_logp_difference/mean": stat(gaps, torch.mean),
+        "sampling/sampling_logp_difference/max": stat(gaps, torch.max),
+        "sampling/importance_sampling_ratio/min": stat(ratios, torch.min),
+        "sampling/importance_sampling_ratio/mean": stat(ratios, torch.mean),
+        "sampling/importance_sampling_ratio/max": stat(ratios, torch.max),
+    }
 
 
-def check_sampling_correction(mode: str, clip_min: float | None, clip_max: float | None, *,
-                              enabled: bool = True) -> None:
+def check_sampling_correction(
+    mode: str, clip_min: float | None, clip_max: float | None, *, enabled: bool = True
+) -> None:
     """The sampler correction's rules (TRL 1.16's, plus a known mode and bounds >= 0): ``GRPOConfig`` and
     :func:`sampling_importance_ratio` both check with this; a ``*_truncate`` mode needs a bound only when
     ``enabled``."""
     if mode not in SAMPLING_CORRECTION_MODES:
-        raise ValueError(f"vllm_importance_sampling_mode={mode!r} is not supported; use one of "
-                         f"{list(SAMPLING_CORRECTION_MODES)} (TRL's default: 'sequence_mask')")
+        raise ValueError(
+            f"vllm_importance_sampling_mode={mode!r} is not supported; use one of "
+            f"{list(SAMPLING_CORRECTION_MODES)} (TRL's default: 'sequence_mask')"
+        )
     for name, value in (("clip_min", clip_min), ("clip_max", clip_max)):
         if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
             raise ValueError(f"vllm_importance_sampling_{name} must be a finite number >= 0 or None, got {value!r}")
     if clip_min is not None and clip_max is not None and clip_min >= clip_max:
-        raise ValueError(f"vllm_importance_sampling_clip_min ({clip_min}) must be less than "
-                         f"vllm_importance_sampling_clip_max ({clip_max})")
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min ({clip_min}) must be less than "
+            f"vllm_importance_sampling_clip_max ({clip_max})"
+        )
     if enabled and mode.endswith("truncate") and clip_min is None and clip_max is None:
-        raise ValueError(f"vllm_importance_sampling_mode={mode!r} clamps the ratio: set "
-                         f"vllm_importance_sampling_clip_max (TRL's default: 3.0) or vllm_importance_sampling_clip_min")
+        raise ValueError(
+            f"vllm_importance_sampling_mode={mode!r} clamps the ratio: set "
+            f"vllm_importance_sampling_clip_max (TRL's default: 3.0) or vllm_importance_sampling_clip_min"
+        )
 
 
 def grpo_aggregation(loss_type: str) -> str:
@@ -380,8 +418,9 @@ def grpo_aggregation(loss_type: str) -> str:
     return {"cispo": "dapo", "sapo": "grpo"}.get(loss_type, loss_type)
 
 
-def _policy_term(objective: GRPOObjective, ratio: Tensor, adv: Tensor, safe_logps: Tensor,
-                 mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def _policy_term(
+    objective: GRPOObjective, ratio: Tensor, adv: Tensor, safe_logps: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The per-token policy loss (``(B, T)``, or ``(B, 1)`` for a sequence-level ratio outside ``cispo``) and
     its clipping metrics; ``ratio`` is ``(B, T)`` or ``(B, 1)``, ``adv`` ``(B, 1)``."""
     epsilon_low, epsilon_high, delta = objective.epsilon_low, objective.epsilon_high, objective.delta
@@ -390,8 +429,9 @@ def _policy_term(objective: GRPOObjective, ratio: Tensor, adv: Tensor, safe_logp
         flags = (ratio.detach() > epsilon_high) & (adv > 0)
         return -weight * adv * safe_logps, {"cispo_clip_ratio": _fraction(flags, mask)}
     if objective.loss_type == "sapo":  # soft gate: sigma(tau (r - 1)) * 4 / tau has value 1 and slope 1 at r = 1
-        tau = torch.where(adv > 0, adv.new_tensor(objective.sapo_temperature_pos),
-                          adv.new_tensor(objective.sapo_temperature_neg))  # (B, 1), adv's dtype
+        tau = torch.where(
+            adv > 0, adv.new_tensor(objective.sapo_temperature_pos), adv.new_tensor(objective.sapo_temperature_neg)
+        )  # (B, 1), adv's dtype
         return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv, {}
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     if delta is not None:  # two-sided clipping: cap the unclipped ratio too (after the clipped one is taken)
@@ -400,8 +440,11 @@ def _policy_term(objective: GRPOObjective, ratio: Tensor, adv: Tensor, safe_logp
     r = ratio.detach()
     low = (r < 1 - epsilon_low) & (adv < 0)
     high = (r > 1 + epsilon_high) & (adv > 0)
-    return per_token, {"clip_ratio/low_mean": _fraction(low, mask), "clip_ratio/high_mean": _fraction(high, mask),
-                       "clip_ratio/region_mean": _fraction(low | high, mask)}
+    return per_token, {
+        "clip_ratio/low_mean": _fraction(low, mask),
+        "clip_ratio/high_mean": _fraction(high, mask),
+        "clip_ratio/region_mean": _fraction(low | high, mask),
+    }
 
 
 def _fraction(flags: Tensor, mask: Tensor) -> Tensor:
@@ -467,28 +510,50 @@ def check_grpo_options(loss_type: str, beta: float, epsilon_low: float, epsilon_
         raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}; e.g. 0.28 (DAPO), 5.0 for cispo")
 
 
-def check_grpo_extras(importance_sampling_level: str = "token", delta: float | None = None,
-                      sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                      top_entropy_quantile: float = 1.0, off_policy_mask_threshold: float | None = None) -> None:
+def check_grpo_extras(
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    top_entropy_quantile: float = 1.0,
+    off_policy_mask_threshold: float | None = None,
+) -> None:
     """The rules of the options issue 17 added to ``grpo_loss`` (GSPO, δ, SAPO, entropy and off-policy masks)."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not supported; use one of "
-                         f"{list(IMPORTANCE_SAMPLING_LEVELS)} ('sequence' is GSPO)")
+        raise ValueError(
+            f"importance_sampling_level={importance_sampling_level!r} is not supported; use one of "
+            f"{list(IMPORTANCE_SAMPLING_LEVELS)} ('sequence' is GSPO)"
+        )
     if delta is not None and not delta > 1:
-        raise ValueError(f"delta (two-sided clipping) must be > 1, ideally > 1 + epsilon_high (INTELLECT-2 uses 4), "
-                         f"or None to disable it; got {delta}")
+        raise ValueError(
+            f"delta (two-sided clipping) must be > 1, ideally > 1 + epsilon_high (INTELLECT-2 uses 4), "
+            f"or None to disable it; got {delta}"
+        )
     if not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
-        raise ValueError(f"sapo_temperature_pos and sapo_temperature_neg must be > 0 (1.0 and 1.05 by default), got "
-                         f"{sapo_temperature_pos} and {sapo_temperature_neg}")
+        raise ValueError(
+            f"sapo_temperature_pos and sapo_temperature_neg must be > 0 (1.0 and 1.05 by default), got "
+            f"{sapo_temperature_pos} and {sapo_temperature_neg}"
+        )
     if not 0 <= top_entropy_quantile <= 1:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1] (the paper uses 0.2; 1.0 keeps every token), got "
-                         f"{top_entropy_quantile}")
+        raise ValueError(
+            f"top_entropy_quantile must be in [0, 1] (the paper uses 0.2; 1.0 keeps every token), got "
+            f"{top_entropy_quantile}"
+        )
     if off_policy_mask_threshold is not None and not off_policy_mask_threshold > 0:
         raise ValueError(f"off_policy_mask_threshold must be > 0 (e.g. 0.5) or None, got {off_policy_mask_threshold}")
 
 
-def _check_grpo_inputs(logps, advantages, completion_mask, objective, old_logps, ref_logps, normalizer, entropies,
-                       importance_sampling_ratio) -> None:
+def _check_grpo_inputs(
+    logps,
+    advantages,
+    completion_mask,
+    objective,
+    old_logps,
+    ref_logps,
+    normalizer,
+    entropies,
+    importance_sampling_ratio,
+) -> None:
     """One batch's tensors as :func:`grpo_loss` and its ``objective`` need them (the objective checked itself)."""
     if not isinstance(objective, GRPOObjective):
         raise TypeError(f"grpo_loss takes its settings as one GRPOObjective, got {type(objective).__name__}")
@@ -503,19 +568,26 @@ def _check_grpo_inputs(logps, advantages, completion_mask, objective, old_logps,
     if advantages.shape != logps.shape[:1]:
         raise ValueError(f"advantages must be (B,) = {tuple(logps.shape[:1])}, got {tuple(advantages.shape)}")
     if objective.beta > 0 and ref_logps is None:
-        raise ValueError("beta > 0 needs ref_logps (the reference model's per-token log-probs); "
-                         "pass them or set beta=0")
+        raise ValueError(
+            "beta > 0 needs ref_logps (the reference model's per-token log-probs); pass them or set beta=0"
+        )
     # A tensor normalizer is not inspected: reading its value would force a device sync.
     if isinstance(normalizer, (int, float)) and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
     if objective.loss_type == "dr_grpo" and objective.max_completion_length < logps.shape[1]:
-        raise ValueError(f"max_completion_length ({objective.max_completion_length}) is shorter than the "
-                         f"completions ({logps.shape[1]} tokens)")
+        raise ValueError(
+            f"max_completion_length ({objective.max_completion_length}) is shorter than the "
+            f"completions ({logps.shape[1]} tokens)"
+        )
     if objective.top_entropy_quantile < 1.0:
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs entropies (B, T), the per-token entropies of the policy")
         check_same_shape(logps=logps, entropies=entropies)
-    if importance_sampling_ratio is not None and importance_sampling_ratio.shape not in (logps.shape,
-                                                                                      logps.shape[:1] + (1,)):
-        raise ValueError(f"importance_sampling_ratio must be (B, T) = {tuple(logps.shape)} or (B, 1), got "
-                         f"{tuple(importance_sampling_ratio.shape)}")
+    if importance_sampling_ratio is not None and importance_sampling_ratio.shape not in (
+        logps.shape,
+        logps.shape[:1] + (1,),
+    ):
+        raise ValueError(
+            f"importance_sampling_ratio must be (B, T) = {tuple(logps.shape)} or (B, 1), got "
+            f"{tuple(importance_sampling_ratio.shape)}"
+        )

@@ -46,9 +46,17 @@ def kto_kl(kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
     return (kl_logps - ref_kl_logps).mean().detach()
 
 
-def kto_loss(logps: Tensor, ref_logps: Tensor, labels: Tensor, kl: Tensor | float, *, beta: float = 0.1,
-             loss_type: str = "kto", desirable_weight: float = 1.0,
-             undesirable_weight: float = 1.0) -> tuple[Tensor, Tensor]:
+def kto_loss(
+    logps: Tensor,
+    ref_logps: Tensor,
+    labels: Tensor,
+    kl: Tensor | float,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "kto",
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[Tensor, Tensor]:
     """Per-row KTO-family losses, not reduced, and the rows' rewards.
 
     Args:
@@ -67,8 +75,10 @@ def kto_loss(logps: Tensor, ref_logps: Tensor, labels: Tensor, kl: Tensor | floa
     """
     check_kto_options(loss_type, beta, desirable_weight, undesirable_weight)
     if not (logps.shape == ref_logps.shape == labels.shape) or logps.dim() != 1:
-        raise ValueError(f"logps, ref_logps and labels must all be (B,); got {tuple(logps.shape)}, "
-                         f"{tuple(ref_logps.shape)}, {tuple(labels.shape)}")
+        raise ValueError(
+            f"logps, ref_logps and labels must all be (B,); got {tuple(logps.shape)}, "
+            f"{tuple(ref_logps.shape)}, {tuple(labels.shape)}"
+        )
     labels = labels.to(torch.bool)
     logratios = logps - ref_logps  # (B,)
     if kto_uses_kl(loss_type):

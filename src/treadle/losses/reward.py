@@ -8,8 +8,13 @@ from torch import Tensor
 from treadle.losses.dpo import check_same_shape
 
 
-def bradley_terry_loss(chosen_rewards: Tensor, rejected_rewards: Tensor, *, margin: Tensor | None = None,
-                       center_rewards_coefficient: float | None = None) -> Tensor:
+def bradley_terry_loss(
+    chosen_rewards: Tensor,
+    rejected_rewards: Tensor,
+    *,
+    margin: Tensor | None = None,
+    center_rewards_coefficient: float | None = None,
+) -> Tensor:
     """Per-pair reward-model loss ``(B,)``: ``-logσ(r_c - r_r - margin) + c (r_c + r_r)²`` (Bradley–Terry, with
     the optional ``margin`` ``(B,)`` of Llama 2 and the centring term of https://arxiv.org/abs/2312.09244).
 

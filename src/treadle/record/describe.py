@@ -31,14 +31,28 @@ from treadle.streaming import is_stream
 
 __all__ = ["describe_dataset", "describe_model", "describe_run"]
 
-PEFT_FIELDS = ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "bias",
-               "use_rslora", "use_dora", "init_lora_weights")
+PEFT_FIELDS = (
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "modules_to_save",
+    "bias",
+    "use_rslora",
+    "use_dora",
+    "init_lora_weights",
+)
 
 
 def describe_run(trainer) -> dict[str, Any]:
     """The record of ``trainer``'s run (see the module docstring); a part the trainer lacks is left out."""
-    record: dict[str, Any] = {"trainer": type(trainer).__name__, "config": type(trainer.args).__name__,
-                              "model": describe_model(trainer.model), "peft": describe_peft(trainer.model)}
+    record: dict[str, Any] = {
+        "trainer": type(trainer).__name__,
+        "config": type(trainer.args).__name__,
+        "model": describe_model(trainer.model),
+        "peft": describe_peft(trainer.model),
+    }
     for name in ("ref_model", "reward_model"):
         if isinstance(getattr(trainer, name, None), nn.Module):
             record[name] = describe_model(getattr(trainer, name))
@@ -58,8 +72,13 @@ def describe_model(model: nn.Module | None) -> dict[str, Any] | None:
     trainable, total = parameter_counts(model)
     config = getattr(base, "config", None)
     first = next(iter(base.parameters()), None)
-    return {"class": type(base).__name__, "name_or_path": getattr(config, "_name_or_path", "") or "",
-            "parameters": total, "trainable": trainable, "dtype": str(first.dtype) if first is not None else None}
+    return {
+        "class": type(base).__name__,
+        "name_or_path": getattr(config, "_name_or_path", "") or "",
+        "parameters": total,
+        "trainable": trainable,
+        "dtype": str(first.dtype) if first is not None else None,
+    }
 
 
 def describe_peft(model: nn.Module | None) -> dict[str, Any] | None:

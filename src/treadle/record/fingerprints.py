@@ -68,8 +68,11 @@ def sampled_dataset_fingerprint(dataset, most: int = 1024) -> str | None:
     dataset without a length or indexing (an iterable dataset)."""
     try:
         n = len(dataset)
-        rows = [dataset[i] for i in sorted({round(k * (n - 1) / (most - 1)) for k in range(most)})] if n > most \
+        rows = (
+            [dataset[i] for i in sorted({round(k * (n - 1) / (most - 1)) for k in range(most)})]
+            if n > most
             else [dataset[i] for i in range(n)]
+        )
     except (TypeError, NotImplementedError, KeyError):
         return None
     return f"{n}:{dataset_fingerprint(rows)}"
@@ -77,12 +80,34 @@ def sampled_dataset_fingerprint(dataset, most: int = 1024) -> str | None:
 
 # --- a run's settings: their fingerprint (in trainer_state.json) and those changed since a checkpoint (on resume)
 # settings that do not shape the trained weights: a resumed run may change them without a note
-NOT_FINGERPRINTED = frozenset({
-    "output_dir", "run_name", "overwrite_output_dir", "max_steps", "num_train_epochs", "logging_strategy",
-    "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "save_strategy", "save_steps",
-    "save_total_limit", "save_only_model", "load_best_model_at_end", "report_to", "disable_tqdm",
-    "per_device_eval_batch_size", "prediction_loss_only", "dataloader_num_workers", "dataloader_pin_memory",
-    "ddp_timeout", "skip_nonfinite_steps", "ignore_checkpoint_fingerprints"})
+NOT_FINGERPRINTED = frozenset(
+    {
+        "output_dir",
+        "run_name",
+        "overwrite_output_dir",
+        "max_steps",
+        "num_train_epochs",
+        "logging_strategy",
+        "logging_steps",
+        "logging_first_step",
+        "eval_strategy",
+        "eval_steps",
+        "save_strategy",
+        "save_steps",
+        "save_total_limit",
+        "save_only_model",
+        "load_best_model_at_end",
+        "report_to",
+        "disable_tqdm",
+        "per_device_eval_batch_size",
+        "prediction_loss_only",
+        "dataloader_num_workers",
+        "dataloader_pin_memory",
+        "ddp_timeout",
+        "skip_nonfinite_steps",
+        "ignore_checkpoint_fingerprints",
+    }
+)
 
 
 def fingerprinted_settings(settings: dict) -> dict:
@@ -146,7 +171,9 @@ def verify(folder: str, dataset: str | None = None) -> list[str]:
     if marker is None:
         return [f"no {MARKER}"]
     recorded, now = marker["files"], folder_digests(folder)
-    problems = [f"{rel} changed since it was saved" for rel in sorted(recorded) if rel in now and now[rel] != recorded[rel]]
+    problems = [
+        f"{rel} changed since it was saved" for rel in sorted(recorded) if rel in now and now[rel] != recorded[rel]
+    ]
     problems += [f"{rel} is missing" for rel in sorted(set(recorded) - set(now))]
     problems += [f"{rel} was added" for rel in sorted(set(now) - set(recorded))]
     if dataset and marker.get("dataset") and dataset != marker["dataset"]:

@@ -37,11 +37,14 @@ RL_PREFIXES = ("reward", "frac_reward", "kl", "entropy", "clip_ratio", "completi
 SUMMARY_PREFIXES = ("train_", "total_flos")  # one value at the end of a run: a table row, not a plot
 NOT_METRICS = ("step", "epoch")  # the axes of every series, not series themselves
 HEALTH_MARKERS = ("health/warning/", "health/stop/")  # treadle.health's events: markers on every panel, not series
-FIGURE_TITLES = {"training": "Training", "rewards": "Rewards and policy statistics",
-                 "eval": "Evaluation", "other": "Other metrics"}
+FIGURE_TITLES = {
+    "training": "Training",
+    "rewards": "Rewards and policy statistics",
+    "eval": "Evaluation",
+    "other": "Other metrics",
+}
 
 Series = dict[str, tuple[list[float], list[float]]]  # metric -> (steps, values)
-
 
 
 def metrics_path(run_dir: str | Path) -> Path:
@@ -109,8 +112,15 @@ def panel_layout(series: Series) -> dict[str, dict[str, list[str]]]:
     for key in first + [k for k in series if k not in first]:
         if key.startswith((*SUMMARY_PREFIXES, *HEALTH_MARKERS)) or key in overlaid:
             continue
-        figure = ("training" if key in TRAINING_KEYS else "eval" if key.startswith("eval_")
-                  else "rewards" if key.startswith(RL_PREFIXES) else "other")
+        figure = (
+            "training"
+            if key in TRAINING_KEYS
+            else "eval"
+            if key.startswith("eval_")
+            else "rewards"
+            if key.startswith(RL_PREFIXES)
+            else "other"
+        )
         panel = layout[figure].setdefault(grouped.get(key, key), [])
         panel += [key] + ([f"eval_{key}"] if f"eval_{key}" in overlaid else [])
     for panels in layout.values():  # a total drawn before its functions, whatever order they came in
@@ -145,8 +155,9 @@ def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[
     written = []
     for name, panels in panel_layout(series).items():
         title = f"{FIGURE_TITLES[name]} - {path.parent.name}"
-        figure = build_figure(title, {panel: {key: series[key] for key in keys} for panel, keys in panels.items()},
-                              markers=markers)
+        figure = build_figure(
+            title, {panel: {key: series[key] for key in keys} for panel, keys in panels.items()}, markers=markers
+        )
         target = out / f"{name}.png"
         figure.savefig(target, dpi=110)
         written.append(target)
@@ -183,12 +194,23 @@ def run_label(path: Path, run_dirs) -> str:
 
 def health_markers(series: Series) -> list[tuple[float, str]]:
     """(step, "warning: <check>" or "stop: <check>") of each health event a run logged (treadle.health)."""
-    return sorted((step, f"{prefix.split('/')[1]}: {key[len(prefix):]}") for key, (steps, _) in series.items()
-                  for prefix in HEALTH_MARKERS if key.startswith(prefix) for step in steps)
+    return sorted(
+        (step, f"{prefix.split('/')[1]}: {key[len(prefix) :]}")
+        for key, (steps, _) in series.items()
+        for prefix in HEALTH_MARKERS
+        if key.startswith(prefix)
+        for step in steps
+    )
 
 
-def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, runs: list[str] | None = None,
-                 markers: list[tuple[float, str]] | None = None) -> Figure:
+def build_figure(
+    title: str,
+    panels: dict[str, Series],
+    *,
+    columns: int = 3,
+    runs: list[str] | None = None,
+    markers: list[tuple[float, str]] | None = None,
+) -> Figure:
     """One figure with a panel per entry of ``panels`` (panel name -> the series drawn in it), in a grid of up to
     ``columns`` columns; no empty panels. A panel whose every series never changed is not drawn: it becomes a
     line of text under the panels ("unchanged: clip_ratio = 0 (12 logs)"). Evaluation series (``eval_*``) are
@@ -199,25 +221,45 @@ def build_figure(title: str, panels: dict[str, Series], *, columns: int = 3, run
     if not panels:
         raise ValueError("build_figure needs at least one panel")
     drawn = {name: lines for name, lines in panels.items() if not all(map(_is_constant, lines.values()))}
-    unchanged = _unchanged_text([(label, values) for name, lines in panels.items() if name not in drawn
-                                 for label, (_, values) in lines.items()], runs)
+    unchanged = _unchanged_text(
+        [
+            (label, values)
+            for name, lines in panels.items()
+            if name not in drawn
+            for label, (_, values) in lines.items()
+        ],
+        runs,
+    )
     columns = max(1, min(columns, len(drawn)))
     rows = math.ceil(len(drawn) / columns)
-    figure = Figure(figsize=(4.6 * columns, 3.3 * rows + 0.6 + 0.25 * len(unchanged) // 3) if drawn
-                    else (9.0, 1.2 + 0.25 * len(unchanged) // 2), layout="constrained")
+    figure = Figure(
+        figsize=(4.6 * columns, 3.3 * rows + 0.6 + 0.25 * len(unchanged) // 3)
+        if drawn
+        else (9.0, 1.2 + 0.25 * len(unchanged) // 2),
+        layout="constrained",
+    )
     FigureCanvasAgg(figure)  # render with Agg whatever backend the user's matplotlib is set to
     smoothed = _draw_panels(figure, drawn, rows, columns, runs, markers) if drawn else False
     if unchanged:
-        figure.supxlabel(_wrap("unchanged over the run: " + ";  ".join(unchanged), 60 * columns if drawn else 120),
-                         fontsize=9, color="dimgray")
+        figure.supxlabel(
+            _wrap("unchanged over the run: " + ";  ".join(unchanged), 60 * columns if drawn else 120),
+            fontsize=9,
+            color="dimgray",
+        )
     if smoothed:
         title += "\n(faint: logged values, solid: moving average)"
     figure.suptitle(title, fontsize=13, fontweight="bold")
     return figure
 
 
-def _draw_panels(figure, drawn: dict[str, Series], rows: int, columns: int, runs: list[str] | None,
-                 markers: list[tuple[float, str]] | None) -> bool:
+def _draw_panels(
+    figure,
+    drawn: dict[str, Series],
+    rows: int,
+    columns: int,
+    runs: list[str] | None,
+    markers: list[tuple[float, str]] | None,
+) -> bool:
     """Draw each of ``drawn``'s panels in a ``rows`` x ``columns`` grid of ``figure``, with the health
     ``markers`` on each; return whether any panel drew a moving average."""
     smoothed = False
@@ -234,8 +276,16 @@ def _draw_markers(axes, markers: list[tuple[float, str]] | None) -> None:
     for step, label in markers or ():
         colour = "tab:red" if label.startswith("stop") else "tab:orange"
         axes.axvline(step, color=colour, linestyle=":", linewidth=1.2, zorder=0)
-        axes.annotate(label, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90, fontsize=6,
-                      color=colour, ha="right", va="top")
+        axes.annotate(
+            label,
+            (step, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize=6,
+            color=colour,
+            ha="right",
+            va="top",
+        )
 
 
 def _is_constant(line: tuple[list[float], list[float]]) -> bool:
@@ -244,7 +294,7 @@ def _is_constant(line: tuple[list[float], list[float]]) -> bool:
 
 
 def _unchanged_text(lines: list[tuple[str, list[float]]], runs: list[str] | None) -> list[str]:
-    """"kl = 0 (12 logs)" per unchanged series; in an overlay, one "(..., every run)" for a metric the same in all."""
+    """ "kl = 0 (12 logs)" per unchanged series; in an overlay, one "(..., every run)" for a metric the same in all."""
     texts = []
     for label, values in lines:
         metric, shown = _metric(label, runs), f"{values[0]:.4g} ({len(values)} log{'s' if len(values) > 1 else ''}"
@@ -276,15 +326,29 @@ def _draw_panel(axes, name: str, lines: Series, runs: list[str] | None) -> bool:
         colour, style, total = _line_look(label, name, bases, runs)
         if len(values) >= SMOOTH_FROM and _is_noisy(values):
             axes.plot(steps, values, color=colour, alpha=0.3, linewidth=0.8, linestyle=style)
-            axes.plot(steps, _moving_average(values, max(3, len(values) // 25)), color=colour, linewidth=1.8,
-                      linestyle=style, label=label)
+            axes.plot(
+                steps,
+                _moving_average(values, max(3, len(values) // 25)),
+                color=colour,
+                linewidth=1.8,
+                linestyle=style,
+                label=label,
+            )
             smoothed = True
         else:
             marker = "o" if len(values) <= MARKERS_UP_TO else None
-            axes.plot(steps, values, color=colour, marker=None if total else marker, markersize=3.5,
-                      linewidth=5 if total else 1.4, alpha=0.6 if total else 1.0, linestyle=style,
-                      label=f"{label} (total)" if total else label,
-                      zorder=1 if total else 2)
+            axes.plot(
+                steps,
+                values,
+                color=colour,
+                marker=None if total else marker,
+                markersize=3.5,
+                linewidth=5 if total else 1.4,
+                alpha=0.6 if total else 1.0,
+                linestyle=style,
+                label=f"{label} (total)" if total else label,
+                zorder=1 if total else 2,
+            )
     _finish_axes(axes, name, lines)
     return smoothed
 
@@ -344,7 +408,7 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     half = window // 2
     averaged = []
     for i in range(len(values)):
-        near = [v for v in values[max(0, i - half):i + half + 1] if math.isfinite(v)]
+        near = [v for v in values[max(0, i - half) : i + half + 1] if math.isfinite(v)]
         averaged.append(sum(near) / len(near) if near else math.nan)
     return averaged
 
@@ -354,8 +418,16 @@ def completions_table(records: list[dict[str, Any]]) -> tuple[list[str], list[li
     advantage. A chat prompt or completion (a list of messages) is written as JSON."""
     rewards = list(dict.fromkeys(name for r in records for name in r.get("rewards", {})))
     columns = ["step", "prompt", "completion", *rewards, "advantage"]
-    rows = [[r.get("step"), _text(r.get("prompt")), _text(r.get("completion")),
-             *(r.get("rewards", {}).get(name) for name in rewards), r.get("advantage")] for r in records]
+    rows = [
+        [
+            r.get("step"),
+            _text(r.get("prompt")),
+            _text(r.get("completion")),
+            *(r.get("rewards", {}).get(name) for name in rewards),
+            r.get("advantage"),
+        ]
+        for r in records
+    ]
     return columns, rows
 
 

@@ -13,8 +13,18 @@ from typing import Any
 
 import treadle
 from treadle.record import runfiles
-from treadle.record.plots import (Series, collect_series, completions_table, is_number, metrics_path, plot_overlay,
-                                  plot_run, read_events, run_label)
+from treadle.record.plots import (
+    Series,
+    collect_series,
+    completions_table,
+    is_number,
+    metrics_path,
+    plot_overlay,
+    plot_run,
+    read_events,
+    run_label,
+)
+
 
 def print_plots(run_dir: str | Path) -> list[Path]:
     """``plot_run(run_dir)``, then one line on stdout saying where the plots are; returns their paths."""
@@ -27,6 +37,7 @@ def print_plots(run_dir: str | Path) -> list[Path]:
 # Summary
 # ----------------------------------------------------------------------------------------------------
 
+
 def summarize(run_dir: str | Path) -> str:
     """A plain-text table: per metric its count, first, last, min and max value (NaNs count, but are
     left out of min and max)."""
@@ -34,8 +45,10 @@ def summarize(run_dir: str | Path) -> str:
     events = read_events(path)
     rows = summary_rows(collect_series(events))
     width = max([len("metric"), *(len(row[0]) for row in rows)])
-    lines = [f"{path}: {_span(events)}", f"{'metric':<{width}}  {'count':>6}  " + "  ".join(
-        f"{name:>12}" for name in ("first", "last", "min", "max"))]
+    lines = [
+        f"{path}: {_span(events)}",
+        f"{'metric':<{width}}  {'count':>6}  " + "  ".join(f"{name:>12}" for name in ("first", "last", "min", "max")),
+    ]
     for key, count, *values in rows:
         lines.append(f"{key:<{width}}  {count:>6}  " + "  ".join(f"{_fmt(v):>12}" for v in values))
     return "\n".join(lines)
@@ -52,7 +65,7 @@ def summary_rows(series: Series) -> list[tuple]:
 
 
 def _span(events: list[dict[str, Any]]) -> str:
-    """"8 events, steps 1..5, epochs 0.2..1": what a run's metrics.jsonl covers."""
+    """ "8 events, steps 1..5, epochs 0.2..1": what a run's metrics.jsonl covers."""
     steps = [event["step"] for event in events]
     text = f"{len(events)} events, steps {_fmt(min(steps))}..{_fmt(max(steps))}"
     epochs = [event["epoch"] for event in events if is_number(event.get("epoch"))]
@@ -62,6 +75,7 @@ def _span(events: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------------------------------
 # Sampled completions and the config
 # ----------------------------------------------------------------------------------------------------
+
 
 def read_completions(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's completions.jsonl (GRPO with ``log_completions``); [] when there is none. A line
@@ -79,16 +93,17 @@ def read_config(run_dir: str | Path) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------------------------------
 
 COMPLETIONS_SHOWN = 20  # the last N sampled completions report.html lists
-STYLE = ("body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1500px}"
-         "table{border-collapse:collapse;font-size:13px;margin:8px 0 24px}"
-         "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}"
-         "th{background:#f2f2f2}td.n{text-align:right;font-variant-numeric:tabular-nums}"
-         "td.t{white-space:pre-wrap;font-family:monospace;max-width:520px}img{max-width:100%;margin:6px 0}"
-         "h2{margin-top:28px;border-bottom:1px solid #ddd}.note{color:#666}")
+STYLE = (
+    "body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1500px}"
+    "table{border-collapse:collapse;font-size:13px;margin:8px 0 24px}"
+    "td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}"
+    "th{background:#f2f2f2}td.n{text-align:right;font-variant-numeric:tabular-nums}"
+    "td.t{white-space:pre-wrap;font-family:monospace;max-width:520px}img{max-width:100%;margin:6px 0}"
+    "h2{margin-top:28px;border-bottom:1px solid #ddd}.note{color:#666}"
+)
 
 
-def write_html(run_dir: str | Path, *, plots: list[Path] | None = None, completions: int = COMPLETIONS_SHOWN
-               ) -> Path:
+def write_html(run_dir: str | Path, *, plots: list[Path] | None = None, completions: int = COMPLETIONS_SHOWN) -> Path:
     """Write ``report.html`` beside the run's metrics.jsonl: the plots (embedded; ``plots``, or drawn now with
     ``plot_run``), the summary table, the config, and the last ``completions`` sampled completions. Returns its
     path."""
@@ -97,15 +112,19 @@ def write_html(run_dir: str | Path, *, plots: list[Path] | None = None, completi
     plots = plot_run(path) if plots is None else plots
     name = path.parent.name
     rows = [list(row) for row in summary_rows(collect_series(events))]
-    sections = [f"<p class=note>{html.escape(str(path))}: {_span(events)}</p>",
-                "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
-                "<h2>Summary</h2>" + _table(["metric", "count", "first", "last", "min", "max"], rows)]
+    sections = [
+        f"<p class=note>{html.escape(str(path))}: {_span(events)}</p>",
+        "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
+        "<h2>Summary</h2>" + _table(["metric", "count", "first", "last", "min", "max"], rows),
+    ]
     sections += run_sections(path)
     records = read_completions(path)
     if records:
         shown = records[-completions:]
-        sections.append(f"<h2>Sampled completions</h2><p class=note>the last {len(shown)} of {len(records)}</p>"
-                        + _table(*completions_table(shown)))
+        sections.append(
+            f"<h2>Sampled completions</h2><p class=note>the last {len(shown)} of {len(records)}</p>"
+            + _table(*completions_table(shown))
+        )
     target = path.parent / "report.html"
     target.write_text(_page(f"treadle run {name}", sections), encoding="utf-8")
     return target
@@ -120,18 +139,33 @@ def write_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     series = [collect_series(read_events(d)) for d in run_dirs]
     metrics = list(dict.fromkeys(key for s in series for key in s))
     last = [[key, *(s[key][1][-1] if key in s else None for s in series)] for key in metrics]
-    configs = [{**{f"run: {k}": v for k, v in flat_record(runfiles.read_run_record(metrics_path(d).parent)).items()},
-                **(read_config(d) or {})} for d in run_dirs]  # what made each run, then its arguments
+    configs = [
+        {
+            **{f"run: {k}": v for k, v in flat_record(runfiles.read_run_record(metrics_path(d).parent)).items()},
+            **(read_config(d) or {}),
+        }
+        for d in run_dirs
+    ]  # what made each run, then its arguments
     keys = list(dict.fromkeys(k for c in configs for k in c))
-    differ = [[k, *(_value(c.get(k, "")) for c in configs)] for k in keys
-              if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
-    sections = ["<p class=note>" + "<br>".join(html.escape(f"{label}: {Path(d)}") for label, d in zip(labels, run_dirs))
-                + "</p>", "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
-                "<h2>Last values</h2>" + _table(["metric", *labels], last),
-                "<h2>What differs between the runs</h2><p class=note>run: model, data, reward functions and LoRA "
-                "(run.json); then the arguments (training_args.json)</p>"
-                + (_table(["setting", *labels], differ) if differ
-                   else "<p class=note>nothing (or no run.json / training_args.json)</p>")]
+    differ = [
+        [k, *(_value(c.get(k, "")) for c in configs)]
+        for k in keys
+        if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1
+    ]
+    sections = [
+        "<p class=note>"
+        + "<br>".join(html.escape(f"{label}: {Path(d)}") for label, d in zip(labels, run_dirs))
+        + "</p>",
+        "<h2>Plots</h2>" + "".join(_image(p) for p in plots),
+        "<h2>Last values</h2>" + _table(["metric", *labels], last),
+        "<h2>What differs between the runs</h2><p class=note>run: model, data, reward functions and LoRA "
+        "(run.json); then the arguments (training_args.json)</p>"
+        + (
+            _table(["setting", *labels], differ)
+            if differ
+            else "<p class=note>nothing (or no run.json / training_args.json)</p>"
+        ),
+    ]
     target = out / "report.html"
     target.write_text(_page(f"treadle: {len(labels)} runs", sections), encoding="utf-8")
     return target
@@ -142,19 +176,35 @@ def run_sections(run_dir: str | Path) -> list[str]:
     differ from the defaults of the run's config class first (training_args.json holds every argument)."""
     folder = metrics_path(run_dir).parent
     record, config = runfiles.read_run_record(folder), read_config(folder)
-    sections = ["<h2>Run</h2>" + (_table(["what", "value"], [[k, _value(v)] for k, v in flat_record(record).items()])
-                                  if record else "<p class=note>no run.json in the run folder</p>")]
+    sections = [
+        "<h2>Run</h2>"
+        + (
+            _table(["what", "value"], [[k, _value(v)] for k, v in flat_record(record).items()])
+            if record
+            else "<p class=note>no run.json in the run folder</p>"
+        )
+    ]
     if not config:
         return sections + ["<h2>Config</h2><p class=note>no training_args.json in the run folder</p>"]
     defaults = config_defaults((record or {}).get("config"), config)
-    changed = [[k, _value(v), _value(defaults.get(k))] for k, v in config.items()
-               if k != "output_dir" and defaults is not None and _json(v) != _json(defaults.get(k))]
+    changed = [
+        [k, _value(v), _value(defaults.get(k))]
+        for k, v in config.items()
+        if k != "output_dir" and defaults is not None and _json(v) != _json(defaults.get(k))
+    ]
     name = (record or {}).get("config") or "TrainingArguments"
-    head = (f"<h3>Set differently from {html.escape(name)}'s defaults</h3>"
-            + (_table(["argument", "value", "default"], changed) if changed else "<p class=note>none</p>")
-            if defaults is not None else f"<p class=note>{html.escape(name)}'s defaults unknown</p>")
-    return sections + ["<h2>Config</h2>" + head + "<h3>Every argument</h3>"
-                       + _table(["argument", "value"], [[k, _value(v)] for k, v in config.items()])]
+    head = (
+        f"<h3>Set differently from {html.escape(name)}'s defaults</h3>"
+        + (_table(["argument", "value", "default"], changed) if changed else "<p class=note>none</p>")
+        if defaults is not None
+        else f"<p class=note>{html.escape(name)}'s defaults unknown</p>"
+    )
+    return sections + [
+        "<h2>Config</h2>"
+        + head
+        + "<h3>Every argument</h3>"
+        + _table(["argument", "value"], [[k, _value(v)] for k, v in config.items()])
+    ]
 
 
 def config_defaults(config_name: str | None, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -186,8 +236,10 @@ def _json(value: Any) -> str:
 
 
 def _page(title: str, sections: list[str]) -> str:
-    return (f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>\n")
+    return (
+        f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{''.join(sections)}</body></html>\n"
+    )
 
 
 def _image(path: Path) -> str:

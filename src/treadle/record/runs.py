@@ -41,8 +41,8 @@ import socket
 import sys
 import time
 
-from treadle.record import fingerprints
 from treadle.errors import PreflightError, UserError, shorten
+from treadle.record import fingerprints
 from treadle.record.plots import FIGURE_TITLES
 
 LOCK_FILE = ".treadle.lock"
@@ -50,12 +50,32 @@ MANIFEST_FILE = ".treadle-run.json"  # written when a run claims the folder: see
 MANIFEST_MOST = 10_000  # entries recorded as "there before the run"; a fuller folder is never overwritten in part
 PLOT_FILES = frozenset(f"{name}.png" for name in FIGURE_TITLES)
 # what a treadle run writes into its output_dir (a transformers model's save_pretrained files included)
-RUN_FILE_NAMES = frozenset({
-    "metrics.jsonl", "completions.jsonl", "plots", "report.html", "runs", "run.json", "model.safetensors",
-    "model.safetensors.index.json", "config.json", "generation_config.json", "adapter_model.safetensors",
-    "adapter_config.json", "training_args.json", "trainer_state.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "added_tokens.json",
-    "tokenizer.model"})
+RUN_FILE_NAMES = frozenset(
+    {
+        "metrics.jsonl",
+        "completions.jsonl",
+        "plots",
+        "report.html",
+        "runs",
+        "run.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "config.json",
+        "generation_config.json",
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "training_args.json",
+        "trainer_state.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+        "added_tokens.json",
+        "tokenizer.model",
+    }
+)
 RUN_FILE_PATTERN = re.compile(r"(\.tmp-|\.old-)?checkpoint-\d+|model-\d+-of-\d+\.safetensors")
 
 
@@ -70,8 +90,14 @@ def run_files(output_dir: str) -> list[str]:
     names = [n for n in os.listdir(output_dir) if _run_named(n)]
     if "metrics.jsonl" in names and not _has_training_records(os.path.join(output_dir, "metrics.jsonl")):
         names.remove("metrics.jsonl")  # only evaluate() before training logged there: no run yet
-    return sorted(names, key=lambda n: (not n.startswith("checkpoint-"), int(n.rpartition("-")[2])
-                                        if n.startswith("checkpoint-") else 0, n))
+    return sorted(
+        names,
+        key=lambda n: (
+            not n.startswith("checkpoint-"),
+            int(n.rpartition("-")[2]) if n.startswith("checkpoint-") else 0,
+            n,
+        ),
+    )
 
 
 def _run_named(name: str) -> bool:
@@ -91,21 +117,26 @@ def _has_training_records(path: str) -> bool:
     return False
 
 
-def check_run_folder(output_dir: str, *, resume: bool, overwrite: bool = False,
-                     model_dir: str | None = None) -> list[str]:
+def check_run_folder(
+    output_dir: str, *, resume: bool, overwrite: bool = False, model_dir: str | None = None
+) -> list[str]:
     """Refuse (RunFolderError) an ``output_dir`` that cannot take this run; return what ``overwrite`` will
     delete (paths relative to ``output_dir``: only what a treadle run provably wrote, see ``sort_out``).
     Reads only: nothing is written or removed here."""
     output_dir = check_path(output_dir)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise RunFolderError(f"output_dir {output_dir} is a file, not a folder; set output_dir to a folder "
-                             f"(new, or holding the run to resume)")
+        raise RunFolderError(
+            f"output_dir {output_dir} is a file, not a folder; set output_dir to a folder "
+            f"(new, or holding the run to resume)"
+        )
     check_not_in_model(output_dir, model_dir)
     _check_writable(output_dir)
     holder = _live_holder(os.path.join(output_dir, LOCK_FILE))
     if holder is not None:
-        raise RunFolderError(f"output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
-                             f"choose another output_dir")
+        raise RunFolderError(
+            f"output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
+            f"choose another output_dir"
+        )
     files = run_files(output_dir)
     if resume or not files or _earlier_attempt(read_manifest(output_dir)):  # the last: a restarted elastic worker
         return []
@@ -114,12 +145,14 @@ def check_run_folder(output_dir: str, *, resume: bool, overwrite: bool = False,
         raise RunFolderError(
             f"output_dir {output_dir} holds {len(doubts)} entries named like a run's that no treadle run provably "
             f"wrote ({_listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
-            f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir")
+            f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir"
+        )
     if not overwrite:
         raise RunFolderError(
             f"output_dir {output_dir} holds an earlier run ({_listing(files)}); continue it with --resume "
             f"(train(resume_from_checkpoint=True)), choose another output_dir, or set overwrite_output_dir: true "
-            f"to delete those {len(files)} entries (nothing else in the folder is touched)")
+            f"to delete those {len(files)} entries (nothing else in the folder is touched)"
+        )
     return ours
 
 
@@ -129,8 +162,10 @@ def check_path(path: str) -> str:
     expanded = os.path.expandvars(os.path.expanduser(str(path)))
     real = os.path.realpath(expanded)
     if real in (os.path.realpath(os.sep), os.path.realpath(os.path.expanduser("~"))):
-        raise RunFolderError(f"output_dir {shorten(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
-                             f" itself; set output_dir to a folder of its own (e.g. {os.path.join(expanded, 'runs', 'my-run')})")
+        raise RunFolderError(
+            f"output_dir {shorten(path)} is {'the filesystem root' if real == os.sep else 'your home folder'}"
+            f" itself; set output_dir to a folder of its own (e.g. {os.path.join(expanded, 'runs', 'my-run')})"
+        )
     return expanded
 
 
@@ -150,8 +185,12 @@ def _earlier_attempt(record: dict | None) -> bool:
     """Whether a lock or manifest ``record`` was written by an earlier attempt of this process's torchrun job."""
     run_id, attempt = elastic_attempt()
     written = (record or {}).get("attempt")
-    return (run_id is not None and (record or {}).get("elastic_run") == run_id and isinstance(written, int)
-            and written < attempt)
+    return (
+        run_id is not None
+        and (record or {}).get("elastic_run") == run_id
+        and isinstance(written, int)
+        and written < attempt
+    )
 
 
 def _identity() -> dict:
@@ -164,8 +203,13 @@ def write_manifest(output_dir: str) -> None:
     run's and lists what was there before (never the run's), so overwrite can tell the run's files from the user's."""
     path = os.path.join(output_dir, MANIFEST_FILE)
     before = _tree(output_dir, most=MANIFEST_MOST + 1)
-    manifest = {"treadle_run": 1, "started": time.time(), "kept": before[:MANIFEST_MOST],
-                "kept_complete": len(before) <= MANIFEST_MOST, **_identity()}
+    manifest = {
+        "treadle_run": 1,
+        "started": time.time(),
+        "kept": before[:MANIFEST_MOST],
+        "kept_complete": len(before) <= MANIFEST_MOST,
+        **_identity(),
+    }
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(manifest, f)
@@ -199,8 +243,10 @@ def sort_out(output_dir: str, names: list[str]) -> tuple[list[str], list[str], l
     for name in names:
         path = os.path.join(output_dir, name)
         if os.path.islink(path):
-            doubts.append(f"{name} (a symbolic link to {shorten(os.readlink(path), 80)}: treadle never makes one; "
-                          f"remove the link yourself)")
+            doubts.append(
+                f"{name} (a symbolic link to {shorten(os.readlink(path), 80)}: treadle never makes one; "
+                f"remove the link yourself)"
+            )
         elif name.startswith("checkpoint-"):
             foreign = fingerprints.foreign_files(path) if os.path.isdir(path) else None
             if foreign is None:
@@ -268,8 +314,10 @@ def check_not_in_model(output_dir: str, model_dir: str | None, what: str = "outp
     out, model = os.path.realpath(output_dir), os.path.realpath(model_dir)
     if out == model or out.startswith(model + os.sep):
         where = "is" if out == model else "is inside"
-        raise RunFolderError(f"{what} {output_dir} {where} the model folder {model_dir}: the saves would "
-                             f"overwrite or mix with the weights it starts from; set {what} to another folder")
+        raise RunFolderError(
+            f"{what} {output_dir} {where} the model folder {model_dir}: the saves would "
+            f"overwrite or mix with the weights it starts from; set {what} to another folder"
+        )
 
 
 def _check_writable(output_dir: str) -> None:
@@ -277,11 +325,14 @@ def _check_writable(output_dir: str) -> None:
     while not os.path.exists(existing):  # the folder is made later: its nearest existing parent must take it
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise RunFolderError(f"output_dir {output_dir} cannot be created: {existing} is a file; set output_dir "
-                             f"to a folder path")
+        raise RunFolderError(
+            f"output_dir {output_dir} cannot be created: {existing} is a file; set output_dir to a folder path"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise RunFolderError(f"output_dir {output_dir} is not writable ({existing} refuses writes); choose a "
-                             f"folder you can write, or change its permissions")
+        raise RunFolderError(
+            f"output_dir {output_dir} is not writable ({existing} refuses writes); choose a "
+            f"folder you can write, or change its permissions"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -325,13 +376,18 @@ def _live_holder(path: str) -> str | None:
     if holder is None or _earlier_attempt(holder):  # torchrun ended that attempt before starting this one
         return None
     if holder.get("unreadable") or not holder:
-        return (f"its lock {path} is empty or unreadable, as one being written is; if no run is starting there, "
-                f"delete {path}")
+        return (
+            f"its lock {path} is empty or unreadable, as one being written is; if no run is starting there, "
+            f"delete {path}"
+        )
     alive = _alive(holder)
     if alive is None:
         return f"{_describe(holder)}, another machine: if that run is gone, delete {path}"
-    return (f"{_describe(holder)}; if that run has ended and the pid now belongs to another process, delete "
-            f"{path}") if alive else None
+    return (
+        (f"{_describe(holder)}; if that run has ended and the pid now belongs to another process, delete {path}")
+        if alive
+        else None
+    )
 
 
 def acquire_lock(output_dir: str) -> str:
@@ -344,10 +400,15 @@ def acquire_lock(output_dir: str) -> str:
     if holder is not None:
         live = _live_holder(path)
         if live is not None:
-            raise RunFolderError(f"output_dir {output_dir} is in use by another run ({live}); wait for it to end or "
-                                 f"choose another output_dir")
-        why = (f"attempt {holder['attempt']} of this torchrun job" if _earlier_attempt(holder) else
-               "a run that no longer runs")
+            raise RunFolderError(
+                f"output_dir {output_dir} is in use by another run ({live}); wait for it to end or "
+                f"choose another output_dir"
+            )
+        why = (
+            f"attempt {holder['attempt']} of this torchrun job"
+            if _earlier_attempt(holder)
+            else "a run that no longer runs"
+        )
         print(f"treadle: taking over the lock {path} of {why} ({_describe(holder)})", file=sys.stderr)
         stale = f"{path}.stale-{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
@@ -365,9 +426,11 @@ def acquire_lock(output_dir: str) -> str:
         os.link(tmp, path)
     except FileExistsError:  # another run took it between the check and now
         holder = _live_holder(path)
-        raise RunFolderError(f"output_dir {output_dir} is in use by another run that just started ({holder}); "
-                             f"choose another output_dir" if holder else f"output_dir {output_dir} was locked and "
-                             f"unlocked by another run while this one started; try again") from None
+        raise RunFolderError(
+            f"output_dir {output_dir} is in use by another run that just started ({holder}); choose another output_dir"
+            if holder
+            else f"output_dir {output_dir} was locked and unlocked by another run while this one started; try again"
+        ) from None
     finally:
         os.remove(tmp)
     return path
@@ -396,16 +459,19 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
         yield
         return
     output_dir = args.output_dir
-    doomed = check_run_folder(output_dir, resume=resume, overwrite=args.overwrite_output_dir,
-                              model_dir=model_folder(model))
+    doomed = check_run_folder(
+        output_dir, resume=resume, overwrite=args.overwrite_output_dir, model_dir=model_folder(model)
+    )
     lock = acquire_lock(output_dir)
     try:
         with disk_errors(output_dir, lock):
             if doomed:
                 _, kept, _ = sort_out(output_dir, run_files(output_dir))
-                print(f"treadle: overwrite_output_dir: deleting {len(doomed)} entries of the earlier run in "
-                      f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""),
-                      file=sys.stderr)
+                print(
+                    f"treadle: overwrite_output_dir: deleting {len(doomed)} entries of the earlier run in "
+                    f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""),
+                    file=sys.stderr,
+                )
                 delete_ours(output_dir, doomed)
             if not resume or read_manifest(output_dir) is None:
                 write_manifest(output_dir)
@@ -417,8 +483,11 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
 # ---------------------------------------------------------------------------------------------------------
 # A disk that fills up or turns read-only mid-run
 # ---------------------------------------------------------------------------------------------------------
-DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
-               errno.EROFS: "the file system is read-only"}
+DISK_ERRNOS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+}
 
 
 class DiskError(UserError):
@@ -446,9 +515,16 @@ def disk_errors(output_dir: str, lock: str | None = None):
         locked = lock is not None and release_lock(lock) is False
         raise DiskError(
             f"output_dir {output_dir}: {problem}, so the run stopped; "
-            + (f"its checkpoints saved before are intact (newest: {kept[-1]}); " if kept else "no checkpoint was saved; ")
-            + ("make it writable (remount, or copy the folder to a writable disk)" if "read-only" in problem
-               else "free some space (or move output_dir to another disk)")
+            + (
+                f"its checkpoints saved before are intact (newest: {kept[-1]}); "
+                if kept
+                else "no checkpoint was saved; "
+            )
+            + (
+                "make it writable (remount, or copy the folder to a writable disk)"
+                if "read-only" in problem
+                else "free some space (or move output_dir to another disk)"
+            )
             + (", then continue with --resume (train(resume_from_checkpoint=True))" if kept else ", then start again")
             + (f"; the lock {lock} could not be removed: delete it once the disk takes writes" if locked else "")
         ) from error

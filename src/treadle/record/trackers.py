@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import os
 
-from treadle.record import runfiles
 from treadle.arguments import TRACKERS, is_installed
 from treadle.callbacks import TrainerCallback
 from treadle.errors import PreflightError
+from treadle.record import runfiles
 from treadle.record.plots import completions_table, plot_run
+
 
 def tracker_callbacks(report_to: list[str]) -> list:
     """The callbacks that report a run to ``report_to``'s trackers: ``TrackerMedia`` first (its images must reach
@@ -38,11 +39,15 @@ def tracker_callbacks(report_to: list[str]) -> list:
     missing = [name for name in report_to if not is_installed(name)]
     if missing:
         packages = " ".join(TRACKERS[name][1] for name in missing)
-        raise ValueError(f"report_to asks for {', '.join(missing)}, not installed; install with "
-                         f"`pip install {packages}` (or `pip install 'treadle[trackers]'`), or drop it from report_to")
+        raise ValueError(
+            f"report_to asks for {', '.join(missing)}, not installed; install with "
+            f"`pip install {packages}` (or `pip install 'treadle[trackers]'`), or drop it from report_to"
+        )
     if "wandb" in report_to and os.environ.get("WANDB_LOG_MODEL", "false").lower() == "end":
-        raise ValueError("WANDB_LOG_MODEL=end builds a transformers.Trainer to save the model, which treadle's "
-                         "arguments cannot do; unset it, or use WANDB_LOG_MODEL=checkpoint")
+        raise ValueError(
+            "WANDB_LOG_MODEL=end builds a transformers.Trainer to save the model, which treadle's "
+            "arguments cannot do; unset it, or use WANDB_LOG_MODEL=checkpoint"
+        )
     if not report_to:
         return []
     preflight(report_to)
@@ -67,7 +72,8 @@ def preflight(report_to: list[str]) -> None:
             raise PreflightError(
                 f"report_to mlflow cannot start with tracking URI {uri}: {_first_line(error)}; set "
                 f"MLFLOW_TRACKING_URI to a server (http://host:5000), or to a folder (file:./mlruns) together with "
-                f"MLFLOW_ALLOW_FILE_STORE=true, or drop mlflow from report_to (docs/trackers.md)") from None
+                f"MLFLOW_ALLOW_FILE_STORE=true, or drop mlflow from report_to (docs/trackers.md)"
+            ) from None
 
 
 def _first_line(error: BaseException) -> str:
@@ -90,8 +96,11 @@ class TrackerMedia(TrainerCallback):
         self.tabled_step, self.offset = state.global_step, 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not getattr(args, "log_completions", False) or not state.is_world_process_zero \
-                or state.global_step <= self.tabled_step:
+        if (
+            not getattr(args, "log_completions", False)
+            or not state.is_world_process_zero
+            or state.global_step <= self.tabled_step
+        ):
             return  # (a run without log_completions may share its folder with an older run's completions)
         rows = self._new_completions(args.output_dir, state.global_step)
         self.tabled_step = state.global_step
@@ -103,8 +112,9 @@ class TrackerMedia(TrainerCallback):
     def _new_completions(self, output_dir: str, step: int) -> list[dict]:
         """The completions.jsonl records sampled in [tabled_step, step) (a record's step is the global step
         before the optimizer step that trains on it)."""
-        records, self.offset = runfiles.read_new_records(os.path.join(output_dir, runfiles.COMPLETIONS_FILE),
-                                                         self.offset)
+        records, self.offset = runfiles.read_new_records(
+            os.path.join(output_dir, runfiles.COMPLETIONS_FILE), self.offset
+        )
         return [r for r in records if self.tabled_step <= r.get("step", -1) < step]
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -157,8 +167,9 @@ class _Trackio:
     def table(callback, table, step):
         if callback._initialized:
             columns, rows = table
-            callback._trackio.log({"completions": callback._trackio.Table(columns=columns, data=rows),
-                                   "train/global_step": step})
+            callback._trackio.log(
+                {"completions": callback._trackio.Table(columns=columns, data=rows), "train/global_step": step}
+            )
 
     @staticmethod
     def images(callback, paths, step):
@@ -209,6 +220,7 @@ def markdown_table(columns: list[str], rows: list[list]) -> str:
     |---|---|
     | 1 | x\\|y |
     """
+
     def cell(value):
         text = f"{value:.4g}" if isinstance(value, float) else str(value)
         return text.replace("|", "\\|").replace("\n", "<br>")

@@ -55,11 +55,32 @@ environment's summed reward (None when it gave none); :func:`environment_reward`
 returns it (0.0 where it gave none).
 """
 
-from treadle.rollouts.calls import (EnvironmentContractError, GuardedEnvironment, SlowCallWarning, ToolError, ToolPool,
-                                    call_with_timeout)
+from treadle.rollouts.calls import (
+    EnvironmentContractError,
+    GuardedEnvironment,
+    SlowCallWarning,
+    ToolError,
+    ToolPool,
+    call_with_timeout,
+)
 from treadle.rollouts.runner import Environment, RolloutOutput, RolloutRunner, environment_reward, rollout_metrics
 from treadle.rollouts.tools import CALL_FORMATS, ToolEnvironment, check_tool, parse_json_call, parse_tagged_call
 
-__all__ = ["CALL_FORMATS", "Environment", "EnvironmentContractError", "GuardedEnvironment", "RolloutOutput",
-           "RolloutRunner", "SlowCallWarning", "ToolEnvironment", "ToolError", "ToolPool", "call_with_timeout",
-           "check_tool", "environment_reward", "parse_json_call", "parse_tagged_call", "rollout_metrics"]
+__all__ = [
+    "CALL_FORMATS",
+    "Environment",
+    "EnvironmentContractError",
+    "GuardedEnvironment",
+    "RolloutOutput",
+    "RolloutRunner",
+    "SlowCallWarning",
+    "ToolEnvironment",
+    "ToolError",
+    "ToolPool",
+    "call_with_timeout",
+    "check_tool",
+    "environment_reward",
+    "parse_json_call",
+    "parse_tagged_call",
+    "rollout_metrics",
+]

@@ -19,13 +19,18 @@ import inspect
 import queue
 import threading
 import warnings
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 
 from treadle.errors import UserError, shorten
 
-__all__ = ["EnvironmentContractError", "GuardedEnvironment", "SlowCallWarning", "ToolError", "ToolPool",
-           "call_with_timeout"]
+__all__ = [
+    "EnvironmentContractError",
+    "GuardedEnvironment",
+    "SlowCallWarning",
+    "ToolError",
+    "ToolPool",
+    "call_with_timeout",
+]
 
 SLOW_CALL_WARNING = 60.0  # seconds a call without a deadline runs before a warning names it
 
@@ -119,8 +124,12 @@ def run_with_deadline(pool: ToolPool, fn, args: tuple, timeout: float | None, wh
         try:
             return future.result(SLOW_CALL_WARNING)
         except FutureTimeout:
-            warnings.warn(f"treadle: {what} has run for {SLOW_CALL_WARNING:g} s with {setting}=None (no limit); the "
-                          f"rollout waits for it: set {setting} to cut such calls off", SlowCallWarning, stacklevel=2)
+            warnings.warn(
+                f"treadle: {what} has run for {SLOW_CALL_WARNING:g} s with {setting}=None (no limit); the "
+                f"rollout waits for it: set {setting} to cut such calls off",
+                SlowCallWarning,
+                stacklevel=2,
+            )
             return future.result()
     except FutureTimeout:
         pool.abandon(future)
@@ -155,18 +164,23 @@ class GuardedEnvironment:
     def _call(self, method: str, argument):
         what = f"environment {self.name}.{method}"
         try:
-            return run_with_deadline(self.pool, getattr(self.env, method), (argument,), self.timeout, what,
-                                     "env_timeout")
+            return run_with_deadline(
+                self.pool, getattr(self.env, method), (argument,), self.timeout, what, "env_timeout"
+            )
         except FutureTimeout:
             self.timed_out = True
-            warnings.warn(f"treadle: {what} ran past env_timeout={self.timeout:g} s: its rollout ends there, "
-                          f"unanswered (counted in rollouts/env_timeouts); raise env_timeout or make it faster",
-                          SlowCallWarning, stacklevel=3)
+            warnings.warn(
+                f"treadle: {what} ran past env_timeout={self.timeout:g} s: its rollout ends there, "
+                f"unanswered (counted in rollouts/env_timeouts); raise env_timeout or make it faster",
+                SlowCallWarning,
+                stacklevel=3,
+            )
             return None
         except (Exception, SystemExit) as e:
             raise EnvironmentContractError(
                 f"{what} raised {type(e).__name__}: {shorten(e)} on {shorten(repr(argument), 100)}; an environment "
-                f"should answer bad input with an observation (--debug shows the traceback)") from e
+                f"should answer bad input with an observation (--debug shows the traceback)"
+            ) from e
 
     def reset(self, row: dict) -> str:
         observation = self._call("reset", row)
@@ -196,7 +210,8 @@ class GuardedEnvironment:
     def _wrong(self, method: str, part: str, value, contract: str) -> EnvironmentContractError:
         return EnvironmentContractError(
             f"environment {self.name}.{method} returned {(part + ' ') if part else ''}{shorten(repr(value), 100)} "
-            f"({type(value).__name__}); its contract is {contract}")
+            f"({type(value).__name__}); its contract is {contract}"
+        )
 
 
 STEP_CONTRACT = "step(text) -> (observation: str, reward: float | None, done: bool)"

@@ -5,9 +5,10 @@ reports what each rollout added; the metrics of a batch."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -64,12 +65,23 @@ class RolloutRunner:
     the :class:`ToolPool` its tool calls run in. ``close()`` (or leaving a ``with`` block) stops both; a ``run``
     after ``close()`` starts them again. GRPOTrainer closes its runner at the end of ``train`` and in ``close()``."""
 
-    def __init__(self, tokenizer, *, tools: Sequence[Callable] | None = None, env_factory=None,
-                 call_format: str = "auto", max_tool_calling_iterations: int | None = None,
-                 tool_timeout: float | None = 10.0, workers: int = 8, env_timeout: float | None = 60.0):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        tools: Sequence[Callable] | None = None,
+        env_factory=None,
+        call_format: str = "auto",
+        max_tool_calling_iterations: int | None = None,
+        tool_timeout: float | None = 10.0,
+        workers: int = 8,
+        env_timeout: float | None = 60.0,
+    ):
         if (tools is None) == (env_factory is None):
-            raise ValueError("pass either tools=[functions] or env_factory=<callable returning an Environment>, "
-                             "not both (an environment can call your functions itself) and not neither")
+            raise ValueError(
+                "pass either tools=[functions] or env_factory=<callable returning an Environment>, "
+                "not both (an environment can call your functions itself) and not neither"
+            )
         if call_format not in CALL_FORMATS:
             raise ValueError(f"call_format must be one of {CALL_FORMATS}, got {call_format!r}")
         if tools is not None and (isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence) or not tools):
@@ -77,8 +89,10 @@ class RolloutRunner:
         if env_factory is not None and not callable(env_factory):
             raise TypeError(f"env_factory must be a callable that returns a new environment, got {env_factory!r}")
         if not isinstance(workers, int) or workers < 0:
-            raise ValueError(f"rollout_workers must be an integer >= 0 (0: step the environments in the sampling "
-                             f"loop), got {workers!r}")
+            raise ValueError(
+                f"rollout_workers must be an integer >= 0 (0: step the environments in the sampling "
+                f"loop), got {workers!r}"
+            )
         for setting, seconds in (("tool_timeout", tool_timeout), ("env_timeout", env_timeout)):
             if seconds is not None and not seconds > 0:
                 raise ValueError(f"{setting} must be > 0 seconds (or None for no limit), got {seconds!r}")
@@ -86,15 +100,20 @@ class RolloutRunner:
         self.tools = list(tools or [])
         self.tool_names = [check_tool(fn) for fn in self.tools]  # refused here, naming the tool
         template = getattr(tokenizer, "chat_template", None) or ""
-        self.call_format = call_format if call_format != "auto" else ("json" if "<tool_call>" in template else "tagged")
+        self.call_format = (
+            call_format if call_format != "auto" else ("json" if "<tool_call>" in template else "tagged")
+        )
         if self.call_format == "json":
             check_json_schemas(self.tools)
-        self.tool_options = dict(call_format=self.call_format, max_tool_calling_iterations=max_tool_calling_iterations,
-                                 tool_timeout=tool_timeout)
+        self.tool_options = dict(
+            call_format=self.call_format,
+            max_tool_calling_iterations=max_tool_calling_iterations,
+            tool_timeout=tool_timeout,
+        )
         self.workers, self.pool, self.env_timeout = workers, None, env_timeout
         self.tool_pool = ToolPool()  # tool calls and environment calls run on its threads, with their deadlines
 
-    def __enter__(self) -> "RolloutRunner":
+    def __enter__(self) -> RolloutRunner:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -115,8 +134,12 @@ class RolloutRunner:
         """Token ids of each prompt, cut to its last ``max_prompt_length``; chat prompts see the tools' schemas
         when the call format is the chat template's (``"json"``)."""
         if self.call_format == "json" and self.tools and all(is_conversation(p) for p in prompts):
-            texts = [self.tokenizer.apply_chat_template(list(p), tools=self.tools, add_generation_prompt=True,
-                                                        tokenize=False) for p in prompts]
+            texts = [
+                self.tokenizer.apply_chat_template(
+                    list(p), tools=self.tools, add_generation_prompt=True, tokenize=False
+                )
+                for p in prompts
+            ]
             ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         else:
             ids = encode_prompts(self.tokenizer, prompts)
@@ -131,15 +154,25 @@ class RolloutRunner:
             return list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) if text else []
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         before = self.tokenizer.apply_chat_template(base, tokenize=False)
-        after = self.tokenizer.apply_chat_template(base + [{"role": role, "content": text}], tokenize=False,
-                                                   add_generation_prompt=True)
+        after = self.tokenizer.apply_chat_template(
+            base + [{"role": role, "content": text}], tokenize=False, add_generation_prompt=True
+        )
         if not after.startswith(before):
-            raise ValueError(f"the chat template does not render a {role!r} turn by appending to the conversation "
-                             f"({before!r} is not a prefix of {after!r}); give the rows as text prompts")
-        return list(self.tokenizer(after[len(before):], add_special_tokens=False, verbose=False)["input_ids"])
+            raise ValueError(
+                f"the chat template does not render a {role!r} turn by appending to the conversation "
+                f"({before!r} is not a prefix of {after!r}); give the rows as text prompts"
+            )
+        return list(self.tokenizer(after[len(before) :], add_special_tokens=False, verbose=False)["input_ids"])
 
-    def run(self, engine: RolloutEngine, rows: list[dict], params: SamplingParams, *,
-            max_prompt_length: int | None = None, generator: torch.Generator | None = None) -> RolloutOutput:
+    def run(
+        self,
+        engine: RolloutEngine,
+        rows: list[dict],
+        params: SamplingParams,
+        *,
+        max_prompt_length: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RolloutOutput:
         """Roll out one environment per row with the sampling settings ``params`` (rows holding the same prompt
         ``params.num_generations`` times in a row are sampled as distinct prompts x G, else each row once), sampled
         by ``engine.generate_turns`` (the own sampler keeps each row's KV cache across turns, or re-prefills the
@@ -169,8 +202,14 @@ class RolloutRunner:
         generation = engine.generate_turns(distinct, respond, params, generator=generator)
         return self._output(generation, envs, chat, observations, rewards)
 
-    def _output(self, generation: MultiTurnOutput, envs: list, chat: list[bool], observations: list[list[str]],
-                rewards: list[list[float]]) -> RolloutOutput:
+    def _output(
+        self,
+        generation: MultiTurnOutput,
+        envs: list,
+        chat: list[bool],
+        observations: list[list[str]],
+        rewards: list[list[float]],
+    ) -> RolloutOutput:
         eos = set(eos_ids(self.tokenizer.eos_token_id))
         lengths = generation.completion_mask.sum(dim=1).tolist()
         completion_lists = [ids[:n] for ids, n in zip(generation.completion_ids.tolist(), lengths)]
@@ -188,10 +227,14 @@ class RolloutRunner:
             transcripts.append(messages)
             completions.append(messages if chat[row] else texts[-1])
         env_rewards = [sum(r) if r else None for r in rewards]
-        return RolloutOutput(generation=generation, completions=completions, completion_lists=completion_lists,
-                             transcripts=transcripts, env_rewards=env_rewards,
-                             metrics=rollout_metrics(transcripts, generation.is_truncated.tolist(), envs,
-                                                     self.tool_names))
+        return RolloutOutput(
+            generation=generation,
+            completions=completions,
+            completion_lists=completion_lists,
+            transcripts=transcripts,
+            env_rewards=env_rewards,
+            metrics=rollout_metrics(transcripts, generation.is_truncated.tolist(), envs, self.tool_names),
+        )
 
     def close(self) -> None:
         """Stop the environment threads (waiting for steps in flight) and the tool threads (a tool still running
@@ -230,22 +273,30 @@ def _model_turns(ids: list[int], sampled: list[int], eos: set[int]) -> list[list
     return turns
 
 
-def rollout_metrics(transcripts: list[list[dict]], truncated: list[bool], envs: list,
-                    tool_names: Sequence[str] = ()) -> dict[str, tuple[float, float]]:
+def rollout_metrics(
+    transcripts: list[list[dict]], truncated: list[bool], envs: list, tool_names: Sequence[str] = ()
+) -> dict[str, tuple[float, float]]:
     """``{name: (sum, count)}`` of one batch: model turns per rollout, truncated fraction and, for tools, calls
     per rollout (``tools/call_frequency``, TRL's name), failed calls per rollout, failed / all calls
     (``tools/failure_frequency``, TRL's name) and each tool's calls per rollout."""
     n = len(transcripts)
-    record = {"rollouts/turns": (sum(sum(m["role"] == "assistant" for m in t) for t in transcripts), n),
-              "rollouts/truncated": (sum(truncated), n)}
+    record = {
+        "rollouts/turns": (sum(sum(m["role"] == "assistant" for m in t) for t in transcripts), n),
+        "rollouts/truncated": (sum(truncated), n),
+    }
     guarded = [e for e in envs if isinstance(e, GuardedEnvironment)]
     if guarded:
         record["rollouts/env_timeouts"] = (sum(e.timed_out for e in guarded), n)
     tool_envs = [e for e in envs if isinstance(e, ToolEnvironment)]
     if tool_envs:
         calls, failed = sum(e.calls for e in tool_envs), sum(e.failed_calls for e in tool_envs)
-        record.update({"tools/call_frequency": (calls, n), "tools/failed_calls": (failed, n),
-                       "tools/failure_frequency": (failed, calls)})
+        record.update(
+            {
+                "tools/call_frequency": (calls, n),
+                "tools/failed_calls": (failed, n),
+                "tools/failure_frequency": (failed, calls),
+            }
+        )
         for name in tool_names:
             record[f"tools/{name}/calls"] = (sum(e.calls_by_tool[name] for e in tool_envs), n)
     return record

@@ -9,12 +9,18 @@ import inspect
 import json
 import re
 from collections import Counter
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from treadle.rollouts.calls import ToolError, ToolPool, call_with_timeout
 
-__all__ = ["CALL_FORMATS", "ToolEnvironment", "check_json_schemas", "check_tool", "parse_json_call",
-           "parse_tagged_call"]
+__all__ = [
+    "CALL_FORMATS",
+    "ToolEnvironment",
+    "check_json_schemas",
+    "check_tool",
+    "parse_json_call",
+    "parse_tagged_call",
+]
 
 CALL_FORMATS = ("auto", "tagged", "json")
 
@@ -27,11 +33,16 @@ def check_tool(fn) -> str:
         raise TypeError(f"tool {fn!r} must be a named function (def name(...)), not a lambda or an object")
     if not inspect.getdoc(fn):
         raise TypeError(f"tool {name!r} has no docstring; add one that says what it does and what each argument is")
-    missing = [p for p, v in inspect.signature(fn).parameters.items()
-               if v.annotation is inspect.Parameter.empty and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)]
+    missing = [
+        p
+        for p, v in inspect.signature(fn).parameters.items()
+        if v.annotation is inspect.Parameter.empty and v.kind not in (v.VAR_POSITIONAL, v.VAR_KEYWORD)
+    ]
     if missing:
-        raise TypeError(f"tool {name!r} has parameters without a type annotation: {missing}; annotate them "
-                        f"(e.g. def {name}({missing[0]}: int) -> int)")
+        raise TypeError(
+            f"tool {name!r} has parameters without a type annotation: {missing}; annotate them "
+            f"(e.g. def {name}({missing[0]}: int) -> int)"
+        )
     return name
 
 
@@ -50,8 +61,10 @@ def parse_tagged_call(source: str) -> tuple[str, list, dict]:
         if len(kwargs) != len(node.keywords) or any(isinstance(a, ast.Starred) for a in node.args):
             raise ValueError("no *args or **kwargs")
     except (SyntaxError, ValueError, TypeError) as e:
-        raise ToolError(f"malformed call {source.strip()!r}: write <call>NAME(ARG, ..., KEY=VALUE)</call> with "
-                        f"Python literal arguments ({e})") from None
+        raise ToolError(
+            f"malformed call {source.strip()!r}: write <call>NAME(ARG, ..., KEY=VALUE)</call> with "
+            f"Python literal arguments ({e})"
+        ) from None
     return node.func.id, args, kwargs
 
 
@@ -63,8 +76,10 @@ def parse_json_call(source: str) -> tuple[str, list, dict]:
         if not isinstance(name, str) or not isinstance(arguments, dict):
             raise ValueError("name must be a string and arguments an object")
     except (ValueError, KeyError, TypeError) as e:
-        raise ToolError(f"malformed call {source.strip()!r}: write <tool_call>{{\"name\": ..., \"arguments\": "
-                        f"{{...}}}}</tool_call> ({e})") from None
+        raise ToolError(
+            f'malformed call {source.strip()!r}: write <tool_call>{{"name": ..., "arguments": '
+            f"{{...}}}}</tool_call> ({e})"
+        ) from None
     return name, [], arguments
 
 
@@ -77,9 +92,15 @@ class ToolEnvironment:
 
     role = "tool"
 
-    def __init__(self, tools: Sequence[Callable], *, call_format: str = "tagged",
-                 max_tool_calling_iterations: int | None = None, tool_timeout: float | None = 10.0,
-                 tool_pool: ToolPool | None = None):
+    def __init__(
+        self,
+        tools: Sequence[Callable],
+        *,
+        call_format: str = "tagged",
+        max_tool_calling_iterations: int | None = None,
+        tool_timeout: float | None = 10.0,
+        tool_pool: ToolPool | None = None,
+    ):
         if call_format not in ("tagged", "json"):
             raise ValueError(f"call_format must be 'tagged' or 'json', got {call_format!r}")
         self.tools = {check_tool(fn): fn for fn in tools}
@@ -121,7 +142,6 @@ class ToolEnvironment:
             return f"error: {e}"
 
 
-
 def check_json_schemas(tools: list) -> None:
     """The chat template gets each tool as a JSON schema (transformers' ``get_json_schema``), which needs every
     argument described in the docstring; refuse a tool without, naming it."""
@@ -131,5 +151,7 @@ def check_json_schemas(tools: list) -> None:
         try:
             get_json_schema(fn)
         except Exception as e:
-            raise TypeError(f"tool {fn.__name__!r} cannot be described to the chat template: {e}. Describe every "
-                            f"argument in an 'Args:' section of its docstring (Google style)") from None
+            raise TypeError(
+                f"tool {fn.__name__!r} cannot be described to the chat template: {e}. Describe every "
+                f"argument in an 'Args:' section of its docstring (Google style)"
+            ) from None

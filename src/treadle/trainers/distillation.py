@@ -57,8 +57,8 @@ from treadle import distributed as dist
 from treadle.arguments import LogprobChunkOption
 from treadle.errors import PreflightError
 from treadle.logprobs.tokens import hidden_states_and_head
-from treadle.metrics import means_of
 from treadle.losses import check_distill_options, chunked_generalized_jsd, generalized_jsd
+from treadle.metrics import means_of
 from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
 from treadle.trainers.onpolicy.config import OnPolicyConfig
@@ -67,6 +67,7 @@ from treadle.trainers.onpolicy.records import seeded_generator
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "check_shared_tokenizer"]
+
 
 @dataclass
 class DistillationConfig(LogprobChunkOption, OnPolicyConfig):
@@ -83,9 +84,11 @@ class DistillationConfig(LogprobChunkOption, OnPolicyConfig):
         super().__post_init__()
         check_distill_options(self.beta, self.temperature)
         if self.steps_per_generation != self.gradient_accumulation_steps or self.num_iterations != 1:
-            raise ValueError(f"distillation samples once per optimizer step (as TRL): leave steps_per_generation "
-                             f"unset (= gradient_accumulation_steps={self.gradient_accumulation_steps}) and "
-                             f"num_iterations=1, got {self.steps_per_generation} and {self.num_iterations}")
+            raise ValueError(
+                f"distillation samples once per optimizer step (as TRL): leave steps_per_generation "
+                f"unset (= gradient_accumulation_steps={self.gradient_accumulation_steps}) and "
+                f"num_iterations=1, got {self.steps_per_generation} and {self.num_iterations}"
+            )
 
 
 def check_shared_tokenizer(student, teacher, tokenizer, teacher_tokenizer=None) -> None:
@@ -93,14 +96,18 @@ def check_shared_tokenizer(student, teacher, tokenizer, teacher_tokenizer=None) 
     teacher's tokenizer is known, and LM heads over the same number of tokens."""
     if teacher_tokenizer is not None and teacher_tokenizer is not tokenizer:
         if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise PreflightError(f"the teacher's tokenizer ({len(teacher_tokenizer)} tokens) is not the student's "
-                                 f"({len(tokenizer)} tokens); distillation compares next-token distributions token "
-                                 f"by token, so use a teacher and student that share one tokenizer")
+            raise PreflightError(
+                f"the teacher's tokenizer ({len(teacher_tokenizer)} tokens) is not the student's "
+                f"({len(tokenizer)} tokens); distillation compares next-token distributions token "
+                f"by token, so use a teacher and student that share one tokenizer"
+            )
     sizes = [_vocabulary_rows(m) for m in (dist.unwrap_model(student), teacher)]
     if None not in sizes and sizes[0] != sizes[1]:
-        raise PreflightError(f"the student's LM head covers {sizes[0]} tokens but the teacher's {sizes[1]}; "
-                             f"distillation compares next-token distributions token by token, so use a teacher "
-                             f"and student that share one tokenizer and vocabulary")
+        raise PreflightError(
+            f"the student's LM head covers {sizes[0]} tokens but the teacher's {sizes[1]}; "
+            f"distillation compares next-token distributions token by token, so use a teacher "
+            f"and student that share one tokenizer and vocabulary"
+        )
 
 
 def _vocabulary_rows(model) -> int | None:
@@ -120,22 +127,45 @@ class DistillationTrainer(OnPolicyTrainer):
 
     config_class = DistillationConfig
 
-    def __init__(self, model=None, teacher_model=None, args: DistillationConfig | None = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, callbacks=None, optimizers=(None, None),
-                 peft_config=None, reward_funcs=None, compute_metrics=None, tools=None):
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args: DistillationConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        reward_funcs=None,
+        compute_metrics=None,
+        tools=None,
+    ):
         args = self.check_args(args)
         if teacher_model is None:
             raise ValueError("DistillationTrainer needs teacher_model= (a causal LM, a model folder or a Hub id)")
         model, processing_class = from_name(model, processing_class, args)
-        teacher_args = types.SimpleNamespace(model_init_kwargs=args.teacher_model_init_kwargs,
-                                             trust_remote_code=args.trust_remote_code)
+        teacher_args = types.SimpleNamespace(
+            model_init_kwargs=args.teacher_model_init_kwargs, trust_remote_code=args.trust_remote_code
+        )
         teacher, teacher_tokenizer = from_name(teacher_model, None, teacher_args)
-        check_shared_tokenizer(model, teacher, processing_class,
-                               teacher_tokenizer if isinstance(teacher_model, str) else None)
-        super().__init__(model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config, compute_metrics=compute_metrics, reward_funcs=reward_funcs,
-                         tools=tools)
+        check_shared_tokenizer(
+            model, teacher, processing_class, teacher_tokenizer if isinstance(teacher_model, str) else None
+        )
+        super().__init__(
+            model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            compute_metrics=compute_metrics,
+            reward_funcs=reward_funcs,
+            tools=tools,
+        )
         self.teacher_model = frozen_reference(self.model, teacher, device=args.device)  # eval mode, no grad
 
     # ---- sampling: the student's completions, no rewards ------------------------------------------------
@@ -146,15 +176,21 @@ class DistillationTrainer(OnPolicyTrainer):
         args = self.args
         rollout = self.sample_generation(rows, generation)
         out = rollout.generation
-        self.metrics.add_many({"completions/mean_length": (out.completion_mask.sum().item(), len(rows)),
-                               "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows)),
-                               **rollout.rollout_metrics})  # tools=: rollouts/*, tools/* (treadle.rollouts)
+        self.metrics.add_many(
+            {
+                "completions/mean_length": (out.completion_mask.sum().item(), len(rows)),
+                "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows)),
+                **rollout.rollout_metrics,
+            }
+        )  # tools=: rollouts/*, tools/* (treadle.rollouts)
         loss_mask = rollout.loss_mask  # tools=: 1 on sampled tokens only, never on tool results
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~out.is_truncated).unsqueeze(1).to(loss_mask.dtype)
         size, zeros = args.per_device_train_batch_size, torch.zeros(len(rows))
-        return [slice_sample(out, loss_mask, zeros, slice(s * size, (s + 1) * size)).to(args.device)
-                for s in range(args.steps_per_generation)]
+        return [
+            slice_sample(out, loss_mask, zeros, slice(s * size, (s + 1) * size)).to(args.device)
+            for s in range(args.steps_per_generation)
+        ]
 
     def count_items(self, inputs: Sample) -> int:
         """A slice's completion tokens; the window's sum over all ranks divides the summed divergence."""
@@ -188,9 +224,16 @@ class DistillationTrainer(OnPolicyTrainer):
             if teacher_head is not None:
                 teacher = teacher @ teacher_head.weight.T + (0 if teacher_head.bias is None else teacher_head.bias)
             return generalized_jsd(student, teacher, **options)
-        return chunked_generalized_jsd(student, student_head.weight, teacher, teacher_head.weight,
-                                       student_bias=student_head.bias, teacher_bias=teacher_head.bias,
-                                       chunk_size=args.logprob_chunk_size, **options)
+        return chunked_generalized_jsd(
+            student,
+            student_head.weight,
+            teacher,
+            teacher_head.weight,
+            student_bias=student_head.bias,
+            teacher_bias=teacher_head.bias,
+            chunk_size=args.logprob_chunk_size,
+            **options,
+        )
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -202,14 +245,19 @@ class DistillationTrainer(OnPolicyTrainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset with a 'prompt' column")
-        loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
-                                       sampler=self.build_sampler(dataset, shuffle=False), collate_fn=list)
+        loader = self.build_dataloader(
+            dataset,
+            batch_size=self.args.per_device_eval_batch_size,
+            sampler=self.build_sampler(dataset, shuffle=False),
+            collate_fn=list,
+        )
         self.metrics.clear("eval")
         self.engine.load_weights(self.model_wrapped, version=self.state.global_step)
         with torch.no_grad(), eval_mode(self.model):
             for index, rows in enumerate(loader):
-                rollout = self.sample_rows(rows, seeded_generator(self.args.seed, self.args.device, "eval", index),
-                                           mode="eval")
+                rollout = self.sample_rows(
+                    rows, seeded_generator(self.args.seed, self.args.device, "eval", index), mode="eval"
+                )
                 self._record_eval_batch(rollout)
         recorded = means_of(self.metrics.reduce("eval"))  # one all-reduce for every metric
         return self.log_evaluation({f"{metric_key_prefix}_{name}": value for name, value in recorded.items()})
@@ -218,6 +266,10 @@ class DistillationTrainer(OnPolicyTrainer):
         out = rollout.generation
         sample = slice_sample(out, rollout.loss_mask, torch.zeros(len(rollout.prompts)), slice(None))
         divergence = self.completion_divergence(self.model, sample.to(self.args.device))
-        self.metrics.add_many({"loss": (divergence.sum().item(), divergence.numel()),
-                               "completions/mean_length": (out.completion_mask.sum().item(), len(rollout.prompts))},
-                              mode="eval")
+        self.metrics.add_many(
+            {
+                "loss": (divergence.sum().item(), divergence.numel()),
+                "completions/mean_length": (out.completion_mask.sum().item(), len(rollout.prompts)),
+            },
+            mode="eval",
+        )

@@ -67,18 +67,17 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from treadle import distributed as dist
-from treadle import vision
+from treadle import distributed as dist, vision
 from treadle.arguments import LogprobChunkOption, PaddingFreeOption, SharedPrefixOption, TrainingArguments
 from treadle.data import column_names, require_columns
 from treadle.errors import first_rows
+from treadle.logprobs.prefix import prompt_first_layout, shared_prefix_logps
 from treadle.logprobs.tokens import token_logps
 from treadle.losses import check_dpo_options, dpo_loss, dpo_loss_types, ld_token_weights, sft_loss, wpo_weights
 from treadle.metrics import mode_of
 from treadle.models import from_name, frozen_reference, is_peft_model
 from treadle.packing import prompt_completion_batch
 from treadle.peft import disable_adapter
-from treadle.logprobs.prefix import prompt_first_layout, shared_prefix_logps
 from treadle.text import pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.pairs import ID_COLUMNS, tokenize_row
@@ -95,7 +94,7 @@ class ChosenRejected(NamedTuple):
     rejected: Tensor
 
     @classmethod
-    def split(cls, rows: Tensor) -> "ChosenRejected":
+    def split(cls, rows: Tensor) -> ChosenRejected:
         """The halves of a ``(2B,)`` per-row tensor laid out as DPOCollator stacks rows: chosen, then rejected."""
         pairs = pair_count(rows.shape[0])
         return cls(rows[:pairs], rows[pairs:])
@@ -104,8 +103,10 @@ class ChosenRejected(NamedTuple):
 def pair_count(rows: int) -> int:
     """Pairs in a batch of ``rows`` sequences (the B chosen, then the B rejected): the one rule of the layout."""
     if rows % 2:
-        raise ValueError(f"a DPO batch holds the chosen sequences then the rejected ones, an even number of rows; "
-                         f"got {rows} (a custom data_collator must stack both halves, as DPOCollator does)")
+        raise ValueError(
+            f"a DPO batch holds the chosen sequences then the rejected ones, an even number of rows; "
+            f"got {rows} (a custom data_collator must stack both halves, as DPOCollator does)"
+        )
     return rows // 2
 
 
@@ -138,39 +139,56 @@ class DPOConfig(LogprobChunkOption, SharedPrefixOption, PaddingFreeOption, Train
     ld_alpha: float | None = None  # LD-DPO: weight in [0, 1] of tokens past the shorter response; None: plain sums
     use_weighting: bool = False  # WPO: weigh each pair by the policy's probability of it (one extra no-grad forward)
     discopop_tau: float = 0.05  # τ of loss_type="discopop" (the paper's 0.05)
-    f_divergence_type: str = "reverse_kl"  # f-DPO "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
+    f_divergence_type: str = (
+        "reverse_kl"  # f-DPO "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
+    )
     f_alpha_divergence_coef: float = 0.5  # α of "alpha_divergence"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.loss_type = list(dpo_loss_types(self.loss_type))  # one name or a list; a list from here on, as TRL
-        check_dpo_options(self.beta, self.loss_type, self.label_smoothing, loss_weights=self.loss_weights,
-                          ld_alpha=self.ld_alpha, discopop_tau=self.discopop_tau, use_weighting=self.use_weighting,
-                          f_divergence_type=self.f_divergence_type,
-                          f_alpha_divergence_coef=self.f_alpha_divergence_coef)  # the rules dpo_loss applies too
+        check_dpo_options(
+            self.beta,
+            self.loss_type,
+            self.label_smoothing,
+            loss_weights=self.loss_weights,
+            ld_alpha=self.ld_alpha,
+            discopop_tau=self.discopop_tau,
+            use_weighting=self.use_weighting,
+            f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+        )  # the rules dpo_loss applies too
         if self.rpo_alpha < 0:
             raise ValueError(f"rpo_alpha must be >= 0 (0 disables the NLL term, RPO uses 1.0), got {self.rpo_alpha}")
         self._validate_lengths()
         if self.truncation_mode not in TRUNCATION_MODES:
-            raise ValueError(f"truncation_mode={self.truncation_mode!r} is not supported; use one of "
-                             f"{list(TRUNCATION_MODES)}")
+            raise ValueError(
+                f"truncation_mode={self.truncation_mode!r} is not supported; use one of {list(TRUNCATION_MODES)}"
+            )
         if self.padding_value is not None and self.padding_value < 0:
-            raise ValueError(f"padding_value must be a token id >= 0 (or None for the tokenizer's), "
-                             f"got {self.padding_value}")
+            raise ValueError(
+                f"padding_value must be a token id >= 0 (or None for the tokenizer's), got {self.padding_value}"
+            )
         if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
             raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
 
     def _validate_lengths(self) -> None:
         if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2 (a prompt token and a response token) or None, "
-                             f"got {self.max_length}")
+            raise ValueError(
+                f"max_length must be >= 2 (a prompt token and a response token) or None, got {self.max_length}"
+            )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 or None, got {self.max_prompt_length}")
-        if (self.max_length is not None and self.max_prompt_length is not None
-                and self.max_prompt_length >= self.max_length):
-            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be < max_length "
-                             f"({self.max_length}) to leave room for the response; e.g. max_prompt_length="
-                             f"{self.max_length // 2}")
+        if (
+            self.max_length is not None
+            and self.max_prompt_length is not None
+            and self.max_prompt_length >= self.max_length
+        ):
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) must be < max_length "
+                f"({self.max_length}) to leave room for the response; e.g. max_prompt_length="
+                f"{self.max_length // 2}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,8 +211,9 @@ class DPOCollator:
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Tensor]:
         if not rows:
             raise ValueError("cannot collate an empty list of rows")
-        sequences = [(row["prompt_input_ids"], row[key]) for key in ("chosen_input_ids", "rejected_input_ids")
-                     for row in rows]
+        sequences = [
+            (row["prompt_input_ids"], row[key]) for key in ("chosen_input_ids", "rejected_input_ids") for row in rows
+        ]
         batch = prompt_completion_batch(sequences, self.pad_token_id)  # (2B, T) each
         for key in REF_COLUMNS:
             if all(row.get(key) is not None for row in rows):
@@ -213,12 +232,17 @@ def check_identical_pairs(dataset, split: str) -> None:
         return
     rows = first_rows(same)
     if len(same) == len(dataset):
-        raise ValueError(f"every one of the {len(same)} {split} pairs has chosen identical to rejected (after "
-                         f"tokenization and truncation): DPO learns nothing from a pair without a preference (loss "
-                         f"log 2, gradient 0); give pairs whose chosen and rejected differ")
+        raise ValueError(
+            f"every one of the {len(same)} {split} pairs has chosen identical to rejected (after "
+            f"tokenization and truncation): DPO learns nothing from a pair without a preference (loss "
+            f"log 2, gradient 0); give pairs whose chosen and rejected differ"
+        )
     if dist.is_main_process():
-        print(f"treadle: {len(same)} of {len(dataset)} {split} pairs have chosen identical to rejected (rows {rows}): "
-              f"they add log 2 to the loss and nothing to its gradient", file=sys.stderr)
+        print(
+            f"treadle: {len(same)} of {len(dataset)} {split} pairs have chosen identical to rejected (rows {rows}): "
+            f"they add log 2 to the loss and nothing to its gradient",
+            file=sys.stderr,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -235,22 +259,35 @@ class DPOTrainer(PrecomputedReference, Trainer):
     config_class = DPOConfig
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
-    def __init__(self, model=None, ref_model=None, args: DPOConfig | None = None, data_collator=None,
-                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None):
+    def __init__(
+        self,
+        model=None,
+        ref_model=None,
+        args: DPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
         args = self.check_args(args)  # needed before super().__init__: the collator's pad id
         model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
         ref_model, _ = from_name(ref_model, processing_class, args)
         if model is not None and ref_model is model:
-            raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
-                             "or a separate model")
+            raise ValueError(
+                "ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) or a separate model"
+            )
         collator = data_collator
         if collator is None and vision.has_images(train_dataset):  # images: processed per batch
             collator = vision.VisionPreferenceCollator(processing_class, max_length=args.max_length)
         elif collator is None:
             collator = DPOCollator(pad_token_id(processing_class, args.padding_value))
-        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
-                         peft_config)
+        super().__init__(
+            model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers, peft_config
+        )
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
         self.ref_model = self.build_reference_model(ref_model)
@@ -273,10 +310,12 @@ class DPOTrainer(PrecomputedReference, Trainer):
             with disable_adapter(self.model) as base:
                 return self.completion_logps(base, inputs).logps
         else:
-            raise RuntimeError("no reference model: precompute_ref_log_probs=True freed it after computing the "
-                               "training (and evaluation) datasets' reference log-probs. Give datasets with "
-                               f"{list(REF_COLUMNS)} columns, pass them to DPOTrainer before training, or use "
-                               "precompute_ref_log_probs=False")
+            raise RuntimeError(
+                "no reference model: precompute_ref_log_probs=True freed it after computing the "
+                "training (and evaluation) datasets' reference log-probs. Give datasets with "
+                f"{list(REF_COLUMNS)} columns, pass them to DPOTrainer before training, or use "
+                "precompute_ref_log_probs=False"
+            )
 
     # ---- data ---------------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, split: str):
@@ -294,12 +333,20 @@ class DPOTrainer(PrecomputedReference, Trainer):
         if vision.image_column(names):
             return self.prepare_vision_dataset(dataset, split)
         if names is not None and not all(c in names for c in ID_COLUMNS):
-            require_columns(dataset, ["chosen", "rejected"], what=f"DPOTrainer's {split} dataset",
-                            fix="Give rows {prompt, chosen, rejected} (text or chat messages), or {chosen, "
-                                "rejected} conversations that share the prompt as a prefix.")
-        fn = functools.partial(tokenize_row, tokenizer=self.processing_class, max_length=self.args.max_length,
-                               max_prompt_length=self.args.max_prompt_length,
-                               truncation_mode=self.args.truncation_mode)
+            require_columns(
+                dataset,
+                ["chosen", "rejected"],
+                what=f"DPOTrainer's {split} dataset",
+                fix="Give rows {prompt, chosen, rejected} (text or chat messages), or {chosen, "
+                "rejected} conversations that share the prompt as a prefix.",
+            )
+        fn = functools.partial(
+            tokenize_row,
+            tokenizer=self.processing_class,
+            max_length=self.args.max_length,
+            max_prompt_length=self.args.max_prompt_length,
+            truncation_mode=self.args.truncation_mode,
+        )
         drop = [c for c in names or [] if c not in REF_COLUMNS]
         kwargs = {}
         if isinstance(dataset, Dataset):
@@ -344,40 +391,73 @@ class DPOTrainer(PrecomputedReference, Trainer):
         extras = vision.forward_extras(inputs)  # pixel_values and the like: the same images for both responses
         shared = self.args.shared_prefix and not extras  # treadle.logprobs.prefix takes text rows only
         laid = prompt_first_layout(input_ids, attention_mask, completion_mask) if shared else None
-        out = None if laid is None else shared_prefix_logps(  # each pair's prompt once (treadle.logprobs.prefix), or None
-            model, laid[0], laid[1], prompt_width=laid[2], chunk_size=self.args.logprob_chunk_size,
-            return_mean_logits=with_logits)
+        out = (
+            None
+            if laid is None
+            else shared_prefix_logps(  # each pair's prompt once (treadle.logprobs.prefix), or None
+                model,
+                laid[0],
+                laid[1],
+                prompt_width=laid[2],
+                chunk_size=self.args.logprob_chunk_size,
+                return_mean_logits=with_logits,
+            )
+        )
         if out is not None:
-            mask = laid[1][:, laid[2]:].to(out.logps.dtype)  # (2B, R): the responses, right-padded
+            mask = laid[1][:, laid[2] :].to(out.logps.dtype)  # (2B, R): the responses, right-padded
         else:
             # Predictions before the earliest response token are never needed: skip their log-softmax.
             start = int(completion_mask.argmax(dim=1).min()) - 1
-            out = token_logps(model, input_ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
-                              return_mean_logits=with_logits, padding_free=self.args.padding_free and not extras,
-                              **extras)  # (2B, T-1-start)
-            mask = completion_mask[:, start + 1:].to(out.logps.dtype)  # (2B, T-1-start)
+            out = token_logps(
+                model,
+                input_ids,
+                attention_mask,
+                start=start,
+                chunk_size=self.args.logprob_chunk_size,
+                return_mean_logits=with_logits,
+                padding_free=self.args.padding_free and not extras,
+                **extras,
+            )  # (2B, T-1-start)
+            mask = completion_mask[:, start + 1 :].to(out.logps.dtype)  # (2B, T-1-start)
         logit_sums = ChosenRejected.split((out.mean_logits * mask).sum(dim=1)) if with_logits else None
         weights = mask
         if self.args.ld_alpha is not None:  # LD-DPO: the tail past the shorter response weighs ld_alpha
             weights = torch.cat(ld_token_weights(*ChosenRejected.split(mask), self.args.ld_alpha)).to(mask.dtype)
-        return PairScores(ChosenRejected.split((out.logps * weights).sum(dim=1)),
-                          ChosenRejected.split(mask.sum(dim=1)), logit_sums)
+        return PairScores(
+            ChosenRejected.split((out.logps * weights).sum(dim=1)), ChosenRejected.split(mask.sum(dim=1)), logit_sums
+        )
 
-    def pair_losses(self, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
-                    ref_rejected_logps: Tensor, chosen_counts: Tensor, rejected_counts: Tensor,
-                    pair_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def pair_losses(
+        self,
+        chosen_logps: Tensor,
+        rejected_logps: Tensor,
+        ref_chosen_logps: Tensor,
+        ref_rejected_logps: Tensor,
+        chosen_counts: Tensor,
+        rejected_counts: Tensor,
+        pair_weights: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-pair losses ``(B,)`` and detached ``(B,)`` metrics from summed completion log-probs ``(B,)`` and
         completion token counts ``(B,)``: ``losses.dpo_loss`` (every type of the ``loss_type`` list, weighted by
         ``loss_weights``), times ``pair_weights`` ``(B,)`` (WPO) when given, plus ``rpo_alpha`` times the chosen
         response's per-token NLL (``losses.sft_loss``)."""
         args = self.args
         types = dpo_loss_types(args.loss_type)
-        losses, metrics = dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=args.beta,
-                                   loss_type=types, label_smoothing=args.label_smoothing,
-                                   loss_weights=args.loss_weights, chosen_counts=chosen_counts,
-                                   rejected_counts=rejected_counts, discopop_tau=args.discopop_tau,
-                                   f_divergence_type=args.f_divergence_type,
-                                   f_alpha_divergence_coef=args.f_alpha_divergence_coef)
+        losses, metrics = dpo_loss(
+            chosen_logps,
+            rejected_logps,
+            ref_chosen_logps,
+            ref_rejected_logps,
+            beta=args.beta,
+            loss_type=types,
+            label_smoothing=args.label_smoothing,
+            loss_weights=args.loss_weights,
+            chosen_counts=chosen_counts,
+            rejected_counts=rejected_counts,
+            discopop_tau=args.discopop_tau,
+            f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef,
+        )
         if "ipo" in types:  # rewards on IPO's per-token scale (module docstring, 2)
             metrics["chosen_rewards"] = metrics["chosen_rewards"] / chosen_counts.clamp(min=1)
             metrics["rejected_rewards"] = metrics["rejected_rewards"] / rejected_counts.clamp(min=1)
@@ -421,11 +501,14 @@ class DPOTrainer(PrecomputedReference, Trainer):
         as means over pairs, ``logits/*`` as means over completion tokens."""
         chosen, rejected = metrics["chosen_rewards"], metrics["rejected_rewards"]  # (B,)
         pairs = float(chosen.shape[0])
-        sums = {"rewards/chosen": (chosen.sum(), pairs), "rewards/rejected": (rejected.sum(), pairs),
-                "rewards/accuracies": ((chosen > rejected).sum(), pairs),
-                "rewards/margins": ((chosen - rejected).sum(), pairs),
-                "logps/chosen": (policy.logps.chosen.detach().sum(), pairs),
-                "logps/rejected": (policy.logps.rejected.detach().sum(), pairs)}
+        sums = {
+            "rewards/chosen": (chosen.sum(), pairs),
+            "rewards/rejected": (rejected.sum(), pairs),
+            "rewards/accuracies": ((chosen > rejected).sum(), pairs),
+            "rewards/margins": ((chosen - rejected).sum(), pairs),
+            "logps/chosen": (policy.logps.chosen.detach().sum(), pairs),
+            "logps/rejected": (policy.logps.rejected.detach().sum(), pairs),
+        }
         if "nll_loss" in metrics:
             sums["nll_loss"] = (metrics["nll_loss"].sum(), pairs)
         if policy.logit_sums is not None:  # a token mean: weighted by completion tokens, not pairs

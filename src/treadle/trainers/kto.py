@@ -39,9 +39,9 @@ Departures from TRL's KTOTrainer:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
-from dataclasses import dataclass
 from torch import Tensor
 
 from treadle import distributed as dist
@@ -82,11 +82,14 @@ class KTOConfig(LogprobChunkOption, PaddingFreeOption, TrainingArguments):
         super().__post_init__()
         check_kto_options(self.loss_type, self.beta, self.desirable_weight, self.undesirable_weight)
         if kto_uses_kl(self.loss_type) and self.per_device_train_batch_size < 2:
-            raise ValueError("loss_type='kto' estimates the KL term from mismatched completions of the same batch, "
-                             "so per_device_train_batch_size must be >= 2 (or use loss_type='apo_zero_unpaired')")
+            raise ValueError(
+                "loss_type='kto' estimates the KL term from mismatched completions of the same batch, "
+                "so per_device_train_batch_size must be >= 2 (or use loss_type='apo_zero_unpaired')"
+            )
         if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2 (a prompt token and a completion token) or None, "
-                             f"got {self.max_length}")
+            raise ValueError(
+                f"max_length must be >= 2 (a prompt token and a completion token) or None, got {self.max_length}"
+            )
         if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
             raise ValueError(f"dataset_num_proc must be >= 1 or None, got {self.dataset_num_proc}")
 
@@ -135,8 +138,11 @@ def unpair_rows(batch: dict[str, list]) -> dict[str, list]:
         prompts.append(prompt)
         chosen.append(c)
         rejected.append(r)
-    return {"prompt": prompts + prompts, "completion": chosen + rejected,
-            "label": [True] * len(chosen) + [False] * len(rejected)}
+    return {
+        "prompt": prompts + prompts,
+        "completion": chosen + rejected,
+        "label": [True] * len(chosen) + [False] * len(rejected),
+    }
 
 
 def tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None) -> dict:
@@ -147,23 +153,31 @@ def tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None) ->
         prompt, completion = list(row["prompt_input_ids"]), list(row["completion_input_ids"])
     else:
         if tokenizer is None:
-            raise ValueError("KTOTrainer needs a tokenizer (processing_class=...) to tokenise text or chat rows, or "
-                             "rows that already hold prompt_input_ids and completion_input_ids")
+            raise ValueError(
+                "KTOTrainer needs a tokenizer (processing_class=...) to tokenise text or chat rows, or "
+                "rows that already hold prompt_input_ids and completion_input_ids"
+            )
         prompt, completion = row["prompt"], row["completion"]
         if is_conversation(prompt) != is_conversation(completion):
-            raise ValueError(f"row {index}: prompt and completion must both be text or both be chat messages, got "
-                             f"{type(prompt).__name__} and {type(completion).__name__}")
+            raise ValueError(
+                f"row {index}: prompt and completion must both be text or both be chat messages, got "
+                f"{type(prompt).__name__} and {type(completion).__name__}"
+            )
         if not completion:
             raise ValueError(f"row {index}: the completion is empty; drop or fix this row")
         prompt, (completion,) = encode_prompt_responses(tokenizer, prompt, [completion])
     if not prompt:
-        raise ValueError(f"row {index}: the prompt has no tokens, so the first completion token has nothing to be "
-                         f"predicted from; give a non-empty prompt (or a tokenizer that adds a bos token)")
+        raise ValueError(
+            f"row {index}: the prompt has no tokens, so the first completion token has nothing to be "
+            f"predicted from; give a non-empty prompt (or a tokenizer that adds a bos token)"
+        )
     if max_length is not None:
         if len(prompt) >= max_length:
-            raise ValueError(f"row {index}: the prompt has {len(prompt)} tokens, which leaves no room for the "
-                             f"completion within max_length={max_length}; raise max_length or shorten the prompt")
-        completion = completion[:max_length - len(prompt)]
+            raise ValueError(
+                f"row {index}: the prompt has {len(prompt)} tokens, which leaves no room for the "
+                f"completion within max_length={max_length}; raise max_length or shorten the prompt"
+            )
+        completion = completion[: max_length - len(prompt)]
     if not completion:
         raise ValueError(f"row {index}: the completion has no tokens; drop or fix this row")
     return {"prompt_input_ids": prompt, "completion_input_ids": completion, "label": bool(row["label"])}
@@ -187,17 +201,33 @@ class KTOTrainer(PrecomputedReference, Trainer):
     config_class = KTOConfig
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
-    def __init__(self, model=None, ref_model=None, args: KTOConfig | None = None, data_collator=None,
-                 train_dataset=None, eval_dataset=None, processing_class=None, compute_metrics=None,
-                 callbacks=None, optimizers=(None, None), peft_config=None):
+    def __init__(
+        self,
+        model=None,
+        ref_model=None,
+        args: KTOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
         args = self.check_args(args)
         if model is not None and ref_model is model:
-            raise ValueError("ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) "
-                             "or a separate model")
-        collator = data_collator if data_collator is not None else KTOCollator(pad_token_id(processing_class,
-                                                                                            args.padding_value))
-        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
-                         peft_config)
+            raise ValueError(
+                "ref_model is the policy model itself; pass ref_model=None (a frozen copy is made) or a separate model"
+            )
+        collator = (
+            data_collator
+            if data_collator is not None
+            else KTOCollator(pad_token_id(processing_class, args.padding_value))
+        )
+        super().__init__(
+            model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers, peft_config
+        )
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
         self.ref_model = frozen_reference(self.model, ref_model, device=self.args.device)
@@ -211,25 +241,40 @@ class KTOTrainer(PrecomputedReference, Trainer):
 
         if isinstance(dataset, (list, tuple)):
             dataset = Dataset.from_list(list(dataset))
+
         def kwargs(desc: str) -> dict:  # a stream (IterableDataset) maps lazily: no processes, no progress bar
             return dict(num_proc=self.args.dataset_num_proc, desc=desc) if isinstance(dataset, Dataset) else {}
 
         names = column_names(dataset) or []
         if "chosen" in names and "rejected" in names:
-            dataset = dataset.map(unpair_rows, batched=True, batch_size=UNPAIR_BATCH, remove_columns=names,
-                                  **kwargs(f"Unpairing {split} dataset"))
+            dataset = dataset.map(
+                unpair_rows,
+                batched=True,
+                batch_size=UNPAIR_BATCH,
+                remove_columns=names,
+                **kwargs(f"Unpairing {split} dataset"),
+            )
         elif not all(c in names for c in ID_COLUMNS):
-            require_columns(dataset, ["prompt", "completion", "label"], what=f"KTOTrainer's {split} dataset",
-                            fix="Give rows {prompt, completion, label} (text or chat messages; label True for a "
-                                "desirable completion), or preference pairs {prompt, chosen, rejected}.")
+            require_columns(
+                dataset,
+                ["prompt", "completion", "label"],
+                what=f"KTOTrainer's {split} dataset",
+                fix="Give rows {prompt, completion, label} (text or chat messages; label True for a "
+                "desirable completion), or preference pairs {prompt, chosen, rejected}.",
+            )
         fn = functools.partial(tokenize_row, tokenizer=self.processing_class, max_length=self.args.max_length)
         drop = [c for c in column_names(dataset) or [] if c not in REF_COLUMNS + (KL_COLUMN,)]
-        dataset = dataset.map(fn, with_indices=True, remove_columns=drop or None,
-                              **kwargs(f"Tokenizing {split} dataset"))
+        dataset = dataset.map(
+            fn, with_indices=True, remove_columns=drop or None, **kwargs(f"Tokenizing {split} dataset")
+        )
         if kto_uses_kl(self.args.loss_type) and KL_COLUMN not in (column_names(dataset) or ()):
             # runs of per_device_train_batch_size rows, for evaluation too (as TRL)
-            dataset = dataset.map(rotate_completions, batched=True, batch_size=self.args.per_device_train_batch_size,
-                                  **kwargs(f"KL completions of the {split} dataset"))
+            dataset = dataset.map(
+                rotate_completions,
+                batched=True,
+                batch_size=self.args.per_device_train_batch_size,
+                **kwargs(f"KL completions of the {split} dataset"),
+            )
         return dataset
 
     def signature_columns(self) -> set[str]:
@@ -244,38 +289,53 @@ class KTOTrainer(PrecomputedReference, Trainer):
         return REF_COLUMNS if kto_uses_kl(self.args.loss_type) else REF_COLUMNS[:1]
 
     # ---- the loss -----------------------------------------------------------------------------------------
-    def completion_logps(self, model, ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, *,
-                         with_stats: bool = False) -> tuple[Tensor, Tensor | None]:
+    def completion_logps(
+        self, model, ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, *, with_stats: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """Summed log-probs ``(B,)`` of each row's completion tokens (memory-bounded, ``logprobs.token_logps``),
         and with ``with_stats`` a dict of detached ``(B,)`` per-row sums: ``logits`` (the vocabulary-mean logit),
         ``entropy`` and ``tokens`` over the completion."""
         start = int(completion_mask.argmax(dim=1).min()) - 1  # nothing before the first completion token counts
-        out = token_logps(model, ids, attention_mask, start=start, chunk_size=self.args.logprob_chunk_size,
-                          return_entropy=with_stats, return_mean_logits=with_stats,
-                          padding_free=self.args.padding_free)  # (B, T-1-start)
-        mask = completion_mask[:, start + 1:].to(out.logps.dtype)
+        out = token_logps(
+            model,
+            ids,
+            attention_mask,
+            start=start,
+            chunk_size=self.args.logprob_chunk_size,
+            return_entropy=with_stats,
+            return_mean_logits=with_stats,
+            padding_free=self.args.padding_free,
+        )  # (B, T-1-start)
+        mask = completion_mask[:, start + 1 :].to(out.logps.dtype)
         if not with_stats:
             return (out.logps * mask).sum(dim=1), None
-        stats = {"logits": (out.mean_logits * mask).sum(dim=1), "entropy": (out.entropy * mask).sum(dim=1),
-                 "tokens": mask.sum(dim=1)}
+        stats = {
+            "logits": (out.mean_logits * mask).sum(dim=1),
+            "entropy": (out.entropy * mask).sum(dim=1),
+            "tokens": mask.sum(dim=1),
+        }
         return (out.logps * mask).sum(dim=1), stats
 
     def kl_logps(self, model, inputs: dict[str, Tensor]) -> Tensor:
         """Summed log-probs ``(B,)`` of the mismatched (KL) completions, without gradient."""
         with torch.no_grad():
-            return self.completion_logps(model, inputs["KL_input_ids"], inputs["KL_attention_mask"],
-                                         inputs["KL_completion_mask"])[0]
+            return self.completion_logps(
+                model, inputs["KL_input_ids"], inputs["KL_attention_mask"], inputs["KL_completion_mask"]
+            )[0]
 
     @torch.no_grad()
     def reference_logps(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         """The reference's summed log-probs ``(B,)`` of the completions and (for "kto") of the KL completions."""
         if self.ref_model is None and not is_peft_model(self.model):
-            raise RuntimeError("no reference model: precompute_ref_log_probs=True freed it after computing the "
-                               "training (and evaluation) datasets' reference log-probs; give datasets with "
-                               f"{list(REF_COLUMNS)} columns before training, or use precompute_ref_log_probs=False")
+            raise RuntimeError(
+                "no reference model: precompute_ref_log_probs=True freed it after computing the "
+                "training (and evaluation) datasets' reference log-probs; give datasets with "
+                f"{list(REF_COLUMNS)} columns before training, or use precompute_ref_log_probs=False"
+            )
         with reference_of(self.model, self.ref_model) as reference:
-            ref = self.completion_logps(reference, inputs["input_ids"], inputs["attention_mask"],
-                                        inputs["completion_mask"])[0]
+            ref = self.completion_logps(
+                reference, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+            )[0]
             ref_kl = self.kl_logps(reference, inputs) if "KL_input_ids" in inputs else None
         return ref, ref_kl
 
@@ -286,8 +346,10 @@ class KTOTrainer(PrecomputedReference, Trainer):
         if not kto_uses_kl(self.args.loss_type):
             return torch.zeros((), device=device)
         if "KL_input_ids" not in inputs or ref_kl is None:
-            raise ValueError("loss_type='kto' needs the KL completions (KL_input_ids) in every batch: prepare the "
-                             "dataset with KTOTrainer.prepare_dataset and collate it with KTOCollator")
+            raise ValueError(
+                "loss_type='kto' needs the KL completions (KL_input_ids) in every batch: prepare the "
+                "dataset with KTOTrainer.prepare_dataset and collate it with KTOCollator"
+            )
         local = kto_kl(self.kl_logps(model, inputs), ref_kl.to(device))
         summed = dist.all_reduce_sum(torch.stack([local.float(), torch.ones((), device=device)]))
         return (summed[0] / summed[1]).clamp(min=0)
@@ -295,22 +357,32 @@ class KTOTrainer(PrecomputedReference, Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Sum of the per-row losses of this micro-batch divided by ``num_items_in_batch`` (the rows of the whole
         window, all ranks), or their mean when it is None. Records TRL's KTO metrics."""
-        logps, stats = self.completion_logps(model, inputs["input_ids"], inputs["attention_mask"],
-                                             inputs["completion_mask"], with_stats=True)
+        logps, stats = self.completion_logps(
+            model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"], with_stats=True
+        )
         if REF_COLUMNS[0] in inputs:
             ref, ref_kl = inputs[REF_COLUMNS[0]].to(logps.dtype), inputs.get(REF_COLUMNS[1])
         else:
             ref, ref_kl = self.reference_logps(inputs)
         kl = self.kl_estimate(model, inputs, ref_kl)
         args = self.args
-        losses, rewards = kto_loss(logps, ref, inputs["label"], kl, beta=args.beta, loss_type=args.loss_type,
-                                   desirable_weight=args.desirable_weight, undesirable_weight=args.undesirable_weight)
+        losses, rewards = kto_loss(
+            logps,
+            ref,
+            inputs["label"],
+            kl,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            desirable_weight=args.desirable_weight,
+            undesirable_weight=args.undesirable_weight,
+        )
         self.record_metrics(inputs["label"], logps.detach(), rewards, kl, stats, mode=mode_of(model))
         loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else len(losses))
         return (loss, {"rewards": rewards, "kl": kl}) if return_outputs else loss
 
-    def record_metrics(self, labels: Tensor, logps: Tensor, rewards: Tensor, kl: Tensor, stats: dict,
-                       mode: str) -> None:
+    def record_metrics(
+        self, labels: Tensor, logps: Tensor, rewards: Tensor, kl: Tensor, stats: dict, mode: str
+    ) -> None:
         """TRL's names: ``kl``, ``entropy``, ``rewards/*`` and ``logps/*`` (means over rows of each kind),
         ``rewards/margins``, ``logits/*`` (means over completion tokens of each kind)."""
         chosen, rejected = labels.bool(), ~labels.bool()

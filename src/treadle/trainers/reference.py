@@ -70,8 +70,12 @@ class PrecomputedReference:
         loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size)
         values: dict[str, list[float]] = {c: [] for c in columns}
         with eval_mode(dist.unwrap_model(self.model)):  # a PEFT policy is the reference here: no dropout
-            for inputs in tqdm(loader, desc=f"Reference log-probs ({split})", dynamic_ncols=True,
-                               disable=not show_progress_bars(self.args) or not dist.is_main_process()):
+            for inputs in tqdm(
+                loader,
+                desc=f"Reference log-probs ({split})",
+                dynamic_ncols=True,
+                disable=not show_progress_bars(self.args) or not dist.is_main_process(),
+            ):
                 with self.autocast():
                     scores = self.reference_logps(self.prepare_inputs(inputs))
                 for column, score in zip(columns, scores):

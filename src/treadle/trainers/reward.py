@@ -58,8 +58,10 @@ class RewardConfig(TrainingArguments):
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length must be >= 2 or None, got {self.max_length}")
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            raise ValueError(f"center_rewards_coefficient must be >= 0 or None (0.01 is usual), "
-                             f"got {self.center_rewards_coefficient}")
+            raise ValueError(
+                f"center_rewards_coefficient must be >= 0 or None (0.01 is usual), "
+                f"got {self.center_rewards_coefficient}"
+            )
 
 
 class RewardCollator(DPOCollator):
@@ -80,21 +82,35 @@ class RewardTrainer(Trainer):
     config_class = RewardConfig
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
-    def __init__(self, model=None, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None):
+    def __init__(
+        self,
+        model=None,
+        args: RewardConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
         args = self.check_args(args)
         if isinstance(model, str):  # a folder or Hub id: a one-score head on it, as TRL's RewardTrainer loads it
             from transformers import AutoModelForSequenceClassification  # transformers' model classes load ~5 s
 
-            model, processing_class = from_name(model, processing_class, args,
-                                                model_class=AutoModelForSequenceClassification, num_labels=1)
+            model, processing_class = from_name(
+                model, processing_class, args, model_class=AutoModelForSequenceClassification, num_labels=1
+            )
         config = getattr(model, "config", None)
         if config is not None and getattr(config, "pad_token_id", 0) is None and processing_class is not None:
-            config.pad_token_id = pad_token_id(processing_class)  # the head finds each row's last token by it (TRL too)
+            config.pad_token_id = pad_token_id(
+                processing_class
+            )  # the head finds each row's last token by it (TRL too)
         collator = data_collator if data_collator is not None else RewardCollator(pad_token_id(processing_class))
-        super().__init__(model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers,
-                         peft_config)
+        super().__init__(
+            model, args, collator, None, None, processing_class, compute_metrics, callbacks, optimizers, peft_config
+        )
         self.train_dataset = None if train_dataset is None else self.prepare_dataset(train_dataset, "train")
         self.eval_dataset = None if eval_dataset is None else self.prepare_dataset(eval_dataset, "eval")
 
@@ -107,19 +123,33 @@ class RewardTrainer(Trainer):
             dataset = Dataset.from_list(list(dataset))
         names = column_names(dataset) or []
         if not all(c in names for c in ID_COLUMNS):
-            require_columns(dataset, ["chosen", "rejected"], what=f"RewardTrainer's {split} dataset",
-                            fix="Give rows {prompt, chosen, rejected} (text or chat messages), or {chosen, "
-                                "rejected} that share the prompt as a prefix; an optional 'margin' column.")
-        fn = functools.partial(tokenize_row, tokenizer=self.processing_class, max_length=None,
-                               max_prompt_length=None, truncation_mode="keep_end")
-        kwargs = dict(num_proc=self.args.dataset_num_proc, desc=f"Tokenizing {split} dataset") if isinstance(
-            dataset, Dataset) else {}  # a stream (IterableDataset) maps lazily
-        dataset = dataset.map(fn, with_indices=True, remove_columns=[c for c in names if c != "margin"] or None,
-                              **kwargs)
+            require_columns(
+                dataset,
+                ["chosen", "rejected"],
+                what=f"RewardTrainer's {split} dataset",
+                fix="Give rows {prompt, chosen, rejected} (text or chat messages), or {chosen, "
+                "rejected} that share the prompt as a prefix; an optional 'margin' column.",
+            )
+        fn = functools.partial(
+            tokenize_row,
+            tokenizer=self.processing_class,
+            max_length=None,
+            max_prompt_length=None,
+            truncation_mode="keep_end",
+        )
+        kwargs = (
+            dict(num_proc=self.args.dataset_num_proc, desc=f"Tokenizing {split} dataset")
+            if isinstance(dataset, Dataset)
+            else {}
+        )  # a stream (IterableDataset) maps lazily
+        dataset = dataset.map(
+            fn, with_indices=True, remove_columns=[c for c in names if c != "margin"] or None, **kwargs
+        )
         limit = self.args.max_length
         if limit is not None:
-            dataset = dataset.filter(lambda row: len(row[ID_COLUMNS[0]]) + max(len(row[ID_COLUMNS[1]]),
-                                                                                len(row[ID_COLUMNS[2]])) <= limit)
+            dataset = dataset.filter(
+                lambda row: len(row[ID_COLUMNS[0]]) + max(len(row[ID_COLUMNS[1]]), len(row[ID_COLUMNS[2]])) <= limit
+            )
         return dataset
 
     def get_eval_dataloader(self, eval_dataset=None):
@@ -140,12 +170,18 @@ class RewardTrainer(Trainer):
         outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
         logits = outputs.logits  # (2B, 1)
         if logits.dim() != 2 or logits.shape[-1] != 1:
-            raise ValueError(f"RewardTrainer needs a model with one output per sequence (num_labels=1), got logits of "
-                             f"shape {tuple(logits.shape)}; e.g. AutoModelForSequenceClassification.from_pretrained("
-                             f"path, num_labels=1)")
+            raise ValueError(
+                f"RewardTrainer needs a model with one output per sequence (num_labels=1), got logits of "
+                f"shape {tuple(logits.shape)}; e.g. AutoModelForSequenceClassification.from_pretrained("
+                f"path, num_labels=1)"
+            )
         rewards = ChosenRejected.split(logits.squeeze(-1))  # (B,) each
-        losses = bradley_terry_loss(rewards.chosen, rewards.rejected, margin=inputs.get("margin"),
-                                    center_rewards_coefficient=self.args.center_rewards_coefficient)
+        losses = bradley_terry_loss(
+            rewards.chosen,
+            rewards.rejected,
+            margin=inputs.get("margin"),
+            center_rewards_coefficient=self.args.center_rewards_coefficient,
+        )
         self.record_metrics(rewards, mode=mode_of(model))
         loss = losses.sum() / (num_items_in_batch if num_items_in_batch is not None else len(losses))
         return (loss, outputs) if return_outputs else loss
@@ -153,9 +189,14 @@ class RewardTrainer(Trainer):
     def record_metrics(self, rewards: ChosenRejected, mode: str) -> None:
         chosen, rejected = rewards.chosen.detach(), rewards.rejected.detach()
         pairs = float(chosen.shape[0])
-        self.metrics.add_many({"accuracy": ((chosen > rejected).sum(), pairs),
-                               "margin": ((chosen - rejected).sum(), pairs),
-                               "mean_reward": (chosen.sum() + rejected.sum(), 2 * pairs)}, mode)
+        self.metrics.add_many(
+            {
+                "accuracy": ((chosen > rejected).sum(), pairs),
+                "margin": ((chosen - rejected).sum(), pairs),
+                "mean_reward": (chosen.sum() + rejected.sum(), 2 * pairs),
+            },
+            mode,
+        )
 
 
 __all__ = ["RewardConfig", "RewardTrainer", "RewardCollator"]

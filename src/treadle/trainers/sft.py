@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from treadle import distributed as dist
-from treadle import vision
+from treadle import distributed as dist, vision
 from treadle.arguments import TrainingArguments
 from treadle.callbacks import show_progress_bars
 from treadle.data import check_text_columns, column_names, empty_texts, require_eval_dataset
@@ -86,9 +85,19 @@ class SFTTrainer(Trainer):
 
     config_class = SFTConfig
 
-    def __init__(self, model=None, args: SFTConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, compute_metrics=None, callbacks=None,
-                 optimizers=(None, None), peft_config=None):
+    def __init__(
+        self,
+        model=None,
+        args: SFTConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
         args = self.check_args(args)  # needed before super().__init__: the datasets are tokenised first
         require_eval_dataset(args, eval_dataset)  # before the tokenising, which takes a while
         model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
@@ -98,14 +107,25 @@ class SFTTrainer(Trainer):
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
         eval_dataset = self.prepare_dataset(eval_dataset, "eval") if eval_dataset is not None else None
         if data_collator is None and vision.image_column(column_names(train_dataset)):
-            data_collator = vision.VisionCollator(processing_class, completion_only_loss=args.completion_only_loss
-                                                  is not False, max_length=args.max_length)
+            data_collator = vision.VisionCollator(
+                processing_class,
+                completion_only_loss=args.completion_only_loss is not False,
+                max_length=args.max_length,
+            )
         elif data_collator is None:
             data_collator = SFTCollator(pad_token_id=pad_token_id(processing_class))
-        super().__init__(model=model, args=self.args, data_collator=data_collator, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class,
-                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config)
+        super().__init__(
+            model=model,
+            args=self.args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
 
     # ---- building -----------------------------------------------------------------------------------------
     def prepare_dataset(self, dataset, name: str = "train"):
@@ -120,8 +140,10 @@ class SFTTrainer(Trainer):
             return self._stream(dataset, name)
         columns = column_names(dataset)
         if columns is None:
-            raise TypeError(f"SFTTrainer needs a datasets.Dataset, a list of dicts or a stream for {name}, got "
-                            f"{type(dataset).__name__}")
+            raise TypeError(
+                f"SFTTrainer needs a datasets.Dataset, a list of dicts or a stream for {name}, got "
+                f"{type(dataset).__name__}"
+            )
         if vision.image_column(columns):
             return self._prepare_vision(dataset, name)
         if "input_ids" in columns:
@@ -136,8 +158,11 @@ class SFTTrainer(Trainer):
 
         def transform(chunk: list[dict]) -> list[dict]:
             table = {c: [row[c] for row in chunk] for c in columns}
-            rows = self._pretokenized_rows(table) if "input_ids" in columns else self._tokenize_chunk(
-                table, dataset_form(columns, self.args.dataset_text_field))
+            rows = (
+                self._pretokenized_rows(table)
+                if "input_ids" in columns
+                else self._tokenize_chunk(table, dataset_form(columns, self.args.dataset_text_field))
+            )
             made = self._training_rows(rows, columns, name)
             return [dict(zip(made, values)) for values in zip(*made.values())]
 
@@ -161,8 +186,11 @@ class SFTTrainer(Trainer):
         vision.check_vision_dataset(dataset, where=where)
         if self.args.packing:
             if dist.is_main_process():
-                print(f"treadle: packing is off for {where}: image rows are not packed (a row's image tokens go "
-                      f"with its pixels)", file=sys.stderr)
+                print(
+                    f"treadle: packing is off for {where}: image rows are not packed (a row's image tokens go "
+                    f"with its pixels)",
+                    file=sys.stderr,
+                )
             self.args = self.args.replace(packing=False)
         return dataset
 
@@ -176,21 +204,25 @@ class SFTTrainer(Trainer):
     def _tokenize_rows(self, dataset, columns: list[str], name: str) -> list[tuple[list[int], list[int]]]:
         tokenizer = self.processing_class
         if tokenizer is None:
-            raise ValueError(f"SFTTrainer needs processing_class (a tokenizer) to tokenise the {name} dataset, or "
-                             f"a dataset that is already tokenised (an input_ids column)")
+            raise ValueError(
+                f"SFTTrainer needs processing_class (a tokenizer) to tokenise the {name} dataset, or "
+                f"a dataset that is already tokenised (an input_ids column)"
+            )
         form = dataset_form(columns, self.args.dataset_text_field)
         text_columns = {"prompt_completion": ("prompt", "completion"), "messages": ("messages",)}
-        check_text_columns(dataset, text_columns.get(form, (self.args.dataset_text_field,)),
-                           source=f"the {name} dataset")
+        check_text_columns(
+            dataset, text_columns.get(form, (self.args.dataset_text_field,)), source=f"the {name} dataset"
+        )
         refuse_empty_rows(dataset, form, self.args.dataset_text_field, name)
         from tqdm.auto import tqdm
 
         rows: list[tuple[list[int], list[int]]] = []
         show = show_progress_bars(self.args) and dist.is_main_process()
-        with tqdm(total=len(dataset), desc=f"tokenize {name}", unit=" rows", disable=not show,
-                  dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(dataset), desc=f"tokenize {name}", unit=" rows", disable=not show, dynamic_ncols=True
+        ) as bar:
             for start in range(0, len(dataset), TOKENIZE_CHUNK):
-                chunk = dataset[start:start + TOKENIZE_CHUNK]
+                chunk = dataset[start : start + TOKENIZE_CHUNK]
                 rows += self._tokenize_chunk(chunk, form)
                 bar.update(len(chunk[next(iter(chunk))]))
         return rows
@@ -199,8 +231,9 @@ class SFTTrainer(Trainer):
         if form == "prompt_completion":
             return tokenize_prompt_completion(self.processing_class, chunk["prompt"], chunk["completion"])
         if form == "messages":
-            return tokenize_messages(self.processing_class, chunk["messages"],
-                                     assistant_only=self.args.assistant_only_loss)
+            return tokenize_messages(
+                self.processing_class, chunk["messages"], assistant_only=self.args.assistant_only_loss
+            )
         return tokenize_text(self.processing_class, chunk[self.args.dataset_text_field])
 
     # ---- hooks --------------------------------------------------------------------------------------------
@@ -219,8 +252,7 @@ class SFTTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The Trainer's loss (labels from the collator); also records the label tokens that the argmax of the
         logits gets right, logged as ``mean_token_accuracy`` (training) / ``eval_mean_token_accuracy``."""
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
-                                             num_items_in_batch=num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         logits = getattr(outputs, "logits", None)
         labels = inputs.get("labels")
         if logits is not None and labels is not None:
@@ -239,17 +271,21 @@ def dataset_form(columns: list[str], text_field: str = "text") -> str:
         missing = [c for c in ("prompt", "completion") if c not in columns]
         if missing:
             others = " or ".join(dict.fromkeys([repr(text_field), "'messages'"]))  # one name when they are the same
-            raise ValueError(f"the dataset has {'prompt' if 'prompt' in columns else 'completion'} but no "
-                             f"{missing[0]!r} column (it has {columns}); SFT needs both 'prompt' and "
-                             f"'completion', or a {others} column")
+            raise ValueError(
+                f"the dataset has {'prompt' if 'prompt' in columns else 'completion'} but no "
+                f"{missing[0]!r} column (it has {columns}); SFT needs both 'prompt' and "
+                f"'completion', or a {others} column"
+            )
         return "prompt_completion"
     if "messages" in columns:
         return "messages"
     if text_field in columns:
         return "text"
-    raise ValueError(f"SFTTrainer found none of its columns in the dataset (it has {columns}): give it a "
-                     f"'{text_field}' column (set dataset_text_field to use another), 'prompt' and 'completion' "
-                     f"columns, a 'messages' column, or tokenised 'input_ids'")
+    raise ValueError(
+        f"SFTTrainer found none of its columns in the dataset (it has {columns}): give it a "
+        f"'{text_field}' column (set dataset_text_field to use another), 'prompt' and 'completion' "
+        f"columns, a 'messages' column, or tokenised 'input_ids'"
+    )
 
 
 def refuse_empty_rows(dataset, form: str, text_field: str, name: str) -> None:
@@ -259,8 +295,10 @@ def refuse_empty_rows(dataset, form: str, text_field: str, name: str) -> None:
     empty = empty_texts(dataset[column]) if column else []
     if empty:
         rows = first_rows(empty)
-        raise ValueError(f"{len(empty)} of {len(dataset)} {name} rows have an empty {column!r} (rows {rows}): SFT "
-                         f"would train them on the end-of-text token alone; fill or drop those rows")
+        raise ValueError(
+            f"{len(empty)} of {len(dataset)} {name} rows have an empty {column!r} (rows {rows}): SFT "
+            f"would train them on the end-of-text token alone; fill or drop those rows"
+        )
 
 
 def tokenize_text(tokenizer, texts: list[str]) -> list[tuple[list[int], list[int]]]:
@@ -272,16 +310,19 @@ def tokenize_text(tokenizer, texts: list[str]) -> list[tuple[list[int], list[int
     return rows
 
 
-def tokenize_prompt_completion(tokenizer, prompts: list, completions: list, *,
-                               completion_only: bool = True) -> list[tuple[list[int], list[int]]]:
+def tokenize_prompt_completion(
+    tokenizer, prompts: list, completions: list, *, completion_only: bool = True
+) -> list[tuple[list[int], list[int]]]:
     """(ids, mask) per row: prompt ids (``treadle.data.encode_prompts``) + completion ids + eos.
 
     Chat rows (lists of messages) are rendered with the chat template: the prompt with a generation prompt, the
     completion as the rest of the full chat (``treadle.data.split_chat_completion``). ``completion_only`` puts
     the loss on the completion tokens only.
     """
-    completions = [split_chat_completion(tokenizer, p, c)[1] if is_conversation(p) else c
-                   for p, c in zip(prompts, completions, strict=True)]
+    completions = [
+        split_chat_completion(tokenizer, p, c)[1] if is_conversation(p) else c
+        for p, c in zip(prompts, completions, strict=True)
+    ]
     prompt_ids = encode_prompts(tokenizer, prompts)
     completion_ids = encode_texts(tokenizer, completions, special_tokens=False)
     rows = []
@@ -291,22 +332,28 @@ def tokenize_prompt_completion(tokenizer, prompts: list, completions: list, *,
     return rows
 
 
-def tokenize_messages(tokenizer, conversations: list, *, assistant_only: bool = False
-                      ) -> list[tuple[list[int], list[int]]]:
+def tokenize_messages(
+    tokenizer, conversations: list, *, assistant_only: bool = False
+) -> list[tuple[list[int], list[int]]]:
     """(ids, mask) per chat, rendered by the chat template; with ``assistant_only`` the loss is on the tokens
     the template marks as the assistant's (``{% generation %}``)."""
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the dataset has a 'messages' column but the tokenizer has no chat_template; set "
-                         "tokenizer.chat_template or give the dataset a 'text' column")
-    encoded = tokenizer.apply_chat_template(list(conversations), tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=assistant_only)
+        raise ValueError(
+            "the dataset has a 'messages' column but the tokenizer has no chat_template; set "
+            "tokenizer.chat_template or give the dataset a 'text' column"
+        )
+    encoded = tokenizer.apply_chat_template(
+        list(conversations), tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only
+    )
     rows = []
     for i, ids in enumerate(encoded["input_ids"]):
         mask = list(encoded["assistant_masks"][i]) if assistant_only else [1] * len(ids)
         if assistant_only and not any(mask):
-            raise ValueError(f"assistant_only_loss=True but the chat template marks no assistant tokens in "
-                             f"{conversations[i]!r}; its template needs {{% generation %}} ... "
-                             f"{{% endgeneration %}} around assistant turns")
+            raise ValueError(
+                f"assistant_only_loss=True but the chat template marks no assistant tokens in "
+                f"{conversations[i]!r}; its template needs {{% generation %}} ... "
+                f"{{% endgeneration %}} around assistant turns"
+            )
         rows.append((list(ids), mask))
     return rows
 
@@ -320,13 +367,17 @@ def fit_max_length(args: SFTConfig, model) -> SFTConfig:
     if limit is None or args.max_length is None or args.max_length <= limit:
         return args
     if dist.is_main_process():
-        print(f"treadle: max_length={args.max_length} is more than the {limit} positions {type(model).__name__} "
-              f"takes; using max_length={limit}", file=sys.stderr)
+        print(
+            f"treadle: max_length={args.max_length} is more than the {limit} positions {type(model).__name__} "
+            f"takes; using max_length={limit}",
+            file=sys.stderr,
+        )
     return args.replace(max_length=limit)
 
 
-def truncate_rows(rows: list[tuple[list[int], list[int]]], max_length: int | None, *,
-                  name: str = "train") -> list[tuple[list[int], list[int]]]:
+def truncate_rows(
+    rows: list[tuple[list[int], list[int]]], max_length: int | None, *, name: str = "train"
+) -> list[tuple[list[int], list[int]]]:
     """Rows of at most ``max_length`` tokens. A row that begins with tokens without loss (a prompt) loses tokens
     from the prompt's left, so that what carries the loss survives whole; a row whose loss part alone is longer
     than ``max_length`` is refused (ValueError naming it). Other rows (text) keep their start. One note on
@@ -343,13 +394,18 @@ def truncate_rows(rows: list[tuple[list[int], list[int]]], max_length: int | Non
         start = len(ids) - max_length if prompt else 0
         if prompt and start > prompt:
             too_long.append(f"row {i}: {len(ids) - prompt} completion tokens")
-        out.append((ids[start:start + max_length], mask[start:start + max_length]))
+        out.append((ids[start : start + max_length], mask[start : start + max_length]))
     if too_long:
-        raise ValueError(f"{len(too_long)} {name} rows have a completion longer than max_length={max_length} by "
-                         f"itself ({'; '.join(too_long[:3])}); raise max_length or shorten those completions")
+        raise ValueError(
+            f"{len(too_long)} {name} rows have a completion longer than max_length={max_length} by "
+            f"itself ({'; '.join(too_long[:3])}); raise max_length or shorten those completions"
+        )
     if cut and dist.is_main_process():
-        print(f"treadle: {cut} of {len(rows)} {name} rows are longer than max_length={max_length}: cut to it, prompts "
-              f"from the left (the completion stays whole), text rows at the end", file=sys.stderr)
+        print(
+            f"treadle: {cut} of {len(rows)} {name} rows are longer than max_length={max_length}: cut to it, prompts "
+            f"from the left (the completion stays whole), text rows at the end",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -396,8 +452,9 @@ class SFTCollator:
         width = max(lengths)
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        masks = [_as_list(row["completion_mask"]) if "completion_mask" in row else [1] * n
-                 for row, n in zip(rows, lengths)]
+        masks = [
+            _as_list(row["completion_mask"]) if "completion_mask" in row else [1] * n for row, n in zip(rows, lengths)
+        ]
         input_ids = right_padded(ids, width, self.pad_token_id)  # (B, T)
         completion_mask = right_padded(masks, width, 0)  # (B, T)
         batch = {"input_ids": input_ids, "labels": input_ids.masked_fill(completion_mask == 0, -100)}

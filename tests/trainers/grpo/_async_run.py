@@ -16,14 +16,23 @@ import signal
 import sys
 
 import torch
-
 from _factories import digit_sum_reward  # tests/ is on the path: pytest's, passed on to the script's process
-from treadle.demos import toy
+
 from treadle.callbacks import TrainerCallback
+from treadle.demos import toy
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
-ARGS = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=3, max_steps=4,
-            learning_rate=1e-2, disable_tqdm=True, save_strategy="no", logging_steps=1, seed=3)
+ARGS = dict(
+    per_device_train_batch_size=4,
+    num_generations=4,
+    max_completion_length=3,
+    max_steps=4,
+    learning_rate=1e-2,
+    disable_tqdm=True,
+    save_strategy="no",
+    logging_steps=1,
+    seed=3,
+)
 
 
 class _KillAt(TrainerCallback):
@@ -40,9 +49,14 @@ def build(spec: dict, callbacks=()) -> GRPOTrainer:
     args = GRPOConfig(output_dir=spec["output_dir"], **{**ARGS, **{k: v for k, v in spec.items() if k in fields}})
     tok = toy.build_tokenizer()
     callbacks = list(callbacks) + ([_KillAt(spec["kill_at"])] if spec.get("kill_at") else [])
-    return GRPOTrainer(toy.build_model("tiny", tokenizer=tok, seed=0), digit_sum_reward, args=args,
-                       train_dataset=toy.load_task("addition", kind="rl", n=32), processing_class=tok,
-                       callbacks=callbacks)
+    return GRPOTrainer(
+        toy.build_model("tiny", tokenizer=tok, seed=0),
+        digit_sum_reward,
+        args=args,
+        train_dataset=toy.load_task("addition", kind="rl", n=32),
+        processing_class=tok,
+        callbacks=callbacks,
+    )
 
 
 @contextlib.contextmanager

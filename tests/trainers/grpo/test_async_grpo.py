@@ -10,10 +10,10 @@ import signal
 import subprocess
 import sys
 
+import _async_run as runner
 import pytest
 import torch
 
-import _async_run as runner
 from treadle.callbacks import TrainerCallback
 from treadle.checkpoint import load_extra_state
 from treadle.engines.local import LocalEngine
@@ -46,21 +46,29 @@ def sync_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
     """max_staleness=1 with the default process worker, 5 steps, checkpoints every 2 (the resume reference)."""
-    spec = {"output_dir": str(tmp_path_factory.mktemp("async") / "run"), "max_staleness": 1, "max_steps": 5,
-            "save_strategy": "steps", "save_steps": 2}
+    spec = {
+        "output_dir": str(tmp_path_factory.mktemp("async") / "run"),
+        "max_staleness": 1,
+        "max_steps": 5,
+        "save_strategy": "steps",
+        "save_steps": 2,
+    }
     trainer = runner.run(spec)
     return trainer, weights(trainer)
 
 
 # ------------------------------------------------------------------------------------------------ config
-@pytest.mark.parametrize("overrides, fragment", [
-    ({"max_staleness": -1}, "max_staleness must be an integer >= 0"),
-    ({"max_staleness": 1, "use_vllm": True}, "own sampler only"),
-    ({"max_staleness": 1, "dynamic_sampling": True}, "cannot take dynamic_sampling"),
-    ({"max_staleness": 1, "steps_per_generation": 2}, "one generation per optimizer step"),
-    ({"max_staleness": 1, "async_worker": "fork"}, "async_worker='fork' is not supported"),
-    ({"max_staleness": 1, "async_timeout": 0}, "async_timeout must be"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        ({"max_staleness": -1}, "max_staleness must be an integer >= 0"),
+        ({"max_staleness": 1, "use_vllm": True}, "own sampler only"),
+        ({"max_staleness": 1, "dynamic_sampling": True}, "cannot take dynamic_sampling"),
+        ({"max_staleness": 1, "steps_per_generation": 2}, "one generation per optimizer step"),
+        ({"max_staleness": 1, "async_worker": "fork"}, "async_worker='fork' is not supported"),
+        ({"max_staleness": 1, "async_timeout": 0}, "async_timeout must be"),
+    ],
+)
 def test_settings_async_grpo_does_not_take_are_refused_in_one_line(overrides, fragment):
     with pytest.raises(ValueError, match=fragment) as err:
         GRPOConfig(output_dir="unused", per_device_train_batch_size=4, num_generations=4, **overrides)
@@ -96,8 +104,9 @@ def test_the_worker_at_zero_staleness_trains_the_synchronous_weights_bit_for_bit
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_batch_is_never_older_than_max_staleness(tmp_path, n):
     """Generation g is sampled from the weights of generation max(g - N, 0): ages 0, 1, .., N, N, ..."""
-    trainer = runner.run({"output_dir": str(tmp_path / "run"), "max_staleness": n, "max_steps": 5,
-                          "async_worker": "thread"})
+    trainer = runner.run(
+        {"output_dir": str(tmp_path / "run"), "max_staleness": n, "max_steps": 5, "async_worker": "thread"}
+    )
     ages = logged(trainer, "async/staleness")
     assert ages == [float(min(g, n)) for g in range(5)]
     assert max(ages) <= n
@@ -131,9 +140,13 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, async_run):
     for extra, code in (({"kill_at": 3}, -signal.SIGKILL), ({"resume": True, "final": str(final)}, 0)):
         spec_path = tmp_path / "spec.json"
         spec_path.write_text(json.dumps({**base, **extra}))
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "_async_run.py"), str(spec_path)],
-                              capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "_async_run.py"), str(spec_path)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         assert proc.returncode == code, proc.stderr[-2000:]
         if extra.get("kill_at"):
             saved = load_extra_state(str(out / "checkpoint-2"))["trainer"]["async"]
@@ -189,8 +202,9 @@ def test_a_hung_worker_stops_the_run_at_the_timeout_naming_the_wait(tmp_path):
         _train_with(tmp_path, 1, freeze, async_timeout=2.0)
     message = str(err.value)
     assert "\n" not in message
-    assert re.search(r"did not answer within async_timeout=2 s while the trainer waited for generation [12]'s batch",
-                     message)
+    assert re.search(
+        r"did not answer within async_timeout=2 s while the trainer waited for generation [12]'s batch", message
+    )
     assert not os.path.exists(f"/proc/{pids[0]}") or "zombie" in open(f"/proc/{pids[0]}/status").read().lower()
 
 
@@ -238,19 +252,28 @@ def test_the_corrected_off_policy_gradient_is_the_on_policy_gradient_in_expectat
     def gradient(corrected: bool):
         param = theta.clone().requires_grad_(True)
         logps = param.log_softmax(0)[actions][:, None]  # (M, 1): one-token completions
-        ratio = (sampling_importance_ratio(logps.detach(), sampling_logps, mask, mode="token_truncate",
-                                           clip_max=1e9) if corrected else None)
-        loss, _ = grpo_loss(logps, reward[actions], mask, GRPOObjective(loss_type="dapo"), normalizer=M,
-                            importance_sampling_ratio=ratio)
+        ratio = (
+            sampling_importance_ratio(logps.detach(), sampling_logps, mask, mode="token_truncate", clip_max=1e9)
+            if corrected
+            else None
+        )
+        loss, _ = grpo_loss(
+            logps,
+            reward[actions],
+            mask,
+            GRPOObjective(loss_type="dapo"),
+            normalizer=M,
+            importance_sampling_ratio=ratio,
+        )
         (grad,) = torch.autograd.grad(loss, param)
         return -grad  # the loss is minus the objective
 
     onehot = torch.nn.functional.one_hot(actions, K).double()
     terms = ((pi[actions] / mu[actions]) * reward[actions])[:, None] * (onehot - pi)  # (M, K)
-    estimate, stderr = terms.mean(0), terms.std(0) / M ** 0.5
+    estimate, stderr = terms.mean(0), terms.std(0) / M**0.5
     corrected = gradient(True)
     torch.testing.assert_close(corrected, estimate, rtol=1e-9, atol=1e-12)  # the library's gradient is that mean
-    assert ((corrected - exact).abs() <= 4.5 * stderr).all(), ((corrected - exact) / stderr)
+    assert ((corrected - exact).abs() <= 4.5 * stderr).all(), (corrected - exact) / stderr
     uncorrected = gradient(False)
     assert ((uncorrected - exact).abs() / stderr).max() > 20
 

@@ -9,13 +9,18 @@ import statistics
 
 import pytest
 import torch
+from _factories import (
+    GOLDEN_GRPO,
+    digit_sum_reward,
+    golden_grpo_run as golden_run,
+    grpo_args as config,
+    grpo_trainer as make_trainer,
+)
 
-from _factories import GOLDEN_GRPO, digit_sum_reward
-from _factories import golden_grpo_run as golden_run, grpo_args as config, grpo_trainer as make_trainer
-from treadle.record.fingerprints import MARKER
-from treadle.demos import toy
 from treadle.callbacks import TrainerCallback
+from treadle.demos import toy
 from treadle.generation import GenerationOutput, completion_masks, left_pad
+from treadle.record.fingerprints import MARKER
 from treadle.rewards import RewardFunctionError
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.onpolicy.data import Sample, Ticket
@@ -44,8 +49,7 @@ def test_config_names_the_nearest_valid_values():
         GRPOConfig(per_device_train_batch_size=4, num_generations=3)
     message = str(err.value)
     assert "4 x 1 x 1 = 4 completions" in message
-    assert ("per_device_train_batch_size=3 or 6, or num_generations=2 or 4, or steps_per_generation=3"
-            in message)
+    assert "per_device_train_batch_size=3 or 6, or num_generations=2 or 4, or steps_per_generation=3" in message
 
 
 def test_config_counts_every_rank(monkeypatch):
@@ -55,17 +59,20 @@ def test_config_counts_every_rank(monkeypatch):
         GRPOConfig(per_device_train_batch_size=1, num_generations=4)
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("loss_type", "ppo", "loss_type='ppo' is not supported"),
-    ("scale_rewards", "std", "scale_rewards='std'"),
-    ("generation_backend", "vllm", "generation_backend='vllm'"),
-    ("temperature", 0.0, "temperature must be > 0"),
-    ("top_p", 0.0, "top_p must be in (0, 1]"),
-    ("epsilon", 1.0, "epsilon must be in [0, 1)"),
-    ("beta", -0.1, "beta must be >= 0"),
-    ("num_iterations", 0, "num_iterations must be an integer >= 1"),
-    ("max_prompt_length", 0, "max_prompt_length must be an integer >= 1 or None"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("loss_type", "ppo", "loss_type='ppo' is not supported"),
+        ("scale_rewards", "std", "scale_rewards='std'"),
+        ("generation_backend", "vllm", "generation_backend='vllm'"),
+        ("temperature", 0.0, "temperature must be > 0"),
+        ("top_p", 0.0, "top_p must be in (0, 1]"),
+        ("epsilon", 1.0, "epsilon must be in [0, 1)"),
+        ("beta", -0.1, "beta must be >= 0"),
+        ("num_iterations", 0, "num_iterations must be an integer >= 1"),
+        ("max_prompt_length", 0, "max_prompt_length must be an integer >= 1 or None"),
+    ],
+)
 def test_config_rejects_bad_values(field, value, fragment):
     with pytest.raises(ValueError) as err:
         GRPOConfig(per_device_train_batch_size=8, **{field: value})
@@ -78,28 +85,52 @@ def test_trainer_checks_its_arguments(tmp_path, tok, dataset):
     with pytest.raises(ValueError, match="needs reward_funcs"):
         GRPOTrainer(model, None, args=args, train_dataset=dataset, processing_class=tok)
     with pytest.raises(ValueError, match=r"reward_weights has 1 entries for 2 reward functions"):
-        GRPOTrainer(model, [digit_sum_reward, toy.addition_reward], args=config(tmp_path, reward_weights=[1.0]),
-                    train_dataset=dataset, processing_class=tok)
+        GRPOTrainer(
+            model,
+            [digit_sum_reward, toy.addition_reward],
+            args=config(tmp_path, reward_weights=[1.0]),
+            train_dataset=dataset,
+            processing_class=tok,
+        )
     with pytest.raises(ValueError, match=r"needs column\(s\) \['prompt'\]"):
-        GRPOTrainer(model, digit_sum_reward, args=args, train_dataset=dataset.rename_column("prompt", "question"),
-                    processing_class=tok)
+        GRPOTrainer(
+            model,
+            digit_sum_reward,
+            args=args,
+            train_dataset=dataset.rename_column("prompt", "question"),
+            processing_class=tok,
+        )
     with pytest.raises(ValueError, match="needs processing_class"):
         GRPOTrainer(model, digit_sum_reward, args=args, train_dataset=dataset)
     with pytest.raises(ValueError, match=r"needs 4 distinct prompts .* the dataset has 3 rows"):
-        GRPOTrainer(model, digit_sum_reward, args=config(tmp_path, per_device_train_batch_size=16),
-                    train_dataset=dataset.select(range(3)), processing_class=tok)
+        GRPOTrainer(
+            model,
+            digit_sum_reward,
+            args=config(tmp_path, per_device_train_batch_size=16),
+            train_dataset=dataset.select(range(3)),
+            processing_class=tok,
+        )
     with pytest.raises(ValueError, match="distinct names"):
-        GRPOTrainer(model, [digit_sum_reward, digit_sum_reward], args=args, train_dataset=dataset,
-                    processing_class=tok)
+        GRPOTrainer(
+            model, [digit_sum_reward, digit_sum_reward], args=args, train_dataset=dataset, processing_class=tok
+        )
     with pytest.raises(TypeError, match="needs a GRPOConfig"):
         from treadle.arguments import TrainingArguments
+
         GRPOTrainer(model, digit_sum_reward, args=TrainingArguments(), train_dataset=dataset, processing_class=tok)
 
 
 # ------------------------------------------------------------------------------------- data and cadence
 def test_dataloader_batches_hold_whole_groups_once_per_generation(tmp_path, tok, dataset):
-    trainer = make_trainer(tmp_path, tok, dataset, per_device_train_batch_size=4, steps_per_generation=2,
-                           num_iterations=3, gradient_accumulation_steps=2)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        dataset,
+        per_device_train_batch_size=4,
+        steps_per_generation=2,
+        num_iterations=3,
+        gradient_accumulation_steps=2,
+    )
     loader = trainer.get_train_dataloader()
     batches = [[row["prompt"] for row in rows] for rows in loader]
     assert len(loader) == len(batches) == 32 // 2  # 8 rows = 2 distinct prompts per generation, each drawn once
@@ -112,8 +143,15 @@ def test_dataloader_batches_hold_whole_groups_once_per_generation(tmp_path, tok,
 
 
 def test_training_windows_hand_out_each_generation_for_a_whole_cycle_and_resume_inside_one(tmp_path, tok, dataset):
-    trainer = make_trainer(tmp_path, tok, dataset, per_device_train_batch_size=4, steps_per_generation=2,
-                           num_iterations=3, gradient_accumulation_steps=4)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        dataset,
+        per_device_train_batch_size=4,
+        steps_per_generation=2,
+        num_iterations=3,
+        gradient_accumulation_steps=4,
+    )
     loader = trainer.get_train_dataloader()
     windows = list(trainer.training_windows(loader, epoch=1, skip_steps=0))
     tickets = [(t.generation, t.micro_step) for w in windows for t in w]
@@ -125,14 +163,25 @@ def test_training_windows_hand_out_each_generation_for_a_whole_cycle_and_resume_
     assert [r["prompt"] for r in resumed[0][0].rows] == [r["prompt"] for r in windows[4][3].rows]
 
 
-@pytest.mark.parametrize("accum, spg, mu, steps, generations, old_logps", [
-    (1, 1, 1, 3, 3, False),  # the default: one generation per optimizer step
-    (2, 4, 2, 8, 2, True),  # a buffer spans optimizer steps and is reused twice: ratios need old log-probs
-    (4, 1, 2, 2, 4, False),  # a window spans generations (generated ahead for dapo); policy fixed inside
-])
+@pytest.mark.parametrize(
+    "accum, spg, mu, steps, generations, old_logps",
+    [
+        (1, 1, 1, 3, 3, False),  # the default: one generation per optimizer step
+        (2, 4, 2, 8, 2, True),  # a buffer spans optimizer steps and is reused twice: ratios need old log-probs
+        (4, 1, 2, 2, 4, False),  # a window spans generations (generated ahead for dapo); policy fixed inside
+    ],
+)
 def test_generation_runs_once_per_cycle(tmp_path, tok, dataset, accum, spg, mu, steps, generations, old_logps):
-    trainer = make_trainer(tmp_path, tok, dataset, gradient_accumulation_steps=accum, steps_per_generation=spg,
-                           num_iterations=mu, max_steps=steps, max_completion_length=2)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        dataset,
+        gradient_accumulation_steps=accum,
+        steps_per_generation=spg,
+        num_iterations=mu,
+        max_steps=steps,
+        max_completion_length=2,
+    )
     calls, slices = [], []
     generate, prepare = trainer.generate, trainer.prepare_inputs
 
@@ -185,17 +234,25 @@ def hand_inputs():
     }
 
 
-@pytest.mark.parametrize("loss_type, num_items, expected", [
-    ("grpo", None, (-3.2 / 3 + 1.6) / 2),  # mean over the 2 sequences of each one's token mean
-    ("grpo", 4, (-3.2 / 3 + 1.6) / 4),  # a window of 4 sequences
-    ("bnpo", 10, -1.6 / 4),  # token mean of this micro-batch; the window count is not used
-    ("dr_grpo", 10, -1.6 / (2 * 5)),  # sum / (B x max_completion_length)
-    ("dapo", None, -1.6 / 4),  # tokens of this batch
-    ("dapo", 10, -1.6 / 10),  # tokens of the whole window on all ranks
-])
+@pytest.mark.parametrize(
+    "loss_type, num_items, expected",
+    [
+        ("grpo", None, (-3.2 / 3 + 1.6) / 2),  # mean over the 2 sequences of each one's token mean
+        ("grpo", 4, (-3.2 / 3 + 1.6) / 4),  # a window of 4 sequences
+        ("bnpo", 10, -1.6 / 4),  # token mean of this micro-batch; the window count is not used
+        ("dr_grpo", 10, -1.6 / (2 * 5)),  # sum / (B x max_completion_length)
+        ("dapo", None, -1.6 / 4),  # tokens of this batch
+        ("dapo", 10, -1.6 / 10),  # tokens of the whole window on all ranks
+    ],
+)
 def test_every_loss_type_by_hand(tmp_path, tok, loss_type, num_items, expected):
-    args = GRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, max_completion_length=5, epsilon=0.2,
-                      per_device_train_batch_size=8)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        loss_type=loss_type,
+        max_completion_length=5,
+        epsilon=0.2,
+        per_device_train_batch_size=8,
+    )
     trainer = GRPOTrainer(UniformLM(), digit_sum_reward, args=args, processing_class=tok)
     loss = trainer.compute_loss(trainer.model, hand_inputs(), num_items_in_batch=num_items)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
@@ -209,8 +266,9 @@ def test_every_loss_type_by_hand(tmp_path, tok, loss_type, num_items, expected):
 
 def test_clip_higher_uses_epsilon_high(tmp_path, tok):
     # epsilon_high = 0.3: the first token's ratio 1.5 is clipped at 1.3 instead of 1.2 -> sum -1.7
-    args = GRPOConfig(output_dir=str(tmp_path), loss_type="dapo", epsilon=0.2, epsilon_high=0.3,
-                      per_device_train_batch_size=8)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), loss_type="dapo", epsilon=0.2, epsilon_high=0.3, per_device_train_batch_size=8
+    )
     trainer = GRPOTrainer(UniformLM(), digit_sum_reward, args=args, processing_class=tok)
     loss = trainer.compute_loss(trainer.model, hand_inputs())
     assert loss.item() == pytest.approx(-1.7 / 4, abs=1e-6)
@@ -229,9 +287,12 @@ def test_ratio_one_gives_the_reinforce_gradient(tmp_path, tok, loss_type):
     completion_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
     completion = completion.masked_fill(completion_mask == 0, 0)
     advantages = torch.tensor([0.7, -1.3, 0.4])
-    inputs = {"input_ids": torch.cat([prompt, completion], 1),
-              "attention_mask": torch.cat([torch.ones_like(prompt), completion_mask], 1),
-              "completion_mask": completion_mask, "advantages": advantages}
+    inputs = {
+        "input_ids": torch.cat([prompt, completion], 1),
+        "attention_mask": torch.cat([torch.ones_like(prompt), completion_mask], 1),
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+    }
     tokens = int(completion_mask.sum())
     num_items = tokens if loss_type == "dapo" else 3
     trainer.compute_loss(model, inputs, num_items_in_batch=num_items).backward()
@@ -264,14 +325,17 @@ def test_left_padding_does_not_change_the_trained_log_probs(tmp_path, tok):
     trainer = GRPOTrainer(model, digit_sum_reward, args=args, processing_class=tok)
     prompts, completions = [[10, 11, 12, 13, 14], [20, 21]], [[30, 31, 32], [40, 41, EOS]]
     ids, mask = left_pad(prompts, 0)
-    batch = Sample(input_ids=torch.cat([ids, torch.tensor(completions)], 1),
-                   attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
-                   completion_mask=torch.ones(2, 3, dtype=torch.long), advantages=torch.zeros(2))
+    batch = Sample(
+        input_ids=torch.cat([ids, torch.tensor(completions)], 1),
+        attention_mask=torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], 1),
+        completion_mask=torch.ones(2, 3, dtype=torch.long),
+        advantages=torch.zeros(2),
+    )
     with torch.no_grad():
         logps = trainer.completion_logps(model, batch).logps
         for row, (prompt, completion) in enumerate(zip(prompts, completions)):
             alone = torch.tensor([prompt + completion])
-            logits = model(input_ids=alone).logits[0, len(prompt) - 1:-1] / 0.8
+            logits = model(input_ids=alone).logits[0, len(prompt) - 1 : -1] / 0.8
             expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
             assert torch.allclose(logps[row], expected, atol=1e-5), row
 
@@ -279,11 +343,13 @@ def test_left_padding_does_not_change_the_trained_log_probs(tmp_path, tok):
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_accumulation_gives_the_big_batch_step(tmp_path, tok, dataset, loss_type):
     """8 completions in one micro-batch, or 2 micro-batches of 4 from the same generation: same SGD step."""
-    common = dict(max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, loss_type=loss_type,
-                  max_completion_length=4)
+    common = dict(
+        max_steps=1, optim="sgd", learning_rate=0.5, max_grad_norm=0.0, loss_type=loss_type, max_completion_length=4
+    )
     big = make_trainer(tmp_path / "big", tok, dataset, per_device_train_batch_size=8, **common)
-    small = make_trainer(tmp_path / "small", tok, dataset, per_device_train_batch_size=4,
-                         gradient_accumulation_steps=2, **common)
+    small = make_trainer(
+        tmp_path / "small", tok, dataset, per_device_train_batch_size=4, gradient_accumulation_steps=2, **common
+    )
     before = {n: p.detach().clone() for n, p in big.model.named_parameters()}
     big.train()
     small.train()
@@ -322,7 +388,7 @@ def test_a_wrong_length_fails_at_the_first_generation(tmp_path, tok, dataset):
 
 # ------------------------------------------------------------------------------------ records and metrics
 def group_stats(values, size):
-    groups = [values[i:i + size] for i in range(0, len(values), size)]
+    groups = [values[i : i + size] for i in range(0, len(values), size)]
     return [(statistics.mean(g), statistics.stdev(g)) for g in groups]
 
 
@@ -333,15 +399,38 @@ def test_metrics_and_completions_file(tmp_path, tok, dataset):
         seen.extend(completion_ids)
         return [float(len(ids) + sum(ids) % 3) for ids in completion_ids]
 
-    trainer = make_trainer(tmp_path, tok, dataset, reward=length_reward, per_device_train_batch_size=8,
-                           max_steps=2, logging_steps=2, beta=0.1, log_completions=True, max_completion_length=3,
-                           reward_weights=[2.0])
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        dataset,
+        reward=length_reward,
+        per_device_train_batch_size=8,
+        max_steps=2,
+        logging_steps=2,
+        beta=0.1,
+        log_completions=True,
+        max_completion_length=3,
+        reward_weights=[2.0],
+    )
     trainer.train()
     logs = trainer.state.log_history[0]
-    for key in ("reward", "reward_std", "rewards/length_reward/mean", "rewards/length_reward/std",
-                "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
-                "completions/max_length", "completions/clipped_ratio", "kl", "clip_ratio/low_mean",
-                "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "loss"):
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/length_reward/mean",
+        "rewards/length_reward/std",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "completions/clipped_ratio",
+        "kl",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "entropy",
+        "loss",
+    ):
         assert key in logs, key
     with open(tmp_path / "run" / "completions.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -355,8 +444,9 @@ def test_metrics_and_completions_file(tmp_path, tok, dataset):
     stats = group_stats(weighted, 4)
     # reward_std as TRL 1.16: the std of each generation's rewards (then the mean over the 2 generations);
     # reward_group_std: the mean of the groups' stds
-    assert logs["reward_std"] == pytest.approx(statistics.mean([statistics.stdev(weighted[:8]),
-                                                                statistics.stdev(weighted[8:])]))
+    assert logs["reward_std"] == pytest.approx(
+        statistics.mean([statistics.stdev(weighted[:8]), statistics.stdev(weighted[8:])])
+    )
     assert logs["reward_group_std"] == pytest.approx(statistics.mean(s for _, s in stats))
     assert logs["frac_reward_zero_std"] == pytest.approx(statistics.mean(float(s == 0) for _, s in stats))
     advantages = [(w - stats[i // 4][0]) / (stats[i // 4][1] + 1e-4) for i, w in enumerate(weighted)]
@@ -443,8 +533,15 @@ def test_max_prompt_length_keeps_the_end(tmp_path, tok, dataset):
 def test_resume_inside_a_generation_buffer_is_exact(tmp_path, tok, dataset):
     """spg = 2, accumulation 1: each buffer spans two optimizer steps. Stopping after step 1 (mid-buffer) and
     resuming gives the same weights and logs as the uninterrupted run."""
-    common = dict(steps_per_generation=2, max_steps=4, save_strategy="steps", save_steps=1, logging_steps=1,
-                  max_completion_length=3, learning_rate=1e-2)
+    common = dict(
+        steps_per_generation=2,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        max_completion_length=3,
+        learning_rate=1e-2,
+    )
     full = make_trainer(tmp_path / "full", tok, dataset, **common)
     full.train()
     checkpoint = tmp_path / "full" / "run" / "checkpoint-1"
@@ -468,8 +565,15 @@ def test_a_checkpoint_in_the_first_release_layout_resumes_exactly(tmp_path, tok,
     """Checkpoints written before the metrics window kept the unlogged loss in trainer_state.json and GRPO's
     buffers and metric sums at the top of extra_state_0.pt. Rewritten into that layout, checkpoint-1 (mid-buffer,
     mid-logging-window) still resumes into the uninterrupted run's weights and logs."""
-    common = dict(steps_per_generation=2, max_steps=4, save_strategy="steps", save_steps=1, logging_steps=2,
-                  max_completion_length=3, learning_rate=1e-2)
+    common = dict(
+        steps_per_generation=2,
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=2,
+        max_completion_length=3,
+        learning_rate=1e-2,
+    )
     full = make_trainer(tmp_path / "full", tok, dataset, **common)
     full.train()
     old = tmp_path / "old" / "run" / "checkpoint-1"
@@ -478,8 +582,10 @@ def test_a_checkpoint_in_the_first_release_layout_resumes_exactly(tmp_path, tok,
     window = extra["metrics"]["train"]
     rows = {name: window["sums"][i].tolist() for i, name in enumerate(window["names"])}
     loss_sum, items = rows.pop("loss")
-    torch.save({"micro_step": 1, "buffers": extra["trainer"]["buffer"]["slices"], "metric_sums": rows},
-               old / "extra_state_0.pt")
+    torch.save(
+        {"micro_step": 1, "buffers": extra["trainer"]["buffer"]["slices"], "metric_sums": rows},
+        old / "extra_state_0.pt",
+    )
     state = json.loads((old / "trainer_state.json").read_text())
     state["stateful_callbacks"]["_log_window"] = {"loss_sum": loss_sum, "items": items}
     (old / "trainer_state.json").write_text(json.dumps(state))
@@ -544,9 +650,18 @@ def test_evaluate_reports_sampled_rewards(tmp_path, tok, dataset):
 
 
 def test_evaluation_during_training_keeps_the_best_checkpoint(tmp_path, tok, dataset):
-    trainer = make_trainer(tmp_path, tok, dataset, max_steps=2, eval_strategy="steps", eval_steps=1,
-                           save_strategy="steps", save_steps=1, metric_for_best_model="reward",
-                           logging_steps=1)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        dataset,
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        metric_for_best_model="reward",
+        logging_steps=1,
+    )
     trainer.eval_dataset = dataset.select(range(4))
     trainer.train()
     evals = [h for h in trainer.state.log_history if "eval_reward" in h]
@@ -578,8 +693,24 @@ def sft_warm(model, tok, dataset, steps, lr=1e-2, batch_size=64, seed=0):
         optimizer.zero_grad()
 
 
-PAIRS = [(12, 34), (7, 58), (40, 41), (23, 9), (66, 13), (5, 5), (81, 17), (30, 62), (14, 28), (55, 21),
-         (3, 90), (47, 47), (26, 11), (72, 8), (19, 60), (38, 15)]
+PAIRS = [
+    (12, 34),
+    (7, 58),
+    (40, 41),
+    (23, 9),
+    (66, 13),
+    (5, 5),
+    (81, 17),
+    (30, 62),
+    (14, 28),
+    (55, 21),
+    (3, 90),
+    (47, 47),
+    (26, 11),
+    (72, 8),
+    (19, 60),
+    (38, 15),
+]
 
 
 @pytest.mark.slow
@@ -596,9 +727,18 @@ def test_reward_rises_on_toy_addition(tmp_path, tok):
         if accuracy_before >= 0.4:
             break
     assert 0.4 <= accuracy_before < 0.9
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=128, num_generations=8,
-                      max_completion_length=4, max_steps=40, logging_steps=1, learning_rate=1e-3,
-                      lr_scheduler_type="constant", disable_tqdm=True, save_strategy="no")
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=128,
+        num_generations=8,
+        max_completion_length=4,
+        max_steps=40,
+        logging_steps=1,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        disable_tqdm=True,
+        save_strategy="no",
+    )
     trainer = GRPOTrainer(model, toy.addition_reward, args=args, train_dataset=problems, processing_class=tok)
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
@@ -615,8 +755,9 @@ def test_golden_losses_of_a_fixed_seed(tmp_path, tok):
     trainer = golden_run(tmp_path, tok)
     trainer.train()
     # abs: the padding-free forward (default) sums in another order; a near-zero loss moved by 3e-8
-    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(GOLDEN_GRPO, rel=1e-5,
-                                                                                          abs=1e-7)
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(
+        GOLDEN_GRPO, rel=1e-5, abs=1e-7
+    )
     assert {"kl", "entropy", "reward", "completions/mean_length"} <= set(trainer.state.log_history[0])
 
 

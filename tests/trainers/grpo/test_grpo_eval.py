@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from _factories import grpo_args, grpo_trainer
 from datasets import Dataset
 
-from _factories import grpo_args, grpo_trainer
 from treadle import checkpoint as ckpt
 from treadle.demos import toy
 from treadle.generation import GenerationOutput, completion_masks, left_pad
@@ -27,15 +27,17 @@ def problems():
 
 
 # this module's runs: the shared GRPO run (_factories.grpo_trainer), 8 completions a prompt evaluated 50 prompts a batch
-EVAL_RUN = dict(per_device_train_batch_size=8, max_completion_length=4, per_device_eval_batch_size=50,
-                num_generations_eval=8)
+EVAL_RUN = dict(
+    per_device_train_batch_size=8, max_completion_length=4, per_device_eval_batch_size=50, num_generations_eval=8
+)
 config = functools.partial(grpo_args, **EVAL_RUN)
 
 
 def make_trainer(tmp_path, tok, problems, reward=toy.addition_reward, model_seed=0, **overrides):
     """Trains on ``problems`` and evaluates on them."""
-    return grpo_trainer(tmp_path, tok, problems, reward, model_seed, eval_dataset=problems,
-                        **{**EVAL_RUN, **overrides})
+    return grpo_trainer(
+        tmp_path, tok, problems, reward, model_seed, eval_dataset=problems, **{**EVAL_RUN, **overrides}
+    )
 
 
 def chen_reference(n: int, c: int, k: int) -> float:
@@ -47,8 +49,10 @@ def chen_reference(n: int, c: int, k: int) -> float:
 
 # ------------------------------------------------------------------------------------------------ pass@k
 # n = 8: pass@1 = c / 8; pass@4 = 1 - C(8 - c, 4) / C(8, 4) with C(8, 4) = 70
-HAND = {1: [0, 1 / 8, 2 / 8, 3 / 8, 4 / 8, 5 / 8, 6 / 8, 7 / 8, 1],
-        4: [0, 1 - 35 / 70, 1 - 15 / 70, 1 - 5 / 70, 1 - 1 / 70, 1, 1, 1, 1]}
+HAND = {
+    1: [0, 1 / 8, 2 / 8, 3 / 8, 4 / 8, 5 / 8, 6 / 8, 7 / 8, 1],
+    4: [0, 1 - 35 / 70, 1 - 15 / 70, 1 - 5 / 70, 1 - 1 / 70, 1, 1, 1, 1],
+}
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -67,9 +71,13 @@ def test_pass_at_k_refuses_impossible_counts():
 
 def test_pass_at_k_sums_over_problems_skip_unscored_samples():
     nan = math.nan
-    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # c = 2 of 8
-                            [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # c = 7 of 8 (0.5 < threshold)
-                            [nan, nan, nan, nan, nan, 1.0, 0.0, 0.0]])  # 3 scored: too few for k = 4
+    rewards = torch.tensor(
+        [
+            [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0],  # c = 2 of 8
+            [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # c = 7 of 8 (0.5 < threshold)
+            [nan, nan, nan, nan, nan, 1.0, 0.0, 0.0],
+        ]
+    )  # 3 scored: too few for k = 4
     sums = pass_at_k_sums(rewards, 1.0, [1, 4])
     assert sums[1] == (pytest.approx(2 / 8 + 7 / 8 + 1 / 3), 3)
     assert sums[4] == (pytest.approx(HAND[4][2] + HAND[4][7]), 2)
@@ -100,6 +108,7 @@ def test_evaluation_settings_default_to_trainings_and_are_checked():
 def policy(tok, right):
     """A sampling engine (GRPOTrainer.generate's contract) that answers ``a+b=`` with the sum when ``right(row,
     generator, mode)`` says so, else with a random digit: the metrics' plumbing with a known success rate."""
+
     def generate(prompt_ids, *, num_generations, generator=None, mode="train"):
         rows, answers = [], []
         for ids in prompt_ids:
@@ -126,9 +135,16 @@ def test_a_policy_that_always_answers_right_scores_one(tmp_path, tok, problems):
     trainer = make_trainer(tmp_path, tok, problems, eval_pass_at_k=[1, 4, 8], eval_greedy=True)
     trainer.generate = policy(tok, lambda *a: True)
     metrics = trainer.evaluate()
-    for key in ("reward", "pass@1", "pass@4", "pass@8", "greedy/accuracy", "greedy/reward",
-                "rewards/addition_reward/mean", "rewards/addition_reward/pass@8",
-                ):
+    for key in (
+        "reward",
+        "pass@1",
+        "pass@4",
+        "pass@8",
+        "greedy/accuracy",
+        "greedy/reward",
+        "rewards/addition_reward/mean",
+        "rewards/addition_reward/pass@8",
+    ):
         assert metrics[f"eval_{key}"] == 1.0, key
     # one reward function of weight 1: its greedy keys would repeat the total's, so only the total is logged
     assert not [key for key in metrics if key.startswith("eval_greedy/rewards/")]
@@ -144,15 +160,25 @@ def test_greedy_keys_per_function_appear_only_when_they_can_differ_from_the_tota
 
 
 def test_a_random_policy_scores_the_tasks_chance(tmp_path, tok, problems):
-    trainer = make_trainer(tmp_path, tok, problems, reward=last_digit_reward, eval_pass_at_k=[1, 4, 8],
-                           eval_greedy=True, num_generations_eval=32, per_device_eval_batch_size=200)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        problems,
+        reward=last_digit_reward,
+        eval_pass_at_k=[1, 4, 8],
+        eval_greedy=True,
+        num_generations_eval=32,
+        per_device_eval_batch_size=200,
+    )
     trainer.generate = policy(tok, lambda *a: False)  # one random digit: right 1 time in 10
     metrics = trainer.evaluate()
     # 6,400 samples: pass@1 has a std of 0.004; pass@k estimates 1 - 0.9^k (iid samples)
     assert metrics["eval_pass@1"] == pytest.approx(0.1, abs=0.015)
-    assert metrics["eval_pass@4"] == pytest.approx(1 - 0.9 ** 4, abs=0.04)
-    assert metrics["eval_pass@8"] == pytest.approx(1 - 0.9 ** 8, abs=0.05)
-    assert metrics["eval_pass@1"] == pytest.approx(metrics["eval_reward"])  # 0/1 rewards at threshold 1: pass@1 is the mean
+    assert metrics["eval_pass@4"] == pytest.approx(1 - 0.9**4, abs=0.04)
+    assert metrics["eval_pass@8"] == pytest.approx(1 - 0.9**8, abs=0.05)
+    assert metrics["eval_pass@1"] == pytest.approx(
+        metrics["eval_reward"]
+    )  # 0/1 rewards at threshold 1: pass@1 is the mean
     zeros = sum(a.endswith("0") for a in problems["answer"]) / len(problems)  # greedy answers "0" every time
     assert metrics["eval_greedy/accuracy"] == pytest.approx(zeros)
 
@@ -169,8 +195,17 @@ def test_greedy_evaluation_matches_transformers_generate(tmp_path, tok, problems
         return [float(len(c)) for c in completions]
 
     some = problems.select(range(40))
-    trainer = make_trainer(tmp_path, tok, some, reward=length_reward, eval_temperature=0.0, num_generations_eval=2,
-                           eval_greedy=True, compute_metrics=capture, model_seed=3)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        some,
+        reward=length_reward,
+        eval_temperature=0.0,
+        num_generations_eval=2,
+        eval_greedy=True,
+        compute_metrics=capture,
+        model_seed=3,
+    )
     metrics = trainer.evaluate()
     expected = toy.greedy_completions(trainer.model, tok, some["prompt"], batch_size=40, max_new_tokens=4)
     assert seen["prompts"] == [p for p in some["prompt"] for _ in range(2)]
@@ -188,16 +223,35 @@ def test_compute_metrics_receives_what_the_docs_say(tmp_path, tok, problems):
         return [None if i % 2 else 0.5 for i in range(len(completions))]
 
     def compute_metrics(prompts, completions, completion_ids, rewards, reward, answer, source, **kwargs):
-        received.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                             rewards=rewards, reward=reward, answer=answer, source=source, kwargs=kwargs))
-        return {"answer_in_completion": sum(a in c for a, c in zip(answer, completions)) / len(answer),
-                "as_tensor": torch.tensor(2.0)}
+        received.append(
+            dict(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                rewards=rewards,
+                reward=reward,
+                answer=answer,
+                source=source,
+                kwargs=kwargs,
+            )
+        )
+        return {
+            "answer_in_completion": sum(a in c for a, c in zip(answer, completions)) / len(answer),
+            "as_tensor": torch.tensor(2.0),
+        }
 
     rows = problems.select(range(6)).add_column("source", [f"s{i}" for i in range(6)])
     model = toy.build_model("tiny", tokenizer=tok)
     args = config(tmp_path, num_generations_eval=3, per_device_eval_batch_size=4, reward_weights=[1.0, 2.0])
-    trainer = GRPOTrainer(model, [toy.addition_reward, half_reward], args=args, train_dataset=rows,
-                          eval_dataset=rows, processing_class=tok, compute_metrics=compute_metrics)
+    trainer = GRPOTrainer(
+        model,
+        [toy.addition_reward, half_reward],
+        args=args,
+        train_dataset=rows,
+        eval_dataset=rows,
+        processing_class=tok,
+        compute_metrics=compute_metrics,
+    )
     metrics = trainer.evaluate()
     (got,) = received  # once, over the whole evaluation set (two batches)
     assert got["prompts"] == [p for p in rows["prompt"] for _ in range(3)]
@@ -208,10 +262,12 @@ def test_compute_metrics_receives_what_the_docs_say(tmp_path, tok, problems):
     assert got["rewards"]["half_reward"] == [0.5, None] * 9  # each batch's call: 0.5, None, 0.5, ...
     exact = got["rewards"]["addition_reward"]
     assert exact == toy.addition_reward(got["prompts"], got["completions"], got["answer"])
-    assert got["reward"] == pytest.approx([e + (2 * h if h is not None else 0.0)
-                                           for e, h in zip(exact, got["rewards"]["half_reward"])])
+    assert got["reward"] == pytest.approx(
+        [e + (2 * h if h is not None else 0.0) for e, h in zip(exact, got["rewards"]["half_reward"])]
+    )
     assert metrics["eval_answer_in_completion"] == pytest.approx(
-        sum(a in c for a, c in zip(got["answer"], got["completions"])) / 18)
+        sum(a in c for a, c in zip(got["answer"], got["completions"])) / 18
+    )
     assert metrics["eval_as_tensor"] == 2.0
     assert metrics["eval_rewards/half_reward/mean"] == 0.5  # the mean over the scored completions only
 
@@ -237,9 +293,16 @@ def noisy_reward(completion_ids, **kwargs):
 
 def train_weights(tmp_path, tok, problems, **overrides) -> dict:
     ckpt.set_seed(0)
-    trainer = make_trainer(tmp_path, tok, problems, reward=noisy_reward, max_steps=2, num_generations_eval=2,
-                           compute_metrics=lambda **kw: {"noise": float(torch.rand(())) + random.random()},
-                           **overrides)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        problems,
+        reward=noisy_reward,
+        max_steps=2,
+        num_generations_eval=2,
+        compute_metrics=lambda **kw: {"noise": float(torch.rand(())) + random.random()},
+        **overrides,
+    )
     trainer.eval_dataset = problems.select(range(4))
     trainer.train()
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -258,13 +321,24 @@ def test_evaluating_during_training_does_not_change_the_weights(tmp_path, tok, p
 @pytest.mark.parametrize("metric", ["pass@1", "eval_rewards/addition_reward/pass@1"])
 def test_load_best_model_at_end_keeps_the_policy_that_solved_most(tmp_path, tok, problems, metric):
     """Evaluations at steps 1, 2, 3 solve 50%, 100%, 25% of the problems: the weights of step 2 are kept."""
-    trainer = make_trainer(tmp_path, tok, problems.select(range(40)), max_steps=3, eval_strategy="steps",
-                           eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
-                           metric_for_best_model=metric, per_device_eval_batch_size=40)
+    trainer = make_trainer(
+        tmp_path,
+        tok,
+        problems.select(range(40)),
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model=metric,
+        per_device_eval_batch_size=40,
+    )
     share = {1: 0.5, 2: 1.0, 3: 0.25}
     # training samples half right (the groups' advantages move the weights); evaluations solve share[step]
-    trainer.generate = policy(tok, lambda i, g, mode: i % 2 == 0 if mode == "train"
-                              else i < share[trainer.state.global_step] * 320)
+    trainer.generate = policy(
+        tok, lambda i, g, mode: i % 2 == 0 if mode == "train" else i < share[trainer.state.global_step] * 320
+    )
     trainer.train()
     evals = [h["eval_pass@1"] for h in trainer.state.log_history if "eval_pass@1" in h]
     assert evals == [0.5, 1.0, 0.25]
@@ -281,7 +355,13 @@ def test_load_best_model_at_end_keeps_the_policy_that_solved_most(tmp_path, tok,
 def test_an_evaluation_column_named_like_an_argument_is_refused(tmp_path, tok):
     rows = Dataset.from_list([{"prompt": "1+2=", "answer": "3", "reward": 1.0}] * 4)
     model = toy.build_model("tiny", tokenizer=tok)
-    trainer = GRPOTrainer(model, toy.addition_reward, args=config(tmp_path, num_generations_eval=2),
-                          train_dataset=rows, processing_class=tok, compute_metrics=lambda **kw: {})
+    trainer = GRPOTrainer(
+        model,
+        toy.addition_reward,
+        args=config(tmp_path, num_generations_eval=2),
+        train_dataset=rows,
+        processing_class=tok,
+        compute_metrics=lambda **kw: {},
+    )
     with pytest.raises(ValueError, match=r"column\(s\) \['reward'\] clash"):
         trainer.evaluate(rows)

@@ -9,14 +9,20 @@ import math
 
 import pytest
 import torch
-
 from _factories import grpo_trainer, length_reward
+
 from treadle.demos import toy
 from treadle.engines.local import LocalEngine
-from treadle.losses import (SAMPLING_CORRECTION_MODES, GRPOObjective, grpo_loss, sampling_correction_metrics,
-                            sampling_correction_values, sampling_importance_ratio)
-from treadle.trainers.grpo.trainer import GRPOConfig
+from treadle.losses import (
+    SAMPLING_CORRECTION_MODES,
+    GRPOObjective,
+    grpo_loss,
+    sampling_correction_metrics,
+    sampling_correction_values,
+    sampling_importance_ratio,
+)
 from treadle.trainers.grpo.correction import corrects_sampling
+from treadle.trainers.grpo.trainer import GRPOConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,11 +65,13 @@ def test_metrics_by_hand():
     assert m["sampling/sampling_logp_difference/mean"].item() == pytest.approx(sum(gaps) / 5)
     assert m["sampling/sampling_logp_difference/max"].item() == pytest.approx(math.log(6))
     assert [m[f"sampling/importance_sampling_ratio/{k}"].item() for k in ("min", "mean", "max")] == pytest.approx(
-        [0.2, (2 + 0.5 + 1 + 3 + 0.2) / 5, 3.0])  # after truncation, over completion tokens
+        [0.2, (2 + 0.5 + 1 + 3 + 0.2) / 5, 3.0]
+    )  # after truncation, over completion tokens
     seq = sampling_importance_ratio(TRAINER, SAMPLER, MASK, mode="sequence_mask", clip_max=1.1)
     m = sampling_correction_metrics(*sampling_correction_values(TRAINER, SAMPLER, seq, MASK, "sequence_mask"))
     assert [m[f"sampling/importance_sampling_ratio/{k}"].item() for k in ("min", "mean", "max")] == pytest.approx(
-        [0.0, 0.5, 1.0])  # per sequence, after masking
+        [0.0, 0.5, 1.0]
+    )  # per sequence, after masking
     empty = sampling_correction_metrics(torch.zeros(0), torch.zeros(0))
     assert all(v.item() == 0 for v in empty.values())
 
@@ -119,14 +127,24 @@ def test_config_names_and_defaults_are_trls():
 
 def test_config_refuses_what_trl_refuses_and_keeps_the_deprecated_cap(tmp_path):
     with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
-        assert GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0
+        assert (
+            GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max
+            == 2.0
+        )
     with pytest.raises(ValueError, match=r"clip_min \(3.0\) must be less than vllm_importance_sampling_clip_max"):
         GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_clip_min=3.0)
     with pytest.raises(ValueError, match="clamps the ratio: set vllm_importance_sampling_clip_max"):
-        GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="token_truncate",
-                   vllm_importance_sampling_clip_max=None)
-    GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="token_truncate",  # off: not checked (TRL)
-               vllm_importance_sampling_clip_max=None, vllm_importance_sampling_correction=False)
+        GRPOConfig(
+            output_dir=str(tmp_path),
+            vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_max=None,
+        )
+    GRPOConfig(
+        output_dir=str(tmp_path),
+        vllm_importance_sampling_mode="token_truncate",  # off: not checked (TRL)
+        vllm_importance_sampling_clip_max=None,
+        vllm_importance_sampling_correction=False,
+    )
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode='token' is not supported"):
         GRPOConfig(output_dir=str(tmp_path), vllm_importance_sampling_mode="token")
 
@@ -137,8 +155,14 @@ def test_when_the_correction_applies(tmp_path):
 
     assert not corrects_sampling(args(), exact_logps=True)  # samples the trained distribution itself
     assert corrects_sampling(args(), exact_logps=False)  # another engine: always
-    for reshaped in ({"top_k": 5}, {"top_p": 0.9}, {"repetition_penalty": 1.2}, {"min_p": 0.05},
-                     {"generation_kwargs": {"min_p": 0.05}}, {"generation_kwargs": {"suppress_tokens": [7]}}):
+    for reshaped in (
+        {"top_k": 5},
+        {"top_p": 0.9},
+        {"repetition_penalty": 1.2},
+        {"min_p": 0.05},
+        {"generation_kwargs": {"min_p": 0.05}},
+        {"generation_kwargs": {"suppress_tokens": [7]}},
+    ):
         assert corrects_sampling(args(**reshaped), exact_logps=True), reshaped
     assert not corrects_sampling(args(min_p=0.0), exact_logps=True)
     assert not corrects_sampling(args(top_k=5, vllm_importance_sampling_correction=False), exact_logps=False)
@@ -151,22 +175,33 @@ def dataset():
 
 
 # this module's runs: the shared GRPO run (_factories.grpo_trainer), 2 groups a generation, health checks off
-trainer_for = functools.partial(grpo_trainer, reward=length_reward, per_device_train_batch_size=8,
-                                max_completion_length=6, logging_steps=1, health_checks=False)
+trainer_for = functools.partial(
+    grpo_trainer,
+    reward=length_reward,
+    per_device_train_batch_size=8,
+    max_completion_length=6,
+    logging_steps=1,
+    health_checks=False,
+)
 
 
 def kept_mass(model, sample, temperature: float, top_k: int) -> torch.Tensor:
     """Independently: the probability mass of the top-k tokens at each completion position ``(B, C)``."""
     with torch.no_grad():
-        logits = model(input_ids=sample.input_ids, attention_mask=sample.attention_mask,
-                       position_ids=(sample.attention_mask.cumsum(1) - 1).clamp(min=0)).logits.float()
+        logits = model(
+            input_ids=sample.input_ids,
+            attention_mask=sample.attention_mask,
+            position_ids=(sample.attention_mask.cumsum(1) - 1).clamp(min=0),
+        ).logits.float()
     width = sample.completion_mask.shape[1]
-    probs = torch.softmax(logits[:, -width - 1:-1] / temperature, dim=-1)
+    probs = torch.softmax(logits[:, -width - 1 : -1] / temperature, dim=-1)
     return probs.topk(top_k, dim=-1).values.sum(-1)
 
 
 def test_the_own_samplers_top_k_is_corrected_by_each_tokens_kept_mass(tmp_path, tok, dataset):
-    trainer = trainer_for(tmp_path, tok, dataset, top_k=4, temperature=0.9, vllm_importance_sampling_mode="token_truncate")
+    trainer = trainer_for(
+        tmp_path, tok, dataset, top_k=4, temperature=0.9, vllm_importance_sampling_mode="token_truncate"
+    )
     checked = []
     original = trainer.compute_loss
 
@@ -184,8 +219,14 @@ def test_the_own_samplers_top_k_is_corrected_by_each_tokens_kept_mass(tmp_path, 
     trainer.train()
     assert checked and sum(checked) > 8
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert all(0 < h["sampling/importance_sampling_ratio/min"] <= h["sampling/importance_sampling_ratio/mean"]
-               <= h["sampling/importance_sampling_ratio/max"] < 1 for h in logs)
+    assert all(
+        0
+        < h["sampling/importance_sampling_ratio/min"]
+        <= h["sampling/importance_sampling_ratio/mean"]
+        <= h["sampling/importance_sampling_ratio/max"]
+        < 1
+        for h in logs
+    )
     assert all(h["sampling/sampling_logp_difference/max"] > 0 for h in logs)
 
 
@@ -204,8 +245,9 @@ def test_min_p_and_generation_kwargs_are_trls_fields_and_reach_the_sampler(tmp_p
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     names = ("min_p", "generation_kwargs")
     assert {n: ours[n] for n in names} == {n: theirs[n] for n in names}
-    trainer = trainer_for(tmp_path, tok, dataset, min_p=0.2, top_p=0.95,
-                          generation_kwargs={"top_p": 0.9, "suppress_tokens": [7, 9]})
+    trainer = trainer_for(
+        tmp_path, tok, dataset, min_p=0.2, top_p=0.95, generation_kwargs={"top_p": 0.9, "suppress_tokens": [7, 9]}
+    )
     for mode in ("train", "eval"):  # as TRL's one generation config: generation_kwargs override the fields
         params = trainer.sampling_params(mode)
         assert (params.min_p, params.top_p, params.suppress_token_ids) == (0.2, 0.9, (7, 9)), mode
@@ -214,16 +256,21 @@ def test_min_p_and_generation_kwargs_are_trls_fields_and_reach_the_sampler(tmp_p
     assert trainer_for(tmp_path, tok, dataset).sampling_params().min_p == 0.0
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"generation_kwargs": {"num_beams": 4}}, r"generation_kwargs\['num_beams'\] has no counterpart"),
-    ({"generation_kwargs": {"temperature": 0.5}}, r"generation_kwargs\['temperature'\] is not taken: the trained"),
-    ({"generation_kwargs": {"max_new_tokens": 9}}, "set the config's max_completion_length"),
-    ({"generation_kwargs": "min_p=0.1"}, "generation_kwargs must be a dict"),
-    ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
-    ({"generation_kwargs": {"min_p": -0.1}}, r"min_p must be in \[0, 1\]"),
-    ({"generation_kwargs": {"suppress_tokens": [7]}, "use_vllm": True}, "suppress_tokens reach treadle's own sampler "
-     "only"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"generation_kwargs": {"num_beams": 4}}, r"generation_kwargs\['num_beams'\] has no counterpart"),
+        ({"generation_kwargs": {"temperature": 0.5}}, r"generation_kwargs\['temperature'\] is not taken: the trained"),
+        ({"generation_kwargs": {"max_new_tokens": 9}}, "set the config's max_completion_length"),
+        ({"generation_kwargs": "min_p=0.1"}, "generation_kwargs must be a dict"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"generation_kwargs": {"min_p": -0.1}}, r"min_p must be in \[0, 1\]"),
+        (
+            {"generation_kwargs": {"suppress_tokens": [7]}, "use_vllm": True},
+            "suppress_tokens reach treadle's own sampler only",
+        ),
+    ],
+)
 def test_sampling_settings_the_own_sampler_cannot_honour_are_refused(tmp_path, settings, message):
     with pytest.raises(ValueError, match=message):
         GRPOConfig(output_dir=str(tmp_path), **settings)

@@ -5,10 +5,10 @@ import functools
 
 import pytest
 import torch
-
 from _factories import vision_grpo_trainer
-from treadle.demos import toy_vision as tv
+
 from treadle import vision
+from treadle.demos import toy_vision as tv
 from treadle.trainers.onpolicy import vision as onpolicy_vision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,7 +39,7 @@ def plain_logps(model, sample, inputs, suppress=()):
     with torch.no_grad():
         logits = model.eval()(input_ids=sample.input_ids, attention_mask=sample.attention_mask, **inputs).logits
     width = sample.completion_mask.shape[1]
-    logits = logits[:, -width - 1:-1].float()  # (B, C, V) predicting the completion tokens
+    logits = logits[:, -width - 1 : -1].float()  # (B, C, V) predicting the completion tokens
     if suppress:
         logits[..., list(suppress)] = -float("inf")
     return torch.log_softmax(logits, -1).gather(-1, sample.completion_ids[..., None]).squeeze(-1)
@@ -103,8 +103,9 @@ def test_a_vision_prompt_is_never_cut(processor):
 def test_evaluate_scores_held_out_images_greedily(tmp_path, kind, processor):
     """evaluate() samples held-out rows with their images (Qwen2-VL's greedy rows through generate, LLaVA's
     through the own sampler); greedy answers do not depend on the seed."""
-    trainer = trainer_for(tmp_path, kind, processor, eval_greedy=True, num_generations_eval=2,
-                          per_device_eval_batch_size=4)
+    trainer = trainer_for(
+        tmp_path, kind, processor, eval_greedy=True, num_generations_eval=2, per_device_eval_batch_size=4
+    )
     test = tv.count_task("test", 4, kind="rl")
     first = trainer.evaluate(test)
     again = trainer.evaluate(test)

@@ -10,8 +10,14 @@ from typing import ClassVar
 
 from treadle.arguments import PaddingFreeOption, SharedPrefixOption
 from treadle.errors import PreflightError
-from treadle.losses import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, check_grpo_extras,
-                            check_grpo_options, check_sampling_correction)
+from treadle.losses import (
+    ADVANTAGE_ESTIMATORS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALE_REWARDS,
+    check_grpo_extras,
+    check_grpo_options,
+    check_sampling_correction,
+)
 from treadle.trainers.onpolicy.config import OnPolicyConfig
 
 __all__ = ["GRPOConfig", "HEALTH_CHECKS", "resolve_health_checks"]
@@ -72,47 +78,72 @@ class GRPOConfig(SharedPrefixOption, PaddingFreeOption, OnPolicyConfig):
         self._validate_objective_table()
         self._validate_sampling_correction()
         if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards={self.scale_rewards!r} is not supported; use one of {list(SCALE_REWARDS)}")
+            raise ValueError(
+                f"scale_rewards={self.scale_rewards!r} is not supported; use one of {list(SCALE_REWARDS)}"
+            )
         check_grpo_options(self.loss_type, self.beta, self.epsilon, self.epsilon_high)  # the rules grpo_loss applies
         self.health_checks = resolve_health_checks(self.health_checks)
         self._validate_dynamic_sampling()
 
     def _validate_sampling_correction(self) -> None:
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias, with TRL's warning
-            warnings.warn("vllm_importance_sampling_cap is deprecated (as in TRL, to be removed in v2.0.0): use "
-                          "vllm_importance_sampling_clip_max instead", FutureWarning, stacklevel=4)
+            warnings.warn(
+                "vllm_importance_sampling_cap is deprecated (as in TRL, to be removed in v2.0.0): use "
+                "vllm_importance_sampling_clip_max instead",
+                FutureWarning,
+                stacklevel=4,
+            )
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        check_sampling_correction(self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
-                                  self.vllm_importance_sampling_clip_max,
-                                  enabled=self.vllm_importance_sampling_correction)
+        check_sampling_correction(
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
+            enabled=self.vllm_importance_sampling_correction,
+        )
 
     def _validate_dynamic_sampling(self) -> None:
         rounds = self.dynamic_sampling_max_rounds
         if not isinstance(rounds, int) or rounds < 0:
             raise ValueError(f"dynamic_sampling_max_rounds must be an integer >= 0, got {rounds!r}")
         if self.dynamic_sampling and self.generation_batch_size % self.num_generations:
-            raise ValueError(f"dynamic_sampling keeps or drops whole groups on each process, but one process holds "
-                             f"generation_batch_size={self.generation_batch_size} completions, not a multiple of "
-                             f"num_generations={self.num_generations}; make per_device_train_batch_size x "
-                             f"steps_per_generation a multiple of num_generations")
+            raise ValueError(
+                f"dynamic_sampling keeps or drops whole groups on each process, but one process holds "
+                f"generation_batch_size={self.generation_batch_size} completions, not a multiple of "
+                f"num_generations={self.num_generations}; make per_device_train_batch_size x "
+                f"steps_per_generation a multiple of num_generations"
+            )
         if self.dynamic_sampling and self.max_staleness:
-            raise PreflightError("max_staleness > 0 cannot take dynamic_sampling (its extra rounds depend on the "
-                                 "rewards of the batch being sampled): set one of them off")
+            raise PreflightError(
+                "max_staleness > 0 cannot take dynamic_sampling (its extra rounds depend on the "
+                "rewards of the batch being sampled): set one of them off"
+            )
 
     def _validate_objective_table(self) -> None:
-        check_grpo_extras(self.importance_sampling_level, self.delta, self.sapo_temperature_pos,
-                          self.sapo_temperature_neg, self.top_entropy_quantile, self.off_policy_mask_threshold)
-        for name, allowed in (("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS),
-                              ("advantage_estimator", ADVANTAGE_ESTIMATORS)):
+        check_grpo_extras(
+            self.importance_sampling_level,
+            self.delta,
+            self.sapo_temperature_pos,
+            self.sapo_temperature_neg,
+            self.top_entropy_quantile,
+            self.off_policy_mask_threshold,
+        )
+        for name, allowed in (
+            ("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS),
+            ("advantage_estimator", ADVANTAGE_ESTIMATORS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported; use one of {list(allowed)}")
         if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator == "rloo":
-            raise ValueError("multi_objective_aggregation='normalize_then_sum' (GDPO) forms its own advantages; "
-                             "use it with advantage_estimator='grpo'")
+            raise ValueError(
+                "multi_objective_aggregation='normalize_then_sum' (GDPO) forms its own advantages; "
+                "use it with advantage_estimator='grpo'"
+            )
         if self.loss_type == "cispo" and self.epsilon_high < 1:
-            warnings.warn(f"loss_type='cispo' caps the importance ratio itself at epsilon_high={self.epsilon_high}, "
-                          f"below 1, so every token's weight is capped (as in TRL); ScaleRL uses epsilon_high=5.0",
-                          stacklevel=3)
+            warnings.warn(
+                f"loss_type='cispo' caps the importance ratio itself at epsilon_high={self.epsilon_high}, "
+                f"below 1, so every token's weight is capped (as in TRL); ScaleRL uses epsilon_high=5.0",
+                stacklevel=3,
+            )
 
 
 # The health checks (treadle.health) and their defaults; GRPOConfig.health_checks overrides any of them by name.
@@ -135,8 +166,10 @@ def resolve_health_checks(value) -> dict:
     if value is None or value is True:
         return dict(HEALTH_CHECKS)
     if value is False:
-        return {name: (False if name in _SWITCHES else None if name != "patience" else default)
-                for name, default in HEALTH_CHECKS.items()}
+        return {
+            name: (False if name in _SWITCHES else None if name != "patience" else default)
+            for name, default in HEALTH_CHECKS.items()
+        }
     if not isinstance(value, dict):
         raise ValueError(f"health_checks must be a mapping of check names to settings (or False), got {value!r}")
     unknown = sorted(set(value) - set(HEALTH_CHECKS))
@@ -154,7 +187,9 @@ def resolve_health_checks(value) -> dict:
     bounds = checks["importance_ratio_bounds"]
     if bounds is not None:
         if not (isinstance(bounds, (list, tuple)) and len(bounds) == 2 and 0 <= bounds[0] < 1 < bounds[1]):
-            raise ValueError(f"health_checks['importance_ratio_bounds'] must be [low, high] with 0 <= low < 1 < high, "
-                             f"or None (off), got {bounds!r}")
+            raise ValueError(
+                f"health_checks['importance_ratio_bounds'] must be [low, high] with 0 <= low < 1 < high, "
+                f"or None (off), got {bounds!r}"
+            )
         checks["importance_ratio_bounds"] = [float(b) for b in bounds]
     return checks

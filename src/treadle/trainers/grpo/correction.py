@@ -38,26 +38,41 @@ def corrects_sampling(args, *, exact_logps: bool) -> bool:
     ``exact_logps``: its log-probs are the live policy's own (``RolloutEngine.exact_logps``: the own sampler)."""
     if not args.vllm_importance_sampling_correction:
         return False
-    options = {"top_k": args.top_k or 0, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty,
-               **sampler_options(args.min_p, args.generation_kwargs)}  # generation_kwargs override, as when sampling
-    reshaped = (options["top_k"] > 0 or options["top_p"] < 1 or options["repetition_penalty"] != 1
-                or options.get("min_p", 0) > 0 or bool(options.get("suppress_token_ids")))
+    options = {
+        "top_k": args.top_k or 0,
+        "top_p": args.top_p,
+        "repetition_penalty": args.repetition_penalty,
+        **sampler_options(args.min_p, args.generation_kwargs),
+    }  # generation_kwargs override, as when sampling
+    reshaped = (
+        options["top_k"] > 0
+        or options["top_p"] < 1
+        or options["repetition_penalty"] != 1
+        or options.get("min_p", 0) > 0
+        or bool(options.get("suppress_token_ids"))
+    )
     return reshaped or not exact_logps
 
 
 def sampling_ratio(sample: Sample, args) -> torch.Tensor:
     """The correction weight of ``sample`` ``(B, C)`` or ``(B, 1)``, from its old and sampling log-probs."""
-    return sampling_importance_ratio(sample.old_logps, sample.sampling_logps, sample.completion_mask,
-                                     mode=args.vllm_importance_sampling_mode,
-                                     clip_min=args.vllm_importance_sampling_clip_min,
-                                     clip_max=args.vllm_importance_sampling_clip_max)
+    return sampling_importance_ratio(
+        sample.old_logps,
+        sample.sampling_logps,
+        sample.completion_mask,
+        mode=args.vllm_importance_sampling_mode,
+        clip_min=args.vllm_importance_sampling_clip_min,
+        clip_max=args.vllm_importance_sampling_clip_max,
+    )
 
 
 def correction_metrics(slices: list[Sample], mode: str) -> dict[str, tuple[float, int]]:
     """TRL's ``sampling/*`` metrics of one generation (this rank's slices, then every rank as TRL: the mean of the
     ranks' means, the max of their maxima, the min of their minima), as window pairs. Every rank must call it."""
-    parts = [sampling_correction_values(s.old_logps, s.sampling_logps, s.importance_sampling_ratio,
-                                        s.completion_mask, mode) for s in slices]
+    parts = [
+        sampling_correction_values(s.old_logps, s.sampling_logps, s.importance_sampling_ratio, s.completion_mask, mode)
+        for s in slices
+    ]
     local = sampling_correction_metrics(torch.cat([g for g, _ in parts]), torch.cat([r for _, r in parts]))
     names = list(local)
     every = dist.gather_rows(torch.stack([local[n].float() for n in names]).cpu().unsqueeze(0))  # (W, 5)

@@ -18,7 +18,7 @@ How it is done here (and how it departs from DAPO's recipe):
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -37,8 +37,10 @@ Draw = Callable[[int], tuple[Rollout, torch.Tensor]]  # round -> (its rollout, i
 def check_stream(dataset, args) -> None:
     """Extra prompts are drawn from the whole dataset, which a stream does not allow: refused in one line."""
     if args.dynamic_sampling and is_stream(dataset):
-        raise PreflightError("dynamic_sampling draws extra prompts from the whole dataset, which a stream does not "
-                             "allow; set dynamic_sampling: false or give a datasets.Dataset")
+        raise PreflightError(
+            "dynamic_sampling draws extra prompts from the whole dataset, which a stream does not "
+            "allow; set dynamic_sampling: false or give a datasets.Dataset"
+        )
 
 
 def extra_rows(dataset, *, seed: int, generation: int, round_: int, group: int, rows_per_rank: int) -> list[dict]:
@@ -49,13 +51,24 @@ def extra_rows(dataset, *, seed: int, generation: int, round_: int, group: int, 
     prompts = rows_per_rank * world // group
     picker = random.Random(f"dynamic/{seed}/{generation}/{round_}")
     indices = picker.sample(range(len(dataset)), min(prompts, len(dataset)))
-    indices += [picker.randrange(len(dataset)) for _ in range(prompts - len(indices))]  # a dataset smaller than a batch
-    rows = [i for i in indices for _ in range(group)][rank * rows_per_rank:(rank + 1) * rows_per_rank]
+    indices += [
+        picker.randrange(len(dataset)) for _ in range(prompts - len(indices))
+    ]  # a dataset smaller than a batch
+    rows = [i for i in indices for _ in range(group)][rank * rows_per_rank : (rank + 1) * rows_per_rank]
     return [dataset[i] for i in rows]
 
 
-def fill_with_signal(rollout: Rollout, rewards: torch.Tensor, draw: Draw, *, weights: list[float], group: int,
-                     max_rounds: int, pad_token_id: int, device) -> tuple[Rollout, torch.Tensor, torch.Tensor, dict]:
+def fill_with_signal(
+    rollout: Rollout,
+    rewards: torch.Tensor,
+    draw: Draw,
+    *,
+    weights: list[float],
+    group: int,
+    max_rounds: int,
+    pad_token_id: int,
+    device,
+) -> tuple[Rollout, torch.Tensor, torch.Tensor, dict]:
     """Keep this rank's groups whose rewards differ, drawing extra rounds (``draw(round)``) while any rank is short
     and at most ``max_rounds`` times. Returns the batch (as many rows as ``rollout``), its rewards ``(N, F)``, a
     ``(N,)`` bool of the rows to train on (False: a filler group, loss-masked) and the metrics
@@ -73,12 +86,15 @@ def fill_with_signal(rollout: Rollout, rewards: torch.Tensor, draw: Draw, *, wei
             break
         rounds += 1
         pool.append(draw(rounds) if len(kept) < needed else (current, scores[:0]))  # a full rank draws nothing
-    fillers = [(0, g) for g in range(needed) if (0, g) not in kept][:needed - len(kept)]
+    fillers = [(0, g) for g in range(needed) if (0, g) not in kept][: needed - len(kept)]
     groups = kept + fillers
     parts = [(pool[i][0], list(range(g * group, (g + 1) * group))) for i, g in groups]
     batch = join_rows(parts, pad_token_id)
-    batch_rewards = torch.cat([pool[i][1][g * group:(g + 1) * group] for i, g in groups])
+    batch_rewards = torch.cat([pool[i][1][g * group : (g + 1) * group] for i, g in groups])
     train = torch.tensor([i < len(kept) for i in range(len(groups)) for _ in range(group)])
-    metrics = {"dynamic_sampling/rounds": (float(rounds), 1), "dynamic_sampling/dropped_fraction": (dropped, drawn),
-               "dynamic_sampling/unfilled_fraction": (len(fillers), needed)}
+    metrics = {
+        "dynamic_sampling/rounds": (float(rounds), 1),
+        "dynamic_sampling/dropped_fraction": (dropped, drawn),
+        "dynamic_sampling/unfilled_fraction": (len(fillers), needed),
+    }
     return batch, batch_rewards, train, metrics

@@ -15,8 +15,9 @@ from treadle.trainers.onpolicy.data import Rollout
 __all__ = ["completion_records", "generation_metrics"]
 
 
-def generation_metrics(metrics: dict, all_rewards: torch.Tensor, rollout: Rollout, reward_funcs: list,
-                       weights: list[float]) -> dict[str, tuple[float, int]]:
+def generation_metrics(
+    metrics: dict, all_rewards: torch.Tensor, rollout: Rollout, reward_funcs: list, weights: list[float]
+) -> dict[str, tuple[float, int]]:
     """Reward and length statistics of one generation, over all ranks (means over generations at log time);
     ``metrics`` are the advantage estimator's, ``all_rewards`` (W*N, F) every rank's rewards."""
     record = {name: (float(value), 1) for name, value in metrics.items()}
@@ -34,20 +35,31 @@ def generation_metrics(metrics: dict, all_rewards: torch.Tensor, rollout: Rollou
             record[f"rewards/{reward_name(fn)}/std"] = (float(scored.std()) if len(scored) > 1 else 0.0, 1)
     lengths = dist.gather_rows(rollout.generation.completion_mask.sum(dim=1).float().cpu())  # (W*N,)
     truncated = dist.gather_rows(rollout.generation.is_truncated.float().cpu())
-    record.update({"completions/mean_length": (float(lengths.mean()), 1),
-                   "completions/min_length": (float(lengths.min()), 1),
-                   "completions/max_length": (float(lengths.max()), 1),
-                   "completions/clipped_ratio": (float(truncated.mean()), 1)})
+    record.update(
+        {
+            "completions/mean_length": (float(lengths.mean()), 1),
+            "completions/min_length": (float(lengths.min()), 1),
+            "completions/max_length": (float(lengths.max()), 1),
+            "completions/clipped_ratio": (float(truncated.mean()), 1),
+        }
+    )
     return {**record, **rollout.rollout_metrics}
 
 
-
-def completion_records(rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor, names: list[str],
-                       step: int) -> list[dict]:
+def completion_records(
+    rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor, names: list[str], step: int
+) -> list[dict]:
     """This generation's completions.jsonl records, every rank's (rank order), on every rank."""
-    records = [{"step": step, "prompt": p, "completion": c,
-                "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, r)}, "advantage": a}
-               for p, c, r, a in zip(rollout.prompts, rollout.completions, rewards.tolist(), advantages.tolist())]
+    records = [
+        {
+            "step": step,
+            "prompt": p,
+            "completion": c,
+            "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, r)},
+            "advantage": a,
+        }
+        for p, c, r, a in zip(rollout.prompts, rollout.completions, rewards.tolist(), advantages.tolist())
+    ]
     for record, transcript in zip(records, rollout.transcripts or ()):
         record["transcript"] = transcript  # multi-turn: every turn with its role
     return [r for part in dist.gather_objects(records) for r in part]

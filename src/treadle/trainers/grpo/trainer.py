@@ -72,28 +72,28 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from treadle import distributed as dist
-from treadle.record import runfiles
 from treadle.health import HealthCallback, generation_health
+from treadle.logprobs.prefix import shared_prefix_logps
 from treadle.logprobs.tokens import token_logps
-from treadle.losses import GRPOObjective, decoupled_advantages, grpo_aggregation, grpo_loss, group_advantages
+from treadle.losses import GRPOObjective, decoupled_advantages, group_advantages, grpo_aggregation, grpo_loss
 from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
 from treadle.peft import reference_of
-from treadle.logprobs.prefix import shared_prefix_logps
+from treadle.record import runfiles
 from treadle.rewards import RewardFunction, reward_name, weighted_rewards
+from treadle.trainers.grpo import correction
+from treadle.trainers.grpo.config import GRPOConfig
+from treadle.trainers.grpo.dynamic import check_stream, extra_rows, fill_with_signal
+from treadle.trainers.grpo.records import completion_records, generation_metrics
 from treadle.trainers.onpolicy import vision as onpolicy_vision
 from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
 from treadle.trainers.onpolicy.records import seeded_generator
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
-from treadle.trainers.grpo.config import GRPOConfig
-from treadle.trainers.grpo import correction
-from treadle.trainers.grpo.dynamic import check_stream, extra_rows, fill_with_signal
-from treadle.trainers.grpo.records import completion_records, generation_metrics
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "Sample"]
 
@@ -122,21 +122,47 @@ class GRPOTrainer(OnPolicyTrainer):
     config_class = GRPOConfig
     requires_reward_funcs = True
 
-    def __init__(self, model=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
-                 args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None, processing_class=None,
-                 callbacks=None, optimizers=(None, None), ref_model=None, peft_config=None, compute_metrics=None,
-                 tools=None, env_factory=None):
+    def __init__(
+        self,
+        model=None,
+        reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        ref_model=None,
+        peft_config=None,
+        compute_metrics=None,
+        tools=None,
+        env_factory=None,
+    ):
         args = self.check_args(args)
         model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
         ref_model, _ = from_name(ref_model, processing_class, args)
-        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         peft_config=peft_config, compute_metrics=compute_metrics, reward_funcs=reward_funcs,
-                         tools=tools, env_factory=env_factory)
+        super().__init__(
+            model=model,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            compute_metrics=compute_metrics,
+            reward_funcs=reward_funcs,
+            tools=tools,
+            env_factory=env_factory,
+        )
         self.ref_model = self.build_reference_model(ref_model) if self.needs_reference_logps() else None
         self._completions_file_checked = False
-        self.health = HealthCallback(args.health_checks, self.metrics, num_generations=args.num_generations,
-                                     max_completion_length=args.max_completion_length)  # treadle.health
+        self.health = HealthCallback(
+            args.health_checks,
+            self.metrics,
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+        )  # treadle.health
         self.add_callback(self.health)
 
     def needs_reference_logps(self) -> bool:
@@ -197,17 +223,27 @@ class GRPOTrainer(OnPolicyTrainer):
         rollout, rewards, trained = self.sample_and_score(rows, generation)  # (N, F), (N,)
         all_rewards = dist.gather_rows(rewards)  # (W*N, F)
         total = weighted_rewards(all_rewards, self.reward_weights)  # (W*N,)
-        advantages, metrics = group_advantages(total, args.num_generations, scale_rewards=args.scale_rewards,
-                                               advantage_estimator=args.advantage_estimator)
+        advantages, metrics = group_advantages(
+            total, args.num_generations, scale_rewards=args.scale_rewards, advantage_estimator=args.advantage_estimator
+        )
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward normalised on its own
             advantages = decoupled_advantages(all_rewards, self.reward_weights, args.num_generations)
         rank, rows_here = dist.get_rank(), len(rows)
-        local_advantages = advantages[rank * rows_here:(rank + 1) * rows_here]  # (N,)
-        self.metrics.add_many(generation_metrics(metrics, all_rewards, rollout, self.reward_funcs,
-                                                 self.reward_weights))
-        self.metrics.add_many(self.health.record_generation(generation_health(
-            all_rewards, total, dist.gather_rows(rollout.generation.is_truncated.cpu()), args.num_generations,
-            [reward_name(fn) for fn in self.reward_funcs])))
+        local_advantages = advantages[rank * rows_here : (rank + 1) * rows_here]  # (N,)
+        self.metrics.add_many(
+            generation_metrics(metrics, all_rewards, rollout, self.reward_funcs, self.reward_weights)
+        )
+        self.metrics.add_many(
+            self.health.record_generation(
+                generation_health(
+                    all_rewards,
+                    total,
+                    dist.gather_rows(rollout.generation.is_truncated.cpu()),
+                    args.num_generations,
+                    [reward_name(fn) for fn in self.reward_funcs],
+                )
+            )
+        )
         if args.log_completions:
             self._log_completions(rollout, rewards, local_advantages)
         loss_mask = rollout.loss_mask * trained.to(rollout.loss_mask.device, rollout.loss_mask.dtype).unsqueeze(1)
@@ -230,14 +266,27 @@ class GRPOTrainer(OnPolicyTrainer):
             return rollout, rewards, torch.ones(len(rows), dtype=torch.bool)
 
         def draw(round_: int) -> tuple[Rollout, torch.Tensor]:
-            extra = extra_rows(self.train_dataset, seed=args.seed, generation=generation, round_=round_,
-                               group=args.num_generations, rows_per_rank=len(rows))
+            extra = extra_rows(
+                self.train_dataset,
+                seed=args.seed,
+                generation=generation,
+                round_=round_,
+                group=args.num_generations,
+                rows_per_rank=len(rows),
+            )
             more = self.sample_rows(extra, seeded_generator(args.seed, args.device, "train", generation, round_))
             return more, self.compute_rewards(more)
 
         rollout, rewards, trained, metrics = fill_with_signal(
-            rollout, rewards, draw, weights=self.reward_weights, group=args.num_generations,
-            max_rounds=args.dynamic_sampling_max_rounds, pad_token_id=self.pad_token_id, device=args.device)
+            rollout,
+            rewards,
+            draw,
+            weights=self.reward_weights,
+            group=args.num_generations,
+            max_rounds=args.dynamic_sampling_max_rounds,
+            pad_token_id=self.pad_token_id,
+            device=args.device,
+        )
         self.metrics.add_many(metrics)
         return rollout, rewards, trained
 
@@ -248,8 +297,9 @@ class GRPOTrainer(OnPolicyTrainer):
         rows = slice(index * size, (index + 1) * size)
         sample = slice_sample(rollout.generation, loss_mask, advantages, rows)
         width = sample.completion_mask.shape[1]
-        sample.model_inputs = onpolicy_vision.slice_inputs(self.processing_class, rollout, rows,
-                                                       sample.input_ids.shape[1] - width, width)
+        sample.model_inputs = onpolicy_vision.slice_inputs(
+            self.processing_class, rollout, rows, sample.input_ids.shape[1] - width, width
+        )
         sample = sample.to(self.args.device)
         corrected = self.corrects_sampling and sample.sampling_logps is not None
         if self._needs_old_logps() or corrected:
@@ -276,13 +326,31 @@ class GRPOTrainer(OnPolicyTrainer):
         batch = Sample.of(batch)
         ids, mask = batch.input_ids, batch.attention_mask
         start = ids.shape[1] - batch.completion_mask.shape[1] - 1
-        shared = None if not self.args.shared_prefix or batch.model_inputs else shared_prefix_logps(  # text rows
-            model, ids, mask, prompt_width=start + 1, temperature=self.args.temperature, return_entropy=return_entropy)
-        if shared is not None:  # each prompt once (treadle.logprobs.prefix); None where this model or batch does not share
+        shared = (
+            None
+            if not self.args.shared_prefix or batch.model_inputs
+            else shared_prefix_logps(  # text rows
+                model,
+                ids,
+                mask,
+                prompt_width=start + 1,
+                temperature=self.args.temperature,
+                return_entropy=return_entropy,
+            )
+        )
+        if (
+            shared is not None
+        ):  # each prompt once (treadle.logprobs.prefix); None where this model or batch does not share
             return shared
-        return token_logps(model, ids, mask, start=start, temperature=self.args.temperature,
-                           return_entropy=return_entropy, **onpolicy_vision.logprob_options(
-                               model, batch.model_inputs, position_ids(mask), self.args.padding_free))
+        return token_logps(
+            model,
+            ids,
+            mask,
+            start=start,
+            temperature=self.args.temperature,
+            return_entropy=return_entropy,
+            **onpolicy_vision.logprob_options(model, batch.model_inputs, position_ids(mask), self.args.padding_free),
+        )
 
     # ---- the loss ---------------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -291,10 +359,17 @@ class GRPOTrainer(OnPolicyTrainer):
         inputs = Sample.of(inputs)
         logps, entropy = self.completion_logps(model, inputs, return_entropy=True)  # (B, C) each
         normalizer = num_items_in_batch if self.objective.aggregation in ("grpo", "dapo") else None
-        loss, metrics = grpo_loss(logps, inputs.advantages, inputs.completion_mask, self.objective,
-                                  old_logps=inputs.old_logps, ref_logps=inputs.ref_logps, normalizer=normalizer,
-                                  importance_sampling_ratio=inputs.importance_sampling_ratio,
-                                  entropies=entropy.detach())
+        loss, metrics = grpo_loss(
+            logps,
+            inputs.advantages,
+            inputs.completion_mask,
+            self.objective,
+            old_logps=inputs.old_logps,
+            ref_logps=inputs.ref_logps,
+            normalizer=normalizer,
+            importance_sampling_ratio=inputs.importance_sampling_ratio,
+            entropies=entropy.detach(),
+        )
         mask = inputs.completion_mask.to(entropy.dtype)
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         self.metrics.add_many({name: (value, 1) for name, value in metrics.items()})  # means over micro-steps
@@ -304,15 +379,20 @@ class GRPOTrainer(OnPolicyTrainer):
     def objective(self) -> GRPOObjective:
         """The objective's settings (``losses.GRPOObjective``), from the config, built and checked once."""
         args = self.args
-        return GRPOObjective(loss_type=args.loss_type, beta=args.beta, epsilon_low=args.epsilon,
-                             epsilon_high=args.epsilon_high, delta=args.delta,
-                             sapo_temperature_pos=args.sapo_temperature_pos,
-                             sapo_temperature_neg=args.sapo_temperature_neg,
-                             importance_sampling_level=args.importance_sampling_level,
-                             use_bias_correction_kl=args.use_bias_correction_kl,
-                             top_entropy_quantile=args.top_entropy_quantile,
-                             off_policy_mask_threshold=args.off_policy_mask_threshold,
-                             max_completion_length=args.max_completion_length)
+        return GRPOObjective(
+            loss_type=args.loss_type,
+            beta=args.beta,
+            epsilon_low=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            delta=args.delta,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            importance_sampling_level=args.importance_sampling_level,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            top_entropy_quantile=args.top_entropy_quantile,
+            off_policy_mask_threshold=args.off_policy_mask_threshold,
+            max_completion_length=args.max_completion_length,
+        )
 
     # ---- records and checkpoints ------------------------------------------------------------------------
     def _log_completions(self, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor) -> None:

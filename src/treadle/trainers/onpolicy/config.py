@@ -52,7 +52,9 @@ class OnPolicyConfig(TrainingArguments):
 
     # --- vLLM as the rollout engine (treadle.engines.vllm; docs/vllm.md); TRL 1.16's names and defaults
     use_vllm: bool = False  # sample with vLLM instead of the own sampler (training and evaluation, single-turn)
-    vllm_mode: str = "colocate"  # "colocate": an in-process engine on the policy's device; "server": treadle vllm-serve
+    vllm_mode: str = (
+        "colocate"  # "colocate": an in-process engine on the policy's device; "server": treadle vllm-serve
+    )
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM takes (weights + KV cache); CUDA only
     vllm_max_model_length: int | None = None  # context window; None: the model config's max_position_embeddings
     vllm_tensor_parallel_size: int = 1  # GPUs one engine spans
@@ -70,7 +72,9 @@ class OnPolicyConfig(TrainingArguments):
     tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
     env_timeout: float | None = 60.0  # seconds an environment's reset/step may run; then its rollout ends; None: never
     tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
-    rollout_workers: int = 8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
+    rollout_workers: int = (
+        8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
+    )
 
     # --- asynchronous generation (trainers/onpolicy/producer.py; docs/async.md): sample the next batches while training
     max_staleness: int = 0  # N: train batches sampled from weights up to N optimizer steps old; 0: synchronous
@@ -92,8 +96,9 @@ class OnPolicyConfig(TrainingArguments):
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.generation_backend not in BACKENDS:
-            raise ValueError(f"generation_backend={self.generation_backend!r} is not supported; use one of "
-                             f"{list(BACKENDS)}")
+            raise ValueError(
+                f"generation_backend={self.generation_backend!r} is not supported; use one of {list(BACKENDS)}"
+            )
         self._validate_sampling_numbers()
         self._validate_generation_batch()
         self._resolve_eval_settings()
@@ -102,23 +107,34 @@ class OnPolicyConfig(TrainingArguments):
 
     def _validate_sampling_numbers(self) -> None:
         if not isinstance(self.num_generations, int) or self.num_generations < self.min_num_generations:
-            raise ValueError(f"num_generations must be an integer >= {self.min_num_generations} (GRPO: a group "
-                             f"needs two completions for a baseline), got {self.num_generations!r}; e.g. 8")
+            raise ValueError(
+                f"num_generations must be an integer >= {self.min_num_generations} (GRPO: a group "
+                f"needs two completions for a baseline), got {self.num_generations!r}; e.g. 8"
+            )
         for name in ("steps_per_generation", "num_iterations", "max_completion_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.max_prompt_length is not None and (not isinstance(self.max_prompt_length, int)
-                                                   or self.max_prompt_length < 1):
+        if self.max_prompt_length is not None and (
+            not isinstance(self.max_prompt_length, int) or self.max_prompt_length < 1
+        ):
             raise ValueError(f"max_prompt_length must be an integer >= 1 or None, got {self.max_prompt_length!r}")
         # the sampling settings' rules live with the sampler: build its parameters once to check them
         settings = dict(top_p=self.top_p, top_k=self.top_k, repetition_penalty=self.repetition_penalty)
         options = sampler_options(self.min_p, self.generation_kwargs)
-        SamplingParams(num_generations=self.num_generations, max_new_tokens=self.max_completion_length,
-                       eos_token_ids=(), pad_token_id=0, temperature=self.temperature, **settings | options)
+        SamplingParams(
+            num_generations=self.num_generations,
+            max_new_tokens=self.max_completion_length,
+            eos_token_ids=(),
+            pad_token_id=0,
+            temperature=self.temperature,
+            **settings | options,
+        )
         if self.use_vllm and "suppress_token_ids" in options:
-            raise ValueError("generation_kwargs' suppress_tokens reach treadle's own sampler only (vLLM takes no "
-                             "suppress list); unset it or set use_vllm=False")
+            raise ValueError(
+                "generation_kwargs' suppress_tokens reach treadle's own sampler only (vLLM takes no "
+                "suppress list); unset it or set use_vllm=False"
+            )
         if self.reward_weights is not None and not all(math.isfinite(float(w)) for w in self.reward_weights):
             raise ValueError(f"reward_weights must be finite numbers, got {self.reward_weights}")
 
@@ -131,28 +147,49 @@ class OnPolicyConfig(TrainingArguments):
                 setattr(self, f"eval_{name}", getattr(self, name))
         n, ks = self.num_generations_eval, self.eval_pass_at_k
         if not isinstance(n, int) or n < 1:
-            raise ValueError(f"num_generations_eval must be an integer >= 1 (samples per evaluation prompt), got {n!r}")
+            raise ValueError(
+                f"num_generations_eval must be an integer >= 1 (samples per evaluation prompt), got {n!r}"
+            )
         if not isinstance(ks, (list, tuple)) or not ks or not all(isinstance(k, int) and 1 <= k <= n for k in ks):
-            raise ValueError(f"eval_pass_at_k must be a non-empty list of integers in 1..num_generations_eval={n}, "
-                             f"got {ks!r}; e.g. eval_pass_at_k=[1, {n}] (raise num_generations_eval for a larger k)")
+            raise ValueError(
+                f"eval_pass_at_k must be a non-empty list of integers in 1..num_generations_eval={n}, "
+                f"got {ks!r}; e.g. eval_pass_at_k=[1, {n}] (raise num_generations_eval for a larger k)"
+            )
         if not math.isfinite(float(self.eval_success_threshold)) or self.eval_temperature < 0:
-            raise ValueError(f"eval_success_threshold must be finite and eval_temperature >= 0 (0: greedy), got "
-                             f"{self.eval_success_threshold!r} and {self.eval_temperature!r}")
-        SamplingParams(num_generations=n, max_new_tokens=self.max_completion_length, eos_token_ids=(), pad_token_id=0,
-                       temperature=self.eval_temperature or 1.0, top_p=self.eval_top_p, top_k=self.eval_top_k,
-                       do_sample=self.eval_temperature > 0)
+            raise ValueError(
+                f"eval_success_threshold must be finite and eval_temperature >= 0 (0: greedy), got "
+                f"{self.eval_success_threshold!r} and {self.eval_temperature!r}"
+            )
+        SamplingParams(
+            num_generations=n,
+            max_new_tokens=self.max_completion_length,
+            eos_token_ids=(),
+            pad_token_id=0,
+            temperature=self.eval_temperature or 1.0,
+            top_p=self.eval_top_p,
+            top_k=self.eval_top_k,
+            do_sample=self.eval_temperature > 0,
+        )
         best = (self.metric_for_best_model or "").removeprefix("eval_")
         if best == "loss":  # also TrainingArguments' default under load_best_model_at_end
-            raise ValueError("GRPO's evaluation reports no loss: set metric_for_best_model='pass@1' (keeps the "
-                             "policy that solved most) or 'reward'")
+            raise ValueError(
+                "GRPO's evaluation reports no loss: set metric_for_best_model='pass@1' (keeps the "
+                "policy that solved most) or 'reward'"
+            )
         missing_k = best.startswith("pass@") and best[5:] not in {str(k) for k in ks}
         if missing_k or (best.startswith("greedy/") and not self.eval_greedy):
-            raise ValueError(f"metric_for_best_model={self.metric_for_best_model!r} is not evaluated: add its k to "
-                             f"eval_pass_at_k={ks} (pass@k) or set eval_greedy=True (greedy/...)")
+            raise ValueError(
+                f"metric_for_best_model={self.metric_for_best_model!r} is not evaluated: add its k to "
+                f"eval_pass_at_k={ks} (pass@k) or set eval_greedy=True (greedy/...)"
+            )
 
     def _validate_generation_batch(self) -> None:
-        batch, spg, world, group = (self.per_device_train_batch_size, self.steps_per_generation,
-                                    self.world_size, self.num_generations)
+        batch, spg, world, group = (
+            self.per_device_train_batch_size,
+            self.steps_per_generation,
+            self.world_size,
+            self.num_generations,
+        )
         total = batch * spg * world
         if total % group == 0:
             return
@@ -163,7 +200,8 @@ class OnPolicyConfig(TrainingArguments):
             f"one generation samples per_device_train_batch_size x steps_per_generation x world_size = {batch} x "
             f"{spg} x {world} = {total} completions, which is not a multiple of num_generations={group} (every "
             f"prompt needs its whole group). Nearest valid: per_device_train_batch_size={_either(batches)}, "
-            f"or num_generations={_either(groups)}, or steps_per_generation={_either(spgs)}")
+            f"or num_generations={_either(groups)}, or steps_per_generation={_either(spgs)}"
+        )
 
     @property
     def generation_batch_size(self) -> int:
@@ -185,12 +223,16 @@ def check_async_config(args) -> None:
     if not args.max_staleness:
         return
     if args.use_vllm:
-        raise PreflightError("max_staleness > 0 runs with the own sampler only (the vLLM engine cannot sample in the "
-                             "background yet): set use_vllm: false or max_staleness: 0")
+        raise PreflightError(
+            "max_staleness > 0 runs with the own sampler only (the vLLM engine cannot sample in the "
+            "background yet): set use_vllm: false or max_staleness: 0"
+        )
     if args.steps_per_generation * args.num_iterations != args.gradient_accumulation_steps:
-        raise PreflightError(f"max_staleness > 0 needs one generation per optimizer step: steps_per_generation x "
-                             f"num_iterations = {args.steps_per_generation} x {args.num_iterations} must equal "
-                             f"gradient_accumulation_steps = {args.gradient_accumulation_steps}")
+        raise PreflightError(
+            f"max_staleness > 0 needs one generation per optimizer step: steps_per_generation x "
+            f"num_iterations = {args.steps_per_generation} x {args.num_iterations} must equal "
+            f"gradient_accumulation_steps = {args.gradient_accumulation_steps}"
+        )
 
 
 def _nearest_multiples(value: int, step: int) -> list[int]:

@@ -13,19 +13,29 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from treadle.data import epoch_batches
 from treadle.errors import PreflightError
-from treadle.streaming import Stream, repeat_rows
 from treadle.generation.single import GenerationOutput
+from treadle.streaming import Stream, repeat_rows
 
-__all__ = ["GenerationBuffer", "Prompts", "Rollout", "Sample", "Ticket", "generation_windows", "join_rows",
-           "prompt_stream", "slice_sample"]
+__all__ = [
+    "GenerationBuffer",
+    "Prompts",
+    "Rollout",
+    "Sample",
+    "Ticket",
+    "generation_windows",
+    "join_rows",
+    "prompt_stream",
+    "slice_sample",
+]
 
 
 @dataclass
@@ -53,12 +63,18 @@ class Rollout:
     rollout_metrics: dict = field(default_factory=dict)  # multi-turn: {name: (sum, count)}
 
     @classmethod
-    def of(cls, rows: list[dict], generation: GenerationOutput, completions: list, completion_lists: list,
-           **extra) -> "Rollout":
-        return cls(prompts=[row["prompt"] for row in rows],
-                   columns={k: [row[k] for row in rows] for k in rows[0] if k != "prompt"},
-                   completions=completions, completion_lists=completion_lists, generation=generation,
-                   loss_mask=extra.pop("loss_mask", generation.completion_mask), **extra)
+    def of(
+        cls, rows: list[dict], generation: GenerationOutput, completions: list, completion_lists: list, **extra
+    ) -> Rollout:
+        return cls(
+            prompts=[row["prompt"] for row in rows],
+            columns={k: [row[k] for row in rows] for k in rows[0] if k != "prompt"},
+            completions=completions,
+            completion_lists=completion_lists,
+            generation=generation,
+            loss_mask=extra.pop("loss_mask", generation.completion_mask),
+            **extra,
+        )
 
 
 def join_rows(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Rollout:
@@ -79,16 +95,20 @@ def join_rows(parts: list[tuple[Rollout, list[int]]], pad_token_id: int) -> Roll
         for name, (total, count) in r.rollout_metrics.items():
             old = metrics.get(name, (0.0, 0))
             metrics[name] = (old[0] + total, old[1] + count)
+
     def pick(get) -> list:
         return [values[i] for r, rows in parts for values in [get(r)] for i in rows]
 
-    return Rollout(prompts=pick(lambda r: r.prompts),
-                   columns={k: pick(lambda r, k=k: r.columns[k]) for k in first.columns},
-                   completions=pick(lambda r: r.completions), completion_lists=pick(lambda r: r.completion_lists),
-                   generation=dataclasses.replace(first.generation, **generation),
-                   loss_mask=_padded([r.loss_mask[rows] for r, rows in parts], 0, left=False),
-                   transcripts=None if first.transcripts is None else pick(lambda r: r.transcripts),
-                   rollout_metrics=metrics)
+    return Rollout(
+        prompts=pick(lambda r: r.prompts),
+        columns={k: pick(lambda r, k=k: r.columns[k]) for k in first.columns},
+        completions=pick(lambda r: r.completions),
+        completion_lists=pick(lambda r: r.completion_lists),
+        generation=dataclasses.replace(first.generation, **generation),
+        loss_mask=_padded([r.loss_mask[rows] for r, rows in parts], 0, left=False),
+        transcripts=None if first.transcripts is None else pick(lambda r: r.transcripts),
+        rollout_metrics=metrics,
+    )
 
 
 def _padded(tensors: list[Tensor], fill, *, left: bool) -> Tensor:
@@ -120,25 +140,28 @@ class Sample:
 
     @property
     def completion_ids(self) -> Tensor:  # (B, C)
-        return self.input_ids[:, -self.completion_mask.shape[1]:]
+        return self.input_ids[:, -self.completion_mask.shape[1] :]
 
     @classmethod
-    def of(cls, inputs: "Sample | dict") -> "Sample":
+    def of(cls, inputs: Sample | dict) -> Sample:
         """``inputs`` itself, or a Sample of a dict with the same keys (a hand-built micro-batch)."""
         return inputs if isinstance(inputs, Sample) else cls(**inputs)
 
-    def to(self, device) -> "Sample":
+    def to(self, device) -> Sample:
         return Sample.from_tensors({k: v.to(device) for k, v in self.tensors().items()})
 
     def tensors(self) -> dict[str, Tensor]:
         """The fields that are set, by name (what a checkpoint keeps); ``model_inputs`` as ``model_inputs.<key>``."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if getattr(self, f.name) is not None and f.name != "model_inputs"}
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is not None and f.name != "model_inputs"
+        }
         out.update({f"model_inputs.{k}": v for k, v in (self.model_inputs or {}).items()})
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor]) -> "Sample":
+    def from_tensors(cls, tensors: dict[str, Tensor]) -> Sample:
         """The Sample of ``tensors()``."""
         extras = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("model_inputs.")}
         fields = {k: v for k, v in tensors.items() if not k.startswith("model_inputs.")}
@@ -151,10 +174,13 @@ def slice_sample(out: GenerationOutput, loss_mask: Tensor, advantages: Tensor, r
     prompt_mask, completion_attention = out.prompt_mask[rows], out.completion_mask[rows]
     first = int(prompt_mask.any(dim=0).nonzero()[0])  # prompts are left-padded
     width = max(1, int(completion_attention.sum(dim=1).max()))
-    return Sample(input_ids=torch.cat([out.prompt_ids[rows, first:], out.completion_ids[rows, :width]], 1),
-                  attention_mask=torch.cat([prompt_mask[:, first:], completion_attention[:, :width]], 1),
-                  completion_mask=loss_mask[rows, :width], advantages=advantages[rows],
-                  sampling_logps=None if out.sampling_logps is None else out.sampling_logps[rows, :width])
+    return Sample(
+        input_ids=torch.cat([out.prompt_ids[rows, first:], out.completion_ids[rows, :width]], 1),
+        attention_mask=torch.cat([prompt_mask[:, first:], completion_attention[:, :width]], 1),
+        completion_mask=loss_mask[rows, :width],
+        advantages=advantages[rows],
+        sampling_logps=None if out.sampling_logps is None else out.sampling_logps[rows, :width],
+    )
 
 
 class Ticket(NamedTuple):
@@ -166,8 +192,9 @@ class Ticket(NamedTuple):
     micro_step: int  # 0 .. cycle - 1
 
 
-def generation_windows(dataloader, epoch: int, skip_steps: int, *, cycle: int, accum: int,
-                       generations_per_epoch: int) -> Iterator[list[Ticket]]:
+def generation_windows(
+    dataloader, epoch: int, skip_steps: int, *, cycle: int, accum: int, generations_per_epoch: int
+) -> Iterator[list[Ticket]]:
     """The accumulation windows (``accum`` tickets each, the epoch's last maybe fewer) of epoch ``epoch`` from its
     optimizer step ``skip_steps`` on. Each generation batch is drawn from the dataloader once and feeds ``cycle``
     tickets; on resume, the whole generations before the step are skipped by the sampler without loading, and the
@@ -215,17 +242,23 @@ class GenerationBuffer:
         self.cursor, self.slices = 0, {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor,
-                "slices": {str(g): [{k: v.cpu() for k, v in s.tensors().items()} for s in slices]
-                           for g, slices in self.slices.items()}}
+        return {
+            "cursor": self.cursor,
+            "slices": {
+                str(g): [{k: v.cpu() for k, v in s.tensors().items()} for s in slices]
+                for g, slices in self.slices.items()
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any], device) -> None:
         """Restore ``state_dict()``, or the layout of earlier releases (``{"buffers": ...}``, whose cursor lived in
         ``trainer_state.json``: then the cursor is left to the next ticket)."""
         slices = state["slices"] if "slices" in state else state["buffers"]
         self.cursor = int(state.get("cursor", 0))
-        self.slices = {int(g): [Sample.from_tensors({k: v.to(device) for k, v in s.items()}) for s in saved]
-                       for g, saved in slices.items()}
+        self.slices = {
+            int(g): [Sample.from_tensors({k: v.to(device) for k, v in s.items()}) for s in saved]
+            for g, saved in slices.items()
+        }
 
 
 def prompt_stream(dataset, args) -> Stream:
@@ -234,7 +267,9 @@ def prompt_stream(dataset, args) -> Stream:
     (rewards are still gathered from every rank for the logs and the health checks). A generation's batch must hold
     whole groups: refused otherwise, in one line."""
     if args.generation_batch_size % args.num_generations:
-        raise PreflightError(f"a streamed dataset gives each rank whole groups: generation_batch_size "
-                             f"{args.generation_batch_size} (per rank) must be a multiple of num_generations "
-                             f"{args.num_generations}; change per_device_train_batch_size or steps_per_generation")
+        raise PreflightError(
+            f"a streamed dataset gives each rank whole groups: generation_batch_size "
+            f"{args.generation_batch_size} (per rank) must be a multiple of num_generations "
+            f"{args.num_generations}; change per_device_train_batch_size or steps_per_generation"
+        )
     return Stream(dataset, repeat_rows(args.num_generations))

@@ -66,15 +66,29 @@ class Produced(NamedTuple):
 class RolloutProducer:
     """The trainer's side of the schedule (module docstring): requests ahead, weight pushes, batches in order."""
 
-    def __init__(self, model, params: SamplingParams, *, staleness: int, seed: int, backend: str = "auto",
-                 worker: str = "process", threads: int | None = None, timeout: float = 600.0,
-                 multi_turn: bool = False):
+    def __init__(
+        self,
+        model,
+        params: SamplingParams,
+        *,
+        staleness: int,
+        seed: int,
+        backend: str = "auto",
+        worker: str = "process",
+        threads: int | None = None,
+        timeout: float = 600.0,
+        multi_turn: bool = False,
+    ):
         if multi_turn:
-            raise PreflightError("max_staleness > 0 samples single-turn completions only: leave out tools= and "
-                                 "env_factory=, or set max_staleness: 0")
+            raise PreflightError(
+                "max_staleness > 0 samples single-turn completions only: leave out tools= and "
+                "env_factory=, or set max_staleness: 0"
+            )
         if dist.get_world_size() > 1:
-            raise PreflightError("max_staleness > 0 runs on one process (one rollout worker): launch without "
-                                 "torchrun, or set max_staleness: 0")
+            raise PreflightError(
+                "max_staleness > 0 runs on one process (one rollout worker): launch without "
+                "torchrun, or set max_staleness: 0"
+            )
         self.model, self.params, self.staleness, self.seed = model, params, staleness, seed
         self.backend, self.kind, self.threads, self.timeout = backend, worker, threads, timeout
         self.worker, self.saved_threads = None, None
@@ -105,8 +119,11 @@ class RolloutProducer:
         ``generation + staleness``, its rows known, not requested yet, and before ``max_steps`` (but ``generation``
         itself always)."""
         limit = max_steps or float("inf")
-        return [(h, self.rows[h]) for h in range(generation, generation + self.staleness + 1)
-                if h not in self.versions and h in self.rows and (h < limit or h == generation)]
+        return [
+            (h, self.rows[h])
+            for h in range(generation, generation + self.staleness + 1)
+            if h not in self.versions and h in self.rows and (h < limit or h == generation)
+        ]
 
     def start(self) -> None:
         """Start the rollout worker, once (from the run's first generation on, the threads are split)."""
@@ -124,8 +141,9 @@ class RolloutProducer:
         """Sample ``generation`` (``prompts``: its distinct prompt ids, as the trainer tokenised them) from the
         weights pushed last, seeded as the synchronous run seeds that generation."""
         if prompts.inputs is not None:
-            raise PreflightError("max_staleness > 0 samples text prompts only: this dataset's rows hold images; "
-                                 "set max_staleness: 0")
+            raise PreflightError(
+                "max_staleness > 0 samples text prompts only: this dataset's rows hold images; set max_staleness: 0"
+            )
         params = dataclasses.replace(self.params, num_generations=prompts.group)
         seed = generator_seed(self.seed, "train", generation)  # the synchronous run's seed of this generation
         self.worker.sample(SampleRequest(generation, prompts.ids, params, seed))
@@ -146,8 +164,10 @@ class RolloutProducer:
         got, version, out = self.worker.wait(f"generation {expected}'s batch")
         self.timings["waiting"] += time.perf_counter() - start
         if (got, version) != (expected, self.versions[expected]):
-            raise RuntimeError(f"asynchronous generation: the worker answered generation {got} (weights {version}) "
-                               f"where {expected} (weights {self.versions[expected]}) was due (a bug)")
+            raise RuntimeError(
+                f"asynchronous generation: the worker answered generation {got} (weights {version}) "
+                f"where {expected} (weights {self.versions[expected]}) was due (a bug)"
+            )
         self.inflight.popleft()
         self.ready[got] = out
 
@@ -156,8 +176,9 @@ class RolloutProducer:
         if self.kind == "process":  # the thread split (docs/async.md); a thread worker shares the threads
             self.saved_threads = torch.get_num_threads()
             torch.set_num_threads(trainer)
-        self.worker = RolloutWorker(self.model, kind=self.kind, threads=worker, timeout=self.timeout,
-                                    backend=self.backend)
+        self.worker = RolloutWorker(
+            self.model, kind=self.kind, threads=worker, timeout=self.timeout, backend=self.backend
+        )
         self.timings["worker_start"] += time.perf_counter() - start
 
     # ---- the lifecycle --------------------------------------------------------------------------------------
@@ -179,9 +200,13 @@ class RolloutProducer:
         """The batches already requested (waiting for those in flight) with their weight versions."""
         while self.inflight:
             self._receive()
-        ready = {str(g): {"version": self.versions[g], **{f.name: getattr(out, f.name) for f in dataclasses.fields(out)
-                                                          if getattr(out, f.name) is not None}}
-                 for g, out in self.ready.items()}
+        ready = {
+            str(g): {
+                "version": self.versions[g],
+                **{f.name: getattr(out, f.name) for f in dataclasses.fields(out) if getattr(out, f.name) is not None},
+            }
+            for g, out in self.ready.items()
+        }
         return {"max_staleness": self.staleness, "ready": ready}
 
     def load_state_dict(self, state: dict) -> None:

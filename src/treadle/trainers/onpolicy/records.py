@@ -12,12 +12,27 @@ import torch
 from treadle import distributed as dist
 from treadle.data import require_columns
 from treadle.metrics import pass_at_k_sums
-from treadle.rewards import (METRICS_ARGUMENTS, RewardFunction, call_compute_metrics, from_reward_model, reward_name,
-                             weighted_rewards)
+from treadle.rewards import (
+    METRICS_ARGUMENTS,
+    RewardFunction,
+    call_compute_metrics,
+    from_reward_model,
+    reward_name,
+    weighted_rewards,
+)
 from treadle.text import encode_prompt
 
-__all__ = ["check_dataset", "check_tokenizer", "custom_eval_metrics", "generator_seed", "reward_list", "reward_sums",
-           "reward_weights", "seeded_generator", "tokenize_prompts"]
+__all__ = [
+    "check_dataset",
+    "check_tokenizer",
+    "custom_eval_metrics",
+    "generator_seed",
+    "reward_list",
+    "reward_sums",
+    "reward_weights",
+    "seeded_generator",
+    "tokenize_prompts",
+]
 
 
 def generator_seed(seed: int, *key) -> int:
@@ -28,7 +43,6 @@ def generator_seed(seed: int, *key) -> int:
 def seeded_generator(seed: int, device, *key) -> torch.Generator:
     """A generator on ``device`` seeded by (seed, key, rank) (``generator_seed``)."""
     return torch.Generator(device=device).manual_seed(generator_seed(seed, *key))
-
 
 
 def tokenize_prompts(tokenizer, prompts: list, limit: int | None) -> list[list[int]]:
@@ -45,9 +59,15 @@ def tokenize_prompts(tokenizer, prompts: list, limit: int | None) -> list[list[i
     return out
 
 
-
-def reward_sums(rewards: torch.Tensor, weights: list[float], names: list[str], group: int, ks, threshold: float,
-                pass_key: str = "pass@{k}") -> dict[str, tuple[float, int]]:
+def reward_sums(
+    rewards: torch.Tensor,
+    weights: list[float],
+    names: list[str],
+    group: int,
+    ks,
+    threshold: float,
+    pass_key: str = "pass@{k}",
+) -> dict[str, tuple[float, int]]:
     """``{metric: (sum, count)}`` of the mean reward and pass@k of the weighted total (``reward``, ``pass@k``) and
     of each function (``rewards/<name>/mean``, ``rewards/<name>/pass@k``) for ``rewards`` ``(N, F)``, N = prompts x
     ``group`` samples in a row; unscored (NaN) samples count in no mean and never pass."""
@@ -61,9 +81,9 @@ def reward_sums(rewards: torch.Tensor, weights: list[float], names: list[str], g
     return out
 
 
-
-def custom_eval_metrics(compute_metrics, batches: list[dict | None], names: list[str],
-                        weights: list[float]) -> dict[str, float]:
+def custom_eval_metrics(
+    compute_metrics, batches: list[dict | None], names: list[str], weights: list[float]
+) -> dict[str, float]:
     """``compute_metrics`` on every sampled evaluation completion of every rank (called on each rank with the
     same arguments, so every rank logs the same values)."""
     mine = [b for b in batches if b is not None]
@@ -72,65 +92,82 @@ def custom_eval_metrics(compute_metrics, batches: list[dict | None], names: list
     columns = {key: [v for b in parts for v in b["columns"][key]] for key in (parts[0]["columns"] if parts else ())}
     clash = sorted(set(columns) & set(METRICS_ARGUMENTS))
     if clash:
-        raise ValueError(f"evaluation column(s) {clash} clash with compute_metrics' own arguments "
-                         f"{list(METRICS_ARGUMENTS)}; rename the column(s)")
+        raise ValueError(
+            f"evaluation column(s) {clash} clash with compute_metrics' own arguments "
+            f"{list(METRICS_ARGUMENTS)}; rename the column(s)"
+        )
     return call_compute_metrics(
-        compute_metrics, prompts=[p for b in parts for p in b["prompts"]],
+        compute_metrics,
+        prompts=[p for b in parts for p in b["prompts"]],
         completions=[c for b in parts for c in b["completions"]],
         completion_ids=[ids for b in parts for ids in b["completion_ids"]],
         rewards={name: [None if math.isnan(v) else v for v in rewards[:, j].tolist()] for j, name in enumerate(names)},
-        reward=weighted_rewards(rewards, weights).tolist(), **columns)
-
+        reward=weighted_rewards(rewards, weights).tolist(),
+        **columns,
+    )
 
 
 def reward_list(reward_funcs, required: bool = True) -> list[RewardFunction]:
     if not required and not reward_funcs:
         return []
     if reward_funcs is None:
-        raise ValueError("GRPOTrainer needs reward_funcs: a function or a list of functions "
-                         "fn(prompts, completions, completion_ids, **columns) -> list[float | None]")
+        raise ValueError(
+            "GRPOTrainer needs reward_funcs: a function or a list of functions "
+            "fn(prompts, completions, completion_ids, **columns) -> list[float | None]"
+        )
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     funcs = [from_reward_model(fn) if isinstance(fn, str) else fn for fn in funcs]  # a reward model's folder or Hub id
     if not funcs:
         raise ValueError("reward_funcs is empty; pass at least one reward function")
     for fn in funcs:
         if not callable(fn):
-            raise TypeError(f"reward function {fn!r} is not callable; pass a function fn(prompts, completions, "
-                            f"completion_ids, **columns) or a reward model's folder or Hub id (a str)")
+            raise TypeError(
+                f"reward function {fn!r} is not callable; pass a function fn(prompts, completions, "
+                f"completion_ids, **columns) or a reward model's folder or Hub id (a str)"
+            )
     names = [reward_name(fn) for fn in funcs]
     if len(set(names)) != len(names):
-        raise ValueError(f"reward functions need distinct names (they are logged as rewards/<name>/mean), got "
-                         f"{names}; rename one (e.g. set fn.__name__)")
+        raise ValueError(
+            f"reward functions need distinct names (they are logged as rewards/<name>/mean), got "
+            f"{names}; rename one (e.g. set fn.__name__)"
+        )
     return funcs
-
 
 
 def reward_weights(weights, funcs: list) -> list[float]:
     if weights is None:
         return [1.0] * len(funcs)
     if len(weights) != len(funcs):
-        raise ValueError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions "
-                         f"{[reward_name(f) for f in funcs]}; give one weight per function")
+        raise ValueError(
+            f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions "
+            f"{[reward_name(f) for f in funcs]}; give one weight per function"
+        )
     return [float(w) for w in weights]
-
 
 
 def check_tokenizer(tokenizer) -> None:
     if tokenizer is None or not callable(getattr(tokenizer, "batch_decode", None)):
-        raise ValueError("GRPOTrainer needs processing_class=<a tokenizer> to encode prompts and decode "
-                         "completions (e.g. treadle.toy.build_tokenizer() or AutoTokenizer.from_pretrained(path))")
-
+        raise ValueError(
+            "GRPOTrainer needs processing_class=<a tokenizer> to encode prompts and decode "
+            "completions (e.g. treadle.toy.build_tokenizer() or AutoTokenizer.from_pretrained(path))"
+        )
 
 
 def check_dataset(dataset, args) -> None:
     if dataset is None:
         return
-    require_columns(dataset, ["prompt"], what="GRPOTrainer",
-                    fix="Rename the column holding the prompts (text or chat messages) to 'prompt'.")
+    require_columns(
+        dataset,
+        ["prompt"],
+        what="GRPOTrainer",
+        fix="Rename the column holding the prompts (text or chat messages) to 'prompt'.",
+    )
     if hasattr(dataset, "__len__"):
         prompts = args.generation_batch_size * args.world_size // args.num_generations
         if len(dataset) < prompts:
-            raise ValueError(f"one generation needs {prompts} distinct prompts (generation_batch_size "
-                             f"{args.generation_batch_size} x world_size {args.world_size} / num_generations "
-                             f"{args.num_generations}) but the dataset has {len(dataset)} rows; use more rows, "
-                             f"a smaller per_device_train_batch_size or steps_per_generation")
+            raise ValueError(
+                f"one generation needs {prompts} distinct prompts (generation_batch_size "
+                f"{args.generation_batch_size} x world_size {args.world_size} / num_generations "
+                f"{args.num_generations}) but the dataset has {len(dataset)} rows; use more rows, "
+                f"a smaller per_device_train_batch_size or steps_per_generation"
+            )

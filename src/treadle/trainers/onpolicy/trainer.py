@@ -34,12 +34,11 @@ and the runner's threads when it ends, however it ends.
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from treadle import checkpoint as ckpt
-from treadle import distributed as dist
+from treadle import checkpoint as ckpt, distributed as dist
 from treadle.data import RepeatSampler, column_names, require_columns
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
@@ -56,11 +55,26 @@ from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.onpolicy import vision as onpolicy_vision
 from treadle.trainers.onpolicy.config import OnPolicyConfig
-from treadle.trainers.onpolicy.data import (GenerationBuffer, Prompts, Rollout, Sample, Ticket, generation_windows,
-                                            prompt_stream)
+from treadle.trainers.onpolicy.data import (
+    GenerationBuffer,
+    Prompts,
+    Rollout,
+    Sample,
+    Ticket,
+    generation_windows,
+    prompt_stream,
+)
 from treadle.trainers.onpolicy.producer import RolloutProducer
-from treadle.trainers.onpolicy.records import (check_dataset, check_tokenizer, custom_eval_metrics, reward_list,
-                                               reward_sums, reward_weights, seeded_generator, tokenize_prompts)
+from treadle.trainers.onpolicy.records import (
+    check_dataset,
+    check_tokenizer,
+    custom_eval_metrics,
+    reward_list,
+    reward_sums,
+    reward_weights,
+    seeded_generator,
+    tokenize_prompts,
+)
 from treadle.vision import tokenizer_of
 
 __all__ = ["OnPolicyTrainer"]
@@ -88,25 +102,55 @@ class OnPolicyTrainer(Trainer):
     config_class = OnPolicyConfig
     requires_reward_funcs = False  # GRPO trains on rewards; distillation's are optional (evaluation only)
 
-    def __init__(self, model=None, args: OnPolicyConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
-                 compute_metrics=None, reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
-                 tools=None, env_factory=None):
+    def __init__(
+        self,
+        model=None,
+        args: OnPolicyConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        compute_metrics=None,
+        reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
+        tools=None,
+        env_factory=None,
+    ):
         args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
         model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
         if compute_metrics is not None:
             check_compute_metrics(compute_metrics, column_names(eval_dataset) or ())
-        self.rollout_runner = None if tools is None and env_factory is None else RolloutRunner(
-            processing_class, tools=tools, env_factory=env_factory, call_format=args.tool_call_format,
-            max_tool_calling_iterations=args.max_tool_calling_iterations, tool_timeout=args.tool_timeout,
-            workers=args.rollout_workers, env_timeout=args.env_timeout)
+        self.rollout_runner = (
+            None
+            if tools is None and env_factory is None
+            else RolloutRunner(
+                processing_class,
+                tools=tools,
+                env_factory=env_factory,
+                call_format=args.tool_call_format,
+                max_tool_calling_iterations=args.max_tool_calling_iterations,
+                tool_timeout=args.tool_timeout,
+                workers=args.rollout_workers,
+                env_timeout=args.env_timeout,
+            )
+        )
         self.reward_funcs = reward_list(reward_funcs, required=self.requires_reward_funcs)
         self.reward_weights = reward_weights(args.reward_weights, self.reward_funcs)
         check_tokenizer(processing_class)
         check_dataset(train_dataset, args)
-        super().__init__(model=model, args=args, data_collator=_keep_rows, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers, peft_config=peft_config, compute_metrics=compute_metrics)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_keep_rows,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+            compute_metrics=compute_metrics,
+        )
         onpolicy_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images
         self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
         self.buffer = GenerationBuffer(self.micro_batches_per_batch())
@@ -128,11 +172,17 @@ class OnPolicyTrainer(Trainer):
         on a rollout worker with its own copy of the policy. Built only when ``max_staleness`` > 0; evaluation
         samples through the engine all the same."""
         args = self.args
-        return RolloutProducer(self.model, self.sampling_params("train"), seed=args.seed,
-                               staleness=args.max_staleness if staleness is None else staleness,
-                               backend=args.generation_backend, worker=args.async_worker,
-                               threads=args.async_worker_threads, timeout=args.async_timeout,
-                               multi_turn=self.rollout_runner is not None)
+        return RolloutProducer(
+            self.model,
+            self.sampling_params("train"),
+            seed=args.seed,
+            staleness=args.max_staleness if staleness is None else staleness,
+            backend=args.generation_backend,
+            worker=args.async_worker,
+            threads=args.async_worker_threads,
+            timeout=args.async_timeout,
+            multi_turn=self.rollout_runner is not None,
+        )
 
     def close(self) -> None:
         """Release the engine, the producer and the rollout runner's threads (a later ``train`` or ``evaluate``
@@ -151,14 +201,22 @@ class OnPolicyTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__}.train() needs a train_dataset with a 'prompt' column")
         if is_stream(self.train_dataset):  # each rank reads its own prompts; groups whole on the rank
-            return self.build_dataloader(prompt_stream(self.train_dataset, args), batch_size=args.generation_batch_size,
-                                         collate_fn=_keep_rows)
+            return self.build_dataloader(
+                prompt_stream(self.train_dataset, args), batch_size=args.generation_batch_size, collate_fn=_keep_rows
+            )
         world = dist.get_world_size()
-        sampler = RepeatSampler(len(self.train_dataset), mini_repeat_count=args.num_generations,
-                                batch_size=args.generation_batch_size * world // args.num_generations,
-                                shuffle=True, seed=args.data_seed, rank=dist.get_rank(), world_size=world)
-        return self.build_dataloader(self.train_dataset, batch_size=args.generation_batch_size, sampler=sampler,
-                                     collate_fn=_keep_rows)
+        sampler = RepeatSampler(
+            len(self.train_dataset),
+            mini_repeat_count=args.num_generations,
+            batch_size=args.generation_batch_size * world // args.num_generations,
+            shuffle=True,
+            seed=args.data_seed,
+            rank=dist.get_rank(),
+            world_size=world,
+        )
+        return self.build_dataloader(
+            self.train_dataset, batch_size=args.generation_batch_size, sampler=sampler, collate_fn=_keep_rows
+        )
 
     def micro_batches_per_batch(self) -> int:
         """Micro-steps one generation batch feeds: ``steps_per_generation * num_iterations``."""
@@ -169,10 +227,21 @@ class OnPolicyTrainer(Trainer):
         batch is drawn once and feeds a whole cycle of micro-steps; a resumed run skips whole generations
         without loading them."""
         sampler = dataloader.sampler
-        per_epoch = (sampler.batches_per_epoch if isinstance(sampler, RepeatSampler)  # len() shrinks on resume
-                     else len(dataloader) if hasattr(dataloader, "__len__") else 0)  # 0: a stream, one endless epoch
-        windows = generation_windows(dataloader, epoch, skip_steps, cycle=self.micro_batches_per_batch(),
-                                     accum=self.args.gradient_accumulation_steps, generations_per_epoch=per_epoch)
+        per_epoch = (
+            sampler.batches_per_epoch
+            if isinstance(sampler, RepeatSampler)  # len() shrinks on resume
+            else len(dataloader)
+            if hasattr(dataloader, "__len__")
+            else 0
+        )  # 0: a stream, one endless epoch
+        windows = generation_windows(
+            dataloader,
+            epoch,
+            skip_steps,
+            cycle=self.micro_batches_per_batch(),
+            accum=self.args.gradient_accumulation_steps,
+            generations_per_epoch=per_epoch,
+        )
         return windows if self.producer is None else self.producer.read_ahead(windows)  # async: rows ahead
 
     # ---- the buffer -------------------------------------------------------------------------------------
@@ -196,10 +265,13 @@ class OnPolicyTrainer(Trainer):
         for ticket in batch_samples:
             if ticket.generation not in self.buffer:
                 if ticket.micro_step:
-                    warnings.warn(f"{type(self).__name__}: resuming at micro-step {ticket.micro_step} of generation "
-                                  f"{ticket.generation}, without its saved buffer (no extra_state file in the "
-                                  f"checkpoint): sampling it again from the current policy, so this run is not an "
-                                  f"exact continuation", stacklevel=3)
+                    warnings.warn(
+                        f"{type(self).__name__}: resuming at micro-step {ticket.micro_step} of generation "
+                        f"{ticket.generation}, without its saved buffer (no extra_state file in the "
+                        f"checkpoint): sampling it again from the current policy, so this run is not an "
+                        f"exact continuation",
+                        stacklevel=3,
+                    )
                 if self.producer is not None:
                     self._request_ahead(ticket.generation)
                 self.buffer.put(ticket.generation, self.generate_and_score(ticket.rows, ticket.generation))
@@ -223,8 +295,15 @@ class OnPolicyTrainer(Trainer):
         raise NotImplementedError(f"{type(self).__name__} must implement generate_and_score(rows, generation)")
 
     # ---- sampling ---------------------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], *, num_generations: int, generator: torch.Generator | None = None,
-                 mode: str = "train", prompt_inputs: dict | None = None) -> GenerationOutput:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        num_generations: int,
+        generator: torch.Generator | None = None,
+        mode: str = "train",
+        prompt_inputs: dict | None = None,
+    ) -> GenerationOutput:
         """Sample ``num_generations`` completions for each distinct prompt (token ids) with the sampling settings
         of ``mode`` (``sampling_params``) through ``self.engine``; rows come back grouped (prompt b's completions
         are rows b*G .. b*G+G-1). ``prompt_inputs``: the prompts' vision inputs (image rows; their completions never
@@ -249,9 +328,14 @@ class OnPolicyTrainer(Trainer):
         group = {"train": args.num_generations, "eval": args.num_generations_eval}.get(mode, 1)
         settings = dict(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=args.repetition_penalty)
         settings |= sampler_options(args.min_p, args.generation_kwargs)  # TRL's: they override top_p, top_k, ...
-        return SamplingParams(num_generations=num_generations or group, max_new_tokens=args.max_completion_length,
-                              eos_token_ids=eos_ids(tokenizer_of(self.processing_class).eos_token_id),
-                              pad_token_id=self.pad_token_id, do_sample=do_sample, **settings)
+        return SamplingParams(
+            num_generations=num_generations or group,
+            max_new_tokens=args.max_completion_length,
+            eos_token_ids=eos_ids(tokenizer_of(self.processing_class).eos_token_id),
+            pad_token_id=self.pad_token_id,
+            do_sample=do_sample,
+            **settings,
+        )
 
     def sample_rows(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> Rollout:
         """One completion per row (``mode``: see ``sampling_params``), as training and ``evaluate`` sample: the
@@ -275,8 +359,9 @@ class OnPolicyTrainer(Trainer):
         group = self.sampling_params(mode).num_generations
         if onpolicy_vision.has_images(rows):
             distinct, group = onpolicy_vision.distinct_rows(rows, group)
-            ids, inputs = onpolicy_vision.encode(self.processing_class, distinct,
-                                                 max_prompt_length=self.args.max_prompt_length)
+            ids, inputs = onpolicy_vision.encode(
+                self.processing_class, distinct, max_prompt_length=self.args.max_prompt_length
+            )
             return Prompts(ids, group, inputs)
         ids = tokenize_prompts(self.processing_class, [row["prompt"] for row in rows], self.args.max_prompt_length)
         return Prompts(*distinct_prompts(ids, group))
@@ -287,8 +372,10 @@ class OnPolicyTrainer(Trainer):
         lengths = out.completion_mask.sum(dim=1).tolist()
         completion_lists = [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)]
         texts = tokenizer_of(self.processing_class).batch_decode(completion_lists, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if chat or is_conversation(row["prompt"]) else t
-                       for row, t in zip(rows, texts)]
+        completions = [
+            [{"role": "assistant", "content": t}] if chat or is_conversation(row["prompt"]) else t
+            for row, t in zip(rows, texts)
+        ]
         return Rollout.of(rows, out, completions, completion_lists)
 
     def sample_generation(self, rows: list[dict], generation: int) -> Rollout:
@@ -309,19 +396,36 @@ class OnPolicyTrainer(Trainer):
         ``loss_mask`` is 1 on sampled tokens only, with ``transcripts`` and ``rollout_metrics``; the reward
         functions also get the ``transcript`` and ``env_reward`` columns."""
         args = self.args
-        out = self.rollout_runner.run(self.engine, rows, self.sampling_params(mode),
-                                      max_prompt_length=args.max_prompt_length, generator=generator)
-        rollout = Rollout.of(rows, out.generation, out.completions, out.completion_lists,
-                             loss_mask=out.generation.sampled_mask, transcripts=out.transcripts,
-                             rollout_metrics=out.metrics)
+        out = self.rollout_runner.run(
+            self.engine,
+            rows,
+            self.sampling_params(mode),
+            max_prompt_length=args.max_prompt_length,
+            generator=generator,
+        )
+        rollout = Rollout.of(
+            rows,
+            out.generation,
+            out.completions,
+            out.completion_lists,
+            loss_mask=out.generation.sampled_mask,
+            transcripts=out.transcripts,
+            rollout_metrics=out.metrics,
+        )
         rollout.columns.update(transcript=out.transcripts, env_reward=out.env_rewards)
         return rollout
 
     def compute_rewards(self, rollout: Rollout) -> torch.Tensor:
         """Every reward function's float rewards of ``rollout`` ``(N, F)`` (NaN: no opinion)."""
-        return score_completions(self.reward_funcs, self.reward_weights, prompts=rollout.prompts,
-                                 completions=rollout.completions, completion_ids=rollout.completion_lists,
-                                 columns=rollout.columns, step=self.state.global_step)
+        return score_completions(
+            self.reward_funcs,
+            self.reward_weights,
+            prompts=rollout.prompts,
+            completions=rollout.completions,
+            completion_ids=rollout.completion_lists,
+            columns=rollout.columns,
+            step=self.state.global_step,
+        )
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def extra_checkpoint_state(self) -> dict:
@@ -350,16 +454,25 @@ class OnPolicyTrainer(Trainer):
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset with a 'prompt' column")
         require_columns(dataset, ["prompt"], what=f"{type(self).__name__}.evaluate")
-        loader = self.build_dataloader(dataset, batch_size=self.args.per_device_eval_batch_size,
-                                       sampler=self.build_sampler(dataset, shuffle=False), collate_fn=_keep_rows)
+        loader = self.build_dataloader(
+            dataset,
+            batch_size=self.args.per_device_eval_batch_size,
+            sampler=self.build_sampler(dataset, shuffle=False),
+            collate_fn=_keep_rows,
+        )
         self.callback_handler.eval_dataloader = loader
         self.metrics.clear("eval")
         self.engine.load_weights(self.model_wrapped, version=self.state.global_step)
         rng = ckpt.rng_state()  # reward functions and compute_metrics may draw from the global RNGs
         try:
             samples = [self._score_eval_batch(rows, index) for index, rows in enumerate(loader)]
-            custom = {} if self.compute_metrics is None else custom_eval_metrics(
-                self.compute_metrics, samples, [reward_name(fn) for fn in self.reward_funcs], self.reward_weights)
+            custom = (
+                {}
+                if self.compute_metrics is None
+                else custom_eval_metrics(
+                    self.compute_metrics, samples, [reward_name(fn) for fn in self.reward_funcs], self.reward_weights
+                )
+            )
         finally:
             ckpt.set_rng_state(rng)
         recorded = {**means_of(self.metrics.reduce("eval")), **custom}  # one all-reduce for every metric
@@ -373,21 +486,35 @@ class OnPolicyTrainer(Trainer):
         generator = seeded_generator(args.seed, args.device, "eval", index)
         rollout = self.sample_rows(repeated, generator, mode="eval")
         rewards = self.compute_rewards(rollout).double()  # (N, F)
-        record = {"completions/mean_length": (rollout.generation.completion_mask.sum(), len(repeated)),
-                  **reward_sums(rewards, self.reward_weights, names, n, args.eval_pass_at_k,
-                                args.eval_success_threshold)}
+        record = {
+            "completions/mean_length": (rollout.generation.completion_mask.sum(), len(repeated)),
+            **reward_sums(rewards, self.reward_weights, names, n, args.eval_pass_at_k, args.eval_success_threshold),
+        }
         if args.eval_greedy:  # one function of weight 1: its own greedy keys would repeat the total's, so none
             greedy = self.compute_rewards(self.sample_rows(rows, None, mode="greedy")).double()
             own = names if self.reward_weights != [1.0] else []
-            record.update({f"greedy/{key}": pair for key, pair in reward_sums(
-                greedy, self.reward_weights, own, 1, [1], args.eval_success_threshold, "accuracy").items()})
+            record.update(
+                {
+                    f"greedy/{key}": pair
+                    for key, pair in reward_sums(
+                        greedy, self.reward_weights, own, 1, [1], args.eval_success_threshold, "accuracy"
+                    ).items()
+                }
+            )
         self.metrics.add_many(record, mode="eval")
         self.callback_handler.call_event("on_prediction_step", self.args, self.state, self.control)
         if self.compute_metrics is None:
             return None
-        return {"prompts": rollout.prompts, "completions": rollout.completions,
-                "completion_ids": rollout.completion_lists, "rewards": rewards.tolist(), "columns": rollout.columns}
+        return {
+            "prompts": rollout.prompts,
+            "completions": rollout.completions,
+            "completion_ids": rollout.completion_lists,
+            "rewards": rewards.tolist(),
+            "columns": rollout.columns,
+        }
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        raise NotImplementedError(f"{type(self).__name__} has no per-batch prediction step: use trainer.evaluate() "
-                                  f"for sampled rewards, or treadle.generation.generate_completions to sample")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no per-batch prediction step: use trainer.evaluate() "
+            f"for sampled rewards, or treadle.generation.generate_completions to sample"
+        )

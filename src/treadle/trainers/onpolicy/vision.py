@@ -46,8 +46,9 @@ def check_dataset(dataset, model, processing_class, *, where: str = "the train d
         vision.check_vision_dataset(dataset, where=where)
 
 
-def encode(processing_class, rows: list[dict], *, max_prompt_length: int | None = None,
-           where: str = "a batch of prompts") -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+def encode(
+    processing_class, rows: list[dict], *, max_prompt_length: int | None = None, where: str = "a batch of prompts"
+) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
     """``(prompt ids per row, vision inputs)``: one processor call over the rows' rendered prompts (left-padded),
     the ids without their padding, and every other tensor it made (``pixel_values`` ...)."""
     texts, images = [], []
@@ -55,20 +56,22 @@ def encode(processing_class, rows: list[dict], *, max_prompt_length: int | None 
         messages, _, row_images = vision.row_chat({**row, "completion": []}, i, where)
         texts.append(vision.render(processing_class, messages, generation_prompt=True))
         images += row_images
-    batch = processing_class(text=texts, images=images or None, padding=True, padding_side="left",
-                             return_tensors="pt")
+    batch = processing_class(text=texts, images=images or None, padding=True, padding_side="left", return_tensors="pt")
     ids = [row[mask.bool()].tolist() for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
     too_long = [i for i, row in enumerate(ids) if max_prompt_length and len(row) > max_prompt_length]
     if too_long:
-        raise vision.VisionDataError(f"row {too_long[0]} of {where}: a prompt of {len(ids[too_long[0]])} tokens with "
-                                     f"its image tokens, more than max_prompt_length={max_prompt_length} (a vision "
-                                     f"prompt is never cut); raise max_prompt_length or use smaller images")
+        raise vision.VisionDataError(
+            f"row {too_long[0]} of {where}: a prompt of {len(ids[too_long[0]])} tokens with "
+            f"its image tokens, more than max_prompt_length={max_prompt_length} (a vision "
+            f"prompt is never cut); raise max_prompt_length or use smaller images"
+        )
     return ids, vision.forward_extras(dict(batch))
 
 
 def distinct_rows(rows: list[dict], group: int) -> tuple[list[dict], int]:
     """``(distinct rows, completions per row)``: when every run of ``group`` rows repeats one prompt AND its images
     (compared by pixels: two canvases can share every token), each once and ``group``; else every row and 1."""
+
     def key(row):
         column = vision.image_column(list(row))
         pixels = tuple(image.tobytes() for image in vision.row_images(row, column, row_index=0))
@@ -86,8 +89,9 @@ def without_image_tokens(params: SamplingParams, processing_class) -> SamplingPa
     return dataclasses.replace(params, suppress_token_ids=tuple(sorted(suppressed)))
 
 
-def slice_inputs(processing_class, rollout: Rollout, rows: slice, prompt_width: int, completion_width: int
-                 ) -> dict[str, torch.Tensor] | None:
+def slice_inputs(
+    processing_class, rollout: Rollout, rows: slice, prompt_width: int, completion_width: int
+) -> dict[str, torch.Tensor] | None:
     """The vision inputs of a training slice (``rollout``'s rows ``rows``), None for a text rollout. The processor
     runs again on the slice's prompts (the same tokens as sampled); a per-token input (Qwen's
     ``mm_token_type_ids``) is laid out as the slice's ``input_ids``: ``prompt_width`` prompt positions (left-padded)
@@ -100,7 +104,7 @@ def slice_inputs(processing_class, rollout: Rollout, rows: slice, prompt_width: 
     width = max(len(row) for row in ids)
     for name, value in extras.items():
         if value.dim() == 2 and value.shape == (len(picked), width):  # per token, left-padded
-            value = value[:, max(0, width - prompt_width):]
+            value = value[:, max(0, width - prompt_width) :]
             pad = value.new_zeros((value.shape[0], prompt_width - value.shape[1]))
             extras[name] = torch.cat([pad, value, value.new_zeros((value.shape[0], completion_width))], dim=1)
     return extras

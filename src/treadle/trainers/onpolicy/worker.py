@@ -22,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import multiprocessing as mp
 import os
 import queue
 import signal
@@ -33,7 +34,6 @@ import traceback
 from typing import NamedTuple
 
 import torch
-import multiprocessing as mp
 
 from treadle.engines.local import LocalEngine
 from treadle.errors import UserError
@@ -82,8 +82,9 @@ class SampleRequest:
     seed: int
 
 
-def serve(model, backend: str, requests, replies, threads: int | None, log_path: str | None,
-          parent_pid: int | None) -> None:
+def serve(
+    model, backend: str, requests, replies, threads: int | None, log_path: str | None, parent_pid: int | None
+) -> None:
     """The worker's loop (the target of the process or the thread): answer requests until a ``None`` request."""
     if log_path is not None:  # a process: its output to the log file, the trainer's signals are the trainer's
         log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -147,8 +148,15 @@ class RolloutWorker:
     thread of this process, sharing its torch threads). ``model``: the policy, copied once at start; ``backend``:
     its engine's sampler backend ("fast", "hf" or "auto")."""
 
-    def __init__(self, model, *, kind: str = "process", threads: int | None = None, timeout: float = 600.0,
-                 backend: str = "auto"):
+    def __init__(
+        self,
+        model,
+        *,
+        kind: str = "process",
+        threads: int | None = None,
+        timeout: float = 600.0,
+        backend: str = "auto",
+    ):
         if kind not in WORKER_KINDS:
             raise ValueError(f"async_worker must be one of {WORKER_KINDS}, got {kind!r}")
         self.kind, self.timeout = kind, timeout
@@ -158,12 +166,20 @@ class RolloutWorker:
             self.requests, self.replies = context.Queue(), context.Queue()
             handle, self.log_path = tempfile.mkstemp(prefix="treadle-rollout-worker-", suffix=".log")
             os.close(handle)
-            self.handle = context.Process(target=serve, daemon=True, name="treadle-rollout-worker", args=(
-                copied, backend, self.requests, self.replies, threads, self.log_path, os.getpid()))
+            self.handle = context.Process(
+                target=serve,
+                daemon=True,
+                name="treadle-rollout-worker",
+                args=(copied, backend, self.requests, self.replies, threads, self.log_path, os.getpid()),
+            )
         else:
             self.requests, self.replies, self.log_path = queue.Queue(), queue.Queue(), None
-            self.handle = threading.Thread(target=serve, daemon=True, name="treadle-rollout-worker",
-                                           args=(copied, backend, self.requests, self.replies, None, None, None))
+            self.handle = threading.Thread(
+                target=serve,
+                daemon=True,
+                name="treadle-rollout-worker",
+                args=(copied, backend, self.requests, self.replies, None, None, None),
+            )
         if kind == "process":
             with _main_not_rerun():
                 self.handle.start()
@@ -190,11 +206,15 @@ class RolloutWorker:
                 break
             except (queue.Empty, OSError, EOFError):  # a dead worker's tensors cannot be received (OSError)
                 if not self.handle.is_alive():
-                    self._fail(f"the rollout worker {self._name()} died with exit status {self._status()} while the "
-                               f"trainer waited for {what}")
+                    self._fail(
+                        f"the rollout worker {self._name()} died with exit status {self._status()} while the "
+                        f"trainer waited for {what}"
+                    )
                 if time.monotonic() > deadline:
-                    self._fail(f"the rollout worker {self._name()} did not answer within async_timeout="
-                               f"{timeout:g} s while the trainer waited for {what} (a hung worker)")
+                    self._fail(
+                        f"the rollout worker {self._name()} did not answer within async_timeout="
+                        f"{timeout:g} s while the trainer waited for {what} (a hung worker)"
+                    )
         if reply[2] is None:  # its start
             return reply
         if isinstance(reply[2], str):
@@ -234,5 +254,7 @@ class RolloutWorker:
     def _fail(self, message: str):
         tail = self._last_lines()
         self.close(timeout=2.0)
-        raise RolloutWorkerError(f"{message}; its last output: {tail or '(none)'}; the run stopped with its "
-                                 f"checkpoints intact: resume with resume_from_checkpoint=True (--resume auto)")
+        raise RolloutWorkerError(
+            f"{message}; its last output: {tail or '(none)'}; the run stopped with its "
+            f"checkpoints intact: resume with resume_from_checkpoint=True (--resume auto)"
+        )
