@@ -1,10 +1,10 @@
 """Dynamic sampling (DAPO) on the demo: held-out accuracy at equal optimizer steps, with and without it.
 
-For each seed: the demo's SFT warm start once (``treadle.demos.addition.demo_sft``), then GRPO from that one SFT checkpoint
-twice with the demo's settings (``grpo_steps`` optimizer steps, same seed, same data order), once plain and once with
-``dynamic_sampling=True`` (groups whose rewards are all equal are replaced by groups of extra prompts, at most
-``dynamic_sampling_max_rounds`` extra rounds per generation). Every score is ``GRPOTrainer.evaluate()`` on the same
-1,000 held-out problems: greedy exact match (the demo's score), and pass@1 of 4 samples.
+For each seed: the demo's SFT warm start once (``treadle.demos.addition.demo_sft``), then GRPO from that one SFT
+checkpoint twice with the demo's settings (``grpo_steps`` optimizer steps, same seed, same data order), once plain and
+once with ``dynamic_sampling=True`` (groups whose rewards are all equal are replaced by groups of extra prompts, at
+most ``dynamic_sampling_max_rounds`` extra rounds per generation). Every score is ``GRPOTrainer.evaluate()`` on the
+same 1,000 held-out problems: greedy exact match (the demo's score), and pass@1 of 4 samples.
 
     nice python benchmarks/dynamic_sampling.py --seeds 0,1,2      # about 5 minutes per seed on 2 busy cores
 

@@ -1,7 +1,7 @@
 """GRPO step time with the shared-prefix forward vs padding-free vs padded, same rows, peak memory beside each.
 
     python benchmarks/shared_prefix.py --quick      # toy small, (P, C) = (256, 32), G 8: one line at the end
-    python benchmarks/shared_prefix.py              # tiny, small, base (33.6M Llama) x (256,32) (256,128) (64,64) x G 8, 16
+    python benchmarks/shared_prefix.py              # tiny, small, base (33.6M) x (256,32) (256,128) (64,64) x G 8, 16
     python benchmarks/shared_prefix.py --sizes small base --shapes 256x32 --groups 8 --rounds 3
 
 The work (the same for every contender): one micro-batch of one prompt's G completions (B = G rows), prompt P

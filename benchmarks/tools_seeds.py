@@ -7,7 +7,7 @@ read when torch starts, hence the child processes). The 1-minute load average at
 and exit code are kept in the run's folder (``bench.json``); a run whose folder already holds them is not run again,
 so an interrupted table resumes with the same command.
 
-    nice python benchmarks/tools_seeds.py --seeds 0,1,2,3,4 --out /tmp/tools-seeds    # 2-7 minutes per run on a quiet 2-core machine
+    nice python benchmarks/tools_seeds.py --seeds 0,1,2,3,4 --out /tmp/tools-seeds    # 2-7 min a run, quiet 2 cores
 
 Prints a markdown table (seed and kernels, after SFT with its steps, right calls and the attempt kept when not the
 first, after GRPO, gain over SFT, the control, gain over the control, whole demo, load), the spread of both gains

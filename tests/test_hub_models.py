@@ -25,7 +25,8 @@ OTHER = "fedcba9876543210fedcba9876543210fedcba98"
 
 
 def hub_cache(home: Path, repo: str, commit: str, model, tokenizer, *, ref: str | None = "main") -> Path:
-    """``model`` and ``tokenizer`` saved where huggingface_hub keeps ``repo`` at ``commit``; ``refs/<ref>`` names it."""
+    """``model`` and ``tokenizer`` saved where huggingface_hub keeps ``repo`` at ``commit``; ``refs/<ref>`` names
+    it."""
     root = home / "hub" / ("models--" + repo.replace("/", "--"))
     snapshot = root / "snapshots" / commit
     model.save_pretrained(snapshot)

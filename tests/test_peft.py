@@ -26,10 +26,7 @@ from _factories import (  # noqa: E402
     tiny_reward_model,
 )
 
-from treadle import (
-    TrainerCallback,  # noqa: E402
-    peft as treadle_peft,  # noqa: E402
-)
+from treadle import TrainerCallback, peft as treadle_peft  # noqa: E402
 from treadle.demos import toy  # noqa: E402
 from treadle.generation import generate_completions  # noqa: E402
 

@@ -1,5 +1,6 @@
 """Vision-language SFT: the vision rules (treadle.vision) and SFTTrainer on tiny Qwen2-VL and LLaVA models built
-locally (treadle.demos.toy_vision: random weights, the toy character tokenizer plus vision tokens, PIL image processors)."""
+locally (treadle.demos.toy_vision: random weights, the toy character tokenizer plus vision tokens, PIL image
+processors)."""
 
 import pytest
 import torch

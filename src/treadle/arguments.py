@@ -61,9 +61,7 @@ class TrainingArguments:
     # --- where things go
     output_dir: str = "trainer_output"  # checkpoints, metrics.jsonl and plots land here
     run_name: str | None = None  # a label for loggers (TensorBoard); defaults to output_dir's name
-    overwrite_output_dir: bool = (
-        False  # a new run may delete an earlier run's files in output_dir (see treadle.record.runs)
-    )
+    overwrite_output_dir: bool = False  # a new run may delete an earlier run's files in output_dir (record/runs.py)
     ignore_checkpoint_fingerprints: bool = False  # resume even when a checkpoint's files differ from its marker
 
     # --- how long
@@ -86,9 +84,7 @@ class TrainingArguments:
     skip_nonfinite_steps: int = 0  # steps whose loss is NaN/inf that may be skipped (not applied) before stopping
 
     # --- schedule
-    lr_scheduler_type: str = (
-        "linear"  # transformers' names: "linear", "cosine", "constant_with_warmup"... (SCHEDULERS)
-    )
+    lr_scheduler_type: str = "linear"  # transformers' names: "linear", "cosine", "constant_with_warmup"... SCHEDULERS
     warmup_steps: float = 0  # steps of linear warm-up from 0; a float in (0, 1) is a fraction of all steps
 
     # --- logging, evaluation, saving (cadence lives in treadle.callbacks.FlowCallback)
@@ -127,9 +123,7 @@ class TrainingArguments:
     fsdp: str = ""  # "" for DDP when world size > 1, "full_shard" for FSDP2 (fully_shard)
     ddp_find_unused_parameters: bool = False  # set True when some parameters get no gradient in a step
     average_tokens_across_devices: bool = True  # normalise the loss by items summed over all ranks
-    ddp_timeout: float | None = (
-        None  # seconds a collective waits for the other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
-    )
+    ddp_timeout: float | None = None  # seconds a collective waits for other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
 
     # --- experiment trackers (report_to; treadle.record.trackers): transformers' names, read by its Trackio callback
     project: str = "huggingface"  # the Trackio project the run is logged in (W&B reads $WANDB_PROJECT)
@@ -142,9 +136,7 @@ class TrainingArguments:
     merge_adapters: bool = False  # save_model also writes the adapters merged into the base, in output_dir/merged
 
     # --- a model named by a string (TRL's names, in every TRL trainer config; treadle.models.load_pretrained)
-    model_init_kwargs: dict[str, Any] | None = (
-        None  # from_pretrained keywords, e.g. {"revision": "v1", "dtype": "bfloat16"}
-    )
+    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained keywords: {"revision": "v1", "dtype": "float32"}
     trust_remote_code: bool = False  # run Python code shipped with a Hub model or tokenizer; only when you trust it
 
     # --- more of transformers' names, same meaning (docs/coming-from-transformers-and-trl.md)
@@ -373,9 +365,7 @@ class LogprobChunkOption:
     """``logprob_chunk_size``: DPO, KTO (``logprobs.token_logps``), distillation (through both LM heads,
     ``losses.chunked_generalized_jsd``)."""
 
-    logprob_chunk_size: int = (
-        1024  # positions per chunk through the LM head: a smaller chunk holds fewer logits at once
-    )
+    logprob_chunk_size: int = 1024  # positions per chunk through the LM head: a smaller chunk holds fewer logits
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the TrainingArguments this is mixed into: its checks (and types) first

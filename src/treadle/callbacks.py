@@ -369,8 +369,8 @@ class MetricsFileCallback(TrainerCallback):
 
 class RunRecordCallback(TrainerCallback):
     """Writes what made the run, beside its arguments, when training begins: ``output_dir/run.json`` with the
-    model, the datasets, the reward functions and the LoRA settings (``treadle.record.describe``). It reads its trainer's
-    public attributes then (a GRPO trainer's reward functions exist only after the Trainer's constructor)."""
+    model, the datasets, the reward functions and the LoRA settings (``treadle.record.describe``). It reads its
+    trainer's public attributes then (a GRPO trainer's reward functions exist only after the Trainer's constructor)."""
 
     def __init__(self, trainer):
         self.trainer = trainer

@@ -83,7 +83,8 @@ class Evaluation:
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
         """(loss, logits, labels) for one evaluation batch, without gradients. The loss is the model's mean over
-        the batch's items; logits are its outputs other than the loss (and ``ignore_keys``), none if ``scored_only``."""
+        the batch's items; logits are its outputs other than the loss (and ``ignore_keys``), none if
+        ``scored_only``."""
         inputs = self.prepare_inputs(inputs)
         has_labels = isinstance(inputs, dict) and all(inputs.get(k) is not None for k in self.args.label_names)
         with torch.no_grad(), self.autocast():

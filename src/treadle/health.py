@@ -132,9 +132,9 @@ def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
     if bounds is not None and ratio is not None and not bounds[0] <= ratio <= bounds[1]:
         out["importance_ratio_bounds"] = (
             f"the mean sampler importance ratio (sampling/importance_sampling_ratio/mean, after the correction's "
-            f"clipping or masking) is {ratio:.4g}, outside importance_ratio_bounds={bounds}: the rollout engine samples "
-            f"from another distribution than the one trained, by stale or unsynced weights or by heavy truncation "
-            f"(top_k / top_p / min_p / repetition_penalty); check the engine's load_weights "
+            f"clipping or masking) is {ratio:.4g}, outside importance_ratio_bounds={bounds}: the rollout engine "
+            f"samples from another distribution than the one trained, by stale or unsynced weights or by heavy "
+            f"truncation (top_k / top_p / min_p / repetition_penalty); check the engine's load_weights "
             f"(sampling/sampling_logp_difference/max), sample less truncated, or use "
             f"vllm_importance_sampling_mode='token_truncate'"
         )
@@ -191,8 +191,8 @@ class HealthCallback(TrainerCallback):
         }
 
     def record_weight_sync(self, unchanged: bool) -> None:
-        """A rollout engine's report of one weight sync (``engines.vllm.weight_sync_unchanged``): the run stops at this step's
-        end when the sync left its log-probs unchanged. The own sampler never calls it."""
+        """A rollout engine's report of one weight sync (``engines.vllm.weight_sync_unchanged``): the run stops at this
+        step's end when the sync left its log-probs unchanged. The own sampler never calls it."""
         self.sync_unchanged = self.sync_unchanged or unchanged
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -1,10 +1,11 @@
 """Optimizer and learning-rate schedule builders: transformers' names mean transformers' behaviour.
 
-Every ``optim`` and ``lr_scheduler_type`` name that treadle shares with ``transformers.TrainingArguments`` builds
-the same optimizer and the same multiplier of the peak learning rate at every step (tests/test_parity_transformers.py
+Every ``optim`` and ``lr_scheduler_type`` name that treadle shares with ``transformers.TrainingArguments`` builds the
+same optimizer and the same multiplier of the peak learning rate at every step (tests/test_parity_transformers.py
 checks each against transformers itself). The schedules are transformers' own (``get_scheduler``): treadle adds only
-the check that every ``lr_scheduler_kwargs`` option is one the schedule reads. Step ``s`` counts optimizer steps already taken: the first update uses ``s = 0``,
-which is why a warm-up starts at 0 (as in transformers) and reaches the peak at ``s = warmup``.
+the check that every ``lr_scheduler_kwargs`` option is one the schedule reads. Step ``s`` counts optimizer steps
+already taken: the first update uses ``s = 0``, which is why a warm-up starts at 0 (as in transformers) and reaches the
+peak at ``s = warmup``.
 """
 
 from __future__ import annotations

@@ -8,15 +8,15 @@
     treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.engines.serve)
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
-``demo`` (treadle.demos.addition): SFT then GRPO of a toy model, scored on held-out problems. ``train`` runs one trainer:
-the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping)
+``demo`` (treadle.demos.addition): SFT then GRPO of a toy model, scored on held-out problems. ``train`` runs one
+trainer: the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping)
 say what to train, every other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``;
 ``--key value`` overrides one). ``report`` redraws the plots of a run folder, writes its report.html and prints a
-summary; given several folders it also overlays them (plots and report.html in ``--output-dir``). ``merge``
-writes a LoRA run's adapter merged into its base model. A mistake a user can make (a missing file, an unknown
-key, a run folder in use ... see ``treadle.errors.is_user_error``) is one line on stderr and exit status 2;
-anything else is a bug and shows its traceback. A run stopped by SIGTERM or Ctrl-C saves a checkpoint, prints
-the command that resumes it and exits 143 or 130 (docs/runs.md).
+summary; given several folders it also overlays them (plots and report.html in ``--output-dir``). ``merge`` writes a
+LoRA run's adapter merged into its base model. A mistake a user can make (a missing file, an unknown key, a run folder
+in use ... see ``treadle.errors.is_user_error``) is one line on stderr and exit status 2; anything else is a bug and
+shows its traceback. A run stopped by SIGTERM or Ctrl-C saves a checkpoint, prints the command that resumes it and
+exits 143 or 130 (docs/runs.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Loading what a config names: datasets (``toy:<task>[:N]``, files, save_to_disk folders), models (``toy:<size>``,
-a local folder or a Hub id), reward functions (dotted paths or ``file.py:function``) and a saved adapter merged into its
-base. The run side: the CLI and the demos call it; the trainers take the loaded objects.
+a local folder or a Hub id), reward functions (dotted paths or ``file.py:function``) and a saved adapter merged into
+its base. The run side: the CLI and the demos call it; the trainers take the loaded objects.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ same SFT warm start, with the same number of steps and prompts per step.
 1. the teacher: the toy model trained by SFT on the addition training problems until it solves
    ``teacher_target_accuracy`` of a probe of *training* problems (or ``teacher_steps`` run out); saved in
    ``teacher_dir`` (default ``<run folder>/teacher``) and reused from there when it holds one;
-2. the student: the GRPO demo's SFT warm start (``treadle.demos.addition.demo_sft``: the same model, seed, data and stop);
+2. the student: the GRPO demo's SFT warm start (``demos.addition.demo_sft``: the same model, seed, data and stop);
 3. from that one checkpoint, ``grpo_steps`` optimizer steps of each method, every step on 64 training prompts:
    - **GRPO**: the GRPO demo's trainer (``treadle.demos.addition.heldout_trainer``: 8 samples per prompt, exact-match
      reward, its learning rate and schedule);

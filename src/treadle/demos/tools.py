@@ -382,12 +382,12 @@ def score_tools(
     label: str | None = None,
 ) -> ToolScore:
     """Greedy held-out exact match through ``GRPOTrainer.evaluate()``, the one way treadle measures a policy (as
-    ``treadle.demos.addition``): each problem rolled out greedily (``eval_temperature=0``; with the ``calc`` tool unless
-    ``use_tools`` is False) and scored by the exact-match reward, so ``eval_pass@1`` is the fraction solved; a
-    ``compute_metrics`` counts the right calls and writes each transcript to ``completions_file``. Prints one
-    line, ``[label] 35.3% of 300 solved, right call on 92.0%``, when a ``label`` (what is scored, at which stage
-    and step) is given; never the evaluation's own log line, whose ``[step 0]`` would be the scoring trainer's
-    step, not the stage's."""
+    ``treadle.demos.addition``): each problem rolled out greedily (``eval_temperature=0``; with the ``calc`` tool
+    unless ``use_tools`` is False) and scored by the exact-match reward, so ``eval_pass@1`` is the fraction solved; a
+    ``compute_metrics`` counts the right calls and writes each transcript to ``completions_file``. Prints one line,
+    ``[label] 35.3% of 300 solved, right call on 92.0%``, when a ``label`` (what is scored, at which stage and step) is
+    given; never the evaluation's own log line, whose ``[step 0]`` would be the scoring trainer's step, not the
+    stage's."""
 
     def calls_and_transcripts(prompts, completions, reward, answer, transcript=None, **columns):
         turns = transcript or [[{"role": "assistant", "content": completion}] for completion in completions]

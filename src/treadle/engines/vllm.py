@@ -142,13 +142,13 @@ def weight_sync_unchanged(logps_before: torch.Tensor, logps_after: torch.Tensor,
 
 
 class SyncChecked(RolloutEngine):
-    """What both vLLM engines (in process, and ``engines.vllm_server`` over HTTP) share around the contract: single-turn
-    rollouts only, the request checks, the seed drawn from the caller's generator, and the weight-sync check
-    (health.py): a probe
-    completion (prompt 0 and the last generation's first completion, every token after the first scored: a
-    confident completion's log-probs alone may round to the same floats after a step), the last push's fingerprint
-    and the last check's verdict (``sync_unchanged``, kept until the next check: an evaluation's sync may be the one
-    that checked). A subclass provides ``push`` (the engine samples from ``weights`` once it returns) and ``score``."""
+    """What both vLLM engines (in process, and ``engines.vllm_server`` over HTTP) share around the contract:
+    single-turn rollouts only, the request checks, the seed drawn from the caller's generator, and the weight-sync
+    check (health.py): a probe completion (prompt 0 and the last generation's first completion, every token after the
+    first scored: a confident completion's log-probs alone may round to the same floats after a step), the last push's
+    fingerprint and the last check's verdict (``sync_unchanged``, kept until the next check: an evaluation's sync may
+    be the one that checked). A subclass provides ``push`` (the engine samples from ``weights`` once it returns) and
+    ``score``."""
 
     probe: tuple[list[list[int]], list[list[int]]] | None = None
     pushed: float | None = None

@@ -60,7 +60,8 @@ __all__ = [
 ]
 
 # Share only when the shared forward's estimated cost (``estimated_cost``: tokens, plus attention pairs, which the
-# dense 4D mask computes for the whole packed row) is at most this fraction of the unshared one's (docs/performance.md).
+# dense 4D mask computes for the whole packed row) is at most this fraction of the unshared one's
+# (docs/performance.md).
 MIN_SAVING = 0.8
 # A packed group row longer than this falls back: its dense (W, W) mask and attention cost more than the tokens saved.
 MAX_GROUP_TOKENS = 8192

@@ -352,7 +352,8 @@ def sampling_correction_values(
 ) -> tuple[Tensor, Tensor]:
     """What the sampler-correction metrics count, as TRL: ``(n,)`` the ``|trainer - sampling|`` log-prob gaps of the
     completion tokens (NaN ones left out) and ``(m,)`` the ratios (per completion token, or per sequence in a
-    ``sequence_*`` mode, every sequence). Concatenate several batches' values before :func:`sampling_correction_metrics`.
+    ``sequence_*`` mode, every sequence). Concatenate several batches' values before
+    :func:`sampling_correction_metrics`.
     """
     is_token = completion_mask.bool()
     gap = (trainer_logps.detach() - sampling_logps.detach()).abs()

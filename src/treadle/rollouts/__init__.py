@@ -5,14 +5,14 @@ Contract. An **environment** is any object with two methods (:class:`Environment
     reset(row: dict) -> str                                  # the first observation, appended to the prompt
     step(text: str) -> (observation: str, reward: float | None, done: bool)
 
-One instance serves one rollout (``env_factory()`` is called once per rollout). A rollout is: the prompt (plus
-the first observation), then model turns that each end at EOS; after each turn ``step`` gets the turn's text
-(special tokens dropped) and answers with an observation that is appended as a turn of ``env.role`` (default
-``"user"``), a reward (summed over the rollout into the ``env_reward`` column; None: no opinion) and whether
-the rollout is over. It also ends when ``max_completion_length`` tokens (sampled plus observation tokens) are
-used up: then it is *truncated*, and an observation that does not fit is dropped. Each ``reset`` / ``step`` runs
-with a deadline, ``env_timeout`` seconds (``treadle.rollouts.calls.GuardedEnvironment``): past it the rollout ends there,
-unanswered, with a warning naming the environment; what they return is checked against the contract above.
+One instance serves one rollout (``env_factory()`` is called once per rollout). A rollout is: the prompt (plus the
+first observation), then model turns that each end at EOS; after each turn ``step`` gets the turn's text (special
+tokens dropped) and answers with an observation that is appended as a turn of ``env.role`` (default ``"user"``), a
+reward (summed over the rollout into the ``env_reward`` column; None: no opinion) and whether the rollout is over. It
+also ends when ``max_completion_length`` tokens (sampled plus observation tokens) are used up: then it is *truncated*,
+and an observation that does not fit is dropped. Each ``reset`` / ``step`` runs with a deadline, ``env_timeout``
+seconds (``treadle.rollouts.calls.GuardedEnvironment``): past it the rollout ends there, unanswered, with a warning
+naming the environment; what they return is checked against the contract above.
 
 **Threads.** The environments of a batch run concurrently in a thread pool (``rollout_workers`` threads):
 the steps of one rollout never overlap, but steps of *different* instances do, so whatever instances share
@@ -40,9 +40,9 @@ formats (:data:`CALL_FORMATS`):
   rendered by the chat template as a ``{"role": "tool"}`` message, the tools' schemas passed to the template.
 
 A malformed call, an unknown tool, wrong arguments, a tool that raises (``SystemExit`` too) or runs past
-``tool_timeout`` seconds (``None``: no limit, a warning after a minute; ``treadle.rollouts.calls``) all become a tool turn with the error text (the model can learn from it) and count as failed calls; none
-crashes training. After ``max_tool_calling_iterations`` turns with calls (TRL's name and meaning) the next
-call ends the rollout unanswered.
+``tool_timeout`` seconds (``None``: no limit, a warning after a minute; ``treadle.rollouts.calls``) all become a tool
+turn with the error text (the model can learn from it) and count as failed calls; none crashes training. After
+``max_tool_calling_iterations`` turns with calls (TRL's name and meaning) the next call ends the rollout unanswered.
 
 **Training on the right tokens.** Observation tokens are in the context but not trained on: the rollout's
 ``sampled_mask`` is 1 exactly on the tokens the model sampled, and ``GRPOTrainer`` uses it as its

@@ -6,7 +6,7 @@ loss is ``-logsigmoid(beta * ((pc - rc) - (pr - rr)))`` (``loss_type="sigmoid"``
 beside it in ``treadle.losses.dpo_loss``. Data flow::
 
     rows {prompt, chosen, rejected} (text or chat messages; or {chosen, rejected} sharing a prompt prefix)
-      -> prepare_dataset(): tokenised once (trainers.pairs), truncated, checked (prompt_input_ids, chosen_input_ids, ...)
+      -> prepare_dataset(): tokenised once (trainers.pairs), truncated, checked (prompt_input_ids, chosen_input_ids...)
       -> DPOCollator: the B chosen sequences then the B rejected ones (input_ids, attention_mask, completion_mask)
       -> compute_loss(): ONE policy forward over the 2B rows, one reference forward (or precomputed columns)
       -> pair_losses(): per-pair losses, summed and divided by the pairs of the whole accumulation window
@@ -139,9 +139,7 @@ class DPOConfig(LogprobChunkOption, SharedPrefixOption, PaddingFreeOption, Train
     ld_alpha: float | None = None  # LD-DPO: weight in [0, 1] of tokens past the shorter response; None: plain sums
     use_weighting: bool = False  # WPO: weigh each pair by the policy's probability of it (one extra no-grad forward)
     discopop_tau: float = 0.05  # τ of loss_type="discopop" (the paper's 0.05)
-    f_divergence_type: str = (
-        "reverse_kl"  # f-DPO "reverse_kl" (DPO), "forward_kl", "js_divergence", "alpha_divergence"
-    )
+    f_divergence_type: str = "reverse_kl"  # f-DPO: reverse_kl (DPO), forward_kl, js_divergence, alpha_divergence
     f_alpha_divergence_coef: float = 0.5  # α of "alpha_divergence"
 
     def __post_init__(self) -> None:

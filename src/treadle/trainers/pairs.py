@@ -1,13 +1,13 @@
 """Preference rows as token ids: the tokenisation DPO and the reward model share (KTO splits its paired rows with
 ``split_implicit_prompt`` too).
 
-``tokenize_row`` turns a row ``{prompt, chosen, rejected}`` (text or chat messages), ``{chosen, rejected}`` sharing
-a prompt prefix (the implicit prompt), or one already holding the three ``ID_COLUMNS``, into
-``{prompt_input_ids, chosen_input_ids, rejected_input_ids}``: tokenised (text responses end with eos, chat ones as
-the template ends an assistant turn), truncated (the prompt to ``max_prompt_length``, keeping ``truncation_mode``'s
-end, then the responses to fit ``max_length``, keeping their start) and checked (an empty prompt or response, text
-mixed with chat, or a prompt that leaves no room for a response is an error naming the row). These rules are DPO's departures 4-6 from
-TRL (trainers/dpo.py).
+``tokenize_row`` turns a row ``{prompt, chosen, rejected}`` (text or chat messages), ``{chosen, rejected}`` sharing a
+prompt prefix (the implicit prompt), or one already holding the three ``ID_COLUMNS``, into ``{prompt_input_ids,
+chosen_input_ids, rejected_input_ids}``: tokenised (text responses end with eos, chat ones as the template ends an
+assistant turn), truncated (the prompt to ``max_prompt_length``, keeping ``truncation_mode``'s end, then the responses
+to fit ``max_length``, keeping their start) and checked (an empty prompt or response, text mixed with chat, or a prompt
+that leaves no room for a response is an error naming the row). These rules are DPO's departures 4-6 from TRL
+(trainers/dpo.py).
 
 Module-level functions, so that ``dataset_num_proc`` workers can pickle them.
 """

@@ -470,7 +470,8 @@ def _as_list(values) -> list:
 
 
 def token_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(correct, total) label tokens as a float64 tensor on the logits' device: argmax of ``logits[:, t]`` against ``labels[:, t+1]``."""
+    """(correct, total) label tokens as a float64 tensor on the logits' device: argmax of ``logits[:, t]`` against
+    ``labels[:, t+1]``."""
     scores, target = logits[:, :-1], labels[:, 1:]  # (B, T-1, V), (B, T-1)
     valid = target != -100
     total = valid.sum()

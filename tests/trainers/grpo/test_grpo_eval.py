@@ -26,7 +26,8 @@ def problems():
     return toy.load_task("addition", "test", kind="rl", n=200, seed=0)
 
 
-# this module's runs: the shared GRPO run (_factories.grpo_trainer), 8 completions a prompt evaluated 50 prompts a batch
+# this module's runs: the shared GRPO run (_factories.grpo_trainer), 8 completions a prompt evaluated 50 prompts a
+# batch
 EVAL_RUN = dict(
     per_device_train_batch_size=8, max_completion_length=4, per_device_eval_batch_size=50, num_generations_eval=8
 )

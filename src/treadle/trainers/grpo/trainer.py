@@ -54,12 +54,12 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
     not TRL's tool-method environments, hence the different name) keep each row's KV cache across turns and
     train only on sampled tokens (treadle.rollouts).
 14. ``padding_free`` (TRL's name) is on by default: the training, old and reference log-prob forwards run on
-    the micro-batch's rows packed side by side without padding (``logprobs.token_logps(padding_free=True)``,
-    the packing rule of ``treadle.data``), which gives the same log-probs and gradients as the padded forward
-    and skips the work on padding. It falls back to padded forwards where a one-time check finds it inexact.
-    TRL's GRPO has no such option. ``shared_prefix`` (on by default) goes further: the rows of a micro-batch that
-    hold the same prompt run it once, their completions after it under a 4D mask (``treadle.logprobs.prefix``; exact, and
-    off by itself where the model or the batch does not fit).
+    the micro-batch's rows packed side by side without padding (``logprobs.token_logps(padding_free=True)``, the
+    packing rule of ``treadle.data``), which gives the same log-probs and gradients as the padded forward and skips the
+    work on padding. It falls back to padded forwards where a one-time check finds it inexact. TRL's GRPO has no such
+    option. ``shared_prefix`` (on by default) goes further: the rows of a micro-batch that hold the same prompt run it
+    once, their completions after it under a 4D mask (``treadle.logprobs.prefix``; exact, and off by itself where the
+    model or the batch does not fit).
 15. Sampling goes through a rollout engine (``treadle.engines``; ``build_engine`` returns the own KV-cached
     sampler), single-turn, multi-turn and image rows alike, which also returns the log-probs of the distribution it
     sampled from; they travel with each ``Sample`` as ``sampling_logps``. Where that distribution may differ from
@@ -256,7 +256,8 @@ class GRPOTrainer(OnPolicyTrainer):
 
     def sample_and_score(self, rows: list[dict], generation: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
         """This rank's rollout of ``rows``, its rewards ``(N, F)`` and which rows to train on ``(N,)``; with
-        ``dynamic_sampling``, groups of equal rewards are replaced by groups of extra prompts (trainers/grpo/dynamic.py)."""
+        ``dynamic_sampling``, groups of equal rewards are replaced by groups of extra prompts
+        (trainers/grpo/dynamic.py)."""
         args = self.args
         rollout = self.sample_generation(rows, generation)
         if self.engine.sync_unchanged is not None:  # an engine with its own weights checked its push

@@ -52,9 +52,7 @@ class OnPolicyConfig(TrainingArguments):
 
     # --- vLLM as the rollout engine (treadle.engines.vllm; docs/vllm.md); TRL 1.16's names and defaults
     use_vllm: bool = False  # sample with vLLM instead of the own sampler (training and evaluation, single-turn)
-    vllm_mode: str = (
-        "colocate"  # "colocate": an in-process engine on the policy's device; "server": treadle vllm-serve
-    )
+    vllm_mode: str = "colocate"  # "colocate": in-process on the policy's device; "server": treadle vllm-serve
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM takes (weights + KV cache); CUDA only
     vllm_max_model_length: int | None = None  # context window; None: the model config's max_position_embeddings
     vllm_tensor_parallel_size: int = 1  # GPUs one engine spans
@@ -72,11 +70,9 @@ class OnPolicyConfig(TrainingArguments):
     tool_timeout: float | None = 10.0  # seconds a tool call may run before it is cut off (an error turn); None: never
     env_timeout: float | None = 60.0  # seconds an environment's reset/step may run; then its rollout ends; None: never
     tool_call_format: str = "auto"  # "tagged" (<call>f(x)</call>), "json" (<tool_call>{...}</tool_call>) or "auto"
-    rollout_workers: int = (
-        8  # threads stepping the environments (tools) concurrently; 0: in the loop, bit-reproducible
-    )
+    rollout_workers: int = 8  # threads stepping the environments (tools) at once; 0: in the loop, bit-reproducible
 
-    # --- asynchronous generation (trainers/onpolicy/producer.py; docs/async.md): sample the next batches while training
+    # --- asynchronous generation (trainers/onpolicy/producer.py; docs/async.md): sample next batches while training
     max_staleness: int = 0  # N: train batches sampled from weights up to N optimizer steps old; 0: synchronous
     async_worker: str = "process"  # the rollout worker: "process" (own interpreter, own threads) or "thread"
     async_worker_threads: int | None = None  # the worker's torch threads; None: half of the trainer's (at least 1)
