@@ -553,7 +553,7 @@ HELD_OUT = ("eval_greedy/accuracy", "eval_pass@1", "eval_reward")  # the held-ou
 def rl_summary(history: list[dict], health: dict | None) -> list[str]:
     """The lines an RL run's end summary adds (none for a run that logged no ``reward``): the reward and the held-out
     score at start and end, the entropy trend, the truncation rate, the fraction of steps with a learning signal
-    and every health warning (``health``: treadle.health's saved state)."""
+    and every health warning (``health``: GRPO's health checks' saved state)."""
 
     def trend(key: str) -> str | None:
         values = [h[key] for h in history if isinstance(h.get(key), (int, float))]

@@ -36,7 +36,7 @@ TRAINING_KEYS = ("loss", "learning_rate", "grad_norm", "mean_token_accuracy")
 RL_PREFIXES = ("reward", "frac_reward", "kl", "entropy", "clip_ratio", "completions/", "logps/", "logits/")
 SUMMARY_PREFIXES = ("train_", "total_flos")  # one value at the end of a run: a table row, not a plot
 NOT_METRICS = ("step", "epoch")  # the axes of every series, not series themselves
-HEALTH_MARKERS = ("health/warning/", "health/stop/")  # treadle.health's events: markers on every panel, not series
+HEALTH_MARKERS = ("health/warning/", "health/stop/")  # GRPO's health events: markers on every panel, not series
 FIGURE_TITLES = {
     "training": "Training",
     "rewards": "Rewards and policy statistics",
@@ -193,7 +193,7 @@ def run_label(path: Path, run_dirs) -> str:
 
 
 def health_markers(series: Series) -> list[tuple[float, str]]:
-    """(step, "warning: <check>" or "stop: <check>") of each health event a run logged (treadle.health)."""
+    """(step, "warning: <check>" or "stop: <check>") of each health event a run logged (GRPO's health checks)."""
     return sorted(
         (step, f"{prefix.split('/')[1]}: {key[len(prefix) :]}")
         for key, (steps, _) in series.items()

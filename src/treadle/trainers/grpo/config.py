@@ -66,7 +66,7 @@ class GRPOConfig(SharedPrefixOption, PaddingFreeOption, OnPolicyConfig):
     vllm_importance_sampling_clip_min: float | None = None  # C_min: the lower bound the same way; None: open
     vllm_importance_sampling_cap: float | None = None  # deprecated (TRL 1.6): sets vllm_importance_sampling_clip_max
 
-    # --- health checks and dynamic sampling (treadle.health, trainers/grpo/dynamic.py; docs/grpo.md "Health")
+    # --- health checks and dynamic sampling (trainers/grpo/health.py, dynamic.py; docs/grpo.md "Health")
     health_checks: dict | bool | None = None  # overrides of HEALTH_CHECKS (None: its defaults; False: every check off)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more prompts to refill
     dynamic_sampling_max_rounds: int = 4  # most extra generation rounds per generation; short groups stay untrained
@@ -146,7 +146,7 @@ class GRPOConfig(SharedPrefixOption, PaddingFreeOption, OnPolicyConfig):
             )
 
 
-# The health checks (treadle.health) and their defaults; GRPOConfig.health_checks overrides any of them by name.
+# The health checks (trainers/grpo/health.py), their defaults; GRPOConfig.health_checks overrides any of them by name.
 HEALTH_CHECKS = {
     "patience": 10,  # consecutive optimizer steps a condition must hold before its check acts
     "no_learning_signal": True,  # stop: every group's rewards were all equal (frac_reward_zero_std == 1)

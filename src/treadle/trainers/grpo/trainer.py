@@ -77,7 +77,6 @@ from collections.abc import Sequence
 import torch
 
 from treadle import distributed as dist
-from treadle.health import HealthCallback, generation_health
 from treadle.logprobs.prefix import shared_prefix_logps
 from treadle.logprobs.tokens import token_logps
 from treadle.losses import GRPOObjective, decoupled_advantages, group_advantages, grpo_aggregation, grpo_loss
@@ -89,6 +88,7 @@ from treadle.rewards import RewardFunction, reward_name, weighted_rewards
 from treadle.trainers.grpo import correction
 from treadle.trainers.grpo.config import GRPOConfig
 from treadle.trainers.grpo.dynamic import check_stream, extra_rows, fill_with_signal
+from treadle.trainers.grpo.health import HealthCallback, generation_health
 from treadle.trainers.grpo.records import completion_records, generation_metrics
 from treadle.trainers.onpolicy import vision as onpolicy_vision
 from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
@@ -113,7 +113,7 @@ class GRPOTrainer(OnPolicyTrainer):
     Observation tokens are in the context but masked out of the loss; ``rollout`` is the hook to override.
 
     Sampling, the engine and evaluation are ``OnPolicyTrainer``'s (trainers/onpolicy/trainer.py). ``train`` raises
-    ``TrainingStalled`` after a health check stopped the run (treadle.health).
+    ``TrainingStalled`` after a health check stopped the run (trainers/grpo/health.py).
 
     ``compute_metrics(prompts, completions, completion_ids, rewards, reward, **columns) -> dict`` adds custom
     evaluation metrics (``rewards.check_compute_metrics``).
@@ -162,7 +162,7 @@ class GRPOTrainer(OnPolicyTrainer):
             self.metrics,
             num_generations=args.num_generations,
             max_completion_length=args.max_completion_length,
-        )  # treadle.health
+        )  # trainers/grpo/health.py
         self.add_callback(self.health)
 
     def needs_reference_logps(self) -> bool:

@@ -1,6 +1,6 @@
-"""Health checks (treadle.health) and dynamic sampling (trainers/grpo/dynamic.py): the pure checks by hand, each
-check firing on a crafted run and silent on a normal one, the stop's checkpoint and message, and a dynamic-sampling
-run that never trains on a group of equal rewards."""
+"""Health checks (trainers/grpo/health.py) and dynamic sampling (trainers/grpo/dynamic.py): the pure checks by
+hand, each check firing on a crafted run and silent on a normal one, the stop's checkpoint and message, and a
+dynamic-sampling run that never trains on a group of equal rewards."""
 
 import functools
 import json
@@ -19,7 +19,11 @@ from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import weight_sync_unchanged
 from treadle.errors import is_user_error
 from treadle.generation import GenerationOutput
-from treadle.health import (
+from treadle.metrics import MetricWindow
+from treadle.record.plots import collect_series, health_markers, panel_layout, plot_run, read_events
+from treadle.state import TrainerControl, TrainerState
+from treadle.trainers.grpo.config import HEALTH_CHECKS, resolve_health_checks
+from treadle.trainers.grpo.health import (
     HealthCallback,
     HealthWarning,
     TrainingStalled,
@@ -27,10 +31,6 @@ from treadle.health import (
     generation_health,
     log_warnings,
 )
-from treadle.metrics import MetricWindow
-from treadle.record.plots import collect_series, health_markers, panel_layout, plot_run, read_events
-from treadle.state import TrainerControl, TrainerState
-from treadle.trainers.grpo.config import HEALTH_CHECKS, resolve_health_checks
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.onpolicy.data import Rollout, join_rows
 
