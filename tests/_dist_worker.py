@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
-import gc
 import json
 import os
 import sys
@@ -554,11 +553,7 @@ def main(argv: list[str]) -> None:
         if dist.is_main_process():
             with open(os.path.join(argv[2], f"{scenario}.json"), "w") as f:
                 json.dump(result, f)
-    # the trainers (DDP reducers, FSDP states, engines) sit in reference cycles that hold the process group: free
-    # them while the group and the interpreter are alive, not in the interpreter's finalisation (torch's gloo
-    # threads then abort the process, pytorch/pytorch#190489 and PR 179291)
-    gc.collect()
-    torch.distributed.destroy_process_group()
+    dist.finish()  # frees the trainers' reference cycles that hold the group first (pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":

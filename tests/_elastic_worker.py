@@ -70,7 +70,7 @@ def main(out: str) -> None:
     if dist.is_main_process():
         with open(os.path.join(out, f"attempt-{attempt}"), "w") as f:
             json.dump({"resumed_at": record.resumed_at, "steps": record.steps}, f)
-    torch.distributed.destroy_process_group()
+    dist.finish()  # frees the trainers' reference cycles that hold the group first (pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def main(out: str) -> None:
         if dist.is_main_process():
             with open(os.path.join(out, f"{name}.json"), "w") as f:
                 json.dump(result, f)
-    torch.distributed.destroy_process_group()
+    dist.finish()  # frees the trainers' reference cycles that hold the group first (pytorch/pytorch#190489)
 
 
 if __name__ == "__main__":
