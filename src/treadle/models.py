@@ -343,23 +343,27 @@ def load_pretrained(
     model_class=None,
     **model_kwargs,
 ):
-    """``(model, tokenizer)`` from a local folder in transformers layout, else from a Hugging Face Hub model id
-    (``org/name``) through transformers' ``from_pretrained``: the user's cache (``HF_HOME``), ``revision`` (a
-    branch, tag or commit), ``HF_HUB_OFFLINE=1`` honoured. An existing folder always wins over an id of the same
+    """``(model, tokenizer)`` from a local folder in transformers layout, a GGUF file, else from a Hugging Face Hub
+    model id (``org/name``) through transformers' ``from_pretrained``: the user's cache (``HF_HOME``), ``revision``
+    (a branch, tag or commit), ``HF_HUB_OFFLINE=1`` honoured. An existing folder always wins over an id of the same
     spelling. The tokenizer is read from the same place unless one is given. Code shipped with the model runs only
     with ``trust_remote_code=True``. ``model_class`` defaults to ``AutoModelForCausalLM``; ``model_kwargs`` go to
     its ``from_pretrained`` (TRL's ``model_init_kwargs``); a vision-language model (:func:`is_vision_language`) loads
-    with ``AutoModelForImageTextToText`` and its ``AutoProcessor``. ValueError names what is wrong in one line.
-    (``toy:<size>`` specs: ``treadle.cli.loading``.)"""
-    source = os.fspath(name_or_path)
+    with ``AutoModelForImageTextToText`` and its ``AutoProcessor``. A ``.gguf`` path (or a folder or Hub id with
+    ``gguf_file=``) is dequantised into an ordinary model (:func:`gguf_source`) that trains and saves as any other.
+    ValueError names what is wrong in one line. (``toy:<size>`` specs: ``treadle.cli.loading``.)"""
+    source, gguf_file = gguf_source(os.fspath(name_or_path), model_kwargs.pop("gguf_file", None))
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers' model classes load ~5 s
 
     if os.path.isdir(source):
-        check_model_folder(source, needs_tokenizer=tokenizer is None)
+        check_model_folder(source, needs_tokenizer=tokenizer is None and gguf_file is None)
         options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     else:
-        check_hub_model(source, revision)
+        check_hub_model(source, revision, filename=gguf_file or "config.json")
         options = dict(revision=revision, trust_remote_code=trust_remote_code)
+    if gguf_file:
+        options["gguf_file"] = gguf_file
+        model_kwargs.setdefault("quantization_config", _dequantized_gguf())
     try:
         vision = model_class is None and is_vision_language(source, options)
         if tokenizer is None:
@@ -368,8 +372,63 @@ def load_pretrained(
         model = model_class.from_pretrained(source, **options, **model_kwargs)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot load a model and tokenizer from {source}: {str(error).splitlines()[0]}") from None
+    if gguf_file:  # records, adapters (their base_model_name_or_path) and `treadle merge` name the file itself
+        model.config._name_or_path = os.path.join(source, gguf_file) if os.path.isdir(source) else source
     check_vocabulary(model, tokenizer, source)
     return model, tokenizer
+
+
+GGUF_PACKAGE = "gguf"  # what transformers' GGUF reader imports; treadle's `gguf` extra installs it
+
+
+def gguf_source(source: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """``(folder or Hub id, GGUF file name or None)`` for a model named by ``source``: a path ending in ``.gguf`` is
+    split into its folder and file name; a folder or Hub id keeps ``gguf_file`` as given. A local GGUF file is
+    checked before transformers reads it (ValueError, one line naming the fix): the ``gguf`` package is installed,
+    the file exists, starts with the GGUF magic bytes, and holds an architecture transformers' GGUF loader knows."""
+    if gguf_file is None and source.endswith(".gguf") and not os.path.isdir(source):
+        source, gguf_file = os.path.dirname(os.path.abspath(source)), os.path.basename(source)
+    if gguf_file is None:
+        return source, None
+    import importlib.util
+
+    if importlib.util.find_spec(GGUF_PACKAGE) is None:
+        raise ValueError(
+            f"loading {gguf_file} needs the {GGUF_PACKAGE} package, which transformers reads GGUF files with; "
+            f"install it: pip install 'treadle[gguf]'"
+        )
+    path = os.path.join(source, gguf_file)
+    if (os.path.isdir(source) or os.path.isabs(source)) and not os.path.isfile(path):
+        raise ValueError(f"GGUF file {path} not found; name an existing .gguf file (model: path/to/model.gguf)")
+    if os.path.isfile(path):
+        _check_gguf_file(path)
+    return source, gguf_file
+
+
+def _check_gguf_file(path: str) -> None:
+    """Refuse a file that is not GGUF, or whose architecture transformers cannot turn into a model."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes GGUF); copy it again")
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    architecture = read_gguf_metadata(path)[0].get("general.architecture")
+    if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path} holds a {architecture!r} model, which transformers' GGUF loader does not know (it knows "
+            f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES)[:12])}, ...); convert it to a transformers folder "
+            f"with the tools of the project that wrote it, or upgrade transformers"
+        )
+
+
+def _dequantized_gguf():
+    """The quantization config that has transformers unpack every GGUF weight into an ordinary dense tensor at load:
+    the model then trains (a packed GGUF weight is not trainable) and ``save_pretrained`` writes plain safetensors
+    (transformers refuses to serialise a model that keeps its GGUF quantizer)."""
+    from transformers import GgufConfig
+
+    return GgufConfig(dequantize=True)
 
 
 def is_vision_language(source: str, options: dict) -> bool:
@@ -387,9 +446,10 @@ def vision_classes():
     return AutoModelForImageTextToText, AutoProcessor
 
 
-def check_hub_model(name: str, revision: str | None = None) -> None:
+def check_hub_model(name: str, revision: str | None = None, *, filename: str = "config.json") -> None:
     """Refuse (ValueError, one line) a model name that is neither an existing folder nor a Hub id, and, with
-    ``HF_HUB_OFFLINE`` set, an id whose files are not in the local cache (naming the id and the cache folder)."""
+    ``HF_HUB_OFFLINE`` set, an id whose ``filename`` (its config, or the GGUF file named) is not in the local cache
+    (naming the id and the cache folder)."""
     from huggingface_hub import constants, try_to_load_from_cache  # transformers' own dependency
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -398,11 +458,11 @@ def check_hub_model(name: str, revision: str | None = None) -> None:
     except HFValidationError:
         raise ValueError(
             f"model folder {name} not found, and it is not a Hugging Face model id (org/name); use a "
-            f"local folder in transformers layout (written by save_pretrained), a Hub id, or toy:tiny"
+            f"local folder in transformers layout (written by save_pretrained), a .gguf file, a Hub id, or toy:tiny"
         ) from None
     if not constants.HF_HUB_OFFLINE:
         return
-    if not isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+    if not isinstance(try_to_load_from_cache(name, filename, revision=revision), str):
         at = f" at revision {revision}" if revision else ""
         raise ValueError(
             f"model {name}{at} is not a local folder nor in the Hugging Face cache "

@@ -101,6 +101,22 @@ def test_chat_prompt_completion_is_split_after_the_generation_prompt(tokenizer):
     assert mask == [0] * 7 + [1, 1]
 
 
+def test_a_chat_completion_ends_where_the_template_ends_the_turn(tokenizer):
+    """ChatML ends a turn with eos and then a newline: nothing is appended after the newline (SmolLM2 showed a
+    second eos there, a token the model never sees after a turn at inference; TRL appends none)."""
+    chatml = copy.copy(tokenizer)
+    chatml.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ':' + m['content'] + '</s>' + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    )
+    prompt, completion = [{"role": "user", "content": "1+2="}], [{"role": "assistant", "content": "3"}]
+    [(ids, mask)] = tokenize_prompt_completion(chatml, [prompt], [completion])
+    assert ids[-3:] == ids_of("3") + [EOS] + ids_of("\n") and mask[-3:] == [1, 1, 1]
+    assert ids.count(EOS) == 2  # the user's turn and the assistant's, no third
+    [(text_ids, _)] = tokenize_prompt_completion(chatml, ["1+2="], ["3\n"])
+    assert text_ids[-2:] == ids_of("\n") + [EOS]  # a text completion still gets its eos
+
+
 @pytest.mark.parametrize(
     "columns, form",
     [(["prompt", "completion", "x"], "prompt_completion"), (["messages"], "messages"), (["text", "id"], "text")],

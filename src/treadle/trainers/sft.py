@@ -14,8 +14,9 @@ How this departs from TRL's SFTTrainer (v0.2x):
 1. Prompt and completion are tokenised *separately* and concatenated, so the model trains on exactly the
    tokens it sees at inference (prompt tokenised alone, completion generated after it). TRL tokenises the
    joined text, which with a BPE tokenizer can merge tokens across the boundary.
-2. eos is appended to ``text`` and ``prompt``/``completion`` rows (unless already there); chat rows
-   (``messages``) end where the chat template ends a turn, nothing is appended.
+2. eos is appended to ``text`` rows and text ``prompt``/``completion`` rows (unless already there); chat rows
+   (``messages``, or prompt and completion as messages) end where the chat template ends a turn, nothing is
+   appended (as TRL).
 3. Packing is best-fit-decreasing of whole rows (a row longer than ``max_length`` is truncated, never split),
    with ``position_ids`` restarting at 0 in each row and no ``attention_mask``: transformers then builds a
    block-diagonal causal mask from the position ids (eager, sdpa and flash attention alike), so no token
@@ -313,21 +314,25 @@ def tokenize_text(tokenizer, texts: list[str]) -> list[tuple[list[int], list[int
 def tokenize_prompt_completion(
     tokenizer, prompts: list, completions: list, *, completion_only: bool = True
 ) -> list[tuple[list[int], list[int]]]:
-    """(ids, mask) per row: prompt ids (``treadle.data.encode_prompts``) + completion ids + eos.
+    """(ids, mask) per row: prompt ids (``treadle.text.encode_prompts``) + completion ids, eos appended to a text
+    completion unless it ends with one.
 
     Chat rows (lists of messages) are rendered with the chat template: the prompt with a generation prompt, the
-    completion as the rest of the full chat (``treadle.data.split_chat_completion``). ``completion_only`` puts
-    the loss on the completion tokens only.
+    completion as the rest of the full chat (``treadle.text.split_chat_completion``), which ends the way the
+    template ends an assistant turn (ChatML: ``<|im_end|>`` then a newline) and gets no eos of its own, as TRL's
+    SFT and treadle's DPO do: an appended eos would teach the model a token the template never renders after a turn.
+    ``completion_only`` puts the loss on the completion tokens only.
     """
+    chat = [is_conversation(p) for p in prompts]
     completions = [
-        split_chat_completion(tokenizer, p, c)[1] if is_conversation(p) else c
-        for p, c in zip(prompts, completions, strict=True)
+        split_chat_completion(tokenizer, p, c)[1] if is_chat else c
+        for p, c, is_chat in zip(prompts, completions, chat, strict=True)
     ]
     prompt_ids = encode_prompts(tokenizer, prompts)
     completion_ids = encode_texts(tokenizer, completions, special_tokens=False)
     rows = []
-    for p, c in zip(prompt_ids, completion_ids, strict=True):
-        c = with_eos(c, tokenizer.eos_token_id)
+    for p, c, is_chat in zip(prompt_ids, completion_ids, chat, strict=True):
+        c = c if is_chat else with_eos(c, tokenizer.eos_token_id)
         rows.append((p + c, [0 if completion_only else 1] * len(p) + [1] * len(c)))
     return rows
 
