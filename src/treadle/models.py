@@ -364,6 +364,8 @@ def load_pretrained(
     if gguf_file:
         options["gguf_file"] = gguf_file
         model_kwargs.setdefault("quantization_config", _dequantized_gguf())
+        if "dtype" not in model_kwargs and "torch_dtype" not in model_kwargs:  # not the file's own (a 4-bit one's)
+            model_kwargs["dtype"] = torch.float32
     try:
         vision = model_class is None and is_vision_language(source, options)
         if tokenizer is None:
