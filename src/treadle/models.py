@@ -373,7 +373,9 @@ def load_pretrained(
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot load a model and tokenizer from {source}: {str(error).splitlines()[0]}") from None
     if gguf_file:  # records, adapters (their base_model_name_or_path) and `treadle merge` name the file itself
-        model.config._name_or_path = os.path.join(source, gguf_file) if os.path.isdir(source) else source
+        # both: from_pretrained copied the config's into the model's own attribute, which PEFT reads
+        name = os.path.join(source, gguf_file) if os.path.isdir(source) else source
+        model.name_or_path = model.config._name_or_path = name
     check_vocabulary(model, tokenizer, source)
     return model, tokenizer
 
