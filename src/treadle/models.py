@@ -27,6 +27,7 @@ import copy
 import inspect
 import json
 import os
+import struct
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -375,7 +376,9 @@ def load_pretrained(
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot load a model and tokenizer from {source}: {str(error).splitlines()[0]}") from None
     if gguf_file:  # records, adapters (their base_model_name_or_path) and `treadle merge` name the file itself
-        model.config._name_or_path = os.path.join(source, gguf_file) if os.path.isdir(source) else source
+        # both: from_pretrained copied the config's into the model's own attribute, which PEFT reads
+        name = os.path.join(source, gguf_file) if os.path.isdir(source) else source
+        model.name_or_path = model.config._name_or_path = name
     check_vocabulary(model, tokenizer, source)
     return model, tokenizer
 
@@ -408,20 +411,50 @@ def gguf_source(source: str, gguf_file: str | None = None) -> tuple[str, str | N
 
 
 def _check_gguf_file(path: str) -> None:
-    """Refuse a file that is not GGUF, or whose architecture transformers cannot turn into a model."""
+    """Refuse a file that is not GGUF, is cut short in its metadata, or whose architecture transformers cannot turn
+    into a model."""
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes GGUF); copy it again")
     from transformers.integrations.gguf.reader import read_gguf_metadata
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    architecture = read_gguf_metadata(path)[0].get("general.architecture")
-    if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+    try:
+        architecture = read_gguf_metadata(path)[0].get("general.architecture")
+    except (struct.error, ValueError) as error:  # an interrupted download: the reader runs off the end of the file
+        raise ValueError(
+            f"{path} is not a whole GGUF file, its metadata cannot be read ({str(error).splitlines()[0]}); "
+            f"copy it again"
+        ) from None
+    known = gguf_architectures()
+    if architecture not in known:
         raise ValueError(
             f"{path} holds a {architecture!r} model, which transformers' GGUF loader does not know (it knows "
-            f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES)[:12])}, ...); convert it to a transformers folder "
+            f"{', '.join(sorted(known)[:12])}, ...); convert it to a transformers folder "
             f"with the tools of the project that wrote it, or upgrade transformers"
         )
+
+
+# llama.cpp's spellings (general.architecture) that transformers' legacy GGUF reader renames to its own before it
+# looks them up (``load_gguf_checkpoint``)
+GGUF_ARCHITECTURE_RENAMES = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "minimax-m2": "minimax_m2",
+    "t5encoder": "t5",
+}
+
+
+def gguf_architectures() -> set[str]:
+    """The ``general.architecture`` values transformers turns into a model: those its GGUF reader rebuilds a config
+    for (``GGUF_CONFIG_ARCHS``: Qwen3.5, LFM2 ...), and those of its legacy reader, in its spelling and llama.cpp's.
+    (The legacy list also holds the metadata sections ``general`` and ``tokenizer``, no architectures.)"""
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    legacy = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}
+    renamed = {name for name, target in GGUF_ARCHITECTURE_RENAMES.items() if target in legacy}
+    return set(GGUF_CONFIG_ARCHS) | legacy | renamed
 
 
 def _dequantized_gguf():
