@@ -402,6 +402,13 @@ def gguf_source(source: str, gguf_file: str | None = None) -> tuple[str, str | N
             f"loading {gguf_file} needs the {GGUF_PACKAGE} package, which transformers reads GGUF files with; "
             f"install it: pip install 'treadle[gguf]'"
         )
+    if importlib.util.find_spec("transformers.integrations.gguf") is None:
+        import transformers
+
+        raise ValueError(
+            f"loading {gguf_file} needs transformers' GGUF reader with GgufConfig(dequantize=True), which "
+            f"transformers {transformers.__version__} lacks; upgrade transformers (5.24 is what treadle tests)"
+        )
     path = os.path.join(source, gguf_file)
     if (os.path.isdir(source) or os.path.isabs(source)) and not os.path.isfile(path):
         raise ValueError(f"GGUF file {path} not found; name an existing .gguf file (model: path/to/model.gguf)")

@@ -35,7 +35,7 @@ def smollm2_pristine(smollm2_folder):
 
 @pytest.fixture
 def smollm2(smollm2_pristine):
-    """``(model, tokenizer)``: a fresh copy of the real model (train mode, as from_pretrained leaves it in eval) and
-    its tokenizer."""
+    """``(model, tokenizer)``: a fresh copy of the real model (in eval mode, as from_pretrained leaves it; a trainer
+    puts it in train mode) and its tokenizer."""
     model, tokenizer = smollm2_pristine
     return copy.deepcopy(model), tokenizer
