@@ -232,6 +232,29 @@ def test_sft_messages_without_generation_markers(tmp_path, smollm2):
         assert ids == chat_turns(tok, user(q), assistant(a))[1] and mask == [1] * len(ids)
 
 
+@pytest.mark.parametrize("form", ["prompt_completion", "messages"])
+def test_sft_rows_are_trl_s(tmp_path, smollm2, form):
+    """TRL 1.16's SFTTrainer tokenises the same rows into the same ids and the same loss tokens (its labels), on the
+    real tokenizer and template: conversational prompt/completion rows, and messages rows with
+    ``assistant_only_loss`` through the template with ``{% generation %}``."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    model, tok = smollm2
+    rows, extra = PROMPT_COMPLETION, {}
+    if form == "messages":
+        rows, tok, extra = MESSAGES, with_generation_template(tok), {"assistant_only_loss": True}
+    theirs = trl.SFTTrainer(
+        model=model,
+        args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", bf16=False, **extra),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+    ).train_dataset
+    ours = sft_trainer(tmp_path / "ours", tok, rows, model, **extra).train_dataset
+    assert theirs["input_ids"] == ours["input_ids"]
+    assert [[int(label != -100) for label in r] for r in theirs["labels"]] == ours["completion_mask"]
+
+
 # ---- packing ----------------------------------------------------------------------------------------------------
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -389,6 +412,8 @@ def test_grpo_with_the_own_sampler_and_shared_prefixes(tmp_path, smollm2, recwar
     assert trainer.args.shared_prefix
     logs = assert_trains(trainer, snapshot(trainer.model), adapters=tuning == "lora", steps=2)
     assert len(shared) >= (4 if tuning == "lora" else 2)  # the policy's forwards (and the reference's) ran shared
+    if tuning == "lora":
+        assert logs[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at 0: the policy is its reference
     assert len(seen) == 8
     for completion, ids in seen:
         assert [m["role"] for m in completion] == ["assistant"] and "<|im_end|>" not in completion[0]["content"]
