@@ -174,6 +174,14 @@ def chat_turns(tok, prompt: list[dict], completion: list[dict]) -> tuple[list[in
     return encode(prompt_text), encode(full_text)
 
 
+def assert_chat_response(tok, prompt_ids: list[int], response_ids: list[int]) -> None:
+    """A preference row's prompt is the rendered chat up to the generation prompt (the injected system prompt
+    first) and its response ends the turn as the template does, with no eos of its own after it."""
+    prompt = tok.decode(prompt_ids)
+    assert prompt.startswith(f"<|im_start|>system\n{SYSTEM}") and prompt.endswith("<|im_start|>assistant\n")
+    assert tok.decode(response_ids).endswith(TURN_END) and response_ids.count(tok.eos_token_id) == 1
+
+
 def assert_loss_on_the_answer(tok, ids_and_masks) -> None:
     """Token by token: the loss is on the tokens after the generation prompt (the answer, ``<|im_end|>``, ``\\n``)
     and nowhere else -- not the injected system prompt, not the user's turn."""
@@ -313,9 +321,9 @@ def test_packed_rows_lose_what_they_lose_alone(tmp_path, smollm2):
 def test_dpo(tmp_path, smollm2, recwarn):
     model, tok = smollm2
     trainer = dpo_trainer(tmp_path, tok, PAIRS, model, max_steps=2, learning_rate=1e-5, logging_steps=1)
-    row = trainer.train_dataset[0]
-    for key in ("chosen_input_ids", "rejected_input_ids"):  # a chat response ends its turn, no eos of its own
-        assert tok.decode(row[key]).endswith(TURN_END) and row[key].count(tok.eos_token_id) == 1
+    for row in trainer.train_dataset:
+        assert_chat_response(tok, row["prompt_input_ids"], row["chosen_input_ids"])
+        assert_chat_response(tok, row["prompt_input_ids"], row["rejected_input_ids"])
     logs = assert_trains(trainer, snapshot(trainer.model), adapters=False, steps=2)
     assert logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as its reference
     assert_trl_names("dpo", logs)
@@ -337,6 +345,8 @@ def test_kto(tmp_path, smollm2, recwarn):
         disable_tqdm=True,
     )
     trainer = KTOTrainer(model, args=args, train_dataset=rows, processing_class=tok)
+    for row in trainer.train_dataset:
+        assert_chat_response(tok, row["prompt_input_ids"], row["completion_input_ids"])
     logs = assert_trains(trainer, snapshot(trainer.model), adapters=False, steps=1)
     assert logs[0]["kl"] == 0.0  # the policy starts as its reference (the estimate is clamped at 0)
     assert_trl_names("kto", logs)
