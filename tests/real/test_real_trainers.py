@@ -230,11 +230,23 @@ def test_sft_trains_exactly_the_assistant_turn(tmp_path, smollm2, recwarn, form,
 
 def test_sft_messages_without_generation_markers(tmp_path, smollm2):
     """SmolLM2's shipped template has no ``{% generation %}``: ``assistant_only_loss`` is refused in one line that
-    says so (TRL 1.16 would swap in a training template, but has none for this one), and without it a messages row
+    says so, as TRL 1.16 refuses it (it has no training template to swap in for this one); without it a messages row
     trains on every token, the injected system prompt included (as TRL)."""
     model, tok = smollm2
     with pytest.raises(ValueError, match="generation"):
         sft_trainer(tmp_path, tok, MESSAGES, model, assistant_only_loss=True)
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="not training-compatible"):
+        trl.SFTTrainer(
+            model=model,
+            args=trl.SFTConfig(
+                output_dir=str(tmp_path / "trl"), report_to="none", bf16=False, assistant_only_loss=True
+            ),
+            train_dataset=Dataset.from_list(MESSAGES),
+            processing_class=tok,
+        )
     trainer = sft_trainer(tmp_path, tok, MESSAGES, model)
     for (q, a, _), ids, mask in zip(QA, trainer.train_dataset["input_ids"], trainer.train_dataset["completion_mask"]):
         assert ids == chat_turns(tok, user(q), assistant(a))[1] and mask == [1] * len(ids)
