@@ -20,6 +20,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from treadle.demos import toy, toy_vision as tv
+from treadle.generation import GenerationOutput
 from treadle.trainers.dpo import DPOConfig, DPOTrainer
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.reward import RewardConfig, RewardTrainer
@@ -357,3 +358,68 @@ def vision_grpo_trainer(folder, kind, processor, reward, **overrides) -> GRPOTra
             **overrides,
         },
     )
+
+
+# ------------------------------------------------------------------------------------------------ parity with TRL
+TRL_ONLY = dict(use_cpu=True, bf16=False, gradient_checkpointing=False)  # TRL defaults both to True
+
+
+def in_order(trainer_class):
+    """``trainer_class`` reading its training rows in order (TRL: ``train_sampling_strategy="sequential"``)."""
+
+    class InOrder(trainer_class):
+        def build_sampler(self, dataset, *, shuffle):
+            return super().build_sampler(dataset, shuffle=False)
+
+    return InOrder
+
+
+def train_logs(trainer) -> list[dict]:
+    """The training steps' entries of ``trainer.state.log_history`` (either library's trainer)."""
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+class FixedCompletions(GRPOTrainer):
+    """treadle's GRPO trainer sampling nothing: ``generate`` hands out ``completions`` (token-id lists; one that does
+    not end with the tokenizer's eos is a truncated one) in order, cycling, and records the prompts it was given in
+    ``prompts_seen``. Subclasses set ``completions``; ``trl_rollout(completions, ...)`` hands TRL the same ones."""
+
+    completions: list[list[int]] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.handed_out, self.prompts_seen = 0, []
+
+    def generate(self, prompt_ids, *, num_generations, generator=None, **kwargs):
+        rows = [ids for ids in prompt_ids for _ in range(num_generations)]
+        self.prompts_seen += rows
+        completions = cycled(self.completions, len(rows), self.handed_out)
+        self.handed_out += len(rows)
+        width, pad, eos = max(map(len, completions)), self.pad_token_id, self.processing_class.eos_token_id
+        prompts = torch.tensor(rows)  # the tests give one prompt for every row: no padding
+        ids = torch.tensor([c + [pad] * (width - len(c)) for c in completions])
+        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
+        truncated = torch.tensor([c[-1] != eos for c in completions])
+        return GenerationOutput(prompts, torch.ones_like(prompts), ids, mask, truncated)
+
+
+def cycled(items: list, count: int, start: int) -> list:
+    """``count`` items of ``items`` from index ``start`` on, wrapping around."""
+    return [items[(start + i) % len(items)] for i in range(count)]
+
+
+def trl_rollout(completions: list[list[int]], encode_prompt):
+    """TRL's ``rollout_func`` handing out ``completions`` in the order ``FixedCompletions`` does; ``encode_prompt``
+    turns a dataset prompt into its token ids."""
+    state = {"handed_out": 0}
+
+    def rollout(prompts, trainer):
+        handed = cycled(completions, len(prompts), state["handed_out"])
+        state["handed_out"] += len(prompts)
+        return {
+            "prompt_ids": [encode_prompt(p) for p in prompts],
+            "completion_ids": handed,
+            "logprobs": [[0.0] * len(c) for c in handed],
+        }
+
+    return rollout

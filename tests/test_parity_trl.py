@@ -12,11 +12,13 @@ import torch
 trl = pytest.importorskip("trl", minversion="1.16")  # rollout_func, use_bias_correction_kl
 pytest.importorskip("accelerate")
 
+from _factories import TRL_ONLY, FixedCompletions, cycled, in_order, train_logs, trl_rollout  # noqa: E402
+
 import treadle  # noqa: E402
 from treadle import losses  # noqa: E402
 from treadle.demos import toy  # noqa: E402
 from treadle.engines.base import RolloutEngine  # noqa: E402
-from treadle.generation import GenerationOutput  # noqa: E402
+from treadle.text import encode_prompt  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,  # each test trains two tiny models for a few steps (seconds each)
@@ -42,21 +44,6 @@ COMMON = dict(
     dataloader_pin_memory=False,
     optim="adamw_torch",
 )
-TRL_ONLY = dict(use_cpu=True, bf16=False, gradient_checkpointing=False)  # TRL defaults both to True
-
-
-def in_order(trainer_class):
-    """``trainer_class`` reading its training rows in order (TRL: ``train_sampling_strategy="sequential"``)."""
-
-    class InOrder(trainer_class):
-        def build_sampler(self, dataset, *, shuffle):
-            return super().build_sampler(dataset, shuffle=False)
-
-    return InOrder
-
-
-def train_logs(trainer):
-    return [h for h in trainer.state.log_history if "loss" in h]
 
 
 def assert_same_logs(theirs, ours, keys, atol=1e-4):
@@ -209,43 +196,15 @@ def fixed_reward(completion_ids, **kwargs):
     return [float(len(ids) % 3) + 0.5 * (ids[0] % 2) for ids in completion_ids]
 
 
-def fixed_completions(count: int, start: int) -> list[list[int]]:
-    return [FIXED[(start + i) % len(FIXED)] for i in range(count)]
-
-
-class FixedCompletions(treadle.GRPOTrainer):
+class FixedToy(FixedCompletions):
     """treadle's GRPO trainer sampling nothing: ``generate`` hands out the FIXED completions in order."""
 
-    handed_out = 0
-
-    def generate(self, prompt_ids, *, num_generations, generator=None):
-        rows = [ids for ids in prompt_ids for _ in range(num_generations)]
-        completions = fixed_completions(len(rows), self.handed_out)
-        self.handed_out += len(rows)
-        width, pad = max(map(len, completions)), self.pad_token_id
-        prompts = torch.tensor(rows)  # one prompt for every row: no padding
-        ids = torch.tensor([c + [pad] * (width - len(c)) for c in completions])
-        mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
-        truncated = torch.tensor([c[-1] != 2 for c in completions])
-        return GenerationOutput(prompts, torch.ones_like(prompts), ids, mask, truncated)
+    completions = FIXED
 
 
-def trl_rollout(tokenizer):
+def fixed_rollout(tokenizer):
     """TRL's ``rollout_func`` handing out the same FIXED completions in the same order."""
-    from treadle.text import encode_prompt
-
-    state = {"handed_out": 0}
-
-    def rollout(prompts, trainer):
-        completions = fixed_completions(len(prompts), state["handed_out"])
-        state["handed_out"] += len(prompts)
-        return {
-            "prompt_ids": [encode_prompt(tokenizer, p) for p in prompts],
-            "completion_ids": completions,
-            "logprobs": [[0.0] * len(c) for c in completions],
-        }
-
-    return rollout
+    return trl_rollout(FIXED, lambda prompt: encode_prompt(tokenizer, prompt))
 
 
 GRPO_CASES = [(loss_type, {}) for loss_type in sorted(set(losses.GRPO_LOSS_TYPES) & TRL_GRPO_LOSSES)] + [
@@ -293,13 +252,13 @@ def test_grpo_losses_and_metrics_match_trl_on_fixed_completions(tmp_path, tokeni
         reward_funcs=fixed_reward,
         processing_class=tokenizer,
         train_dataset=rows,
-        rollout_func=trl_rollout(tokenizer),
+        rollout_func=fixed_rollout(tokenizer),
         args=trl.GRPOConfig(
             output_dir=str(tmp_path / "trl"), **TRL_ONLY, **{**kwargs, "use_bias_correction_kl": bias_correction}
         ),
     )
     theirs.train()
-    ours = FixedCompletions(
+    ours = FixedToy(
         AutoModelForCausalLM.from_pretrained(tmp_path / "init"),
         reward_funcs=fixed_reward,
         args=ours_args,
@@ -332,8 +291,6 @@ class NotTheOwnSampler(RolloutEngine):
 def sampling_logps_table(model, tokenizer) -> list[list[float]]:
     """Per FIXED completion, "the sampler's" log-probs: the initial model's (after the one prompt) plus a fixed
     perturbation of up to ±0.25 per token, as an engine with other numerics or slightly stale weights would report."""
-    from treadle.text import encode_prompt
-
     prompt = encode_prompt(tokenizer, "12+34=")
     g = torch.Generator().manual_seed(7)
     table = []
@@ -385,7 +342,7 @@ def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(
         max_steps=3,
         **correction,
     )
-    rollout = trl_rollout(tokenizer)
+    rollout = fixed_rollout(tokenizer)
 
     def with_logps(prompts, trainer):
         out = rollout(prompts, trainer)
@@ -404,7 +361,7 @@ def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(
     theirs._last_loaded_step = -1  # set in its __init__ only under use_vllm
     theirs.train()
 
-    class Ours(FixedCompletions):
+    class Ours(FixedToy):
         def build_engine(self):
             return NotTheOwnSampler()
 
@@ -412,7 +369,7 @@ def test_grpo_sampler_correction_matches_trl_with_vllm_logprobs(
             start = self.handed_out
             out = super().generate(prompt_ids, num_generations=num_generations, generator=generator)
             logps = torch.zeros(out.completion_ids.shape)
-            for row, completion in enumerate(fixed_completions(out.completion_ids.shape[0], start)):
+            for row, completion in enumerate(cycled(FIXED, out.completion_ids.shape[0], start)):
                 logps[row, : len(completion)] = torch.tensor(table[FIXED.index(completion)])
             out.sampling_logps = logps
             return out
