@@ -9,6 +9,7 @@ one tokenizer; ``smollm2_folder`` is the folder for tests that load by name (the
 import copy
 
 import pytest
+import torch
 
 from treadle.demos import smollm2 as real
 
@@ -17,6 +18,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/real/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.real)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def real_model_threads():
+    """One torch thread for the whole tier: on a shared 2-core machine a second thread waits on the other jobs (a
+    step of this model took 4-8x longer with two threads than with one at a load of 3-8; docs/models.md), and one
+    thread gives the same rounding on every machine; on a quiet machine two would save at most half."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

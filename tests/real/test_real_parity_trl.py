@@ -31,9 +31,6 @@ from transformers import AutoModelForSequenceClassification
 import treadle
 
 pytestmark = [
-    # one torch thread: on a shared machine two threads wait on each other (measured under a load of 3 on 2 cores: a
-    # forward and backward of 92 tokens 2.4 s on one thread, 20 s on two); on a quiet one two would save at most half
-    pytest.mark.usefixtures("one_thread"),
     pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed in v6:FutureWarning"),
     pytest.mark.filterwarnings("ignore::UserWarning"),  # TRL's notes on the reference, padding-free, ...
 ]

@@ -24,10 +24,6 @@ from treadle.trainers.kto import KTOConfig, KTOTrainer
 from treadle.trainers.reward import RewardConfig, RewardTrainer
 
 peft = pytest.importorskip("peft")
-# one torch thread: on 2 busy cores a second thread spins against the other jobs (a step of this model took 4-5x
-# longer with two threads than with one at a load of 8); on a quiet machine two would be faster by about half
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 QA = [
     ("What is 2+2?", "2+2 is 4.", "2+2 is 5."),
     ("Name a primary colour.", "Red.", "Green, of course."),
