@@ -43,7 +43,7 @@ How this departs from TRL 1.16's DistillationTrainer:
 7. No ``entropy`` metric (the chunked divergence does not return the student's entropy). The rest of TRL's training
    metrics are logged with its meaning: ``completions/*`` (mean, min and max length, of the completions that ended
    with EOS too, and ``clipped_ratio``) and ``num_tokens`` per generation, as GRPO's
-   (``onpolicy.records.completion_metrics``).
+   (``onpolicy.records.completion_metrics``), and ``step_time`` (``OnPolicyTrainer``'s step clock).
 """
 
 from __future__ import annotations

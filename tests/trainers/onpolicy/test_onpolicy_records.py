@@ -1,14 +1,18 @@
 """What every on-policy trainer records (trainers/onpolicy/records.py): a generation's completion lengths and
-``num_tokens`` (TRL's names and meaning) by hand."""
+``num_tokens`` (TRL's names and meaning) by hand, and ``step_time`` on a fake clock through GRPO and distillation."""
+
+import types
 
 import pytest
 import torch
+from _factories import grpo_trainer
 
 from treadle.demos import toy
 from treadle.generation import GenerationOutput, completion_masks, left_pad
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
+from treadle.trainers.onpolicy import trainer as onpolicy_trainer
 from treadle.trainers.onpolicy.data import Rollout
-from treadle.trainers.onpolicy.records import completion_metrics
+from treadle.trainers.onpolicy.records import StepClock, completion_metrics
 
 EOS = 2  # the toy tokenizer's eos id
 
@@ -62,9 +66,54 @@ def test_multi_turn_lengths_count_the_sampled_tokens_only():
     assert got["num_tokens"] == (4.0 + 5.0, 0)
 
 
-def test_distillation_logs_trl_s_completion_metrics(tmp_path, tok, dataset):
+def test_the_step_clock_adds_the_window_s_preparation_and_its_training_steps():
+    clock = StepClock()
+    clock.start(1.5, micro_steps=3)
+    assert [clock.add(s) for s in (0.25, 0.25, 0.5)] == [None, None, 2.5]
+    assert clock.add(9.0) is None  # no window open: nothing is timed
+    clock.start(0.0, micro_steps=1)
+    assert clock.add(1.0) == 1.0  # a new window starts from its own preparation
+
+
+class FakeClock:
+    """``time`` for the on-policy trainer's module: ``perf_counter`` advances one second a call."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def step_times(trainer, monkeypatch) -> list[float]:
+    monkeypatch.setattr(onpolicy_trainer, "time", types.SimpleNamespace(perf_counter=FakeClock().perf_counter))
+    trainer.train()
+    return [h["step_time"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_grpo_step_time_is_the_window_s_sampling_and_training_steps(tmp_path, tok, dataset, monkeypatch, accumulation):
+    """On a clock that advances 1 s a reading, prepare_window (sampling, scoring: two readings) takes 1 s and each
+    training step 1 s: a step of ``accumulation`` micro-batches takes 1 + accumulation seconds, however many
+    steps' windows a generation feeds (TRL's step_time: the optimizer step itself is not timed)."""
+    trainer = grpo_trainer(
+        tmp_path,
+        tok,
+        dataset,
+        max_steps=4,
+        logging_steps=1,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=2,
+    )
+    assert step_times(trainer, monkeypatch) == [1.0 + accumulation] * 4
+
+
+def test_distillation_logs_trl_s_completion_metrics_and_step_time(tmp_path, tok, dataset, monkeypatch):
     """The same rule as GRPO's (``completion_metrics``) on fixed completions: lengths 3, 4, 1, 2, the second without
-    EOS; ``num_tokens`` the prompts' tokens and the completions' lengths."""
+    EOS; ``step_time`` as GRPO's; ``num_tokens`` the prompts' tokens and the completions' lengths."""
     fixed = [[5, 6, EOS, 0], [7, 8, 9, 10], [EOS, 0, 0, 0], [11, EOS, 0, 0]]
     prompts = []
 
@@ -87,7 +136,7 @@ def test_distillation_logs_trl_s_completion_metrics(tmp_path, tok, dataset):
     )
     trainer = DistillationTrainer(student, teacher, args=args, train_dataset=dataset, processing_class=tok)
     trainer.generate = generate
-    trainer.train()
+    assert step_times(trainer, monkeypatch) == [2.0]
     [log] = [h for h in trainer.state.log_history if "loss" in h]
     assert log["num_tokens"] == sum(map(len, prompts)) + 3 + 4 + 1 + 2
     expected = {"mean_length": 2.5, "min_length": 1, "max_length": 4, "clipped_ratio": 0.25}

@@ -1,5 +1,5 @@
 """What every on-policy trainer records and checks: seeded generators, prompt tokens, a generation's completion
-lengths and tokens (``completion_metrics``), evaluation sums (mean reward, pass@k)
+lengths and tokens (``completion_metrics``), the step clock (``StepClock``), evaluation sums (mean reward, pass@k)
 and ``compute_metrics`` over every rank's evaluation samples; checks of the trainer's reward and data arguments.
 Pure functions of their arguments, apart from the gathers over ranks."""
 
@@ -25,6 +25,7 @@ from treadle.text import encode_prompt
 from treadle.trainers.onpolicy.data import Rollout
 
 __all__ = [
+    "StepClock",
     "check_dataset",
     "check_tokenizer",
     "completion_metrics",
@@ -88,6 +89,38 @@ def completion_metrics(rollout: Rollout) -> dict[str, tuple[float, int]]:
         "completions/min_terminated_length": (float(terminated.min()), 1),
         "completions/max_terminated_length": (float(terminated.max()), 1),
     }
+
+
+class StepClock:
+    """TRL's ``step_time``: the wall time, in seconds, of one optimizer step's work before its optimizer update --
+    its window's ``prepare_window`` (sampling and scoring, when the window starts a generation; TRL samples inside
+    ``training_step``) and each of its micro-batches' ``training_step`` (forward and backward) -- without the
+    gradient clipping, the optimizer step or the callbacks. Host time, as TRL's: no wait for the accelerator.
+
+    >>> clock = StepClock()
+    >>> clock.start(2.0, micro_steps=2)  # prepare_window took 2 s; two micro-batches follow
+    >>> clock.add(0.5) is None  # the first one took 0.5 s
+    True
+    >>> clock.add(0.25)  # the last one: the step's time
+    2.75
+    >>> clock.add(1.0) is None  # a training_step outside a window is not timed
+    True
+    """
+
+    def __init__(self):
+        self.seconds, self.left = 0.0, 0
+
+    def start(self, seconds: float, micro_steps: int) -> None:
+        """A window starts: ``seconds`` spent preparing it, ``micro_steps`` training steps to come."""
+        self.seconds, self.left = seconds, micro_steps
+
+    def add(self, seconds: float) -> float | None:
+        """One training step took ``seconds``: the step's total after its window's last one, else None."""
+        if self.left <= 0:
+            return None
+        self.seconds += seconds
+        self.left -= 1
+        return self.seconds if self.left == 0 else None
 
 
 def reward_sums(
