@@ -168,6 +168,7 @@ def scenario_dpo(out: str, **overrides) -> dict:
     return {
         "losses": step_losses(history),
         "margins": [entry["rewards/margins"] for entry in history if "rewards/margins" in entry],
+        "num_tokens": [entry["num_tokens"] for entry in history if "num_tokens" in entry],
     }
 
 
@@ -177,9 +178,20 @@ def scenario_dpo_precomputed(out: str) -> dict:
 
 
 def scenario_grpo(out: str, **overrides) -> dict:
-    from treadle import GRPOTrainer
+    from treadle import GRPOTrainer, distributed as dist
+    from treadle.text import encode_prompt
 
-    trainer = GRPOTrainer(**grpo_parts(out, torch.distributed.get_world_size(), **overrides))
+    parts = grpo_parts(out, torch.distributed.get_world_size(), **overrides)
+    tokenizer, reward, sampled = parts["processing_class"], parts["reward_funcs"], []
+
+    def digit_count_reward(prompts, completions, completion_ids, **columns):  # what this rank sampled
+        eos = tokenizer.eos_token_id
+        lengths, ended = [len(ids) for ids in completion_ids], [ids[-1] == eos for ids in completion_ids]
+        prompt_tokens = sum(len(encode_prompt(tokenizer, p)) for p in prompts)
+        sampled.append({"lengths": lengths, "ended": ended, "prompt_tokens": prompt_tokens})
+        return reward(prompts, completions, completion_ids, **columns)
+
+    trainer = GRPOTrainer(**{**parts, "reward_funcs": digit_count_reward})
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     history = trainer.state.log_history
@@ -188,6 +200,8 @@ def scenario_grpo(out: str, **overrides) -> dict:
         "rewards": [e["reward"] for e in history if "reward" in e],
         "final_step": trainer.state.global_step,
         "wrapper": type(trainer.model_wrapped).__name__,
+        "logs": [e for e in history if "loss" in e],
+        "sampled": [list(ranks) for ranks in zip(*dist.gather_objects(sampled))],  # per generation: each rank's
     }
 
 

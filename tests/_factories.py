@@ -317,6 +317,15 @@ def golden_grpo_run(output_dir, tok) -> GRPOTrainer:
     )  # recorded with the plain k3 term (before issue 17)
 
 
+# ------------------------------------------------------------------------------------------------ logs
+WALL_CLOCK = ("step_time",)  # logged metrics that time the run: two runs of the same steps never log the same
+
+
+def untimed(history: list[dict]) -> list[dict]:
+    """``history`` (a ``log_history``) without its wall-clock metrics: what two runs of the same steps share."""
+    return [{k: v for k, v in entry.items() if k not in WALL_CLOCK} for entry in history]
+
+
 # ------------------------------------------------------------------------------------------------ vision
 VISION_ARGS = dict(
     max_steps=1,

@@ -277,7 +277,7 @@ def test_a_rank_stuck_outside_collectives_makes_the_others_time_out(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 def trainer_reference(tmp_path, name: str):
     """Train the SFT / DPO reference in this process with batch 2b (DPO scoring the reference model as it
-    goes, never precomputed); (losses, final weights)."""
+    goes, never precomputed); (losses, rewards/margins, num_tokens, final weights)."""
     if name == "sft":
         from treadle import SFTTrainer as cls
 
@@ -289,8 +289,9 @@ def trainer_reference(tmp_path, name: str):
     trainer = cls(**parts)
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
-    margins = [e["rewards/margins"] for e in trainer.state.log_history if "rewards/margins" in e]
-    return worker.step_losses(trainer.state.log_history), margins, load_weights(tmp_path / "final")
+    history = trainer.state.log_history
+    margins, tokens = ([e[k] for e in history if k in e] for k in ("rewards/margins", "num_tokens"))
+    return worker.step_losses(history), margins, tokens, load_weights(tmp_path / "final")
 
 
 @pytest.mark.slow
@@ -299,13 +300,14 @@ def test_sft_and_dpo_two_processes_match_one_process(job, tmp_path, scenario):
     name = TRAINER_SCENARIOS[scenario]
     if not available(f"treadle.trainers.{name}"):
         pytest.skip(f"treadle.trainers.{name} does not exist yet")
-    losses, margins, weights = trainer_reference(tmp_path, name)
+    losses, margins, tokens, weights = trainer_reference(tmp_path, name)
     got = result(job, scenario)
     assert got["world_size"] == 2 and len(got["losses"]) == 2
     assert got["losses"] == pytest.approx(losses, rel=LOSS_RTOL)
     if name == "dpo":  # a trainer's own metric, averaged over both ranks' pairs before rank 0 logs it
         assert len(margins) == 2 and margins[1] != 0
         assert got["margins"] == pytest.approx(margins, rel=1e-4, abs=1e-6)
+        assert got["num_tokens"] == tokens and len(tokens) == 2  # TRL's num_tokens: both ranks' tokens
     assert_same_weights(load_weights(job / scenario / "final"), weights)
 
 
@@ -329,6 +331,17 @@ def test_grpo_runs_with_groups_spanning_ranks(job):
         # the advantage uses the statistics of the whole group, gathered from both ranks
         want = [(x - mean) / (std + 1e-4) for x in rewards]
         assert [r["advantage"] for r in group] == pytest.approx(want, abs=1e-5)
+    # the length metrics and num_tokens cover both ranks' completions (each rank's, as its reward function saw them)
+    total = 0
+    for log, ranks in zip(got["logs"], got["sampled"], strict=True):
+        lengths = [n for rank in ranks for n in rank["lengths"]]
+        ended = [n for rank in ranks for n, eos in zip(rank["lengths"], rank["ended"]) if eos] or [0]
+        total += sum(rank["prompt_tokens"] for rank in ranks) + sum(lengths)
+        assert len(lengths) == 8 and log["num_tokens"] == total
+        want = {"min_length": min(lengths), "max_length": max(lengths), "mean_length": statistics.fmean(lengths)}
+        want |= {"min_terminated_length": min(ended), "max_terminated_length": max(ended)}
+        want["mean_terminated_length"] = statistics.fmean(ended)
+        assert {k: log[f"completions/{k}"] for k in want} == pytest.approx(want)
 
 
 @pytest.mark.slow

@@ -1,12 +1,17 @@
 """MetricWindow: (sum, count) per name, one reduction, a state that survives resuming; and every trainer's
 windowed metrics logged exactly across a resume."""
 
+import itertools
+
 import pytest
 import torch
+from _factories import dpo_trainer, reward_trainer
 
 from treadle import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, TrainerCallback
 from treadle.demos import toy
-from treadle.metrics import MetricWindow
+from treadle.metrics import MetricWindow, record_num_tokens, training_logs
+from treadle.state import TrainerState
+from treadle.trainers.kto import KTOConfig, KTOTrainer
 
 
 def test_means_are_sums_over_counts_per_name_and_mode():
@@ -104,3 +109,64 @@ def test_a_resumed_run_logs_the_window_it_was_saved_in_exactly(tmp_path, build, 
     logged = lambda t: next(h for h in t.state.log_history if h["step"] == 4 and "loss" in h)  # noqa: E731
     assert logged(resumed)[metric] == logged(full)[metric]
     assert logged(resumed)["loss"] == logged(full)["loss"]
+    assert logged(resumed).get("num_tokens") == logged(full).get("num_tokens")  # DPO's: the run's, across the resume
+
+
+# ------------------------------------------------------------------ num_tokens: a run total
+def test_num_tokens_is_folded_into_the_run_s_total_at_each_log():
+    """What ``record_num_tokens`` adds is summed (not averaged) and added to ``state.num_tokens``; the log shows the
+    total. A window whose micro-batches held no loss item logs nothing but still counts its tokens; a window that
+    recorded none logs no ``num_tokens``."""
+    state, window = TrainerState(), MetricWindow()
+    record_num_tokens(window, 10)
+    record_num_tokens(window, 5)
+    window.add("loss", 6.0, 3)
+    assert training_logs(window, state, None, 1e-3) == {"loss": 2.0, "learning_rate": 1e-3, "num_tokens": 15}
+    record_num_tokens(window, 7)
+    window.add("loss", 0.0, 0)  # every label masked
+    assert training_logs(window, state, None, 1e-3) is None and state.num_tokens == 22
+    record_num_tokens(window, 1)
+    window.add_many({"loss": (1.0, 1), "x": (4.0, 2)})
+    assert training_logs(window, state, None, 1e-3) == {"loss": 1.0, "learning_rate": 1e-3, "num_tokens": 23, "x": 2.0}
+    window.add("loss", 1.0, 1)
+    assert "num_tokens" not in training_logs(window, state, None, 1e-3)
+
+
+def kto(tmp_path, tok, **overrides):
+    pairs = toy.load_task("addition", kind="preference", n=8)
+    rows = [
+        {"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+        for i, r in enumerate(pairs)
+    ]
+    args = KTOConfig(output_dir=str(tmp_path), disable_tqdm=True, save_strategy="no", **overrides)
+    return KTOTrainer(toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows, processing_class=tok)
+
+
+def row_tokens(row) -> int:
+    """A row's tokens in its batch: a preference pair's prompt twice and each response once; a KTO row's prompt
+    and completion (its KL completion is not counted, as TRL)."""
+    if "completion_input_ids" in row:
+        return len(row["prompt_input_ids"]) + len(row["completion_input_ids"])
+    return 2 * len(row["prompt_input_ids"]) + len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto", "reward"])
+def test_num_tokens_counts_every_attention_mask_token_trained_on(tmp_path, kind):
+    """DPO, KTO and the reward model log TRL's ``num_tokens``: the attention-mask tokens of every training
+    micro-batch over the run, counted once per micro-batch under accumulation. One epoch of 8 rows in 2 steps of 2
+    micro-batches of 2 rows: the first log holds 4 rows' tokens, the last every row's."""
+    tok = toy.build_tokenizer()
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2, logging_steps=1)
+    pairs = toy.load_task("addition", kind="preference", n=8)
+    if kind == "dpo":
+        trainer = dpo_trainer(tmp_path, tok, pairs, **common)
+    elif kind == "reward":
+        trainer = reward_trainer(tmp_path, tok, pairs, **common)
+    else:
+        trainer = kto(tmp_path, tok, **common)
+    per_row = [row_tokens(r) for r in trainer.train_dataset]
+    assert len(per_row) == 8
+    trainer.train()
+    logged = [h["num_tokens"] for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and logged[1] == sum(per_row) == trainer.state.num_tokens
+    assert logged[0] in {sum(rows) for rows in itertools.combinations(per_row, 4)}

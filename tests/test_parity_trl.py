@@ -147,7 +147,7 @@ def test_dpo_losses_and_reward_metrics_match_trl(tmp_path, tokenizer, loss_type)
     )
     ours.train()
     # IPO's rewards are on the length-averaged scale in treadle and token sums in TRL (documented): loss only
-    keys = ["loss", "grad_norm", "learning_rate"] + (REWARD_METRICS if loss_type != "ipo" else [])
+    keys = ["loss", "grad_norm", "learning_rate", "num_tokens"] + (REWARD_METRICS if loss_type != "ipo" else [])
     assert_same_logs(train_logs(theirs), train_logs(ours), keys)
     assert_same_weights(theirs, ours)
 
@@ -183,6 +183,10 @@ GRPO_METRICS = [
     "completions/min_length",
     "completions/max_length",
     "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+    "num_tokens",
     "kl",
     "entropy",
     "clip_ratio/low_mean",

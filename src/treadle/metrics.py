@@ -13,8 +13,9 @@ Under several processes every rank must take part in each reduction (``reduce`` 
 collective; the ranks agree on the names first, so a rank may record names in any order, or none at all (one
 with no evaluation batch), without a hang.
 
-The module also holds the run's other metric rules: the training loss's weighting (``record_loss``), speed
-metrics, and the unbiased pass@k estimator of GRPO's evaluation (``pass_at_k``, ``pass_at_k_sums``).
+The module also holds the run's other metric rules: the training loss's weighting (``record_loss``), ``num_tokens``
+(a run total, not a mean: ``record_num_tokens``), speed metrics, and the unbiased pass@k estimator of GRPO's
+evaluation (``pass_at_k``, ``pass_at_k_sums``).
 
 >>> window = MetricWindow()
 >>> window.add("accuracy", 3.0, 4.0)
@@ -181,16 +182,33 @@ def record_loss(
         window.add("loss", step_loss * num_items, num_items if dist.is_main_process() or not items_are_global else 0)
 
 
+NUM_TOKENS = "num_tokens"  # TRL's name: the tokens trained on so far (a run total, see record_num_tokens)
+
+
+def record_num_tokens(window: MetricWindow, tokens: int) -> None:
+    """Add this rank's ``tokens`` to TRL's ``num_tokens``: not a mean but a run total. The window sums them over the
+    steps and ranks (count 0, so no mean is taken); each training log adds that sum to ``state.num_tokens`` and logs
+    the total (``training_logs``). A trainer that never records it logs no ``num_tokens``; a log window in which
+    it recorded none (an on-policy step that sampled nothing new) logs none, as TRL's."""
+    window.add(NUM_TOKENS, tokens, 0)
+
+
 def training_logs(window: MetricWindow, state, grad_norm, learning_rate: float | None) -> dict[str, float] | None:
     """The log of a training window (one all-reduce): the mean loss, ``grad_norm`` and ``learning_rate`` of the
-    last step, and the mean of every other metric recorded since the last log. None when there is nothing to log
-    (no step since the last log, or no loss item in the window's micro-batches: every label masked)."""
+    last step, the run's ``num_tokens`` when recorded (``record_num_tokens``), and the mean of every other metric
+    recorded since the last log. None when there is nothing to log (no step since the last log, or no loss item in
+    the window's micro-batches: every label masked)."""
     if "loss" not in window.names("train"):
         return None
     sums = window.reduce("train")
+    tokens = sums.pop(NUM_TOKENS, None)
+    if tokens is not None:  # counted before a window without loss items returns: the run's total stays exact
+        state.num_tokens += int(tokens[0])
     logs = fold_loss(state, sums.pop("loss"))
     if not logs:
         return None
+    if tokens is not None:
+        logs[NUM_TOKENS] = state.num_tokens
     check_logged_loss(logs, state)
     if grad_norm is not None:
         logs["grad_norm"] = float(grad_norm)
@@ -300,28 +318,47 @@ def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
     return True
 
 
-def count_input_tokens(batches: list, args, tokenizer=None) -> int:
-    """Input tokens in ``batches`` (one accumulation window), summed over ranks, as transformers counts them for
-    ``args.include_num_input_tokens_seen``: ``"all"`` counts every ``input_ids`` entry (padding too),
-    ``"non_padding"`` the ``attention_mask`` ones (else the ids that are not the tokenizer's pad token); ``"no"``
-    counts nothing (0)."""
-    how, pad_token_id = args.include_num_input_tokens_seen, getattr(tokenizer, "pad_token_id", None)
-    if how == "no":
-        return 0
+def input_tokens(batches: list, how: str, pad_token_id: int | None = None) -> int:
+    """This rank's input tokens in ``batches``: ``"all"`` counts every ``input_ids`` entry (padding too),
+    ``"non_padding"`` the ``attention_mask`` ones (else the ids that are not ``pad_token_id``). Batches are dicts of
+    tensors or typed batches with those fields (GRPO's Sample).
+
+    >>> ids, mask = torch.tensor([[5, 6, 0], [7, 0, 0]]), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    >>> input_tokens([{"input_ids": ids, "attention_mask": mask}] * 2, "all")
+    12
+    >>> input_tokens([{"input_ids": ids, "attention_mask": mask}] * 2, "non_padding")
+    6
+    >>> input_tokens([{"input_ids": ids}], "non_padding", pad_token_id=0)
+    3
+    """
     total = 0
-    for batch in batches:  # a dict of tensors, or a typed batch with those fields (GRPO's Sample)
+    for batch in batches:
         ids, mask = (
             batch.get(k) if isinstance(batch, dict) else getattr(batch, k, None)
             for k in ("input_ids", "attention_mask")
         )
         if not isinstance(ids, torch.Tensor):
-            raise ValueError("include_num_input_tokens_seen needs batches with an 'input_ids' tensor; set it to 'no'")
+            raise ValueError("counting input tokens needs batches with an 'input_ids' tensor")
         if how == "all":
             total += ids.numel()
         elif isinstance(mask, torch.Tensor):
             total += int(mask.sum())
         else:
             total += int(ids.ne(pad_token_id).sum()) if pad_token_id is not None else ids.numel()
+    return total
+
+
+def count_input_tokens(batches: list, args, tokenizer=None) -> int:
+    """Input tokens in ``batches`` (one accumulation window), summed over ranks, as transformers counts them for
+    ``args.include_num_input_tokens_seen`` (``input_tokens``' rules ``"all"`` and ``"non_padding"``, with the
+    tokenizer's pad token); ``"no"`` counts nothing (0)."""
+    how = args.include_num_input_tokens_seen
+    if how == "no":
+        return 0
+    try:
+        total = input_tokens(batches, how, getattr(tokenizer, "pad_token_id", None))
+    except ValueError as error:
+        raise ValueError(f"include_num_input_tokens_seen: {error}; set it to 'no'") from None
     if dist.get_world_size() > 1:
         total = int(dist.all_reduce_sum(torch.tensor(total, device=args.device)).item())
     return total

@@ -36,6 +36,7 @@ class TrainerState:
     total_loss_sum: float = 0.0  # item-weighted loss summed over the whole run (survives resumes)
     total_loss_items: float = 0.0
     num_input_tokens_seen: int = 0  # counted when args.include_num_input_tokens_seen is not "no"
+    num_tokens: int = 0  # TRL's num_tokens: tokens trained on, as of the last log (metrics.record_num_tokens)
     is_local_process_zero: bool = True
     is_world_process_zero: bool = True
     stateful_callbacks: dict[str, Any] = field(default_factory=dict)  # callback name -> its saved state

@@ -52,7 +52,9 @@ from treadle.metrics import (
     check_logged_loss,
     count_input_tokens,
     fold_loss,
+    input_tokens,
     record_loss,
+    record_num_tokens,
     skip_nonfinite_step,
     speed_metrics,
     training_logs,
@@ -71,6 +73,8 @@ class Trainer(Evaluation):
     """
 
     config_class = TrainingArguments  # the arguments this trainer needs (subclasses name their config)
+    # log TRL's num_tokens: every micro-batch's attention-mask tokens, all ranks (on-policy: per generation instead)
+    logs_num_tokens = False
 
     def __init__(
         self,
@@ -377,6 +381,9 @@ class Trainer(Evaluation):
         self._event("on_step_begin")
         window = self.prepare_window(window)
         self.state.num_input_tokens_seen += count_input_tokens(window, self.args, self.processing_class)
+        if self.logs_num_tokens:
+            pad = getattr(self.processing_class, "pad_token_id", None)  # read only for a batch without a mask
+            record_num_tokens(self.metrics, input_tokens(window, "non_padding", pad))
         self.loop.window_size = len(window)
         num_items = self.get_num_items_in_batch(window)
         losses = []

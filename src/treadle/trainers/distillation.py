@@ -40,8 +40,10 @@ How this departs from TRL 1.16's DistillationTrainer:
    folder or Hub id), else equal vocabulary sizes (TRL checks the sizes only). A mismatch is one line.
 6. ``evaluate()``: with ``reward_funcs`` (a treadle addition), the on-policy metrics (rewards, pass@k, greedy
    accuracy, GRPO's); without, ``eval_loss``, the divergence on completions sampled with the ``eval_*`` settings.
-7. No ``entropy`` metric (the chunked divergence does not return the student's entropy); ``completions/*``
-   lengths are logged per generation.
+7. No ``entropy`` metric (the chunked divergence does not return the student's entropy). The rest of TRL's training
+   metrics are logged with its meaning: ``completions/*`` (mean, min and max length, of the completions that ended
+   with EOS too, and ``clipped_ratio``) and ``num_tokens`` per generation, as GRPO's
+   (``onpolicy.records.completion_metrics``), and ``step_time`` (``OnPolicyTrainer``'s step clock).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
 from treadle.trainers.onpolicy.config import OnPolicyConfig
 from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
-from treadle.trainers.onpolicy.records import seeded_generator
+from treadle.trainers.onpolicy.records import completion_metrics, seeded_generator
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "check_shared_tokenizer"]
@@ -176,13 +178,8 @@ class DistillationTrainer(OnPolicyTrainer):
         args = self.args
         rollout = self.sample_generation(rows, generation)
         out = rollout.generation
-        self.metrics.add_many(
-            {
-                "completions/mean_length": (out.completion_mask.sum().item(), len(rows)),
-                "completions/clipped_ratio": (out.is_truncated.sum().item(), len(rows)),
-                **rollout.rollout_metrics,
-            }
-        )  # tools=: rollouts/*, tools/* (treadle.rollouts)
+        # completions/* and num_tokens as GRPO's; tools=: rollouts/*, tools/* (treadle.rollouts)
+        self.metrics.add_many({**completion_metrics(rollout), **rollout.rollout_metrics})
         loss_mask = rollout.loss_mask  # tools=: 1 on sampled tokens only, never on tool results
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~out.is_truncated).unsqueeze(1).to(loss_mask.dtype)

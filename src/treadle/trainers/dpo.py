@@ -38,7 +38,8 @@ Departures from the paper and from TRL's DPOTrainer:
    state as ``h . mean(W) + mean(b)`` on the fast path, so no ``[B, T, V]`` tensor is built; from the logits
    on the fallback path.
 8. Metrics are averaged over the pairs (logits: the tokens) of the steps since the last log, over all ranks,
-   not as a mean of per-step means.
+   not as a mean of per-step means. ``num_tokens`` (TRL's count: every training micro-batch's attention-mask tokens)
+   is a run total that a resumed run continues (TRL's restarts at 0), in training logs only.
 9. The reference model (a given ``ref_model`` or the frozen copy) always runs in eval mode (no dropout);
    a PEFT policy with adapters disabled runs in the policy's mode. ``precompute_ref_log_probs`` runs on every
    rank over the whole dataset (no sharding) and always in eval mode.
@@ -255,6 +256,7 @@ class DPOTrainer(PrecomputedReference, Trainer):
     """
 
     config_class = DPOConfig
+    logs_num_tokens = True  # TRL's num_tokens: the attention-mask tokens of every training micro-batch
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
     def __init__(

@@ -31,7 +31,8 @@ Departures from TRL's KTOTrainer:
    keeps its start); a prompt that leaves no room is an error naming the row (TRL drops it).
 5. Metrics are means over the rows (logits: tokens) of the steps since the last log, over all ranks;
    ``rewards/margins`` is, like TRL's, the mean over micro-batches holding both kinds of ``rewards/chosen`` minus
-   ``rewards/rejected``.
+   ``rewards/rejected``. ``num_tokens`` (TRL's count: every training micro-batch's attention-mask tokens, not its KL
+   completions) is a run total that a resumed run continues (TRL's restarts at 0), in training logs only.
 6. The reference runs in eval mode (a given ``ref_model`` or the frozen copy); a PEFT policy with adapters disabled
    runs in the policy's mode. TR-DPO's reference syncing (``sync_ref_model``) is not implemented.
 """
@@ -199,6 +200,7 @@ class KTOTrainer(PrecomputedReference, Trainer):
     PEFT model, the model itself with its adapters disabled. The model never receives labels."""
 
     config_class = KTOConfig
+    logs_num_tokens = True  # TRL's num_tokens: the attention-mask tokens of every training micro-batch
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
     def __init__(

@@ -22,6 +22,8 @@ Departures from TRL's RewardTrainer:
    TRL does.
 3. Metrics: ``accuracy``, ``margin`` and ``mean_reward`` as means over the pairs (rows) since the last log;
    TRL's ``min_reward`` / ``max_reward`` are not logged (the metrics window keeps sums, not extremes).
+   ``num_tokens`` (TRL's count: every training micro-batch's attention-mask tokens) is a run total that a resumed
+   run continues (TRL's restarts at 0), in training logs only.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class RewardTrainer(Trainer):
     ``pad_token_id`` to find each row's last token) to score chosen responses above rejected ones."""
 
     config_class = RewardConfig
+    logs_num_tokens = True  # TRL's num_tokens: the attention-mask tokens of every training micro-batch
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 
     def __init__(

@@ -30,7 +30,9 @@ How this departs from TRL's SFTTrainer (v0.2x):
    (``models.from_name``).
 5. ``mean_token_accuracy`` is logged for training and evaluation (argmax of the logits against the labels, over
    the label tokens of the logging window, through the Trainer's metrics window); TRL's ``num_tokens`` and
-   entropy are not.
+   entropy are not: packed batches have no attention mask, and the token rule's fallback (ids that are not the pad
+   id, transformers' ``non_padding``) misses every eos there when eos = pad; ``include_num_input_tokens_seen``
+   counts with it.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from _factories import (
     golden_grpo_run as golden_run,
     grpo_args as config,
     grpo_trainer as make_trainer,
+    untimed,
 )
 
 from treadle.callbacks import TrainerCallback
@@ -456,6 +457,10 @@ def test_metrics_and_completions_file(tmp_path, tok, dataset):
     assert logs["completions/min_length"] == pytest.approx(statistics.mean([min(lengths[:8]), min(lengths[8:])]))
     truncated = [float(len(ids) == 3 and ids[-1] != EOS) for ids in seen]
     assert logs["completions/clipped_ratio"] == pytest.approx(statistics.mean(truncated))
+    ended = [[len(ids) for ids in part if ids[-1] == EOS] or [0] for part in (seen[:8], seen[8:])]  # none: 0 (TRL)
+    for name, stat in (("mean", statistics.mean), ("min", min), ("max", max)):
+        expected = statistics.mean(stat(lengths) for lengths in ended)
+        assert logs[f"completions/{name}_terminated_length"] == pytest.approx(expected)
     assert records[0]["prompt"] in dataset["prompt"] and isinstance(records[0]["completion"], str)
     assert 0 <= logs["kl"] < 1e-2  # the policy starts at the reference; one small step away
 
@@ -481,6 +486,27 @@ def fake_generation(completions):
         return GenerationOutput(ids, mask, completion_ids, completion_mask, truncated)
 
     return generate
+
+
+def test_num_tokens_counts_each_generation_once(tmp_path, tok, dataset):
+    """TRL's ``num_tokens``: each generation's prompt tokens and completion lengths (EOS included), counted when it is
+    sampled. With ``num_iterations=2`` step 1's generation trains step 2 too: step 2 logs no ``num_tokens`` (as TRL:
+    no generation since the last log) and step 3 adds its own generation's."""
+    trainer = make_trainer(tmp_path, tok, dataset, num_iterations=2, max_steps=3, logging_steps=1)
+    prompts = []
+    fake = fake_generation([[10, EOS, 0], [10, 11, 12], [EOS, 0, 0], [13, 14, EOS]])  # lengths 2, 3, 1, 3
+
+    def generate(ids, **kw):  # each distinct prompt's tokens count once per completion of its group
+        prompts.append(sum(map(len, ids)) * kw["num_generations"])
+        return fake(ids, **kw)
+
+    trainer.generate = generate
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h.get("num_tokens") for h in logs] == [prompts[0] + 9, None, prompts[0] + prompts[1] + 18]
+    assert trainer.state.num_tokens == prompts[0] + prompts[1] + 18
+    terminated = [h["completions/mean_terminated_length"] for h in logs if "num_tokens" in h]
+    assert terminated == [2.0, 2.0] and logs[0]["completions/max_terminated_length"] == 3.0
 
 
 def test_mask_truncated_completions(tmp_path, tok, dataset):
@@ -557,7 +583,7 @@ def test_resume_inside_a_generation_buffer_is_exact(tmp_path, tok, dataset):
     assert len(calls) == 1  # step 2 used the saved buffer; only step 3's generation ran
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
-    later = lambda history: [h for h in history if h["step"] > 1 and "reward" in h]  # noqa: E731
+    later = lambda history: [h for h in untimed(history) if h["step"] > 1 and "reward" in h]  # noqa: E731
     assert later(resumed.state.log_history) == later(full.state.log_history)
 
 
@@ -594,7 +620,7 @@ def test_a_checkpoint_in_the_first_release_layout_resumes_exactly(tmp_path, tok,
     resumed.train(resume_from_checkpoint=True)
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
-    logged = lambda history: [h for h in history if "loss" in h]  # noqa: E731
+    logged = lambda history: [h for h in untimed(history) if "loss" in h]  # noqa: E731
     assert [h["step"] for h in logged(resumed.state.log_history)] == [2, 4]
     assert logged(resumed.state.log_history) == logged(full.state.log_history)  # step 2 holds step 1's window
 

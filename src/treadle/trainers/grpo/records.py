@@ -11,6 +11,7 @@ import torch
 from treadle import distributed as dist
 from treadle.rewards import reward_name, weighted_rewards
 from treadle.trainers.onpolicy.data import Rollout
+from treadle.trainers.onpolicy.records import completion_metrics
 
 __all__ = ["completion_records", "generation_metrics"]
 
@@ -18,8 +19,9 @@ __all__ = ["completion_records", "generation_metrics"]
 def generation_metrics(
     metrics: dict, all_rewards: torch.Tensor, rollout: Rollout, reward_funcs: list, weights: list[float]
 ) -> dict[str, tuple[float, int]]:
-    """Reward and length statistics of one generation, over all ranks (means over generations at log time);
-    ``metrics`` are the advantage estimator's, ``all_rewards`` (W*N, F) every rank's rewards."""
+    """Reward and length statistics of one generation, over all ranks (means over generations at log time; the
+    lengths and ``num_tokens``: ``onpolicy.records.completion_metrics``); ``metrics`` are the advantage estimator's,
+    ``all_rewards`` (W*N, F) every rank's rewards."""
     record = {name: (float(value), 1) for name, value in metrics.items()}
     # reward_std means what TRL's means: the std of the whole generation's rewards; the mean of the groups'
     # stds (what group scaling divides by) is logged as reward_group_std
@@ -33,17 +35,7 @@ def generation_metrics(
         if len(scored):
             record[f"rewards/{reward_name(fn)}/mean"] = (float(scored.mean()), 1)
             record[f"rewards/{reward_name(fn)}/std"] = (float(scored.std()) if len(scored) > 1 else 0.0, 1)
-    lengths = dist.gather_rows(rollout.generation.completion_mask.sum(dim=1).float().cpu())  # (W*N,)
-    truncated = dist.gather_rows(rollout.generation.is_truncated.float().cpu())
-    record.update(
-        {
-            "completions/mean_length": (float(lengths.mean()), 1),
-            "completions/min_length": (float(lengths.min()), 1),
-            "completions/max_length": (float(lengths.max()), 1),
-            "completions/clipped_ratio": (float(truncated.mean()), 1),
-        }
-    )
-    return {**record, **rollout.rollout_metrics}
+    return {**record, **completion_metrics(rollout), **rollout.rollout_metrics}  # completions/*, num_tokens
 
 
 def completion_records(

@@ -24,6 +24,10 @@ alike; multi-turn through ``rollout``; each prompt tokenised once, ``encode_prom
 ``sampling_params(mode)``; ``compute_rewards`` scores a rollout. ``evaluate`` reports what RL optimises (rewards,
 pass@k) of sampled completions.
 
+Every on-policy trainer logs TRL's ``step_time`` (``training_step`` and ``prepare_window`` are timed: the sampling,
+scoring and forward-backward work of each optimizer step) and a generation's ``completions/*`` lengths and
+``num_tokens`` (``onpolicy.records.completion_metrics``, which the subclass records with its own metrics).
+
 The trainer owns what samples: the rollout engine (``build_engine``: any ``engines.RolloutEngine``, whose reports
 it reads and whose type it never asks), the producer of asynchronous generation (``build_producer``, only with
 ``max_staleness`` > 0: a rollout worker samples the generations ahead, each batch tagged with its policy version)
@@ -33,6 +37,7 @@ and the runner's threads when it ends, however it ends.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -66,6 +71,7 @@ from treadle.trainers.onpolicy.data import (
 )
 from treadle.trainers.onpolicy.producer import RolloutProducer
 from treadle.trainers.onpolicy.records import (
+    StepClock,
     check_dataset,
     check_tokenizer,
     custom_eval_metrics,
@@ -154,6 +160,7 @@ class OnPolicyTrainer(Trainer):
         onpolicy_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images
         self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
         self.buffer = GenerationBuffer(self.micro_batches_per_batch())
+        self.step_clock = StepClock()  # step_time (TRL's): the sampling and training steps of each optimizer step
         self.engine = self.build_engine()
         self.producer = self.build_producer() if args.max_staleness else None  # N = 0: nothing of it is built
 
@@ -261,7 +268,8 @@ class OnPolicyTrainer(Trainer):
         """The slices this window's micro-steps train on, one per ticket. A generation not in the buffer yet is
         generated, scored and split here (``generate_and_score``), from its ticket's rows: the policy does not
         change inside a window, so sampling every generation the window needs at its start gives the same samples
-        as sampling at each micro-step (each generation has its own seeded RNG)."""
+        as sampling at each micro-step (each generation has its own seeded RNG). Its time counts in ``step_time``."""
+        started = time.perf_counter()
         for ticket in batch_samples:
             if ticket.generation not in self.buffer:
                 if ticket.micro_step:
@@ -277,7 +285,18 @@ class OnPolicyTrainer(Trainer):
                 self.buffer.put(ticket.generation, self.generate_and_score(ticket.rows, ticket.generation))
         window = [self.buffer.take(ticket, self.args.steps_per_generation) for ticket in batch_samples]
         self.buffer.release_consumed()
+        self.step_clock.start(time.perf_counter() - started, micro_steps=len(window))
         return window
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """``Trainer.training_step``, timed: after the window's last micro-batch, ``step_time`` records the
+        seconds of the window's ``prepare_window`` and training steps (``onpolicy.records.StepClock``)."""
+        started = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        seconds = self.step_clock.add(time.perf_counter() - started)
+        if seconds is not None:
+            self.metrics.add("step_time", seconds, 1)
+        return loss
 
     def _request_ahead(self, generation: int) -> None:
         """Generation ``generation`` starts (the policy is its weights): the producer gets these weights and the
