@@ -133,6 +133,7 @@ def main() -> None:
     from _machine import machine_header
 
     print(machine_header())
+    print(f"each trainer in its own process with {args.threads} torch thread(s) (OMP_NUM_THREADS={args.threads})")
     print(f"| trainer | settings | s/step (median of steps 2..{args.steps}) | all steps (s) | RSS loaded | peak RSS |")
     print("|---|---|---|---|---|---|")
     for kind in args.only.split(","):
