@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treadle.cli import configfile
+import treadle.cli.configfile as configfile
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
 from treadle.record import report, runfiles
 from treadle.record.runs import check_run_folder, disk_errors

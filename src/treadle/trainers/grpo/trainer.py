@@ -76,6 +76,8 @@ from collections.abc import Sequence
 
 import torch
 
+import treadle.trainers.grpo.correction as correction
+import treadle.trainers.onpolicy.vision as onpolicy_vision
 from treadle import distributed as dist
 from treadle.logprobs.prefix import shared_prefix_logps
 from treadle.logprobs.tokens import token_logps
@@ -85,12 +87,10 @@ from treadle.packing import position_ids
 from treadle.peft import reference_of
 from treadle.record import runfiles
 from treadle.rewards import RewardFunction, reward_name, weighted_rewards
-from treadle.trainers.grpo import correction
 from treadle.trainers.grpo.config import GRPOConfig
 from treadle.trainers.grpo.dynamic import check_stream, extra_rows, fill_with_signal
 from treadle.trainers.grpo.health import HealthCallback, generation_health
 from treadle.trainers.grpo.records import completion_records, generation_metrics
-from treadle.trainers.onpolicy import vision as onpolicy_vision
 from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
 from treadle.trainers.onpolicy.records import seeded_generator
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
+import treadle.trainers.onpolicy.vision as onpolicy_vision
 from treadle import checkpoint as ckpt, distributed as dist
 from treadle.data import RepeatSampler, column_names, require_columns
 from treadle.engines.base import RolloutEngine
@@ -58,7 +59,6 @@ from treadle.rollouts.runner import RolloutRunner
 from treadle.streaming import is_stream
 from treadle.text import eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
-from treadle.trainers.onpolicy import vision as onpolicy_vision
 from treadle.trainers.onpolicy.config import OnPolicyConfig
 from treadle.trainers.onpolicy.data import (
     GenerationBuffer,
