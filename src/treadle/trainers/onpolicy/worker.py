@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 import types
+from multiprocessing.reduction import ForkingPickler
 from typing import NamedTuple
 
 import torch
@@ -197,9 +198,10 @@ class _FromMain(Exception):
     """A class or function the model refers to lives in ``__main__`` (the training script)."""
 
 
-class _ModelPickler(pickle.Pickler):
-    """Pickles a model as the spawned worker receives it, without its tensors' data (``persistent_id``), and stops
-    at a class or function of ``__main__``: pickled by name, which the worker's interpreter cannot look up."""
+class _ModelPickler(ForkingPickler):
+    """Pickles a model as the spawned worker receives it (multiprocessing's pickler, its reducers), without its
+    tensors' data (``persistent_id``), and stops at a class or function of ``__main__``: pickled by name, which the
+    worker's interpreter cannot look up."""
 
     def reducer_override(self, obj):
         if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
@@ -218,8 +220,9 @@ class _Discard:
 def check_picklable(model) -> None:
     """A process worker receives its copy of the model pickled: refuse, in one line before the worker starts, a
     model whose class or hooks cannot be pickled or are defined in the training script (``__main__``)."""
+    pickler = _ModelPickler(_Discard(), pickle.HIGHEST_PROTOCOL)
     try:
-        _ModelPickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(model)
+        pickler.dump(model)
         return
     except _FromMain as found:
         thing = found.args[0]
