@@ -68,7 +68,7 @@ def apply_chat_template(tokenizer, chat, *, row: int | None = None, **options):
             try:
                 tokenizer.apply_chat_template(conversation, **{**options, "tokenize": False})
             except Exception as error:  # the first that fails is named
-                failure, where = error, f"row {(row or 0) + i}: "
+                failure, where = error, "" if row is None else f"row {row + i}: "
                 break
     raise ChatTemplateError(f"{where}{cannot_render(tokenizer, conversation, failure)}") from None
 

@@ -238,7 +238,10 @@ class SFTTrainer(Trainer):
                 bar.update(len(chunk[next(iter(chunk))]))
         return rows
 
-    def _tokenize_chunk(self, chunk: dict[str, list], form: str, start: int) -> list[tuple[list[int], list[int]]]:
+    def _tokenize_chunk(
+        self, chunk: dict[str, list], form: str, start: int | None = None
+    ) -> list[tuple[list[int], list[int]]]:
+        """A chunk's rows tokenised; ``start``: the dataset row of its first (None: a stream's, not known)."""
         if form == "prompt_completion":
             return tokenize_prompt_completion(self.processing_class, chunk["prompt"], chunk["completion"])
         if form == "messages":
@@ -348,7 +351,7 @@ def tokenize_prompt_completion(
 
 
 def tokenize_messages(
-    tokenizer, conversations: list, *, assistant_only: bool = False, first_row: int = 0
+    tokenizer, conversations: list, *, assistant_only: bool = False, first_row: int | None = None
 ) -> list[tuple[list[int], list[int]]]:
     """(ids, mask) per chat, rendered by the chat template (``text.apply_chat_template``: no template, or one that
     fails on a row, is one line naming it; the first chat is row ``first_row``); with ``assistant_only`` the loss
