@@ -36,6 +36,9 @@ class ChatTemplateError(UserError, ValueError):
     tool call given to a template without tool support): one line naming the tokenizer or the row, and the fix."""
 
 
+RENDER_OPTIONS = ("add_generation_prompt", "continue_final_message", "tools", "documents", "chat_template")
+
+
 def tokenizer_name(tokenizer) -> str:
     """The tokenizer's folder or Hub id (``name_or_path``), else its class name, for a message."""
     return repr(getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__)
@@ -54,23 +57,55 @@ def check_chat_template(tokenizer) -> None:
 def apply_chat_template(tokenizer, chat, *, row: int | None = None, **options):
     """``tokenizer.apply_chat_template(chat, **options)``; ``chat`` is one conversation, or a batch of them whose
     first is dataset row ``row``. A missing template, or one that fails on a turn, is one ChatTemplateError line
-    naming the tokenizer, the row (when known) and the turn, not a jinja traceback."""
+    naming the tokenizer, the row (when known) and the turn, not a jinja traceback; so is a template that renders
+    a tool-call turn without its call (one without tool support prints the turn's empty content)."""
     check_chat_template(tokenizer)
+    text_options = {k: v for k, v in options.items() if k in RENDER_OPTIONS} | {"tokenize": False}
+    conversations = [chat] if is_conversation(chat) else list(chat or [])
+    where = ["" if row is None else f"row {row + i}: " for i in range(len(conversations))]
     try:
-        return tokenizer.apply_chat_template(chat, **options)
+        out = tokenizer.apply_chat_template(chat, **options)
     except Exception as error:
         if not _raised_by_template(error):
             raise
-        failure = error
-    conversation, where = chat, "" if row is None else f"row {row}: "
-    if chat and not is_conversation(chat):  # a batch: find the conversation that fails, and its row
-        for i, conversation in enumerate(chat):
-            try:
-                tokenizer.apply_chat_template(conversation, **{**options, "tokenize": False})
-            except Exception as error:  # the first that fails is named
-                failure, where = error, "" if row is None else f"row {row + i}: "
-                break
-    raise ChatTemplateError(f"{where}{cannot_render(tokenizer, conversation, failure)}") from None
+        i, failure = first_failure(tokenizer, conversations, text_options) if len(conversations) > 1 else (0, error)
+        raise ChatTemplateError(f"{where[i]}{cannot_render(tokenizer, conversations[i], failure or error)}") from None
+    for i, conversation in enumerate(conversations):
+        if any(isinstance(m, dict) and m.get("tool_calls") for m in conversation):
+            dropped = dropped_call(conversation, tokenizer.apply_chat_template(conversation, **text_options))
+            if dropped:
+                raise ChatTemplateError(f"{where[i]}{dropped_message(tokenizer, *dropped)}")
+    return out
+
+
+def first_failure(tokenizer, conversations: list, text_options: dict) -> tuple[int, BaseException | None]:
+    """The index of the first conversation of a batch that the template fails on, and its error."""
+    for i, conversation in enumerate(conversations):
+        try:
+            tokenizer.apply_chat_template(conversation, **text_options)
+        except Exception as error:
+            return i, error
+    return 0, None
+
+
+def dropped_call(conversation, text: str) -> tuple[dict, str] | None:
+    """``(turn, function name)`` of the first tool call whose function's name the rendered ``text`` lacks."""
+    for message in conversation:
+        for call in (message.get("tool_calls") or []) if isinstance(message, dict) else []:
+            function = call.get("function") if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if name and str(name) not in text:
+                return message, str(name)
+    return None
+
+
+def dropped_message(tokenizer, turn: dict, name: str) -> str:
+    return (
+        f"the chat template of {tokenizer_name(tokenizer)} renders the tool-call turn {shorten(repr(turn), 120)} "
+        f"without its call to {name!r} (a template without tool support), so the model would learn an empty turn; "
+        f"give the tokenizer a chat template that renders tool_calls (tokenizer.chat_template), or write the call "
+        f"into the assistant's content as text"
+    )
 
 
 def cannot_render(tokenizer, conversation, error: BaseException) -> str:

@@ -143,6 +143,9 @@ def test_a_tool_call_turn_the_template_cannot_render_names_the_row(tmp_path, tok
     rows = [{"messages": good}, {"messages": good}, {"messages": [good[0], call, good[1]]}]
     with pytest.raises(UserError, match=r"^row 2: the chat template of .* cannot render the tool-call turn .*'add'"):
         sft_trainer(tmp_path, tok, rows=rows)
+    rows[2]["messages"][1] = {**call, "content": ""}  # rendered as an empty turn: the call silently dropped
+    with pytest.raises(UserError, match=r"^row 2: .* renders the tool-call turn .* without its call to 'add'"):
+        sft_trainer(tmp_path, tok, rows=rows)
     adding = copy.copy(tok)
     adding.chat_template = "{% for m in messages %}{{ m['role'] + 1 }}{% endfor %}"  # a TypeError of the template's
     with pytest.raises(UserError, match=r"cannot render the chat \[\{'role': 'user'.*\(TypeError: .*\); fix the row"):
