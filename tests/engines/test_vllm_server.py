@@ -112,6 +112,13 @@ def policy():
 def test_greedy_completions_over_the_server_equal_the_own_samplers(server, policy):
     model, tok = policy
     engine = VLLMServerEngine(model, server[0], timeout=600)
+    try:
+        check_greedy_and_seeded(engine, model, tok)
+    finally:
+        engine.close()  # the server serves one run at a time: the next test's claims it
+
+
+def check_greedy_and_seeded(engine, model, tok):
     engine.load_weights(model)
     ids = prompts(tok)
     params = SamplingParams(
@@ -131,7 +138,7 @@ def test_greedy_completions_over_the_server_equal_the_own_samplers(server, polic
 
 
 @pytest.mark.vllm
-def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_path):
+def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_path, request):
     tok = toy.build_tokenizer()
     trainer = GRPOTrainer(
         toy.build_model("small", tokenizer=tok, seed=4),
@@ -140,6 +147,7 @@ def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_
         train_dataset=toy.load_task("addition", kind="rl", n=16),
         processing_class=tok,
     )
+    request.addfinalizer(trainer.close)  # releases the server (one run at a time) even when the test fails
     engine, ids = trainer.engine, prompts(tok, n=3)
     fixed = [tok("12")["input_ids"] + [EOS], tok("7")["input_ids"], tok("345")["input_ids"] + [EOS]]
     before = [t.clone() for t in model_logps(trainer.model, ids, fixed)]
@@ -158,7 +166,6 @@ def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_
     assert engine.sync_unchanged is False
     for s, a in zip(engine.score(ids, fixed), after):
         torch.testing.assert_close(s, a, atol=1e-4, rtol=0)
-    trainer.close()
 
 
 @pytest.mark.vllm
@@ -279,7 +286,8 @@ def test_no_server_at_the_url_is_one_line_naming_it_and_the_fix():
         VLLMServerEngine(toy.build_model("tiny"), url, timeout=0.3)
     message = str(info.value)
     assert is_user_error(info.value) and "\n" not in message
-    assert f"no vLLM server answered at {url}/health within vllm_server_timeout=0.3 s" in message and "treadle vllm-serve" in message
+    assert f"no vLLM server answered at {url}/health within vllm_server_timeout=0.3 s" in message
+    assert "treadle vllm-serve" in message
 
 
 def test_a_stand_in_of_another_model_is_refused_and_the_same_model_accepted(stand_in):

@@ -30,6 +30,7 @@ answered what treadle cannot read is a ``VLLMServerError``: one line naming the 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import http.client
@@ -42,6 +43,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from urllib.parse import urlsplit
 
 import torch
@@ -302,7 +304,6 @@ class VLLMServerEngine(SyncChecked):
                 try:
                     left = max(SLICE, deadline - time.monotonic())  # a port that accepts, never answers
                     answer = exchange(self.url, "GET", "health", timeout=left, on_wait=lambda: self.stop_if(noted))
-                    return self.treadle_identity(*answer)
                 except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out: not yet up
                     if time.monotonic() + pause > deadline:
                         raise VLLMServerError(
@@ -311,6 +312,8 @@ class VLLMServerEngine(SyncChecked):
                             f"vllm_server_host / vllm_server_port) to where it runs, and "
                             f"vllm_server_timeout to wait longer for its start"
                         ) from None
+                else:
+                    return self.treadle_identity(*answer)
                 time.sleep(pause)
                 self.stop_if(noted)
                 pause = min(2.0, pause * 2)
@@ -336,24 +339,41 @@ class VLLMServerEngine(SyncChecked):
         return identity
 
     def check_lengths(self, max_prompt_length: int | None, max_completion_length: int | None) -> None:
-        """Refuse a server whose context window cannot hold a whole prompt and completion (vLLM would cut the
-        completion short without a word)."""
+        """Refuse a server whose context window cannot hold even a one-token prompt and a whole completion; warn
+        when a prompt of ``max_prompt_length`` (or unbounded) would not fit: such a prompt is refused when it comes
+        (``check_context``), where vLLM would cut its completion short without a word."""
         window = self.max_model_len
         if window is None or max_completion_length is None:
             return
-        need = (max_prompt_length or 1) + max_completion_length
-        if need > window:
-            prompts = f"max_prompt_length={max_prompt_length} + " if max_prompt_length else "a prompt + "
+        if 1 + max_completion_length > window:
             raise VLLMServerError(
-                f"the vLLM server at {self.url} holds {window} tokens per sequence (its max_model_len), fewer than "
-                f"{prompts}max_completion_length={max_completion_length} = {need}: its completions would be cut "
-                f"short; restart it with --max-model-len {need} or more, or lower those lengths"
+                f"the vLLM server at {self.url} holds {window} tokens per sequence (its max_model_len), too few for "
+                f"a prompt and max_completion_length={max_completion_length}: its completions would be cut short; "
+                f"restart it with a larger --max-model-len, or lower max_completion_length"
+            )
+        if max_prompt_length is None or max_prompt_length + max_completion_length > window:
+            prompts = (
+                "prompts are not cut (max_prompt_length=None)"
+                if max_prompt_length is None
+                else (
+                    f"max_prompt_length={max_prompt_length} + max_completion_length={max_completion_length} = "
+                    f"{max_prompt_length + max_completion_length}"
+                )
+            )
+            warnings.warn(
+                f"the vLLM server at {self.url} holds {window} tokens per sequence (its max_model_len) and "
+                f"{prompts}: a prompt longer than {window - max_completion_length} tokens will stop the run "
+                f"(vLLM would cut its completion short); set max_prompt_length to at most "
+                f"{window - max_completion_length}, or restart the server with a larger --max-model-len",
+                stacklevel=2,
             )
 
     def claim(self) -> None:
-        """Claim the server for this run; another run's claim is one line."""
+        """Claim the server for this run (another run's claim is one line); released by ``close``, or when this
+        process exits (a run that ends, fails or is preempted frees the server; one killed with SIGKILL does not)."""
         self.request("claim", json.dumps({"run": self.run}).encode())
         self.claimed = True
+        atexit.register(self.close)
 
     # ---- the contract ------------------------------------------------------------------------------------
     def generate(
@@ -414,6 +434,7 @@ class VLLMServerEngine(SyncChecked):
         """Release the server for other runs (a server gone already needs no release)."""
         if self.claimed:
             self.claimed = False
+            atexit.unregister(self.close)
             with contextlib.suppress(OSError, http.client.HTTPException):
                 body = json.dumps({"run": self.run}).encode()
                 exchange(self.url, "POST", "release", body, timeout=min(self.timeout, 10.0))
@@ -454,6 +475,8 @@ class VLLMServerEngine(SyncChecked):
                     headers={RUN_HEADER: self.run},
                     on_wait=on_wait,
                 )
+            except VLLMServerError:  # the probe's verdict (a ConnectionError, and so an OSError too)
+                raise
             except TimeoutError:
                 raise VLLMServerError(
                     f"the vLLM server at {self.url} did not answer /{name} within vllm_request_timeout="
@@ -463,7 +486,9 @@ class VLLMServerEngine(SyncChecked):
             except (OSError, http.client.HTTPException) as error:  # refused, reset, cut off: gone
                 raise self.gone(reason(error)) from None
         if status != 200:  # the server answered with an error: its one line says what
-            raise VLLMServerError(f"the vLLM server at {self.url} refused /{name} (HTTP {status}: {shown(data, quote=False)})")
+            raise VLLMServerError(
+                f"the vLLM server at {self.url} refused /{name} (HTTP {status}: {shown(data, quote=False)})"
+            )
         return data
 
     def probe(self, noted: list[int], name: str, started: float) -> None:
