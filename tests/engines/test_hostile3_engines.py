@@ -241,6 +241,7 @@ def test_treadle_train_preempted_while_generate_waits_exits_143_at_once(tmp_path
                     max_steps=2,
                     per_device_train_batch_size=4,
                     num_generations=2,
+                    max_prompt_length=64,
                     max_completion_length=8,
                     use_vllm=True,
                     vllm_mode="server",
