@@ -336,6 +336,8 @@ def test_a_second_run_is_refused_until_the_first_releases_the_server(tmp_path):
         with pytest.raises(VLLMServerError, match="HTTP 409: this server serves the run host:/runs/b"):
             first.generate([[1, 5, 6]], PARAMS)  # the first run's requests are refused now
         second.close()
+        with pytest.raises(VLLMServerError, match=r"holds no run's claim \(was it restarted\?\)"):
+            second.generate([[1, 5, 6]], PARAMS)  # as after a restart of the server mid-run
 
 
 def test_the_run_id_is_the_output_folder_on_this_host(tmp_path):

@@ -250,7 +250,10 @@ class Handler(BaseHTTPRequestHandler):
     def refusal(self, run: str | None) -> tuple[int, bytes, str]:
         holder = self.server.run
         if holder is None:
-            message = f"this server is not claimed (by {run!r}): a run claims it first (POST /claim)"
+            message = (
+                f"this server holds no run's claim (was it restarted?), so it does not serve the run {run}: "
+                f"resume the run (treadle train CONFIG --resume), which claims it when it connects"
+            )
         else:
             message = (
                 f"this server serves the run {holder} (one server serves one run: two would sample from each "

@@ -480,7 +480,7 @@ class VLLMServerEngine(SyncChecked):
             except TimeoutError:
                 raise VLLMServerError(
                     f"the vLLM server at {self.url} did not answer /{name} within vllm_request_timeout="
-                    f"{self.request_timeout:g} s (its /health still answered): raise vllm_request_timeout for "
+                    f"{self.request_timeout:g} s: raise vllm_request_timeout for "
                     f"longer generations, or restart the server and resume (treadle train CONFIG --resume)"
                 ) from None
             except (OSError, http.client.HTTPException) as error:  # refused, reset, cut off: gone
