@@ -218,11 +218,11 @@ class Handler(BaseHTTPRequestHandler):
         try:
             with self.server.lock:  # one request at a time reaches the engine
                 if path in ("/claim", "/release"):
-                    return self.answer(*self.claim(path, json.loads(body)["run"]))
+                    return self.answer(*self.claim(path, json.loads(body)))
                 if self.headers.get(RUN_HEADER) != self.server.run:
                     return self.answer(*self.refusal(self.headers.get(RUN_HEADER)))
                 answer = self.route(path, parse_qs(route.query), body)
-        except (UserError, ValueError, KeyError, TypeError) as error:  # a request it cannot serve: one line back
+        except (UserError, ValueError, KeyError) as error:  # a request the engine cannot serve: one line back
             return self.answer(400, one_line(error).encode())
         except Exception as error:  # a bug, or the engine failed: the traceback here, one line to the client
             traceback.print_exc()
@@ -231,10 +231,11 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(404, ROUTES)
         self.answer(200, *answer)
 
-    def claim(self, path: str, run: str) -> tuple[int, bytes, str]:
+    def claim(self, path: str, request) -> tuple[int, bytes, str]:
         """``/claim``: the server is this run's unless another holds it; ``/release``: the holder lets it go."""
+        run = request.get("run") if isinstance(request, dict) else None
         if not isinstance(run, str) or not run:
-            raise ValueError("a claim names its run: {'run': RUN}")
+            raise ValueError(f"a claim names its run as {{'run': RUN}}, got {request!r:.80}")
         if path == "/release":
             if self.server.run == run:
                 self.server.run = None
