@@ -339,7 +339,7 @@ def test_a_second_run_is_refused_until_the_first_releases_the_server(tmp_path):
         with pytest.raises(VLLMServerError, match=r"holds no run's claim \(was it restarted\?\)"):
             second.generate([[1, 5, 6]], PARAMS)  # as after a restart of the server mid-run
         status, said = vllm_server.exchange(url, "POST", "claim", b"[]", timeout=5)
-        assert status == 400 and said.startswith(b"a claim names its run as {'run': RUN}, got []")
+        assert status == 400 and said == b"treadle: error: a claim names its run as {'run': RUN}, got []"
 
 
 def test_the_run_id_is_the_output_folder_on_this_host(tmp_path):
