@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from treadle import checkpoint
 from treadle.callbacks import PreemptionCallback
 from treadle.cli import command as cli
 from treadle.demos import toy
@@ -43,7 +44,14 @@ class FakeEngine:
         self.model = model
         self.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace()))
 
+    preempt_at: int | None = None  # the generation during which SIGTERM arrives (it then never answers)
+    generations = 0
+
     def generate(self, prompt_ids, params, *, generator=None):
+        self.generations += 1
+        if self.generations == self.preempt_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # the trainer's process (this test's): it waits for this answer
+            self.released.wait(30)
         return sample_completions(self.model, prompt_ids, params, generator=generator)
 
     def score(self, prompt_ids, completion_ids):
@@ -69,14 +77,16 @@ def treadle_server(tmp_path, *, max_model_len=256, **config):
     model.save_pretrained(folder)
     engine = FakeEngine(model)
     engine.llm.llm_engine.model_config.max_model_len = max_model_len
+    engine.released = threading.Event()
     server = ThreadingHTTPServer(("127.0.0.1", 0), serve.Handler)
     server.engine, server.lock, server.pending, server.run = engine, threading.Lock(), {}, None
     server.identity = serve.identity_of("toy:tiny", str(folder), "float32", engine)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://127.0.0.1:{server.server_address[1]}", engine
     finally:
+        engine.released.set()
         server.shutdown()
         server.server_close()
         thread.join()
@@ -223,8 +233,8 @@ def test_sigterm_while_a_request_waits_stops_within_a_second_through_the_preempt
     assert preemption.signal == signal.SIGTERM  # the trainer's handler ran (it records the signal)
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [
-        f"treadle: SIGTERM while waiting for the vLLM server at {url} (/generate): the request is abandoned and "
-        f"the run stops now; the checkpoints written so far are intact"
+        f"treadle: SIGTERM while waiting for the vLLM server at {url} (/generate): the request is abandoned; the "
+        f"run saves the steps it finished and stops"
     ]
 
 
@@ -255,6 +265,40 @@ def test_treadle_train_preempted_while_generate_waits_exits_143_at_once(tmp_path
     err = capsys.readouterr().err
     assert f"treadle: SIGTERM while waiting for the vLLM server at {url} (/generate)" in err
     assert "treadle: resume with: treadle train" in err and "Traceback" not in err
+
+
+def test_sigterm_during_a_generation_saves_the_steps_finished_and_exits_143(tmp_path, capsys):
+    """save_steps far away: the signal during step 3's generation abandons it, checkpoint-2 is written complete
+    (before: the run waited for the answer, up to 1,800 s; ending at once without a save would lose steps 1-2)."""
+    with treadle_server(tmp_path) as (url, engine):
+        engine.preempt_at = 3
+        (tmp_path / "run.yaml").write_text(
+            json.dumps(
+                dict(
+                    trainer="grpo",
+                    model="toy:tiny",
+                    dataset="toy:addition:32",
+                    reward_funcs=["treadle.toy.addition_reward"],
+                    output_dir=str(tmp_path / "run"),
+                    max_steps=5,
+                    save_steps=100,
+                    per_device_train_batch_size=4,
+                    num_generations=2,
+                    max_prompt_length=64,
+                    max_completion_length=4,
+                    use_vllm=True,
+                    vllm_mode="server",
+                    vllm_server_base_url=url,
+                )
+            )
+        )
+        assert cli.main(["train", str(tmp_path / "run.yaml")]) == 143
+    err = capsys.readouterr().err
+    newest = checkpoint.latest_checkpoint(str(tmp_path / "run"))
+    assert newest is not None and newest.endswith("checkpoint-2") and checkpoint.is_complete(newest)
+    assert f"treadle: stopped by SIGTERM after step 2; checkpoint: {newest}" in err
+    assert "treadle: resume with: treadle train" in err and "treadle: error" not in err  # (the in-process
+    # stand-in server's thread prints a BrokenPipeError traceback when it answers the abandoned request)
 
 
 @pytest.mark.parametrize("value", [0, -1, float("inf"), True, "soon"])
@@ -319,7 +363,7 @@ def test_an_older_treadle_server_without_claims_is_refused():
 
 # ---- 5. one server, one run; a model that differs beyond shapes -----------------------------------------
 def test_a_second_run_is_refused_until_the_first_releases_the_server(tmp_path):
-    with treadle_server(tmp_path) as url:
+    with treadle_server(tmp_path) as (url, _):
         first = VLLMServerEngine(toy.build_model("tiny", seed=1), url, timeout=5, run="host:/runs/a")
         first.load_weights(toy.build_model("tiny", seed=1))
         assert first.generate([[1, 5, 6]], PARAMS).completion_ids.shape[0] == 2
@@ -355,7 +399,7 @@ def test_the_run_id_is_the_output_folder_on_this_host(tmp_path):
     ],
 )
 def test_a_server_whose_model_differs_beyond_shapes_is_refused(tmp_path, served, field):
-    with treadle_server(tmp_path, **served) as url:
+    with treadle_server(tmp_path, **served) as (url, _):
         with pytest.raises(VLLMServerError) as info:
             VLLMServerEngine(toy.build_model("tiny"), url, timeout=5)
         assert VLLMServerEngine(tiny(seed=5, **served), url, timeout=5).claimed
@@ -374,7 +418,7 @@ def test_architecture_reads_rope_from_transformers_4_and_5_alike():
 def test_a_server_whose_context_cannot_hold_prompt_and_completion_is_named_at_connect_and_refused_per_prompt(
     tmp_path,
 ):
-    with treadle_server(tmp_path, max_model_len=64) as url:
+    with treadle_server(tmp_path, max_model_len=64) as (url, _):
         with pytest.raises(VLLMServerError) as refused:  # not even one prompt token fits
             VLLMServerEngine(toy.build_model("tiny"), url, timeout=5, max_prompt_length=8, max_completion_length=64)
         with pytest.warns(UserWarning) as warned:

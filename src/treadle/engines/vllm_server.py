@@ -515,8 +515,7 @@ class VLLMServerEngine(SyncChecked):
         if noted:
             print(
                 f"treadle: {signal.Signals(noted[0]).name} while waiting for the vLLM server at {self.url} "
-                f"(/{name}): the request is abandoned and the run stops now; the checkpoints written so far are "
-                f"intact",
+                f"(/{name}): the request is abandoned; the run saves the steps it finished and stops",
                 file=sys.stderr,
                 flush=True,
             )
