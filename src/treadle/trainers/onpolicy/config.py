@@ -64,7 +64,8 @@ class OnPolicyConfig(TrainingArguments):
     vllm_server_base_url: str | None = None  # vllm_mode "server": e.g. http://localhost:8000; else host and port below
     vllm_server_host: str = "0.0.0.0"  # the server's host when vllm_server_base_url is None (0.0.0.0: this machine)
     vllm_server_port: int = 8000  # the server's port when vllm_server_base_url is None
-    vllm_server_timeout: float = 240.0  # seconds to wait for the server to answer before the run is refused
+    vllm_server_timeout: float = 240.0  # seconds the server may take to answer /health (its start; then each probe)
+    vllm_request_timeout: float = 1800.0  # server mode: seconds one request (a generation, a weight push) may wait
 
     # --- rewards: what evaluation scores (GRPO also trains on them)
     reward_weights: list[float] | None = None  # one weight per reward function; None weighs each 1.0
