@@ -321,7 +321,6 @@ class Trainer(Evaluation):
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         self.model_wrapped.train()
         start_step, start_time = self.state.global_step, time.time()
-        self.preemption.signal = None  # a signal that stopped an earlier run does not stop this one
         with self.preemption.guard() if self.preemption in handler.callbacks else contextlib.nullcontext():
             self.control._new_training()
             self._event("on_train_begin")
@@ -457,7 +456,7 @@ class Trainer(Evaluation):
 
     def _save_checkpoint(self, metrics: dict | None) -> None:
         # a preempted run must be resumable: its last checkpoint is whole even with save_only_model
-        weights_only = self.args.save_only_model and self.preemption.signal is None
+        weights_only = self.args.save_only_model and not self.preemption.stopped
         ckpt.save_run_checkpoint(
             self.args,
             self.state,

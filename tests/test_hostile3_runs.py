@@ -1,0 +1,142 @@
+"""The third hostile trial (issue 44): the run lifecycle, the CLI, resume and streaming. A signal at any point of a
+`treadle train` run leaves its work on disk; `--resume auto` restarts what crashed before its first checkpoint and
+skips a corrupt newest checkpoint; a resume names what actually differs; a streamed run is tied to its data; cut
+or null streamed rows, a `revision` with a local folder and a `.gguf` model are one line each. docs/runs.md holds
+the table.
+
+The signal cases run `treadle train` in a subprocess whose save (or end of training) sends the process a signal,
+as a preemption landing in that window would."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TREADLE_DEBUG": "0"}
+ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)] * 4]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_config(folder: Path, **keys) -> Path:
+    config = {
+        "trainer": "sft",
+        "model": "toy:tiny",
+        "dataset": "data.jsonl",
+        "output_dir": "run",
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "save_steps": 1,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "learning_rate": 1e-3,
+        **keys,
+    }
+    path = folder / "cfg.yaml"
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in config.items()))
+    if not (folder / "data.jsonl").exists():
+        write_jsonl(folder / "data.jsonl", ROWS)
+    return path
+
+
+def run_python(folder: Path, source: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    script = folder / "hooked.py"
+    script.write_text(textwrap.dedent(source))
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        timeout=timeout,
+    )
+
+
+def treadle(*argv, cwd, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "treadle", *map(str, argv)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        timeout=timeout,
+    )
+
+
+def error_line(result, code: int = 2) -> str:
+    assert result.returncode == code, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("treadle: error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+# ---- 1. data loss: a signal after the last step ----------------------------------------------------------------
+# the process sends itself the signals at a point of the run (the hook), then goes on as a preempted job would
+SIGNAL_AT = """
+import os, signal, sys, time
+import treadle.checkpoint as ckpt
+from treadle.trainer import Trainer
+from treadle.cli import command
+
+def hooked(original):
+    def hook(*args, **kwargs):
+        for signum in {signals}:
+            os.kill(os.getpid(), signum)
+        time.sleep(0.1)  # the handler runs here: before the writes begin
+        return original(*args, **kwargs)
+    return hook
+
+{patch}
+sys.exit(command.main(["train", "cfg.yaml"]))
+"""
+AT_SAVE = "ckpt.save_weights = hooked(ckpt.save_weights)"  # the final save's weights (save_strategy: no)
+AT_END = "Trainer._finish_training = hooked(Trainer._finish_training)"  # after the loop, before the save
+
+
+def assert_final_model_whole(run: Path) -> None:
+    from safetensors.torch import load_file
+
+    names = {p.name for p in run.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "training_args.json"} <= names, names
+    assert load_file(run / "model.safetensors")  # whole: it loads
+    assert not [n for n in names if n.startswith("checkpoint-")]  # save_strategy: no
+
+
+@pytest.mark.parametrize(
+    "patch, signals, status",
+    [
+        (AT_SAVE, [signal.SIGTERM], 143),
+        (AT_END, [signal.SIGTERM], 143),
+        (AT_SAVE, [signal.SIGINT, signal.SIGINT], 130),  # even a second Ctrl-C lets the save complete
+    ],
+    ids=["sigterm-during-final-save", "sigterm-after-last-step", "two-ctrl-c-during-final-save"],
+)
+def test_a_signal_after_the_last_step_keeps_the_final_model_and_exits_128_plus_it(tmp_path, patch, signals, status):
+    write_config(tmp_path, save_strategy="no")
+    result = run_python(tmp_path, SIGNAL_AT.format(signals=[int(s) for s in signals], patch=patch))
+    assert result.returncode == status, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
+    name = signal.Signals(signals[0]).name
+    assert f"treadle: stopped by {name} after the last step (2): the final model is saved whole in run" in (
+        result.stderr
+    )
+    assert_final_model_whole(tmp_path / "run")
+
+
+def test_a_signal_during_a_run_still_stops_it_at_the_next_step_with_a_checkpoint(tmp_path):
+    """The guard over the whole run does not change a signal in the loop: checkpoint, resume line, 143."""
+    write_config(tmp_path, save_strategy="no", max_steps=3)
+    patch = "Trainer.training_step = hooked(Trainer.training_step)"  # every step: the first one stops the run
+    result = run_python(tmp_path, SIGNAL_AT.format(signals=[int(signal.SIGTERM)], patch=patch))
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert "treadle: resume with: treadle train cfg.yaml --resume" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
