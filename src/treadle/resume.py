@@ -43,22 +43,25 @@ AUTO = "auto"  # resume_from_checkpoint="auto": the newest complete checkpoint i
 # ---------------------------------------------------------------------------------------------------------
 # Which checkpoint
 # ---------------------------------------------------------------------------------------------------------
-def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
-    """``True`` -> newest complete checkpoint in output_dir; ``"auto"`` -> the same, or None when there is none
-    (a fresh folder: an elastic worker restarts or starts with the same command); a path -> that folder
-    (checked); None/False -> None. A checkpoint being written is never found: it lives in ``.tmp-checkpoint-<step>``
-    until it is complete, then is renamed into place."""
+def resolve(resume_from_checkpoint, output_dir: str, ignore_fingerprints: bool = False) -> str | None:
+    """``True`` -> newest complete checkpoint in output_dir; ``"auto"`` -> the newest intact one (a corrupt one,
+    whose files differ from its marker or whose state cannot be read, is skipped with a note naming it), or None
+    when there is none (a fresh folder, or an attempt that crashed before its first checkpoint: an elastic worker
+    or a restart loop starts or restarts with the same command); a path -> that folder (checked); None/False ->
+    None. A checkpoint being written is never found: it lives in ``.tmp-checkpoint-<step>`` until it is complete,
+    then is renamed into place. ``ignore_fingerprints`` (``ignore_checkpoint_fingerprints``): auto skips only
+    checkpoints whose state cannot be read."""
     if resume_from_checkpoint in (None, False):
         return None
     if resume_from_checkpoint == AUTO:
-        return latest_checkpoint(output_dir)
+        return _newest_intact(output_dir, ignore_fingerprints)
     if resume_from_checkpoint is True:
         path = latest_checkpoint(output_dir)
         if path is None:
             raise CheckpointError(
                 f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
-                f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming (with "
-                f"overwrite_output_dir: true if the folder holds an earlier run's files)"
+                f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming, or with --resume "
+                f"auto (resume_from_checkpoint='auto'), which starts afresh in place of an attempt that saved none"
             )
         return path
     path = str(resume_from_checkpoint)
@@ -70,6 +73,38 @@ def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
             f"being written; {_complete_ones(path, output_dir)}"
         )
     return path
+
+
+def _newest_intact(output_dir: str, ignore_fingerprints: bool) -> str | None:
+    """``"auto"``'s checkpoint: the newest complete one that is intact, each corrupt newer one skipped with a
+    one-line note; None when there is no complete checkpoint; refused when every one is corrupt."""
+    found = [path for _, path in reversed(list_checkpoints(output_dir))]
+    for path in found:
+        problem = _corruption(path, ignore_fingerprints)
+        if problem is None:
+            return path
+        if dist.is_main_process():
+            print(f"treadle: resume auto: skipping {path}: {problem}", file=sys.stderr)
+    if found:
+        raise CheckpointError(
+            f"resume auto: every checkpoint in {output_dir} is corrupt (the newest, {found[0]}: "
+            f"{_corruption(found[0], ignore_fingerprints)}); move them out of {output_dir} to start afresh, or set "
+            f"ignore_checkpoint_fingerprints: true to resume anyway"
+        )
+    return None
+
+
+def _corruption(path: str, ignore_fingerprints: bool) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed as saved (its files against its marker, its state), or None."""
+    if not ignore_fingerprints and fingerprints.read_marker(path) is not None:
+        problems = fingerprints.verify(path)
+        if problems:
+            return f"{'; '.join(problems[:3])} (not what was saved)"
+    try:
+        read_state(path)
+    except CheckpointError as error:
+        return str(error).split(";")[0]
+    return None
 
 
 def _complete_ones(path: str, output_dir: str) -> str:

@@ -293,9 +293,14 @@ class Trainer(Evaluation):
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
         output_dir; "auto": that or a fresh start; a path) continues that run exactly. The folder is claimed first."""
-        resume_path = resume.resolve(resume_from_checkpoint, self.args.output_dir)
+        args = self.args
+        resume_path = resume.resolve(resume_from_checkpoint, args.output_dir, args.ignore_checkpoint_fingerprints)
         with runs.claim_run_folder(
-            self.args, resume=resume_path is not None, model=self.model, main_process=dist.is_main_process()
+            args,
+            resume=resume_path is not None,
+            model=self.model,
+            main_process=dist.is_main_process(),
+            auto=resume_from_checkpoint == resume.AUTO,
         ):
             return self._train(resume_path)
 

@@ -195,24 +195,23 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
     """Train the config at ``config_path``; the run folder is checked before anything is loaded."""
     config = load_config(config_path, overrides)
     output_dir = str(config.get("output_dir") or default_output_dir(config))
-    checkpoint = None
-    if resume:  # before building anything: a run with nothing to resume fails at once
-        from treadle.resume import resolve  # heavy: torch
+    from treadle import distributed, resume as resuming  # heavy: torch
 
-        checkpoint = resolve(resume, output_dir)
+    # before building anything: a run with nothing to resume fails at once
+    checkpoint = resuming.resolve(resume, output_dir, config.get("ignore_checkpoint_fingerprints") is True)
     model, overwrite = str(config.get("model") or ""), config.get("overwrite_output_dir") is True
-    from treadle import distributed  # heavy: torch
-
+    auto = resume == resuming.AUTO and checkpoint is None  # a fresh start in place of an attempt that saved none
     if distributed.launched("RANK") == 0:  # under torchrun, rank 0 owns the folder (and soon holds its lock)
         check_run_folder(
             output_dir,
             resume=checkpoint is not None,
             overwrite=overwrite,
             model_dir=None if model.startswith("toy:") else model,
+            auto=auto,
         )
     status = train_and_save(
         build_trainer(config, base_dir=Path(config_path).parent),
-        checkpoint,
+        resuming.AUTO if auto else checkpoint,
         resume_command=["treadle", "train", config_path, *overrides, "--resume"],
     )
     distributed.finish()  # under torchrun, after the trainer is gone: a normal exit leaves the process group
