@@ -232,3 +232,32 @@ def test_an_explicit_corrupt_checkpoint_is_still_refused(three_checkpoints, tok)
         for step in (1, 2):
             (three_checkpoints / f"checkpoint-{step}" / "scheduler.pt").write_bytes(b"cut")
         sft_trainer(three_checkpoints, tok, max_steps=3).train(resume_from_checkpoint="auto")
+
+
+# ---- 4. resuming with a larger max_steps -------------------------------------------------------------------------
+def streamed(rows=ROWS):
+    from datasets import Dataset
+
+    return Dataset.from_list(rows).to_iterable_dataset()
+
+
+def test_a_streamed_run_resumes_with_a_larger_max_steps(tmp_path, tok, capsys):
+    """A stream's one "epoch" is the run (max_steps): going further is not another batch size or process count."""
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, rows=streamed(), max_steps=2, save_strategy="steps", save_steps=1).train()
+    resumed = sft_trainer(folder, tok, rows=streamed(), max_steps=4, save_strategy="steps", save_steps=1)
+    assert resumed.train(resume_from_checkpoint=str(folder / "checkpoint-1")).global_step == 4
+    assert f"treadle: resuming from {folder}/checkpoint-1 at step 1 of 4" in capsys.readouterr().err
+    assert [h["step"] for h in resumed.state.log_history if "loss" in h] == [1, 2, 3, 4]
+
+
+def test_a_resume_mismatch_names_what_differs_and_the_setting_that_restores_it(tmp_path, tok):
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, max_steps=2, save_strategy="steps", save_steps=1).train()
+    resumed = sft_trainer(folder, tok, max_steps=4, per_device_train_batch_size=1)
+    with pytest.raises(CheckpointError) as refused:
+        resumed.train(resume_from_checkpoint=str(folder / "checkpoint-1"))
+    message = str(refused.value)
+    assert "train_batch_size: checkpoint 2 vs now 1 (per_device_train_batch_size)" in message
+    assert "steps_per_epoch: checkpoint 2 vs now 4 (the training rows per epoch: the dataset, its length" in message
+    assert "set them back to the checkpoint's" in message and "max_steps" not in message

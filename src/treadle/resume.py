@@ -121,6 +121,12 @@ def _complete_ones(path: str, output_dir: str) -> str:
 # Whether it continues this run
 # ---------------------------------------------------------------------------------------------------------
 RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
+MATCH_FIX = {  # what sets each of them, for the refusal
+    "train_batch_size": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "world_size": "the number of processes: torchrun --nproc-per-node",
+    "steps_per_epoch": "the training rows per epoch: the dataset, its length, packing or drop_last",
+}
 RUN_LENGTH_FIELDS = (
     "max_steps",
     "num_train_epochs",
@@ -134,13 +140,15 @@ RUN_LENGTH_FIELDS = (
 )  # one
 
 
-def resumed_state(path: str, current, args=None):
+def resumed_state(path: str, current, args=None, stream: bool = False):
     """The TrainerState to continue from checkpoint ``path``, checked against the ``current`` run's before
     anything is loaded: another Trainer class (an SFT run continued by DPO would mix two losses), or a
     different batch size, accumulation, number of processes or dataset length would not continue the run
-    exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
-    come from the current arguments (a resumed run may be asked to go further); other settings that changed
-    (``args`` against the checkpoint's training_args.json) are named in a note."""
+    exactly, so it is refused (CheckpointError, naming what differs and the setting that restores it) and the
+    model stays as it was. The run's length and cadence come from the current arguments (a resumed run may be
+    asked to go further: a ``stream``'s one "epoch" is the whole run, so its steps per epoch follow
+    ``max_steps``); other settings that changed (``args`` against the checkpoint's training_args.json) are
+    named in a note."""
     _verify_files(path, args)  # the files first: trainer_state.json is read next
     state = read_state(path)
     if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
@@ -152,16 +160,16 @@ def resumed_state(path: str, current, args=None):
     _verify_files(
         path, args, getattr(current, "dataset_fingerprint", None)
     )  # then the data (another trainer's differs)
+    must_match = [name for name in RESUME_MUST_MATCH if not (stream and name == "steps_per_epoch")]
     mismatches = [
-        f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
-        for name in RESUME_MUST_MATCH
+        f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)} ({MATCH_FIX[name]})"
+        for name in must_match
         if getattr(state, name) != getattr(current, name)
     ]
     if mismatches:
         raise CheckpointError(
-            f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the same "
-            f"batch size, accumulation, number of processes and dataset, or start a new run "
-            f"from its weights (model.from_pretrained({path!r}))"
+            f"cannot resume {path!r} exactly: {'; '.join(mismatches)}; set them back to the checkpoint's, or "
+            f"start a new run from its weights (model: {path})"
         )
     if state.max_steps and state.global_step >= state.max_steps and current.max_steps > state.max_steps:
         raise CheckpointError(
@@ -170,7 +178,7 @@ def resumed_state(path: str, current, args=None):
             f"not train as asked (max_steps={current.max_steps}); start a new run from its "
             f"weights (model: {path}) with the steps you want"
         )
-    for name in RUN_LENGTH_FIELDS:
+    for name in RUN_LENGTH_FIELDS + (("steps_per_epoch",) if stream else ()):
         setattr(state, name, getattr(current, name))
     if dist.is_main_process():
         _announce_resume(path, state, args)

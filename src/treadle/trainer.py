@@ -295,12 +295,9 @@ class Trainer(Evaluation):
         output_dir; "auto": that or a fresh start; a path) continues that run exactly. The folder is claimed first."""
         args = self.args
         resume_path = resume.resolve(resume_from_checkpoint, args.output_dir, args.ignore_checkpoint_fingerprints)
+        auto, main = resume_from_checkpoint == resume.AUTO, dist.is_main_process()
         with runs.claim_run_folder(
-            args,
-            resume=resume_path is not None,
-            model=self.model,
-            main_process=dist.is_main_process(),
-            auto=resume_from_checkpoint == resume.AUTO,
+            args, resume=resume_path is not None, model=self.model, main_process=main, auto=auto
         ):
             return self._train(resume_path)
 
@@ -482,7 +479,8 @@ class Trainer(Evaluation):
 
     def _resume(self, path: str) -> None:
         """Continue the run in ``path`` (weights, optimizer, scheduler, RNG, state, metrics, extra state)."""
-        state = resume.resumed_state(path, self.state, self.args)
+        stream = stream_state(self.callback_handler.train_dataloader) is not None
+        state = resume.resumed_state(path, self.state, self.args, stream=stream)
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         self.state, self.loop.last_saved_step = state, state.global_step
         metrics, extra = resume.read_run_extra(path, state)
