@@ -261,3 +261,28 @@ def test_a_resume_mismatch_names_what_differs_and_the_setting_that_restores_it(t
     assert "train_batch_size: checkpoint 2 vs now 1 (per_device_train_batch_size)" in message
     assert "steps_per_epoch: checkpoint 2 vs now 4 (the training rows per epoch: the dataset, its length" in message
     assert "set them back to the checkpoint's" in message and "max_steps" not in message
+
+
+# ---- 5. a streamed run resumed on another dataset --------------------------------------------------------------
+def test_a_streamed_run_resumed_on_another_dataset_is_refused_as_a_map_style_one_is(tmp_path, tok):
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, rows=streamed(), max_steps=2, save_strategy="steps", save_steps=1).train()
+    other = [{"prompt": row["prompt"], "completion": row["completion"] + "0"} for row in ROWS]
+    for rows in (streamed(other), other):  # streamed or not, other rows
+        with pytest.raises(CheckpointError) as refused:
+            sft_trainer(folder, tok, rows=rows, max_steps=3).train(resume_from_checkpoint=True)
+        assert "checkpoint-2 is not what was saved: the training dataset differs from the one it trained on" in str(
+            refused.value
+        )
+    assert "ignore_checkpoint_fingerprints: true" in str(refused.value)
+    resumed = sft_trainer(folder, tok, rows=streamed(other), ignore_checkpoint_fingerprints=True)
+    assert resumed.train(resume_from_checkpoint=str(folder / "checkpoint-1")).global_step == 2  # the override works
+
+
+def test_a_stream_read_once_is_not_read_for_its_fingerprint():
+    from treadle import streaming
+
+    rows = iter(ROWS)
+    assert streaming.head_fingerprint(rows) is None and next(rows) == ROWS[0]
+    assert streaming.head_fingerprint(streamed()).startswith("stream:16:")
+    assert streaming.head_fingerprint(ROWS) is None  # not a stream: the sampled fingerprint's

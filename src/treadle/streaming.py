@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from treadle.errors import PreflightError
+from treadle.record import fingerprints
 
 SKIP, STATE = "skip", "state"
 
@@ -62,6 +63,23 @@ def is_stream(dataset) -> bool:
         and not hasattr(dataset, "__len__")
         and not isinstance(dataset, (str, bytes, dict))
     )
+
+
+HEAD_ROWS = 64  # the rows of a stream's start its fingerprint reads
+
+
+def head_fingerprint(dataset, most: int = HEAD_ROWS) -> str | None:
+    """``"stream:<rows>:<sha256>"`` of a stream's first ``most`` source rows (``fingerprints.dataset_fingerprint``):
+    what a resumed streamed run checks its data against, as a map-style run checks its sampled rows (another file
+    or dataset starts with other rows). None for what is not a stream, or an iterator that can be read only once
+    (reading its head would take those rows from training)."""
+    if not is_stream(dataset):
+        return None
+    source = dataset.source if isinstance(dataset, Stream) else dataset
+    if iter(source) is source:
+        return None
+    rows = list(itertools.islice(iter(source), most))
+    return f"stream:{len(rows)}:{fingerprints.dataset_fingerprint(rows)}"
 
 
 def resume_mode(source) -> str:
