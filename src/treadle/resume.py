@@ -160,11 +160,12 @@ def resumed_state(path: str, current, args=None, stream: bool = False):
     _verify_files(
         path, args, getattr(current, "dataset_fingerprint", None)
     )  # then the data (another trainer's differs)
-    must_match = [name for name in RESUME_MUST_MATCH if not (stream and name == "steps_per_epoch")]
+    differ = [name for name in RESUME_MUST_MATCH if getattr(state, name) != getattr(current, name)]
+    if stream or len(differ) > 1:  # a stream's epoch is its run; another batch shape changes the steps per epoch
+        differ = [name for name in differ if name != "steps_per_epoch"]
     mismatches = [
         f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)} ({MATCH_FIX[name]})"
-        for name in must_match
-        if getattr(state, name) != getattr(current, name)
+        for name in differ
     ]
     if mismatches:
         raise CheckpointError(

@@ -14,7 +14,8 @@ stream's pass, the batches read, and (where the format allows) the source's own 
 being read plus the rows of that chunk already used:
 
 - ``"state"``: a ``datasets.IterableDataset`` without a shuffle buffer. Resuming loads the source's
-  ``state_dict`` and reads on from there: nothing before the chunk is read again.
+  ``state_dict`` and reads on from there: nothing before the chunk is read again (but the stream's first
+  ``HEAD_ROWS`` rows, its fingerprint: ``head_fingerprint``, which ties a checkpoint to its data).
 - ``"skip"``: a shuffled ``datasets`` stream (its shuffle buffer is not in its ``state_dict``), a torch
   ``IterableDataset`` or a plain iterable. Resuming reads the pass again from its start and drops the batches
   already trained on: exact, and as slow as reading them.
