@@ -322,3 +322,41 @@ def test_a_streamed_jsonl_file_still_resumes_from_its_state(tmp_path, tok):
     resumed = sft_trainer(folder, tok, rows=load_dataset(spec), max_steps=4)
     assert resumed.train(resume_from_checkpoint=str(folder / "checkpoint-2")).global_step == 4
     assert resumed.callback_handler.train_dataloader.mode == "state"
+
+
+# ---- 7. a revision with a local model ----------------------------------------------------------------------------
+def test_a_revision_with_a_local_model_folder_is_refused_in_one_line(tmp_path, tok):
+    from treadle.demos import toy
+    from treadle.models import load_pretrained
+
+    folder = tmp_path / "model"
+    toy.build_model("tiny", tokenizer=tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    with pytest.raises(ValueError) as refused:
+        load_pretrained(str(folder), revision="v1.0")
+    assert str(refused.value) == (
+        f"revision 'v1.0' picks a version of a Hugging Face Hub model, but {folder} is a local folder, which holds "
+        f"one version; drop revision, or name the Hub id (org/name) to load that revision"
+    )
+    assert load_pretrained(str(folder))[0] is not None  # without it, the folder loads
+
+
+# ---- 8. a .gguf file as the model of a config ----------------------------------------------------------------------
+def test_a_config_names_a_gguf_file_beside_it_and_a_missing_one_is_a_gguf_error(tmp_path):
+    pytest.importorskip("gguf")
+    from test_gguf import write_gguf
+
+    from treadle.cli.command import main
+
+    beside = tmp_path / "configs"
+    beside.mkdir()
+    write_gguf(beside / "tiny.gguf")
+    config = write_config(beside, model="tiny.gguf", output_dir=str(tmp_path / "run"), max_steps=1)
+    config.write_text(config.read_text().replace("data.jsonl", str(beside / "data.jsonl")) + 'save_strategy: "no"\n')
+    assert main(["train", str(config)]) == 0  # found beside the config, as a dataset is
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    for missing in ("nope.gguf", str(tmp_path / "nope.gguf")):
+        result = treadle("train", config, "--model", missing, "--output_dir", tmp_path / "run2", cwd=tmp_path)
+        line = error_line(result)
+        assert f"GGUF file {tmp_path / 'nope.gguf'} not found; name an existing .gguf file" in line
+        assert "model folder" not in line

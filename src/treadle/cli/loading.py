@@ -46,13 +46,21 @@ def load_run_objects(config: dict[str, Any], *, kind, args, base_dir: Path) -> d
     if config.get("peft") is not None:
         kwargs["peft_config"] = treadle_peft.lora_config(config["peft"])
     kwargs["model"], kwargs["processing_class"] = load_model(
-        str(config["model"]), seed=args.seed, args=args, reward_head=kind.reward_head
+        model_spec(config["model"], base_dir), seed=args.seed, args=args, reward_head=kind.reward_head
     )
     if kind.takes_teacher:
         kwargs["teacher_model"] = load_teacher(
-            str(config["teacher"]), tokenizer=kwargs["processing_class"], seed=args.seed
+            model_spec(config["teacher"], base_dir), tokenizer=kwargs["processing_class"], seed=args.seed
         )
     return kwargs
+
+
+def model_spec(spec, base_dir: Path) -> str:
+    """A config's ``model:`` / ``teacher:``: a folder or ``.gguf`` file as datasets are found (the working folder,
+    then the config's), else as written (``toy:<size>``, a Hub id, or a path whose error names it)."""
+    spec = str(spec)
+    path = None if spec.startswith("toy:") else existing_path(spec, base_dir)
+    return str(path) if path is not None else spec
 
 
 def load_teacher(spec: str, *, tokenizer, seed: int):
