@@ -271,8 +271,8 @@ def test_a_streamed_run_resumed_on_another_dataset_is_refused_as_a_map_style_one
     other = [{"prompt": row["prompt"], "completion": row["completion"] + "0"} for row in ROWS]
     for rows in (streamed(other), other):  # streamed or not, other rows
         with pytest.raises(CheckpointError) as refused:
-            sft_trainer(folder, tok, rows=rows, max_steps=3).train(resume_from_checkpoint=True)
-        assert "checkpoint-2 is not what was saved: the training dataset differs from the one it trained on" in str(
+            sft_trainer(folder, tok, rows=rows).train(resume_from_checkpoint=str(folder / "checkpoint-1"))
+        assert "checkpoint-1 is not what was saved: the training dataset differs from the one it trained on" in str(
             refused.value
         )
     assert "ignore_checkpoint_fingerprints: true" in str(refused.value)
