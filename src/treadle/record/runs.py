@@ -149,8 +149,7 @@ def check_run_folder(
             f"wrote ({_listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
             f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir"
         )
-    saved = [name for name in files if name in SAVED_MODEL_NAMES or name.startswith("model-")]
-    if auto and not overwrite and not saved:
+    if auto and not overwrite and not _saved_model(files):
         return ours  # an attempt that crashed before its first checkpoint: nothing to resume, start it again
     if not overwrite:
         raise RunFolderError(f"output_dir {output_dir} holds an earlier run ({_listing(files)}); {_ways_on(files)}")
@@ -158,6 +157,11 @@ def check_run_folder(
 
 
 SAVED_MODEL_NAMES = frozenset({"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"})
+
+
+def _saved_model(files: list[str]) -> bool:
+    """Whether a run's ``files`` hold a saved model (its weights, or their shards)."""
+    return any(name in SAVED_MODEL_NAMES or name.startswith("model-") for name in files)
 
 
 def _ways_on(files: list[str]) -> str:
@@ -168,7 +172,7 @@ def _ways_on(files: list[str]) -> str:
     )
     if any(name.startswith("checkpoint-") for name in files):
         return f"continue it with --resume (train(resume_from_checkpoint=True)), {others}"
-    if any(name in SAVED_MODEL_NAMES or name.startswith("model-") for name in files):
+    if _saved_model(files):
         return f"it saved its model and no checkpoint, so it cannot be continued: {others}"
     return (
         f"it saved no checkpoint (it stopped before its first), so there is nothing to resume: start it again with "
