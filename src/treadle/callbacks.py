@@ -422,30 +422,39 @@ class PreemptionCallback(TrainerCallback):
     """SIGTERM / Ctrl-C: finish the current optimizer step, save a whole checkpoint, end training, then raise
     (``raise_if_stopped``: the Trainer calls it after ``on_train_end``).
 
-    ``guard()`` (the Trainer runs ``train`` inside it) installs the handlers in the main thread and restores
-    the previous ones afterwards. A signal only records itself (``signal``); at the next step end this callback
-    asks through ``control`` for a checkpoint (even with ``save_strategy="no"``: a preempted run keeps its work)
-    and a stop. Under several processes the ranks agree first, so one rank's signal stops all of them after the
-    same step. A second Ctrl-C stops at once."""
+    ``guard()`` (the Trainer runs its loop inside it; ``treadle train`` runs the whole run, final save included,
+    inside another) installs the handlers in the main thread and restores the previous ones afterwards; the
+    outermost one starts from no signal. A signal only records itself (``signal``); at the next step end this
+    callback asks through ``control`` for a checkpoint (even with ``save_strategy="no"``: a preempted run keeps its
+    work) and a stop (``stopped``). A signal after the last step's end stops nothing: the caller finds it in
+    ``signal`` once the final save is done. Under several processes the ranks agree first, so one rank's signal
+    stops all of them after the same step. A second Ctrl-C stops at once, except inside ``guard(hold=True)`` (a
+    save that must complete)."""
 
     def __init__(self):
-        self.signal: int | None = None  # the signal that stopped the run, None while none has arrived
+        self.signal: int | None = None  # the signal that arrived, None while none has
+        self.stopped = False  # whether a signal stopped the loop (its checkpoint saved): train() raises
+        self._depth = 0
 
     @contextlib.contextmanager
-    def guard(self):
+    def guard(self, hold: bool = False):
         if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
             yield
             return
 
         def request_stop(signum, frame):
-            if self.signal is not None and signum == signal.SIGINT:
+            if self.signal is not None and signum == signal.SIGINT and not hold:
                 raise KeyboardInterrupt
             self.signal = signum
 
+        if self._depth == 0:  # a signal that stopped an earlier run does not stop this one
+            self.signal, self.stopped = None, False
+        self._depth += 1
         previous = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield
         finally:
+            self._depth -= 1
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -460,7 +469,7 @@ class PreemptionCallback(TrainerCallback):
         except (Preempted, Interrupted):
             if state.global_step == 0 or self.signal is None:
                 raise
-            control.should_save = control.should_training_stop = True
+            self.stopped = control.should_save = control.should_training_stop = True
 
     def on_step_end(self, args, state, control, **kwargs):
         self._stop_if_signalled(args, state, control)
@@ -474,10 +483,10 @@ class PreemptionCallback(TrainerCallback):
             stop = dist.any_rank(stop, args.device)
         if stop:
             self.signal = self.signal or signal.SIGTERM  # a peer's signal stops this rank too
-            control.should_save = control.should_training_stop = True
+            self.stopped = control.should_save = control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.signal is not None and state.is_world_process_zero:
+        if self.stopped and state.is_world_process_zero:
             print(
                 f"treadle: stopped by {signal.Signals(self.signal).name} after step {state.global_step}; "
                 f"checkpoint: {path_for(args.output_dir, state.global_step)}. Resume with "
@@ -489,7 +498,7 @@ class PreemptionCallback(TrainerCallback):
     def raise_if_stopped(self, args, state) -> None:
         """After ``on_train_end`` of a run a signal stopped (its checkpoint written): raise
         ``errors.Interrupted`` (Ctrl-C, a KeyboardInterrupt) or ``errors.Preempted`` (SIGTERM, exit 143)."""
-        if self.signal is not None:
+        if self.stopped:
             raise stopped_by(self.signal, state.global_step, path_for(args.output_dir, state.global_step))
 
 

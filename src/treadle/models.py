@@ -357,6 +357,12 @@ def load_pretrained(
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers' model classes load ~5 s
 
     if os.path.isdir(source):
+        if revision is not None:  # a folder holds one version: a revision would be recorded and ignored
+            raise ValueError(
+                f"revision {revision!r} picks a version of a Hugging Face Hub model, but {name_or_path} is a local "
+                f"{'file' if gguf_file else 'folder'}, which holds one version; drop revision, or name the Hub id "
+                f"(org/name) to load that revision"
+            )
         check_model_folder(source, needs_tokenizer=tokenizer is None and gguf_file is None)
         options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     else:

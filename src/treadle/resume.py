@@ -43,22 +43,25 @@ AUTO = "auto"  # resume_from_checkpoint="auto": the newest complete checkpoint i
 # ---------------------------------------------------------------------------------------------------------
 # Which checkpoint
 # ---------------------------------------------------------------------------------------------------------
-def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
-    """``True`` -> newest complete checkpoint in output_dir; ``"auto"`` -> the same, or None when there is none
-    (a fresh folder: an elastic worker restarts or starts with the same command); a path -> that folder
-    (checked); None/False -> None. A checkpoint being written is never found: it lives in ``.tmp-checkpoint-<step>``
-    until it is complete, then is renamed into place."""
+def resolve(resume_from_checkpoint, output_dir: str, ignore_fingerprints: bool = False) -> str | None:
+    """``True`` -> newest complete checkpoint in output_dir; ``"auto"`` -> the newest intact one (a corrupt one,
+    whose files differ from its marker or whose state cannot be read, is skipped with a note naming it), or None
+    when there is none (a fresh folder, or an attempt that crashed before its first checkpoint: an elastic worker
+    or a restart loop starts or restarts with the same command); a path -> that folder (checked); None/False ->
+    None. A checkpoint being written is never found: it lives in ``.tmp-checkpoint-<step>`` until it is complete,
+    then is renamed into place. ``ignore_fingerprints`` (``ignore_checkpoint_fingerprints``): auto skips only
+    checkpoints whose state cannot be read."""
     if resume_from_checkpoint in (None, False):
         return None
     if resume_from_checkpoint == AUTO:
-        return latest_checkpoint(output_dir)
+        return _newest_intact(output_dir, ignore_fingerprints)
     if resume_from_checkpoint is True:
         path = latest_checkpoint(output_dir)
         if path is None:
             raise CheckpointError(
                 f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint "
-                f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming (with "
-                f"overwrite_output_dir: true if the folder holds an earlier run's files)"
+                f"(a folder named {PREFIX}<step> with {STATE_FILE}); start without resuming, or with --resume "
+                f"auto (resume_from_checkpoint='auto'), which starts afresh in place of an attempt that saved none"
             )
         return path
     path = str(resume_from_checkpoint)
@@ -70,6 +73,38 @@ def resolve(resume_from_checkpoint, output_dir: str) -> str | None:
             f"being written; {_complete_ones(path, output_dir)}"
         )
     return path
+
+
+def _newest_intact(output_dir: str, ignore_fingerprints: bool) -> str | None:
+    """``"auto"``'s checkpoint: the newest complete one that is intact, each corrupt newer one skipped with a
+    one-line note; None when there is no complete checkpoint; refused when every one is corrupt."""
+    found = [path for _, path in reversed(list_checkpoints(output_dir))]
+    for path in found:
+        problem = _corruption(path, ignore_fingerprints)
+        if problem is None:
+            return path
+        if dist.is_main_process():
+            print(f"treadle: resume auto: skipping {path}: {problem}", file=sys.stderr)
+    if found:
+        raise CheckpointError(
+            f"resume auto: every checkpoint in {output_dir} is corrupt (the newest, {found[0]}: "
+            f"{_corruption(found[0], ignore_fingerprints)}); move them out of {output_dir} to start afresh, or set "
+            f"ignore_checkpoint_fingerprints: true to resume anyway"
+        )
+    return None
+
+
+def _corruption(path: str, ignore_fingerprints: bool) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed as saved (its files against its marker, its state), or None."""
+    if not ignore_fingerprints and fingerprints.read_marker(path) is not None:
+        problems = fingerprints.verify(path)
+        if problems:
+            return f"{'; '.join(problems[:3])} (not what was saved)"
+    try:
+        read_state(path)
+    except CheckpointError as error:
+        return str(error).split(";")[0]
+    return None
 
 
 def _complete_ones(path: str, output_dir: str) -> str:
@@ -86,6 +121,12 @@ def _complete_ones(path: str, output_dir: str) -> str:
 # Whether it continues this run
 # ---------------------------------------------------------------------------------------------------------
 RESUME_MUST_MATCH = ("train_batch_size", "gradient_accumulation_steps", "world_size", "steps_per_epoch")
+MATCH_FIX = {  # what sets each of them, for the refusal
+    "train_batch_size": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "world_size": "the number of processes: torchrun --nproc-per-node",
+    "steps_per_epoch": "the training rows per epoch: the dataset, its length, packing or drop_last",
+}
 RUN_LENGTH_FIELDS = (
     "max_steps",
     "num_train_epochs",
@@ -99,13 +140,15 @@ RUN_LENGTH_FIELDS = (
 )  # one
 
 
-def resumed_state(path: str, current, args=None):
+def resumed_state(path: str, current, args=None, stream: bool = False):
     """The TrainerState to continue from checkpoint ``path``, checked against the ``current`` run's before
     anything is loaded: another Trainer class (an SFT run continued by DPO would mix two losses), or a
     different batch size, accumulation, number of processes or dataset length would not continue the run
-    exactly, so it is refused (CheckpointError) and the model stays as it was. The run's length and cadence
-    come from the current arguments (a resumed run may be asked to go further); other settings that changed
-    (``args`` against the checkpoint's training_args.json) are named in a note."""
+    exactly, so it is refused (CheckpointError, naming what differs and the setting that restores it) and the
+    model stays as it was. The run's length and cadence come from the current arguments (a resumed run may be
+    asked to go further: a ``stream``'s one "epoch" is the whole run, so its steps per epoch follow
+    ``max_steps``); other settings that changed (``args`` against the checkpoint's training_args.json) are
+    named in a note."""
     _verify_files(path, args)  # the files first: trainer_state.json is read next
     state = read_state(path)
     if state.trainer_class and current.trainer_class and state.trainer_class != current.trainer_class:
@@ -117,16 +160,17 @@ def resumed_state(path: str, current, args=None):
     _verify_files(
         path, args, getattr(current, "dataset_fingerprint", None)
     )  # then the data (another trainer's differs)
+    differ = [name for name in RESUME_MUST_MATCH if getattr(state, name) != getattr(current, name)]
+    if stream or len(differ) > 1:  # a stream's epoch is its run; another batch shape changes the steps per epoch
+        differ = [name for name in differ if name != "steps_per_epoch"]
     mismatches = [
-        f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)}"
-        for name in RESUME_MUST_MATCH
-        if getattr(state, name) != getattr(current, name)
+        f"{name}: checkpoint {getattr(state, name)} vs now {getattr(current, name)} ({MATCH_FIX[name]})"
+        for name in differ
     ]
     if mismatches:
         raise CheckpointError(
-            f"cannot resume {path!r} exactly: {'; '.join(mismatches)}. Resume with the same "
-            f"batch size, accumulation, number of processes and dataset, or start a new run "
-            f"from its weights (model.from_pretrained({path!r}))"
+            f"cannot resume {path!r} exactly: {'; '.join(mismatches)}; set them back to the checkpoint's, or "
+            f"start a new run from its weights (model: {path})"
         )
     if state.max_steps and state.global_step >= state.max_steps and current.max_steps > state.max_steps:
         raise CheckpointError(
@@ -135,7 +179,7 @@ def resumed_state(path: str, current, args=None):
             f"not train as asked (max_steps={current.max_steps}); start a new run from its "
             f"weights (model: {path}) with the steps you want"
         )
-    for name in RUN_LENGTH_FIELDS:
+    for name in RUN_LENGTH_FIELDS + (("steps_per_epoch",) if stream else ()):
         setattr(state, name, getattr(current, name))
     if dist.is_main_process():
         _announce_resume(path, state, args)

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle import distributed as dist
+from treadle import distributed as dist, streaming
 from treadle.record import fingerprints
 
 
@@ -58,7 +58,8 @@ class TrainerState:
         if trainer is not None:
             plan.update(
                 trainer_class=type(trainer).__name__,
-                dataset_fingerprint=fingerprints.sampled_dataset_fingerprint(trainer.train_dataset),
+                dataset_fingerprint=fingerprints.sampled_dataset_fingerprint(trainer.train_dataset)
+                or streaming.head_fingerprint(trainer.train_dataset),
             )
         return cls(
             logging_steps=args.logging_steps,

@@ -14,7 +14,8 @@ stream's pass, the batches read, and (where the format allows) the source's own 
 being read plus the rows of that chunk already used:
 
 - ``"state"``: a ``datasets.IterableDataset`` without a shuffle buffer. Resuming loads the source's
-  ``state_dict`` and reads on from there: nothing before the chunk is read again.
+  ``state_dict`` and reads on from there: nothing before the chunk is read again (but the stream's first
+  ``HEAD_ROWS`` rows, its fingerprint: ``head_fingerprint``, which ties a checkpoint to its data).
 - ``"skip"``: a shuffled ``datasets`` stream (its shuffle buffer is not in its ``state_dict``), a torch
   ``IterableDataset`` or a plain iterable. Resuming reads the pass again from its start and drops the batches
   already trained on: exact, and as slow as reading them.
@@ -30,6 +31,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from treadle.errors import PreflightError
+from treadle.record import fingerprints
 
 SKIP, STATE = "skip", "state"
 
@@ -62,6 +64,23 @@ def is_stream(dataset) -> bool:
         and not hasattr(dataset, "__len__")
         and not isinstance(dataset, (str, bytes, dict))
     )
+
+
+HEAD_ROWS = 64  # the rows of a stream's start its fingerprint reads
+
+
+def head_fingerprint(dataset, most: int = HEAD_ROWS) -> str | None:
+    """``"stream:<rows>:<sha256>"`` of a stream's first ``most`` source rows (``fingerprints.dataset_fingerprint``):
+    what a resumed streamed run checks its data against, as a map-style run checks its sampled rows (another file
+    or dataset starts with other rows). None for what is not a stream, or an iterator that can be read only once
+    (reading its head would take those rows from training)."""
+    if not is_stream(dataset):
+        return None
+    source = dataset.source if isinstance(dataset, Stream) else dataset
+    if iter(source) is source:
+        return None
+    rows = list(itertools.islice(iter(source), most))
+    return f"stream:{len(rows)}:{fingerprints.dataset_fingerprint(rows)}"
 
 
 def resume_mode(source) -> str:

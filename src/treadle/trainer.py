@@ -293,9 +293,11 @@ class Trainer(Evaluation):
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train for ``max_steps`` (or ``num_train_epochs``); ``resume_from_checkpoint`` (True: the newest in
         output_dir; "auto": that or a fresh start; a path) continues that run exactly. The folder is claimed first."""
-        resume_path = resume.resolve(resume_from_checkpoint, self.args.output_dir)
+        args = self.args
+        resume_path = resume.resolve(resume_from_checkpoint, args.output_dir, args.ignore_checkpoint_fingerprints)
+        auto, main = resume_from_checkpoint == resume.AUTO, dist.is_main_process()
         with runs.claim_run_folder(
-            self.args, resume=resume_path is not None, model=self.model, main_process=dist.is_main_process()
+            args, resume=resume_path is not None, model=self.model, main_process=main, auto=auto
         ):
             return self._train(resume_path)
 
@@ -321,7 +323,6 @@ class Trainer(Evaluation):
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
         self.model_wrapped.train()
         start_step, start_time = self.state.global_step, time.time()
-        self.preemption.signal = None  # a signal that stopped an earlier run does not stop this one
         with self.preemption.guard() if self.preemption in handler.callbacks else contextlib.nullcontext():
             self.control._new_training()
             self._event("on_train_begin")
@@ -459,7 +460,7 @@ class Trainer(Evaluation):
 
     def _save_checkpoint(self, metrics: dict | None) -> None:
         # a preempted run must be resumable: its last checkpoint is whole even with save_only_model
-        weights_only = self.args.save_only_model and self.preemption.signal is None
+        weights_only = self.args.save_only_model and not self.preemption.stopped
         ckpt.save_run_checkpoint(
             self.args,
             self.state,
@@ -480,7 +481,8 @@ class Trainer(Evaluation):
 
     def _resume(self, path: str) -> None:
         """Continue the run in ``path`` (weights, optimizer, scheduler, RNG, state, metrics, extra state)."""
-        state = resume.resumed_state(path, self.state, self.args)
+        stream = stream_state(self.callback_handler.train_dataloader) is not None
+        state = resume.resumed_state(path, self.state, self.args, stream=stream)
         ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.lr_scheduler)
         self.state, self.loop.last_saved_step = state, state.global_step
         metrics, extra = resume.read_run_extra(path, state)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,44 +195,57 @@ def run_train(config_path: str, overrides: list[str], *, resume: bool | str | No
     """Train the config at ``config_path``; the run folder is checked before anything is loaded."""
     config = load_config(config_path, overrides)
     output_dir = str(config.get("output_dir") or default_output_dir(config))
-    checkpoint = None
-    if resume:  # before building anything: a run with nothing to resume fails at once
-        from treadle.resume import resolve  # heavy: torch
+    from treadle import distributed, resume as resuming  # heavy: torch
 
-        checkpoint = resolve(resume, output_dir)
+    # before building anything: a run with nothing to resume fails at once
+    checkpoint = resuming.resolve(resume, output_dir, config.get("ignore_checkpoint_fingerprints") is True)
     model, overwrite = str(config.get("model") or ""), config.get("overwrite_output_dir") is True
-    from treadle import distributed  # heavy: torch
-
+    auto = resume == resuming.AUTO and checkpoint is None  # a fresh start in place of an attempt that saved none
     if distributed.launched("RANK") == 0:  # under torchrun, rank 0 owns the folder (and soon holds its lock)
         check_run_folder(
             output_dir,
             resume=checkpoint is not None,
             overwrite=overwrite,
             model_dir=None if model.startswith("toy:") else model,
+            auto=auto,
         )
     status = train_and_save(
         build_trainer(config, base_dir=Path(config_path).parent),
-        checkpoint,
+        resuming.AUTO if auto else checkpoint,
         resume_command=["treadle", "train", config_path, *overrides, "--resume"],
     )
     distributed.finish()  # under torchrun, after the trainer is gone: a normal exit leaves the process group
     return status
 
 
-def train_and_save(trainer, checkpoint: str | None, resume_command: list[str]) -> int:
-    """Train (from ``checkpoint``), save the model and print the report; the exit status (that of a preemption
-    or interruption, with ``resume_command`` printed, once its checkpoint is written)."""
-    try:
-        trainer.train(resume_from_checkpoint=checkpoint)
-    except (Preempted, Interrupted) as stop:  # its checkpoint is written: say how to go on
-        print(f"treadle: resume with: {shlex.join(resume_command)}", file=sys.stderr)
-        return stop.exit_status
-    output_dir = trainer.args.output_dir
-    with disk_errors(output_dir):  # a full or read-only disk at the final save: one line, as during training
-        trainer.save_model()
-    if trainer.state.is_world_process_zero:  # under torchrun, one report, not one per rank
-        print(f"treadle: model saved in {output_dir}")
-        report.print_plots(output_dir)
+def train_and_save(trainer, checkpoint: str | bool | None, resume_command: list[str]) -> int:
+    """Train (from ``checkpoint``), save the model and print the report; the exit status. The whole run, final
+    save included, is under the trainer's signal guard: a signal during training stops it at the next step with
+    a checkpoint (exit 143 or 130, ``resume_command`` printed); one after the last step lets the final save
+    complete, then exits 143 or 130 with the model whole on disk."""
+    output_dir, preemption = trainer.args.output_dir, trainer.preemption
+    with preemption.guard():
+        try:
+            trainer.train(resume_from_checkpoint=checkpoint)
+        except (Preempted, Interrupted) as stop:  # its checkpoint is written: say how to go on
+            print(f"treadle: resume with: {shlex.join(resume_command)}", file=sys.stderr)
+            return stop.exit_status
+        # a full or read-only disk at the final save: one line, as during training; a signal waits for the save
+        with preemption.guard(hold=True), disk_errors(output_dir):
+            trainer.save_model()
+        main_process = trainer.state.is_world_process_zero  # under torchrun, one report, not one per rank
+        if main_process:
+            print(f"treadle: model saved in {output_dir}")
+        if main_process and preemption.signal is None:
+            report.print_plots(output_dir)
+    if preemption.signal is not None:
+        print(
+            f"treadle: stopped by {signal.Signals(preemption.signal).name} after the last step "
+            f"({trainer.state.global_step}): the final model is saved whole in {output_dir}; draw its plots "
+            f"with: treadle report {output_dir}",
+            file=sys.stderr,
+        )
+        return 128 + preemption.signal
     return 0
 
 

@@ -46,13 +46,21 @@ def load_run_objects(config: dict[str, Any], *, kind, args, base_dir: Path) -> d
     if config.get("peft") is not None:
         kwargs["peft_config"] = treadle_peft.lora_config(config["peft"])
     kwargs["model"], kwargs["processing_class"] = load_model(
-        str(config["model"]), seed=args.seed, args=args, reward_head=kind.reward_head
+        model_spec(config["model"], base_dir), seed=args.seed, args=args, reward_head=kind.reward_head
     )
     if kind.takes_teacher:
         kwargs["teacher_model"] = load_teacher(
-            str(config["teacher"]), tokenizer=kwargs["processing_class"], seed=args.seed
+            model_spec(config["teacher"], base_dir), tokenizer=kwargs["processing_class"], seed=args.seed
         )
     return kwargs
+
+
+def model_spec(spec, base_dir: Path) -> str:
+    """A config's ``model:`` / ``teacher:``: a folder or ``.gguf`` file as datasets are found (the working folder,
+    then the config's), else as written (``toy:<size>``, a Hub id, or a path whose error names it)."""
+    spec = str(spec)
+    path = None if spec.startswith("toy:") else existing_path(spec, base_dir)
+    return str(path) if path is not None else spec
 
 
 def load_teacher(spec: str, *, tokenizer, seed: int):
@@ -124,7 +132,13 @@ def _dataset_from_mapping(spec: dict, *, kind: str, split: str, base_dir: Path):
     if not spec.get("streaming") or path is None or path.is_dir() or path.suffix not in STREAM_BUILDERS:
         data = load_dataset(str(spec["path"]), kind=kind, split=split, base_dir=base_dir)
         return data.to_iterable_dataset(num_shards=1) if spec.get("streaming") else data
-    # a file is streamed by datasets itself: rows are read as training asks for them, never all at once
+    # a file is streamed: rows are read as training asks for them, never all at once; a .jsonl file by treadle's
+    # own line reader (whose faults name the line), any other by datasets (its state_dict resumes exactly)
+    if path.suffix == ".jsonl":  # a tuple: datasets would shard a list of gen_kwargs
+        columns = tuple(TEXT_COLUMNS.get(kind, ()))
+        return datasets.IterableDataset.from_generator(
+            _streamed_jsonl, gen_kwargs={"path": str(path), "columns": columns}
+        )
     return datasets.load_dataset(STREAM_BUILDERS[path.suffix], data_files=str(path), split="train", streaming=True)
 
 
@@ -205,22 +219,36 @@ def _read_jsonl(path: Path, kind: str, from_rows):
 
 def _read_jsonl_rows(path: Path) -> list[dict]:
     """The rows of a .jsonl file: one JSON object per non-empty line, always (a one-line file is one row)."""
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-        if not isinstance(row, dict):
-            raise DatasetFileError(
-                f"{path}:{number}: a JSON lines dataset holds one object per line, got {_shape_of(row)}"
-            )
-        rows.append(row)
+    rows = [row for _, row in _jsonl_lines(path)]
     if not rows:
         raise DatasetFileError(f"{path} holds no rows; write one JSON object per line")
     return rows
+
+
+def _jsonl_lines(path: Path):
+    """``(line number, row)`` of each non-empty line of a .jsonl file, read one line at a time; a line that is not
+    a JSON object (cut by a crash, ``null``) is refused naming the file and the line."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DatasetFileError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetFileError(
+                    f"{path}:{number}: a JSON lines dataset holds one object per line, got {_shape_of(row)}"
+                )
+            yield number, row
+
+
+def _streamed_jsonl(path: str, columns: tuple):
+    """The rows of a streamed .jsonl file as training reads them, each line checked as a map-style file's are
+    (a cut or null line, a text column that holds no text: one line naming the file and the line)."""
+    for number, row in _jsonl_lines(Path(path)):
+        check_text_columns([row], columns, source=path, first_row=number)
+        yield row
 
 
 def _shape_of(value) -> str:

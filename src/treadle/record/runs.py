@@ -118,10 +118,12 @@ def _has_training_records(path: str) -> bool:
 
 
 def check_run_folder(
-    output_dir: str, *, resume: bool, overwrite: bool = False, model_dir: str | None = None
+    output_dir: str, *, resume: bool, overwrite: bool = False, model_dir: str | None = None, auto: bool = False
 ) -> list[str]:
     """Refuse (RunFolderError) an ``output_dir`` that cannot take this run; return what ``overwrite`` will
     delete (paths relative to ``output_dir``: only what a treadle run provably wrote, see ``sort_out``).
+    ``auto``: ``resume_from_checkpoint="auto"`` found no complete checkpoint, so the run starts afresh and
+    replaces what an attempt that saved none left (a run that saved its model is refused, as ever).
     Reads only: nothing is written or removed here."""
     output_dir = check_path(output_dir)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -147,13 +149,36 @@ def check_run_folder(
             f"wrote ({_listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
             f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir"
         )
+    if auto and not overwrite and not _saved_model(files):
+        return ours  # an attempt that crashed before its first checkpoint: nothing to resume, start it again
     if not overwrite:
-        raise RunFolderError(
-            f"output_dir {output_dir} holds an earlier run ({_listing(files)}); continue it with --resume "
-            f"(train(resume_from_checkpoint=True)), choose another output_dir, or set overwrite_output_dir: true "
-            f"to delete those {len(files)} entries (nothing else in the folder is touched)"
-        )
+        raise RunFolderError(f"output_dir {output_dir} holds an earlier run ({_listing(files)}); {_ways_on(files)}")
     return ours
+
+
+SAVED_MODEL_NAMES = frozenset({"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"})
+
+
+def _saved_model(files: list[str]) -> bool:
+    """Whether a run's ``files`` hold a saved model (its weights, or their shards)."""
+    return any(name in SAVED_MODEL_NAMES or name.startswith("model-") for name in files)
+
+
+def _ways_on(files: list[str]) -> str:
+    """What a new run into a folder holding the run ``files`` can do: resume it only when it has a checkpoint."""
+    others = (
+        f"choose another output_dir, or set overwrite_output_dir: true to delete those {len(files)} entries "
+        f"(nothing else in the folder is touched)"
+    )
+    if any(name.startswith("checkpoint-") for name in files):
+        return f"continue it with --resume (train(resume_from_checkpoint=True)), {others}"
+    if _saved_model(files):
+        return f"it saved its model and no checkpoint, so it cannot be continued: {others}"
+    return (
+        f"it saved no checkpoint (it stopped before its first), so there is nothing to resume: start it again with "
+        f"--resume auto (train(resume_from_checkpoint='auto')), which replaces those {len(files)} entries, or "
+        f"{others}"
+    )
 
 
 def check_path(path: str) -> str:
@@ -450,7 +475,7 @@ def release_lock(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
+def claim_run_folder(args, *, resume: bool, main_process: bool, model=None, auto: bool = False):
     """Check ``args.output_dir`` (``check_run_folder``; the model's folder from ``model_folder``), lock it,
     delete what ``args.overwrite_output_dir`` asks (naming it), and hold the lock inside the block, where a full
     or read-only disk is one line (``disk_errors``). The other processes of a multi-process run
@@ -460,15 +485,20 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None):
         return
     output_dir = args.output_dir
     doomed = check_run_folder(
-        output_dir, resume=resume, overwrite=args.overwrite_output_dir, model_dir=model_folder(model)
+        output_dir, resume=resume, overwrite=args.overwrite_output_dir, model_dir=model_folder(model), auto=auto
     )
     lock = acquire_lock(output_dir)
     try:
         with disk_errors(output_dir, lock):
             if doomed:
                 _, kept, _ = sort_out(output_dir, run_files(output_dir))
+                why = (
+                    "overwrite_output_dir"
+                    if args.overwrite_output_dir
+                    else f"resume auto: no complete checkpoint in {output_dir}, so a fresh start"
+                )
                 print(
-                    f"treadle: overwrite_output_dir: deleting {len(doomed)} entries of the earlier run in "
+                    f"treadle: {why}: deleting {len(doomed)} entries of the earlier run in "
                     f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""),
                     file=sys.stderr,
                 )
