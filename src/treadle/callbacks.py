@@ -40,7 +40,7 @@ from typing import Any
 from treadle import distributed as dist
 from treadle.checkpoint import path_for
 from treadle.data import device_batch_rows, step_rows
-from treadle.errors import stopped_by
+from treadle.errors import Interrupted, Preempted, stopped_by
 from treadle.record import runfiles
 from treadle.record.describe import describe_run
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
@@ -448,6 +448,19 @@ class PreemptionCallback(TrainerCallback):
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    @contextlib.contextmanager
+    def abandoned_step(self, state, control):
+        """Around the loop's epochs: a wait inside a step that gave way to this callback's signal (a request to a vLLM
+        server, ``engines.vllm_server``, raises ``Preempted`` / ``Interrupted`` rather than wait for its answer)
+        leaves that step unfinished; the steps done are saved and the run stops as after a step end. Before the
+        first step there is nothing to save: the stop propagates as it came."""
+        try:
+            yield
+        except (Preempted, Interrupted):
+            if state.global_step == 0 or self.signal is None:
+                raise
+            control.should_save = control.should_training_stop = True
 
     def on_step_end(self, args, state, control, **kwargs):
         self._stop_if_signalled(args, state, control)

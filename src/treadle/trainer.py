@@ -332,7 +332,9 @@ class Trainer(Evaluation):
             for epoch in range(first_epoch, num_epochs):
                 if self.control.should_training_stop or self.state.global_step >= max_steps:
                     break
-                self._train_epoch(dataloader, epoch, skip_steps if epoch == first_epoch else 0)
+                with self.preemption.abandoned_step(self.state, self.control):
+                    self._train_epoch(dataloader, epoch, skip_steps if epoch == first_epoch else 0)
+            self._act_on_control()  # the save a step left to a signal asks for (PreemptionCallback.abandoned_step)
         return self._finish_training(start_step, start_time)
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:

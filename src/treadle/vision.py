@@ -103,12 +103,21 @@ def load_image(value, *, row: int, where: str = "the dataset"):
     try:
         with Image.open(source) as image:
             return image.convert("RGB")
-    except (OSError, UnidentifiedImageError) as error:
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as error:
         raise cannot_open(error, source if not isinstance(source, io.BytesIO) else "<bytes>", row, where) from None
 
 
-def cannot_open(error: OSError, name, row: int, where: str) -> VisionDataError:
-    """The one-line error for an image file that does not open."""
+def cannot_open(error: Exception, name, row: int, where: str) -> VisionDataError:
+    """The one-line error for an image file that does not open (or that PIL refuses as a decompression bomb)."""
+    from PIL import Image
+
+    if isinstance(error, Image.DecompressionBombError):  # more than 2x Image.MAX_IMAGE_PIXELS: refused by PIL
+        image = "its image" if name is None else f"image {str(name)!r}"
+        return VisionDataError(
+            f"row {row} of {where}: {image} is too large for PIL ({str(error).rstrip('.')}); resize "
+            f"it (a model sees far fewer pixels), or raise PIL.Image.MAX_IMAGE_PIXELS (PIL refuses more than twice "
+            f"it) if you trust the file"
+        )
     reason = "no such file" if isinstance(error, FileNotFoundError) else "not an image PIL can read"
     return VisionDataError(
         f"row {row} of {where}: cannot open image {str(name)!r} ({reason}); fix the path or drop the row"
@@ -193,10 +202,13 @@ def row_conversation(
 def read_row(dataset, index: int, *, where: str) -> dict:
     """``dataset[index]``; a datasets ``Image`` column decodes its files here, so a file that does not open is a
     VisionDataError naming it and the row."""
+    from PIL import Image
+
     try:
         return dataset[index]
-    except OSError as error:  # FileNotFoundError, PIL.UnidentifiedImageError
-        raise cannot_open(error, getattr(error, "filename", None) or str(error), index, where) from None
+    except (OSError, Image.DecompressionBombError) as error:  # FileNotFoundError, PIL.UnidentifiedImageError
+        name = getattr(error, "filename", None) or (str(error) if isinstance(error, OSError) else None)
+        raise cannot_open(error, name, index, where) from None
 
 
 def check_vision_dataset(dataset, *, where: str = "the dataset") -> str:

@@ -28,7 +28,14 @@ from treadle import checkpoint
 from treadle.cli import command as cli
 from treadle.demos import toy
 from treadle.engines.vllm import merged_state_dict
-from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError, identity_mismatch, server_url
+from treadle.engines.vllm_server import (
+    PROTOCOL,
+    SERVER_NAME,
+    VLLMServerEngine,
+    VLLMServerError,
+    identity_mismatch,
+    server_url,
+)
 from treadle.errors import is_user_error
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import sample_completions
@@ -105,6 +112,13 @@ def policy():
 def test_greedy_completions_over_the_server_equal_the_own_samplers(server, policy):
     model, tok = policy
     engine = VLLMServerEngine(model, server[0], timeout=600)
+    try:
+        check_greedy_and_seeded(engine, model, tok)
+    finally:
+        engine.close()  # the server serves one run at a time: the next test's claims it
+
+
+def check_greedy_and_seeded(engine, model, tok):
     engine.load_weights(model)
     ids = prompts(tok)
     params = SamplingParams(
@@ -124,7 +138,7 @@ def test_greedy_completions_over_the_server_equal_the_own_samplers(server, polic
 
 
 @pytest.mark.vllm
-def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_path):
+def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_path, request):
     tok = toy.build_tokenizer()
     trainer = GRPOTrainer(
         toy.build_model("small", tokenizer=tok, seed=4),
@@ -133,6 +147,7 @@ def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_
         train_dataset=toy.load_task("addition", kind="rl", n=16),
         processing_class=tok,
     )
+    request.addfinalizer(trainer.close)  # releases the server (one run at a time) even when the test fails
     engine, ids = trainer.engine, prompts(tok, n=3)
     fixed = [tok("12")["input_ids"] + [EOS], tok("7")["input_ids"], tok("345")["input_ids"] + [EOS]]
     before = [t.clone() for t in model_logps(trainer.model, ids, fixed)]
@@ -151,7 +166,6 @@ def test_after_a_grpo_step_the_server_scores_like_the_trained_model(server, tmp_
     assert engine.sync_unchanged is False
     for s, a in zip(engine.score(ids, fixed), after):
         torch.testing.assert_close(s, a, atol=1e-4, rtol=0)
-    trainer.close()
 
 
 @pytest.mark.vllm
@@ -221,7 +235,8 @@ def test_killing_the_server_mid_run_is_exit_2_one_line_and_the_last_checkpoint_i
 
 # ------------------------------------------------------------------------------- no vLLM needed
 class StandIn(BaseHTTPRequestHandler):
-    """Answers GET /health with the server's ``identity``, and any POST with HTTP 500 (an engine that failed)."""
+    """Answers GET /health with the server's ``identity``, a claim with its run, and any other POST with HTTP 500
+    (an engine that failed)."""
 
     def do_GET(self):
         body = json.dumps(self.server.identity).encode()
@@ -231,9 +246,10 @@ class StandIn(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        body = b"treadle: error: the engine failed"
-        self.send_response(500)
+        request = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        claim = self.path.startswith(("/claim", "/release"))
+        body = request if claim else b"treadle: error: the engine failed"
+        self.send_response(200 if claim else 500)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -248,6 +264,8 @@ def stand_in():
     model = toy.build_model("tiny", seed=0)
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
     server.identity = {
+        "server": SERVER_NAME,
+        "protocol": PROTOCOL,
         "model": "toy:tiny",
         "config": model.config.to_dict(),
         "weights": {k: list(v.shape) for k, v in merged_state_dict(model).items()},
@@ -268,7 +286,8 @@ def test_no_server_at_the_url_is_one_line_naming_it_and_the_fix():
         VLLMServerEngine(toy.build_model("tiny"), url, timeout=0.3)
     message = str(info.value)
     assert is_user_error(info.value) and "\n" not in message
-    assert f"no vLLM server answered at {url}/health within 0.3 s" in message and "treadle vllm-serve" in message
+    assert f"no vLLM server answered at {url}/health within vllm_server_timeout=0.3 s" in message
+    assert "treadle vllm-serve" in message
 
 
 def test_a_stand_in_of_another_model_is_refused_and_the_same_model_accepted(stand_in):

@@ -353,13 +353,9 @@ def test_eval_loss_without_reward_functions(tmp_path, tok, dataset):
     metrics = trainer.evaluate(dataset.select(range(6)))
     assert set(metrics) == {"eval_loss", "eval_completions/mean_length"}
     assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] > 0
-    same_teacher = DistillationTrainer(
-        toy.build_model("tiny", tokenizer=tok, seed=0),
-        toy.build_model("tiny", tokenizer=tok, seed=0),
-        args=config(tmp_path),
-        train_dataset=dataset,
-        processing_class=tok,
-    )
+    # the student as its own teacher (refused for training, test_hostile3_data.py): the divergence is 0
+    same_teacher = make_trainer(tmp_path, tok, dataset)
+    same_teacher.teacher_model = copy.deepcopy(same_teacher.model).eval()
     assert same_teacher.evaluate(dataset.select(range(6)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)
 
 

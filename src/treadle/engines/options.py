@@ -3,6 +3,8 @@ built so that a bad setting fails before a model loads; ``engines.vllm`` holds t
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["VLLM_MODES", "check_server_options", "check_vllm_options"]
 
 VLLM_MODES = ("colocate", "server")
@@ -46,6 +48,7 @@ def check_server_options(args) -> None:
         raise ValueError(
             f"vllm_server_port must be a port number in 1..65535, got {port!r}; e.g. 8000 (TRL's default)"
         )
-    timeout = args.vllm_server_timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"vllm_server_timeout must be a number of seconds > 0, got {timeout!r}; e.g. 240 (TRL's)")
+    for name, example in (("vllm_server_timeout", "240 (TRL's)"), ("vllm_request_timeout", "1800")):
+        timeout = getattr(args, name)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"{name} must be a number of seconds > 0, got {timeout!r}; e.g. {example}")

@@ -27,14 +27,28 @@ from urllib.parse import parse_qs, urlsplit
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_tensors
+from transformers import AutoConfig
 
 from treadle.cli.loading import load_model
-from treadle.engines.vllm import VLLMEngine, require_vllm
-from treadle.engines.vllm_server import IDENTITY_FIELDS, pack_output
+from treadle.engines.vllm import VLLMEngine, check_head_size, require_vllm
+from treadle.engines.vllm_server import PROTOCOL, RUN_HEADER, SERVER_NAME, architecture, pack_output
 from treadle.errors import UserError, one_line
 from treadle.generation.sampling import SamplingParams
 
-__all__ = ["ServedEngine", "build_parser", "identity_of", "main"]
+__all__ = ["ServedEngine", "build_parser", "identity_of", "main", "port_number"]
+
+ROUTES = b"unknown route: GET /health; POST /claim, /release, /generate, /score, /weights"
+
+
+def port_number(text: str) -> int:
+    """``--port``'s value: a TCP port (argparse's ``type``: checked before anything loads)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must lie in 1..65535, got {text!r}; e.g. 8000 (TRL's default)")
+    return port
 
 
 def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -50,7 +64,7 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
         help="address to listen on (default 127.0.0.1, this machine "
         "only: anyone who reaches the port can replace the weights; 0.0.0.0 for every interface)",
     )
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000, TRL's vllm_server_port)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port (default 8000, TRL's vllm_server_port)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     parser.add_argument(
         "--dtype",
@@ -109,8 +123,8 @@ def serve(server: ThreadingHTTPServer, folder: str, args: argparse.Namespace) ->
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
     )
-    server.identity = identity_of(args.model, folder, config, dtype, server.engine)
-    server.lock, server.pending = threading.Lock(), {}
+    server.identity = identity_of(args.model, folder, dtype, server.engine)
+    server.lock, server.pending, server.run = threading.Lock(), {}, None
     url = f"http://{args.host}:{server.server_address[1]}"
     print(
         f"treadle: vLLM serves {args.model} at {url} (GET /health; a run connects with use_vllm: true, "
@@ -130,19 +144,21 @@ def interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def identity_of(name: str, folder: str, config: dict, dtype: str, engine: ServedEngine) -> dict:
-    """What ``GET /health`` answers: the model's name, its config's shape fields, each weight's name and shape (read
-    from the safetensors headers, no tensor loaded), the dtype and the context window."""
+def identity_of(name: str, folder: str, dtype: str, engine: ServedEngine) -> dict:
+    """What ``GET /health`` answers: the server's mark and protocol, the model's name, its config's architecture
+    fields (``vllm_server.architecture``, from the config as transformers reads it: defaults included), each weight's
+    name and shape (read from the safetensors headers, no tensor loaded), the dtype and the context window."""
     weights = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
         with safe_open(path, framework="pt") as f:
             weights.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
     return {
-        "server": "treadle vllm-serve",
+        "server": SERVER_NAME,
+        "protocol": PROTOCOL,
         "model": name,
         "folder": folder,
         "dtype": str(dtype),
-        "config": {field: config.get(field) for field in IDENTITY_FIELDS},
+        "config": architecture(AutoConfig.from_pretrained(folder).to_dict()),
         "max_model_len": engine.llm.llm_engine.model_config.max_model_len,
         "weights": weights,
     }
@@ -163,6 +179,7 @@ class ServedEngine(VLLMEngine):
         seed: int,
     ):  # not the parent's __init__, which saves a live model
         vllm = require_vllm()
+        check_head_size(AutoConfig.from_pretrained(folder), vllm)
         self.folder, self.device, self._vllm = folder, torch.device("cpu"), vllm
         self.sleep_mode = self.sleeping = False
         self.lora = self.lora_request = None  # the server is sent merged weights (engines.vllm_lora: colocated only)
@@ -184,29 +201,67 @@ class ServedEngine(VLLMEngine):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """The routes (engines.vllm_server's docstring): GET /health; POST /generate, /score, /weights?last=0|1."""
+    """The routes (engines.vllm_server's docstring): GET /health; POST /claim, /release, /generate, /score,
+    /weights?last=0|1. One run holds the server (``server.run``): its claim first, then its header on each POST."""
 
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
         if urlsplit(self.path).path.rstrip("/") != "/health":
-            return self.answer(404, b"unknown route: GET /health, POST /generate, /score, /weights")
-        self.answer(200, json.dumps(self.server.identity).encode(), "application/json")
+            return self.answer(404, ROUTES)
+        self.answer(200, json.dumps({**self.server.identity, "run": self.server.run}).encode(), "application/json")
 
     def do_POST(self) -> None:
         route = urlsplit(self.path)
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        path = route.path.rstrip("/")
         try:
             with self.server.lock:  # one request at a time reaches the engine
-                answer = self.route(route.path.rstrip("/"), parse_qs(route.query), body)
+                if path in ("/claim", "/release"):
+                    return self.answer(*self.claim(path, json.loads(body)))
+                if self.headers.get(RUN_HEADER) != self.server.run:
+                    return self.answer(*self.refusal(self.headers.get(RUN_HEADER)))
+                answer = self.route(path, parse_qs(route.query), body)
         except (UserError, ValueError, KeyError) as error:  # a request the engine cannot serve: one line back
             return self.answer(400, one_line(error).encode())
         except Exception as error:  # a bug, or the engine failed: the traceback here, one line to the client
             traceback.print_exc()
             return self.answer(500, one_line(error).encode())
         if answer is None:
-            return self.answer(404, b"unknown route: GET /health, POST /generate, /score, /weights")
+            return self.answer(404, ROUTES)
         self.answer(200, *answer)
+
+    def claim(self, path: str, request) -> tuple[int, bytes, str]:
+        """``/claim``: the server is this run's unless another holds it; ``/release``: the holder lets it go."""
+        run = request.get("run") if isinstance(request, dict) else None
+        if not isinstance(run, str) or not run:
+            raise ValueError(f"a claim names its run as {{'run': RUN}}, got {request!r:.80}")
+        if path == "/release":
+            if self.server.run == run:
+                self.server.run = None
+                print(f"treadle: vllm-serve released by {run}", flush=True)
+            return 200, json.dumps({"run": self.server.run}).encode(), "application/json"
+        if self.server.run not in (None, run):
+            return self.refusal(run)
+        if self.server.run is None:
+            print(f"treadle: vllm-serve claimed by {run}", flush=True)
+        self.server.run = run
+        return 200, json.dumps({"run": run}).encode(), "application/json"
+
+    def refusal(self, run: str | None) -> tuple[int, bytes, str]:
+        holder = self.server.run
+        if holder is None:
+            message = (
+                f"this server holds no run's claim (was it restarted?), so it does not serve the run {run}: "
+                f"resume the run (treadle train CONFIG --resume), which claims it when it connects"
+            )
+        else:
+            message = (
+                f"this server serves the run {holder} (one server serves one run: two would sample from each "
+                f"other's weights); start another `treadle vllm-serve` (another --port) for the run {run}, or end "
+                f"that run first (its close releases the server; restart the server to free it from a crashed run)"
+            )
+        return 409, message.encode(), "text/plain"
 
     def route(self, path: str, query: dict, body: bytes) -> tuple[bytes, str] | None:
         engine = self.server.engine

@@ -42,6 +42,7 @@ __all__ = [
     "VLLMEngine",
     "VLLMNotInstalled",
     "WeightLoader",
+    "check_head_size",
     "merged_state_dict",
     "require_vllm",
     "vllm_engine",
@@ -70,6 +71,27 @@ def require_vllm():
     except ImportError:
         raise VLLMNotInstalled(f"use_vllm=True needs vLLM, which is not installed: {VLLM_INSTALL}") from None
     return vllm
+
+
+def check_head_size(config, vllm) -> None:
+    """Refuse, in one line and before the engine's minute-long start, a model whose attention head size vLLM's CPU
+    attention has no kernel for (vLLM 0.32: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; toy tiny's 16 is
+    not one, and vLLM would fail only once the engine is up). Other platforms' backends are left to vLLM."""
+    try:  # optional, as require_vllm: these modules exist once vLLM is installed (their paths are vLLM 0.32's)
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return
+    if not current_platform.is_cpu():
+        return
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if not CPUAttentionBackend.supports_head_size(head):
+        sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+        raise UserError(
+            f"vLLM {vllm.__version__}'s CPU attention has no kernel for this model's head size {head} (it has "
+            f"{sizes}): use a model with one of those head sizes (toy small's is 32), or sample with treadle's own "
+            f"sampler (use_vllm: false)"
+        )
 
 
 def vllm_engine(model: nn.Module, args, *, multi_turn: bool = False) -> VLLMEngine:
@@ -207,6 +229,8 @@ class VLLMEngine(SyncChecked):
         seed: int = 0,
     ):
         vllm = require_vllm()
+        with unwrapped_for_generation(model) as inner:
+            check_head_size(inner.config, vllm)
         self.folder = tempfile.mkdtemp(prefix="treadle-vllm-")
         self.lora = lora_plan(model)  # (PEFT model, adapter name, LoraConfig): adapters synced alone; None: merged
         with unwrapped_for_generation(model) as inner:

@@ -5,6 +5,7 @@ reports what each rollout added; the metrics of a batch."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -12,13 +13,14 @@ from typing import Protocol
 
 import torch
 
+from treadle import distributed as dist
 from treadle.engines.base import RolloutEngine
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import distinct_prompts
 from treadle.generation.turns import MultiTurnOutput
 from treadle.rollouts.calls import GuardedEnvironment, ToolPool
 from treadle.rollouts.tools import CALL_FORMATS, ToolEnvironment, check_json_schemas, check_tool
-from treadle.text import encode_prompts, eos_ids, is_conversation
+from treadle.text import cut_prompts, encode_prompts, eos_ids, is_conversation
 
 __all__ = ["Environment", "RolloutOutput", "RolloutRunner", "environment_reward", "rollout_metrics"]
 
@@ -111,6 +113,7 @@ class RolloutRunner:
             tool_timeout=tool_timeout,
         )
         self.workers, self.pool, self.env_timeout = workers, None, env_timeout
+        self.prompt_cut_noted = False  # text.cut_prompts' note is shown once
         self.tool_pool = ToolPool()  # tool calls and environment calls run on its threads, with their deadlines
 
     def __enter__(self) -> RolloutRunner:
@@ -131,7 +134,8 @@ class RolloutRunner:
         return ToolEnvironment(self.tools, tool_pool=self.tool_pool, **self.tool_options)
 
     def encode_prompts(self, prompts: list, max_prompt_length: int | None) -> list[list[int]]:
-        """Token ids of each prompt, cut to its last ``max_prompt_length``; chat prompts see the tools' schemas
+        """Token ids of each prompt, cut to its last ``max_prompt_length`` (``text.cut_prompts``: a note on stderr
+        the first time one is); chat prompts see the tools' schemas
         when the call format is the chat template's (``"json"``)."""
         if self.call_format == "json" and self.tools and all(is_conversation(p) for p in prompts):
             texts = [
@@ -143,7 +147,11 @@ class RolloutRunner:
             ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         else:
             ids = encode_prompts(self.tokenizer, prompts)
-        return [i[-max_prompt_length:] if max_prompt_length else i for i in ids]
+        ids, note = cut_prompts(self.tokenizer, ids, max_prompt_length)
+        if note and not self.prompt_cut_noted and dist.is_main_process():
+            print(f"{note}; shown once", file=sys.stderr)
+        self.prompt_cut_noted |= note is not None
+        return ids
 
     def observation_ids(self, text: str, role: str, chat: bool) -> list[int]:
         """The tokens an observation adds: its text (text prompts), or a ``role`` turn rendered by the chat

@@ -37,7 +37,8 @@ How this departs from TRL 1.16's DistillationTrainer:
 4. Models outside the hidden-state fast path (final-logit softcapping, logit scaling, custom heads) fall back to
    both models' full logits for the micro-batch (exact, more memory); TRL applies scale and softcap in its kernel.
 5. The shared tokenizer is checked before training: equal vocabularies when the teacher's tokenizer is known (a
-   folder or Hub id), else equal vocabulary sizes (TRL checks the sizes only). A mismatch is one line.
+   folder or Hub id), else equal vocabulary sizes (TRL checks the sizes only). A mismatch is one line; so is a
+   teacher that is the student (the same object or equal weights: it would train on nothing), which TRL accepts.
 6. ``evaluate()``: with ``reward_funcs`` (a treadle addition), the on-policy metrics (rewards, pass@k, greedy
    accuracy, GRPO's); without, ``eval_loss``, the divergence on completions sampled with the ``eval_*`` settings.
 7. No ``entropy`` metric (the chunked divergence does not return the student's entropy). The rest of TRL's training
@@ -68,7 +69,7 @@ from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
 from treadle.trainers.onpolicy.records import completion_metrics, seeded_generator
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
 
-__all__ = ["DistillationConfig", "DistillationTrainer", "check_shared_tokenizer"]
+__all__ = ["DistillationConfig", "DistillationTrainer", "check_distinct_teacher", "check_shared_tokenizer"]
 
 
 @dataclass
@@ -110,6 +111,35 @@ def check_shared_tokenizer(student, teacher, tokenizer, teacher_tokenizer=None) 
             f"distillation compares next-token distributions token by token, so use a teacher "
             f"and student that share one tokenizer and vocabulary"
         )
+
+
+def check_distinct_teacher(student, teacher) -> None:
+    """PreflightError (one line) when the teacher is the student: the same object, or equal weights (a second
+    load of the same folder). The divergence between equal distributions is 0 with a zero gradient, so the run
+    would train on nothing (and the frozen teacher would freeze the very student)."""
+    student = dist.unwrap_model(student)
+    if teacher is student:
+        same = "teacher_model is the student model itself"
+    elif _same_weights(student, teacher):
+        same = "teacher_model has the student's very weights"
+    else:
+        return
+    raise PreflightError(
+        f"{same}: the divergence between a model and itself is 0 with a zero gradient, so distillation would "
+        f"train on nothing; give a teacher that differs from the student (a larger or a fine-tuned model)"
+    )
+
+
+def _same_weights(a, b) -> bool:
+    """Whether two models hold the same parameters, name by name, equal in value (stops at the first that differs)."""
+    ours, theirs = dict(a.named_parameters()), dict(b.named_parameters())
+    if ours.keys() != theirs.keys():
+        return False
+    for name, p in ours.items():
+        q = theirs[name]
+        if p.shape != q.shape or p.dtype != q.dtype or not torch.equal(p.detach(), q.detach().to(p.device)):
+            return False
+    return True
 
 
 def _vocabulary_rows(model) -> int | None:
@@ -155,6 +185,7 @@ class DistillationTrainer(OnPolicyTrainer):
         check_shared_tokenizer(
             model, teacher, processing_class, teacher_tokenizer if isinstance(teacher_model, str) else None
         )
+        check_distinct_teacher(model, teacher)
         super().__init__(
             model,
             args=args,

@@ -40,14 +40,18 @@ Departures from TRL's KTOTrainer:
 from __future__ import annotations
 
 import functools
+import numbers
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from treadle import distributed as dist
 from treadle.arguments import LogprobChunkOption, PaddingFreeOption, TrainingArguments
 from treadle.data import column_names, require_columns
+from treadle.errors import shorten
 from treadle.logprobs.tokens import token_logps
 from treadle.losses import check_kto_options, kto_kl, kto_loss, kto_uses_kl
 from treadle.metrics import mode_of
@@ -146,10 +150,35 @@ def unpair_rows(batch: dict[str, list]) -> dict[str, list]:
     }
 
 
+LABEL_WORDS = {"true": True, "1": True, "false": False, "0": False}  # a label read from text (a CSV), stripped
+
+
+def desirable(label, index: int) -> bool:
+    """A row's ``label`` as a bool: True / False, the numbers 1 / 0 and -1 (ints or floats equal to them), or the
+    strings "true" / "false" / "1" / "0" (any case, spaces around). Anything else is a ValueError naming the row:
+    ``bool("False")`` and ``bool(-1)`` are True, so a lenient cast would push the undesirable completions up.
+
+    >>> [desirable(x, 0) for x in (True, 0, -1, 1.0, " False ", "TRUE")]
+    [True, False, False, True, False, True]
+    """
+    if isinstance(label, (bool, np.bool_)):
+        return bool(label)
+    if isinstance(label, numbers.Real) and label in (1, 0, -1):  # numpy's numbers and floats equal to them too
+        return label == 1
+    if isinstance(label, str) and label.strip().lower() in LABEL_WORDS:
+        return LABEL_WORDS[label.strip().lower()]
+    raise ValueError(
+        f"row {index}: label {shorten(repr(label), 60)} is neither desirable nor undesirable; give each row's label "
+        f'as True / False (or 1 / 0, 1 / -1, "true" / "false")'
+    )
+
+
 def tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None) -> dict:
     """One row ``{prompt, completion, label}`` -> ``{prompt_input_ids, completion_input_ids, label}``, the
-    completion cut to fit ``max_length``. Raises ValueError, naming the row, for an empty prompt or completion,
-    mixed text and chat, or a prompt that leaves no room within ``max_length``."""
+    completion cut to fit ``max_length``, the label a bool (:func:`desirable`). Raises ValueError, naming the row,
+    for a label that is not one, an empty prompt or completion, mixed text and chat, or a prompt that leaves no
+    room within ``max_length``."""
+    label = desirable(row.get("label"), index)  # a wrong label is named before the text is tokenised
     if row.get("prompt_input_ids") is not None and row.get("completion_input_ids") is not None:
         prompt, completion = list(row["prompt_input_ids"]), list(row["completion_input_ids"])
     else:
@@ -181,7 +210,21 @@ def tokenize_row(row: dict, index: int, *, tokenizer, max_length: int | None) ->
         completion = completion[: max_length - len(prompt)]
     if not completion:
         raise ValueError(f"row {index}: the completion has no tokens; drop or fix this row")
-    return {"prompt_input_ids": prompt, "completion_input_ids": completion, "label": bool(row["label"])}
+    return {"prompt_input_ids": prompt, "completion_input_ids": completion, "label": label}
+
+
+def warn_one_class(labels) -> None:
+    """A UserWarning when every training row has the same label (TRL warns of unbalanced classes too): KTO then
+    pushes one kind of completion only, which a label column read wrongly (all "1", say) also gives."""
+    desirable_rows = sum(bool(label) for label in labels)
+    if len(labels) and desirable_rows in (0, len(labels)):
+        kind = "desirable (True)" if desirable_rows else "undesirable (False)"
+        warnings.warn(
+            f"treadle: every one of the {len(labels)} KTO training rows is labelled {kind}: KTO learns from "
+            f"desirable and undesirable completions together; check the label column, or add rows of the other kind",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def rotate_completions(batch: dict[str, list]) -> dict[str, list]:
@@ -277,6 +320,8 @@ class KTOTrainer(PrecomputedReference, Trainer):
                 batch_size=self.args.per_device_train_batch_size,
                 **kwargs(f"KL completions of the {split} dataset"),
             )
+        if split == "train" and isinstance(dataset, Dataset):  # a stream's labels are not known ahead (as TRL)
+            warn_one_class(dataset["label"])
         return dataset
 
     def signature_columns(self) -> set[str]:

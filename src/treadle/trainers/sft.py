@@ -54,7 +54,15 @@ from treadle.metrics import mode_of
 from treadle.models import from_name, max_positions, training_forward_kwargs
 from treadle.packing import best_fit_bins, right_padded
 from treadle.streaming import Stream, is_stream
-from treadle.text import encode_prompts, encode_texts, is_conversation, pad_token_id, split_chat_completion, with_eos
+from treadle.text import (
+    apply_chat_template,
+    encode_prompts,
+    encode_texts,
+    is_conversation,
+    pad_token_id,
+    split_chat_completion,
+    with_eos,
+)
 from treadle.trainer import Trainer
 
 TOKENIZE_CHUNK = 1000  # rows tokenised per tokenizer call: big enough for the fast tokenizer's batching
@@ -229,16 +237,19 @@ class SFTTrainer(Trainer):
         ) as bar:
             for start in range(0, len(dataset), TOKENIZE_CHUNK):
                 chunk = dataset[start : start + TOKENIZE_CHUNK]
-                rows += self._tokenize_chunk(chunk, form)
+                rows += self._tokenize_chunk(chunk, form, start)
                 bar.update(len(chunk[next(iter(chunk))]))
         return rows
 
-    def _tokenize_chunk(self, chunk: dict[str, list], form: str) -> list[tuple[list[int], list[int]]]:
+    def _tokenize_chunk(
+        self, chunk: dict[str, list], form: str, start: int | None = None
+    ) -> list[tuple[list[int], list[int]]]:
+        """A chunk's rows tokenised; ``start``: the dataset row of its first (None: a stream's, not known)."""
         if form == "prompt_completion":
             return tokenize_prompt_completion(self.processing_class, chunk["prompt"], chunk["completion"])
         if form == "messages":
             return tokenize_messages(
-                self.processing_class, chunk["messages"], assistant_only=self.args.assistant_only_loss
+                self.processing_class, chunk["messages"], assistant_only=self.args.assistant_only_loss, first_row=start
             )
         return tokenize_text(self.processing_class, chunk[self.args.dataset_text_field])
 
@@ -374,17 +385,18 @@ def tokenize_prompt_completion(
 
 
 def tokenize_messages(
-    tokenizer, conversations: list, *, assistant_only: bool = False
+    tokenizer, conversations: list, *, assistant_only: bool = False, first_row: int | None = None
 ) -> list[tuple[list[int], list[int]]]:
-    """(ids, mask) per chat, rendered by the chat template; with ``assistant_only`` the loss is on the tokens
-    the template marks as the assistant's (``{% generation %}``)."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "the dataset has a 'messages' column but the tokenizer has no chat_template; set "
-            "tokenizer.chat_template or give the dataset a 'text' column"
-        )
-    encoded = tokenizer.apply_chat_template(
-        list(conversations), tokenize=True, return_dict=True, return_assistant_tokens_mask=assistant_only
+    """(ids, mask) per chat, rendered by the chat template (``text.apply_chat_template``: no template, or one that
+    fails on a row, is one line naming it; the first chat is row ``first_row``); with ``assistant_only`` the loss
+    is on the tokens the template marks as the assistant's (``{% generation %}``)."""
+    encoded = apply_chat_template(
+        tokenizer,
+        list(conversations),
+        row=first_row,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=assistant_only,
     )
     rows = []
     for i, ids in enumerate(encoded["input_ids"]):

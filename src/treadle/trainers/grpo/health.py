@@ -6,11 +6,13 @@ a run that cannot learn. The settings are ``GRPOConfig.health_checks`` (defaults
 ``trainers.grpo.config.HEALTH_CHECKS``; docs/grpo.md "Health" lists every check, its metric and action).
 
 - **Stops** (after ``patience`` consecutive optimizer steps): no learning signal (every group's rewards equal,
-  ``frac_reward_zero_std == 1``), every completion truncated (``completions/clipped_ratio == 1``), and a weight
-  sync that left a rollout engine's log-probs unchanged (a hook: :meth:`HealthCallback.record_weight_sync`; the
-  own sampler samples from the live policy, so with it this cannot happen). A stop ends the run like a
-  preemption does (the step's checkpoint is written, even with ``save_strategy="no"``), then ``train()`` raises
-  :class:`TrainingStalled`, a ``UserError``: one line and exit status 2 from the ``treadle`` command.
+  ``frac_reward_zero_std == 1``); every completion truncated (``completions/clipped_ratio == 1``) for twice
+  ``patience`` *while the mean reward does not rise* (:func:`reward_rose`; truncation alone, after ``patience``
+  steps, is a warning: short answers of a fixed length are a legitimate task); a weight sync that left a rollout
+  engine's log-probs unchanged (a hook: :meth:`HealthCallback.record_weight_sync`; the own sampler samples from
+  the live policy, so with it this cannot happen). A stop ends the run like a preemption does (the step's
+  checkpoint is written, even with ``save_strategy="no"``), then ``train()`` raises :class:`TrainingStalled`, a
+  ``UserError``: one line and exit status 2 from the ``treadle`` command.
 - **Warnings** (once per check, with the step): a reward function that gave every sample one value for
   ``patience`` steps (by name), the logged entropy below ``min_entropy``, the clipped-token fraction above
   ``max_clip_ratio``, the mean sampler importance ratio (``sampling/importance_sampling_ratio/mean``, logged when
@@ -43,6 +45,7 @@ __all__ = [
     "constant_values",
     "generation_health",
     "log_warnings",
+    "reward_rose",
 ]
 
 STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (the run summary reads it)
@@ -65,6 +68,7 @@ class GenerationHealth:
     truncated_fraction: float  # completions with no EOS within max_completion_length / completions
     constant_rewards: dict[str, float | None]  # per reward function: its one value when it gave every scored
     #                                            sample that value, else None
+    mean_reward: float = 0.0  # the mean weighted total reward (the logged ``reward``)
 
 
 def constant_values(rewards: torch.Tensor, names: list[str]) -> dict[str, float | None]:
@@ -90,6 +94,7 @@ def generation_health(
         zero_spread_fraction=float(zero_spread_groups(total, group).float().mean()),
         truncated_fraction=float(truncated.float().mean()),
         constant_rewards=constant_values(rewards, names),
+        mean_reward=float(total.float().mean()) if total.numel() else 0.0,
     )
 
 
@@ -106,7 +111,21 @@ def merged(parts: list[GenerationHealth]) -> GenerationHealth:
         sum(p.zero_spread_fraction for p in parts) / len(parts),
         sum(p.truncated_fraction for p in parts) / len(parts),
         same,
+        sum(p.mean_reward for p in parts) / len(parts),
     )
+
+
+def reward_rose(first: list[float], last: list[float]) -> bool:
+    """Whether a run is still learning while every completion is truncated: the mean reward of the streak's last
+    steps (``last``) is above that of its first steps (``first``; the two windows do not overlap). A plain
+    comparison of means, no noise margin, made from ``2 x patience`` steps on: a run whose reward moves up keeps
+    going, one whose reward is flat (or falls) stops when its noise first puts the last window at or below the
+    first (benchmarks/health_false_alarms.py measures both; at ``patience`` steps, slow learners were stopped too).
+
+    >>> reward_rose([0.1, 0.2], [0.3, 0.4]), reward_rose([0.3, 0.2], [0.25, 0.2])
+    (True, False)
+    """
+    return sum(last) / len(last) > sum(first) / len(first)
 
 
 def log_warnings(logs: dict, checks: dict) -> dict[str, str]:
@@ -153,7 +172,8 @@ _STOPS = {
     ),
     "all_truncated": (
         "every completion hit max_completion_length={length} without an end-of-sequence token "
-        "(completions/clipped_ratio = 1)",
+        "(completions/clipped_ratio = 1) and the mean reward did not rise ({before:.4g} over the streak's first "
+        "{window} steps, {now:.4g} over its last {window})",
         "likely causes: max_completion_length too small for the task, or a tokenizer whose eos_token_id the model "
         "never emits; fix: raise max_completion_length, check eos_token_id, or start from a model that ends its "
         "answers (SFT first)",
@@ -202,7 +222,15 @@ class HealthCallback(TrainerCallback):
     def _saved(self, state) -> dict:
         return state.stateful_callbacks.setdefault(
             STATE_KEY,
-            {"streaks": {}, "warned": [], "warnings": [], "steps": 0, "signal_steps": 0, "truncated_sum": 0.0},
+            {
+                "streaks": {},
+                "warned": [],
+                "warnings": [],
+                "steps": 0,
+                "signal_steps": 0,
+                "truncated_sum": 0.0,
+                "truncated_rewards": {"first": [], "last": []},  # _count_streaks
+            },
         )
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -217,6 +245,27 @@ class HealthCallback(TrainerCallback):
         saved["steps"] += 1
         saved["signal_steps"] += health.zero_spread_fraction < 1.0
         saved["truncated_sum"] += health.truncated_fraction
+        self._count_streaks(saved, health, step)
+        count, since = saved["streaks"]["no_learning_signal"]
+        if self.checks["no_learning_signal"] and count >= self.checks["patience"]:
+            self._stop("no_learning_signal", since, step, control, state)
+        if self.checks["all_truncated"]:
+            self._check_truncation(saved, step, control, state)
+        if self.checks["constant_reward"]:
+            for name, value in health.constant_rewards.items():
+                count, since = saved["streaks"][f"constant_reward:{name}"]
+                if count >= self.checks["patience"]:
+                    self._warn(
+                        state,
+                        f"constant_reward:{name}",
+                        f"reward function {name!r} returned {value:g} for "
+                        f"every sample since step {since} ({count} steps): it adds nothing to the advantages; "
+                        f"check it on a few completions (log_completions=True)",
+                    )
+
+    def _count_streaks(self, saved: dict, health: GenerationHealth, step: int) -> None:
+        """Each condition's streak ``[steps in a row, since step]``; while every completion is truncated, the mean
+        rewards of the streak's first and last ``window`` steps (what ``reward_rose`` compares)."""
         conditions = {
             "no_learning_signal": health.zero_spread_fraction == 1.0,
             "all_truncated": health.truncated_fraction == 1.0,
@@ -227,28 +276,47 @@ class HealthCallback(TrainerCallback):
         for name, holds in conditions.items():
             streak = saved["streaks"].get(name, [0, step])
             saved["streaks"][name] = [streak[0] + 1, streak[1]] if holds else [0, step + 1]
-        patience = self.checks["patience"]
-        for name in ("no_learning_signal", "all_truncated"):
-            count, since = saved["streaks"][name]
-            if self.checks[name] and count >= patience:
-                self._stop(name, since, step, control, state)
-        if self.checks["constant_reward"]:
-            for name, value in health.constant_rewards.items():
-                count, since = saved["streaks"][f"constant_reward:{name}"]
-                if count >= patience:
-                    self._warn(
-                        state,
-                        f"constant_reward:{name}",
-                        f"reward function {name!r} returned {value:g} for "
-                        f"every sample since step {since} ({count} steps): it adds nothing to the advantages; "
-                        f"check it on a few completions (log_completions=True)",
-                    )
+        rewards = saved.setdefault("truncated_rewards", {"first": [], "last": []})  # bounded: 2 x window floats
+        if not conditions["all_truncated"]:
+            rewards["first"], rewards["last"] = [], []
+            return
+        window = self._window()
+        if len(rewards["first"]) < window:
+            rewards["first"].append(health.mean_reward)
+        rewards["last"] = (rewards["last"] + [health.mean_reward])[-window:]
 
-    def _stop(self, check: str, since: int, step: int, control, state) -> None:
+    def _window(self) -> int:
+        """Steps in each of the two windows of rewards an all-truncated streak compares: half the patience."""
+        return max(1, self.checks["patience"] // 2)
+
+    def _check_truncation(self, saved: dict, step: int, control, state) -> None:
+        """Every completion truncated for ``patience`` steps: a warning (once); for ``2 x patience`` steps (at least
+        2) while the mean reward did not rise over the streak (``reward_rose``): a stop. A fixed-length task learns
+        with every completion cut, and a slow learner's rise needs that many steps to show through its noise."""
+        count, since = saved["streaks"]["all_truncated"]
+        patience, window = self.checks["patience"], self._window()
+        if count < patience:
+            return
+        first, last = saved["truncated_rewards"]["first"], saved["truncated_rewards"]["last"]
+        before, now = sum(first) / len(first), sum(last) / len(last)
+        if count >= max(2 * patience, 2) and not reward_rose(first, last):
+            self._stop("all_truncated", since, step, control, state, before=before, now=now, window=window)
+            return
+        self._warn(
+            state,
+            "all_truncated",
+            f"every completion hit max_completion_length={self.max_completion_length} without an end-of-sequence "
+            f"token since step {since} ({count} steps; the mean reward {before:.4g} over the streak's first "
+            f"{window} steps, {now:.4g} over its last {window}): fine for answers of a fixed length while the "
+            f"reward rises, and the run stops if it has not risen after {2 * patience} such steps; if answers "
+            f"should end, raise max_completion_length or check eos_token_id",
+        )
+
+    def _stop(self, check: str, since: int, step: int, control, state, **details) -> None:
         if self.stopped is not None:
             return
         what, fix = _STOPS[check]
-        what = what.format(group=self.num_generations, length=self.max_completion_length)
+        what = what.format(group=self.num_generations, length=self.max_completion_length, **details)
         self.stopped = (
             f"health check {check!r} stopped the run at step {step}: {what}, since step {since}; {fix}; "
             f"or turn the check off (health_checks={{{check!r}: False}})"

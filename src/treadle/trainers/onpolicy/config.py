@@ -13,9 +13,13 @@ from treadle.errors import PreflightError
 from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import BACKENDS
 
-__all__ = ["OnPolicyConfig", "WORKER_KINDS", "check_async_config"]
+__all__ = ["MAX_STALENESS", "OnPolicyConfig", "WORKER_KINDS", "check_async_config"]
 
 WORKER_KINDS = ("process", "thread")  # the asynchronous producer's rollout worker (trainers/onpolicy/worker.py)
+# The most optimizer steps a batch may be stale (docs/async.md "Limits"): each step ahead holds a sampled batch and a
+# window of rows in memory, and the sampler correction's ratio of weights more steps apart is clipped or masked
+# anyway (TRL's AsyncGRPO drops samples older than 4 by default).
+MAX_STALENESS = 64
 
 
 @dataclass
@@ -60,7 +64,8 @@ class OnPolicyConfig(TrainingArguments):
     vllm_server_base_url: str | None = None  # vllm_mode "server": e.g. http://localhost:8000; else host and port below
     vllm_server_host: str = "0.0.0.0"  # the server's host when vllm_server_base_url is None (0.0.0.0: this machine)
     vllm_server_port: int = 8000  # the server's port when vllm_server_base_url is None
-    vllm_server_timeout: float = 240.0  # seconds to wait for the server to answer before the run is refused
+    vllm_server_timeout: float = 240.0  # seconds the server may take to answer /health (its start; then each probe)
+    vllm_request_timeout: float = 1800.0  # server mode: seconds one request (a generation, a weight push) may wait
 
     # --- rewards: what evaluation scores (GRPO also trains on them)
     reward_weights: list[float] | None = None  # one weight per reward function; None weighs each 1.0
@@ -207,8 +212,14 @@ class OnPolicyConfig(TrainingArguments):
 
 def check_async_config(args) -> None:
     """The async fields' values, and one line for each setting that asynchronous generation does not take."""
-    if not isinstance(args.max_staleness, int) or args.max_staleness < 0:
+    if not isinstance(args.max_staleness, int) or isinstance(args.max_staleness, bool) or args.max_staleness < 0:
         raise ValueError(f"max_staleness must be an integer >= 0 (0: synchronous), got {args.max_staleness!r}")
+    if args.max_staleness > MAX_STALENESS:
+        raise ValueError(
+            f"max_staleness={args.max_staleness} is above the cap of {MAX_STALENESS} optimizer steps (each step ahead "
+            f"holds a sampled batch in memory, and weights that far apart leave the sampler correction nothing to "
+            f"train on); use 1-4 (TRL's AsyncGRPO default: 4)"
+        )
     if args.async_worker not in WORKER_KINDS:
         raise ValueError(f"async_worker={args.async_worker!r} is not supported; use one of {list(WORKER_KINDS)}")
     threads = args.async_worker_threads

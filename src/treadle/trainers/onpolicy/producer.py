@@ -39,7 +39,7 @@ from treadle.trainers.onpolicy.data import Prompts
 from treadle.trainers.onpolicy.records import generator_seed
 from treadle.trainers.onpolicy.worker import RolloutWorker, SampleRequest
 
-__all__ = ["Produced", "RolloutProducer", "worker_threads"]
+__all__ = ["Produced", "RolloutProducer", "pushed_weights", "worker_threads"]
 
 
 def worker_threads(requested: int | None, available: int | None = None) -> tuple[int, int]:
@@ -48,6 +48,15 @@ def worker_threads(requested: int | None, available: int | None = None) -> tuple
     available = available or torch.get_num_threads()
     worker = requested or max(1, available // 2)
     return worker, max(1, available - worker)
+
+
+def pushed_weights(model) -> dict:
+    """What a weight push sends: the weights training can change (the trainable parameters, and the buffers), named
+    as in the worker's copy, ``models.base_model(model)``. A LoRA policy pushes its adapters (and
+    ``modules_to_save``) alone: its base weights are frozen, copied once when the worker starts."""
+    base = base_model(model)
+    names = {n for n, p in base.named_parameters() if p.requires_grad} | {n for n, _ in base.named_buffers()}
+    return {name: tensor for name, tensor in base.state_dict().items() if name in names}
 
 
 class Produced(NamedTuple):
@@ -119,11 +128,8 @@ class RolloutProducer:
         ``generation + staleness``, its rows known, not requested yet, and before ``max_steps`` (but ``generation``
         itself always)."""
         limit = max_steps or float("inf")
-        return [
-            (h, self.rows[h])
-            for h in range(generation, generation + self.staleness + 1)
-            if h not in self.versions and h in self.rows and (h < limit or h == generation)
-        ]
+        known = sorted(h for h in self.rows if generation <= h <= generation + self.staleness)  # rows read ahead
+        return [(h, self.rows[h]) for h in known if h not in self.versions and (h < limit or h == generation)]
 
     def start(self) -> None:
         """Start the rollout worker, once (from the run's first generation on, the threads are split)."""
@@ -132,9 +138,9 @@ class RolloutProducer:
 
     def push_weights(self, model, version: int) -> None:
         """The weight push: the worker samples every later request from ``model``'s weights, named ``version``
-        (sent once per version)."""
+        (sent once per version; ``pushed_weights``: what training can change, a LoRA policy's adapters)."""
         if self.pushed_version != version:
-            self.worker.load_weights(version, base_model(model).state_dict())
+            self.worker.load_weights(version, pushed_weights(model))
             self.pushed_version = version
 
     def request(self, generation: int, prompts: Prompts) -> None:
@@ -177,8 +183,8 @@ class RolloutProducer:
             self.saved_threads = torch.get_num_threads()
             torch.set_num_threads(trainer)
         self.worker = RolloutWorker(
-            self.model, kind=self.kind, threads=worker, timeout=self.timeout, backend=self.backend
-        )
+            base_model(self.model), kind=self.kind, threads=worker, timeout=self.timeout, backend=self.backend
+        )  # the model the pushes name: PEFT's base model with its adapters injected (models.base_model)
         self.timings["worker_start"] += time.perf_counter() - start
 
     # ---- the lifecycle --------------------------------------------------------------------------------------

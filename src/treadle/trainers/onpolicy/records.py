@@ -21,7 +21,7 @@ from treadle.rewards import (
     reward_name,
     weighted_rewards,
 )
-from treadle.text import encode_prompt
+from treadle.text import check_chat_template, encode_prompt, is_conversation
 from treadle.trainers.onpolicy.data import Rollout
 
 __all__ = [
@@ -49,9 +49,9 @@ def seeded_generator(seed: int, device, *key) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(generator_seed(seed, *key))
 
 
-def tokenize_prompts(tokenizer, prompts: list, limit: int | None) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts: list) -> list[list[int]]:
     """Token ids of each prompt (``text.encode_prompt``: text with the tokenizer's special tokens, chat messages
-    rendered with a generation prompt), cut to the last ``limit``."""
+    rendered with a generation prompt), whole (``text.cut_prompts`` cuts them to ``max_prompt_length``)."""
     cache: dict[str, list[int]] = {}  # a prompt repeats G times in a row: encode it once
     out = []
     for prompt in prompts:
@@ -59,7 +59,7 @@ def tokenize_prompts(tokenizer, prompts: list, limit: int | None) -> list[list[i
         if key not in cache:
             cache[key] = encode_prompt(tokenizer, prompt)
         ids = cache[key]
-        out.append(list(ids[-limit:] if limit else ids))
+        out.append(list(ids))
     return out
 
 
@@ -217,7 +217,9 @@ def check_tokenizer(tokenizer) -> None:
         )
 
 
-def check_dataset(dataset, args) -> None:
+def check_dataset(dataset, args, processing_class=None) -> None:
+    """Before training: a prompt column, enough distinct prompts for one generation, and a chat template when the
+    prompts are chat messages (the first row's says; a stream is not read ahead)."""
     if dataset is None:
         return
     require_columns(
@@ -235,3 +237,5 @@ def check_dataset(dataset, args) -> None:
                 f"{args.num_generations}) but the dataset has {len(dataset)} rows; use more rows, "
                 f"a smaller per_device_train_batch_size or steps_per_generation"
             )
+        if len(dataset) and is_conversation(dataset[0]["prompt"]):
+            check_chat_template(processing_class)

@@ -37,6 +37,7 @@ and the runner's threads when it ends, however it ends.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -57,7 +58,7 @@ from treadle.models import from_name
 from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, score_completions
 from treadle.rollouts.runner import RolloutRunner
 from treadle.streaming import is_stream
-from treadle.text import eos_ids, is_conversation, pad_token_id
+from treadle.text import cut_prompts, eos_ids, is_conversation, pad_token_id
 from treadle.trainer import Trainer
 from treadle.trainers.onpolicy.config import OnPolicyConfig
 from treadle.trainers.onpolicy.data import (
@@ -144,7 +145,7 @@ class OnPolicyTrainer(Trainer):
         self.reward_funcs = reward_list(reward_funcs, required=self.requires_reward_funcs)
         self.reward_weights = reward_weights(args.reward_weights, self.reward_funcs)
         check_tokenizer(processing_class)
-        check_dataset(train_dataset, args)
+        check_dataset(train_dataset, args, processing_class)
         super().__init__(
             model=model,
             args=args,
@@ -159,6 +160,7 @@ class OnPolicyTrainer(Trainer):
         )
         onpolicy_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images
         self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
+        self.prompt_cut_noted = False  # text.cut_prompts' note is shown once a run
         self.buffer = GenerationBuffer(self.micro_batches_per_batch())
         self.step_clock = StepClock()  # step_time (TRL's): the sampling and training steps of each optimizer step
         self.engine = self.build_engine()
@@ -372,7 +374,8 @@ class OnPolicyTrainer(Trainer):
 
     def encode_prompts(self, rows: list[dict], mode: str = "train") -> Prompts:
         """The rows' prompts tokenised, once per generation: text (``text.encode_prompt``: chat messages rendered
-        with a generation prompt, cut to the last ``max_prompt_length`` tokens) or, for rows with images, one
+        with a generation prompt, cut to the last ``max_prompt_length`` tokens, ``text.cut_prompts``'s note on
+        stderr the first time one is) or, for rows with images, one
         processor call (trainers/onpolicy/vision.py). Rows that hold whole groups of ``mode``'s size give each
         prompt once."""
         group = self.sampling_params(mode).num_generations
@@ -382,7 +385,14 @@ class OnPolicyTrainer(Trainer):
                 self.processing_class, distinct, max_prompt_length=self.args.max_prompt_length
             )
             return Prompts(ids, group, inputs)
-        ids = tokenize_prompts(self.processing_class, [row["prompt"] for row in rows], self.args.max_prompt_length)
+        ids, note = cut_prompts(
+            tokenizer_of(self.processing_class),
+            tokenize_prompts(self.processing_class, [row["prompt"] for row in rows]),
+            self.args.max_prompt_length,
+        )
+        if note and not self.prompt_cut_noted and dist.is_main_process():
+            print(f"{note}; shown once", file=sys.stderr)
+        self.prompt_cut_noted |= note is not None
         return Prompts(*distinct_prompts(ids, group))
 
     def _decoded(self, rows: list[dict], out: GenerationOutput, chat: bool = False) -> Rollout:

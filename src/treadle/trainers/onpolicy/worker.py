@@ -11,7 +11,11 @@ generation is sampled from depend only on the schedule, never on timing.
 
 Nothing waits without a limit (``RolloutWorker.wait``): a reply that does not come within ``timeout`` seconds, or a
 worker that dies, raises ``RolloutWorkerError`` (a ``UserError``: one line) naming what was waited for, the exit
-status and the last lines the worker wrote (its stdout and stderr go to a log file). The worker process ignores
+status and the last lines the worker wrote (its stdout and stderr go to a log file). The worker's copy counts its
+forward passes (``_watch``), so a late reply is told slow (raise ``async_timeout``) from hung, and raises at its
+next forward pass once stopped: a thread worker, which cannot be killed, ends instead of sampling on inside torch
+while the interpreter exits (an abort). A process worker's model is checked to pickle before it starts
+(``check_picklable``). The worker process ignores
 SIGINT and SIGTERM (the trainer catches them, checkpoints, which needs the worker's pending batches, then stops
 it) and exits by itself when the trainer's process is gone.
 """
@@ -24,6 +28,7 @@ import dataclasses
 import io
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -31,17 +36,19 @@ import tempfile
 import threading
 import time
 import traceback
+import types
+from multiprocessing.reduction import ForkingPickler
 from typing import NamedTuple
 
 import torch
 
 from treadle.engines.local import LocalEngine
-from treadle.errors import UserError
+from treadle.errors import PreflightError, UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput
 from treadle.trainers.onpolicy.config import WORKER_KINDS
 
-__all__ = ["RolloutWorker", "RolloutWorkerError", "SampleRequest", "WeightPush"]
+__all__ = ["RolloutWorker", "RolloutWorkerError", "SampleRequest", "WeightPush", "check_picklable"]
 
 _POLL = 0.2  # seconds between liveness checks while waiting for a reply
 START_TIMEOUT = 300.0  # the least a worker's start may take (a new interpreter imports torch and transformers)
@@ -82,10 +89,47 @@ class SampleRequest:
     seed: int
 
 
+def load_pushed(model, weights: dict) -> None:
+    """Load a weight push into the worker's copy: the weights that can change (``producer.pushed_weights``), every
+    one of them a weight of the copy; the others stay as copied at the start."""
+    unexpected = model.load_state_dict(weights, strict=False).unexpected_keys
+    if unexpected:
+        raise RuntimeError(
+            f"the weight push names {len(unexpected)} weights the worker's copy does not have, e.g. "
+            f"{unexpected[0]!r}: the copy and the push come from different models (a bug)"
+        )
+
+
+class _Stopped(Exception):
+    """The trainer asked the worker to stop (``RolloutWorker.close``): raised at the copy's next forward pass."""
+
+
+def _watch(model, progress, stop) -> None:
+    """Every forward pass of the worker's copy counts in ``progress`` (a shared counter: what tells a slow worker
+    from a hung one) and raises ``_Stopped`` once ``stop`` is set: a thread cannot be killed, so a thread worker
+    ends at its next forward instead of sampling on inside torch while the interpreter exits (an abort)."""
+
+    def hook(module, args):
+        progress.value += 1
+        if stop.is_set():
+            raise _Stopped
+
+    model.register_forward_pre_hook(hook)
+
+
 def serve(
-    model, backend: str, requests, replies, threads: int | None, log_path: str | None, parent_pid: int | None
+    model,
+    backend: str,
+    requests,
+    replies,
+    threads: int | None,
+    log_path: str | None,
+    parent_pid: int | None,
+    progress=None,
+    stop=None,
 ) -> None:
-    """The worker's loop (the target of the process or the thread): answer requests until a ``None`` request."""
+    """The worker's loop (the target of the process or the thread): answer requests until a ``None`` request (or
+    ``stop``)."""
     if log_path is not None:  # a process: its output to the log file, the trainer's signals are the trainer's
         log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.dup2(log, 1)
@@ -95,6 +139,8 @@ def serve(
     if threads:
         torch.set_num_threads(threads)
     model.eval()
+    if progress is not None:
+        _watch(model, progress, stop)
     engine = LocalEngine(model, backend=backend)
     print(f"treadle rollout worker: pid {os.getpid()}, {torch.get_num_threads()} torch threads, ready", flush=True)
     replies.put(("ready", None, None))
@@ -105,18 +151,20 @@ def serve(
             if parent_pid is not None and os.getppid() != parent_pid:
                 return  # the trainer is gone (kill -9): nothing will read what this samples
             continue
-        if request is None:
+        if request is None or (stop is not None and stop.is_set()):
             return
         generation = request.generation if isinstance(request, SampleRequest) else None  # None: a weight push
         try:
             if isinstance(request, WeightPush):
-                model.load_state_dict(unpack(request.weights))
+                load_pushed(model, unpack(request.weights))
                 engine.load_weights(model, version=request.version)
                 continue
             generator = torch.Generator(device=next(model.parameters()).device).manual_seed(request.seed)
             with torch.no_grad():
                 out = engine.generate(request.prompt_ids, request.params, generator=generator)
             replies.put((generation, engine.policy_version, pack(dataclasses.asdict(out))))
+        except _Stopped:
+            return
         except Exception:  # noqa: BLE001 -- reported to the trainer (at its next wait), which stops the run with it
             text = traceback.format_exc()
             print(text, flush=True)
@@ -138,6 +186,57 @@ def _main_not_rerun():
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
+
+
+class _Counter:
+    """A thread worker's forward-pass counter (a process worker's is a shared ``multiprocessing.Value``)."""
+
+    value = 0
+
+
+class _FromMain(Exception):
+    """A class or function the model refers to lives in ``__main__`` (the training script)."""
+
+
+class _ModelPickler(ForkingPickler):
+    """Pickles a model as the spawned worker receives it (multiprocessing's pickler, its reducers), without its
+    tensors' data (``persistent_id``), and stops at a class or function of ``__main__``: pickled by name, which the
+    worker's interpreter cannot look up."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (type, types.FunctionType)) and getattr(obj, "__module__", None) == "__main__":
+            raise _FromMain(obj)
+        return NotImplemented
+
+    def persistent_id(self, obj):
+        return id(obj) if isinstance(obj, torch.Tensor) else None
+
+
+class _Discard:
+    def write(self, data) -> int:
+        return len(data)
+
+
+def check_picklable(model) -> None:
+    """A process worker receives its copy of the model pickled: refuse, in one line before the worker starts, a
+    model whose class or hooks cannot be pickled or are defined in the training script (``__main__``)."""
+    pickler = _ModelPickler(_Discard(), pickle.HIGHEST_PROTOCOL)
+    try:
+        pickler.dump(model)
+        return
+    except _FromMain as found:
+        thing = found.args[0]
+        what = (
+            f"{'class' if isinstance(thing, type) else 'function'} {thing.__qualname__!r} is defined in the "
+            f"training script (__main__), which the worker's new interpreter does not run"
+        )
+    except (pickle.PicklingError, TypeError, AttributeError) as err:
+        what = f"it cannot be pickled ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    raise PreflightError(
+        f"async_worker='process' sends the rollout worker a pickled copy of the model ({type(model).__name__}), "
+        f"its modules and hooks, but {what}: set async_worker: thread (no pickling), or define the class or "
+        f"hook at module level in an importable module"
+    )
 
 
 class RolloutWorker:
@@ -162,7 +261,9 @@ class RolloutWorker:
         self.kind, self.timeout = kind, timeout
         copied = copy.deepcopy(model)
         if kind == "process":
+            check_picklable(copied)
             context = mp.get_context("spawn")
+            self.progress, self.stop = context.Value("q", 0, lock=False), context.Event()
             self.requests, self.replies = context.Queue(), context.Queue()
             handle, self.log_path = tempfile.mkstemp(prefix="treadle-rollout-worker-", suffix=".log")
             os.close(handle)
@@ -171,14 +272,17 @@ class RolloutWorker:
                 daemon=True,
                 name="treadle-rollout-worker",
                 args=(copied, backend, self.requests, self.replies, threads, self.log_path, os.getpid()),
+                kwargs={"progress": self.progress, "stop": self.stop},
             )
         else:
+            self.progress, self.stop = _Counter(), threading.Event()
             self.requests, self.replies, self.log_path = queue.Queue(), queue.Queue(), None
             self.handle = threading.Thread(
                 target=serve,
                 daemon=True,
                 name="treadle-rollout-worker",
                 args=(copied, backend, self.requests, self.replies, None, None, None),
+                kwargs={"progress": self.progress, "stop": self.stop},
             )
         if kind == "process":
             with _main_not_rerun():
@@ -199,7 +303,7 @@ class RolloutWorker:
         """The next reply; ``what`` names it in the error when the worker dies, raises or does not answer within
         ``timeout`` seconds (default: the worker's)."""
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        deadline, forwards = time.monotonic() + timeout, self.progress.value
         while True:
             try:
                 reply = self.replies.get(timeout=_POLL)
@@ -211,21 +315,43 @@ class RolloutWorker:
                         f"trainer waited for {what}"
                     )
                 if time.monotonic() > deadline:
-                    self._fail(
-                        f"the rollout worker {self._name()} did not answer within async_timeout="
-                        f"{timeout:g} s while the trainer waited for {what} (a hung worker)"
-                    )
+                    self._fail(*self._late(what, timeout, self.progress.value - forwards))
         if reply[2] is None:  # its start
             return reply
         if isinstance(reply[2], str):
             self._fail(f"the rollout worker {self._name()} raised while sampling {what}")
         return reply[0], reply[1], GenerationOutput(**unpack(reply[2]))
 
+    def _late(self, what: str, timeout: float, forwards: int) -> tuple[str, str]:
+        """(what, when to resume) of a wait that ran out. A slow worker (its copy ran forward passes during the wait)
+        needs a larger ``async_timeout``, which a resume alone would not give it; a hung one ran none."""
+        late = (
+            f"the rollout worker {self._name()} did not answer within async_timeout={timeout:g} s while the trainer "
+            f"waited for {what}"
+        )
+        if what.startswith("its start"):  # START_TIMEOUT at least: no forward pass to count yet
+            return f"{late} (the start waits max(async_timeout, {START_TIMEOUT:g}) s)", ""
+        if forwards:
+            passes = f"{forwards} forward pass{'es' if forwards > 1 else ''}"
+            return (
+                f"{late}: it is slow, not hung (its model ran {passes} in that time); raise "
+                f"async_timeout above {timeout:g} s to what sampling one generation takes, or lower "
+                f"max_completion_length or the batch",
+                "once async_timeout is raised (resumed as it is, it times out again)",
+            )
+        return (
+            f"{late}, and its model ran no forward pass in that time (a hung worker, or one forward pass takes "
+            f"longer than async_timeout)",
+            "",
+        )
+
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the worker: a stop request, then (a process) terminate and kill if it does not exit in time."""
+        """Stop the worker: the stop flag (a thread ends at its copy's next forward pass) and a stop request, then (a
+        process) kill it if it does not exit in time."""
         if self.handle is None:
             return
         handle, self.handle = self.handle, None
+        self.stop.set()
         if handle.is_alive():
             self.requests.put(None)
             handle.join(timeout)
@@ -251,10 +377,10 @@ class RolloutWorker:
             lines = [line.strip() for line in log.read().splitlines() if line.strip()]
         return " | ".join(lines[-most:])
 
-    def _fail(self, message: str):
+    def _fail(self, message: str, when: str = ""):
         tail = self._last_lines()
         self.close(timeout=2.0)
         raise RolloutWorkerError(
             f"{message}; its last output: {tail or '(none)'}; the run stopped with its "
-            f"checkpoints intact: resume with resume_from_checkpoint=True (--resume auto)"
+            f"checkpoints intact: resume with resume_from_checkpoint=True (--resume auto){' ' + when if when else ''}"
         )

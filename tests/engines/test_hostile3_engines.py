@@ -1,0 +1,493 @@
+"""The third hostile trial's vLLM-engine cases (issue 44), without vLLM: a server that accepts and never answers, one
+stopped with SIGSTOP, SIGTERM while a request waits, garbage and foreign answers, two runs on one server, a model
+that differs beyond shapes, a short context window, ``--port 99999``, and a head size vLLM's CPU kernels lack.
+
+The servers here are stand-ins: ``treadle.engines.serve.Handler`` itself around a fake engine (the real routes,
+claims and identity, the toy model's own sampler instead of vLLM), a script in a subprocess (so that it can be
+stopped), or a bare socket that accepts and never answers.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from treadle import checkpoint
+from treadle.callbacks import PreemptionCallback
+from treadle.cli import command as cli
+from treadle.demos import toy
+from treadle.engines import serve, vllm as vllm_engines, vllm_server
+from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError
+from treadle.errors import Preempted, UserError
+from treadle.generation.sampling import SamplingParams
+from treadle.generation.single import sample_completions
+
+EOS = 2
+PARAMS = SamplingParams(num_generations=2, max_new_tokens=3, eos_token_ids=(EOS,), pad_token_id=0)
+
+
+class FakeEngine:
+    """What ``serve.Handler`` calls on its engine, answered by a toy model on the CPU (no vLLM)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(model_config=types.SimpleNamespace()))
+
+    preempt_at: int | None = None  # the generation during which SIGTERM arrives (it then never answers)
+    generations = 0
+
+    def generate(self, prompt_ids, params, *, generator=None):
+        self.generations += 1
+        if self.generations == self.preempt_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # the trainer's process (this test's): it waits for this answer
+            self.released.wait(30)
+        return sample_completions(self.model, prompt_ids, params, generator=generator)
+
+    def score(self, prompt_ids, completion_ids):
+        return [torch.zeros(len(c)) for c in completion_ids]
+
+    def push(self, weights):
+        self.model.load_state_dict(dict(weights), strict=False)
+
+
+def tiny(seed: int = 0, **config):
+    """Toy tiny with ``config``'s fields set on its config (what the identity check reads)."""
+    model = toy.build_model("tiny", seed=seed)
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    return model
+
+
+@contextlib.contextmanager
+def treadle_server(tmp_path, *, max_model_len=256, **config):
+    """The URL of ``serve.Handler`` serving toy tiny (``config`` overrides its config) from a fake engine."""
+    model = tiny(**config)
+    folder = tmp_path / "served"
+    model.save_pretrained(folder)
+    engine = FakeEngine(model)
+    engine.llm.llm_engine.model_config.max_model_len = max_model_len
+    engine.released = threading.Event()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), serve.Handler)
+    server.engine, server.lock, server.pending, server.run = engine, threading.Lock(), {}, None
+    server.identity = serve.identity_of("toy:tiny", str(folder), "float32", engine)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", engine
+    finally:
+        engine.released.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """Answers each route as ``server.answers`` says: ``(status, body)``, or "hang" (never answers)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def handle_route(self):
+        if self.command == "POST":
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        answer = self.server.answers.get(self.path.split("?")[0], (404, b"not found"))
+        if answer in ("hang", "sigterm"):
+            if answer == "sigterm":  # the run is preempted while this request waits
+                os.kill(os.getpid(), signal.SIGTERM)
+            self.server.release.wait()
+            return
+        status, body = answer
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = handle_route
+
+    def log_message(self, *args):
+        pass
+
+
+HEALTH = json.dumps({"server": "treadle vllm-serve", "protocol": vllm_server.PROTOCOL, "max_model_len": 256}).encode()
+
+
+@contextlib.contextmanager
+def scripted(answers):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    server.daemon_threads = True
+    server.answers, server.release = {"/health": (200, HEALTH), "/claim": (200, b"{}"), **answers}, threading.Event()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def one_line(error) -> str:
+    message = str(error)
+    assert "\n" not in message and isinstance(error, UserError), message
+    return message
+
+
+# ---- 1. hang: every wait bounded by a named setting, SIGTERM answered -------------------------------------
+def test_a_server_that_accepts_and_never_answers_generate_ends_naming_vllm_request_timeout():
+    with scripted({"/generate": "hang"}) as url:
+        engine = VLLMServerEngine(toy.build_model("tiny"), url, timeout=5, request_timeout=1.0)
+        started = time.monotonic()
+        with pytest.raises(VLLMServerError) as info:
+            engine.generate([[1, 5]], PARAMS)
+        assert time.monotonic() - started < 4
+    message = one_line(info.value)
+    assert f"the vLLM server at {url} did not answer /generate within vllm_request_timeout=1 s" in message
+
+
+def test_a_port_that_accepts_and_never_answers_health_ends_naming_vllm_server_timeout():
+    with socket.socket() as listener:  # the kernel accepts connections; nothing ever reads or answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(VLLMServerError) as info:
+            VLLMServerEngine(toy.build_model("tiny"), url, timeout=1.0)
+        assert time.monotonic() - started < 4
+    assert f"no vLLM server answered at {url}/health within vllm_server_timeout=1 s" in one_line(info.value)
+
+
+STOPPABLE = textwrap.dedent(
+    """
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    HEALTH = json.dumps({"server": "treadle vllm-serve", "protocol": PROTOCOL, "max_model_len": 256}).encode()
+    class H(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def do_GET(self):
+            self.reply(HEALTH)
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path.startswith("/generate"):
+                time.sleep(600)  # a long generation: the server stays alive, until it is stopped
+            self.reply(b"{}")
+        def reply(self, body):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+    """
+).replace("PROTOCOL", str(vllm_server.PROTOCOL))
+
+
+def test_a_server_stopped_with_sigstop_mid_generation_is_found_by_the_health_probe(monkeypatch):
+    monkeypatch.setattr(vllm_server, "PROBE_EVERY", 0.5)
+    process = subprocess.Popen([sys.executable, "-c", STOPPABLE], stdout=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{process.stdout.readline().strip()}"
+        engine = VLLMServerEngine(toy.build_model("tiny"), url, timeout=1.0)  # request_timeout: 1800 s
+        threading.Timer(1.0, os.kill, (process.pid, signal.SIGSTOP)).start()  # while /generate waits
+        started = time.monotonic()
+        with pytest.raises(VLLMServerError) as info:
+            engine.generate([[1, 5]], PARAMS)
+        assert time.monotonic() - started < 6  # a second, the probe's interval and its vllm_server_timeout
+    finally:
+        process.kill()
+        process.wait()
+    message = one_line(info.value)
+    assert f"the vLLM server at {url} stopped answering (/health gave no answer within vllm_server_timeout=1 s" in (
+        message
+    )
+    assert "a stopped or hung server" in message and "--resume" in message
+
+
+def test_sigterm_while_a_request_waits_stops_within_a_second_through_the_preemption_handler(capsys):
+    preemption = PreemptionCallback()
+    with scripted({"/generate": "hang"}) as url:
+        engine = VLLMServerEngine(toy.build_model("tiny"), url, timeout=5)
+        engine.policy_version = 4
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+        with preemption.guard():
+            timer.start()
+            started = time.monotonic()
+            with pytest.raises(Preempted) as info:
+                engine.generate([[1, 5]], PARAMS)
+            waited = time.monotonic() - started
+        timer.join()
+    assert waited < 3 and info.value.exit_status == 143 and info.value.step == 4
+    assert preemption.signal == signal.SIGTERM  # the trainer's handler ran (it records the signal)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"treadle: SIGTERM while waiting for the vLLM server at {url} (/generate): the request is abandoned; the "
+        f"run saves the steps it finished and stops"
+    ]
+
+
+def test_treadle_train_preempted_while_generate_waits_exits_143_at_once(tmp_path, capsys):
+    with scripted({"/weights": (200, b"{}"), "/generate": "sigterm"}) as url:
+        (tmp_path / "run.yaml").write_text(
+            json.dumps(
+                dict(
+                    trainer="grpo",
+                    model="toy:tiny",
+                    dataset="toy:addition:16",
+                    reward_funcs=["treadle.toy.addition_reward"],
+                    output_dir=str(tmp_path / "run"),
+                    max_steps=2,
+                    per_device_train_batch_size=4,
+                    num_generations=2,
+                    max_prompt_length=64,
+                    max_completion_length=8,
+                    use_vllm=True,
+                    vllm_mode="server",
+                    vllm_server_base_url=url,
+                )
+            )
+        )
+        started = time.monotonic()
+        assert cli.main(["train", str(tmp_path / "run.yaml")]) == 143
+        assert time.monotonic() - started < 30  # the build, and a second after the signal (not 1,800 s)
+    err = capsys.readouterr().err
+    assert f"treadle: SIGTERM while waiting for the vLLM server at {url} (/generate)" in err
+    assert "treadle: resume with: treadle train" in err and "Traceback" not in err
+
+
+def test_sigterm_during_a_generation_saves_the_steps_finished_and_exits_143(tmp_path, capsys):
+    """save_steps far away: the signal during step 3's generation abandons it, checkpoint-2 is written complete
+    (before: the run waited for the answer, up to 1,800 s; ending at once without a save would lose steps 1-2)."""
+    with treadle_server(tmp_path) as (url, engine):
+        engine.preempt_at = 3
+        (tmp_path / "run.yaml").write_text(
+            json.dumps(
+                dict(
+                    trainer="grpo",
+                    model="toy:tiny",
+                    dataset="toy:addition:32",
+                    reward_funcs=["treadle.toy.addition_reward"],
+                    output_dir=str(tmp_path / "run"),
+                    max_steps=5,
+                    save_steps=100,
+                    per_device_train_batch_size=4,
+                    num_generations=2,
+                    max_prompt_length=64,
+                    max_completion_length=4,
+                    use_vllm=True,
+                    vllm_mode="server",
+                    vllm_server_base_url=url,
+                )
+            )
+        )
+        assert cli.main(["train", str(tmp_path / "run.yaml")]) == 143
+    err = capsys.readouterr().err
+    newest = checkpoint.latest_checkpoint(str(tmp_path / "run"))
+    assert newest is not None and newest.endswith("checkpoint-2") and checkpoint.is_complete(newest)
+    assert f"treadle: stopped by SIGTERM after step 2; checkpoint: {newest}" in err
+    assert "treadle: resume with: treadle train" in err and "treadle: error" not in err  # (the in-process
+    # stand-in server's thread prints a BrokenPipeError traceback when it answers the abandoned request)
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), True, "soon"])
+def test_config_refuses_a_vllm_request_timeout_that_cannot_bound_a_wait(tmp_path, value):
+    from treadle.trainers.grpo.trainer import GRPOConfig
+
+    with pytest.raises(ValueError) as info:
+        GRPOConfig(output_dir=str(tmp_path), vllm_request_timeout=value)
+    assert str(info.value).startswith("vllm_request_timeout must be a number")
+
+
+# ---- 2. a server answering garbage --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "route, body, said",
+    [
+        ("/generate", b"<html>Service Unavailable</html>", "'<html>Service Unavailable</html>'"),
+        ("/score", b'{"wrong": "shape"}', """'{"wrong": "shape"}'"""),
+        ("/score", b'{"logps": [[0.5]]}', """'{"logps": [[0.5]]}'"""),  # one row for two completions
+    ],
+)
+def test_a_server_answering_garbage_is_one_line_naming_it_and_what_it_said(route, body, said):
+    with scripted({route: (200, body)}) as url:
+        engine = VLLMServerEngine(toy.build_model("tiny"), url, timeout=5)
+        with pytest.raises(VLLMServerError) as info:
+            if route == "/generate":
+                engine.generate([[1, 5]], PARAMS)
+            else:
+                engine.score([[1], [1]], [[5, 6], [7]])
+    message = one_line(info.value)
+    assert f"the vLLM server at {url} answered {route} with what treadle cannot read" in message
+    assert f"it sent {said}" in message
+
+
+# ---- 4. a foreign server ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "health, said",
+    [
+        ((200, b""), "HTTP 200 with an empty body"),  # vLLM's OpenAI-compatible `vllm serve`
+        ((307, b""), "HTTP 307 with an empty body"),  # TRL's `trl vllm-serve` (FastAPI redirects to /health/)
+        ((200, b'{"status":"ok"}'), """HTTP 200: '{"status":"ok"}'"""),  # TRL's /health/
+        ((404, b"Not Found"), "HTTP 404: 'Not Found'"),
+        ((200, b"\x00\xff garbage"), "HTTP 200: '"),
+    ],
+)
+def test_a_foreign_server_is_refused_at_once_naming_what_answered(health, said):
+    with scripted({"/health": health}) as url:
+        started = time.monotonic()
+        with pytest.raises(VLLMServerError) as info:
+            VLLMServerEngine(toy.build_model("tiny"), url, timeout=60)
+        assert time.monotonic() - started < 5  # at once, not after vllm_server_timeout
+    message = one_line(info.value)
+    assert f"the server at {url} is not treadle's vLLM server: GET /health answered {said}" in message
+    assert "treadle vllm-serve MODEL --port PORT" in message
+
+
+def test_an_older_treadle_server_without_claims_is_refused():
+    old = json.dumps({"server": "treadle vllm-serve", "model": "toy:tiny", "config": {}, "weights": {}}).encode()
+    with scripted({"/health": (200, old)}) as url, pytest.raises(VLLMServerError) as info:
+        VLLMServerEngine(toy.build_model("tiny"), url, timeout=5)
+    assert "speaks protocol 1" in one_line(info.value) and "restart it with this treadle" in str(info.value)
+
+
+# ---- 5. one server, one run; a model that differs beyond shapes -----------------------------------------
+def test_a_second_run_is_refused_until_the_first_releases_the_server(tmp_path):
+    with treadle_server(tmp_path) as (url, _):
+        first = VLLMServerEngine(toy.build_model("tiny", seed=1), url, timeout=5, run="host:/runs/a")
+        first.load_weights(toy.build_model("tiny", seed=1))
+        assert first.generate([[1, 5, 6]], PARAMS).completion_ids.shape[0] == 2
+        with pytest.raises(VLLMServerError) as info:
+            VLLMServerEngine(toy.build_model("tiny", seed=2), url, timeout=5, run="host:/runs/b")
+        message = one_line(info.value)
+        assert f"the vLLM server at {url} refused /claim (HTTP 409: this server serves the run host:/runs/a" in (
+            message
+        )
+        assert "start another `treadle vllm-serve` (another --port) for the run host:/runs/b" in message
+        again = VLLMServerEngine(toy.build_model("tiny", seed=1), url, timeout=5, run="host:/runs/a")  # resumed
+        again.close()
+        second = VLLMServerEngine(toy.build_model("tiny", seed=2), url, timeout=5, run="host:/runs/b")
+        with pytest.raises(VLLMServerError, match="HTTP 409: this server serves the run host:/runs/b"):
+            first.generate([[1, 5, 6]], PARAMS)  # the first run's requests are refused now
+        second.close()
+        with pytest.raises(VLLMServerError, match=r"holds no run's claim \(was it restarted\?\)"):
+            second.generate([[1, 5, 6]], PARAMS)  # as after a restart of the server mid-run
+        status, said = vllm_server.exchange(url, "POST", "claim", b"[]", timeout=5)
+        assert status == 400 and said == b"treadle: error: a claim names its run as {'run': RUN}, got []"
+
+
+def test_the_run_id_is_the_output_folder_on_this_host(tmp_path):
+    assert vllm_server.run_id(str(tmp_path / "run")) == f"{socket.gethostname()}:{tmp_path / 'run'}"
+
+
+@pytest.mark.parametrize(
+    "served, field",
+    [
+        (dict(rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}), "rope"),
+        (dict(rms_norm_eps=1e-5), "rms_norm_eps"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+    ],
+)
+def test_a_server_whose_model_differs_beyond_shapes_is_refused(tmp_path, served, field):
+    with treadle_server(tmp_path, **served) as (url, _):
+        with pytest.raises(VLLMServerError) as info:
+            VLLMServerEngine(toy.build_model("tiny"), url, timeout=5)
+        assert VLLMServerEngine(tiny(seed=5, **served), url, timeout=5).claimed
+    message = one_line(info.value)
+    assert f"the vLLM server at {url} serves another model ('toy:tiny': {field} " in message
+
+
+def test_architecture_reads_rope_from_transformers_4_and_5_alike():
+    four = {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}, "rms_norm_eps": 1e-6}
+    five = {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}, "rms_norm_eps": 1e-6}
+    assert vllm_server.architecture(four) == vllm_server.architecture(five)
+    assert vllm_server.architecture({"rope_theta": 1e4})["rope"] == {"rope_theta": 1e4, "rope_type": "default"}
+
+
+# ---- 6. a server's smaller max_model_len ------------------------------------------------------------------
+def test_a_server_whose_context_cannot_hold_prompt_and_completion_is_named_at_connect_and_refused_per_prompt(
+    tmp_path,
+):
+    with treadle_server(tmp_path, max_model_len=64) as (url, _):
+        with pytest.raises(VLLMServerError) as refused:  # not even one prompt token fits
+            VLLMServerEngine(toy.build_model("tiny"), url, timeout=5, max_prompt_length=8, max_completion_length=64)
+        with pytest.warns(UserWarning) as warned:
+            engine = VLLMServerEngine(
+                toy.build_model("tiny"), url, timeout=5, max_prompt_length=60, max_completion_length=8
+            )
+        assert engine.generate([[1] * 56], SamplingParams(1, 8, eos_token_ids=(EOS,), pad_token_id=0))
+        with pytest.raises(VLLMServerError) as cut:
+            engine.generate([[1] * 57], SamplingParams(1, 8, eos_token_ids=(EOS,), pad_token_id=0))
+        engine.close()
+    assert "holds 64 tokens per sequence (its max_model_len), too few for a prompt and max_completion_length=64" in (
+        one_line(refused.value)
+    )
+    (note,) = [str(w.message) for w in warned]
+    assert (
+        f"the vLLM server at {url} holds 64 tokens per sequence (its max_model_len) and max_prompt_length=60 + "
+        in (note)
+    )
+    assert "a prompt longer than 56 tokens will stop the run (vLLM would cut its completion short)" in note
+    assert "a prompt of 57 tokens + max_completion_length=8 does not fit in the 64 tokens" in one_line(cut.value)
+
+
+# ---- 3. vllm-serve --port 99999 -----------------------------------------------------------------------------
+@pytest.mark.parametrize("port", ["99999", "0", "http"])
+def test_vllm_serve_refuses_a_port_outside_1_65535_before_anything_loads(capsys, monkeypatch, port):
+    monkeypatch.setattr(serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(["vllm-serve", "toy:tiny", "--port", port]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --port: port must lie in 1..65535, got " + repr(port) in err[0]
+
+
+# ---- 7. a head size vLLM's CPU attention lacks ----------------------------------------------------------
+def fake_vllm(monkeypatch, *, cpu: bool = True):
+    """A ``vllm`` package whose CPU attention has vLLM 0.32's head sizes and whose ``LLM`` must not start."""
+
+    class CPUAttentionBackend:
+        @classmethod
+        def get_supported_head_sizes(cls):
+            return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+        @classmethod
+        def supports_head_size(cls, size):
+            return size in cls.get_supported_head_sizes()
+
+    def llm(**kwargs):
+        raise AssertionError("the engine started")
+
+    modules = {
+        "vllm": types.SimpleNamespace(__version__="0.32.0", LLM=llm),
+        "vllm.platforms": types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: cpu)),
+        "vllm.v1.attention.backends.cpu_attn": types.SimpleNamespace(CPUAttentionBackend=CPUAttentionBackend),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_colocated_vllm_refuses_a_head_size_its_cpu_kernels_lack_before_the_engine_starts(monkeypatch):
+    fake_vllm(monkeypatch)
+    with pytest.raises(UserError) as info:
+        vllm_engines.VLLMEngine(toy.build_model("tiny"))  # head size 64 / 4 = 16
+    assert one_line(info.value).startswith(
+        "vLLM 0.32.0's CPU attention has no kernel for this model's head size 16 (it has 32, 64, 80"
+    )
+    assert "use_vllm: false" in str(info.value)
+    with pytest.raises(AssertionError, match="the engine started"):  # toy small's 32 is checked and passes
+        vllm_engines.VLLMEngine(toy.build_model("small"))
+
+
+def test_the_head_size_check_leaves_other_platforms_to_vllm(monkeypatch):
+    fake_vllm(monkeypatch, cpu=False)
+    with pytest.raises(AssertionError, match="the engine started"):
+        vllm_engines.VLLMEngine(toy.build_model("tiny"))
