@@ -35,6 +35,8 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None
 def compile_for_training(trainer) -> None:
     """What ``train()`` does for ``args.torch_compile``: compile the model's blocks and report the first steps."""
     args = trainer.args
+    if not args.torch_compile:
+        return
     blocks = compile_blocks(trainer.model, args.torch_compile_backend, args.torch_compile_mode)
     trainer.pop_callback(CompileReport)
     trainer.add_callback(CompileReport(blocks, args.torch_compile_backend, args.torch_compile_mode))

@@ -306,8 +306,7 @@ class Trainer(Evaluation):
         data.require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
-        if args.torch_compile:
-            compilation.compile_for_training(self)
+        compilation.compile_for_training(self)  # args.torch_compile
         self.prepare_training()
         self.callback_handler.train_dataloader = dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(
