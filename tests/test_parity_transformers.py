@@ -227,7 +227,7 @@ def test_refused_fields_point_to_what_to_do():
     theirs = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     for name, value, pointer in (
         ("fp16", True, "use bf16=True"),
-        ("torch_compile", True, "does not compile"),
+        ("label_smoothing_factor", 0.1, "smoothed cross-entropy"),
         ("neftune_noise_alpha", 5.0, "forward hook"),
         ("eval_accumulation_steps", 2, "after every batch"),
     ):

@@ -111,6 +111,9 @@ class TrainingArguments:
     # --- precision and memory
     bf16: bool = False  # run forwards under bfloat16 autocast (CPU and GPU); weights stay float32
     gradient_checkpointing: bool = False  # recompute activations in backward (transformers models)
+    torch_compile: bool = False  # compile each transformer block (torch.compile) before training; docs/performance.md
+    torch_compile_backend: str | None = None  # torch.compile's backend; setting it sets torch_compile ("inductor")
+    torch_compile_mode: str | None = None  # torch.compile's mode ("reduce-overhead", ...); sets torch_compile
 
     # --- data
     remove_unused_columns: bool = True  # drop dataset columns that the model's forward does not take
@@ -187,6 +190,10 @@ class TrainingArguments:
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a mapping (e.g. {{}}), got {value!r}")
         check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)  # names a pointer for the refused
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True  # as transformers: either setting asks for compilation
+        if self.torch_compile and self.torch_compile_backend is None:
+            self.torch_compile_backend = "inductor"
         optimizer_options(self.optim, self.optim_args)
 
     def _validate_choices(self) -> None:
@@ -441,8 +448,6 @@ NOT_SUPPORTED = {
     "fp16_full_eval": "use bf16=True (evaluation runs under the same autocast as training)",
     "bf16_full_eval": "bf16=True already evaluates under bfloat16 autocast",
     "tf32": "set torch.backends.cuda.matmul.allow_tf32 = True before training",
-    "torch_compile": "treadle does not compile the model; compile submodules yourself (e.g. "
-    "layer.compile() on each decoder layer) before passing the model",
     "activation_checkpointing": "use gradient_checkpointing=True (transformers 5's older name, same behaviour)",
     "activation_checkpointing_kwargs": "use gradient_checkpointing_kwargs",
     "eval_accumulation_steps": "not needed: evaluation moves predictions to the CPU after every batch",

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from treadle import checkpoint as ckpt, data, distributed as dist, models, peft as treadle_peft, resume
+from treadle import checkpoint as ckpt, compilation, data, distributed as dist, models, peft as treadle_peft, resume
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import (
     DEFAULT_CALLBACKS,
@@ -308,6 +308,7 @@ class Trainer(Evaluation):
         data.require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
             models.enable_gradient_checkpointing(dist.unwrap_model(self.model), args.gradient_checkpointing_kwargs)
+        compilation.compile_for_training(self)  # args.torch_compile
         self.prepare_training()
         self.callback_handler.train_dataloader = dataloader = self.get_train_dataloader()
         needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(

@@ -38,9 +38,10 @@ class LocalEngine(RolloutEngine):
         generator: torch.Generator | None = None,
         prompt_inputs: dict | None = None,
     ) -> GenerationOutput:
-        return sample_completions(
-            self.model, prompt_ids, params, generator=generator, backend=self.backend, prompt_inputs=prompt_inputs
-        )
+        with eager():
+            return sample_completions(
+                self.model, prompt_ids, params, generator=generator, backend=self.backend, prompt_inputs=prompt_inputs
+            )
 
     def generate_turns(
         self,
@@ -52,13 +53,20 @@ class LocalEngine(RolloutEngine):
     ) -> MultiTurnOutput:
         """ "fast"/"auto" keep each row's KV cache across turns ("auto" falls back when the model cannot), "hf"
         re-prefills the whole transcript each turn."""
-        if self.backend != "hf":
-            try:
-                return sample_turns(self.model, prompt_ids, respond, params, generator=generator)
-            except ValueError:  # raised before any turn when the fast path cannot run this model
-                if self.backend == "fast":
-                    raise
-        return reprefill_turns(self.model, prompt_ids, respond, params, generator=generator, backend=self.backend)
+        with eager():
+            if self.backend != "hf":
+                try:
+                    return sample_turns(self.model, prompt_ids, respond, params, generator=generator)
+                except ValueError:  # raised before any turn when the fast path cannot run this model
+                    if self.backend == "fast":
+                        raise
+            return reprefill_turns(self.model, prompt_ids, respond, params, generator=generator, backend=self.backend)
 
     def load_weights(self, model, version: int | None = None) -> None:
         self.model, self.policy_version = model, version  # the live model: its weights are the policy's, no copy
+
+
+def eager():
+    """The sampler runs the model eagerly: blocks compiled for training (``torch_compile``) would recompile at every
+    decode step's new shape until torch gives up on them (``recompile_limit``)."""
+    return torch.compiler.set_stance("force_eager")

@@ -163,25 +163,50 @@ def chunked_token_logps(
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        logps, entropy = _ChunkedTokenLogps.apply(
-            hidden, weight, bias, labels, temperature, chunk_size, return_entropy
+        logps, entropy, _ = _ChunkedTokenLogps.apply(
+            hidden, weight, bias, labels, temperature, chunk_size, return_entropy, False
         )
     return (logps, entropy) if return_entropy else logps
 
 
+def chunked_nll(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None, chunk_size: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """SFT's loss terms from final hidden states, chunked as :func:`chunked_token_logps` (temperature 1): the
+    summed negative log-likelihood of ``labels`` ``(N,)`` (``-100`` rows add nothing) and, detached, how many
+    rows' argmax logit is their label (the token accuracy), both 0-d tensors on ``hidden``'s device.
+    The argmax is taken in the same pass over each chunk's logits, so accuracy costs no second head matmul.
+
+    >>> hidden, weight = torch.eye(2), torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    >>> chunked_nll(hidden, weight, torch.tensor([0, 1]))
+    (tensor(1.0064), tensor(1))
+    """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # as chunked_token_logps: the casts recorded outside the Function
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device_type, enabled=False):
+        logps, _, top1 = _ChunkedTokenLogps.apply(hidden, weight, bias, labels, 1.0, chunk_size, False, True)
+    return -logps.sum(), (top1 & (labels != IGNORE_INDEX)).sum()
+
+
 class _ChunkedTokenLogps(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy, with_top1):
         n = hidden.shape[0]
         valid = labels != IGNORE_INDEX  # (N,)
         safe_labels = torch.where(valid, labels, 0)
         logps = torch.empty(n, dtype=upcast(hidden.dtype), device=hidden.device)  # (N,)
         lse = torch.empty_like(logps)  # (N,)
         entropy = torch.empty(n if with_entropy else 0, dtype=logps.dtype, device=hidden.device)
+        top1 = torch.empty(n if with_top1 else 0, dtype=torch.bool, device=hidden.device)  # argmax == label
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             scaled = _scaled_logits(hidden[s:e], weight, bias, temperature)  # (r, V)
             picked = scaled.gather(1, safe_labels[s:e, None]).squeeze(1)
+            if with_top1:
+                top1[s:e] = scaled.argmax(dim=-1).eq(safe_labels[s:e])
             if with_entropy:
                 lse[s:e] = torch.logsumexp(scaled, dim=-1)
                 log_probs = scaled.sub_(lse[s:e, None])
@@ -192,11 +217,11 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             del scaled  # else it stays alive while the next chunk's logits are allocated
         ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(entropy)
-        return logps, entropy
+        ctx.mark_non_differentiable(entropy, top1)
+        return logps, entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
+    def backward(ctx, grad_logps, _grad_entropy, _grad_top1):
         hidden, weight, bias, safe_labels, valid, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         acc = dict(dtype=lse.dtype, device=weight.device)  # accumulators: at least float32
@@ -222,7 +247,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             del scaled, d  # free this chunk before the next one is allocated
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _logsumexp_inplace(x: Tensor) -> Tensor:

@@ -48,8 +48,10 @@ from treadle.arguments import TrainingArguments
 from treadle.callbacks import show_progress_bars
 from treadle.data import check_text_columns, column_names, empty_texts, require_eval_dataset
 from treadle.errors import first_rows
+from treadle.logprobs.logsoftmax import IGNORE_INDEX, chunked_nll
+from treadle.logprobs.tokens import SMALL_LOGITS, hidden_states_and_head
 from treadle.metrics import mode_of
-from treadle.models import from_name, max_positions
+from treadle.models import from_name, max_positions, training_forward_kwargs
 from treadle.packing import best_fit_bins, right_padded
 from treadle.streaming import Stream, is_stream
 from treadle.text import (
@@ -65,6 +67,7 @@ from treadle.trainer import Trainer
 
 TOKENIZE_CHUNK = 1000  # rows tokenised per tokenizer call: big enough for the fast tokenizer's batching
 SFT_COLUMNS = ("input_ids", "completion_mask", "position_ids")  # what prepare_dataset hands the collator
+CHUNKED_INPUTS = {"input_ids", "attention_mask", "labels", "position_ids"}  # batches the chunked loss takes
 
 
 @dataclass
@@ -265,7 +268,15 @@ class SFTTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The Trainer's loss (labels from the collator); also records the label tokens that the argmax of the
-        logits gets right, logged as ``mean_token_accuracy`` (training) / ``eval_mean_token_accuracy``."""
+        logits gets right, logged as ``mean_token_accuracy`` (training) / ``eval_mean_token_accuracy``.
+
+        Where the logits would be large (more than ``SMALL_LOGITS``) and the model has an LM head the hidden-state
+        path can use, the loss is computed from the final hidden states in chunks (``logprobs.chunked_nll``): the
+        same sum over label tokens, no ``[B, T, V]`` float32 logits (TRL's default ``nll`` does the same)."""
+        if not return_outputs:
+            chunked = self._chunked_loss(model, inputs, num_items_in_batch)
+            if chunked is not None:
+                return chunked
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         logits = getattr(outputs, "logits", None)
         labels = inputs.get("labels")
@@ -274,6 +285,29 @@ class SFTTrainer(Trainer):
                 correct, total = token_accuracy_counts(logits, labels)  # stays on the device: no sync per step
             self.metrics.add("mean_token_accuracy", correct, total, mode=mode_of(model))
         return (loss, outputs) if return_outputs else loss
+
+    def _chunked_loss(self, model, inputs, num_items_in_batch) -> torch.Tensor | None:
+        """The loss through ``logprobs.chunked_nll``, or None where the full-logits path runs: small logits,
+        inputs beyond text (images), or a model without the hidden-state seam (``fast_path_head``)."""
+        labels = inputs.get("labels")
+        if labels is None or not set(inputs) <= CHUNKED_INPUTS or labels.dim() != 2:
+            return None
+        vocab = getattr(getattr(dist.unwrap_model(model), "config", None), "vocab_size", None) or 0
+        if labels.numel() * vocab <= SMALL_LOGITS:
+            return None  # a few MB of logits: the model's own loss is as cheap (and the toy goldens stay bit-equal)
+        forward = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "labels")}
+        forward.update(training_forward_kwargs(self._forward_params, inputs))
+        hidden, head = hidden_states_and_head(model, inputs["input_ids"], inputs.get("attention_mask"), **forward)
+        if head is None:
+            return None
+        target = labels[:, 1:]  # (B, T-1): hidden[:, t] predicts labels[:, t+1]
+        valid = target != IGNORE_INDEX
+        nll, correct = chunked_nll(hidden[:, :-1][valid], head.weight, target[valid], bias=head.bias)
+        items = valid.sum()
+        self.metrics.add("mean_token_accuracy", correct.double(), items.double(), mode=mode_of(model))
+        if num_items_in_batch is not None:
+            return nll / num_items_in_batch
+        return nll / items.clamp(min=1)  # the model's own mean; no label token: 0, no gradient
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""``torch_compile`` (transformers' ``TrainingArguments`` fields, same meaning): the training forward compiled with
+``torch.compile`` (``torch_compile_backend``, default inductor; ``torch_compile_mode``).
+
+transformers compiles the whole model; treadle compiles each transformer block in place (``nn.Module.compile``):
+the parameters, state-dict keys, LoRA / DDP / FSDP wrappers and the hook the hidden-state losses set on the decoder
+stay outside the graphs, the blocks of a model share one graph, and a new sequence length recompiles one block's
+graph, not the model's. The first step pays the compilation; ``CompileReport`` prints what it cost.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from treadle import distributed as dist
+from treadle.callbacks import TrainerCallback
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
+    """Compile each transformer block of ``model`` in place (once: a block compiled already is left); returns how
+    many blocks there are. ValueError for a model without repeated blocks (``distributed.transformer_blocks``)."""
+    blocks = dist.transformer_blocks(dist.unwrap_model(model))
+    if not blocks:
+        raise ValueError(
+            f"torch_compile=True found no transformer blocks in {type(dist.unwrap_model(model)).__name__} (no "
+            "_no_split_modules, no nn.ModuleList); call torch.compile on its parts yourself, or drop torch_compile"
+        )
+    for block in blocks:
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile(backend=backend, mode=mode)
+    return len(blocks)
+
+
+def compile_for_training(trainer) -> None:
+    """What ``train()`` does for ``args.torch_compile``: compile the model's blocks and report the first steps."""
+    args = trainer.args
+    if not args.torch_compile:
+        return
+    blocks = compile_blocks(trainer.model, args.torch_compile_backend, args.torch_compile_mode)
+    trainer.pop_callback(CompileReport)
+    trainer.add_callback(CompileReport(blocks, args.torch_compile_backend, args.torch_compile_mode))
+
+
+class CompileReport(TrainerCallback):
+    """One line after the first two steps of a compiled run: how long the first step took (compilation included)
+    against the second, so the compile cost is in the run's output (main process, stdout)."""
+
+    def __init__(self, blocks: int, backend: str, mode: str | None):
+        self.what = f"{blocks} blocks with {backend}" + (f" (mode {mode})" if mode else "")
+        self.times: list[float] = []
+        self.started = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if len(self.times) >= 2:
+            return
+        self.times.append(time.perf_counter() - self.started)
+        if len(self.times) == 2 and state.is_world_process_zero:
+            first, second = self.times
+            print(
+                f"treadle: torch_compile compiled {self.what}: the first step took {first:.1f} s, compilation "
+                f"included; the second {second:.1f} s",
+                flush=True,
+            )

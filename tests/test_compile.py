@@ -1,0 +1,122 @@
+"""torch_compile, torch_compile_backend, torch_compile_mode: transformers' fields with its meaning; the blocks of the
+model compiled in place (treadle.compilation): a compiled run trains as the eager one, LoRA and resume included,
+saves the same keys, and GRPO's sampler runs the compiled blocks eagerly. The backend in these tests is aot_eager
+(dynamo's trace and autograd's graph without inductor's C++ build); tests/real/ runs inductor on the real model."""
+
+import pytest
+import torch
+import transformers
+from _factories import SFT_ROWS, golden_grpo_run, sft_trainer
+from torch import nn
+
+import treadle
+from treadle import compilation
+from treadle.demos import toy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return toy.build_tokenizer()
+
+
+def frames_compiled() -> int:
+    return int(torch._dynamo.utils.counters["frames"]["ok"])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"torch_compile": True},
+        {"torch_compile_backend": "aot_eager"},
+        {"torch_compile_mode": "max-autotune-no-cudagraphs"},
+        {"torch_compile": True, "torch_compile_mode": "reduce-overhead"},
+    ],
+)
+def test_the_fields_mean_what_transformers_makes_them_mean(tmp_path, fields):
+    theirs = transformers.TrainingArguments(output_dir=str(tmp_path), **fields)
+    ours = treadle.TrainingArguments(output_dir=str(tmp_path), **fields)
+    for name in ("torch_compile", "torch_compile_backend", "torch_compile_mode"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_a_model_without_blocks_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="torch_compile=True found no transformer blocks in Sequential .*yourself"):
+        compilation.compile_blocks(nn.Sequential(nn.Linear(2, 2)), BACKEND)
+
+
+def sft_run(folder, tok, compiled: bool, **kw):
+    fields = {"max_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "save_strategy": "no", **kw}
+    if compiled:
+        fields["torch_compile_backend"] = BACKEND
+    return sft_trainer(folder, tok, SFT_ROWS, **fields)
+
+
+def test_a_compiled_sft_run_trains_and_saves_as_the_eager_one(tmp_path, tok, capsys):
+    eager = sft_run(tmp_path / "eager", tok, compiled=False)
+    eager.train()
+    before = frames_compiled()
+    compiled = sft_run(tmp_path / "compiled", tok, compiled=True)
+    compiled.train()
+    assert frames_compiled() > before  # dynamo compiled something: the run was not eager in disguise
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (eager, compiled)]
+    assert len(losses[1]) == 3 and losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert "torch_compile compiled 2 blocks with aot_eager: the first step took" in capsys.readouterr().out
+    assert list(compiled.model.state_dict()) == list(eager.model.state_dict())  # no _orig_mod. prefixes
+    compiled.save_model(str(tmp_path / "saved"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    ids = torch.tensor([[1, 9, 10, 79, 11]])
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, eager.model(ids).logits, atol=1e-4)
+
+
+def test_a_compiled_lora_run_resumes_exactly(tmp_path, tok):
+    import peft  # a test extra, always installed by make test
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    whole = sft_run(tmp_path / "whole", tok, compiled=True, peft_config=lora, max_steps=4)
+    whole.train()
+    first = sft_run(tmp_path / "cut", tok, compiled=True, peft_config=lora, max_steps=4, save_strategy="steps")
+    first.args.save_steps = 2
+    first.add_callback(StopAt(2))
+    first.train()
+    second = sft_run(tmp_path / "cut", tok, compiled=True, peft_config=lora, max_steps=4, save_strategy="steps")
+    second.args.save_steps = 2
+    second.train(resume_from_checkpoint=True)
+    expected = [h["loss"] for h in whole.state.log_history if "loss" in h]
+    resumed = [h["loss"] for h in second.state.log_history if "loss" in h]
+    assert len(expected) == 4 and resumed == pytest.approx(expected, rel=1e-5)
+
+
+class StopAt(treadle.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == self.step
+
+
+def test_grpo_compiled_trains_as_eager_and_samples_eagerly(tmp_path, tok):
+    """The sampler's decode steps change shape at every token: compiled, they would recompile until dynamo's
+    recompile limit (a warning, then eager). The engine runs them eagerly; the training forwards are compiled."""
+    eager = golden_grpo_run(tmp_path / "eager", tok)
+    eager.train()
+    compiled = golden_grpo_run(tmp_path / "compiled", tok)
+    compiled.args.torch_compile, compiled.args.torch_compile_backend = True, BACKEND
+    before, limits = frames_compiled(), limit_hits()
+    compiled.train()
+    assert frames_compiled() > before
+    assert limit_hits() == limits  # no function gave up on compiling (the sampler's shapes would)
+    for name in ("loss", "reward", "kl", "completions/mean_length"):
+        ours = [h[name] for h in compiled.state.log_history if name in h]
+        theirs = [h[name] for h in eager.state.log_history if name in h]
+        assert len(ours) == len(theirs) > 0 and ours == pytest.approx(theirs, rel=1e-5, abs=1e-7), name
+
+
+def limit_hits() -> int:
+    """How many times dynamo gave up on a function at its recompile limit (it then runs it eagerly)."""
+    return sum(int(v) for k, v in torch._dynamo.utils.counters["unimplemented"].items() if "recompile limit" in k)
