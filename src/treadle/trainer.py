@@ -311,9 +311,8 @@ class Trainer(Evaluation):
         compilation.compile_for_training(self)  # args.torch_compile
         self.prepare_training()
         self.callback_handler.train_dataloader = dataloader = self.get_train_dataloader()
-        needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(
-            dist.unwrap_model(self.model), "config"
-        )
+        base = dist.unwrap_model(self.model)
+        needs_labels = type(self).compute_loss is Trainer.compute_loss and hasattr(base, "config")
         data.check_first_batch(dataloader, self.args.label_names if needs_labels else None)
         steps_per_epoch, max_steps, num_epochs = data.plan_steps(dataloader, args, self.micro_batches_per_batch())
         self.model_wrapped = dist.wrap_model(self.model, args)
