@@ -62,6 +62,35 @@ def test_chunked_nll_matches_cross_entropy_and_argmax():
     assert int(correct) == int((logits.argmax(-1).eq(labels) & valid).sum())
 
 
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_chunked_nll_gradients_are_cross_entropys_scaled_by_the_upstream_gradient(frozen_head):
+    """The kernel computes its gradients in the forward pass: they must equal autograd's through the full logits,
+    for any upstream scale, with a bias, across chunks, with ignored rows, and none for a frozen head."""
+    torch.manual_seed(1)
+    hidden = torch.randn(37, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=not frozen_head)
+    bias = torch.randn(50, dtype=torch.float64, requires_grad=not frozen_head)
+    labels = torch.randint(0, 50, (37,))
+    labels[3::5] = -100
+    nll, _ = chunked_nll(hidden, weight, labels, bias=bias, chunk_size=6)
+    (nll * 3.5).backward()
+    ours = [t.grad.clone() if t.grad is not None else None for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    expected = torch.nn.functional.cross_entropy(hidden @ weight.T + bias, labels, reduction="sum")
+    (expected * 3.5).backward()
+    assert torch.allclose(nll, expected, rtol=1e-12)
+    for mine, theirs in zip(ours, (hidden.grad, weight.grad, bias.grad), strict=True):
+        assert (mine is None) == (theirs is None)
+        if mine is not None:
+            assert torch.allclose(mine, theirs, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # evaluation: no gradient work (no mm into a gradient), the same numbers
+        with torch.profiler.profile() as prof:
+            again = chunked_nll(hidden, weight, labels, bias=bias, chunk_size=6)[0]
+    assert torch.equal(again, nll.detach())
+    assert not any(e.name in ("aten::mm", "aten::addmm_") for e in prof.events())  # F.linear is aten::addmm
+
+
 @pytest.mark.parametrize("num_items", [None, 97])
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_chunked_loss_equals_the_full_logits_loss(tmp_path, num_items, packing):
