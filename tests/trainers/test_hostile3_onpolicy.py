@@ -215,9 +215,9 @@ reward_funcs:
   - treadle.toy.addition_reward
 output_dir: {out}
 max_steps: 4
-per_device_train_batch_size: 32
+per_device_train_batch_size: 128
 num_generations: 8
-max_completion_length: 64
+max_completion_length: 200
 max_staleness: 1
 async_worker: thread
 async_timeout: 0.05
@@ -227,7 +227,9 @@ save_strategy: "no"
 
 @pytest.fixture(scope="module")
 def slow_thread_worker(tmp_path_factory):
-    """`treadle train` with a thread worker that samples 64 tokens x 32 completions and 50 ms to do it in."""
+    """`treadle train` with a thread worker that samples 200 tokens x 128 completions (seconds) and 50 ms to do it
+    in. (32 x 64 tokens was not slow enough: in the full suite the worker once finished before the trainer first
+    waited, and the run ended with exit 0.)"""
     folder = tmp_path_factory.mktemp("slow")
     (folder / "c.yaml").write_text(SLOW_WORKER.format(out=folder / "run"))
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC)}  # torch's own threads: the abort needs them
