@@ -224,15 +224,9 @@ class _ChunkedNLL(torch.autograd.Function):
             nll += ((total.log() + row_max - picked) * gs).sum()
             d = scaled.mul_((gs / total)[:, None])  # softmax on the rows that count, 0 elsewhere
             d.scatter_add_(1, rows[:, None], -gs[:, None])  # - onehot: d(nll) / d(logits)
-            if grad_bias is not None:
-                grad_bias += d.sum(dim=0)
-            d = d.to(hidden.dtype)  # the matmuls run in the model's dtype, as autograd's would
-            if grad_hidden is not None:
-                torch.mm(d, weight, out=grad_hidden[s:e])  # (r, V) @ (V, H)
-            if grad_weight is not None and grad_weight.dtype == h.dtype:
-                grad_weight.addmm_(d.t(), h)  # (V, r) @ (r, H), no temporary
-            elif grad_weight is not None:
-                grad_weight += d.t() @ h  # bf16 product, accumulated in float32
+            _add_chunk_grads(
+                d, h, weight, grad_hidden[s:e] if grad_hidden is not None else None, grad_weight, grad_bias
+            )
             del scaled, d  # free this chunk before the next one is allocated
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -294,19 +288,34 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             h = hidden[s:e]  # (r, H)
             scaled = _scaled_logits(h, weight, bias, ctx.temperature)  # (r, V)
             d = _dlogits(scaled, lse[s:e], safe_labels[s:e], g_all[s:e], ctx.temperature)  # (r, V)
-            if grad_bias is not None:
-                grad_bias += d.sum(dim=0)
-            d = d.to(hidden.dtype)  # the matmuls run in the model's dtype, as autograd's would
-            if grad_hidden is not None:
-                torch.mm(d, weight, out=grad_hidden[s:e])  # (r, V) @ (V, H)
-            if grad_weight is not None and grad_weight.dtype == h.dtype:
-                grad_weight.addmm_(d.t(), h)  # (V, r) @ (r, H), no temporary
-            elif grad_weight is not None:
-                grad_weight += d.t() @ h  # bf16 product, accumulated in float32
+            _add_chunk_grads(
+                d, h, weight, grad_hidden[s:e] if grad_hidden is not None else None, grad_weight, grad_bias
+            )
             del scaled, d  # free this chunk before the next one is allocated
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _add_chunk_grads(
+    d: Tensor,
+    h: Tensor,
+    weight: Tensor,
+    grad_hidden: Tensor | None,
+    grad_weight: Tensor | None,
+    grad_bias: Tensor | None,
+) -> None:
+    """One chunk's share of the head's gradients from ``d`` ``(r, V)`` = d(loss)/d(logits): written into
+    ``grad_hidden`` (this chunk's ``(r, H)`` rows) and added to ``grad_weight`` / ``grad_bias`` (None: not needed)."""
+    if grad_bias is not None:
+        grad_bias += d.sum(dim=0)
+    d = d.to(h.dtype)  # the matmuls run in the model's dtype, as autograd's would
+    if grad_hidden is not None:
+        torch.mm(d, weight, out=grad_hidden)  # (r, V) @ (V, H)
+    if grad_weight is not None and grad_weight.dtype == h.dtype:
+        grad_weight.addmm_(d.t(), h)  # (V, r) @ (r, H), no temporary
+    elif grad_weight is not None:
+        grad_weight += d.t() @ h  # bf16 product, accumulated in float32
 
 
 def _logsumexp_inplace(x: Tensor) -> Tensor:
