@@ -18,39 +18,11 @@ from pathlib import Path
 
 import pytest
 from _factories import sft_trainer
+from test_run_errors import ENV, ROWS, error_line, treadle, write_config, write_jsonl
 
 from treadle import TrainerCallback
 from treadle.checkpoint import CheckpointError
 from treadle.record import runs
-
-ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TREADLE_DEBUG": "0"}
-ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)] * 4]
-
-
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def write_config(folder: Path, **keys) -> Path:
-    config = {
-        "trainer": "sft",
-        "model": "toy:tiny",
-        "dataset": "data.jsonl",
-        "output_dir": "run",
-        "max_steps": 2,
-        "per_device_train_batch_size": 4,
-        "save_steps": 1,
-        "logging_steps": 1,
-        "disable_tqdm": True,
-        "learning_rate": 1e-3,
-        **keys,
-    }
-    path = folder / "cfg.yaml"
-    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in config.items()))
-    if not (folder / "data.jsonl").exists():
-        write_jsonl(folder / "data.jsonl", ROWS)
-    return path
 
 
 def run_python(folder: Path, source: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -64,25 +36,6 @@ def run_python(folder: Path, source: str, timeout: int = 300) -> subprocess.Comp
         env={**os.environ, **ENV},
         timeout=timeout,
     )
-
-
-def treadle(*argv, cwd, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "treadle", *map(str, argv)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **ENV},
-        timeout=timeout,
-    )
-
-
-def error_line(result, code: int = 2) -> str:
-    assert result.returncode == code, (result.returncode, result.stderr[-3000:])
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("treadle: error:")]
-    assert len(lines) == 1, result.stderr[-3000:]
-    return lines[0]
 
 
 # ---- 1. data loss: a signal after the last step ----------------------------------------------------------------
