@@ -238,27 +238,28 @@ def test_sigterm_while_a_request_waits_stops_within_a_second_through_the_preempt
     ]
 
 
+def server_run_config(tmp_path, url: str, **keys) -> None:
+    """``tmp_path/run.yaml``: GRPO of toy tiny on toy addition through the vLLM server at ``url``; ``keys`` add or
+    override settings."""
+    config = dict(
+        trainer="grpo",
+        model="toy:tiny",
+        reward_funcs=["treadle.toy.addition_reward"],
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_prompt_length=64,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        **keys,
+    )
+    (tmp_path / "run.yaml").write_text(json.dumps(config))
+
+
 def test_treadle_train_preempted_while_generate_waits_exits_143_at_once(tmp_path, capsys):
     with scripted({"/weights": (200, b"{}"), "/generate": "sigterm"}) as url:
-        (tmp_path / "run.yaml").write_text(
-            json.dumps(
-                dict(
-                    trainer="grpo",
-                    model="toy:tiny",
-                    dataset="toy:addition:16",
-                    reward_funcs=["treadle.toy.addition_reward"],
-                    output_dir=str(tmp_path / "run"),
-                    max_steps=2,
-                    per_device_train_batch_size=4,
-                    num_generations=2,
-                    max_prompt_length=64,
-                    max_completion_length=8,
-                    use_vllm=True,
-                    vllm_mode="server",
-                    vllm_server_base_url=url,
-                )
-            )
-        )
+        server_run_config(tmp_path, url, dataset="toy:addition:16", max_steps=2, max_completion_length=8)
         started = time.monotonic()
         assert cli.main(["train", str(tmp_path / "run.yaml")]) == 143
         assert time.monotonic() - started < 30  # the build, and a second after the signal (not 1,800 s)
@@ -272,25 +273,8 @@ def test_sigterm_during_a_generation_saves_the_steps_finished_and_exits_143(tmp_
     (before: the run waited for the answer, up to 1,800 s; ending at once without a save would lose steps 1-2)."""
     with treadle_server(tmp_path) as (url, engine):
         engine.preempt_at = 3
-        (tmp_path / "run.yaml").write_text(
-            json.dumps(
-                dict(
-                    trainer="grpo",
-                    model="toy:tiny",
-                    dataset="toy:addition:32",
-                    reward_funcs=["treadle.toy.addition_reward"],
-                    output_dir=str(tmp_path / "run"),
-                    max_steps=5,
-                    save_steps=100,
-                    per_device_train_batch_size=4,
-                    num_generations=2,
-                    max_prompt_length=64,
-                    max_completion_length=4,
-                    use_vllm=True,
-                    vllm_mode="server",
-                    vllm_server_base_url=url,
-                )
-            )
+        server_run_config(
+            tmp_path, url, dataset="toy:addition:32", max_steps=5, save_steps=100, max_completion_length=4
         )
         assert cli.main(["train", str(tmp_path / "run.yaml")]) == 143
     err = capsys.readouterr().err
