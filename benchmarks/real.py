@@ -1,8 +1,9 @@
-"""SFT and DPO steps on the real model, SmolLM2-135M-Instruct (134.5M, float32): treadle (eager, and with
-``torch_compile``), TRL 1.16 and a bare PyTorch loop doing the same work, against the machine's float32 matmul roof
-measured in the same run.
+"""SFT, DPO and GRPO steps on the real model, SmolLM2-135M-Instruct (134.5M, float32): treadle (eager, with
+``torch_compile``, and with ``gradient_checkpointing``), TRL 1.16 and a bare PyTorch loop doing the same work, against
+the machine's float32 matmul roof measured in the same run.
 
-    python benchmarks/real.py [--rounds 3] [--steps 5] [--threads 2] [--only sft,dpo] [--contenders ...]
+    python benchmarks/real.py [--rounds 3] [--steps 5] [--threads 2] [--only sft,dpo,grpo] [--grpo 8x8x64]
+                              [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl]
 
 The same work for every contender (each in its own process, so that its peak RSS is its own; the contenders of a
 workload run one after another, round by round, interleaved):
@@ -14,9 +15,17 @@ workload run one after another, round by round, interleaved):
   (``input_ids``), loss on every token; 6 x 134.5M x 1,024 = 826 GFLOP a step.
 - DPO (sigmoid, beta 0.1): 8 pairs, a 96-token prompt and 32-token responses (chosen and rejected differ), a
   frozen reference model run each step; 6 x N x 2,048 (policy) + 2 x N x 2,048 (reference) = 2,203 GFLOP a step.
+- GRPO (``--grpo PROMPTSxGxTOKENS``, default 8 x 8 x 64): chat prompts "What is a + b? Reply with just the number.",
+  G completions each, sampled at temperature 1 with both end tokens suppressed so that every completion is exactly
+  TOKENS long; reward 1 when the answer's last number is the sum; no reference model (beta 0), loss_type dapo, one
+  optimizer step per generation. Work: 2 x N per sampled or prompt token (the rollout) + 6 x N per token of every
+  prompt + completion (the training pass); the trainers' own sampler (treadle) and transformers ``generate`` (TRL and
+  the bare loop) do the same rollout.
 
 The bare loops are what a careful engineer writes by hand: the model's own loss (SFT: ``model(ids, labels=ids)``,
-full float32 logits) or the DPO loss from ``log_softmax(...).gather`` over the completion tokens; no framework.
+full float32 logits), the DPO loss from ``log_softmax(...).gather`` over the completion tokens, or GRPO as
+``model.generate`` then the group-normalised policy gradient from ``log_softmax(...).gather``; no framework. They
+take the rows in the trainers' seeded order (``torch.randperm`` of seed 0), so that SFT and DPO end at their loss.
 
 Each contender's step time is the median interval between consecutive optimizer-step ends after the first
 (the first pays allocation, and compilation when compiled); GFLOP/s is the step's FLOP count over that; the roof is
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -45,12 +55,23 @@ PASSAGE = (
     "nineteenth century, and by the middle of the twentieth, electronic machines filled whole rooms. The pocket "
     "calculator arrived in the nineteen seventies and changed schools, shops and laboratories within a decade. "
 )
-CONTENDERS = ("bare", "treadle", "treadle-compiled", "trl")
+CONTENDERS = ("bare", "treadle", "treadle-compiled", "treadle-checkpointed", "trl")
+GRPO = {"prompts": 8, "g": 8, "tokens": 64}  # set by --grpo
 
 
-def flops_per_step(kind: str) -> float:
+def flops_per_step(kind: str, tokenizer=None) -> float:
+    if kind == "grpo":  # every completion is exactly GRPO["tokens"] long: see grpo_prompts
+        lengths = [len(prompt_ids(tokenizer, row)) for row in grpo_rows(GRPO["prompts"])]
+        return 8 * N_PARAMS * GRPO["g"] * sum(n + GRPO["tokens"] for n in lengths)
     tokens = BATCH * SFT_LEN if kind == "sft" else 2 * BATCH * (PROMPT + RESPONSE)
     return 6 * N_PARAMS * tokens + (2 * N_PARAMS * tokens if kind == "dpo" else 0)
+
+
+def seeded_order(n: int) -> list[int]:
+    """The trainers' order of ``n`` rows at seed 0, epoch 0 (treadle.data's sampler; TRL's gives the same losses)."""
+    import torch
+
+    return torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def token_rows(tokenizer, kind: str, n: int) -> list[dict]:
@@ -71,14 +92,14 @@ def token_rows(tokenizer, kind: str, n: int) -> list[dict]:
     return rows
 
 
-def matmul_roof(threads: int) -> float:
-    """Best float32 GFLOP/s of the model's own matmul shapes at 1,024 rows."""
+def matmul_roof(threads: int, dtype: str = "float32") -> float:
+    """Best GFLOP/s of the model's own matmul shapes at 1,024 rows (float32 unless ``dtype`` says otherwise)."""
     import torch
 
     torch.set_num_threads(threads)
     best = 0.0
     for cols in (576, 1536, 49152):
-        a, b = torch.randn(1024, 576), torch.randn(576, cols)
+        a, b = torch.randn(1024, 576, dtype=getattr(torch, dtype)), torch.randn(576, cols, dtype=getattr(torch, dtype))
         a @ b
         for _ in range(3):
             start = time.perf_counter()
@@ -106,7 +127,10 @@ def bare(kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
     import torch
     import torch.nn.functional as F
 
+    if kind == "grpo":
+        return bare_grpo(model, tokenizer, steps, clock)
     rows = token_rows(tokenizer, kind, BATCH * steps)
+    rows = [rows[i] for i in seeded_order(len(rows))]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=False)
     reference = None
     if kind == "dpo":
@@ -165,6 +189,78 @@ def dpo_batch(tokenizer, batch: list[dict]):
     return ids, mask, completion
 
 
+def grpo_rows(n: int) -> list[dict]:
+    """``n`` addition prompts (chat), the same for every contender."""
+    rows = []
+    for i in range(n):
+        a, b = 10 + (37 * i) % 90, 10 + (59 * i + 13) % 90
+        content = f"What is {a} + {b}? Reply with just the number."
+        rows.append({"prompt": [{"role": "user", "content": content}], "answer": str(a + b)})
+    return rows
+
+
+def prompt_ids(tokenizer, row: dict) -> list[int]:
+    return tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def end_ids(tokenizer) -> list[int]:
+    """The tokens that would end a completion (suppressed, so that every completion has the full length)."""
+    return sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")})
+
+
+def last_number_is_sum(completions, answer, **_):
+    out = []
+    for completion, expected in zip(completions, answer):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        numbers = re.findall(r"-?\d+", text.replace(",", ""))
+        out.append(1.0 if numbers and numbers[-1] == expected else 0.0)
+    return out
+
+
+def bare_grpo(model, tokenizer, steps: int, clock: StepEnds) -> dict:
+    """``generate`` G completions of each prompt, group-normalised rewards, one policy-gradient step (ratio 1 at
+    the sampled weights, as one step per generation has it); the loss averaged over every completion token (dapo)."""
+    import torch
+    import torch.nn.functional as F
+
+    P, G, T = GRPO["prompts"], GRPO["g"], GRPO["tokens"]
+    rows = grpo_rows(P * steps)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=False)
+    clock.last = time.perf_counter()
+    for step in range(steps):
+        batch = rows[step * P : (step + 1) * P]
+        prompts = [prompt_ids(tokenizer, row) for row in batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids.repeat_interleave(G, 0),
+                attention_mask=mask.repeat_interleave(G, 0),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=T,
+                suppress_tokens=end_ids(tokenizer),
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        answers = [row["answer"] for row in batch for _ in range(G)]
+        rewards = torch.tensor(last_number_is_sum(texts, answers)).view(P, G)
+        advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
+        full_mask = torch.cat([mask.repeat_interleave(G, 0), torch.ones(P * G, T, dtype=torch.long)], 1)
+        logits = model(input_ids=out, attention_mask=full_mask).logits[:, width - 1 : -1].float()
+        logps = F.log_softmax(logits, -1).gather(-1, out[:, width:, None]).squeeze(-1)
+        loss = -(torch.exp(logps - logps.detach()) * advantages[:, None]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    return {"loss": loss.item(), "settings": f"hand-written loop, model.generate, {P} prompts x G {G} x {T} tokens"}
+
+
 def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
     common = dict(
         output_dir=tempfile.mkdtemp(prefix=f"real-{name}-{kind}-"),
@@ -184,28 +280,30 @@ def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnd
     )
     from datasets import Dataset
 
-    rows = Dataset.from_list(token_rows(tokenizer, kind, BATCH * steps))
-    if name == "trl":
-        import transformers
-        import trl
-
-        callback_base = transformers.TrainerCallback
-        config_class, trainer_class = (
-            (trl.SFTConfig, trl.SFTTrainer) if kind == "sft" else (trl.DPOConfig, trl.DPOTrainer)
-        )
-        common.update(bf16=False, dataloader_num_workers=0)
+    if kind == "grpo":
+        rows = Dataset.from_list(grpo_rows(GRPO["prompts"] * steps))
     else:
-        import treadle
-
-        callback_base = treadle.TrainerCallback
-        config_class, trainer_class = (
-            (treadle.SFTConfig, treadle.SFTTrainer) if kind == "sft" else (treadle.DPOConfig, treadle.DPOTrainer)
-        )
-        common.update(torch_compile=name == "treadle-compiled")
+        rows = Dataset.from_list(token_rows(tokenizer, kind, BATCH * steps))
+    lib, callback_base, extra = trainer_library(name)
+    prefix = kind.upper()
+    config_class, trainer_class = getattr(lib, f"{prefix}Config"), getattr(lib, f"{prefix}Trainer")
+    common.update(extra)
     if kind == "dpo":
         common.update(beta=0.1, loss_type="sigmoid")
-    else:
+    elif kind == "sft":
         common.update(packing=False)
+    else:
+        del common["max_length"]
+        common.update(
+            per_device_train_batch_size=GRPO["prompts"] * GRPO["g"],
+            num_generations=GRPO["g"],
+            max_completion_length=GRPO["tokens"],
+            steps_per_generation=1,
+            temperature=1.0,
+            beta=0.0,
+            loss_type="dapo",
+            generation_kwargs={"suppress_tokens": end_ids(tokenizer)},
+        )
 
     class Tick(callback_base):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -214,7 +312,10 @@ def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnd
         def on_step_end(self, args, state, control, **kwargs):
             clock.tick()
 
-    trainer = trainer_class(model=model, args=config_class(**common), train_dataset=rows, processing_class=tokenizer)
+    more = {"reward_funcs": last_number_is_sum} if kind == "grpo" else {}
+    trainer = trainer_class(
+        model=model, args=config_class(**common), train_dataset=rows, processing_class=tokenizer, **more
+    )
     trainer.add_callback(Tick())
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -222,9 +323,34 @@ def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnd
     settings = f"{type(trainer).__name__}, optim {args.optim}, lr {args.learning_rate}, clip {args.max_grad_norm}"
     if kind == "sft":
         settings += f", loss_type {getattr(args, 'loss_type', 'nll (the model loss, chunked on large logits)')}"
+    if kind == "grpo":
+        sampler = "transformers generate" if name == "trl" else f"generation_backend {args.generation_backend}"
+        settings += f", {GRPO['prompts']} prompts x G {args.num_generations} x {args.max_completion_length}, {sampler}"
     if name == "treadle-compiled":
         settings += f", torch_compile {args.torch_compile_backend}"
+    if name == "treadle-checkpointed":
+        settings += ", gradient_checkpointing"
     return {"loss": losses[-1] if losses else float("nan"), "settings": settings}
+
+
+def trainer_library(name: str):
+    """The module holding contender ``name``'s trainers and configs, its callback base class, and the settings it
+    needs for the same work (TRL: float32, no loader workers; treadle: ``torch_compile`` for the compiled one)."""
+    if name == "trl":
+        import transformers
+        import trl
+
+        return trl, transformers.TrainerCallback, {"bf16": False, "dataloader_num_workers": 0}
+    import treadle
+
+    return (
+        treadle,
+        treadle.TrainerCallback,
+        {
+            "torch_compile": name == "treadle-compiled",
+            "gradient_checkpointing": name == "treadle-checkpointed",
+        },
+    )
 
 
 def child(spec: str, steps: int, threads: int) -> dict:
@@ -252,6 +378,7 @@ def child(spec: str, steps: int, threads: int) -> dict:
         "contender": name,
         "kind": kind,
         "times": clock.times,
+        "gflop": flops_per_step(kind, tokenizer) / 1e9,
         "loaded_rss_mib": loaded,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": torch.get_num_threads(),
@@ -263,8 +390,9 @@ def child(spec: str, steps: int, threads: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def spawn(spec: str, steps: int, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    grpo = "x".join(str(GRPO[k]) for k in ("prompts", "g", "tokens"))
     out = subprocess.run(
-        [sys.executable, __file__, "--child", spec, "--steps", str(steps), "--threads", str(threads)],
+        [sys.executable, __file__, "--child", spec, "--steps", str(steps), "--threads", str(threads), "--grpo", grpo],
         capture_output=True,
         text=True,
         env=env,
@@ -280,11 +408,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", default="sft,dpo")
+    parser.add_argument("--only", default="sft,dpo,grpo")
+    parser.add_argument("--grpo", default="8x8x64", help="GRPO's prompts x G x new tokens per step")
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--json", default=None, help="also write every run's raw figures here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    GRPO.update(zip(("prompts", "g", "tokens"), map(int, args.grpo.split("x"))))
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.steps, args.threads)), flush=True)
         return
@@ -293,7 +423,8 @@ def main(argv=None) -> None:
 
     print(machine_header())
     print(
-        f"{args.rounds} rounds x {args.steps} steps per run, {args.threads} threads; the first step of a run untimed"
+        f"{args.rounds} rounds x {args.steps} steps per run, {args.threads} threads; the first step of a run untimed;"
+        f" GRPO {args.grpo} (prompts x G x new tokens)"
     )
     runs, roofs = [], []
     for round_ in range(args.rounds):
@@ -318,9 +449,9 @@ def table(runs: list[dict], roofs: list[float]) -> str:
         f"float32 matmul roof: {roof:.0f} GFLOP/s (best of the rounds; each round: "
         f"{', '.join(f'{r:.0f}' for r in roofs)})",
         "",
-        "| workload | contender | s/step (median; every round) | vs bare | GFLOP/s | share of roof | peak RSS | "
-        "above loaded | final loss | settings |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | contender | s/step (median; every round) | vs bare | vs TRL | GFLOP/s | share of roof | "
+        "peak RSS | above loaded | final loss | settings |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in dict.fromkeys(r["kind"] for r in runs):
         mine = [r for r in runs if r["kind"] == kind]
@@ -330,8 +461,9 @@ def table(runs: list[dict], roofs: list[float]) -> str:
         for name, per_round in medians.items():
             last = [r for r in mine if r["contender"] == name][-1]
             step = statistics.median(per_round)
-            gflops = flops_per_step(kind) / step / 1e9
+            gflops = last["gflop"] / step
             vs = f"{step / statistics.median(medians['bare']):.2f}x" if "bare" in medians else "-"
+            vs += f" | {step / statistics.median(medians['trl']):.2f}x" if "trl" in medians else " | -"
             lines.append(
                 f"| {kind.upper()} | {name} | {step:.2f} ({', '.join(f'{s:.2f}' for s in per_round)}) | {vs} | "
                 f"{gflops:.0f} | {gflops / roof:.0%} | {last['peak_rss_mib']:.0f} MiB | "

@@ -8,7 +8,8 @@ one-process reference in its own process with exactly the same model, data and a
 
 Scenarios: ``collectives`` (the helpers of treadle.distributed), ``trainer`` (DDP, then a resume from a
 mid-run checkpoint), ``fsdp`` (the same under FSDP2), ``error`` (rank 1 raises), ``stuck`` (rank 1 raises but
-stays alive), ``sft``, ``dpo``, ``grpo`` (and ``*_padded``: the same with ``padding_free=False``), ``grpo_groups``
+stays alive), ``sft`` (``sft_compiled``: with ``torch_compile``), ``dpo``, ``grpo`` (and ``*_padded``: the same with
+``padding_free=False``), ``grpo_groups``
 (each rank samples whole groups of its own prompts through a rollout engine seeded by prompt, not by rank, so
 that 1 process samples the same completions), ``distill`` (on-policy distillation through that engine).
 SCENARIO may list several, comma-separated, run one after another in the same processes (one launch costs
@@ -149,10 +150,12 @@ def scenario_stuck(out: str) -> dict:
     return {}
 
 
-def scenario_sft(out: str) -> dict:
+def scenario_sft(out: str, **overrides) -> dict:
     from treadle import SFTTrainer
 
-    trainer = SFTTrainer(**sft_parts(out, torch.distributed.get_world_size()))
+    parts = sft_parts(out, torch.distributed.get_world_size())
+    parts["args"] = dataclasses.replace(parts["args"], **overrides)
+    trainer = SFTTrainer(**parts)
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     return {"losses": step_losses(trainer.state.log_history)}
@@ -289,6 +292,12 @@ def sft_parts(out: str, world_size: int) -> dict:
         seed=0,
     )
     return dict(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def scenario_sft_compiled(out: str) -> dict:
+    """SFT with ``torch_compile`` (aot_eager: the graph capture and autograd of inductor without its C++ build) under
+    DDP: compiled blocks inside the DDP wrapper must train as the one-process eager run."""
+    return scenario_sft(out, torch_compile=True, torch_compile_backend="aot_eager")
 
 
 def dpo_parts(out: str, world_size: int, **overrides) -> dict:
@@ -539,6 +548,7 @@ SCENARIOS = {
     "error": scenario_error,
     "stuck": scenario_stuck,
     "sft": scenario_sft,
+    "sft_compiled": scenario_sft_compiled,
     "dpo": scenario_dpo,
     "dpo_precomputed": scenario_dpo_precomputed,
     "grpo": scenario_grpo,

@@ -120,3 +120,20 @@ def test_grpo_compiled_trains_as_eager_and_samples_eagerly(tmp_path, tok):
 def limit_hits() -> int:
     """How many times dynamo gave up on a function at its recompile limit (it then runs it eagerly)."""
     return sum(int(v) for k, v in torch._dynamo.utils.counters["unimplemented"].items() if "recompile limit" in k)
+
+
+def test_the_command_line_trains_compiled_from_a_yaml_config(tmp_path):
+    """`treadle train` takes the fields from YAML as Python does: the blocks compile, the report prints, the run
+    saves; the eager run of the same config ends at the same loss."""
+    from test_run_errors import treadle as cli, write_config
+
+    losses = {}
+    for name, fields in (("eager", {}), ("compiled", {"torch_compile": True, "torch_compile_backend": BACKEND})):
+        config = write_config(tmp_path, output_dir=name, save_strategy="no", **fields)
+        result = cli("train", config, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("torch_compile compiled" in result.stdout + result.stderr) == (name == "compiled")
+        assert (tmp_path / name / "model.safetensors").exists()
+        losses[name] = [line for line in result.stdout.splitlines() if "train_loss=" in line][-1]
+    assert "torch_compile compiled 2 blocks with aot_eager: the first step took" in result.stdout + result.stderr
+    assert losses["eager"].split("train_loss=")[1] == losses["compiled"].split("train_loss=")[1]

@@ -122,6 +122,7 @@ def available(module: str) -> bool:
 
 TRAINER_SCENARIOS = {
     "sft": "sft",
+    "sft_compiled": "sft",
     "dpo": "dpo",
     "dpo_precomputed": "dpo",
     "grpo": "grpo",
@@ -295,7 +296,7 @@ def trainer_reference(tmp_path, name: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["sft", "dpo", "dpo_precomputed"])
+@pytest.mark.parametrize("scenario", ["sft", "sft_compiled", "dpo", "dpo_precomputed"])
 def test_sft_and_dpo_two_processes_match_one_process(job, tmp_path, scenario):
     name = TRAINER_SCENARIOS[scenario]
     if not available(f"treadle.trainers.{name}"):
