@@ -92,19 +92,20 @@ def token_rows(tokenizer, kind: str, n: int) -> list[dict]:
     return rows
 
 
-def matmul_roof(threads: int, dtype: str = "float32") -> float:
-    """Best GFLOP/s of the model's own matmul shapes at 1,024 rows (float32 unless ``dtype`` says otherwise)."""
+def matmul_roof(threads: int, dtype: str = "float32", cols=(576, 1536, 49152), repeats: int = 3) -> float:
+    """Best GFLOP/s of the model's own matmul shapes at 1,024 rows (1,024 x 576 by 576 x ``cols``), float32 unless
+    ``dtype`` says otherwise."""
     import torch
 
     torch.set_num_threads(threads)
     best = 0.0
-    for cols in (576, 1536, 49152):
-        a, b = torch.randn(1024, 576, dtype=getattr(torch, dtype)), torch.randn(576, cols, dtype=getattr(torch, dtype))
+    for n in cols:
+        a, b = torch.randn(1024, 576, dtype=getattr(torch, dtype)), torch.randn(576, n, dtype=getattr(torch, dtype))
         a @ b
-        for _ in range(3):
+        for _ in range(repeats):
             start = time.perf_counter()
             a @ b
-            best = max(best, 2 * 1024 * 576 * cols / (time.perf_counter() - start) / 1e9)
+            best = max(best, 2 * 1024 * 576 * n / (time.perf_counter() - start) / 1e9)
     return best
 
 
@@ -132,7 +133,7 @@ def bare(kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
     rows = token_rows(tokenizer, kind, BATCH * steps)
     rows = [rows[i] for i in seeded_order(len(rows))]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=False)
-    reference = None
+    losses, reference = [], None
     if kind == "dpo":
         import copy
 
@@ -155,8 +156,11 @@ def bare(kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
         clock.tick()
-    return {"loss": loss.item(), "settings": "hand-written loop, model's own loss (SFT) / log_softmax.gather (DPO)"}
+    # the trainers log the mean loss of the steps since their last log (logging_steps = steps: all of them)
+    settings = "hand-written loop, model's own loss (SFT) / log_softmax.gather (DPO)"
+    return {"loss": sum(losses) / len(losses), "settings": settings}
 
 
 def dpo_logps(model, ids, mask, completion):
