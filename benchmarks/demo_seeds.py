@@ -1,4 +1,4 @@
-"""The README's demo table: ``treadle demo`` over several seeds, with a continued-SFT control.
+"""The demo table of docs/demos.md: ``treadle demo`` over several seeds, with a continued-SFT control.
 
 For each seed it runs the demo (SFT warm start, then GRPO from the SFT checkpoint; see ``treadle.demos.addition``) and,
 as a control, continues SFT from the same SFT checkpoint for as many steps as GRPO ran, with GRPO's schedule

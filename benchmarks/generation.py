@@ -15,7 +15,7 @@ rest (sampling, bookkeeping), for treadle and for ``generate``, timed with forwa
 forward is the floor of any sampler that calls the model once per token, so ``generate``'s step time over
 treadle's forward time is the most that removing all of treadle's own per-token work could give.
 
-Figures and the commands that produced them: README.md ("Performance") and docs/performance.md.
+Figures and the commands that produced them: docs/performance.md (the README has the headline).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's tools-demo table: ``treadle demo --task tools`` over several seeds and two sets of CPU kernels.
+"""The tools-demo table of docs/demos.md: ``treadle demo --task tools`` over several seeds and two sets of CPU kernels.
 
 Each run is the whole demo (untrained score, SFT warm start, GRPO with the ``calc`` tool, the no-tool control; see
 ``treadle.demos.tools``) in a child process, one at a time: once with the kernels torch picks on this CPU and once

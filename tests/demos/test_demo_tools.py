@@ -1,5 +1,5 @@
 """``treadle demo --task tools``: the calculator, the SFT transcripts, the toy task's split, the CLI dispatch, the
-held-out scorer (GRPOTrainer.evaluate) and a short run of the whole demo (its figures are measured in the README)."""
+held-out scorer (GRPOTrainer.evaluate) and a short run of the whole demo (its figures: docs/demos.md)."""
 
 import json
 from pathlib import Path

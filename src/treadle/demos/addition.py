@@ -42,7 +42,7 @@ from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 @dataclasses.dataclass
 class DemoSettings:
-    """What ``treadle demo`` trains; tuned on 2 CPU cores (README: figures for seeds 0 to 5).
+    """What ``treadle demo`` trains; tuned on 2 CPU cores (docs/demos.md: figures for seeds 0 to 5).
 
     SFT is a warm start: it stops as soon as the model solves ``sft_target_accuracy`` of a probe of *training*
     problems (never the held-out ones). When the tiny model "gets" addition varies a lot with the seed (after

@@ -39,7 +39,7 @@ from treadle.vision import VisionCollator
 
 @dataclasses.dataclass
 class CountDemoSettings:
-    """What ``treadle demo --task count`` trains (README: figures for seeds 0 to 2)."""
+    """What ``treadle demo --task count`` trains (docs/demos.md: figures for seeds 0 to 2)."""
 
     seed: int = 0  # model initialisation, data order and sampling
     kind: str = "llava"  # a toy_vision model: llava or idefics3 (own sampler), qwen2_vl (generate)

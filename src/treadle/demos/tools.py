@@ -38,8 +38,8 @@ from treadle.trainers.sft import SFTConfig, SFTTrainer
 
 @dataclasses.dataclass
 class ToolsDemoSettings:
-    """What ``treadle demo --task tools`` trains; tuned on 2 busy CPU cores (README: seeds 0-4 on two sets of CPU
-    kernels, ``benchmarks/tools_seeds.py``)."""
+    """What ``treadle demo --task tools`` trains; tuned on 2 busy CPU cores (docs/demos.md: seeds 0-4 on two sets of
+    CPU kernels, ``benchmarks/tools_seeds.py``)."""
 
     seed: int = 0  # model initialisation, data order and sampling
     model_size: str = "tiny"  # a treadle.toy.MODEL_SIZES key
@@ -63,7 +63,7 @@ class ToolsDemoSettings:
     sft_warmup_steps: int = 40  # steps, not a fraction of sft_steps: raising the cap must not change the run
     sft_batch_size: int = 64
     grpo_steps: int = 200  # GRPO optimizer steps (120 before the KL term: with it seed 2, AVX512, gained 10.3 in 120)
-    grpo_learning_rate: float = 1e-3  # with 120 steps, T 0.7 and no KL term: the largest gain on seed 2 (README)
+    grpo_learning_rate: float = 1e-3  # with 120 steps, T 0.7 and no KL term: largest gain on seed 2 (docs/demos.md)
     grpo_beta: float = 0.04  # KL to the warm start: without it a start that copies badly drifted into garbage
     # (seed 3, AVX512: +5.7 points; at twice the rate "<call>cal>2+2258" within 26 steps); with it +24.0
     num_generations: int = 8  # G: rollouts per prompt
