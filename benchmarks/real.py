@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -212,20 +211,13 @@ def end_ids(tokenizer) -> list[int]:
     return sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")})
 
 
-def last_number_is_sum(completions, answer, **_):
-    out = []
-    for completion, expected in zip(completions, answer):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        numbers = re.findall(r"-?\d+", text.replace(",", ""))
-        out.append(1.0 if numbers and numbers[-1] == expected else 0.0)
-    return out
-
-
 def bare_grpo(model, tokenizer, steps: int, clock: StepEnds) -> dict:
     """``generate`` G completions of each prompt, group-normalised rewards, one policy-gradient step (ratio 1 at
     the sampled weights, as one step per generation has it); the loss averaged over every completion token (dapo)."""
     import torch
     import torch.nn.functional as F
+
+    from treadle.demos.real import last_number_is_sum
 
     P, G, T = GRPO["prompts"], GRPO["g"], GRPO["tokens"]
     rows = grpo_rows(P * steps)
@@ -251,7 +243,7 @@ def bare_grpo(model, tokenizer, steps: int, clock: StepEnds) -> dict:
             )
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         answers = [row["answer"] for row in batch for _ in range(G)]
-        rewards = torch.tensor(last_number_is_sum(texts, answers)).view(P, G)
+        rewards = torch.tensor(last_number_is_sum(texts, answers)).view(P, G)  # treadle.demos.real's reward
         advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
         full_mask = torch.cat([mask.repeat_interleave(G, 0), torch.ones(P * G, T, dtype=torch.long)], 1)
         logits = model(input_ids=out, attention_mask=full_mask).logits[:, width - 1 : -1].float()
@@ -315,6 +307,8 @@ def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnd
 
         def on_step_end(self, args, state, control, **kwargs):
             clock.tick()
+
+    from treadle.demos.real import last_number_is_sum
 
     more = {"reward_funcs": last_number_is_sum} if kind == "grpo" else {}
     trainer = trainer_class(
