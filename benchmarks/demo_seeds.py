@@ -6,7 +6,7 @@ as a control, continues SFT from the same SFT checkpoint for as many steps as GR
 as a GRPO step's prompts). Every score is ``GRPOTrainer.evaluate()`` on the same 1,000 held-out problems (the
 demo's ``evaluate_heldout``): greedy exact match, and after GRPO also pass@1 and pass@4 of 4 samples per problem.
 
-    python benchmarks/demo_seeds.py --seeds 0,1,2,3,4,5      # a few minutes per seed
+    python benchmarks/demo_seeds.py --seeds 0,1,2,3,4,5 [--kernels avx2] [--threads 2]     # a few minutes per seed
 
 Prints a markdown table (seed, after SFT, after GRPO, GRPO gain, sampled pass@1 / pass@4 after GRPO, control),
 the gain's minimum, mean and maximum over the seeds, and the settings it used.
@@ -56,11 +56,32 @@ def last_eval(run: Path) -> dict:
     return [e for e in events if "eval_pass@1" in e][-1]
 
 
+def reexec_with(kernels: str, threads: int | None) -> None:
+    """Start this script again with ``ATEN_CPU_CAPABILITY`` / ``OMP_NUM_THREADS`` set as asked: torch reads both when
+    it starts, so they cannot change inside a running interpreter."""
+    if kernels not in ("native", "default", "avx2", "avx512"):
+        raise SystemExit(f"--kernels {kernels!r}: choose native, default, avx2 or avx512")
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if kernels != "native":
+        env["ATEN_CPU_CAPABILITY"] = kernels
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    keys = ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
+    if any(env.get(k) != os.environ.get(k) for k in keys):
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated demo seeds")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
+    parser.add_argument(
+        "--kernels", default="native", help="native (torch's pick for this CPU), default, avx2 or avx512"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS, or 1)")
     options = parser.parse_args()
+    reexec_with(options.kernels, options.threads)
     if "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -90,7 +111,11 @@ def main() -> None:
                 control(settings, checkpoint, root / f"control{seed}"),
             )
         )
-    print(f"\n{header}\nsettings: {DemoSettings()} (seed varies); runs in {root}\n")
+    import torch
+
+    threads = torch.get_num_threads()
+    print(f"\n{header}\nkernels {options.kernels}, {threads} thread(s); settings: {DemoSettings()} (seed varies)")
+    print(f"runs in {root}\n")
     print(
         "| seed | after SFT | after GRPO | GRPO gain (points) | after GRPO, sampled pass@1 / pass@4 "
         "| control: 200 more SFT steps instead |"

@@ -25,11 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-KERNELS = {"native": None, "default": "default"}  # name -> ATEN_CPU_CAPABILITY (None: torch's own pick)
+# name -> ATEN_CPU_CAPABILITY (None: torch's own pick); a set above what the CPU has falls back to the best it has
+KERNELS = {"native": None, "default": "default", "avx2": "avx2", "avx512": "avx512"}
 CLAIM = 15.0  # points over SFT and over the no-tool control, on every run
 
 
-def run_one(seed: int, kernels: str, folder: Path) -> dict:
+def run_one(seed: int, kernels: str, folder: Path, threads: int = 1) -> dict:
     """One demo in a child process (kept output in ``folder``.out); returns and stores its load, time and exit."""
     record_file = folder / "bench.json"
     if record_file.is_file():
@@ -38,6 +39,7 @@ def run_one(seed: int, kernels: str, folder: Path) -> dict:
     env.pop("ATEN_CPU_CAPABILITY", None)
     if KERNELS[kernels] is not None:
         env["ATEN_CPU_CAPABILITY"] = KERNELS[kernels]
+    env["OMP_NUM_THREADS"] = str(threads)
     load = os.getloadavg()[0]
     start = time.time()
     with open(f"{folder}.out", "w") as log:
@@ -58,7 +60,8 @@ def run_one(seed: int, kernels: str, folder: Path) -> dict:
             stdout=log,
             stderr=subprocess.STDOUT,
         ).returncode
-    record = {"seed": seed, "kernels": kernels, "load": load, "seconds": round(time.time() - start), "rc": rc}
+    seconds = round(time.time() - start)
+    record = {"seed": seed, "kernels": kernels, "threads": threads, "load": load, "seconds": seconds, "rc": rc}
     record_file.write_text(json.dumps(record) + "\n")
     return record
 
@@ -101,8 +104,9 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         default="native,default",
-        help="comma-separated: native (torch's pick for this CPU) and/or default (ATEN_CPU_CAPABILITY=default)",
+        help="comma-separated: native (torch's pick for this CPU), default, avx2, avx512 (ATEN_CPU_CAPABILITY)",
     )
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each demo (the demo's own: 1)")
     parser.add_argument("--out", default=None, help="folder for the runs (default: a temporary folder)")
     parser.add_argument(
         "--table-only",
@@ -123,11 +127,11 @@ def main() -> None:
     rows = {kernels: [] for kernels in kernel_sets}
     for kernels in kernel_sets:
         for seed in [int(s) for s in options.seeds.split(",")]:
-            folder = root / f"{kernels}-seed{seed}"
+            folder = root / (f"{kernels}-seed{seed}" + (f"-{options.threads}t" if options.threads != 1 else ""))
             if options.table_only and not (folder / "bench.json").is_file():
                 rows[kernels].append((f"| {seed}, {kernels} | not run | | | | | | |", None, None))
                 continue
-            rows[kernels].append(row(run_one(seed, kernels, folder), folder))
+            rows[kernels].append(row(run_one(seed, kernels, folder, options.threads), folder))
             print(rows[kernels][-1][0], flush=True)
     print(
         f"\n{header}\nruns in {root}; native = the kernels torch picks on this CPU, default = "
