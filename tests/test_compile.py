@@ -122,6 +122,7 @@ def limit_hits() -> int:
     return sum(int(v) for k, v in torch._dynamo.utils.counters["unimplemented"].items() if "recompile limit" in k)
 
 
+@pytest.mark.slow
 def test_the_command_line_trains_compiled_from_a_yaml_config(tmp_path):
     """`treadle train` takes the fields from YAML as Python does: the blocks compile, the report prints, the run
     saves; the eager run of the same config ends at the same loss."""
