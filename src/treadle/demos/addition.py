@@ -98,10 +98,10 @@ class StopAtAccuracy(TrainerCallback):
             control.should_training_stop = control.should_save = control.should_log = True
 
 
-def start_demo(task: str, output_dir: str | None) -> Path:
-    """Every demo's start: one torch thread unless OMP_NUM_THREADS says otherwise, and its run folder
-    (``output_dir``, or runs/demo[-task]-<time>), created."""
-    if "OMP_NUM_THREADS" not in os.environ:
+def start_demo(task: str, output_dir: str | None, *, one_thread: bool = True) -> Path:
+    """Every demo's start: one torch thread unless OMP_NUM_THREADS says otherwise (``one_thread=False``: torch's
+    own choice, every core), and its run folder (``output_dir``, or runs/demo[-task]-<time>), created."""
+    if one_thread and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
         # the tiny models' matrices are too small for a second thread to pay: on 2 busy cores the addition demo
