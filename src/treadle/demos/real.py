@@ -30,7 +30,9 @@ from pathlib import Path
 
 from treadle.demos import smollm2
 from treadle.demos.addition import ACCURACY, results_table, start_demo
+from treadle.models import load_pretrained
 from treadle.record.report import print_plots
+from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 
 @dataclasses.dataclass
@@ -84,10 +86,8 @@ def last_number_is_sum(completions, answer, **_) -> list[float]:
     return rewards
 
 
-def real_trainer(settings: RealDemoSettings, output_dir: Path):
-    from treadle.models import load_pretrained
-    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-
+def real_trainer(settings: RealDemoSettings, output_dir: Path) -> GRPOTrainer:
+    """The demo's GRPOTrainer: the pretrained model, the training chats of the seed, the held-out chats to score."""
     model, tokenizer = load_pretrained(smollm2.folder())
     args = GRPOConfig(
         output_dir=str(output_dir),
