@@ -130,22 +130,7 @@ def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
     checkpoint, sft_steps, sft_seconds = demo_sft(model, tokenizer, settings, out / "sft")
     model, curve, steps, seconds = demo_grpo(checkpoint, tokenizer, settings, out / "grpo")
     rows += [("after SFT", curve[0][1], sft_steps, sft_seconds), ("after GRPO", curve[-1][1], steps, seconds)]
-    (out / "results.json").write_text(
-        json.dumps(
-            {
-                "settings": dataclasses.asdict(settings),
-                "heldout_problems": problems,
-                "stages": [
-                    {"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
-                    for name, accuracy, steps, seconds in rows
-                ],
-                "grpo_curve": [{"step": step, "accuracy": accuracy} for step, accuracy in curve],
-                "total_seconds": round(time.time() - start, 1),
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    write_results(out, settings, rows, start, curve=curve, heldout_problems=problems)
     for run in (out / "sft", out / "grpo"):
         print_plots(run)
     print(
@@ -254,6 +239,24 @@ def evaluate_heldout(model, tokenizer, settings: DemoSettings, output_dir: Path)
     """``GRPOTrainer.evaluate()`` of ``model`` on the held-out problems (its metrics also go to
     ``output_dir/metrics.jsonl``): ``eval_greedy/accuracy`` is the demo's score."""
     return heldout_trainer(model, tokenizer, settings, output_dir).evaluate()
+
+
+def write_results(out: Path, settings, rows, start: float, *, curve=None, **about) -> None:
+    """``out/results.json`` of a demo: its settings, ``about`` (e.g. the held-out count), ``stages`` (stage, accuracy,
+    steps, training seconds for each of ``rows``), the GRPO ``curve`` [(step, accuracy)] if any, and the seconds since
+    ``start``."""
+    record = {
+        "settings": dataclasses.asdict(settings),
+        **about,
+        "stages": [
+            {"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
+            for name, accuracy, steps, seconds in rows
+        ],
+    }
+    if curve is not None:
+        record["grpo_curve"] = [{"step": step, "accuracy": accuracy} for step, accuracy in curve]
+    record["total_seconds"] = round(time.time() - start, 1)
+    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def results_table(rows: list[tuple[str, float, int, float]], problems: int) -> str:

@@ -22,7 +22,6 @@ folder (default ``runs/demo-count-<time>``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 
 from treadle.callbacks import TrainerCallback
 from treadle.demos import toy_vision
-from treadle.demos.addition import ACCURACY, results_table, start_demo
+from treadle.demos.addition import ACCURACY, results_table, start_demo, write_results
 from treadle.record.report import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
@@ -127,21 +126,7 @@ def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -
     began = time.time()
     grpo.train()
     rows.append(("after GRPO", grpo.evaluate()[ACCURACY], grpo.state.global_step, time.time() - began))
-    (out / "results.json").write_text(
-        json.dumps(
-            {
-                "settings": dataclasses.asdict(settings),
-                "heldout_canvases": settings.eval_size,
-                "stages": [
-                    {"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(seconds, 1)}
-                    for name, accuracy, steps, seconds in rows
-                ],
-                "total_seconds": round(time.time() - start, 1),
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    write_results(out, settings, rows, start, heldout_canvases=settings.eval_size)
     for run in (out / "sft", out / "grpo"):
         print_plots(run)
     print(results_table(rows, settings.eval_size))

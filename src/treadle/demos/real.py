@@ -22,14 +22,13 @@ took 14 minutes where 1 took 20-23. The figures in docs/demos.md are per kernel 
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import re
 import time
 from pathlib import Path
 
 from treadle.demos import smollm2
-from treadle.demos.addition import ACCURACY, results_table, start_demo
+from treadle.demos.addition import ACCURACY, results_table, start_demo, write_results
 from treadle.models import load_pretrained
 from treadle.record.report import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
@@ -132,22 +131,8 @@ def run_real_demo(settings: RealDemoSettings, output_dir: str | None = None) -> 
     curve += [(h["step"], h[ACCURACY]) for h in trainer.state.log_history if ACCURACY in h]
     trainer.save_model(str(out / "grpo" / "final"))
     rows = [("pretrained", curve[0][1], 0, 0.0), ("after GRPO", curve[-1][1], trainer.state.global_step, seconds)]
-    (out / "results.json").write_text(
-        json.dumps(
-            {
-                "settings": dataclasses.asdict(settings),
-                "model": "SmolLM2-135M-Instruct",
-                "heldout_problems": settings.eval_size,
-                "stages": [
-                    {"stage": name, "accuracy": accuracy, "steps": steps, "train_seconds": round(secs, 1)}
-                    for name, accuracy, steps, secs in rows
-                ],
-                "grpo_curve": [{"step": step, "accuracy": accuracy} for step, accuracy in curve],
-                "total_seconds": round(time.time() - start, 1),
-            },
-            indent=2,
-        )
-        + "\n"
+    write_results(
+        out, settings, rows, start, curve=curve, model="SmolLM2-135M-Instruct", heldout_problems=settings.eval_size
     )
     print_plots(out / "grpo")
     print("held-out greedy accuracy over GRPO steps: " + ", ".join(f"{s}: {a:.1%}" for s, a in curve))
