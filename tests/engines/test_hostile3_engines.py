@@ -22,6 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from test_vllm_server import server_run_config
 
 from treadle import checkpoint
 from treadle.callbacks import PreemptionCallback
@@ -236,25 +237,6 @@ def test_sigterm_while_a_request_waits_stops_within_a_second_through_the_preempt
         f"treadle: SIGTERM while waiting for the vLLM server at {url} (/generate): the request is abandoned; the "
         f"run saves the steps it finished and stops"
     ]
-
-
-def server_run_config(tmp_path, url: str, **keys) -> None:
-    """``tmp_path/run.yaml``: GRPO of toy tiny on toy addition through the vLLM server at ``url``; ``keys`` add or
-    override settings."""
-    config = dict(
-        trainer="grpo",
-        model="toy:tiny",
-        reward_funcs=["treadle.toy.addition_reward"],
-        output_dir=str(tmp_path / "run"),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_prompt_length=64,
-        use_vllm=True,
-        vllm_mode="server",
-        vllm_server_base_url=url,
-        **keys,
-    )
-    (tmp_path / "run.yaml").write_text(json.dumps(config))
 
 
 def test_treadle_train_preempted_while_generate_waits_exits_143_at_once(tmp_path, capsys):

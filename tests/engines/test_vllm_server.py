@@ -324,26 +324,28 @@ def test_a_server_that_stops_answering_mid_run_is_one_line(stand_in):
     assert f"the vLLM server at {url} stopped answering" in message and "--resume" in message and "\n" not in message
 
 
+def server_run_config(tmp_path, url: str, **keys) -> None:
+    """``tmp_path/run.yaml``: GRPO of toy tiny on toy addition through the vLLM server at ``url``; ``keys`` add or
+    override settings."""
+    config = dict(
+        trainer="grpo",
+        model="toy:tiny",
+        reward_funcs=["treadle.toy.addition_reward"],
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_prompt_length=64,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=url,
+        **keys,
+    )
+    (tmp_path / "run.yaml").write_text(json.dumps(config))
+
+
 def test_treadle_train_with_no_server_exits_2_with_one_line(tmp_path, capsys):
     url = f"http://127.0.0.1:{free_port()}"
-    (tmp_path / "run.yaml").write_text(
-        json.dumps(
-            dict(
-                trainer="grpo",
-                model="toy:tiny",
-                dataset="toy:addition:16",
-                reward_funcs=["treadle.toy.addition_reward"],
-                output_dir=str(tmp_path / "run"),
-                max_steps=1,
-                per_device_train_batch_size=4,
-                num_generations=2,
-                use_vllm=True,
-                vllm_mode="server",
-                vllm_server_base_url=url,
-                vllm_server_timeout=0.2,
-            )
-        )
-    )
+    server_run_config(tmp_path, url, dataset="toy:addition:16", max_steps=1, vllm_server_timeout=0.2)
     assert cli.main(["train", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("treadle: error: no vLLM server answered at " + url)
