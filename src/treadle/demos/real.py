@@ -31,6 +31,7 @@ from treadle.demos import smollm2
 from treadle.demos.addition import ACCURACY, results_table, start_demo, write_results
 from treadle.models import load_pretrained
 from treadle.record.report import print_plots
+from treadle.rewards import completion_text
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 
@@ -55,17 +56,19 @@ class RealDemoSettings:
             raise ValueError(f"--eval-size is at most {HELD_OUT}, the held-out pairs there are; got {self.eval_size}")
 
 
-HELD_OUT = 1620  # pairs (a, b) in 10..99 with (7a + b) % 5 == 0
+def split_pairs(split: str) -> list[tuple[int, int]]:
+    """The operand pairs of ``split``: "test" holds the fifth with (7a + b) % 5 == 0, "train" the rest."""
+    return [(a, b) for a in range(10, 100) for b in range(10, 100) if ((a * 7 + b) % 5 == 0) == (split == "test")]
 
 
-def held_out(a: int, b: int) -> bool:
-    return (a * 7 + b) % 5 == 0
+HELD_OUT = len(split_pairs("test"))  # 1,620 pairs
 
 
 def chats(split: str, n: int, seed: int) -> list[dict]:
-    """``n`` distinct addition chats of the split ("train" or "test"), in the seed's order; rows hold the chat
-    (``prompt``) and the sum as text (``answer``), which the reward function receives."""
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if held_out(a, b) == (split == "test")]
+    """``n`` addition chats of the split ("train" or "test") in the seed's order, distinct up to the split's size
+    (then they repeat); rows hold the chat (``prompt``) and the sum as text (``answer``), which the reward function
+    receives."""
+    pairs = split_pairs(split)
     random.Random(f"{split}-{seed}").shuffle(pairs)
     rows = []
     for i in range(n):
@@ -79,8 +82,7 @@ def last_number_is_sum(completions, answer, **_) -> list[float]:
     """1.0 when the last number in the completion is the sum, else 0.0 ("17 + 21 = 38" is right)."""
     rewards = []
     for completion, expected in zip(completions, answer):
-        text = completion if isinstance(completion, str) else completion[-1]["content"]
-        numbers = re.findall(r"-?\d+", text.replace(",", ""))
+        numbers = re.findall(r"-?\d+", completion_text(completion).replace(",", ""))
         rewards.append(1.0 if numbers and numbers[-1] == expected else 0.0)
     return rewards
 
