@@ -14,6 +14,10 @@ import platform
 import re
 import subprocess
 
+# ``--kernels`` of the demo benchmarks: native leaves torch's pick for this CPU, the others are ATEN_CPU_CAPABILITY
+# values (a set above what the CPU has falls back to the best it has)
+KERNEL_SETS = ("native", "default", "avx2", "avx512")
+
 # The flags that decide which matmul / bfloat16 kernels torch's CPU backend can use.
 SIMD = re.compile(r"^(avx\w*|amx\w*|fma|f16c|sse4_2|neon|asimd\w*|sve\w*)$")
 
@@ -54,3 +58,17 @@ def machine_header() -> str:
         f"Machine: {model}, {cores} core(s) usable, flags [{' '.join(flags) or 'none found'}], load average "
         f"{load} (1/5/15 min) at start, torch {torch.__version__} with {torch.get_num_threads()} thread(s)"
     )
+
+
+def kernel_env(kernels: str, threads: int | None = None) -> dict[str, str]:
+    """This process's environment with ``ATEN_CPU_CAPABILITY`` set for ``kernels`` (unset for native) and, when
+    ``threads`` is given, ``OMP_NUM_THREADS``: torch reads both when it starts, so they go to a new process."""
+    if kernels not in KERNEL_SETS:
+        raise ValueError(f"--kernels {kernels!r}: choose from {', '.join(KERNEL_SETS)}")
+    env = dict(os.environ)
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    if kernels != "native":
+        env["ATEN_CPU_CAPABILITY"] = kernels
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env

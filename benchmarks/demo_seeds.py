@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _machine import kernel_env, machine_header  # this script's folder is on sys.path
+
 
 def control(settings, sft_checkpoint: str, out: Path) -> float:
     """Held-out exact match after ``grpo_steps`` more SFT steps from the SFT checkpoint (gold answers)."""
@@ -59,14 +61,10 @@ def last_eval(run: Path) -> dict:
 def reexec_with(kernels: str, threads: int | None) -> None:
     """Start this script again with ``ATEN_CPU_CAPABILITY`` / ``OMP_NUM_THREADS`` set as asked: torch reads both when
     it starts, so they cannot change inside a running interpreter."""
-    if kernels not in ("native", "default", "avx2", "avx512"):
-        raise SystemExit(f"--kernels {kernels!r}: choose native, default, avx2 or avx512")
-    env = dict(os.environ)
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if kernels != "native":
-        env["ATEN_CPU_CAPABILITY"] = kernels
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+    try:
+        env = kernel_env(kernels, threads)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     keys = ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
     if any(env.get(k) != os.environ.get(k) for k in keys):
         os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
@@ -87,9 +85,6 @@ def main() -> None:
 
         torch.set_num_threads(1)  # as the demo itself
     from treadle.demos.addition import DemoSettings, run_demo
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _machine import machine_header
 
     header = machine_header()  # before the runs: its load average is the one they started under
     root = Path(options.out or tempfile.mkdtemp(prefix="demo-seeds-"))

@@ -23,13 +23,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _machine import kernel_env  # this script's folder is on sys.path
+
 
 def run_one(spec: str, folder: Path) -> dict:
     seed, kernels, threads = spec.split(":")
     out = folder / f"seed{seed}-{kernels}-{threads}t"
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    if kernels != "native":
-        env["ATEN_CPU_CAPABILITY"] = kernels
+    env = {**kernel_env(kernels, int(threads)), "TOKENIZERS_PARALLELISM": "false"}
     load = os.getloadavg()[0]
     start = time.time()
     command = [sys.executable, "-m", "treadle", "demo", "--model", "smollm2", "--seed", seed, "--output-dir", str(out)]

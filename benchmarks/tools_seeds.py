@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# name -> ATEN_CPU_CAPABILITY (None: torch's own pick); a set above what the CPU has falls back to the best it has
-KERNELS = {"native": None, "default": "default", "avx2": "avx2", "avx512": "avx512"}
+from _machine import KERNEL_SETS, kernel_env, machine_header  # this script's folder is on sys.path
+
 CLAIM = 15.0  # points over SFT and over the no-tool control, on every run
 
 
@@ -35,11 +35,7 @@ def run_one(seed: int, kernels: str, folder: Path, threads: int = 1) -> dict:
     record_file = folder / "bench.json"
     if record_file.is_file():
         return json.loads(record_file.read_text())
-    env = dict(os.environ)
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if KERNELS[kernels] is not None:
-        env["ATEN_CPU_CAPABILITY"] = KERNELS[kernels]
-    env["OMP_NUM_THREADS"] = str(threads)
+    env = kernel_env(kernels, threads)
     load = os.getloadavg()[0]
     start = time.time()
     with open(f"{folder}.out", "w") as log:
@@ -115,11 +111,9 @@ def main() -> None:
     )
     options = parser.parse_args()
     kernel_sets = options.kernels.split(",")
-    unknown = sorted(set(kernel_sets) - set(KERNELS))
+    unknown = sorted(set(kernel_sets) - set(KERNEL_SETS))
     if unknown:
-        parser.error(f"--kernels {unknown}: choose from {sorted(KERNELS)}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _machine import machine_header
+        parser.error(f"--kernels {unknown}: choose from {sorted(KERNEL_SETS)}")
 
     header = machine_header()  # before the runs: its load average is the one they started under
     root = Path(options.out or tempfile.mkdtemp(prefix="tools-seeds-"))
