@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from treadle.demos import distill as demo_distill
+from treadle.cli import command as cli
+from treadle.demos import addition, distill as demo_distill
 from treadle.demos.distill import DistillDemoSettings, first_reaching, results_table, summarise
 
 TINY = dict(
@@ -90,3 +91,15 @@ def test_summary_finds_the_first_step_at_grpo_final():
     ]
     assert methods["distillation"]["seconds_to_grpo_final"] == 2.0
     assert lines[6].split()[-1] == "never"
+
+
+def test_the_command_line_hands_the_teacher_folder_to_the_distill_demo_only(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(demo_distill, "run_distill_demo", lambda settings, out: calls.append((settings, out)) or 0)
+    assert cli.main(["demo", "--task", "distill", "--seed", "3", "--teacher-dir", "t", "--output-dir", "x"]) == 0
+    assert calls == [(DistillDemoSettings(seed=3, teacher_dir="t"), "x")]
+    monkeypatch.setattr(addition, "run_demo", lambda *a: pytest.fail("the demo must not start"))
+    assert cli.main(["demo", "--teacher-dir", "t"]) == 2
+    assert (
+        capsys.readouterr().err.strip() == "treadle: error: --teacher-dir has no use in --task addition; leave it out"
+    )

@@ -1,7 +1,7 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
     treadle demo [--task addition|tools|distill|count] [--model toy|smollm2] [--output-dir DIR] [--seed N]
-                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--max_staleness N]
+                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--teacher-dir DIR] [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
@@ -109,6 +109,9 @@ def _add_demo_command(commands) -> None:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps (tools: per attempt)")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
+    demo.add_argument(
+        "--teacher-dir", help="distill: the teacher's folder, reused when it holds one (default: RUN_FOLDER/teacher)"
+    )
     demo.add_argument("--use-vllm", "--use_vllm", action="store_true", help="addition: GRPO samples with vLLM")
     demo.add_argument(
         "--max-staleness",
@@ -409,7 +412,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demos.addition."""
     from treadle.demos import addition as demo  # heavy: torch, transformers
 
-    names = ("seed", "sft_steps", "grpo_steps", "eval_size", "use_vllm", "max_staleness")
+    names = ("seed", "sft_steps", "grpo_steps", "eval_size", "teacher_dir", "use_vllm", "max_staleness")
     given = {name: getattr(args, name) for name in names if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"
