@@ -9,10 +9,13 @@ the load average when the benchmark started (other processes only ever add time)
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import subprocess
+import time
+from pathlib import Path
 
 # ``--kernels`` of the demo benchmarks: native leaves torch's pick for this CPU, the others are ATEN_CPU_CAPABILITY
 # values (a set above what the CPU has falls back to the best it has)
@@ -72,3 +75,23 @@ def kernel_env(kernels: str, threads: int | None = None) -> dict[str, str]:
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def run_recorded(argv: list[str], folder: Path, kernels: str, threads: int) -> dict:
+    """Run ``argv`` (e.g. ``treadle demo ... --output-dir folder``) in a child process with ``kernel_env(kernels,
+    threads)``, its output in ``folder``.out; return and keep in ``folder``/bench.json its seed-free record: kernels,
+    threads, the 1-minute load average at its start, its wall seconds and exit code. A folder that already holds
+    a record is not run again, so an interrupted table resumes with the same command."""
+    record_file = folder / "bench.json"
+    if record_file.is_file():
+        return json.loads(record_file.read_text())
+    env = kernel_env(kernels, threads)
+    load = os.getloadavg()[0]
+    start = time.time()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{folder}.out", "w") as log:
+        rc = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    record = {"kernels": kernels, "threads": threads, "load": load, "seconds": round(time.time() - start), "rc": rc}
+    folder.mkdir(parents=True, exist_ok=True)
+    record_file.write_text(json.dumps(record) + "\n")
+    return record

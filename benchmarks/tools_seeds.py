@@ -18,48 +18,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _machine import KERNEL_SETS, kernel_env, machine_header  # this script's folder is on sys.path
+from _machine import KERNEL_SETS, machine_header, run_recorded  # this script's folder is on sys.path
 
 CLAIM = 15.0  # points over SFT and over the no-tool control, on every run
 
 
 def run_one(seed: int, kernels: str, folder: Path, threads: int = 1) -> dict:
     """One demo in a child process (kept output in ``folder``.out); returns and stores its load, time and exit."""
-    record_file = folder / "bench.json"
-    if record_file.is_file():
-        return json.loads(record_file.read_text())
-    env = kernel_env(kernels, threads)
-    load = os.getloadavg()[0]
-    start = time.time()
-    with open(f"{folder}.out", "w") as log:
-        rc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "treadle",
-                "demo",
-                "--task",
-                "tools",
-                "--seed",
-                str(seed),
-                "--output-dir",
-                str(folder),
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        ).returncode
-    seconds = round(time.time() - start)
-    record = {"seed": seed, "kernels": kernels, "threads": threads, "load": load, "seconds": seconds, "rc": rc}
-    record_file.write_text(json.dumps(record) + "\n")
-    return record
+    argv = [
+        sys.executable,
+        "-m",
+        "treadle",
+        "demo",
+        "--task",
+        "tools",
+        "--seed",
+        str(seed),
+        "--output-dir",
+        str(folder),
+    ]
+    return {"seed": seed, **run_recorded(argv, folder, kernels, threads)}
 
 
 def row(record: dict, folder: Path) -> tuple[str, float | None, float | None]:
