@@ -391,3 +391,7 @@ def test_the_count_demo_runs_end_to_end(tmp_path):
     stages = json.loads((tmp_path / "demo" / "results.json").read_text())["stages"]
     assert [s["stage"] for s in stages] == ["untrained", "after SFT", "after GRPO"]
     assert [s["steps"] for s in stages] == [0, 2, 1] and all(0 <= s["accuracy"] <= 1 for s in stages)
+    # the KL term's reference is the SFT start: at GRPO's first step the policy is that model, so the KL is 0
+    # (a reference copied before SFT, the untrained model, read 3.25 at step 5 on seed 1)
+    kl = [row["kl"] for row in map(json.loads, (tmp_path / "demo" / "grpo" / "metrics.jsonl").open()) if "kl" in row]
+    assert kl and abs(kl[0]) < 1e-5

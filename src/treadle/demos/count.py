@@ -125,6 +125,8 @@ def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -
     grpo = count_grpo_trainer(model, processor, settings, out / "grpo")
     rows = [("untrained", grpo.evaluate()[ACCURACY], 0, 0.0)]
     sft_steps, sft_seconds = count_sft(model, processor, settings, out / "sft")
+    if grpo.needs_reference_logps():  # the KL term's reference is the SFT start, not the untrained model that
+        grpo.ref_model = grpo.build_reference_model()  # GRPOTrainer copied when it was built (to score it)
     rows.append(("after SFT", grpo.evaluate()[ACCURACY], sft_steps, sft_seconds))
     began = time.time()
     grpo.train()
