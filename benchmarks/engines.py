@@ -73,9 +73,10 @@ def start_vllm(model):
     return engine, started, time.perf_counter() - start
 
 
-def start_server(model, size: str):
-    """(engine, start-up seconds, one weight sync's seconds, process) of a ``treadle vllm-serve`` subprocess, or
-    (None, reason, None, None) without vLLM."""
+def start_server(model, spec: str, options: tuple[str, ...] = (), timeout: float = 900.0):
+    """(engine, start-up seconds, one weight sync's seconds, process) of a ``treadle vllm-serve SPEC`` subprocess
+    (``toy:<size>`` or a model folder; ``options``: more of its flags, e.g. ``--dtype``), or (None, reason, None,
+    None) without vLLM. ``timeout``: seconds the engine waits for the server's first answer."""
     try:
         from treadle.engines.vllm import require_vllm  # vLLM is optional: .venv-vllm only
         from treadle.engines.vllm_server import VLLMServerEngine
@@ -97,14 +98,20 @@ def start_server(model, size: str):
         "-m",
         "treadle",
         "vllm-serve",
-        f"toy:{size}",
+        spec,
         "--port",
         str(port),
         "--max-model-len",
         "256",
+        *options,
     ]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=900)
+    try:
+        engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=timeout)
+    except BaseException:  # a server that never answers (or a row's time running out) leaves no process behind
+        process.terminate()
+        process.wait(timeout=60)
+        raise
     started = time.perf_counter() - start
     start = time.perf_counter()
     engine.load_weights(model)
@@ -132,7 +139,7 @@ def main(argv=None) -> None:
         contenders["vLLM colocate (VLLMEngine)"] = vllm
     server = server_start = server_sync = process = None
     if not args.no_server:
-        server, server_start, server_sync, process = start_server(model, args.model)
+        server, server_start, server_sync, process = start_server(model, f"toy:{args.model}")
     if server is not None:
         contenders["vLLM server (VLLMServerEngine, loopback)"] = server
     times = {name: [] for name in contenders}

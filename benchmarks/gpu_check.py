@@ -20,6 +20,15 @@ as full weights, and as a LoRA policy (r 16 on every projection) synced as its a
 seconds, the median of 3 syncs of changed weights (seconds, tensors, MB sent) and rollouts/s of 64 prompts x 8 x
 128 tokens (EOS ignored; smoke 4 x 2 x 8). FAIL when the engine's weight-sync check finds a sync that did not
 change its log-probs. Without vLLM (the main .venv) the rows are skipped with the reason printed.
+
+Mode ``real`` (one process only; last): rollout tokens/s of the own sampler, transformers ``generate``, vLLM colocated
+and vLLM served, and seconds per GRPO step, on SmolLM2-135M-Instruct's architecture (``benchmarks/_real_rows.py``
+says what each row runs; ``--real-rows``, ``--real-model``, ``--real-weights``). Each of its rows runs under
+``--row-timeout`` seconds: one that runs out is reported and the next runs.
+
+``--out FILE`` holds every mode's rows (``results``) and the failures, rewritten after each row, so that a run cut
+short keeps what it measured. The default run (DDP, FSDP2, vLLM skipped without vLLM, real) takes a few minutes on
+one H200, most of it imports and start-up.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
+import _real_rows  # noqa: E402  (this folder is on sys.path when a script in it runs)
+from _machine import machine_header  # noqa: E402
 
 from treadle import (  # noqa: E402
     Trainer,
@@ -66,17 +76,19 @@ SMOKE_MODEL = dict(
 VLLM_SMOKE_MODEL = dict(SMOKE_MODEL, hidden_size=64, num_attention_heads=2, num_key_value_heads=2)  # head size 32
 H200_BF16_DENSE_TFLOPS = 989.0  # vendor peak, for a rough model-FLOPs utilisation
 FIRST_LOSS_TOLERANCE = 2e-2  # bf16 autocast: DDP and FSDP2 run the same kernels on the same fp32 weights
+MODES = ("ddp", "fsdp", "vllm", "real")  # ddp and fsdp in the order asked, then vllm, then real
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU, a few seconds")
-    parser.add_argument("--modes", default="ddp,fsdp,vllm", help="comma-separated: ddp, fsdp, vllm")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps (default 10; smoke 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
     parser.add_argument("--batch", type=int, default=None, help="rows per device (default 8; smoke 2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 1024; smoke 32)")
     parser.add_argument("--out", default=None, help="also write the results to this JSON file")
+    _real_rows.add_arguments(parser)
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
     args.steps = args.steps or (3 if smoke else 10)
@@ -86,9 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be >= 1 (the clock starts at the end of the last warm-up step)")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(args.modes) - {"ddp", "fsdp", "vllm"}
+    unknown = set(args.modes) - set(MODES)
     if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}; use ddp, fsdp and/or vllm")
+        parser.error(f"unknown modes {sorted(unknown)}; use {', '.join(MODES)}")
+    _real_rows.check_arguments(args, parser)
     return args
 
 
@@ -217,28 +230,57 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny matrices: more threads only contend
     dist.init_distributed(device, force=True)
-    results, failures = [], []
-    for mode in [m for m in opts.modes if m != "vllm"]:
+    out = Results(opts.out, dist.is_main_process())
+    for mode in [m for m in opts.modes if m in ("ddp", "fsdp")]:
         try:
-            results.append(run_mode(mode, opts, device))
+            out.add(run_mode(mode, opts, device))
         except Exception as e:  # report and go on: the other mode's numbers are still worth having
-            failures.append(f"{mode}: {type(e).__name__}: {e}")
-        if dist.is_main_process() and results and results[-1]["mode"] == mode:
-            print(json.dumps(results[-1]), flush=True)
-    failures += problems(results)
+            out.fail(f"{mode}: {type(e).__name__}: {e}")
+    out.fail(*problems(out.rows))
     if dist.is_main_process():
-        report(results, failures, opts)
+        report(out.rows, out.failures, opts)  # the machine; the training modes' table when they ran
     dist.barrier()
     world = dist.get_world_size()
     if dist.is_initialized():
         torch.distributed.destroy_process_group()
     if "vllm" in opts.modes:  # after the group is gone: the in-process engine makes its own
-        failures += vllm_rows(opts, device, world)
-    return 1 if failures else 0
+        out.fail(*vllm_rows(opts, device, world, out))
+    if "real" in opts.modes and world > 1:
+        print("real: skipped: its rows run in one process (without torchrun)")
+    elif "real" in opts.modes:
+        real_failures = _real_rows.real_rows(opts, device, out.add)
+        _real_rows.report([r for r in out.rows if r["mode"] == "real"])
+        print("\n".join(f"FAIL {f}" for f in real_failures) or "OK (real)")
+        out.fail(*real_failures)
+    return 1 if out.failures else 0
 
 
-def vllm_rows(opts, device: torch.device, world: int) -> list[str]:
-    """The vLLM engine's rows (printed); returns failures. Skipped, with the reason, without vLLM or under torchrun."""
+class Results:
+    """Every mode's rows and failures. The main process prints each row as one JSON line and rewrites ``--out``
+    after each row and failure, so that a run cut short (a device's time limit) keeps what it measured."""
+
+    def __init__(self, path: str | None, main_process: bool):
+        self.path, self.main_process, self.rows, self.failures = path, main_process, [], []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        if self.main_process:
+            print(json.dumps(row), flush=True)
+        self.write()
+
+    def fail(self, *failures: str) -> None:
+        self.failures += failures
+        self.write()
+
+    def write(self) -> None:
+        if self.path and self.main_process:
+            with open(self.path, "w") as f:
+                json.dump({"results": self.rows, "failures": self.failures}, f, indent=2)
+
+
+def vllm_rows(opts, device: torch.device, world: int, out: Results) -> list[str]:
+    """The vLLM engine's rows (added to ``out``); returns failures. Skipped, with the reason, without vLLM or under
+    torchrun."""
     if world > 1:
         print("vllm: skipped: the colocated engine rows run in one process (without torchrun)")
         return []
@@ -254,7 +296,7 @@ def vllm_rows(opts, device: torch.device, world: int) -> list[str]:
     for sync in ("full", "lora"):
         try:
             rows.append(vllm_row(sync, opts, device, VLLMEngine))
-            print(json.dumps(rows[-1]), flush=True)
+            out.add(rows[-1])
             if rows[-1]["unchanged_syncs"]:
                 failures.append(
                     f"vllm {sync}: {rows[-1]['unchanged_syncs']} syncs left the engine's log-probs as they were"
@@ -328,20 +370,19 @@ def report(results: list[dict], failures: list[str], opts) -> None:
     memory_key = "peak_gpu_memory_gib" if not opts.cpu_smoke else "peak_process_rss_gib"
     gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() and not opts.cpu_smoke else ""
     print(f"\n{machine_header()}{gpu}")
+    if not {"ddp", "fsdp"} & set(opts.modes):
+        return
     print(
         f"\n{'mode':6} {'wrapper':28} {'params(M)':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {memory_key:>21} "
         f"{'loss first -> last':>20}"
     )
-    for r in results:
+    for r in [r for r in results if r["mode"] in ("ddp", "fsdp")]:
         print(
             f"{r['mode']:6} {r['wrapper']:28} {r['params_m']:9.3f} {r['tokens_per_s']:11.1f} "
             f"{r['model_tflops_per_device']:11.2f} {r[memory_key]:21.2f} "
             f"{r['first_loss']:9.4f} -> {r['last_loss']:.4f}"
         )
     print("\n".join(f"FAIL {f}" for f in failures) or "OK")
-    if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump({"results": results, "failures": failures}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -548,10 +548,22 @@ def test_grpo_across_two_nodes_matches_one_process(two_nodes, grpo_groups_refere
 # ---------------------------------------------------------------------------------------------------------
 # The GPU check script stays runnable
 # ---------------------------------------------------------------------------------------------------------
+# The GPU image has no ``datasets``: the smoke runs with it made unimportable, as it would be there.
+NO_DATASETS = """import sys
+class NoDatasets:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "datasets":
+            raise ImportError("datasets is not on the GPU image")
+sys.meta_path.insert(0, NoDatasets())
+"""
+
+
 @pytest.mark.slow
-def test_gpu_check_cpu_smoke_runs_ddp_and_fsdp2(tmp_path):
+def test_gpu_check_cpu_smoke_runs_every_mode_without_datasets(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "sitecustomize.py").write_text(NO_DATASETS)
+    path = os.pathsep.join([str(tmp_path), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--steps", "2", "--out", str(out)],
         cwd=tmp_path,
@@ -563,9 +575,16 @@ def test_gpu_check_cpu_smoke_runs_ddp_and_fsdp2(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["failures"] == []
-    by_mode = {r["mode"]: r for r in report["results"]}
+    by_mode = {r["mode"]: r for r in report["results"] if r["mode"] in ("ddp", "fsdp")}
     assert by_mode["ddp"]["wrapper"] == "DistributedDataParallel"
     assert by_mode["fsdp"]["wrapper"] == "FSDPLlamaForCausalLM"
     for r in by_mode.values():
         assert r["tokens_per_step"] == 2 * 32 and r["tokens_per_s"] > 0 and r["peak_process_rss_gib"] > 0
     assert by_mode["ddp"]["first_loss"] == pytest.approx(by_mode["fsdp"]["first_loss"], abs=1e-6)
+    real = {r["row"]: r for r in report["results"] if r["mode"] == "real"}
+    assert list(real) == ["own", "hf", "vllm-colocate", "vllm-server", "grpo"]
+    for name in ("own", "hf", "grpo"):
+        assert real[name]["status"] == "ok" and real[name]["tokens_per_s"] > 0 and real[name]["dtype"] == "float32"
+    assert real["grpo"]["sample_and_score_s"] > 0 and len(real["grpo"]["losses"]) == 2
+    vllm = importlib.util.find_spec("vllm") is not None
+    assert {real[name]["status"] for name in ("vllm-colocate", "vllm-server")} == {"ok" if vllm else "skipped"}

@@ -12,8 +12,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import datasets
-
 from treadle import peft as treadle_peft
 from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
@@ -77,6 +75,8 @@ def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Pat
     for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder. ``spec`` may
     also be a mapping ``{path: SPEC, streaming: true}``: the same data as a ``datasets.IterableDataset``, read
     as training goes (a file through ``datasets.load_dataset(..., streaming=True)``; see ``treadle.streaming``)."""
+    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+
     if isinstance(spec, dict):
         return _dataset_from_mapping(spec, kind=kind, split=split, base_dir=base_dir)
     spec = str(spec)
@@ -122,6 +122,8 @@ STREAM_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 
 def _dataset_from_mapping(spec: dict, *, kind: str, split: str, base_dir: Path):
     """``{path: ..., streaming: true|false}``: ``path`` as ``load_dataset`` reads it, streamed when asked."""
+    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+
     unknown = sorted(set(spec) - {"path", "streaming"})
     if unknown or not spec.get("path") or not isinstance(spec.get("streaming", False), bool):
         raise ValueError(
@@ -151,6 +153,8 @@ TEXT_COLUMNS = {
 
 
 def _toy_dataset(spec: str, *, kind: str, split: str):
+    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+
     task, _, size = spec.removeprefix("toy:").partition(":")
     if task == "count" and (not size or size.isdigit()):  # images: treadle.demos.toy_vision's canvases
         return datasets.Dataset.from_list(toy_vision.count_task(split, int(size or 512), kind=kind))
@@ -207,6 +211,8 @@ def _read_jsonl(path: Path, kind: str, from_rows):
     than memory trains; the way to streaming). When it cannot read the file, reads no rows, or reads a text column
     that is not text (it casts a column to one type, so the row it blames may not be the one at fault), treadle's
     own reader of the same lines finds the line and says what is wrong with it (``from_rows`` checks the columns)."""
+    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+
     try:
         data = datasets.Dataset.from_json(str(path))
         if len(data):
@@ -260,6 +266,7 @@ def _shape_of(value) -> str:
 def _read_csv(path: Path):
     """A CSV file with every column read as text (a CSV has no types: "3" as a completion is text); an empty
     cell is null, which ``check_text_columns`` refuses in a text column."""
+    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
     import pandas  # pandas only for CSV files (~0.4 s to import)
 
     return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=str), preserve_index=False)
