@@ -69,6 +69,8 @@ def row(record: dict, folder: Path) -> tuple[str, float | None, bool]:
         return f"{head}| failed: exit {record['rc']} (see {folder}.out) | | | | {tail}", None, False
     start, end, gain, met = outcome(record["task"], json.loads((folder / "results.json").read_text()))
     shown = f"{gain:.2f}x GRPO's time" if record["task"] == "distill" else f"{gain:+.1f}"
+    if gain != gain:  # NaN: distillation never reached GRPO's final accuracy
+        shown = "never"
     return f"{head}| {start} | {end} | {shown} | {'yes' if met else '**no**'} {tail}", gain, met
 
 
@@ -116,7 +118,7 @@ def main() -> None:
     print("|---|---:|---|---:|---:|---|---:|---|---:|---:|")
     print("\n".join(lines))
     for (task, kernels, threads), runs in gains.items():
-        done = [g for g, _ in runs if g is not None]
+        done = [g for g, _ in runs if g is not None and g == g]  # finished, and (distill) reached GRPO's final
         spread = f"min {min(done):.2f}, max {max(done):.2f}" if done else "no finished run"
         met = sum(m for _, m in runs)
         print(f"{task}, {kernels}, {threads} thread(s): {spread}; claim met on {met} of {len(runs)}")
