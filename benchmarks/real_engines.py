@@ -17,8 +17,9 @@ rate of the model's own matmul shapes at 64 rows (64 x 576 by 576 x {192, 576, 1
 
     OMP_NUM_THREADS=1 python benchmarks/real_engines.py [--threads 1] [--tokens 32] [--rounds 3] [--profile]
 
-``--profile`` prints where one decode step of the own sampler goes, op by op (torch.profiler): the profile of a
-call with 2 new tokens minus that of a call with 1 (the prefill and first draw cancel out).
+``--profile`` prints where one decode step of the own sampler goes, op by op (torch.profiler): the profile of the
+whole call minus that of a call with 1 new token (the prefill and first draw cancel out), over ``--tokens - 1`` steps.
+``--profile-only`` skips the timed rounds.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-generate", action="store_true", help="leave out transformers generate")
     parser.add_argument("--profile", action="store_true", help="per-op profile of one own-sampler decode step")
+    parser.add_argument("--profile-only", action="store_true", help="the roof and --profile, no timed rounds")
     parser.add_argument("--top", type=int, default=15, help="ops listed by --profile")
     return parser.parse_args(argv)
 
@@ -140,21 +142,28 @@ def report(times: dict, params: SamplingParams, rows: int, roof: float) -> None:
 
 
 def profile_step(model, prompts, params, top: int) -> None:
-    """Per-op self time of one decode step: profile(2 new tokens) - profile(1 new token)."""
+    """Per-op self time of one decode step: (profile of the whole call - profile of a 1-token call) / (tokens - 1),
+    so that the prefill (about 4 decode steps of work here, and its noise) cancels out."""
     from torch.profiler import ProfilerActivity, profile
 
     def ops(tokens: int) -> dict:
-        timed(model, prompts, params, "fast", tokens)  # warm
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             timed(model, prompts, params, "fast", tokens)
         return {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
 
-    one, two = ops(1), ops(2)
-    diff = {k: (ms - one.get(k, (0.0, 0))[0], n - one.get(k, (0.0, 0))[1]) for k, (ms, n) in two.items()}
+    steps = params.max_new_tokens - 1
+    one, full = ops(1), ops(params.max_new_tokens)
+    diff = {
+        k: ((ms - one.get(k, (0.0, 0))[0]) / steps, (n - one.get(k, (0.0, 0))[1]) / steps)
+        for k, (ms, n) in full.items()
+    }
     total = sum(ms for ms, _ in diff.values())
-    print(f"\nOne decode step, per op (self ms; calls; 2-token call minus 1-token call): total {total:.1f} ms")
+    print(
+        f"\nOne decode step, per op (self ms; calls; the {params.max_new_tokens}-token call minus the 1-token call, "
+        f"over {steps} steps): total {total:.1f} ms"
+    )
     for name, (ms, n) in sorted(diff.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  {name:<40}{ms:>9.1f}{n:>7}{ms / total:>7.0%}")
+        print(f"  {name:<50}{ms:>8.1f}{n:>7.0f}{ms / total:>7.0%}")
 
 
 def main(argv=None) -> None:
@@ -173,11 +182,13 @@ def main(argv=None) -> None:
     )
     roof = matmul_roof(rows)
     print(f"float32 matmul roof at {rows} rows (the model's shapes, this run): {roof:.1f} GFLOP/s")
-    backends = ["fast"] if args.no_generate else ["fast", "hf"]
-    times = measure(model, prompts, params, backends, args.rounds)
-    report(times, params, rows, roof)
-    print(f"roof after the runs: {matmul_roof(rows):.1f} GFLOP/s")
-    if args.profile:
+    if not args.profile_only:
+        backends = ["fast"] if args.no_generate else ["fast", "hf"]
+        times = measure(model, prompts, params, backends, args.rounds)
+        report(times, params, rows, roof)
+        print(f"roof after the runs: {matmul_roof(rows):.1f} GFLOP/s")
+    if args.profile or args.profile_only:
+        timed(model, prompts, params, "fast", 2)  # warm
         profile_step(model, prompts, params, args.top)
 
 
