@@ -244,7 +244,8 @@ def test_greedy_matches_transformers_with_eager_attention(early_eos):
 
 def test_fast_prefills_distinct_prompts_once_and_stops_when_all_finished(model, early_eos):
     batch_sizes = []
-    hook = model.register_forward_pre_hook(
+    # the backbone: the prefill reaches it through the model's forward, a decode step calls it with the sliced head
+    hook = model.model.register_forward_pre_hook(
         lambda m, a, kw: batch_sizes.append(kw["input_ids"].shape), with_kwargs=True
     )
     try:

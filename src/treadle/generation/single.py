@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from treadle.generation.cache import attention_kind, cache_argument, expand_cache, prefill
+from treadle.generation.head import plain_head, sliced_head
 from treadle.generation.sampling import (
     SamplingParams,
     process_logits,
@@ -385,24 +386,46 @@ def _generate_fast(
     state = DecodeState.start(
         prompt_ids, prompt_mask, logits, params, four_d_mask=all_preallocated and attention_kind(model) == "sdpa"
     )
+    forward = NextLogits(model, cache, width)
     for step in range(params.max_new_tokens):
-        scores = process_logits(state.logits, params, state.seen)
-        next_tokens = sample_next_tokens(scores, params.do_sample, generator)
-        state.record(step, next_tokens, sampled_logps(scores, next_tokens))
+        state.sample(step, params, generator)
         unfinished = int(state.unfinished.sum())  # the one host sync per token: the price of stopping early
         if step == params.max_new_tokens - 1 or unfinished == 0:
             break
         state.drop_finished_rows(cache, unfinished)
-        out = model(
-            **{cache_name: cache},
-            input_ids=state.next_tokens[:, None],
-            attention_mask=state.attention_mask[..., : width + step + 1],
-            position_ids=state.positions[:, None],
-            use_cache=True,
-        )
-        state.logits = out.logits[:, -1]
+        state.logits = forward(state, step)
         state.positions += 1
     return state.completion, state.completion_logps
+
+
+class NextLogits:
+    """One decode step's forward: the last sampled tokens in, the next-token logits (R, V) out.
+
+    A model whose logits are its head's plain product (``head.plain_head``) runs its backbone, then
+    ``head.sliced_head`` into a buffer reused across steps (the same numbers as its own forward, without a fresh
+    (R, 1, V) tensor per step); any other model runs its own forward."""
+
+    def __init__(self, model, cache, width: int):
+        self.model, self.cache, self.width = model, cache, width
+        self.backbone = model.model if plain_head(model) else None
+        self.cache_name = cache_argument(self.backbone if self.backbone is not None else model)
+        self.logits: Tensor | None = None  # (R, V) the sliced head's buffer
+
+    def __call__(self, state: DecodeState, step: int) -> Tensor:
+        inputs = {
+            self.cache_name: self.cache,
+            "input_ids": state.next_tokens[:, None],
+            "attention_mask": state.attention_mask[..., : self.width + step + 1],
+            "position_ids": state.positions[:, None],
+            "use_cache": True,
+        }
+        if self.backbone is None:
+            return self.model(**inputs).logits[:, -1]
+        hidden = self.backbone(**inputs).last_hidden_state[:, -1]  # (R, H)
+        weight = self.model.lm_head.weight  # (V, H)
+        if self.logits is None or self.logits.shape[0] != hidden.shape[0] or self.logits.dtype != hidden.dtype:
+            self.logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
+        return sliced_head(hidden, weight, self.logits)
 
 
 @dataclass
@@ -419,6 +442,7 @@ class DecodeState:
     completion: Tensor  # (B*G, max_new_tokens) output buffer, pad-filled
     completion_logps: Tensor  # (B*G, max_new_tokens) float32 sampling log-prob of each token, 0-filled
     eos: Tensor | None  # (E,) EOS ids, None: never stop early
+    buffers: dict | None = None  # the sampling step's (R, V) work tensors, reused across steps (sampling.reused)
 
     @classmethod
     def start(
@@ -451,7 +475,15 @@ class DecodeState:
             completion=torch.full((rows, params.max_new_tokens), params.pad_token_id, dtype=torch.long, device=device),
             completion_logps=torch.zeros((rows, params.max_new_tokens), dtype=torch.float32, device=device),
             eos=torch.tensor(params.eos_token_ids, device=device) if params.eos_token_ids else None,
+            buffers={},
         )
+
+    def sample(self, step: int, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """Draw the next token of every active row from ``self.logits`` (processed in place) and record it with
+        its log-prob under the distribution it was drawn from."""
+        scores = process_logits(self.logits, params, self.seen, inplace=True)
+        next_tokens = sample_next_tokens(scores, params.do_sample, generator, self.buffers)
+        self.record(step, next_tokens, sampled_logps(scores, next_tokens, self.buffers))
 
     def record(self, step: int, next_tokens: Tensor, logps: Tensor) -> None:
         # Rows that finished but were not dropped yet keep sampling; their tokens land after their EOS, where
