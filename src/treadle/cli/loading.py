@@ -1,6 +1,9 @@
 """Loading what a config names: datasets (``toy:<task>[:N]``, files, save_to_disk folders), models (``toy:<size>``,
 a local folder or a Hub id), reward functions (dotted paths or ``file.py:function``) and a saved adapter merged into
 its base. The run side: the CLI and the demos call it; the trainers take the loaded objects.
+
+``datasets`` (about 1 s to import) is imported by the functions that read data, not here: loading a model alone
+(``treadle vllm-serve``, the real-model demos, a GPU image without ``datasets``) runs without it.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Pat
     for ``eval_dataset``; N rows), a .json / .jsonl / .csv / .parquet file, or a save_to_disk folder. ``spec`` may
     also be a mapping ``{path: SPEC, streaming: true}``: the same data as a ``datasets.IterableDataset``, read
     as training goes (a file through ``datasets.load_dataset(..., streaming=True)``; see ``treadle.streaming``)."""
-    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+    import datasets
 
     if isinstance(spec, dict):
         return _dataset_from_mapping(spec, kind=kind, split=split, base_dir=base_dir)
@@ -122,7 +125,7 @@ STREAM_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 
 def _dataset_from_mapping(spec: dict, *, kind: str, split: str, base_dir: Path):
     """``{path: ..., streaming: true|false}``: ``path`` as ``load_dataset`` reads it, streamed when asked."""
-    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+    import datasets
 
     unknown = sorted(set(spec) - {"path", "streaming"})
     if unknown or not spec.get("path") or not isinstance(spec.get("streaming", False), bool):
@@ -153,7 +156,7 @@ TEXT_COLUMNS = {
 
 
 def _toy_dataset(spec: str, *, kind: str, split: str):
-    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+    import datasets
 
     task, _, size = spec.removeprefix("toy:").partition(":")
     if task == "count" and (not size or size.isdigit()):  # images: treadle.demos.toy_vision's canvases
@@ -211,7 +214,7 @@ def _read_jsonl(path: Path, kind: str, from_rows):
     than memory trains; the way to streaming). When it cannot read the file, reads no rows, or reads a text column
     that is not text (it casts a column to one type, so the row it blames may not be the one at fault), treadle's
     own reader of the same lines finds the line and says what is wrong with it (``from_rows`` checks the columns)."""
-    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+    import datasets
 
     try:
         data = datasets.Dataset.from_json(str(path))
@@ -266,7 +269,7 @@ def _shape_of(value) -> str:
 def _read_csv(path: Path):
     """A CSV file with every column read as text (a CSV has no types: "3" as a completion is text); an empty
     cell is null, which ``check_text_columns`` refuses in a text column."""
-    import datasets  # heavy (~1 s), for data only: a model's load (vllm-serve, the demos) runs without it
+    import datasets
     import pandas  # pandas only for CSV files (~0.4 s to import)
 
     return datasets.Dataset.from_pandas(pandas.read_csv(path, dtype=str), preserve_index=False)

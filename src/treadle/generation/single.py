@@ -45,6 +45,7 @@ from treadle.generation.head import plain_head, sliced_head
 from treadle.generation.sampling import (
     SamplingParams,
     process_logits,
+    reused,
     sample_next_tokens,
     sampled_logps,
     token_presence,
@@ -402,14 +403,13 @@ class NextLogits:
     """One decode step's forward: the last sampled tokens in, the next-token logits (R, V) out.
 
     A model whose logits are its head's plain product (``head.plain_head``) runs its backbone, then
-    ``head.sliced_head`` into a buffer reused across steps (the same numbers as its own forward, without a fresh
-    (R, 1, V) tensor per step); any other model runs its own forward."""
+    ``head.sliced_head`` into the step's reused "logits" buffer (``state.buffers``: the same numbers as its own
+    forward, without a fresh (R, 1, V) tensor per step); any other model runs its own forward."""
 
     def __init__(self, model, cache, width: int):
         self.model, self.cache, self.width = model, cache, width
         self.backbone = model.model if plain_head(model) else None
         self.cache_name = cache_argument(self.backbone if self.backbone is not None else model)
-        self.logits: Tensor | None = None  # (R, V) the sliced head's buffer
 
     def __call__(self, state: DecodeState, step: int) -> Tensor:
         inputs = {
@@ -423,9 +423,8 @@ class NextLogits:
             return self.model(**inputs).logits[:, -1]
         hidden = self.backbone(**inputs).last_hidden_state[:, -1]  # (R, H)
         weight = self.model.lm_head.weight  # (V, H)
-        if self.logits is None or self.logits.shape[0] != hidden.shape[0] or self.logits.dtype != hidden.dtype:
-            self.logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-        return sliced_head(hidden, weight, self.logits)
+        logits = reused(state.buffers, "logits", (hidden.shape[0], weight.shape[0]), hidden.dtype, hidden.device)
+        return sliced_head(hidden, weight, logits)
 
 
 @dataclass
