@@ -182,6 +182,37 @@ def test_a_server_of_another_model_is_refused_in_one_line(server, overrides, fie
 
 
 @pytest.mark.vllm
+def test_async_grpo_through_the_server_keeps_its_schedule_and_resumes_exactly(server, tmp_path):
+    """max_staleness=1 with the server: a thread of the trainer drives it (the server's process samples), batch g
+    from weights max(g - 1, 0); a run resumed from checkpoint-2 trains the uninterrupted run's weights bit for bit
+    (the server samples the same tokens for the same weights and seed)."""
+    tok = toy.build_tokenizer()
+    overrides = dict(max_steps=4, max_staleness=1, save_strategy="steps", save_steps=2, logging_steps=1)
+
+    def run(resume=None):
+        trainer = GRPOTrainer(
+            toy.build_model("small", tokenizer=tok, seed=4),
+            digit_sum_reward,
+            args=config(tmp_path, server[0], **overrides),
+            train_dataset=toy.load_task("addition", kind="rl", n=64),
+            processing_class=tok,
+        )
+        try:
+            threads = torch.get_num_threads()
+            trainer.train(resume_from_checkpoint=resume)
+            assert torch.get_num_threads() == threads and trainer.producer.kind == "thread"
+            return trainer, {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        finally:
+            trainer.close()  # releases the server for the next run
+
+    whole, final = run()
+    ages = [h["async/staleness"] for h in whole.state.log_history if "async/staleness" in h]
+    assert ages == [0, 1, 1, 1]
+    _, resumed = run(resume=str(tmp_path / "run" / "checkpoint-2"))
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
+
+
+@pytest.mark.vllm
 def test_killing_the_server_mid_run_is_exit_2_one_line_and_the_last_checkpoint_intact(
     server, tmp_path, capsys, monkeypatch
 ):

@@ -20,6 +20,9 @@ reports have defaults, so an engine states only what differs):
 - **the weight push** (``load_weights(model, version)``): the policy changed, sample from its current weights; an
   engine holding its own copy refreshes it and may check the push (``sync_unchanged``: True when weights that
   differ from the last ones left its log-probs unchanged; None when not checked);
+- **where it samples** (``samples_elsewhere``): True when the sampling runs in another process (the vLLM server), so
+  that a thread of the trainer's process that drives it only waits (asynchronous generation then drives it from
+  a thread, ``take_turns``);
 - **close**: release what it holds (threads, processes, memory); a closed engine is not used again.
 
 The own sampler (``engines.local.LocalEngine``) samples from the live model; the vLLM engines hold their own copy of
@@ -28,13 +31,15 @@ the weights and sample single-turn rollouts only.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput
 from treadle.generation.turns import MultiTurnOutput, Respond
 
-__all__ = ["RolloutEngine"]
+__all__ = ["EngineSide", "RolloutEngine", "take_turns"]
 
 
 class RolloutEngine:
@@ -43,6 +48,7 @@ class RolloutEngine:
     exact_logps: bool = False  # True: sampling_logps are the live policy's own, with the trainer's own kernels
     policy_version: int | None = None  # the weights it samples from (the version the last load_weights named)
     sync_unchanged: bool | None = None  # its check of the last push: True when changed weights moved nothing
+    samples_elsewhere: bool = False  # True: it samples in another process; a thread driving it only waits
 
     def generate(
         self,
@@ -87,3 +93,70 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Turns:
+    """One engine, the lock its users take turns under, and the user whose weights it holds now."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine, self.lock, self.holder = engine, threading.Lock(), None
+
+
+class EngineSide(RolloutEngine):
+    """One user's side of an engine that two threads share, each with weights of its own (``take_turns``): every call
+    runs under the shared lock, and a ``generate`` after the other side pushed its weights pushes this side's
+    again (its ``load_weights`` model and version) before it samples. The first side made owns the engine and
+    closes it; the other's ``close`` leaves it open."""
+
+    def __init__(self, turns: _Turns, *, owner: bool):
+        self.turns, self.owner = turns, owner
+        self.model, self.policy_version = None, None
+
+    @property
+    def exact_logps(self) -> bool:
+        return self.turns.engine.exact_logps
+
+    @property
+    def sync_unchanged(self) -> bool | None:
+        return self.turns.engine.sync_unchanged
+
+    @property
+    def samples_elsewhere(self) -> bool:
+        return self.turns.engine.samples_elsewhere
+
+    def generate(self, prompt_ids, params, *, generator=None, prompt_inputs=None) -> GenerationOutput:
+        with self.turns.lock:
+            self._hold()
+            return self.turns.engine.generate(prompt_ids, params, generator=generator, prompt_inputs=prompt_inputs)
+
+    def generate_turns(self, prompt_ids, respond, params, *, generator=None) -> MultiTurnOutput:
+        with self.turns.lock:
+            self._hold()
+            return self.turns.engine.generate_turns(prompt_ids, respond, params, generator=generator)
+
+    def load_weights(self, model, version: int | None = None) -> None:
+        with self.turns.lock:
+            self.model, self.policy_version = model, version
+            self.turns.engine.load_weights(model, version)
+            self.turns.holder = self
+
+    def _hold(self) -> None:
+        """The engine holds this side's weights (pushed again when the other side pushed its own since)."""
+        if self.turns.holder is not self and self.model is not None:
+            self.turns.engine.load_weights(self.model, self.policy_version)
+            self.turns.holder = self
+
+    def close(self) -> None:
+        if self.owner:
+            self.turns.engine.close()
+
+
+def take_turns(engine: RolloutEngine) -> tuple[EngineSide, EngineSide]:
+    """(the owner's side, another side) of ``engine``, shared by two threads with weights of their own: the trainer,
+    which evaluates its current weights, and the rollout worker of asynchronous generation, which samples the
+    training batches from the weights pushed to it (trainers/onpolicy/producer.py). Given a side, its owner's
+    engine is shared again: (that side, a new side)."""
+    if isinstance(engine, EngineSide):
+        return engine, EngineSide(engine.turns, owner=False)
+    turns = _Turns(engine)
+    return EngineSide(turns, owner=True), EngineSide(turns, owner=False)

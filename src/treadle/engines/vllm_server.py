@@ -268,6 +268,8 @@ class VLLMServerEngine(SyncChecked):
     yourself, as with TRL's ``trl vllm-serve``). ``max_prompt_length`` / ``max_completion_length`` (the run's) must
     fit in the server's context window; each request is checked against it too."""
 
+    samples_elsewhere = True  # the server's process samples; a thread that drives it waits on a socket
+
     def __init__(
         self,
         model: nn.Module,

@@ -62,7 +62,7 @@ def async_run(tmp_path_factory):
     "overrides, fragment",
     [
         ({"max_staleness": -1}, "max_staleness must be an integer >= 0"),
-        ({"max_staleness": 1, "use_vllm": True}, "own sampler only"),
+        ({"max_staleness": 1, "use_vllm": True}, "colocated vLLM engine cannot sample in the background"),
         ({"max_staleness": 1, "dynamic_sampling": True}, "cannot take dynamic_sampling"),
         ({"max_staleness": 1, "steps_per_generation": 2}, "one generation per optimizer step"),
         ({"max_staleness": 1, "async_worker": "fork"}, "async_worker='fork' is not supported"),

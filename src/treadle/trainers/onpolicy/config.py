@@ -229,10 +229,11 @@ def check_async_config(args) -> None:
         raise ValueError(f"async_timeout must be a number of seconds > 0, got {args.async_timeout!r}")
     if not args.max_staleness:
         return
-    if args.use_vllm:
+    if args.use_vllm and args.vllm_mode != "server":
         raise PreflightError(
-            "max_staleness > 0 runs with the own sampler only (the vLLM engine cannot sample in the "
-            "background yet): set use_vllm: false or max_staleness: 0"
+            "max_staleness > 0 samples with the own sampler or the vLLM server: the colocated vLLM engine "
+            "cannot sample in the background (it shares the trainer's process and threads); set vllm_mode: "
+            "server (treadle vllm-serve), use_vllm: false, or max_staleness: 0"
         )
     if args.steps_per_generation * args.num_iterations != args.gradient_accumulation_steps:
         raise PreflightError(

@@ -18,7 +18,9 @@ checkpoint holds the batches already requested (it waits for them), so a resumed
 builds none of this: the synchronous run, bit for bit.
 
 The producer holds no trainer: the model to copy, the training ``SamplingParams`` and explicit settings (the seed,
-the sampler backend, the worker's kind, threads and timeout) are all it is given.
+the sampler backend, the worker's kind, threads and timeout) are all it is given. Given an ``engine`` that samples
+in another process (the vLLM server), its worker is a thread that drives that engine (one side of it,
+``engines.base.take_turns``: the trainer's evaluation takes turns on it) and the trainer keeps its threads.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class RolloutProducer:
         threads: int | None = None,
         timeout: float = 600.0,
         multi_turn: bool = False,
+        engine=None,
     ):
         if multi_turn:
             raise PreflightError(
@@ -99,7 +102,8 @@ class RolloutProducer:
                 "torchrun, or set max_staleness: 0"
             )
         self.model, self.params, self.staleness, self.seed = model, params, staleness, seed
-        self.backend, self.kind, self.threads, self.timeout = backend, worker, threads, timeout
+        self.backend, self.threads, self.timeout, self.engine = backend, threads, timeout, engine
+        self.kind = "thread" if engine is not None else worker  # the engine samples elsewhere: a thread waits on it
         self.worker, self.saved_threads = None, None
         self.timings = {"worker_start": 0.0, "waiting": 0.0}  # seconds the trainer spent on the worker (benchmarks)
         self._reset()
@@ -183,7 +187,12 @@ class RolloutProducer:
             self.saved_threads = torch.get_num_threads()
             torch.set_num_threads(trainer)
         self.worker = RolloutWorker(
-            base_model(self.model), kind=self.kind, threads=worker, timeout=self.timeout, backend=self.backend
+            base_model(self.model),
+            kind=self.kind,
+            threads=worker,
+            timeout=self.timeout,
+            backend=self.backend,
+            engine=self.engine,
         )  # the model the pushes name: PEFT's base model with its adapters injected (models.base_model)
         self.timings["worker_start"] += time.perf_counter() - start
 

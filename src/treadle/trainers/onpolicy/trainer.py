@@ -47,7 +47,7 @@ import torch
 import treadle.trainers.onpolicy.vision as onpolicy_vision
 from treadle import checkpoint as ckpt, distributed as dist
 from treadle.data import RepeatSampler, column_names, require_columns
-from treadle.engines.base import RolloutEngine
+from treadle.engines.base import RolloutEngine, take_turns
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import vllm_engine
 from treadle.engines.vllm_server import vllm_server_engine
@@ -179,8 +179,14 @@ class OnPolicyTrainer(Trainer):
         """Asynchronous generation (``max_staleness`` > 0; trainers/onpolicy/producer.py, docs/async.md): a
         producer that samples the training generations up to ``staleness`` (default ``max_staleness``) steps ahead
         on a rollout worker with its own copy of the policy. Built only when ``max_staleness`` > 0; evaluation
-        samples through the engine all the same."""
+        samples through the engine all the same. An engine that samples in another process (the vLLM server) is
+        shared: the worker's thread drives it with the weights pushed to it, and the trainer's evaluation takes
+        turns on it with the current weights (``engines.base.take_turns``; ``self.engine`` becomes the trainer's
+        side)."""
         args = self.args
+        engine = None
+        if self.engine.samples_elsewhere:
+            self.engine, engine = take_turns(self.engine)
         return RolloutProducer(
             self.model,
             self.sampling_params("train"),
@@ -191,6 +197,7 @@ class OnPolicyTrainer(Trainer):
             threads=args.async_worker_threads,
             timeout=args.async_timeout,
             multi_turn=self.rollout_runner is not None,
+            engine=engine,
         )
 
     def close(self) -> None:

@@ -1,6 +1,8 @@
 """The rollout worker of asynchronous generation (trainers/onpolicy/producer.py, docs/async.md): a process (or a
 thread) that holds its own copy of the policy behind its own engine (``engines.LocalEngine``, the own KV-cached
-sampler) and samples generation batches while the trainer trains.
+sampler) and samples generation batches while the trainer trains. Given an engine that samples in another process
+(the vLLM server: ``RolloutEngine.samples_elsewhere``), the worker is a thread that drives that engine, pushing the
+weights of its copy to it, while the trainer trains.
 
 The protocol is one request queue and one reply queue, two kinds of request: a weight push (a version and its state
 dict: the worker loads it into its copy and tells its engine the version) and a :class:`SampleRequest` (a
@@ -127,9 +129,10 @@ def serve(
     parent_pid: int | None,
     progress=None,
     stop=None,
+    engine=None,
 ) -> None:
     """The worker's loop (the target of the process or the thread): answer requests until a ``None`` request (or
-    ``stop``)."""
+    ``stop``). ``engine``: the engine to sample through (a thread worker's; default: the own sampler on the copy)."""
     if log_path is not None:  # a process: its output to the log file, the trainer's signals are the trainer's
         log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.dup2(log, 1)
@@ -141,7 +144,7 @@ def serve(
     model.eval()
     if progress is not None:
         _watch(model, progress, stop)
-    engine = LocalEngine(model, backend=backend)
+    engine = engine or LocalEngine(model, backend=backend)
     print(f"treadle rollout worker: pid {os.getpid()}, {torch.get_num_threads()} torch threads, ready", flush=True)
     replies.put(("ready", None, None))
     while True:
@@ -245,7 +248,8 @@ class RolloutWorker:
 
     ``kind``: "process" (spawned, its own interpreter and ``threads`` torch threads) or "thread" (the same loop on a
     thread of this process, sharing its torch threads). ``model``: the policy, copied once at start; ``backend``:
-    its engine's sampler backend ("fast", "hf" or "auto")."""
+    its engine's sampler backend ("fast", "hf" or "auto"); ``engine``: a thread worker's engine instead (one that
+    samples elsewhere, ``engines.base.take_turns``' side), to which the copy's weights are pushed."""
 
     def __init__(
         self,
@@ -255,10 +259,13 @@ class RolloutWorker:
         threads: int | None = None,
         timeout: float = 600.0,
         backend: str = "auto",
+        engine=None,
     ):
         if kind not in WORKER_KINDS:
             raise ValueError(f"async_worker must be one of {WORKER_KINDS}, got {kind!r}")
-        self.kind, self.timeout = kind, timeout
+        if engine is not None and kind != "thread":
+            raise ValueError("a rollout worker given an engine is a thread (the engine cannot be sent to a process)")
+        self.kind, self.timeout, self.remote = kind, timeout, engine is not None
         copied = copy.deepcopy(model)
         if kind == "process":
             check_picklable(copied)
@@ -282,7 +289,7 @@ class RolloutWorker:
                 daemon=True,
                 name="treadle-rollout-worker",
                 args=(copied, backend, self.requests, self.replies, None, None, None),
-                kwargs={"progress": self.progress, "stop": self.stop},
+                kwargs={"progress": self.progress, "stop": self.stop, "engine": engine},
             )
         if kind == "process":
             with _main_not_rerun():
@@ -319,7 +326,8 @@ class RolloutWorker:
         if reply[2] is None:  # its start
             return reply
         if isinstance(reply[2], str):
-            self._fail(f"the rollout worker {self._name()} raised while sampling {what}")
+            last = next((line.strip() for line in reversed(reply[2].splitlines()) if line.strip()), "")
+            self._fail(f"the rollout worker {self._name()} raised while sampling {what}: {last}")
         return reply[0], reply[1], GenerationOutput(**unpack(reply[2]))
 
     def _late(self, what: str, timeout: float, forwards: int) -> tuple[str, str]:
@@ -331,6 +339,12 @@ class RolloutWorker:
         )
         if what.startswith("its start"):  # START_TIMEOUT at least: no forward pass to count yet
             return f"{late} (the start waits max(async_timeout, {START_TIMEOUT:g}) s)", ""
+        if self.remote:  # its engine samples in another process: no forward pass here to count
+            return (
+                f"{late}, its engine sampling in another process (its own waits name a server that stopped "
+                f"answering); raise async_timeout above {timeout:g} s to what sampling one generation takes",
+                "once async_timeout is raised (resumed as it is, it times out again)",
+            )
         if forwards:
             passes = f"{forwards} forward pass{'es' if forwards > 1 else ''}"
             return (
