@@ -73,10 +73,13 @@ def start_vllm(model):
     return engine, started, time.perf_counter() - start
 
 
-def start_server(model, spec: str, options: tuple[str, ...] = (), timeout: float = 900.0):
+def start_server(
+    model, spec: str, options: tuple[str, ...] = (), timeout: float = 900.0, prefix: tuple[str, ...] = ()
+):
     """(engine, start-up seconds, one weight sync's seconds, process) of a ``treadle vllm-serve SPEC`` subprocess
     (``toy:<size>`` or a model folder; ``options``: more of its flags, e.g. ``--dtype``), or (None, reason, None,
-    None) without vLLM. ``timeout``: seconds the engine waits for the server's first answer."""
+    None) without vLLM. ``timeout``: seconds the engine waits for the server's first answer; ``prefix``: a command
+    the server runs under (e.g. ``taskset -c 0``)."""
     try:
         from treadle.engines.vllm import require_vllm  # vLLM is optional: .venv-vllm only
         from treadle.engines.vllm_server import VLLMServerEngine
@@ -94,6 +97,7 @@ def start_server(model, spec: str, options: tuple[str, ...] = (), timeout: float
     }
     start = time.perf_counter()
     command = [
+        *prefix,
         sys.executable,
         "-m",
         "treadle",
