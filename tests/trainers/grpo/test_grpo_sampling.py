@@ -11,6 +11,8 @@ import pytest
 import torch
 from _factories import grpo_trainer, length_reward
 
+import treadle.trainers.grpo.correction as correction
+import treadle.trainers.grpo.trainer as grpo_module
 from treadle.demos import toy
 from treadle.engines.local import LocalEngine
 from treadle.losses import (
@@ -198,26 +200,38 @@ def kept_mass(model, sample, temperature: float, top_k: int) -> torch.Tensor:
     return probs.topk(top_k, dim=-1).values.sum(-1)
 
 
-def test_the_own_samplers_top_k_is_corrected_by_each_tokens_kept_mass(tmp_path, tok, dataset):
+@pytest.mark.parametrize("layout", [{}, {"steps_per_generation": 2, "gradient_accumulation_steps": 2}])
+def test_the_own_samplers_top_k_is_corrected_by_each_tokens_kept_mass(tmp_path, tok, dataset, monkeypatch, layout):
+    """One micro-step per generation (the default): the old log-probs are the loss forward's own, no extra forward;
+    two: one more forward at generation time. The ratio the loss gets is each token's kept mass either way."""
     trainer = trainer_for(
-        tmp_path, tok, dataset, top_k=4, temperature=0.9, vllm_importance_sampling_mode="token_truncate"
+        tmp_path, tok, dataset, top_k=4, temperature=0.9, vllm_importance_sampling_mode="token_truncate", **layout
     )
-    checked = []
-    original = trainer.compute_loss
+    checked, frozen, given = [], [], {}
+    original, loss, frozen_logps = trainer.compute_loss, grpo_module.grpo_loss, trainer.frozen_logps
 
     def check(model, inputs, *args, **kwargs):  # the first window: the policy is the one that sampled
+        out = original(model, inputs, *args, **kwargs)
         if trainer.state.global_step == 0:
             mask = inputs.completion_mask.bool()
-            assert inputs.old_logps is not None and inputs.importance_sampling_ratio.shape == mask.shape
+            ratio = given["importance_sampling_ratio"]
+            assert given["old_logps"] is not None and ratio.shape == mask.shape
             want = kept_mass(trainer.model, inputs, 0.9, 4)
-            torch.testing.assert_close(inputs.importance_sampling_ratio[mask], want[mask], atol=1e-4, rtol=1e-4)
-            assert (inputs.importance_sampling_ratio[mask] < 1).all()
+            torch.testing.assert_close(ratio[mask], want[mask], atol=1e-4, rtol=1e-4)
+            assert (ratio[mask] < 1).all()
             checked.append(int(mask.sum()))
-        return original(model, inputs, *args, **kwargs)
+        return out
 
+    def spy(*args, **kwargs):
+        given.update(kwargs)
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "grpo_loss", spy)
+    trainer.frozen_logps = lambda *a, **k: frozen.append(1) or frozen_logps(*a, **k)
     trainer.compute_loss = check
     trainer.train()
     assert checked and sum(checked) > 8
+    assert bool(frozen) == bool(layout)  # the extra forward only where a generation spans micro-steps
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert all(
         0
@@ -228,6 +242,31 @@ def test_the_own_samplers_top_k_is_corrected_by_each_tokens_kept_mass(tmp_path, 
         for h in logs
     )
     assert all(h["sampling/sampling_logp_difference/max"] > 0 for h in logs)
+
+
+def test_old_logps_from_the_loss_forward_train_what_the_extra_forward_trains(tmp_path, tok, dataset, monkeypatch):
+    """The deferred correction (one micro-step per generation) against the same run made to spend the extra eval-mode
+    forward: the same metrics and weights up to float rounding; a model that draws dropout keeps the extra forward."""
+    runs = {}
+    for deferred in (True, False):
+        if not deferred:
+            monkeypatch.setattr(correction, "defers_old_logps", lambda cycle, model: False)
+        trainer = trainer_for(tmp_path / str(deferred), tok, dataset, top_k=4, max_steps=3)
+        trainer.train()
+        runs[deferred] = trainer
+    for name in ("sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/max", "loss"):
+        a, b = ([h[name] for h in runs[d].state.log_history if name in h] for d in (True, False))
+        assert len(a) == 3 and a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    for (name, a), b in zip(runs[True].model.state_dict().items(), runs[False].model.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+    monkeypatch.undo()
+    model = runs[True].model
+    assert not correction.draws_dropout(model) and correction.defers_old_logps(1, model)
+    model.config.attention_dropout = 0.1
+    assert correction.draws_dropout(model) and not correction.defers_old_logps(1, model)
+    model.config.attention_dropout = 0.0
+    model.model.layers[0].add_module("drop", torch.nn.Dropout(0.05))  # as a LoRA adapter's lora_dropout
+    assert not correction.defers_old_logps(1, model) and not correction.defers_old_logps(2, toy.build_model("tiny"))
 
 
 def test_the_own_sampler_at_plain_settings_spends_nothing_on_it(tmp_path, tok, dataset):

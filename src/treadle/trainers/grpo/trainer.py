@@ -23,7 +23,9 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
 3. Old log-probs are computed (and the importance ratio is not 1) exactly when the policy can change between
    generation and use: when a generation cycle of ``steps_per_generation * num_iterations`` micro-steps does
    not fit inside one accumulation window. TRL's rule is "num_iterations > 1 or steps_per_generation >
-   gradient_accumulation_steps"; ours skips the extra forward when μ > 1 repeats a batch inside one window.
+   gradient_accumulation_steps"; ours skips the extra forward when μ > 1 repeats a batch inside one window. The
+   sampler correction needs them too; for a generation trained in one micro-step they are the loss forward's own,
+   detached, with no extra forward (trainers/grpo/correction.py).
 4. Old and reference log-probs are computed in eval mode (no dropout), like the sampling itself.
 5. Training forwards get ``position_ids`` that start at 0 after the left padding, as during sampling, so the
    log-probs being trained are those of the distribution that was sampled. (RoPE models do not notice a
@@ -70,6 +72,7 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Sequence
@@ -303,6 +306,8 @@ class GRPOTrainer(OnPolicyTrainer):
         )
         sample = sample.to(self.args.device)
         corrected = self.corrects_sampling and sample.sampling_logps is not None
+        if corrected and correction.defers_old_logps(self.micro_batches_per_batch(), self.model):
+            corrected = False  # compute_loss corrects with its own forward's log-probs (trainers/grpo/correction.py)
         if self._needs_old_logps() or corrected:
             sample.old_logps = self.frozen_logps(self.model, sample)
         if corrected:  # the sampler correction (trainers/grpo/correction.py)
@@ -359,6 +364,8 @@ class GRPOTrainer(OnPolicyTrainer):
         completion tokens, ``grpo``: its completions, both over all ranks)."""
         inputs = Sample.of(inputs)
         logps, entropy = self.completion_logps(model, inputs, return_entropy=True)  # (B, C) each
+        if inputs.importance_sampling_ratio is None and inputs.sampling_logps is not None and self.corrects_sampling:
+            inputs = self._corrected_here(logps, inputs)
         normalizer = num_items_in_batch if self.objective.aggregation in ("grpo", "dapo") else None
         loss, metrics = grpo_loss(
             logps,
@@ -375,6 +382,14 @@ class GRPOTrainer(OnPolicyTrainer):
         metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         self.metrics.add_many({name: (value, 1) for name, value in metrics.items()})  # means over micro-steps
         return (loss, {"logps": logps}) if return_outputs else loss
+
+    def _corrected_here(self, logps: torch.Tensor, inputs: Sample) -> Sample:
+        """The sampler correction of a generation trained in this one micro-step (``correction.defers_old_logps``):
+        its old log-probs are this forward's, detached; the ratio and the generation's ``sampling/*`` metrics."""
+        inputs = dataclasses.replace(inputs, old_logps=logps.detach().float())
+        inputs.importance_sampling_ratio = correction.sampling_ratio(inputs, self.args)
+        self.metrics.add_many(correction.correction_metrics([inputs], self.args.vllm_importance_sampling_mode))
+        return inputs
 
     @functools.cached_property
     def objective(self) -> GRPOObjective:
