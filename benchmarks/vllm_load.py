@@ -5,9 +5,10 @@ One in-process ``VLLMEngine`` and one ``treadle vllm-serve`` subprocess (``engin
 (toy ``small``, or ``real``: SmolLM2-135M-Instruct); then for each ``--busy`` count N, N busy-loop processes
 (``python -c "while True: pass"``, default priority) run while the contenders take turns, ``--rounds`` times:
 
-- ``in-process, main thread``: ``engine.generate`` called from this process's main thread (what GRPO does);
-- ``in-process, fresh thread``: the same call from a new Python thread per call (what the server does: each
-  HTTP request runs in a thread of its own);
+- ``in-process``: ``VLLMEngine.generate`` from this process's main thread; the engine calls vLLM on a thread of
+  its own (its default), or from the main thread itself under ``TREADLE_VLLM_ENGINE_THREAD=0``. libgomp's spin
+  count is decided by how many OpenMP threads the whole process has, so the two cannot share a process: run the
+  script once with each setting (the header says which);
 - ``served``: ``VLLMServerEngine.generate`` over loopback.
 
 Prints tokens/s (median) per contender and condition with the load average before and after each condition.
@@ -22,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -74,15 +74,6 @@ def build(args):
     return model, prompts, params, spec
 
 
-def in_thread(engine, prompts, params, generator):
-    """``engine.generate`` in a new thread, as the server's HTTP handler runs it."""
-    box = {}
-    worker = threading.Thread(target=lambda: box.update(out=engine.generate(prompts, params, generator=generator)))
-    worker.start()
-    worker.join()
-    return box["out"]
-
-
 def condition(contenders: dict, prompts, params, busy: int, rounds: int) -> dict:
     """Per contender: tokens/s of each round, with ``busy`` busy-loop processes running; and the loads."""
     hogs = [subprocess.Popen(BUSY) for _ in range(busy)]
@@ -110,11 +101,11 @@ def main(argv=None) -> None:
     server, server_started, _, process = start_server(model, spec, timeout=900)
     print(
         f"in-process start {started:.0f} s; server start {server_started:.0f} s; "
-        f"torch threads {torch.get_num_threads()}"
+        f"torch threads {torch.get_num_threads()}; in-process vLLM called from "
+        f"{'the caller thread' if engine.runner is None else 'the engine thread'}"
     )
     contenders = {
-        "in-process, main thread": lambda p, s, g: engine.generate(p, s, generator=g),
-        "in-process, fresh thread": lambda p, s, g: in_thread(engine, p, s, g),
+        "in-process": lambda p, s, g: engine.generate(p, s, generator=g),
         "served": lambda p, s, g: server.generate(p, s, generator=g),
     }
     for call in contenders.values():  # warm-up
