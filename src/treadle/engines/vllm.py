@@ -19,10 +19,11 @@ device that holds its own copy of the weights (``use_vllm=True``, ``vllm_mode="c
   On a CPU, libgomp (torch's OpenMP) lets idle pool threads spin for 300,000 rounds while a process's OpenMP
   threads fit its cores, and 100 once they outnumber them; a second pool (this thread's) makes them outnumber
   them, so vLLM's steps, with their serial Python between small parallel regions, no longer lose a core to a
-  spinning worker when another process takes one (toy small under 1-2 busy processes: 81-107 tokens/s from the
-  caller's thread, 2,944-5,465 from the engine's, docs/vllm.md#speed). Where the two pools' threads do not
+  spinning worker when another process takes one (toy small under 1-2 busy processes: 81-2,024 tokens/s from the
+  caller's thread, 2,944-5,915 from the engine's, docs/vllm.md#speed). Where the two pools' threads do not
   outnumber the cores the spin stays long (``OMP_WAIT_POLICY=PASSIVE`` before Python starts is then the lever).
-  ``TREADLE_VLLM_ENGINE_THREAD=0`` calls vLLM from the caller's thread.
+  ``TREADLE_VLLM_ENGINE_THREAD=0`` calls vLLM from the caller's thread: on a quiet machine up to a fifth faster on
+  toy small (7,885 against 6,430 tokens/s), on the real model within noise.
 - EOS: vLLM is told the ids (``stop_token_ids``) and ignores its own notion (``ignore_eos``), so a completion stops
   exactly where the own sampler's would.
 """
