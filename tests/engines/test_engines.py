@@ -6,13 +6,15 @@ asynchronous producer's batches tagged with their policy version, and GRPO sampl
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from _factories import chatty_model
 
 from treadle.demos import toy
 from treadle.engines import LocalEngine, RolloutEngine, VLLMEngine, VLLMServerEngine
-from treadle.engines.vllm import SINGLE_TURN_ONLY
+from treadle.engines.vllm import SINGLE_TURN_ONLY, engine_thread
 from treadle.generation import (
     GenerationOutput,
     SamplingParams,
@@ -273,3 +275,22 @@ def test_the_producer_requests_ahead_on_its_fixed_schedule():
     next(reader)
     assert [h for h, _ in producer.due(1)] == [3] and producer.due(1, max_steps=3) == []  # never past max_steps
     assert [h for h, _ in producer.due(3, max_steps=3)] == [3]  # ... but the generation that starts always
+
+
+def test_the_colocated_engine_calls_vllm_from_its_own_thread_unless_told_not_to(monkeypatch):
+    """``VLLMEngine.call`` runs a call into vLLM on the engine's one thread (libgomp spins less once a second
+    OpenMP pool exists: docs/vllm.md#speed), and in the caller's thread under ``TREADLE_VLLM_ENGINE_THREAD=0`` or
+    without a runner (the server's ``ServedEngine``, whose requests run in threads already). No vLLM needed."""
+    engine = object.__new__(VLLMEngine)
+    engine.runner = engine_thread()
+    here = threading.current_thread()
+    try:
+        ran_in = engine.call(threading.current_thread)
+        assert ran_in is not here and ran_in.name.startswith("treadle-vllm")
+        assert engine.call(threading.current_thread) is ran_in  # one thread, kept between calls
+    finally:
+        engine.runner.shutdown()
+    monkeypatch.setenv("TREADLE_VLLM_ENGINE_THREAD", "0")
+    engine.runner = engine_thread()
+    assert engine.runner is None and engine.call(threading.current_thread) is here
+    assert object.__new__(VLLMEngine).call(threading.current_thread) is here
