@@ -42,6 +42,21 @@ def digit_reward(completions, **kwargs) -> list[float]:
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
 
+def timed_sampling(trainer) -> list[float]:
+    """A one-element list that the seconds spent inside ``trainer.engine.generate`` add up in from now on."""
+    sampling, generate = [0.0], trainer.engine.generate
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            sampling[0] += time.perf_counter() - start
+
+    trainer.engine.generate = timed
+    return sampling
+
+
 def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> dict:
     """One GRPO run with ``threads`` torch threads in this process (an async process worker takes half);
     returns its seconds, the completion tokens sampled and where the time went."""
@@ -78,18 +93,7 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
         train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
         processing_class=tok,
     )
-    sampling = [0.0]
-    if not staleness:
-        generate = trainer.engine.generate
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            try:
-                return generate(*a, **k)
-            finally:
-                sampling[0] += time.perf_counter() - start
-
-        trainer.engine.generate = timed
+    sampling = timed_sampling(trainer) if not staleness else [0.0]
     start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     trainer.train()  # a process worker is joined when it ends: its CPU time is then in RUSAGE_CHILDREN
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu

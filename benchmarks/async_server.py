@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
-from async_grpo import digit_reward, loadavg  # noqa: E402
+from async_grpo import digit_reward, loadavg, timed_sampling  # noqa: E402
 from engines import start_server  # noqa: E402
 
 
@@ -91,18 +91,7 @@ def build_trainer(options, out: Path, url: str | None, staleness: int):
 
 def one_run(options, out: Path, url: str | None, staleness: int, server_pid: int | None) -> dict:
     trainer = build_trainer(options, out, url, staleness)
-    sampling = [0.0]
-    if not staleness:  # the synchronous run's sampling, timed around its engine
-        generate = trainer.engine.generate
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            try:
-                return generate(*a, **k)
-            finally:
-                sampling[0] += time.perf_counter() - start
-
-        trainer.engine.generate = timed
+    sampling = timed_sampling(trainer) if not staleness else [0.0]  # the synchronous run's, around its engine
     server_cpu = cpu_seconds(server_pid) if server_pid else 0.0
     start, cpu = time.perf_counter(), time.process_time()
     try:
