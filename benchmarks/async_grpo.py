@@ -57,17 +57,14 @@ def timed_sampling(trainer) -> list[float]:
     return sampling
 
 
-def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> dict:
-    """One GRPO run with ``threads`` torch threads in this process (an async process worker takes half);
-    returns its seconds, the completion tokens sampled and where the time went."""
-    import torch
-
-    torch.set_num_threads(threads)
-
+def grpo_run(options, out: Path, staleness: int, generations: int = 8, **overrides):
+    """The GRPO run both async benchmarks time: the toy ``options.model`` (seed 0) on the addition prompts rewarded by
+    their share of digits, ``options.steps`` steps of ``options.batch`` completions (G ``generations``), at most
+    ``options.completion`` tokens, learning rate 1e-5, seed 0, no saving, no health checks; ``overrides``: more
+    ``GRPOConfig`` fields (the worker's kind, the vLLM server)."""
     from treadle.demos import toy
     from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
-    threads = torch.get_num_threads()
     tok = toy.build_tokenizer()
     args = GRPOConfig(
         output_dir=str(out),
@@ -75,24 +72,35 @@ def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> d
         max_steps=options.steps,
         seed=0,
         per_device_train_batch_size=options.batch,
-        num_generations=8,
+        num_generations=generations,
         max_completion_length=options.completion,
         learning_rate=1e-5,
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
         max_staleness=staleness,
-        async_worker=worker if staleness else "process",
         report_to="none",
         health_checks=False,
+        **overrides,
     )
-    trainer = GRPOTrainer(
+    return GRPOTrainer(
         toy.build_model(options.model, tokenizer=tok, seed=0),
         digit_reward,
         args=args,
         train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
         processing_class=tok,
     )
+
+
+def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> dict:
+    """One GRPO run with ``threads`` torch threads in this process (an async process worker takes half);
+    returns its seconds, the completion tokens sampled and where the time went."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+    threads = torch.get_num_threads()
+    trainer = grpo_run(options, out, staleness, async_worker=worker if staleness else "process")
     sampling = timed_sampling(trainer) if not staleness else [0.0]
     start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
     trainer.train()  # a process worker is joined when it ends: its CPU time is then in RUSAGE_CHILDREN

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
-from async_grpo import digit_reward, loadavg, timed_sampling  # noqa: E402
+from async_grpo import grpo_run, loadavg, timed_sampling  # noqa: E402
 from engines import start_server  # noqa: E402
 
 
@@ -58,39 +58,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def build_trainer(options, out: Path, url: str | None, staleness: int):
-    from treadle.demos import toy
-    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-
-    tok = toy.build_tokenizer()
-    served = {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url} if url else {}
-    args = GRPOConfig(
-        output_dir=str(out),
-        max_steps=options.steps,
-        seed=0,
-        per_device_train_batch_size=options.batch,
-        num_generations=options.generations,
-        max_completion_length=options.completion,
-        learning_rate=1e-5,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        max_staleness=staleness,
-        report_to="none",
-        health_checks=False,
-        **served,
-    )
-    return GRPOTrainer(
-        toy.build_model(options.model, tokenizer=tok, seed=0),
-        digit_reward,
-        args=args,
-        train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
-        processing_class=tok,
-    )
-
-
 def one_run(options, out: Path, url: str | None, staleness: int, server_pid: int | None) -> dict:
-    trainer = build_trainer(options, out, url, staleness)
+    served = {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url} if url else {}
+    trainer = grpo_run(options, out, staleness, options.generations, **served)
     sampling = timed_sampling(trainer) if not staleness else [0.0]  # the synchronous run's, around its engine
     server_cpu = cpu_seconds(server_pid) if server_pid else 0.0
     start, cpu = time.perf_counter(), time.process_time()

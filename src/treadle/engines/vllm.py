@@ -237,6 +237,8 @@ class SyncChecked(RolloutEngine):
 class VLLMEngine(SyncChecked):
     """A colocated ``vllm.LLM`` behind the engine contract; ``close`` shuts it down and deletes its folder."""
 
+    runner = None  # its thread (``engine_thread``); None: the caller's (ServedEngine's requests run in threads)
+
     def __init__(
         self,
         model: nn.Module,
@@ -362,17 +364,16 @@ class VLLMEngine(SyncChecked):
 
     def close(self) -> None:
         self.shutdown()
-        if getattr(self, "runner", None) is not None:
+        if self.runner is not None:
             self.runner.shutdown()
             self.runner = None
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def call(self, function, *args, **kwargs):
         """``function(*args, **kwargs)`` (a call into vLLM) on the engine's thread, or here without one."""
-        runner = getattr(self, "runner", None)  # the server's ServedEngine has none: its requests run in threads
-        if runner is None:
+        if self.runner is None:
             return function(*args, **kwargs)
-        return runner.submit(function, *args, **kwargs).result()
+        return self.runner.submit(function, *args, **kwargs).result()
 
     def shutdown(self) -> None:
         """Stop the ``vllm.LLM`` (its engine core's processes and memory); the engine is not used again."""

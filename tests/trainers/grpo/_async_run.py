@@ -44,18 +44,30 @@ class _KillAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def build(spec: dict, callbacks=()) -> GRPOTrainer:
+def weights(trainer) -> dict:
+    """A copy of the trained model's weights."""
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    """Bit for bit the same weights."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def build(spec: dict, callbacks=(), trainer_class=GRPOTrainer, **trainer_kwargs) -> GRPOTrainer:
+    """The run of ``spec`` (a ``trainer_class``, default GRPOTrainer; ``trainer_kwargs``: more of its arguments)."""
     fields = GRPOConfig.field_names() - {"output_dir"}
     args = GRPOConfig(output_dir=spec["output_dir"], **{**ARGS, **{k: v for k, v in spec.items() if k in fields}})
     tok = toy.build_tokenizer()
     callbacks = list(callbacks) + ([_KillAt(spec["kill_at"])] if spec.get("kill_at") else [])
-    return GRPOTrainer(
+    return trainer_class(
         toy.build_model("tiny", tokenizer=tok, seed=0),
         digit_sum_reward,
         args=args,
         train_dataset=toy.load_task("addition", kind="rl", n=32),
         processing_class=tok,
         callbacks=callbacks,
+        **trainer_kwargs,
     )
 
 

@@ -13,6 +13,7 @@ import sys
 import _async_run as runner
 import pytest
 import torch
+from _async_run import same, weights
 
 from treadle.callbacks import TrainerCallback
 from treadle.checkpoint import load_extra_state
@@ -24,14 +25,6 @@ from treadle.trainers.onpolicy.producer import RolloutProducer, worker_threads
 from treadle.trainers.onpolicy.worker import RolloutWorkerError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def weights(trainer) -> dict:
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def logged(trainer, name: str) -> list:

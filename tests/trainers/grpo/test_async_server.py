@@ -10,7 +10,7 @@ import copy
 import _async_run as runner
 import pytest
 import torch
-from _factories import digit_sum_reward
+from _async_run import same, weights
 
 from treadle.demos import toy
 from treadle.engines.base import EngineSide, RolloutEngine, take_turns
@@ -59,20 +59,9 @@ class ServedGRPO(GRPOTrainer):
 
 
 def build(spec: dict, fail_at=None) -> ServedGRPO:
-    fields = GRPOConfig.field_names() - {"output_dir"}
-    args = GRPOConfig(
-        output_dir=spec["output_dir"], **{**runner.ARGS, **{k: v for k, v in spec.items() if k in fields}}
-    )
-    tok = toy.build_tokenizer()
     trainer_class = type("Failing", (ServedGRPO,), {"fail_at": fail_at}) if fail_at else ServedGRPO
-    return trainer_class(
-        toy.build_model("tiny", tokenizer=tok, seed=0),
-        digit_sum_reward,
-        args=args,
-        train_dataset=toy.load_task("addition", kind="rl", n=32),
-        eval_dataset=toy.load_task("addition", kind="rl", n=8) if spec.get("eval_strategy") else None,
-        processing_class=tok,
-    )
+    evaluated = toy.load_task("addition", kind="rl", n=8) if spec.get("eval_strategy") else None
+    return runner.build(spec, trainer_class=trainer_class, eval_dataset=evaluated)
 
 
 def train(spec: dict, resume=None, fail_at=None) -> ServedGRPO:
@@ -80,14 +69,6 @@ def train(spec: dict, resume=None, fail_at=None) -> ServedGRPO:
         trainer = build(spec, fail_at)
         trainer.train(resume_from_checkpoint=resume)
     return trainer
-
-
-def weights(trainer) -> dict:
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")

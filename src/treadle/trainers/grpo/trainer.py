@@ -305,9 +305,11 @@ class GRPOTrainer(OnPolicyTrainer):
             self.processing_class, rollout, rows, sample.input_ids.shape[1] - width, width
         )
         sample = sample.to(self.args.device)
-        corrected = self.corrects_sampling and sample.sampling_logps is not None
-        if corrected and correction.defers_old_logps(self.micro_batches_per_batch(), self.model):
-            corrected = False  # compute_loss corrects with its own forward's log-probs (trainers/grpo/correction.py)
+        corrected = (  # here; deferred, compute_loss corrects with its own forward's log-probs (grpo/correction.py)
+            self.corrects_sampling
+            and sample.sampling_logps is not None
+            and not correction.defers_old_logps(self.micro_batches_per_batch(), self.model)
+        )
         if self._needs_old_logps() or corrected:
             sample.old_logps = self.frozen_logps(self.model, sample)
         if corrected:  # the sampler correction (trainers/grpo/correction.py)
