@@ -7,7 +7,14 @@ Public names are imported lazily (PEP 562) so that ``import treadle`` costs litt
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# Large CPU tensors on transparent huge pages (torch's own switch, read at its first tensor allocation). A training
+# step frees its activations and allocates them again; on 4 KiB pages the kernel faults every page in afresh, about a
+# million faults a step on the real model's GRPO step, where huge pages cut the step by a tenth (docs/performance.md).
+# THP_MEM_ALLOC_ENABLE=0 keeps torch's default; it changes nothing once torch has allocated a tensor.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,8 @@
 """Shared-prefix forwards (``treadle.logprobs.prefix``, GRPO's ``shared_prefix``): each group's prompt run once, its
-completions after it under a 4D mask, give the same per-token log-probs and the same gradient of every parameter as
-the unshared (padded and padding-free) forwards -- on the architecture matrix, for every GRPO loss type over an
-accumulation window, with LoRA -- and switch themselves off where they cannot be exact or would not save work."""
+completions after it (through the KV cache, or packed under a 4D mask), give the same per-token log-probs and the same
+gradient of every parameter as the unshared (padded and padding-free) forwards -- on the architecture matrix both
+ways, for every GRPO loss type over an accumulation window, with LoRA -- take the cheaper way, and switch themselves
+off where they cannot be exact or would not save work."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import pytest
 import torch
 from _factories import ARCHITECTURES, GOLDEN_GRPO, build_architecture, golden_grpo_run, grpo_trainer
 
+from treadle import models
 from treadle.demos import toy
 from treadle.logprobs import prefix
 from treadle.logprobs.prefix import (
+    CachedPrefixBatch,
+    cached_cost,
     estimated_cost,
     pack_shared_prefix,
     prompt_first_layout,
     shared_prefix_logps,
     shared_prefix_problem,
+    takes_cache,
     token_ratio,
 )
 from treadle.logprobs.tokens import token_logps
@@ -83,12 +88,50 @@ def test_layouts_that_are_not_grpo_s_are_refused():
     assert pack_shared_prefix(ids, hole, prompt_width=2) is None
 
 
+def only_way(monkeypatch, way: str) -> None:
+    """Make ``way`` ("cache" or "mask") the only one ``shared_prefix_logps`` may take."""
+    if way == "mask":
+        monkeypatch.setattr(prefix, "takes_cache", lambda model: False)
+    else:
+        monkeypatch.setattr(prefix, "pack_shared_prefix", lambda *args: None)
+
+
+def ways_taken(monkeypatch) -> list[str]:
+    """The way each shared forward from now on takes ("cache" or "mask"), as a list that fills."""
+    taken, forward = [], prefix._shared_forward
+
+    def spy(model, base, plan, options):
+        taken.append("cache" if isinstance(plan, CachedPrefixBatch) else "mask")
+        return forward(model, base, plan, options)
+
+    monkeypatch.setattr(prefix, "_shared_forward", spy)
+    return taken
+
+
+def test_plan_for_the_cache_by_hand():
+    """The same batch as test_pack_by_hand: each prompt once (left-padded as in the batch), each row's prompt, the
+    completion tokens that predict a next one, the mask over prompt then those."""
+    ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0], [0, 0, 4, 3, 2], [0, 5, 6, 0, 0]])
+    plan = prefix.plan_cached_prefix(ids, (ids > 0).long(), prompt_width=3)
+    assert plan.prompt_ids.tolist() == [[0, 5, 6], [0, 0, 4]] and plan.prompt_mask.tolist() == [[0, 1, 1], [0, 0, 1]]
+    assert plan.group_of.tolist() == [0, 0, 1, 0]
+    assert plan.completion_ids.tolist() == [[7], [9], [3], [0]]
+    assert plan.attention_mask.tolist() == [[0, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 0]]
+    assert plan.labels.tolist() == [7, 8, 9, 3, 2]
+    assert plan.targets.long().tolist() == [[1, 1], [1, 0], [1, 1], [0, 0]]
+    assert prefix.plan_cached_prefix(torch.tensor([[5, 6, 7, 0, 8]]), torch.tensor([[1, 1, 1, 0, 1]]), 2) is None
+
+
 # ---- exactness: the architecture matrix -----------------------------------------------------------------------
+@pytest.mark.parametrize("way", ["cache", "mask"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_log_probs_entropy_and_every_gradient_equal_the_padded_forward(arch):
+def test_log_probs_entropy_and_every_gradient_equal_the_padded_forward(arch, way, monkeypatch):
     """Two groups (prompts of 9 and 8 tokens, left-padded), completions of 0 to 7 tokens, one prompt alone:
-    log-probs, entropies and every parameter's gradient equal the padded forward's (1e-5). Gemma2 takes the
-    full-logits path (its final softcap) and eager attention (the additive mask); the rest sdpa (the boolean one)."""
+    log-probs, entropies and every parameter's gradient equal the padded forward's (1e-5), through the KV cache and
+    under the 4D mask. Gemma2 takes the full-logits path (its final softcap) and eager attention (the additive
+    mask); the rest sdpa (the boolean one)."""
+    only_way(monkeypatch, way)
+    taken = ways_taken(monkeypatch)
     model = build_architecture(arch).train()
     ids, mask, width_p = grouped_batch([9, 8, 8], [[7, 2, 0, 5], [1, 6, 6], [3]])  # rows within Mistral's window
     weights = torch.rand(ids.shape[0], ids.shape[1] - width_p, generator=torch.Generator().manual_seed(1))
@@ -110,10 +153,13 @@ def test_log_probs_entropy_and_every_gradient_equal_the_padded_forward(arch):
     assert got_grads.keys() == want_grads.keys() and len(want_grads) == len(list(model.parameters()))
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, **TOL, msg=lambda m, name=name: f"{arch} {name}: {m}")
+    assert set(taken) == {way}
 
 
-def test_hidden_state_and_full_logits_paths_agree(tok, monkeypatch):
+@pytest.mark.parametrize("way", ["cache", "mask"])
+def test_hidden_state_and_full_logits_paths_agree(tok, monkeypatch, way):
     """The models-without-the-hidden-state-seam path (full logits, then selective_log_softmax) under sharing."""
+    only_way(monkeypatch, way)
     model = toy.build_model("tiny", tokenizer=tok, seed=0)
     ids, mask, width_p = grouped_batch([5], [[4, 3, 6]])
     fast = shared_prefix_logps(model, ids, mask, prompt_width=width_p).logps
@@ -249,15 +295,35 @@ def test_a_training_run_shares_and_logs_the_unshared_run_s_losses(tmp_path, tok,
 
 
 # ---- switching itself off -------------------------------------------------------------------------------
-def test_off_where_nothing_is_shared_or_too_little_is_saved(tok):
+def test_off_where_nothing_is_shared_or_too_little_is_saved(tok, monkeypatch):
     model = toy.build_model("tiny", tokenizer=tok, seed=0)
     ids, mask, width_p = grouped_batch([5, 4, 6], [[3], [2], [7]])  # no two rows share a prompt
     assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
     ids, mask, width_p = grouped_batch([2], [[30, 30]])  # 62 of 64 tokens: the dense mask's attention costs more
     assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
-    ids, mask, width_p = grouped_batch([64], [[64] * 16])  # (64, 64), G 16: 0.53 of the tokens, 4.5x the attention
+    ids, mask, width_p = grouped_batch([64], [[64] * 16])  # (64, 64), G 16: 0.53 of the tokens
     assert token_ratio([64], [[64] * 16]) < 0.55
+    got = shared_prefix_logps(model, ids, mask, prompt_width=width_p)  # through the cache: the padded attention
+    torch.testing.assert_close(got.logps, padded_logps(model, ids, mask, width_p).logps, **TOL)
+    monkeypatch.setattr(prefix, "takes_cache", lambda model: False)  # the 4D mask: 4.5x the attention
     assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None  # tiny: hidden 64, attention-bound
+
+
+def test_the_cheaper_way_is_taken(tok, monkeypatch):
+    """Completions of one length: the cache's way (no masked pairs); ragged ones: the 4D mask (no padding). A model
+    under gradient checkpointing (which drops a cache) takes the mask."""
+    model = toy.build_model("tiny", tokenizer=tok, seed=0)
+    taken = ways_taken(monkeypatch)
+    for completions in ([[16] * 4] * 2, [[16, 2, 3, 1]] * 2):
+        ids, mask, width_p = grouped_batch([8, 8], completions)
+        got = shared_prefix_logps(model, ids, mask, prompt_width=width_p)
+        torch.testing.assert_close(got.logps, padded_logps(model, ids, mask, width_p).logps, **TOL)
+    assert taken == ["cache", "cache", "mask"]  # the first: the one-time check's, then the batch's
+    assert cached_cost(2, 8, 8, 16, 64) < estimated_cost(2, 8 + 4 * 16, 64)
+    assert cached_cost(2, 8, 8, 16, 64) > estimated_cost(2, 8 + 22, 64)
+    assert takes_cache(model)
+    models.enable_gradient_checkpointing(model)
+    assert not takes_cache(model)
 
 
 def test_the_cost_estimate_by_hand():
@@ -271,7 +337,7 @@ def test_the_cost_estimate_by_hand():
     assert estimated_cost([3], None, None) == 3 and estimated_cost(2, 4, None) == 8
 
 
-def test_off_for_attention_that_takes_no_4d_mask_and_for_short_sliding_windows(tok):
+def test_off_for_attention_that_takes_no_4d_mask_and_for_short_sliding_windows(tok, monkeypatch):
     model = toy.build_model("tiny", tokenizer=tok, seed=0)
     model.config._attn_implementation = "flash_attention_2"
     assert "takes no custom 4D mask" in shared_prefix_problem(model)
@@ -282,8 +348,13 @@ def test_off_for_attention_that_takes_no_4d_mask_and_for_short_sliding_windows(t
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one note per model
         assert shared_prefix_logps(model, ids, mask, prompt_width=width_p) is None
-    # sliding_window=16: a row of 6 + 12 tokens would need the window the mask replaces
+    # sliding_window=16: a row of 6 + 12 tokens would need the window the 4D mask replaces; the cache's way keeps
+    # the model's own mask, window included
     mistral = build_architecture("mistral")
+    ids, mask, width_p = grouped_batch([6], [[14, 13, 12, 14]])
+    got = shared_prefix_logps(mistral, ids, mask, prompt_width=width_p)
+    torch.testing.assert_close(got.logps, padded_logps(mistral, ids, mask, width_p).logps, **TOL)
+    monkeypatch.setattr(prefix, "takes_cache", lambda model: False)
     ids, mask, width_p = grouped_batch([6], [[12, 2, 5]])
     assert shared_prefix_logps(mistral, ids, mask, prompt_width=width_p) is None
     ids, mask, width_p = grouped_batch([6], [[10, 2, 5]])  # 16 tokens: within the window, shared and exact

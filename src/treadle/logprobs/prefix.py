@@ -1,17 +1,29 @@
 """Shared-prefix forwards: each group's prompt computed once, followed by its completions (GRPO's ``shared_prefix``).
 
 In GRPO every prompt is trained with its G completions; a padded or padding-free forward runs the prompt G times.
-Here the rows of a batch that hold the same prompt are packed into one sequence, the prompt once and then each
-completion after it::
+Here the rows of a batch that hold the same prompt run it once, in one of two ways:
+
+- **Through the KV cache** (a model in this process: not DDP- or FSDP-wrapped, no gradient checkpointing): one
+  forward over the K distinct prompts fills a ``DynamicCache``; its keys and values are selected for each row
+  (``index_select``, so the gradient of every row's use flows back to its prompt), and a second forward runs every
+  row's completion after its cached prompt. The first target is predicted by the prompt's last position, the others
+  by the completion's. Each completion token attends to exactly what it attends to in its own row, through the
+  model's own causal (and sliding-window) mask; the attention is ``(B, C, P + C)``, the padded forward's.
+- **Packed under a 4D mask** (DDP and FSDP, whose wrappers expect one forward before each backward; gradient
+  checkpointing, which drops a cache): the group's rows are packed into one sequence, the prompt once and then each
+  completion after it::
 
     [ prompt (p tokens) | completion 1 (c1) | completion 2 (c2) | ... ]     position ids: 0..p-1, p..p+c1-1, p..p+c2-1
 
-Each completion attends causally to the prompt and to itself, never to its siblings (a 4D mask, ``(K, 1, W, W)``,
-one packed row per group), and its position ids restart at the prompt's length, so every completion token sees
-exactly the keys, values and positions it sees in its own row: the same log-probs and gradients as the padded
-forward, for ``(p + sum c) / sum (p + c)`` of the token work (the prompt's gradient arrives once, summed over the
-completions, where the padded backward sums G copies). Log-probs are taken only at the targets that count, through
-``logprobs.logps_at_rows`` (the chunked hidden-state path where the head allows it), and scattered back into the
+  Each completion attends causally to the prompt and to itself, never to its siblings (a 4D mask, ``(K, 1, W, W)``,
+  one packed row per group), and its position ids restart at the prompt's length. The dense mask computes all
+  ``W^2`` pairs, nine in ten of them masked at G 8: the cache's way costs about a tenth of the step less on the real
+  model (docs/performance.md).
+
+Either way every completion token sees exactly the keys, values and positions it sees in its own row: the same
+log-probs and gradients as the padded forward, for ``(p + sum c) / sum (p + c)`` of the token work (the prompt's
+gradient arrives once, summed over the completions, where the padded backward sums G copies). Log-probs are taken
+only at the targets that count (the chunked hidden-state path where the head allows it) and scattered back into the
 ``(B, C)`` layout the loss reads.
 
 The batch layout is GRPO's ``Sample``: ``input_ids`` ``(B, P + C)``, prompts left-padded in the first ``P`` columns,
@@ -20,14 +32,15 @@ completions right-padded after them; positions count each row's real tokens from
 :func:`shared_prefix_logps` returns None, and the caller runs its usual forward (padding-free or padded), when:
 
 - no two rows of the batch share a prompt (nothing to save), or sharing would not cut the estimated cost to
-  ``MIN_SAVING`` of the unshared forward's (:func:`estimated_cost`: the tokens saved against the attention the dense
-  mask adds, which grows with the square of the packed row: long completions on a narrow model lose), or a group's
-  packed row would hold more than ``MAX_GROUP_TOKENS`` tokens; see docs/performance.md;
-- the model's attention cannot take a custom 4D mask: only ``sdpa`` (a boolean mask) and ``eager`` (an additive
-  float mask) do; ``flash_attention_*`` and ``flex_attention`` fall back, as does a model that is not a transformers
-  causal LM taking ``position_ids`` (no ``config._attn_implementation``);
-- the model has a sliding attention window shorter than a row (a custom 4D mask replaces the model's own, window
-  included: transformers returns a 4D mask as it is);
+  ``MIN_SAVING`` of the unshared forward's (:func:`estimated_cost`, :func:`cached_cost`: the tokens saved against
+  the attention pairs; the 4D mask's grow with the square of the packed row, so long completions on a narrow model
+  lose there), or (4D mask) a group's packed row would hold more than ``MAX_GROUP_TOKENS`` tokens; see
+  docs/performance.md;
+- the model's attention is not ``sdpa`` or ``eager`` (the two that take the 4D mask; the cache's way is checked on
+  these two only): ``flash_attention_*`` and ``flex_attention`` fall back, as does a model that is not a
+  transformers causal LM taking ``position_ids`` (no ``config._attn_implementation``);
+- (4D mask) the model has a sliding attention window shorter than a row (a custom 4D mask replaces the model's own,
+  window included: transformers returns a 4D mask as it is);
 - the layout is not GRPO's (a completion token with padding before it, an empty prompt);
 - the one-time check (per model, eval mode, on its first shareable batch) finds the shared forward's log-probs
   differ from the padded forward's; a warning says so once.
@@ -43,16 +56,26 @@ import torch
 from torch import Tensor, nn
 
 from treadle import distributed as dist
-from treadle.logprobs.tokens import TokenLogps, logps_at_rows, token_logps
+from treadle.logprobs.tokens import (
+    TokenLogps,
+    fast_path_head,
+    forward_states,
+    logps_at_rows,
+    logps_from_states,
+    token_logps,
+)
 from treadle.models import eval_mode, forward_signature
 from treadle.packing import position_ids
 
 __all__ = [
     "MAX_GROUP_TOKENS",
     "MIN_SAVING",
+    "CachedPrefixBatch",
     "SharedPrefixBatch",
+    "cached_cost",
     "estimated_cost",
     "pack_shared_prefix",
+    "plan_cached_prefix",
     "prompt_first_layout",
     "shared_prefix_logps",
     "shared_prefix_problem",
@@ -84,6 +107,18 @@ class SharedPrefixBatch(NamedTuple):
     targets: Tensor  # (B, C) bool: the completion targets that count (their real tokens)
 
 
+class CachedPrefixBatch(NamedTuple):
+    """A GRPO batch laid out by :func:`plan_cached_prefix`: the K distinct prompts, then every row's completion."""
+
+    prompt_ids: Tensor  # (K, P): each distinct prompt once, left-padded as in the batch
+    prompt_mask: Tensor  # (K, P)
+    group_of: Tensor  # (B,): each row's prompt (a row of prompt_ids)
+    completion_ids: Tensor  # (B, C - 1): the completion tokens that predict a next one
+    attention_mask: Tensor  # (B, P + C - 1): the row's prompt padding, then its completion's
+    targets: Tensor  # (B, C) bool: the completion targets that count (their real tokens)
+    labels: Tensor  # (M,): those targets, in (row, column) order
+
+
 def token_ratio(prompt_lengths: list[int], completion_lengths: list[list[int]]) -> float:
     """Tokens of the shared forward over those of the unshared one: ``sum_k (p_k + sum c) / sum_k sum (p_k + c)``.
 
@@ -105,6 +140,45 @@ def _groups(input_ids: Tensor, real: Tensor, prompt_width: int) -> list[list[int
     return list(groups.values())
 
 
+def _is_grpo_layout(real: Tensor, prompt_width: int) -> bool:
+    """Whether ``real`` ``(B, P + C)`` is GRPO's layout: each prompt left-padded and ending in its last column, each
+    completion right-padded."""
+    prompt, completion = real[:, :prompt_width], real[:, prompt_width:]  # (B, P), (B, C)
+    right_padded = torch.arange(completion.shape[1], device=real.device) < completion.sum(dim=1)[:, None]
+    if not bool((completion == right_padded).all()) or not bool(prompt[:, -1].all()):
+        return False  # a completion token after padding, or a prompt whose last column is padding
+    return bool((position_ids(prompt)[:, -1] + 1 == prompt.sum(dim=1)).all())  # else a hole inside a prompt
+
+
+def plan_cached_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> CachedPrefixBatch | None:
+    """Lay out a GRPO batch (as :func:`pack_shared_prefix` takes it) for the KV cache's way: each distinct prompt
+    once, each row's completion after it; None where the layout is not GRPO's.
+
+    >>> ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0], [0, 0, 4, 3, 2]])
+    >>> plan = plan_cached_prefix(ids, (ids > 0).long(), prompt_width=3)
+    >>> plan.prompt_ids.tolist(), plan.group_of.tolist(), plan.completion_ids.tolist(), plan.labels.tolist()
+    ([[0, 5, 6], [0, 0, 4]], [0, 0, 1], [[7], [9], [3]], [7, 8, 9, 3, 2])
+    """
+    real = attention_mask.bool()  # (B, T)
+    if not _is_grpo_layout(real, prompt_width):
+        return None
+    groups = _groups(input_ids, real, prompt_width)
+    group_of = torch.empty(real.shape[0], dtype=torch.long)
+    for k, members in enumerate(groups):
+        group_of[members] = k
+    first = torch.tensor([members[0] for members in groups], device=input_ids.device)
+    targets = real[:, prompt_width:]  # (B, C)
+    return CachedPrefixBatch(
+        input_ids[first, :prompt_width],
+        attention_mask[first, :prompt_width],
+        group_of.to(input_ids.device),
+        input_ids[:, prompt_width:-1],
+        attention_mask[:, :-1],
+        targets,
+        input_ids[:, prompt_width:][targets],
+    )
+
+
 def pack_shared_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_width: int) -> SharedPrefixBatch | None:
     """Pack a GRPO batch (``input_ids``, ``attention_mask`` ``(B, P + C)``, prompts in the first ``prompt_width``
     columns) with each distinct prompt once, or None where the layout is not GRPO's (see the module docstring).
@@ -115,14 +189,10 @@ def pack_shared_prefix(input_ids: Tensor, attention_mask: Tensor, prompt_width: 
     ([[5, 6, 7, 8, 9]], [[0, 1, 2, 3, 2]], [7, 8, 9])
     """
     real = attention_mask.bool()  # (B, T)
+    if not _is_grpo_layout(real, prompt_width):
+        return None
     prompt, completion = real[:, :prompt_width], real[:, prompt_width:]  # (B, P), (B, C)
     completion_lengths = completion.sum(dim=1)  # (B,)
-    right_padded = torch.arange(completion.shape[1], device=real.device) < completion_lengths[:, None]
-    if not bool((completion == right_padded).all()) or not bool(prompt[:, -1].all()):
-        return None  # a completion token after padding, or a prompt whose last column is padding
-    ranks = position_ids(prompt)  # (B, P)
-    if not bool((ranks[:, -1] + 1 == prompt.sum(dim=1)).all()):
-        return None  # a hole inside a prompt
     groups = _groups(input_ids, real, prompt_width)
     lengths_p, lengths_c = prompt.sum(dim=1).tolist(), completion_lengths.tolist()
     width = max(lengths_p[g[0]] + sum(lengths_c[r] for r in g) for g in groups)
@@ -239,18 +309,54 @@ def estimated_cost(rows: Tensor | list[int], width: int | None, hidden_size: int
     return tokens + (pairs / (6 * hidden_size) if hidden_size else 0.0)
 
 
-def _worth_sharing(packed: SharedPrefixBatch, attention_mask: Tensor, base: nn.Module) -> bool:
-    """The switch-off rule for a batch the model could share (module docstring): the estimated cost at most
-    ``MIN_SAVING`` of the unshared forward's, rows within the model's sliding window, groups within
-    ``MAX_GROUP_TOKENS``."""
+def cached_cost(groups: int, width_p: int, rows: int, width_c: int, hidden_size: int | None) -> float:
+    """The KV cache's way in :func:`estimated_cost`'s units: ``groups`` prompts of ``width_p`` columns (causal),
+    then ``rows`` completions of ``width_c - 1`` inputs, each attending to its prompt and causally to itself.
+
+    >>> cached_cost(1, 256, 8, 33, None), round(cached_cost(1, 256, 8, 33, 64))  # (256, 32), G 8, toy tiny
+    (512, 1238)
+    """
+    inputs = width_c - 1
+    tokens = groups * width_p + rows * inputs
+    pairs = groups * width_p * width_p / 2 + rows * inputs * (width_p + inputs / 2)
+    return tokens + (pairs / (6 * hidden_size) if hidden_size else 0.0)
+
+
+def _cheapest(
+    plans: list[SharedPrefixBatch | CachedPrefixBatch], attention_mask: Tensor, base: nn.Module
+) -> SharedPrefixBatch | CachedPrefixBatch | None:
+    """The switch-off rule for a batch the model could share (module docstring): of the plans that fit (the 4D mask:
+    rows within the model's sliding window, groups within ``MAX_GROUP_TOKENS``), the one of least estimated cost,
+    where that is at most ``MIN_SAVING`` of the unshared forward's; else None."""
     lengths = attention_mask.sum(dim=1).tolist()
     config = getattr(base, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    hidden = getattr(config, "hidden_size", None)
-    groups, width = packed.input_ids.shape
-    saving = estimated_cost(groups, width, hidden) <= MIN_SAVING * estimated_cost(lengths, None, hidden)
-    window = _sliding_window(config)
-    return saving and width <= MAX_GROUP_TOKENS and (window is None or max(lengths) <= window)
+    hidden, window = getattr(config, "hidden_size", None), _sliding_window(config)
+    costs = []
+    for plan in plans:
+        if isinstance(plan, CachedPrefixBatch):
+            groups, width_p = plan.prompt_ids.shape
+            costs.append((cached_cost(groups, width_p, *plan.targets.shape, hidden), plan))
+        elif plan.input_ids.shape[1] <= MAX_GROUP_TOKENS and (window is None or max(lengths) <= window):
+            costs.append((estimated_cost(plan.input_ids.shape[0], plan.input_ids.shape[1], hidden), plan))
+    cost, plan = min(costs, key=lambda pair: pair[0], default=(None, None))
+    return plan if cost is not None and cost <= MIN_SAVING * estimated_cost(lengths, None, hidden) else None
+
+
+def takes_cache(model: nn.Module) -> bool:
+    """Whether ``model`` shares through the KV cache (two forwards before the backward), else under the 4D mask
+    (one forward): not for DDP and FSDP, whose wrappers expect one forward before each backward, nor under gradient
+    checkpointing, which drops a cache."""
+    base, wrapper = dist.unwrap_model(model), model
+    while wrapper is not base:
+        if isinstance(wrapper, nn.parallel.DistributedDataParallel):
+            return False
+        wrapper = getattr(wrapper, "module", None) or wrapper._orig_mod
+    checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5.2's name
+    if checkpointing is None:
+        checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    signature = forward_signature(base)
+    return not dist.is_fsdp(base) and not checkpointing and ("cache" in signature or "past_key_values" in signature)
 
 
 def shared_prefix_logps(
@@ -275,12 +381,14 @@ def shared_prefix_logps(
         warnings.warn(f"shared_prefix: {type(base).__name__} runs its forwards unshared: {problem}", stacklevel=2)
     if problem is not None or prompt_width < 1 or attention_mask.dim() != 2:
         return None
-    packed = pack_shared_prefix(input_ids, attention_mask, prompt_width)
-    if packed is None or not _worth_sharing(packed, attention_mask, base):
+    ways = (plan_cached_prefix, pack_shared_prefix) if takes_cache(model) else (pack_shared_prefix,)
+    plans = [plan for way in ways if (plan := way(input_ids, attention_mask, prompt_width)) is not None]
+    plan = _cheapest(plans, attention_mask, base)
+    if plan is None:
         return None
     options = (temperature, chunk_size, return_entropy, return_mean_logits)
     if base not in _CHECKED:
-        _CHECKED[base] = _is_exact(base, input_ids, attention_mask, prompt_width, packed, options)
+        _CHECKED[base] = _is_exact(base, input_ids, attention_mask, prompt_width, plan, options)
         if not _CHECKED[base]:
             warnings.warn(
                 f"{type(base).__name__}: a shared-prefix forward does not reproduce the padded one; "
@@ -288,26 +396,58 @@ def shared_prefix_logps(
                 stacklevel=2,
             )
             return None
-    return _shared_forward(model, base, packed, options)
+    return _shared_forward(model, base, plan, options)
 
 
-def _shared_forward(model, base, packed: SharedPrefixBatch, options: tuple) -> TokenLogps:
-    kwargs = {"position_ids": packed.position_ids, "attention_mask": _mask(packed.allowed, base)}
-    logps, entropy, mean_logits = logps_at_rows(
-        model, base, packed.input_ids, kwargs, packed.rows, packed.labels, options
-    )
+def _shared_forward(model, base, plan: SharedPrefixBatch | CachedPrefixBatch, options: tuple) -> TokenLogps:
+    if isinstance(plan, CachedPrefixBatch):
+        states, head = _cached_states(model, base, plan)
+        values = logps_from_states(states[plan.targets], head, plan.labels, options)  # (M,) each
+    else:
+        kwargs = {"position_ids": plan.position_ids, "attention_mask": _mask(plan.allowed, base)}
+        values = logps_at_rows(model, base, plan.input_ids, kwargs, plan.rows, plan.labels, options)
 
     def unpack(values: Tensor | None) -> Tensor | None:  # (M,) -> (B, C), zeros at the other targets
-        return (
-            None if values is None else values.new_zeros(packed.targets.shape).masked_scatter(packed.targets, values)
-        )
+        return None if values is None else values.new_zeros(plan.targets.shape).masked_scatter(plan.targets, values)
 
-    return TokenLogps(unpack(logps), unpack(entropy), unpack(mean_logits))
+    return TokenLogps(*(unpack(v) for v in values))
+
+
+def _cached_states(model, base, plan: CachedPrefixBatch) -> tuple[Tensor, nn.Linear | None]:
+    """The states ``(B, C, H or V)`` that predict each completion target, through the KV cache's way: the prompts'
+    forward fills a cache, each row takes its prompt's keys and values, then the completions' forward. Final hidden
+    states and the fast path's head, or logits and None (the head's one-time check failed: both forwards again)."""
+    from transformers import DynamicCache  # a transformers model: shared_prefix_problem checked
+
+    key = "cache" if "cache" in forward_signature(base) else "past_key_values"
+    head = fast_path_head(base)
+    prompt_positions = position_ids(plan.prompt_mask)  # (K, P)
+    prompt_cache = DynamicCache()
+    kwargs = {"position_ids": prompt_positions, key: prompt_cache, "use_cache": True}
+    out = forward_states(model, base, head, plan.prompt_ids, plan.prompt_mask, kwargs)
+    if out is None:
+        return _cached_states(model, base, plan)  # fast_path_head now says None
+    last = out[0][:, -1].index_select(0, plan.group_of)[:, None]  # (B, 1, H or V): predicts each first target
+    if plan.completion_ids.shape[1] == 0:
+        return last, out[1]
+    rows_cache = DynamicCache()
+    for i, layer in enumerate(prompt_cache.layers):  # each row its prompt's keys and values; gradients sum back
+        rows_cache.update(layer.keys.index_select(0, plan.group_of), layer.values.index_select(0, plan.group_of), i)
+    starts = prompt_positions[:, -1].index_select(0, plan.group_of) + 1  # (B,): each prompt's length
+    positions = starts[:, None] + torch.arange(plan.completion_ids.shape[1], device=starts.device)  # (B, C - 1)
+    kwargs = {"position_ids": positions, key: rows_cache, "use_cache": True}
+    rest, head = forward_states(model, base, out[1], plan.completion_ids, plan.attention_mask, kwargs)
+    return torch.cat([last, rest], dim=1), head
 
 
 @torch.no_grad()
 def _is_exact(
-    base, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, packed: SharedPrefixBatch, options: tuple
+    base,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    prompt_width: int,
+    plan: SharedPrefixBatch | CachedPrefixBatch,
+    options: tuple,
 ) -> bool:
     """Whether ``base`` gives the same log-probs shared as padded on this batch (eval mode: no dropout)."""
     temperature, chunk_size = options[:2]
@@ -323,7 +463,7 @@ def _is_exact(
             chunk_size=chunk_size,
             position_ids=position_ids(attention_mask),
         ).logps
-        shared = _shared_forward(base, base, packed, (temperature, chunk_size, False, False)).logps
+        shared = _shared_forward(base, base, plan, (temperature, chunk_size, False, False)).logps
     low_precision = torch.is_autocast_enabled(input_ids.device.type) or any(
         p.dtype != torch.float32 and p.is_floating_point() for p in base.parameters()
     )

@@ -271,21 +271,29 @@ def logps_at_rows(
     allows it, else the model's logits and :func:`selective_log_softmax`. ``options``: ``(temperature, chunk_size,
     return_entropy, return_mean_logits)``. Returns ``(logps, entropy or None, mean_logits or None)``, each ``(M,)``.
     The padding-free and shared-prefix forwards (``treadle.logprobs.prefix``) share it."""
-    temperature, chunk_size, return_entropy, return_mean_logits = options
     kwargs = dict(forward_kwargs)
     attention_mask = kwargs.pop("attention_mask", None)
     head = fast_path_head(base)
     hidden = None if head is None else _final_hidden_states(model, base, head, input_ids, attention_mask, kwargs)
     if hidden is not None:
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)  # (M, H)
-        logps, entropy = _hidden_token_logps(hidden, head, labels, temperature, chunk_size, return_entropy)
-        mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
-        return logps, entropy, mean_logits
+        return logps_from_states(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), head, labels, options)
     logits = _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, kwargs)))
-    logits = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # (M, V)
-    logps = selective_log_softmax(logits, labels, temperature=temperature)
-    entropy = _entropy(logits, temperature) if return_entropy else None
-    mean_logits = logits.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None
+    return logps_from_states(logits.reshape(-1, logits.shape[-1]).index_select(0, rows), None, labels, options)
+
+
+def logps_from_states(
+    states: Tensor, head: nn.Linear | None, labels: Tensor, options: tuple
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Log-probs of ``labels`` ``(M,)`` from the states at their targets: final hidden states ``(M, H)`` through
+    ``head`` (in chunks where large), or the model's logits ``(M, V)`` when ``head`` is None. ``options`` as
+    :func:`logps_at_rows`'s; returns ``(logps, entropy or None, mean_logits or None)``, each ``(M,)``."""
+    temperature, chunk_size, return_entropy, return_mean_logits = options
+    if head is not None:
+        logps, entropy = _hidden_token_logps(states, head, labels, temperature, chunk_size, return_entropy)
+        return logps, entropy, _mean_logits(states, head) if return_mean_logits else None
+    logps = selective_log_softmax(states, labels, temperature=temperature)
+    entropy = _entropy(states, temperature) if return_entropy else None
+    mean_logits = states.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None
     return logps, entropy, mean_logits
 
 
@@ -382,6 +390,18 @@ def hidden_states_and_head(
     if hidden is not None:
         return hidden, head
     return _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))), None
+
+
+def forward_states(
+    model, base, head: nn.Linear | None, input_ids: Tensor, attention_mask: Tensor | None, forward_kwargs: dict
+) -> tuple[Tensor, nn.Linear | None] | None:
+    """One forward of ``model``: ``(final hidden states (B, T, H), head)`` where ``head`` (the fast path's, from
+    :func:`fast_path_head`) is given, ``(logits (B, T, V), None)`` where it is None; None where the head's one-time
+    check finds it does not reproduce the logits (the forward ran: run it again without the head)."""
+    if head is None:
+        return _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))), None
+    hidden = _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
+    return None if hidden is None else (hidden, head)
 
 
 def _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs) -> Tensor | None:
