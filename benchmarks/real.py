@@ -3,13 +3,15 @@
 the machine's float32 matmul roof measured in the same run.
 
     python benchmarks/real.py [--rounds 3] [--steps 5] [--threads 2] [--only sft,dpo,grpo] [--grpo 8x8x64]
-                              [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl] [--huge-pages 1]
+                              [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl]
+                              [--keep-freed-memory 1]
 
 The same work for every contender (each in its own process, so that its peak RSS is its own; the contenders of a
 workload run one after another, round by round, interleaved):
 
-- process: the same threads and the same ``THP_MEM_ALLOC_ENABLE`` (``--huge-pages``; 1, large tensors on huge pages,
-  is what ``import treadle`` sets unless the user has) for every contender;
+- process: the same threads and the same glibc allocator settings for every contender: each imports treadle (TRL's
+  and the bare loop's process to find the model's folder), whose ``keep_freed_memory`` keeps freed memory for reuse
+  (``--keep-freed-memory 0``: glibc's defaults for all);
 - model: the cached HF folder of ``treadle.demos.smollm2``, float32, in train mode; AdamW (torch, for-loop), lr 1e-5,
   no weight decay, gradient clipping at 1.0, a constant schedule; one micro-batch per optimizer step; no evaluation,
   no checkpoints, no progress bars.
@@ -413,7 +415,10 @@ def main(argv=None) -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--json", default=None, help="also write every run's raw figures here")
     parser.add_argument(
-        "--huge-pages", choices=("1", "0"), default="1", help="THP_MEM_ALLOC_ENABLE for every contender alike"
+        "--keep-freed-memory",
+        choices=("1", "0"),
+        default="1",
+        help="TREADLE_KEEP_FREED_MEMORY for every contender alike (each imports treadle)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -424,11 +429,12 @@ def main(argv=None) -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from _machine import machine_header
 
-    os.environ["THP_MEM_ALLOC_ENABLE"] = args.huge_pages  # inherited by every contender's process
+    os.environ["TREADLE_KEEP_FREED_MEMORY"] = args.keep_freed_memory  # inherited by every contender's process
     print(machine_header())
     print(
         f"{args.rounds} rounds x {args.steps} steps per run, {args.threads} threads; the first step of a run untimed;"
-        f" GRPO {args.grpo} (prompts x G x new tokens); THP_MEM_ALLOC_ENABLE={args.huge_pages} for every contender"
+        f" GRPO {args.grpo} (prompts x G x new tokens);"
+        f" TREADLE_KEEP_FREED_MEMORY={args.keep_freed_memory} for every contender"
     )
     runs, roofs = [], []
     for round_ in range(args.rounds):

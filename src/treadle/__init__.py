@@ -6,15 +6,11 @@ Public names are imported lazily (PEP 562) so that ``import treadle`` costs litt
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
+import sys
 from typing import TYPE_CHECKING
-
-# Large CPU tensors on transparent huge pages (torch's own switch, read at its first tensor allocation). A training
-# step frees its activations and allocates them again; on 4 KiB pages the kernel faults every page in afresh, about a
-# million faults a step on the real model's GRPO step, where huge pages cut the step by a tenth (docs/performance.md).
-# THP_MEM_ALLOC_ENABLE=0 keeps torch's default; it changes nothing once torch has allocated a tensor.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"
 
@@ -41,6 +37,26 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep the memory a program frees for its next allocations (``mallopt``: large blocks from the heap,
+    never trimmed); True where it did. A training step frees its activations and allocates them again; by default
+    glibc hands each block over 32 MB back to the kernel, which faults it in again, zeroed, at the next step: about
+    a million page faults and 4-19 s of kernel time in a 35 s GRPO step of the real model (docs/performance.md).
+    Called once at ``import treadle``; ``TREADLE_KEEP_FREED_MEMORY=0`` leaves glibc's defaults. The cost: the
+    process keeps its peak memory until it exits."""
+    if os.environ.get("TREADLE_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, -1))  # -1: never trim
+
+
+keep_freed_memory()
 
 
 def __getattr__(name: str):
