@@ -43,7 +43,7 @@ def keep_freed_memory() -> bool:
     """Have glibc keep the memory a program frees for its next allocations (``mallopt``: large blocks from the heap,
     never trimmed); True where it did. A training step frees its activations and allocates them again; by default
     glibc hands each block over 32 MB back to the kernel, which faults it in again, zeroed, at the next step: about
-    a million page faults and 4-19 s of kernel time in a 35 s GRPO step of the real model (docs/performance.md).
+    a million page faults and 4-19 s of kernel time in a 35-50 s GRPO step of the real model (docs/performance.md).
     Called once at ``import treadle``; ``TREADLE_KEEP_FREED_MEMORY=0`` leaves glibc's defaults. The cost: the
     process keeps its peak memory until it exits."""
     if os.environ.get("TREADLE_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):

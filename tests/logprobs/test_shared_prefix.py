@@ -311,7 +311,7 @@ def test_off_where_nothing_is_shared_or_too_little_is_saved(tok, monkeypatch):
 
 def test_the_cheaper_way_is_taken(tok, monkeypatch):
     """Completions of one length: the cache's way (no masked pairs); ragged ones: the 4D mask (no padding). A model
-    under gradient checkpointing (which drops a cache) takes the mask."""
+    under gradient checkpointing (which drops a cache) or with compiled blocks takes the mask."""
     model = toy.build_model("tiny", tokenizer=tok, seed=0)
     taken = ways_taken(monkeypatch)
     for completions in ([[16] * 4] * 2, [[16, 2, 3, 1]] * 2):
@@ -324,6 +324,9 @@ def test_the_cheaper_way_is_taken(tok, monkeypatch):
     assert takes_cache(model)
     models.enable_gradient_checkpointing(model)
     assert not takes_cache(model)
+    compiled = toy.build_model("tiny", tokenizer=tok, seed=0)
+    compiled.model.layers[0].compile()  # as torch_compile does (treadle.compilation): nothing runs, nothing compiles
+    assert not takes_cache(compiled)
 
 
 def test_the_cost_estimate_by_hand():

@@ -314,7 +314,7 @@ def cached_cost(groups: int, width_p: int, rows: int, width_c: int, hidden_size:
     then ``rows`` completions of ``width_c - 1`` inputs, each attending to its prompt and causally to itself.
 
     >>> cached_cost(1, 256, 8, 33, None), round(cached_cost(1, 256, 8, 33, 64))  # (256, 32), G 8, toy tiny
-    (512, 1238)
+    (512.0, 779)
     """
     inputs = width_c - 1
     tokens = groups * width_p + rows * inputs
@@ -346,7 +346,8 @@ def _cheapest(
 def takes_cache(model: nn.Module) -> bool:
     """Whether ``model`` shares through the KV cache (two forwards before the backward), else under the 4D mask
     (one forward): not for DDP and FSDP, whose wrappers expect one forward before each backward, nor under gradient
-    checkpointing, which drops a cache."""
+    checkpointing, which drops a cache, nor with compiled blocks (``torch_compile``: the prompts' and the
+    completions' forwards are two more shapes to compile at every step, up to dynamo's recompile limit)."""
     base, wrapper = dist.unwrap_model(model), model
     while wrapper is not base:
         if isinstance(wrapper, nn.parallel.DistributedDataParallel):
@@ -355,8 +356,12 @@ def takes_cache(model: nn.Module) -> bool:
     checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5.2's name
     if checkpointing is None:
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
+    if checkpointing or dist.is_fsdp(base):
+        return False
+    if any(getattr(block, "_compiled_call_impl", None) is not None for block in dist.transformer_blocks(base)):
+        return False
     signature = forward_signature(base)
-    return not dist.is_fsdp(base) and not checkpointing and ("cache" in signature or "past_key_values" in signature)
+    return "cache" in signature or "past_key_values" in signature
 
 
 def shared_prefix_logps(
