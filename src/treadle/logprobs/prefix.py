@@ -3,15 +3,16 @@
 In GRPO every prompt is trained with its G completions; a padded or padding-free forward runs the prompt G times.
 Here the rows of a batch that hold the same prompt run it once, in one of two ways:
 
-- **Through the KV cache** (a model in this process: not DDP- or FSDP-wrapped, no gradient checkpointing): one
-  forward over the K distinct prompts fills a ``DynamicCache``; its keys and values are selected for each row
-  (``index_select``, so the gradient of every row's use flows back to its prompt), and a second forward runs every
-  row's completion after its cached prompt. The first target is predicted by the prompt's last position, the others
-  by the completion's. Each completion token attends to exactly what it attends to in its own row, through the
-  model's own causal (and sliding-window) mask; the attention is ``(B, C, P + C)``, the padded forward's.
+- **Through the KV cache** (a model in this process: not DDP- or FSDP-wrapped, no gradient checkpointing, no
+  compiled blocks): one forward over the K distinct prompts fills a ``DynamicCache``; its keys and values are
+  selected for each row (``index_select``, so the gradient of every row's use flows back to its prompt), and a
+  second forward runs every row's completion after its cached prompt. The first target is predicted by the
+  prompt's last position, the others by the completion's. Each completion token attends to exactly what it attends
+  to in its own row, through the model's own causal (and sliding-window) mask; the attention is
+  ``(B, C, P + C)``, the padded forward's.
 - **Packed under a 4D mask** (DDP and FSDP, whose wrappers expect one forward before each backward; gradient
-  checkpointing, which drops a cache): the group's rows are packed into one sequence, the prompt once and then each
-  completion after it::
+  checkpointing, which drops a cache; ``torch_compile``): the group's rows are packed into one sequence, the prompt
+  once and then each completion after it::
 
     [ prompt (p tokens) | completion 1 (c1) | completion 2 (c2) | ... ]     position ids: 0..p-1, p..p+c1-1, p..p+c2-1
 
