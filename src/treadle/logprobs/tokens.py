@@ -273,12 +273,8 @@ def logps_at_rows(
     The padding-free and shared-prefix forwards (``treadle.logprobs.prefix``) share it."""
     kwargs = dict(forward_kwargs)
     attention_mask = kwargs.pop("attention_mask", None)
-    head = fast_path_head(base)
-    hidden = None if head is None else _final_hidden_states(model, base, head, input_ids, attention_mask, kwargs)
-    if hidden is not None:
-        return logps_from_states(hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), head, labels, options)
-    logits = _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, kwargs)))
-    return logps_from_states(logits.reshape(-1, logits.shape[-1]).index_select(0, rows), None, labels, options)
+    states, head = _states_and_head(model, base, input_ids, attention_mask, kwargs)
+    return logps_from_states(states.reshape(-1, states.shape[-1]).index_select(0, rows), head, labels, options)
 
 
 def logps_from_states(
@@ -382,14 +378,16 @@ def hidden_states_and_head(
 ) -> tuple[Tensor, nn.Linear | None]:
     """For losses over the whole vocabulary (distillation): the decoder's last hidden states ``(B, T, H)`` and the
     LM head through the fast path's seam (no ``[B, T, V]`` logits), or ``(logits (B, T, V), None)`` elsewhere."""
-    base = dist.unwrap_model(model)
-    head = fast_path_head(base)
-    hidden = (
-        None if head is None else _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
-    )
-    if hidden is not None:
-        return hidden, head
-    return _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs))), None
+    return _states_and_head(model, dist.unwrap_model(model), input_ids, attention_mask, forward_kwargs)
+
+
+def _states_and_head(
+    model, base, input_ids: Tensor, attention_mask: Tensor | None, forward_kwargs: dict
+) -> tuple[Tensor, nn.Linear | None]:
+    """:func:`forward_states` through the fast path where ``base`` allows it, else (or where its head's one-time
+    check fails: a second forward) through the logits."""
+    out = forward_states(model, base, fast_path_head(base), input_ids, attention_mask, forward_kwargs)
+    return out if out is not None else forward_states(model, base, None, input_ids, attention_mask, forward_kwargs)
 
 
 def forward_states(
