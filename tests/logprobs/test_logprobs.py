@@ -108,6 +108,35 @@ def test_chunked_token_logps_matches_plain_values_and_gradients(chunk_size):
     assert torch.count_nonzero(grads[0][4]) == 0  # the -100 row gets no gradient
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_chunked_token_logps_kept_logits_give_the_recomputed_numbers(monkeypatch, with_entropy):
+    """On CPU the backward pass takes the forward's logits when they fit in KEEP_LOGITS_BYTES, else recomputes
+    them: the same product of the same chunk, so the same numbers bit for bit, in float32 as in float64."""
+    from treadle.logprobs import logsoftmax
+
+    for dtype in (torch.float32, torch.float64):
+        hidden, weight, bias, labels = _head_problem(dtype=dtype)
+        labels[4] = -100
+        upstream = torch.linspace(-1, 2, 10, dtype=dtype)
+        runs = []
+        for budget in (1 << 30, 0):
+            monkeypatch.setattr(logsoftmax, "KEEP_LOGITS_BYTES", budget)
+            assert logsoftmax.keeps_logits(hidden, weight) == (budget > 0)
+            out = chunked_token_logps(
+                hidden, weight, labels, bias=bias, temperature=1.3, chunk_size=3, return_entropy=with_entropy
+            )
+            logps, entropy = out if with_entropy else (out, None)
+            runs.append((logps, entropy, *torch.autograd.grad((logps * upstream).sum(), (hidden, weight, bias))))
+        kept, recomputed = runs
+        for got, want in zip(kept, recomputed):
+            assert (got is None and want is None) or torch.equal(got, want)
+    monkeypatch.setattr(logsoftmax, "KEEP_LOGITS_BYTES", 10 * VOCAB * 4)  # exactly 10 float32 rows
+    rows = torch.zeros(11, 8)
+    assert logsoftmax.keeps_logits(rows[:10], weight.float())
+    assert not logsoftmax.keeps_logits(rows, weight.float())  # one row over
+    assert not logsoftmax.keeps_logits(rows[:10].double(), weight)  # float64 logits: twice the bytes
+
+
 def test_chunked_token_logps_only_requested_gradients():
     hidden, weight, _, labels = _head_problem()
     weight.requires_grad_(False)

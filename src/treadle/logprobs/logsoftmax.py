@@ -3,7 +3,8 @@
 - :func:`selective_log_softmax`: log-probs of chosen tokens from logits that already exist, with no log-softmax
   copy and one gradient tensor in the logits' own dtype;
 - :func:`chunked_token_logps`: the same from final hidden states and the LM head, ``chunk_size`` rows at a time,
-  never building the ``[B, T, V]`` logits (the backward pass recomputes each chunk).
+  never building the ``[B, T, V]`` logits at once (the backward pass recomputes each chunk; on CPU, up to 1 GiB of
+  logits, it keeps them from the forward pass instead).
 
 Pure tensor functions (custom autograd), tested against ``log_softmax(...).gather`` in tests/test_logprobs.py.
 """
@@ -15,6 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 IGNORE_INDEX = -100
+# chunked_token_logps keeps its logits for the backward pass up to this size on CPU (keeps_logits): 1 GiB holds
+# 4,096 rows of a 64k vocabulary, a GRPO step's completions for a small model
+KEEP_LOGITS_BYTES = 1 << 30
 
 
 # ------------------------------------------------------------------------------ selective log-softmax
@@ -135,7 +139,9 @@ def chunked_token_logps(
         weight: ``(V, H)`` the LM head weight; ``bias``: ``(V,)`` or None.
         labels: ``(N,)`` token ids; ``-100`` gives log-prob 0 and no gradient.
         chunk_size: rows per chunk; the extra memory is one float32 ``(chunk_size, V)`` buffer (two with
-            ``return_entropy``, and a bf16 copy in the backward pass for bf16 inputs).
+            ``return_entropy``, and a bf16 copy in the backward pass for bf16 inputs), plus, on CPU, the whole
+            ``(N, V)`` float32 logits kept for the backward pass when they fit in ``KEEP_LOGITS_BYTES`` (1 GiB):
+            the backward pass then needs no second head matmul (``keeps_logits``).
         return_entropy: also return the entropy of each row's distribution (detached; computed for
             every row, the caller masks).
 
@@ -248,6 +254,11 @@ class _ChunkedNLL(torch.autograd.Function):
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
+    """``chunked_token_logps``' kernel. Its backward pass needs each chunk's logits again: it recomputes them (one
+    more head matmul) unless the forward kept them (``keeps_logits``), in which case the forward leaves every chunk's
+    logits intact (out-of-place softmax work) and the backward turns each into its gradient in place. Either way the
+    gradients are the same numbers: the recomputed logits are the same product of the same chunk."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temperature, chunk_size, with_entropy):
         n = hidden.shape[0]
@@ -256,20 +267,24 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         logps = torch.empty(n, dtype=upcast(hidden.dtype), device=hidden.device)  # (N,)
         lse = torch.empty_like(logps)  # (N,)
         entropy = torch.empty(n if with_entropy else 0, dtype=logps.dtype, device=hidden.device)
+        kept = [] if any(ctx.needs_input_grad[:3]) and keeps_logits(hidden, weight) else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             scaled = _scaled_logits(hidden[s:e], weight, bias, temperature)  # (r, V)
             picked = scaled.gather(1, safe_labels[s:e, None]).squeeze(1)
             if with_entropy:
                 lse[s:e] = torch.logsumexp(scaled, dim=-1)
-                log_probs = scaled.sub_(lse[s:e, None])
+                log_probs = scaled.sub_(lse[s:e, None]) if kept is None else scaled - lse[s:e, None]
                 entropy[s:e] = -(log_probs.exp() * log_probs).sum(dim=-1)
+                del log_probs
             else:
-                lse[s:e] = _logsumexp_inplace(scaled)
+                lse[s:e] = _logsumexp_inplace(scaled if kept is None else scaled.clone())
             logps[s:e] = torch.where(valid[s:e], picked - lse[s:e], 0.0)
+            if kept is not None:
+                kept.append(scaled)
             del scaled  # else it stays alive while the next chunk's logits are allocated
         ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.kept = temperature, chunk_size, kept
         ctx.mark_non_differentiable(entropy)
         return logps, entropy
 
@@ -282,11 +297,15 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, **acc) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], **acc) if need_bias else None
         g_all = torch.where(valid, grad_logps.to(lse.dtype), 0.0)  # (N,)
-        n, step = hidden.shape[0], ctx.chunk_size
-        for s in range(0, n, step):
+        n, step, kept = hidden.shape[0], ctx.chunk_size, ctx.kept
+        ctx.kept = None  # the kept logits go with this backward (no double backward)
+        for index, s in enumerate(range(0, n, step)):
             e = min(s + step, n)
             h = hidden[s:e]  # (r, H)
-            scaled = _scaled_logits(h, weight, bias, ctx.temperature)  # (r, V)
+            if kept is None:
+                scaled = _scaled_logits(h, weight, bias, ctx.temperature)  # (r, V)
+            else:
+                scaled, kept[index] = kept[index], None  # freed once this chunk's gradients are in
             d = _dlogits(scaled, lse[s:e], safe_labels[s:e], g_all[s:e], ctx.temperature)  # (r, V)
             _add_chunk_grads(
                 d, h, weight, grad_hidden[s:e] if grad_hidden is not None else None, grad_weight, grad_bias
@@ -323,6 +342,15 @@ def _logsumexp_inplace(x: Tensor) -> Tensor:
     ``(r, V)`` buffer, doubling the forward pass's peak."""
     row_max = x.amax(dim=-1)  # (r,)
     return x.sub_(row_max[:, None]).exp_().sum(dim=-1).log_().add_(row_max)
+
+
+def keeps_logits(hidden: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`chunked_token_logps` keeps its float32 logits from the forward pass for the backward pass
+    instead of recomputing them: on CPU, when all of them fit in ``KEEP_LOGITS_BYTES``. A CPU step is bound by its
+    matmuls and its memory is plentiful (the recomputation is one more head matmul, about 5% of a 135M model's GRPO
+    step); an accelerator's step is bound by memory, where the chunking's bound matters and the matmul is cheap."""
+    size = hidden.shape[0] * weight.shape[0] * upcast(hidden.dtype).itemsize
+    return hidden.device.type == "cpu" and size <= KEEP_LOGITS_BYTES
 
 
 def upcast(dtype: torch.dtype) -> torch.dtype:

@@ -7,7 +7,8 @@ both). At V = 128k, B x T = 8 x 1024 each one is 4.2 GB. This module never build
 - :func:`chunked_token_logps` takes the final hidden states and the LM head weight and works through
   ``chunk_size`` rows at a time. The forward pass keeps only one logsumexp per row; the backward pass
   recomputes each chunk's logits and accumulates ``grad_hidden`` and ``grad_weight`` from
-  ``softmax - onehot``. Peak extra memory is a few ``[chunk_size, V]`` float32 buffers.
+  ``softmax - onehot``. Peak extra memory is a few ``[chunk_size, V]`` float32 buffers (on CPU, where a step
+  is bound by its matmuls, logits up to 1 GiB are kept from the forward pass instead of recomputed).
 - :func:`selective_log_softmax` is the same idea for logits that already exist (models that do not fit
   the fast path): no log-softmax copy, one gradient tensor in the logits' own dtype.
 - :func:`token_logps` runs a causal LM and returns log p(token t+1 | tokens ≤ t), choosing between them.
