@@ -3,7 +3,7 @@
 the machine's float32 matmul roof measured in the same run.
 
     python benchmarks/real.py [--rounds 3] [--steps 5] [--threads 2] [--only sft,dpo,grpo] [--grpo 8x8x64]
-                              [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl]
+                              [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl,trl-glibc]
                               [--keep-freed-memory 1]
 
 The same work for every contender (each in its own process, so that its peak RSS is its own; the contenders of a
@@ -11,7 +11,8 @@ workload run one after another, round by round, interleaved):
 
 - process: the same threads and the same glibc allocator settings for every contender: each imports treadle (TRL's
   and the bare loop's process to find the model's folder), whose ``keep_freed_memory`` keeps freed memory for reuse
-  (``--keep-freed-memory 0``: glibc's defaults for all);
+  (``--keep-freed-memory 0``: glibc's defaults for all). ``trl-glibc`` is TRL as it ships, in glibc's defaults
+  whatever the flag: the same run then compares treadle and TRL each as shipped, and TRL in treadle's setting;
 - model: the cached HF folder of ``treadle.demos.smollm2``, float32, in train mode; AdamW (torch, for-loop), lr 1e-5,
   no weight decay, gradient clipping at 1.0, a constant schedule; one micro-batch per optimizer step; no evaluation,
   no checkpoints, no progress bars.
@@ -58,7 +59,8 @@ PASSAGE = (
     "nineteenth century, and by the middle of the twentieth, electronic machines filled whole rooms. The pocket "
     "calculator arrived in the nineteen seventies and changed schools, shops and laboratories within a decade. "
 )
-CONTENDERS = ("bare", "treadle", "treadle-compiled", "treadle-checkpointed", "trl")
+CONTENDERS = ("bare", "treadle", "treadle-compiled", "treadle-checkpointed", "trl", "trl-glibc")
+GLIBC = "-glibc"  # a contender name ending so runs in glibc's allocator defaults (TREADLE_KEEP_FREED_MEMORY=0)
 GRPO = {"prompts": 8, "g": 8, "tokens": 64}  # set by --grpo
 
 
@@ -370,11 +372,14 @@ def child(spec: str, steps: int, threads: int) -> dict:
     model.train()
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     clock = StepEnds()
+    library = name.removesuffix(GLIBC)
     run = (
         bare(kind, model, tokenizer, steps, clock)
-        if name == "bare"
-        else framework(name, kind, model, tokenizer, steps, clock)
+        if library == "bare"
+        else framework(library, kind, model, tokenizer, steps, clock)
     )
+    kept = os.environ.get("TREADLE_KEEP_FREED_MEMORY", "1") != "0"
+    run["settings"] += ", freed memory kept (glibc)" if kept else ", glibc's allocator defaults"
     return {
         **run,
         "contender": name,
@@ -392,6 +397,8 @@ def child(spec: str, steps: int, threads: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def spawn(spec: str, steps: int, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if spec.split(":")[0].endswith(GLIBC):  # this contender as it ships: glibc's defaults, whatever --keep-freed-memory
+        env["TREADLE_KEEP_FREED_MEMORY"] = "0"
     grpo = "x".join(str(GRPO[k]) for k in ("prompts", "g", "tokens"))
     out = subprocess.run(
         [sys.executable, __file__, "--child", spec, "--steps", str(steps), "--threads", str(threads), "--grpo", grpo],
@@ -418,7 +425,7 @@ def main(argv=None) -> None:
         "--keep-freed-memory",
         choices=("1", "0"),
         default="1",
-        help="TREADLE_KEEP_FREED_MEMORY for every contender alike (each imports treadle)",
+        help="TREADLE_KEEP_FREED_MEMORY for every contender alike (each imports treadle), except the '-glibc' ones",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
