@@ -397,7 +397,7 @@ def child(spec: str, steps: int, threads: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def spawn(spec: str, steps: int, threads: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if spec.split(":")[0].endswith(GLIBC):  # this contender as it ships: glibc's defaults, whatever --keep-freed-memory
+    if spec.split(":")[0].endswith(GLIBC):  # as it ships: glibc's defaults, whatever --keep-freed-memory says
         env["TREADLE_KEEP_FREED_MEMORY"] = "0"
     grpo = "x".join(str(GRPO[k]) for k in ("prompts", "g", "tokens"))
     out = subprocess.run(
