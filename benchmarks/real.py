@@ -378,7 +378,9 @@ def child(spec: str, steps: int, threads: int) -> dict:
         if library == "bare"
         else framework(library, kind, model, tokenizer, steps, clock)
     )
-    kept = os.environ.get("TREADLE_KEEP_FREED_MEMORY", "1") != "0"
+    import treadle
+
+    kept = treadle.keep_freed_memory()  # what import treadle did in this process (the same call, idempotent)
     run["settings"] += ", freed memory kept (glibc)" if kept else ", glibc's allocator defaults"
     return {
         **run,

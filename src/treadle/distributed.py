@@ -254,11 +254,22 @@ def is_fsdp(model: torch.nn.Module) -> bool:
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside a DDP (or compiled) wrapper. An FSDP2 model is its own unwrapped model (its
     parameters are sharded DTensors; use ``full_state_dict`` for plain tensors)."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
+    return _wrapper_chain(model)[-1]
+
+
+def is_ddp(model: torch.nn.Module) -> bool:
+    """True when a DDP wrapper is among ``model``'s wrappers (the chain ``unwrap_model`` walks)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return any(isinstance(wrapper, DDP) for wrapper in _wrapper_chain(model))
+
+
+def _wrapper_chain(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model`` and each module it wraps (DDP's ``.module``, a compiled model's ``._orig_mod``), outermost first."""
+    chain = [model]
+    while (inner := getattr(chain[-1], "module", None) or getattr(chain[-1], "_orig_mod", None)) is not None:
+        chain.append(inner)
+    return chain
 
 
 def no_sync(model: torch.nn.Module, skip_sync: bool):

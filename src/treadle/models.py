@@ -40,6 +40,7 @@ from treadle.errors import PreflightError
 
 __all__ = [
     "ForwardSignature",
+    "cache_argument",
     "causal_lm_problem",
     "check_model_folder",
     "check_vocabulary",
@@ -95,6 +96,13 @@ def forward_signature(model: nn.Module) -> ForwardSignature:
     if signature is None:
         signature = _SIGNATURES[type(inner)] = _read_signature(inner.forward)
     return signature
+
+
+def cache_argument(model: nn.Module) -> str | None:
+    """The forward() keyword for the KV cache: ``cache`` in transformers >= 5.x, ``past_key_values`` before; None
+    for a forward that takes no cache."""
+    signature = forward_signature(model)
+    return next((name for name in ("cache", "past_key_values") if name in signature), None)
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -24,13 +24,7 @@ from torch import Tensor
 from treadle.models import forward_signature
 from treadle.packing import position_ids
 
-__all__ = ["RaggedWrites", "attention_kind", "cache_argument", "expand_cache", "prefill"]
-
-
-def cache_argument(model) -> str | None:
-    """The forward() keyword for the KV cache: ``cache`` in transformers >= 5.x, ``past_key_values`` before."""
-    signature = forward_signature(model)
-    return next((name for name in ("cache", "past_key_values") if name in signature), None)
+__all__ = ["RaggedWrites", "attention_kind", "expand_cache", "prefill"]
 
 
 def attention_kind(model) -> str | None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from treadle.generation.cache import attention_kind, cache_argument, expand_cache, prefill
+from treadle.generation.cache import attention_kind, expand_cache, prefill
 from treadle.generation.head import plain_head, sliced_head
 from treadle.generation.sampling import (
     SamplingParams,
@@ -50,7 +50,7 @@ from treadle.generation.sampling import (
     sampled_logps,
     token_presence,
 )
-from treadle.models import causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
+from treadle.models import cache_argument, causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
 from treadle.text import eos_ids
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from treadle.generation.cache import RaggedWrites, cache_argument, expand_cache, prefill
+from treadle.generation.cache import RaggedWrites, expand_cache, prefill
 from treadle.generation.sampling import SamplingParams, process_logits, sampled_logps, token_presence
 from treadle.generation.single import (
     SHRINK_FRACTION,
@@ -31,7 +31,7 @@ from treadle.generation.single import (
     resolve_backend,
     sample_completions,
 )
-from treadle.models import eval_mode, unwrapped_for_generation
+from treadle.models import cache_argument, eval_mode, unwrapped_for_generation
 from treadle.text import eos_ids
 
 __all__ = ["MultiTurnOutput", "Respond", "generate_turns", "pack_turns", "reprefill_turns", "sample_turns"]

@@ -65,7 +65,7 @@ from treadle.logprobs.tokens import (
     logps_from_states,
     token_logps,
 )
-from treadle.models import eval_mode, forward_signature
+from treadle.models import cache_argument, eval_mode, forward_signature
 from treadle.packing import position_ids
 
 __all__ = [
@@ -349,11 +349,9 @@ def takes_cache(model: nn.Module) -> bool:
     (one forward): not for DDP and FSDP, whose wrappers expect one forward before each backward, nor under gradient
     checkpointing, which drops a cache, nor with compiled blocks (``torch_compile``: the prompts' and the
     completions' forwards are two more shapes to compile at every step, up to dynamo's recompile limit)."""
-    base, wrapper = dist.unwrap_model(model), model
-    while wrapper is not base:
-        if isinstance(wrapper, nn.parallel.DistributedDataParallel):
-            return False
-        wrapper = getattr(wrapper, "module", None) or wrapper._orig_mod
+    if dist.is_ddp(model):
+        return False
+    base = dist.unwrap_model(model)
     checkpointing = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5.2's name
     if checkpointing is None:
         checkpointing = getattr(base, "is_gradient_checkpointing", False)
@@ -361,8 +359,7 @@ def takes_cache(model: nn.Module) -> bool:
         return False
     if any(getattr(block, "_compiled_call_impl", None) is not None for block in dist.transformer_blocks(base)):
         return False
-    signature = forward_signature(base)
-    return "cache" in signature or "past_key_values" in signature
+    return cache_argument(base) is not None
 
 
 def shared_prefix_logps(
@@ -425,7 +422,7 @@ def _cached_states(model, base, plan: CachedPrefixBatch) -> tuple[Tensor, nn.Lin
     states and the fast path's head, or logits and None (the head's one-time check failed: both forwards again)."""
     from transformers import DynamicCache  # a transformers model: shared_prefix_problem checked
 
-    key = "cache" if "cache" in forward_signature(base) else "past_key_values"
+    key = cache_argument(base)
     head = fast_path_head(base)
     prompt_positions = position_ids(plan.prompt_mask)  # (K, P)
     prompt_cache = DynamicCache()
