@@ -9,15 +9,9 @@ import torch
 from _factories import lm_rows, tiny_llama
 
 from treadle import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
-from treadle.callbacks import (
-    EVENTS,
-    FlowCallback,
-    MetricsFileCallback,
-    PrinterCallback,
-    ProgressCallback,
-    TrainerState,
-    run_summary,
-)
+from treadle.callbacks import EVENTS, FlowCallback, MetricsFileCallback, TrainerState
+from treadle.console import PrinterCallback, ProgressCallback, run_summary, watched_keys
+from treadle.trainers.grpo import GRPOTrainer
 
 
 def args_for(tmp_path, **kw):
@@ -132,7 +126,7 @@ def test_add_pop_remove_callback(tmp_path):
         "FlowCallback",
         "MetricsFileCallback",
         "RunSummaryCallback",
-        "RunRecordCallback",
+        "RunInfoCallback",
         "PreemptionCallback",
         "PrinterCallback",
     ]
@@ -278,14 +272,16 @@ def test_a_printed_line_shows_the_watched_metrics_and_counts_the_rest(capsys):
         "kl": 0.002,
     }
     state = TrainerState(global_step=7)
-    PrinterCallback().on_log(None, state, None, logs=grpo)
+    PrinterCallback(watched_keys(GRPOTrainer.watched_metrics)).on_log(None, state, None, logs=grpo)
+    PrinterCallback().on_log(None, state, None, logs=grpo)  # the loop's own keys: it knows no trainer's
     PrinterCallback().on_log(None, state, None, logs={"my_metric": 3.0, "other": 1})
     PrinterCallback(watched=None).on_log(None, state, None, logs=grpo)
-    short, own, whole = capsys.readouterr().out.splitlines()
+    short, loop, own, whole = capsys.readouterr().out.splitlines()
     assert short == (
         "[step 7] loss=0.01  reward=0.11  reward_std=0.06  kl=0.002  entropy=2.5  "
         "completions/mean_length=40.5  grad_norm=0.5  learning_rate=0.001  (+14 more in metrics.jsonl)"
     )
+    assert loop == "[step 7] loss=0.01  grad_norm=0.5  learning_rate=0.001  (+19 more in metrics.jsonl)"
     assert len(short) < 200 and own == "[step 7] my_metric=3  other=1"
     assert whole.count("=") == 22 and len(whole) > 500
 
@@ -299,9 +295,27 @@ def test_the_end_summary_shows_an_evaluation_by_its_watched_numbers_and_never_an
         max_steps=8,
         log_history=[{"step": 8, "eval_reward": 0.25, "eval_pass@1": 0.5, "eval_completions/mean_length": 9.0}],
     )
-    assert "last eval (step 8): eval_reward=0.25  eval_pass@1=0.5" in run_summary(args, grpo)
+    watched = watched_keys(GRPOTrainer.watched_metrics)
+    assert "last eval (step 8): eval_reward=0.25  eval_pass@1=0.5" in run_summary(args, grpo, watched)
     own = TrainerState(global_step=8, max_steps=8, log_history=[{"step": 8, "eval_my_score": 3.0}])
-    assert "last eval" not in run_summary(args, own)
+    assert "last eval" not in run_summary(args, own, watched)
+
+
+def test_a_trainer_adds_its_own_lines_to_the_end_summary_through_a_hook(tmp_path, capsys):
+    """The loop's summary knows no trainer: a subclass's ``summary_lines`` and ``watched_metrics`` reach it."""
+
+    class Noted(Trainer):
+        watched_metrics = ("my_metric",)
+
+        def summary_lines(self):
+            return [f"my line after step {self.state.global_step}"]
+
+    trainer = Noted(tiny_llama(), args_for(tmp_path, max_steps=2, logging_steps=1), train_dataset=lm_rows(16))
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "treadle: finished at step 2 of 2" in out and "\n  my line after step 2" in out
+    summary = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "RunSummaryCallback")
+    assert summary.watched == ("loss", "eval_loss", "my_metric", "grad_norm", "learning_rate", "eval_accuracy")
 
 
 def test_metrics_file_is_cut_back_on_resume(tmp_path):

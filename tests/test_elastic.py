@@ -1,8 +1,9 @@
 """Elastic restarts: ``resume_from_checkpoint="auto"`` and a torchrun job whose worker is killed and restarted.
 
-The fast tests pin the rules (which checkpoint "auto" finds, when a restarted attempt may take over the run
-folder's lock); the slow one runs ``torchrun --max-restarts 1`` on 2 CPU processes, SIGKILLs rank 0 in the
-middle of writing a checkpoint, and compares the restarted run's final weights with an uninterrupted run's.
+The fast tests pin the rules (which checkpoint "auto" finds, that a restarted attempt finds the run folder's lock
+free and restarts in the folder its job wrote); the slow one runs ``torchrun --max-restarts 1`` on 2 CPU processes,
+SIGKILLs rank 0 in the middle of writing a checkpoint, and compares the restarted run's final weights with an
+uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import _resume_worker as resume_worker
 import pytest
 import torch
+from _runs import lock_held_by_another_process
 
 from treadle import checkpoint as ckpt, resume
 from treadle.record import runs
@@ -70,29 +71,6 @@ def test_a_fresh_auto_run_trains_and_a_second_one_resumes_its_checkpoint(tmp_pat
 # ---------------------------------------------------------------------------------------------------------
 # The run folder lets a restarted attempt of the same torchrun job back in, and no one else
 # ---------------------------------------------------------------------------------------------------------
-@pytest.fixture
-def live_lock(tmp_path):
-    """A lock held by a live process of this machine (a sleeping child) for attempt 0 of job "job-a"."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    lock = tmp_path / runs.LOCK_FILE
-    lock.write_text(
-        json.dumps(
-            {
-                "pid": child.pid,
-                "host": socket.gethostname(),
-                "started": time.time(),
-                "elastic_run": "job-a",
-                "attempt": 0,
-            }
-        )
-    )
-    try:
-        yield tmp_path
-    finally:
-        child.kill()
-        child.wait()
-
-
 def _as_attempt(monkeypatch, run_id: str | None, attempt: int) -> None:
     for name, value in (("TORCHELASTIC_RUN_ID", run_id), ("TORCHELASTIC_RESTART_COUNT", str(attempt))):
         if value is None:
@@ -101,22 +79,31 @@ def _as_attempt(monkeypatch, run_id: str | None, attempt: int) -> None:
             monkeypatch.setenv(name, value)
 
 
-def test_a_restarted_attempt_takes_over_the_lock_of_its_earlier_attempt(live_lock, monkeypatch, capsys):
+def test_a_restarted_attempt_takes_over_the_lock_its_stopped_attempt_left(tmp_path, monkeypatch, capsys):
+    """torchrun stops every worker of an attempt before it restarts the job: the OS let go of the lock, whose file
+    still names the attempt that held it; the next attempt takes it, with a note, and names itself there."""
+    _as_attempt(monkeypatch, "job-a", 0)
+    with lock_held_by_another_process(tmp_path, env=dict(os.environ)) as pid:
+        pass  # SIGKILLed at the block's end, as torchrun stops an attempt's workers
     _as_attempt(monkeypatch, "job-a", 1)
-    path = runs.acquire_lock(str(live_lock))
-    holder = json.loads(Path(path).read_text())
+    lock = runs.acquire_lock(str(tmp_path))
+    holder = json.loads((tmp_path / runs.LOCK_FILE).read_text())
     assert holder["pid"] == os.getpid() and holder["elastic_run"] == "job-a" and holder["attempt"] == 1
-    assert "attempt 0 of this torchrun job" in capsys.readouterr().err
-    runs.release_lock(path)
-    assert not Path(path).exists()
+    assert f"taking over the lock {tmp_path / runs.LOCK_FILE} of a run that no longer runs (pid {pid}" in (
+        capsys.readouterr().err
+    )
+    runs.release_lock(lock)
+    assert not (tmp_path / runs.LOCK_FILE).exists()  # released cleanly: no lock file left behind
 
 
-@pytest.mark.parametrize("run_id, attempt", [(None, 0), ("job-b", 1), ("job-a", 0)])
-def test_anyone_else_is_refused_while_the_holder_lives(live_lock, monkeypatch, run_id, attempt):
-    # no torchrun, another job, or the same attempt (a second launch of the same job id): refused
-    _as_attempt(monkeypatch, run_id, attempt)
-    with pytest.raises(runs.RunFolderError, match="in use by another run"):
-        runs.acquire_lock(str(live_lock))
+@pytest.mark.parametrize("run_id, attempt", [(None, 0), ("job-b", 1), ("job-a", 0), ("job-a", 1)])
+def test_anyone_is_refused_while_the_holder_lives(tmp_path, monkeypatch, run_id, attempt):
+    # no torchrun, another job, the same attempt or a later one: the OS lock is held, so the holder lives
+    _as_attempt(monkeypatch, "job-a", 0)
+    with lock_held_by_another_process(tmp_path, env=dict(os.environ)) as pid:
+        _as_attempt(monkeypatch, run_id, attempt)
+        with pytest.raises(runs.RunFolderError, match=rf"in use by another run \(pid {pid} on {socket.gethostname()}"):
+            runs.acquire_lock(str(tmp_path))
 
 
 def test_a_restarted_attempt_starts_again_in_the_folder_its_job_wrote(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The package's layout (docs/architecture.md), checked on the source with ``ast``: the layers written on the
-architecture page (a file imports only its own layer and the layers before it), no import cycle (imports inside
-functions count), imports at module top, and every file and function small enough to read."""
+architecture page (a file imports only its own layer and the layers before it; a folder's files share one layer), no
+import cycle between files nor between rooms (imports inside functions count), imports at module top, and every file
+and function small enough to read."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ PACKAGE = SRC / "treadle"
 PAGE = SRC.parent / "docs" / "architecture.md"
 # the entry point whose imports inside functions are deliberate: each command imports what it needs (torch and
 # transformers cost seconds). (treadle/__init__.py loads its public names lazily by module name, PEP 562.)
-LAZY_IMPORTERS = {"treadle.cli.command"}
+LAZY_IMPORTERS = {"treadle.cli.command", "treadle.cli.registry"}
 LEAVES = {
     "treadle.errors": set(),
     "treadle.record.runfiles": {"treadle.errors"},
@@ -45,10 +46,11 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def resolve(name: str) -> str | None:
-    """The treadle module an import names (``treadle.losses.dpo_loss`` -> ``treadle.losses``), or None."""
+    """The treadle module an import names (``treadle.losses.dpo_loss`` -> ``treadle.losses``, ``treadle`` itself: the
+    package's ``__init__``), or None."""
     while name and name not in MODULES:
         name = name.rpartition(".")[0]
-    return name if name and name != "treadle" else None
+    return name or None
 
 
 def imports(module: str) -> list[tuple[str, int, bool]]:
@@ -83,15 +85,15 @@ def imports(module: str) -> list[tuple[str, int, bool]]:
 GRAPH = {m: {target for target, _, _ in imports(m)} for m in MODULES}
 
 
-def cycles() -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan): the import cycles of ``graph``."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def strong(v):
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in GRAPH[v]:
+        for w in graph[v]:
             if w not in index:
                 strong(w)
                 low[v] = min(low[v], low[w])
@@ -108,10 +110,30 @@ def cycles() -> list[list[str]]:
             if len(component) > 1:
                 found.append(sorted(component))
 
-    for v in sorted(GRAPH):
+    for v in sorted(graph):
         if v not in index:
             strong(v)
     return found
+
+
+def cycles() -> list[list[str]]:
+    """The import cycles between files."""
+    return strongly_connected(GRAPH)
+
+
+def room(module: str) -> str:
+    """A module's room: the top-level module or folder of treadle it belongs to (``treadle.trainers.grpo.trainer`` ->
+    ``trainers``; the package's own ``__init__``: ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def room_graph() -> dict[str, set[str]]:
+    """Rooms and the rooms each imports (an import inside a function counts)."""
+    graph: dict[str, set[str]] = {room(m): set() for m in GRAPH}
+    for module, targets in GRAPH.items():
+        graph[room(module)] |= {room(t) for t in targets} - {room(module)}
+    return graph
 
 
 def test_the_checker_sees_imports_inside_functions_and_finds_cycles():
@@ -129,6 +151,24 @@ def test_the_checker_sees_imports_inside_functions_and_finds_cycles():
 
 def test_no_import_cycle():
     assert cycles() == []
+
+
+def test_the_room_checker_finds_a_cycle_through_different_files():
+    assert room("treadle.trainers.grpo.trainer") == "trainers" and room("treadle") == "__init__"
+    assert room("treadle.callbacks") == "callbacks"
+    saved = {module: set(targets) for module, targets in GRAPH.items()}
+    try:
+        # cli.loading imports demos.toy; demos.real importing cli.report would make a circle of rooms, no file circle
+        GRAPH["treadle.demos.real"].add("treadle.cli.report")
+        assert cycles() == [] and ["cli", "demos"] in strongly_connected(room_graph())
+    finally:
+        GRAPH.clear()
+        GRAPH.update(saved)
+
+
+def test_no_import_cycle_between_rooms():
+    """Each top-level module and each top-level folder is a room: no two import each other, however far round."""
+    assert strongly_connected(room_graph()) == []
 
 
 def layers(page: str) -> dict[str, tuple[int, str]]:
@@ -173,6 +213,15 @@ def test_the_layer_reader_follows_the_page_and_the_rule_fails_an_upward_import()
 
 def test_every_module_has_a_layer():
     assert sorted(set(MODULES) - set(LAYERS)) == []
+
+
+FOLDERS = sorted({room(m) for m in MODULES if MODULES[m].parent != PACKAGE})
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_file_of_a_folder_sits_in_one_layer(folder):
+    found = {m: LAYERS[m][0] for m in MODULES if room(m) == folder and m in LAYERS}
+    assert len(set(found.values())) == 1, f"{folder}/ spans layers {found}"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

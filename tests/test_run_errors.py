@@ -13,10 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _runs import lock_held_by_another_process
 
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TREADLE_DEBUG": "0"}
 ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)] * 4]
@@ -127,12 +127,10 @@ def test_an_output_dir_that_cannot_take_a_run(work, model_dir, output_dir, needl
 
 
 def test_a_folder_locked_by_a_live_run_is_refused(work):
-    (work / "run").mkdir()
-    lock = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}  # this test: alive
-    (work / "run" / ".treadle.lock").write_text(json.dumps(lock))
-    line = error_line(treadle("train", write_config(work), cwd=work))
-    assert f"output_dir run is in use by another run (pid {os.getpid()} on" in line
-    assert json.loads((work / "run" / ".treadle.lock").read_text()) == lock
+    with lock_held_by_another_process(work / "run") as pid:
+        line = error_line(treadle("train", write_config(work), cwd=work))
+        assert f"output_dir run is in use by another run (pid {pid} on {socket.gethostname()}" in line
+        assert json.loads((work / "run" / ".treadle.lock").read_text())["pid"] == pid  # the holder's, untouched
 
 
 # ---- config values, datasets, model folders, reward files: refused before training -------------------------
@@ -365,18 +363,18 @@ def test_a_reward_function_that_breaks_its_contract_is_one_line(work):
 def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, capsys):
     from treadle.record import runs
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
     lock = tmp_path / runs.LOCK_FILE
-    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": 0}))
-    path = runs.acquire_lock(str(tmp_path))
-    assert "taking over the lock" in capsys.readouterr().err
+    with lock_held_by_another_process(tmp_path) as pid:
+        with pytest.raises(runs.RunFolderError, match=rf"in use by another run \(pid {pid} on"):
+            runs.acquire_lock(str(tmp_path))
+        assert runs.lock_holder(str(tmp_path)).startswith(f"pid {pid} on {socket.gethostname()}")
+    # SIGKILLed: the OS let go of the lock, and its file, naming the dead run, stays behind
+    assert json.loads(lock.read_text())["pid"] == pid and runs.lock_holder(str(tmp_path)) is None
+    held = runs.acquire_lock(str(tmp_path))
+    assert f"taking over the lock {lock} of a run that no longer runs (pid {pid}" in capsys.readouterr().err
     assert json.loads(lock.read_text())["pid"] == os.getpid()
-    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": 0}))  # cannot tell: refused
-    with pytest.raises(runs.RunFolderError, match="another machine: if that run is gone, delete"):
-        runs.acquire_lock(str(tmp_path))
-    runs.release_lock(path)
-    assert lock.exists()  # not ours any more: left alone
+    runs.release_lock(held)
+    assert not lock.exists()  # a clean release leaves no lock file behind
 
 
 def test_learning_rate_of_the_wrong_type_in_python():

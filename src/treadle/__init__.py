@@ -1,15 +1,14 @@
 """treadle: a short training loop of overridable methods, plus SFT, DPO and GRPO trainers built on it.
 
 Public names are imported lazily (PEP 562) so that ``import treadle`` costs little more than
-``import torch``; a trainer module and its dependencies load the first time its name is used.
+``import torch``; a trainer module and its dependencies load the first time its name is used. Importing treadle, or
+any module of it, changes nothing of the process (allocator, threads, logging, signals): the process's policy is
+its owner's (the ``treadle`` command, ``Trainer.train``; treadle.allocator).
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib
-import os
-import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -37,26 +36,6 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc keep the memory a program frees for its next allocations (``mallopt``: large blocks from the heap,
-    never trimmed); True where it did. A training step frees its activations and allocates them again; by default
-    glibc hands each block over 32 MB back to the kernel, which faults it in again, zeroed, at the next step: about
-    a million page faults and 4-19 s of kernel time in a 35-50 s GRPO step of the real model (docs/performance.md).
-    Called once at ``import treadle``; ``TREADLE_KEEP_FREED_MEMORY=0`` leaves glibc's defaults. The cost: the
-    process keeps its peak memory until it exits."""
-    if os.environ.get("TREADLE_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, -1))  # -1: never trim
-
-
-keep_freed_memory()
 
 
 def __getattr__(name: str):

@@ -114,6 +114,7 @@ class TrainingArguments:
     torch_compile: bool = False  # compile each transformer block (torch.compile) before training; docs/performance.md
     torch_compile_backend: str | None = None  # torch.compile's backend; setting it sets torch_compile ("inductor")
     torch_compile_mode: str | None = None  # torch.compile's mode ("reduce-overhead", ...); sets torch_compile
+    keep_freed_memory: bool = True  # on CPU, train() has glibc keep freed memory for the next step (treadle.allocator)
 
     # --- data
     remove_unused_columns: bool = True  # drop dataset columns that the model's forward does not take
@@ -128,7 +129,7 @@ class TrainingArguments:
     average_tokens_across_devices: bool = True  # normalise the loss by items summed over all ranks
     ddp_timeout: float | None = None  # seconds a collective waits for other ranks; None: $TREADLE_DDP_TIMEOUT or 1800
 
-    # --- experiment trackers (report_to; treadle.record.trackers): transformers' names, read by its Trackio callback
+    # --- experiment trackers (report_to; treadle.trackers): transformers' names, read by its Trackio callback
     project: str = "huggingface"  # the Trackio project the run is logged in (W&B reads $WANDB_PROJECT)
     trackio_space_id: str | None = None  # a Hugging Face Space to log to live; None logs locally only
     trackio_bucket_id: str | None = None  # the Hugging Face Bucket behind that Space; None lets Trackio choose
@@ -503,7 +504,7 @@ def check_config(args, config_class: type, trainer: str):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# report_to: the trackers treadle knows (treadle.record.trackers builds their callbacks)
+# report_to: the trackers treadle knows (treadle.trackers builds their callbacks)
 # ---------------------------------------------------------------------------------------------------------
 # report_to name -> (module that must import, pip package, transformers callback); the order "all" lists them in
 TRACKERS = {

@@ -30,19 +30,16 @@ callback talks back only by setting fields of the ``TrainerControl`` it receives
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import sys
 import threading
-from typing import Any
 
 from treadle import distributed as dist
 from treadle.checkpoint import path_for
-from treadle.data import device_batch_rows, step_rows
+from treadle.describe import describe_run
 from treadle.errors import Interrupted, Preempted, stopped_by
 from treadle.record import runfiles
-from treadle.record.describe import describe_run
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
 EVENTS = (
@@ -226,125 +223,6 @@ class FlowCallback(TrainerCallback):
         return control
 
 
-def format_logs(logs: dict[str, Any]) -> str:
-    """``{'loss': 1.23456789}`` -> ``loss=1.235`` — short, aligned, readable."""
-    parts = []
-    for key, value in logs.items():
-        if isinstance(value, float):
-            value = f"{value:.4g}" if math.isfinite(value) and abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
-        parts.append(f"{key}={value}")
-    return "  ".join(parts)
-
-
-# The few numbers people watch, in print order; a printed line shows these and counts the rest, which are all in
-# metrics.jsonl and the trackers (a GRPO step logs 19-25 metrics: 600 characters a line).
-WATCHED = (
-    "loss",
-    "reward",
-    "reward_std",
-    "kl",
-    "entropy",
-    "rewards/accuracies",
-    "rewards/margins",
-    "accuracy",
-    "mean_token_accuracy",
-    "completions/mean_length",
-    "grad_norm",
-    "learning_rate",
-    "eval_loss",
-    "eval_reward",
-    "eval_pass@1",
-    "eval_greedy/accuracy",
-    "eval_rewards/accuracies",
-    "eval_accuracy",
-    "eval_mean_token_accuracy",
-)
-
-
-def log_line(step: int, logs: dict[str, Any], watched: tuple[str, ...] | None = WATCHED) -> str:
-    """``[step N] loss=...  reward=...  (+17 more in metrics.jsonl)``: the ``watched`` keys ``logs`` holds, or
-    every key when it holds none of them (a user's own log, the end-of-training summary) or ``watched`` is None."""
-    shown = {key: logs[key] for key in watched if key in logs} if watched is not None else {}
-    if not shown:
-        return f"[step {step}] {format_logs(logs)}"
-    rest = len(logs) - len(shown)
-    return f"[step {step}] {format_logs(shown)}" + (f"  (+{rest} more in metrics.jsonl)" if rest else "")
-
-
-def show_progress_bars(args) -> bool:
-    """Bars only on a terminal: redirected to a file, every redraw of a bar (and of the bars nested in it) is a
-    line of noise, so a run whose output goes to a file prints log lines instead."""
-    return not args.disable_tqdm and sys.stderr.isatty()
-
-
-class PrinterCallback(TrainerCallback):
-    """Prints each log as one short line of the ``watched`` keys (used when progress bars are off);
-    ``PrinterCallback(watched=None)`` prints every key."""
-
-    def __init__(self, watched: tuple[str, ...] | None = WATCHED):
-        self.watched = watched
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
-            print(log_line(state.global_step, logs, self.watched), flush=True)
-
-
-class ProgressCallback(TrainerCallback):
-    """tqdm bars for training and evaluation on a terminal, each log a short line written above the bar; without a
-    terminal (output redirected) no bars, only the lines."""
-
-    def __init__(self, watched: tuple[str, ...] | None = WATCHED):
-        self.watched = watched
-        self.training_bar = None
-        self.prediction_bar = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and show_progress_bars(args):
-            from tqdm.auto import tqdm
-
-            self.training_bar = tqdm(
-                total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True
-            )
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.training_bar is not None:
-            self.training_bar.update(state.global_step - self.training_bar.n)
-
-    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
-        if not state.is_world_process_zero or eval_dataloader is None or not show_progress_bars(args):
-            return
-        if self.prediction_bar is None:
-            from tqdm.auto import tqdm
-
-            total = len(eval_dataloader) if hasattr(eval_dataloader, "__len__") else None
-            self.prediction_bar = tqdm(total=total, desc="eval", leave=self.training_bar is None, dynamic_ncols=True)
-        self.prediction_bar.update(1)
-
-    def _close_prediction_bar(self):
-        if self.prediction_bar is not None:
-            self.prediction_bar.close()
-            self.prediction_bar = None
-
-    def on_evaluate(self, args, state, control, **kwargs):
-        self._close_prediction_bar()
-
-    def on_predict(self, args, state, control, **kwargs):
-        self._close_prediction_bar()
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
-            line = log_line(state.global_step, logs, self.watched)
-            if self.training_bar is not None:
-                self.training_bar.write(line)
-            else:
-                print(line, flush=True)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.training_bar is not None:
-            self.training_bar.close()
-            self.training_bar = None
-
-
 class MetricsFileCallback(TrainerCallback):
     """Appends every log event to ``output_dir/metrics.jsonl`` (one JSON object a line, with step and epoch),
     and writes the run's arguments beside it (``training_args.json``) when training begins.
@@ -364,12 +242,12 @@ class MetricsFileCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        runfiles.append_records(self.path(args), [{"step": state.global_step, "epoch": round(state.epoch, 6), **logs}])
+        runfiles.append_entries(self.path(args), [{"step": state.global_step, "epoch": round(state.epoch, 6), **logs}])
 
 
-class RunRecordCallback(TrainerCallback):
+class RunInfoCallback(TrainerCallback):
     """Writes what made the run, beside its arguments, when training begins: ``output_dir/run.json`` with the
-    model, the datasets, the reward functions and the LoRA settings (``treadle.record.describe``). It reads its
+    model, the datasets, the reward functions and the LoRA settings (``treadle.describe``). It reads its
     trainer's public attributes then (a GRPO trainer's reward functions exist only after the Trainer's constructor)."""
 
     def __init__(self, trainer):
@@ -377,7 +255,7 @@ class RunRecordCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            runfiles.write_run_record(args.output_dir, describe_run(self.trainer))
+            runfiles.write_run_info(args.output_dir, describe_run(self.trainer))
 
 
 class EarlyStoppingCallback(TrainerCallback):
@@ -461,7 +339,7 @@ class PreemptionCallback(TrainerCallback):
     @contextlib.contextmanager
     def abandoned_step(self, state, control):
         """Around the loop's epochs: a wait inside a step that gave way to this callback's signal (a request to a vLLM
-        server, ``engines.vllm_server``, raises ``Preempted`` / ``Interrupted`` rather than wait for its answer)
+        server, ``engines.vllm_client``, raises ``Preempted`` / ``Interrupted`` rather than wait for its answer)
         leaves that step unfinished; the steps done are saved and the run stops as after a step end. Before the
         first step there is nothing to save: the stop propagates as it came."""
         try:
@@ -500,99 +378,3 @@ class PreemptionCallback(TrainerCallback):
         ``errors.Interrupted`` (Ctrl-C, a KeyboardInterrupt) or ``errors.Preempted`` (SIGTERM, exit 143)."""
         if self.stopped:
             raise stopped_by(self.signal, state.global_step, path_for(args.output_dir, state.global_step))
-
-
-class RunSummaryCallback(TrainerCallback):
-    """A header when training starts (model, parameters trainable / total, rows, steps and where that number
-    comes from, the effective batch, the output folder) and a summary when it ends (train loss, the last and
-    the best evaluation, the best checkpoint). Printed by the main process, on stdout."""
-
-    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
-        if state.is_world_process_zero:
-            print(run_header(args, state, model, train_dataloader), flush=True)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            print(run_summary(args, state), flush=True)
-
-
-def run_header(args, state, model, dataloader) -> str:
-    params = list(model.parameters()) if model is not None else []
-    total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-    name = type(model).__name__ + (f" ({model.name_or_path})" if getattr(model, "name_or_path", "") else "")
-    rows = len(dataloader.dataset) if hasattr(getattr(dataloader, "dataset", None), "__len__") else "?"
-    device_rows = device_batch_rows(args, dataloader)
-    per_step = step_rows(args, dataloader)
-    capped = (
-        f", per_device_train_batch_size={args.per_device_train_batch_size} capped at the rows there are"
-        if device_rows < args.per_device_train_batch_size
-        else ""
-    )
-    plan = (
-        f"max_steps={args.max_steps}"
-        if args.max_steps > 0
-        else f"num_train_epochs={args.num_train_epochs:g} x {state.steps_per_epoch} steps per epoch, as max_steps="
-        f"{args.max_steps} asks"
-    )
-    start = f", resuming at step {state.global_step}" if state.global_step else ""
-    return "\n".join(
-        [
-            f"treadle: {state.trainer_class or 'Trainer'} run",
-            f"  model   {name}: {total:,} parameters, {trainable:,} trainable",
-            f"  data    {rows if isinstance(rows, str) else f'{rows:,}'} rows; {per_step} rows per step "
-            f"({device_rows} per device x {args.gradient_accumulation_steps} accumulated x {state.world_size} "
-            f"processes{capped})",
-            f"  steps   {state.max_steps} ({plan}){start}",
-            f"  output  {args.output_dir}",
-        ]
-    )
-
-
-def run_summary(args, state) -> str:
-    history = state.log_history
-    done = "finished" if state.global_step >= state.max_steps else "stopped"
-    parts = [f"treadle: {done} at step {state.global_step} of {state.max_steps}"]
-    final = next((h for h in reversed(history) if "train_loss" in h), None)
-    if final is not None:
-        parts.append(format_logs({"train_loss": final["train_loss"]}))
-    last_eval = next((h for h in reversed(history) if any(k.startswith("eval_") for k in h)), None)
-    if last_eval is not None:  # the watched evaluation numbers (GRPO's reward and pass@1 too), else loss / accuracy
-        shown = {k: last_eval[k] for k in WATCHED if k.startswith("eval_") and k in last_eval} or {
-            k: v for k, v in last_eval.items() if k.startswith("eval_") and k.endswith(("loss", "accuracy"))
-        }
-        parts += [f"last eval (step {last_eval['step']}): {format_logs(shown)}"] if shown else []
-    if state.best_model_checkpoint:
-        parts.append(
-            f"best {args.metric_for_best_model} {state.best_metric:.4g} at step {state.best_global_step}: "
-            f"{state.best_model_checkpoint}"
-        )
-    return "\n  ".join(["; ".join(parts), *rl_summary(history, state.stateful_callbacks.get("HealthCallback"))])
-
-
-HELD_OUT = ("eval_greedy/accuracy", "eval_pass@1", "eval_reward")  # the held-out score an RL summary shows, by choice
-
-
-def rl_summary(history: list[dict], health: dict | None) -> list[str]:
-    """The lines an RL run's end summary adds (none for a run that logged no ``reward``): the reward and the held-out
-    score at start and end, the entropy trend, the truncation rate, the fraction of steps with a learning signal
-    and every health warning (``health``: GRPO's health checks' saved state)."""
-
-    def trend(key: str) -> str | None:
-        values = [h[key] for h in history if isinstance(h.get(key), (int, float))]
-        return f"{key} {values[0]:.4g} -> {values[-1]:.4g}" if values else None
-
-    if not any("reward" in h for h in history):
-        return []
-    held_out = next((key for key in HELD_OUT if any(key in h for h in history)), None)
-    lines = ["; ".join(t for t in (trend("reward"), held_out and trend(held_out), trend("entropy")) if t)]
-    clipped = [h["completions/clipped_ratio"] for h in history if "completions/clipped_ratio" in h]
-    rates = [f"truncated {sum(clipped) / len(clipped):.1%} of completions"] if clipped else []
-    if health and health.get("steps"):
-        rates.append(f"learning signal in {health['signal_steps'] / health['steps']:.0%} of {health['steps']} steps")
-    lines += ["; ".join(rates)] if rates else []
-    for event in (health or {}).get("warnings", []):
-        lines.append(f"health {'stop' if event['stop'] else 'warning'} at step {event['step']}: {event['check']}")
-    return lines
-
-
-DEFAULT_CALLBACKS = (FlowCallback, MetricsFileCallback, RunSummaryCallback)

@@ -43,9 +43,9 @@ class TrainerState:
     trainer_class: str | None = None  # the Trainer class of the run (resuming with another one is refused)
     config_fingerprint: str | None = None  # of the settings that shape the run (fingerprints.config_fingerprint)
     nonfinite_steps_skipped: int = 0  # steps skipped for a NaN / inf loss (args.skip_nonfinite_steps)
-    dataset_fingerprint: str | None = None  # of the training rows (fingerprints): a resume into other rows is refused
+    dataset_fingerprint: str | None = None  # of the training rows (streaming): a resume into other rows is refused
 
-    # --- read by transformers' tracker callbacks (treadle.record.trackers); treadle runs no hyper-parameter search
+    # --- read by transformers' tracker callbacks (treadle.trackers); treadle runs no hyper-parameter search
     is_hyper_param_search: bool = False
     trial_name: str | None = None
     trial_params: dict[str, Any] | None = None
@@ -58,7 +58,7 @@ class TrainerState:
         if trainer is not None:
             plan.update(
                 trainer_class=type(trainer).__name__,
-                dataset_fingerprint=fingerprints.sampled_dataset_fingerprint(trainer.train_dataset)
+                dataset_fingerprint=streaming.sampled_dataset_fingerprint(trainer.train_dataset)
                 or streaming.head_fingerprint(trainer.train_dataset),
             )
         return cls(

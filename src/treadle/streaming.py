@@ -27,11 +27,12 @@ batches from a step on.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 from collections.abc import Callable, Iterator
 
 from treadle.errors import PreflightError
-from treadle.record import fingerprints
 
 SKIP, STATE = "skip", "state"
 
@@ -56,6 +57,32 @@ class Stream:
         return iter(StreamLoader(self, batch_size=1, collate_fn=lambda rows: rows[0]))
 
 
+# --- a dataset's fingerprint: what ties a checkpoint to the rows it trained on (its marker holds it, resume checks it)
+def dataset_fingerprint(rows) -> str:
+    """A SHA-256 over the rows of a dataset (each row as sorted-key JSON, non-JSON values by ``repr``)."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row, sort_keys=True, default=repr).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def sampled_dataset_fingerprint(dataset, most: int = 1024) -> str | None:
+    """The length of ``dataset`` and ``dataset_fingerprint`` of up to ``most`` evenly spaced rows of it (the first
+    and last included): cheap at any size, and a different dataset of the same length differs in them. None for a
+    dataset without a length or indexing (an iterable dataset)."""
+    try:
+        n = len(dataset)
+        rows = (
+            [dataset[i] for i in sorted({round(k * (n - 1) / (most - 1)) for k in range(most)})]
+            if n > most
+            else [dataset[i] for i in range(n)]
+        )
+    except (TypeError, NotImplementedError, KeyError):
+        return None
+    return f"{n}:{dataset_fingerprint(rows)}"
+
+
 def is_stream(dataset) -> bool:
     """Whether ``dataset`` is read as a stream: iterable, without a length (a ``datasets.IterableDataset``, a torch
     ``IterableDataset``, a generator ...), not a ``datasets.Dataset`` or a list."""
@@ -70,7 +97,7 @@ HEAD_ROWS = 64  # the rows of a stream's start its fingerprint reads
 
 
 def head_fingerprint(dataset, most: int = HEAD_ROWS) -> str | None:
-    """``"stream:<rows>:<sha256>"`` of a stream's first ``most`` source rows (``fingerprints.dataset_fingerprint``):
+    """``"stream:<rows>:<sha256>"`` of a stream's first ``most`` source rows (``dataset_fingerprint``):
     what a resumed streamed run checks its data against, as a map-style run checks its sampled rows (another file
     or dataset starts with other rows). None for what is not a stream, or an iterator that can be read only once
     (reading its head would take those rows from training)."""
@@ -80,7 +107,7 @@ def head_fingerprint(dataset, most: int = HEAD_ROWS) -> str | None:
     if iter(source) is source:
         return None
     rows = list(itertools.islice(iter(source), most))
-    return f"stream:{len(rows)}:{fingerprints.dataset_fingerprint(rows)}"
+    return f"stream:{len(rows)}:{dataset_fingerprint(rows)}"
 
 
 def resume_mode(source) -> str:

@@ -19,11 +19,9 @@ whether* it happens. The overridable methods, in the order a run calls them:
 ``save_model``           by you (final weights); checkpoints are written when ``control.should_save``
 =======================  ==========================================================================
 
-The loop itself is ``train`` -> ``_train_epoch`` -> ``_optimizer_step``; see treadle.callbacks for the event order.
-Evaluation and prediction (``evaluate``, ``predict``, ``evaluation_loop``, ``prediction_step``) live in
-treadle.evaluation, which ``Trainer`` inherits.
-Names and signatures follow ``transformers.Trainer``. Windowed metrics (the loss, and what a subclass records with
-``self.metrics.add``) live in one ``MetricWindow``: reduced once per log, saved in checkpoints.
+The loop is ``train`` -> ``_train_epoch`` -> ``_optimizer_step`` (events: treadle.callbacks); evaluation and prediction
+are treadle.evaluation's, which ``Trainer`` inherits. Names and signatures follow ``transformers.Trainer``. Windowed
+metrics (the loss, what a subclass records with ``self.metrics.add``) live in one ``MetricWindow``.
 """
 
 from __future__ import annotations
@@ -36,15 +34,10 @@ from collections.abc import Iterator
 import torch
 
 from treadle import checkpoint as ckpt, compilation, data, distributed as dist, models, peft as treadle_peft, resume
+from treadle.allocator import keep_freed_memory
 from treadle.arguments import TrainingArguments, check_config
-from treadle.callbacks import (
-    DEFAULT_CALLBACKS,
-    CallbackHandler,
-    PreemptionCallback,
-    PrinterCallback,
-    ProgressCallback,
-    RunRecordCallback,
-)
+from treadle.callbacks import CallbackHandler, FlowCallback, MetricsFileCallback, PreemptionCallback, RunInfoCallback
+from treadle.console import PrinterCallback, ProgressCallback, RunSummaryCallback, watched_keys
 from treadle.evaluation import Evaluation
 from treadle.metrics import (
     MetricWindow,
@@ -60,9 +53,10 @@ from treadle.metrics import (
     training_logs,
 )
 from treadle.optim import build_optimizer, build_scheduler
-from treadle.record import runs, trackers
+from treadle.record import runs
 from treadle.state import LoopState, TrainerControl, TrainerState
 from treadle.streaming import restore_stream, stream_state
+from treadle.trackers import tracker_callbacks
 
 
 class Trainer(Evaluation):
@@ -73,6 +67,7 @@ class Trainer(Evaluation):
     """
 
     config_class = TrainingArguments  # the arguments this trainer needs (subclasses name their config)
+    watched_metrics: tuple[str, ...] = ()  # a subclass's metrics in the printed log line (console.watched_keys)
     # log TRL's num_tokens: every micro-batch's attention-mask tokens, all ranks (on-policy: per generation instead)
     logs_num_tokens = False
 
@@ -121,9 +116,15 @@ class Trainer(Evaluation):
         return check_config(args, cls.config_class, cls.__name__)
 
     def _default_callbacks(self) -> list:
-        reporting = [PrinterCallback() if self.args.disable_tqdm else ProgressCallback()]
-        reporting += trackers.tracker_callbacks(self.args.report_to)  # W&B, MLflow, ...
-        return [cb() for cb in DEFAULT_CALLBACKS] + [RunRecordCallback(self), self.preemption] + reporting
+        watched = watched_keys(self.watched_metrics)
+        reporting = [PrinterCallback(watched) if self.args.disable_tqdm else ProgressCallback(watched)]
+        reporting += tracker_callbacks(self.args.report_to)  # W&B, MLflow, ...
+        summary = RunSummaryCallback(watched, self.summary_lines)
+        return [FlowCallback(), MetricsFileCallback(), summary, RunInfoCallback(self), self.preemption, *reporting]
+
+    def summary_lines(self) -> list[str]:
+        """This trainer's own lines in the summary printed when training ends (GRPO: reward, health); none here."""
+        return []
 
     # ---- callbacks ----------------------------------------------------------------------------------------
     def add_callback(self, callback) -> None:
@@ -296,14 +297,15 @@ class Trainer(Evaluation):
         args = self.args
         resume_path = resume.resolve(resume_from_checkpoint, args.output_dir, args.ignore_checkpoint_fingerprints)
         auto, main = resume_from_checkpoint == resume.AUTO, dist.is_main_process()
-        with runs.claim_run_folder(
-            args, resume=resume_path is not None, model=self.model, main_process=main, auto=auto
-        ):
+        resumed = resume_path is not None
+        with runs.claim_run_folder(args, resume=resumed, model=self.model, main_process=main, auto=auto):
             return self._train(resume_path)
 
     def _train(self, resume_path: str | None) -> TrainOutput:
         args = self.args
         dist.init_distributed(args.device, args.ddp_timeout)
+        if args.keep_freed_memory and args.device.type == "cpu":  # the process's allocator (a departure: allocator.py)
+            keep_freed_memory()
         ckpt.set_seed(args.seed)
         data.require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
@@ -337,10 +339,8 @@ class Trainer(Evaluation):
         return self._finish_training(start_step, start_time)
 
     def _start_run(self, steps_per_epoch: int, max_steps: int, num_epochs: int, resume_path: str | None) -> None:
-        self.state = TrainerState.for_run(
-            self.args, steps_per_epoch=steps_per_epoch, max_steps=max_steps, num_train_epochs=num_epochs, trainer=self
-        )
-        self.loop = LoopState()
+        plan = dict(steps_per_epoch=steps_per_epoch, max_steps=max_steps, num_train_epochs=num_epochs)
+        self.state, self.loop = TrainerState.for_run(self.args, **plan, trainer=self), LoopState()
         self.metrics.clear()
         if resume_path is not None:
             self._resume(resume_path)

@@ -25,8 +25,8 @@ from treadle.generation import (
 )
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.onpolicy.data import Prompts
+from treadle.trainers.onpolicy.inputs import generator_seed
 from treadle.trainers.onpolicy.producer import RolloutProducer
-from treadle.trainers.onpolicy.records import generator_seed
 
 EOS = 2  # the toy tokenizer's eos id
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24]]  # different lengths: left padding

@@ -1,4 +1,4 @@
-"""vLLM's server mode (treadle.engines.vllm_server, treadle.engines.serve): the client and a real server on CPU.
+"""vLLM's server mode (treadle.engines.vllm_client, treadle.engines.serve): the client and a real server on CPU.
 
 The tests marked ``vllm`` need .venv-vllm (`make test-vllm`): one ``treadle vllm-serve`` subprocess per module,
 serving toy "small" saved to a temporary folder (head size 32: vLLM's CPU attention has no kernel for toy tiny's
@@ -28,7 +28,7 @@ from treadle import checkpoint
 from treadle.cli import command as cli
 from treadle.demos import toy
 from treadle.engines.vllm import merged_state_dict
-from treadle.engines.vllm_server import (
+from treadle.engines.vllm_client import (
     PROTOCOL,
     SERVER_NAME,
     VLLMServerEngine,
@@ -200,7 +200,7 @@ def test_async_grpo_through_the_server_keeps_its_schedule_and_resumes_exactly(se
         try:
             threads = torch.get_num_threads()
             trainer.train(resume_from_checkpoint=resume)
-            assert torch.get_num_threads() == threads and trainer.producer.kind == "thread"
+            assert torch.get_num_threads() == threads and trainer.rollout_sampler.producer.kind == "thread"
             return trainer, {k: v.clone() for k, v in trainer.model.state_dict().items()}
         finally:
             trainer.close()  # releases the server for the next run

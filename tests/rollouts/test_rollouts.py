@@ -389,7 +389,7 @@ def test_observation_tokens_get_no_loss_and_no_gradient(tmp_path, tok):
     assert torch.all(logps.grad[observation] == 0) and torch.all(logps.grad[~loss_mask.bool()] == 0)
     expected = -(batch.advantages[:, None] * loss_mask).sum() / loss_mask.sum()
     assert torch.allclose(loss.detach(), expected, atol=1e-6)
-    trainer.rollout_runner.close()
+    trainer.rollout_sampler.end()  # the runner's threads
 
 
 def test_grpo_records_transcripts_columns_and_metrics(tmp_path, tok):
@@ -498,10 +498,9 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
         eval_dataset=rows.select(range(2)),
         env_factory=Counter,
     )
-    run, settings = trainer.rollout_runner.run, []
-    trainer.rollout_runner.run = lambda engine, rows, params, **k: (
-        settings.append(params) or run(engine, rows, params, **k)
-    )
+    runner = trainer.rollout_sampler.runner
+    run, settings = runner.run, []
+    runner.run = lambda engine, rows, params, **k: settings.append(params) or run(engine, rows, params, **k)
     metrics = trainer.evaluate()
     sampled, greedy = calls
     assert [(s.num_generations, s.temperature, s.do_sample) for s in settings] == [(3, 0.5, True), (1, 1.0, False)]
@@ -509,7 +508,7 @@ def test_evaluation_rolls_out_through_the_environment(tmp_path, tok):
     assert any(len(t) > 1 for t in sampled)  # the environment answered and the rollout went on
     assert metrics["eval_reward"] == pytest.approx(sum(len(t) for t in sampled) / 6)
     assert metrics["eval_greedy/reward"] == pytest.approx(sum(len(t) for t in greedy) / 2)
-    trainer.rollout_runner.close()
+    trainer.rollout_sampler.end()  # the runner's threads
 
 
 def test_rollout_workers_zero_steps_in_the_loop_and_a_seed_trains_the_same_weights(tmp_path, tok):

@@ -5,7 +5,7 @@
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
-    treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.engines.serve)
+    treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.cli.vllm_serve)
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
 ``demo`` (treadle.demos.addition): SFT then GRPO of a toy model, scored on held-out problems; ``--model smollm2``
@@ -27,47 +27,17 @@ import os
 import shlex
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import treadle.cli.configfile as configfile
+import treadle.cli.report as report
+from treadle.allocator import keep_freed_memory
+from treadle.cli.registry import trainer_kinds
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
-from treadle.record import report, runfiles
+from treadle.record import runfiles
+from treadle.record.plots import print_plots
 from treadle.record.runs import check_run_folder, disk_errors
-
-
-@dataclass(frozen=True)
-class TrainerKind:
-    """What ``trainer: <name>`` in a config builds: the trainer class (its ``config_class`` holds the fields) and
-    the rows it reads (the kind of a ``toy:`` dataset)."""
-
-    trainer: type
-    rows: str  # "sft", "preference" or "rl"
-    takes_reward_funcs: bool = False
-    reward_head: bool = False  # the model is a sequence classifier with one label (RewardTrainer)
-    takes_teacher: bool = False  # the config names a teacher: (DistillationTrainer)
-
-
-def trainer_kinds() -> dict[str, TrainerKind]:
-    """The trainers a config can name. Imports them (torch, transformers: seconds), so ``treadle report`` and a
-    config that fails its first checks never pay for it."""
-    from treadle.trainers.distillation import DistillationTrainer  # heavy, as above
-    from treadle.trainers.dpo import DPOTrainer  # heavy: torch and transformers, only for `treadle train`
-    from treadle.trainers.grpo.trainer import GRPOTrainer  # heavy, as above
-    from treadle.trainers.kto import KTOTrainer  # heavy, as above
-    from treadle.trainers.reward import RewardTrainer  # heavy, as above
-    from treadle.trainers.sft import SFTTrainer  # heavy, as above
-
-    return {
-        "sft": TrainerKind(SFTTrainer, "sft"),
-        "dpo": TrainerKind(DPOTrainer, "preference"),
-        "reward": TrainerKind(RewardTrainer, "preference", reward_head=True),
-        "grpo": TrainerKind(GRPOTrainer, "rl", takes_reward_funcs=True),
-        "kto": TrainerKind(KTOTrainer, "preference"),  # paired rows are split into unpaired ones
-        "distillation": TrainerKind(DistillationTrainer, "rl", takes_teacher=True),
-    }
-
 
 RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft", "teacher")  # not config fields
 
@@ -91,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_command(commands)
     _add_report_command(commands)
     _add_merge_command(commands)
-    # its flags are treadle.engines.serve's, parsed there: argparse only names the command here
+    # its flags are treadle.cli.vllm_serve's, parsed there: argparse only names the command here
     commands.add_parser("vllm-serve", add_help=False, help="serve a model with vLLM to GRPO (vllm_mode: server)")
     return parser
 
@@ -176,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         debug = debug or args.debug
         if args.command == "vllm-serve":
-            from treadle.engines import serve as vllm_serve  # heavy: torch, and vLLM once it starts
+            import treadle.cli.vllm_serve as vllm_serve  # heavy: torch, and vLLM once it starts
 
             return vllm_serve.main(extra, parser_class=_Parser)
         if extra and args.command != "train":
@@ -202,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
 # treadle train
 # ---------------------------------------------------------------------------------------------------------
 def run_train(config_path: str, overrides: list[str], *, resume: bool | str | None = None) -> int:
-    """Train the config at ``config_path``; the run folder is checked before anything is loaded."""
+    """Train the config at ``config_path``; the run folder is checked before anything is loaded. The command owns its
+    process: glibc keeps freed memory from here on (treadle.allocator), unless the config says
+    ``keep_freed_memory: false``."""
     config = load_config(config_path, overrides)
+    if config.get("keep_freed_memory", True) is not False:
+        keep_freed_memory()
     output_dir = str(config.get("output_dir") or default_output_dir(config))
     from treadle import distributed, resume as resuming  # heavy: torch
 
@@ -247,7 +221,7 @@ def train_and_save(trainer, checkpoint: str | bool | None, resume_command: list[
         if main_process:
             print(f"treadle: model saved in {output_dir}")
         if main_process and preemption.signal is None:
-            report.print_plots(output_dir)
+            print_plots(output_dir)
     if preemption.signal is not None:
         print(
             f"treadle: stopped by {signal.Signals(preemption.signal).name} after the last step "
@@ -308,7 +282,7 @@ def build_trainer(config: dict[str, Any], base_dir: Path = Path(".")):
     """The trainer a config describes: the model, tokenizer, datasets and config class it names."""
     from treadle.cli.loading import load_run_objects  # heavy, as above
     from treadle.data import require_eval_dataset  # heavy: torch
-    from treadle.record.trackers import preflight  # heavy, as above
+    from treadle.trackers import preflight  # heavy, as above
 
     name, kinds = config.get("trainer"), trainer_kinds()
     if name not in kinds:
@@ -386,7 +360,7 @@ def run_report(run_dirs: list[str], output_dir: str | None = None) -> int:
     try:
         for run in runs:
             print(report.summarize(run))
-            print(f"treadle: report in {report.write_html(run, plots=report.print_plots(run))}")
+            print(f"treadle: report in {report.write_html(run, plots=print_plots(run))}")
         if len(run_dirs) > 1:
             out = Path(output_dir or Path(os.path.commonpath([str(r.resolve()) for r in runs])) / "compare")
             print(f"treadle: {len(runs)} runs overlaid in {report.write_overlay(runs, out)}")
@@ -409,7 +383,9 @@ def run_merge(run_dir: str, output_dir: str | None) -> int:
 # treadle demo
 # ---------------------------------------------------------------------------------------------------------
 def run_demo(args: argparse.Namespace) -> int:
-    """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demos.addition."""
+    """``treadle demo`` with the flags in ``args``; the demo itself is treadle.demos.addition. The command owns its
+    process: glibc keeps freed memory (treadle.allocator)."""
+    keep_freed_memory()
     from treadle.demos import addition as demo  # heavy: torch, transformers
 
     names = ("seed", "sft_steps", "grpo_steps", "eval_size", "teacher_dir", "use_vllm", "max_staleness")

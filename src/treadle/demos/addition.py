@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 
 from treadle.callbacks import TrainerCallback
-from treadle.cli.loading import load_model
 from treadle.demos import toy
-from treadle.record.report import print_plots
+from treadle.models import load_pretrained
+from treadle.record.plots import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
 
@@ -145,13 +145,10 @@ def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
     return 0
 
 
-def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tuple[str, int, float]:
-    """Train ``model`` in place with SFT until the probe target or ``sft_steps``; returns (its checkpoint
-    folder, steps, training seconds)."""
-    train = toy.load_task("addition", "train", seed=settings.seed)
-    probe = toy.load_task("addition", "train", kind="rl", n=settings.sft_probe_size, seed=settings.seed + 1)
-    stop = StopAtAccuracy(probe, tokenizer, target=settings.sft_target_accuracy, every=settings.sft_check_every)
-    args = SFTConfig(
+def sft_warm_start(settings, output_dir: Path, **fields) -> SFTConfig:
+    """The demos' SFT warm start: ``settings``' seed, ``sft_steps``, ``sft_learning_rate`` and ``sft_batch_size``, a
+    constant rate after a warm-up of 5% of the steps, a log line every 25 steps; ``fields`` change or add fields."""
+    values = dict(
         output_dir=str(output_dir),
         max_steps=settings.sft_steps,
         seed=settings.seed,
@@ -160,9 +157,17 @@ def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tupl
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=0.05,
         logging_steps=25,
-        save_steps=settings.sft_steps,
-        max_length=32,
     )
+    return SFTConfig(**{**values, **fields})
+
+
+def demo_sft(model, tokenizer, settings: DemoSettings, output_dir: Path) -> tuple[str, int, float]:
+    """Train ``model`` in place with SFT until the probe target or ``sft_steps``; returns (its checkpoint
+    folder, steps, training seconds)."""
+    train = toy.load_task("addition", "train", seed=settings.seed)
+    probe = toy.load_task("addition", "train", kind="rl", n=settings.sft_probe_size, seed=settings.seed + 1)
+    stop = StopAtAccuracy(probe, tokenizer, target=settings.sft_target_accuracy, every=settings.sft_check_every)
+    args = sft_warm_start(settings, output_dir, save_steps=settings.sft_steps, max_length=32)
     trainer = SFTTrainer(model, args, train_dataset=train, processing_class=tokenizer, callbacks=[stop])
     start = time.time()
     trainer.train()
@@ -176,7 +181,7 @@ ACCURACY = "eval_greedy/accuracy"  # the demo's score: greedy exact match on the
 def demo_grpo(checkpoint: str, tokenizer, settings: DemoSettings, output_dir: Path):
     """GRPO from the SFT checkpoint with the exact-match reward, evaluated on the held-out problems before its
     first step and every ``eval_every`` steps; returns (the model, the curve [(step, accuracy)], steps, seconds)."""
-    model, _ = load_model(checkpoint, tokenizer=tokenizer)
+    model, _ = load_pretrained(checkpoint, tokenizer=tokenizer)
     trainer = heldout_trainer(
         model,
         tokenizer,

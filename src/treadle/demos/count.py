@@ -29,10 +29,10 @@ import torch
 
 from treadle.callbacks import TrainerCallback
 from treadle.demos import toy_vision
-from treadle.demos.addition import ACCURACY, results_table, start_demo, write_results
-from treadle.record.report import print_plots
+from treadle.demos.addition import ACCURACY, results_table, sft_warm_start, start_demo, write_results
+from treadle.record.plots import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-from treadle.trainers.sft import SFTConfig, SFTTrainer
+from treadle.trainers.sft import SFTTrainer
 from treadle.vision import VisionCollator
 
 
@@ -144,19 +144,7 @@ def count_sft(model, processor, settings: CountDemoSettings, output_dir: Path) -
     train = canvases(settings, "train", settings.train_size)
     probe = canvases(settings, "train", settings.sft_probe_size)  # the first training canvases
     stop = StopAtProbeReward(processor, probe, target=settings.sft_target_reward, every=settings.sft_check_every)
-    args = SFTConfig(
-        output_dir=str(output_dir),
-        max_steps=settings.sft_steps,
-        seed=settings.seed,
-        learning_rate=settings.sft_learning_rate,
-        per_device_train_batch_size=settings.sft_batch_size,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=0.05,
-        logging_steps=25,
-        save_strategy="no",
-        max_length=64,
-        report_to=[],
-    )
+    args = sft_warm_start(settings, output_dir, save_strategy="no", max_length=64, report_to=[])
     trainer = SFTTrainer(model, args, train_dataset=train, processing_class=processor, callbacks=[stop])
     began = time.time()
     trainer.train()

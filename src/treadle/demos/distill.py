@@ -30,9 +30,16 @@ import time
 from pathlib import Path
 
 from treadle.callbacks import TrainerCallback
-from treadle.cli.loading import load_model
 from treadle.demos import toy
-from treadle.demos.addition import DemoSettings, StopAtAccuracy, demo_sft, heldout_trainer, start_demo
+from treadle.demos.addition import (
+    DemoSettings,
+    StopAtAccuracy,
+    demo_sft,
+    heldout_trainer,
+    sft_warm_start,
+    start_demo,
+)
+from treadle.models import load_pretrained
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
 from treadle.trainers.sft import SFTConfig, SFTTrainer
 
@@ -99,7 +106,7 @@ def run_distill_demo(settings: DistillDemoSettings, output_dir: str | None = Non
     )
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     checkpoint, sft_steps, sft_seconds = demo_sft(model, tokenizer, settings, out / "sft")
-    start_accuracy = score(load_model(checkpoint, tokenizer=tokenizer)[0], tokenizer, problems)
+    start_accuracy = score(load_pretrained(checkpoint, tokenizer=tokenizer)[0], tokenizer, problems)
     runs = {name: train_method(name, checkpoint, teacher, tokenizer, settings, out, problems) for name in METHODS}
     results = summarise(settings, teacher_record, (sft_steps, sft_seconds, start_accuracy), runs, len(problems))
     results["total_seconds"] = round(time.time() - start, 1)
@@ -117,19 +124,17 @@ def load_or_train_teacher(settings: DistillDemoSettings, tokenizer, folder: Path
     if record_path.is_file():
         record = json.loads(record_path.read_text())
         print(f"teacher: reused from {folder} ({record['heldout_accuracy']:.1%} held-out)", flush=True)
-        return load_model(str(folder), tokenizer=tokenizer)[0], record
+        return load_pretrained(str(folder), tokenizer=tokenizer)[0], record
     teacher = toy.build_model(settings.model_size, seed=settings.teacher_seed, tokenizer=tokenizer)
     probe = toy.load_task("addition", "train", kind="rl", n=512, seed=settings.teacher_seed + 1)
     stop = StopAtAccuracy(
         probe, tokenizer, target=settings.teacher_target_accuracy, every=settings.teacher_check_every
     )
-    args = SFTConfig(
-        output_dir=str(folder / "run"),
+    args = sft_warm_start(
+        settings,
+        folder / "run",
         max_steps=settings.teacher_steps,
         seed=settings.teacher_seed,
-        learning_rate=settings.sft_learning_rate,
-        per_device_train_batch_size=settings.sft_batch_size,
-        lr_scheduler_type="constant_with_warmup",
         warmup_steps=0.02,
         logging_steps=100,
         save_strategy="no",
@@ -166,7 +171,7 @@ def train_method(
     name: str, checkpoint: str, teacher, tokenizer, settings: DistillDemoSettings, out: Path, problems
 ) -> list[tuple[int, float, float]]:
     """``grpo_steps`` steps of one method from the SFT checkpoint; its curve [(step, accuracy, train seconds)]."""
-    model, _ = load_model(checkpoint, tokenizer=tokenizer)
+    model, _ = load_pretrained(checkpoint, tokenizer=tokenizer)
     curve = HeldoutCurve(problems, tokenizer, settings.eval_every)
     schedule = dict(
         max_steps=settings.grpo_steps,

@@ -30,7 +30,7 @@ from pathlib import Path
 from treadle.demos import smollm2
 from treadle.demos.addition import ACCURACY, results_table, start_demo, write_results
 from treadle.models import load_pretrained
-from treadle.record.report import print_plots
+from treadle.record.plots import print_plots
 from treadle.rewards import completion_text
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 

@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from treadle.callbacks import PrinterCallback, TrainerCallback
+from treadle.callbacks import TrainerCallback
+from treadle.console import PrinterCallback
 from treadle.demos import toy
-from treadle.demos.addition import results_table, start_demo
-from treadle.record.report import print_plots
+from treadle.demos.addition import results_table, sft_warm_start, start_demo
+from treadle.record.plots import print_plots
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-from treadle.trainers.sft import SFTConfig, SFTTrainer
+from treadle.trainers.sft import SFTTrainer
 
 
 @dataclasses.dataclass
@@ -302,14 +303,12 @@ def tools_sft(
     """SFT ``model`` in place on ``dataset`` (prompt, completion) for ``max_steps`` (default ``sft_steps``) of
     ``batch_size`` rows (default ``sft_batch_size``) in the order of ``data_seed`` (default ``seed``), or until
     ``stop`` stops it; returns (steps, seconds)."""
-    args = SFTConfig(
-        output_dir=str(output_dir),
+    args = sft_warm_start(
+        settings,
+        output_dir,
         max_steps=max_steps or settings.sft_steps,
-        seed=settings.seed,
         data_seed=data_seed,
-        learning_rate=settings.sft_learning_rate,
         per_device_train_batch_size=batch_size or settings.sft_batch_size,
-        lr_scheduler_type="constant_with_warmup",
         warmup_steps=settings.sft_warmup_steps,
         logging_steps=10,
         save_strategy="no",

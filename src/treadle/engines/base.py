@@ -49,6 +49,7 @@ class RolloutEngine:
     policy_version: int | None = None  # the weights it samples from (the version the last load_weights named)
     sync_unchanged: bool | None = None  # its check of the last push: True when changed weights moved nothing
     samples_elsewhere: bool = False  # True: it samples in another process; a thread driving it only waits
+    single_turn_only: str | None = None  # generate_turns' refusal, where an engine words it (default: below)
 
     def generate(
         self,
@@ -74,9 +75,11 @@ class RolloutEngine:
     ) -> MultiTurnOutput:
         """Multi-turn rollouts of each distinct prompt (``generation.turns.sample_turns``' contract): a model turn
         ends at EOS, then ``respond(row, turn_ids)`` returns the tokens to feed next (or a Future of them), or None
-        when the rollout is over. An engine that samples single-turn completions only keeps this refusal."""
+        when the rollout is over. An engine that samples single-turn completions only keeps this refusal
+        (``single_turn_only`` says why)."""
         raise ValueError(
-            f"{type(self).__name__} samples single-turn rollouts only: multi-turn rollouts (tools=, "
+            self.single_turn_only
+            or f"{type(self).__name__} samples single-turn rollouts only: multi-turn rollouts (tools=, "
             f"env_factory=) need an engine that implements generate_turns (the own sampler does)"
         )
 

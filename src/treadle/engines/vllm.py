@@ -43,7 +43,6 @@ from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_boun
 from treadle.errors import UserError
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput, check_prompts, left_pad
-from treadle.generation.turns import MultiTurnOutput, Respond
 from treadle.models import unwrapped_for_generation
 
 __all__ = [
@@ -183,7 +182,7 @@ def weight_sync_unchanged(logps_before: torch.Tensor, logps_after: torch.Tensor,
 
 
 class SyncChecked(RolloutEngine):
-    """What both vLLM engines (in process, and ``engines.vllm_server`` over HTTP) share around the contract:
+    """What both vLLM engines (in process, and ``engines.vllm_client`` over HTTP) share around the contract:
     single-turn rollouts only, the request checks, the seed drawn from the caller's generator, and the weight-sync
     check (health.py): a probe completion (prompt 0 and the last generation's first completion, every token after the
     first scored: a confident completion's log-probs alone may round to the same floats after a step), the last push's
@@ -194,15 +193,26 @@ class SyncChecked(RolloutEngine):
     probe: tuple[list[list[int]], list[list[int]]] | None = None
     pushed: float | None = None
 
-    def generate_turns(
+    single_turn_only = SINGLE_TURN_ONLY
+
+    def generate(
         self,
         prompt_ids: list[list[int]],
-        respond: Respond,
         params: SamplingParams,
         *,
         generator: torch.Generator | None = None,
-    ) -> MultiTurnOutput:
-        raise ValueError(SINGLE_TURN_ONLY)
+        prompt_inputs: dict | None = None,
+    ) -> GenerationOutput:
+        """The request checked and seeded from the caller's generator (``check_request``), sampled by the subclass
+        (``sample``), its first completion kept as the weight-sync check's probe."""
+        seed = self.check_request(prompt_ids, prompt_inputs, generator)
+        output = self.sample(prompt_ids, params, seed)
+        self.remember_probe(prompt_ids, output)
+        return output
+
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None) -> GenerationOutput:
+        """``params.num_generations`` completions of each prompt from ``seed`` (None: unseeded)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement sample")
 
     @staticmethod
     def check_request(
@@ -252,22 +262,56 @@ class VLLMEngine(SyncChecked):
         vllm = require_vllm()
         with unwrapped_for_generation(model) as inner:
             check_head_size(inner.config, vllm)
-        self.folder = tempfile.mkdtemp(prefix="treadle-vllm-")
+        folder = tempfile.mkdtemp(prefix="treadle-vllm-")
         self.lora = lora_plan(model)  # (PEFT model, adapter name, LoraConfig): adapters synced alone; None: merged
         with unwrapped_for_generation(model) as inner:
             inner.save_pretrained(
-                self.folder, state_dict=merged_state_dict(inner, adapters=self.lora is None), safe_serialization=True
+                folder, state_dict=merged_state_dict(inner, adapters=self.lora is None), safe_serialization=True
             )
-            self.device = next(inner.parameters()).device
-            dtype = next(inner.parameters()).dtype
+            device, dtype = next(inner.parameters()).device, next(inner.parameters()).dtype
+        self.start(
+            vllm,
+            folder,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            max_model_length=max_model_length,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+        self.runner = engine_thread()
+        if self.lora is not None:  # the adapter's config once; its weights with each sync, from this one on
+            self.lora[2].save_pretrained(os.path.join(self.folder, "adapter"))
+            self.load_weights(model)
+
+    def start(
+        self,
+        vllm,
+        folder: str,
+        *,
+        device: torch.device,
+        dtype,
+        seed: int,
+        max_model_length: int | None,
+        gpu_memory_utilization: float,
+        tensor_parallel_size: int,
+        enable_sleep_mode: bool = False,
+    ) -> None:
+        """Start the in-process ``vllm.LLM`` on the model saved in ``folder`` as both vLLM engines run it: treadle
+        tokenises, the log-probs are vLLM's processed ones, weights arrive through ``WeightLoader``, and a LoRA plan
+        (``self.lora``) serves its adapters."""
+        self.folder, self.device, self._vllm = folder, device, vllm
         self.sleep_mode, self.sleeping = enable_sleep_mode, False
-        lora_options = (
+        self.lora_request = None  # the adapter's current vllm LoRARequest (a fresh lora_int_id per sync)
+        self.last_sync: dict | None = None  # what the last push sent: {"kind": "full" | "lora", "tensors", "bytes"}
+        lora = (
             {}
             if self.lora is None
             else dict(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_bound(self.lora[2]))
         )
         self.llm = vllm.LLM(
-            model=os.path.abspath(self.folder),
+            model=os.path.abspath(folder),
             skip_tokenizer_init=True,
             dtype=dtype,
             seed=seed,
@@ -278,26 +322,11 @@ class VLLMEngine(SyncChecked):
             logprobs_mode="processed_logprobs",
             max_logprobs=0,
             worker_extension_cls=f"{__name__}.WeightLoader",
-            **lora_options,
+            **lora,
         )
-        self._vllm = vllm
-        self.runner = engine_thread()
-        self.lora_request = None  # the adapter's current vllm LoRARequest (a fresh lora_int_id per sync)
-        self.last_sync: dict | None = None  # what the last push sent: {"kind": "full" | "lora", "tensors", "bytes"}
-        if self.lora is not None:  # the adapter's config once; its weights with each sync, from this one on
-            self.lora[2].save_pretrained(os.path.join(self.folder, "adapter"))
-            self.load_weights(model)
 
     # ---- the contract ------------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        params: SamplingParams,
-        *,
-        generator: torch.Generator | None = None,
-        prompt_inputs: dict | None = None,
-    ) -> GenerationOutput:
-        seed = self.check_request(prompt_ids, prompt_inputs, generator)
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int | None) -> GenerationOutput:
         self._wake()
         requests = [
             self.vllm_params(params, None if seed is None else seed + 7919 * i) for i in range(len(prompt_ids))
@@ -312,9 +341,7 @@ class VLLMEngine(SyncChecked):
         if self.sleep_mode:  # the optimizer step runs next: free the engine's memory until the next sync
             self.llm.sleep(level=1)
             self.sleeping = True
-        output = self._to_output(prompt_ids, outputs, params)
-        self.remember_probe(prompt_ids, output)
-        return output
+        return self._to_output(prompt_ids, outputs, params)
 
     def load_weights(self, model, version: int | None = None) -> None:
         """Push the policy's weights, and check the push (``sync_unchanged``): when they differ from the last push,

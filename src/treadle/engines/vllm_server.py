@@ -1,552 +1,228 @@
-"""vLLM as a rollout engine in another process (``engines.base.RolloutEngine``): the client side of
-``vllm_mode="server"``, which talks to ``treadle vllm-serve MODEL`` (``treadle.engines.serve``) over HTTP with the
-standard library alone (the trainer's venv needs no vLLM; docs/vllm.md).
+"""The server half of ``vllm_mode="server"``: vLLM serving a model to GRPO runs in other processes (the command is
+``treadle vllm-serve``, treadle.cli.vllm_serve; the client is ``engines.vllm_client.VLLMServerEngine``, which
+describes the routes; the wire's marks and byte format are ``engines.wire``).
 
-The wire (JSON requests; tensors as safetensors bytes, exact to the bit):
-
-- ``GET /health``: the server's identity (``"server": "treadle vllm-serve"`` and its ``PROTOCOL``, the model it was
-  started with, its config's architecture fields, every weight's name and shape, its dtype, its context window, the
-  run that holds it). The engine waits for it up to ``vllm_server_timeout`` seconds; a server that answers something
-  else (TRL's ``trl vllm-serve``, vLLM's OpenAI-compatible ``vllm serve``, anything not treadle's) is refused at
-  once, and a treadle server is compared with the policy (``identity_mismatch``) and the run's lengths.
-- ``POST /claim`` (``{"run": RUN}``): one server serves one run. The first run claims it; another run is refused
-  (HTTP 409) until the holder's ``close`` sends ``POST /release``; the same run (its output folder on this host)
-  claims it again when resumed. Every other POST carries the run in the ``X-Treadle-Run`` header. A claim keeps two
-  runs apart; it is no access control (docs/vllm.md: who reaches the port can replace the weights).
-- ``POST /generate``: prompt ids, the ``SamplingParams`` and one seed drawn from the caller's generator; the answer is
-  the ``GenerationOutput`` the server's colocated engine built (``engines.vllm.VLLMEngine``'s own code, run there).
-- ``POST /score``: each completion's per-token log-probs (the weight-sync check's probe).
-- ``POST /weights``: the policy's merged state dict as safetensors bytes in chunks of at most ``CHUNK_BYTES``; the
-  server loads them after the last chunk (``reload_weights``, then its prefix cache is cleared).
-
-Every wait is bounded by a setting and names it when it ends: the first ``/health`` by ``vllm_server_timeout``; a
-request by ``vllm_request_timeout``, and while it waits the server must answer a ``/health`` probe every
-``PROBE_EVERY`` seconds within ``vllm_server_timeout`` (a killed, stopped or hung server is found in minutes, a
-long generation of a live one goes on). A request waits in slices of ``SLICE`` seconds: a SIGTERM or Ctrl-C that
-arrives meanwhile (the trainer's preemption handler records it) abandons the request and stops the run at once
-(``errors.Preempted``, exit 143; the checkpoints already written are intact). A server that stopped answering or
-answered what treadle cannot read is a ``VLLMServerError``: one line naming the URL and the fix (the CLI exits 2).
+The server is a small standard-library HTTP server (``ThreadingHTTPServer``; one request at a time reaches the
+engine) around one in-process ``vllm.LLM``. Its generation, scoring and weight loading are the colocated engine's
+own code (``ServedEngine`` is an ``engines.vllm.VLLMEngine`` started from a folder instead of a live model), so the
+two modes sample alike by construction. vLLM is imported only when ``serve`` starts the engine. The server outlives
+any one run: it stops on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import dataclasses
-import http.client
+import glob
 import json
 import os
-import select
 import signal
-import socket
 import sys
 import threading
-import time
-import uuid
-import warnings
-from urllib.parse import urlsplit
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
 import torch
-from safetensors.torch import load as load_tensors, save as save_tensors
-from torch import nn
+from safetensors import safe_open
+from transformers import AutoConfig
 
-from treadle.engines.vllm import SINGLE_TURN_ONLY, SyncChecked, merged_state_dict
-from treadle.errors import UserError, stopped_by
+from treadle.engines.vllm import VLLMEngine, check_head_size, require_vllm
+from treadle.engines.wire import PROTOCOL, RUN_HEADER, SERVER_NAME, architecture, pack_output, unpack_tensors
+from treadle.errors import UserError, one_line
 from treadle.generation.sampling import SamplingParams
-from treadle.generation.single import GenerationOutput
-from treadle.models import unwrapped_for_generation
 
-__all__ = [
-    "CHUNK_BYTES",
-    "IDENTITY_FIELDS",
-    "PROTOCOL",
-    "RUN_HEADER",
-    "SERVER_NAME",
-    "VLLMServerEngine",
-    "VLLMServerError",
-    "architecture",
-    "exchange",
-    "identity_mismatch",
-    "pack_output",
-    "pack_tensors",
-    "run_id",
-    "server_url",
-    "unpack_output",
-    "vllm_server_engine",
-]
+__all__ = ["Handler", "ServedEngine", "bind", "identity_of", "serve"]
 
-CHUNK_BYTES = 256 * 2**20  # a weight push travels in POSTs of at most this many bytes (bounded buffers on both ends)
-SLICE = 0.5  # seconds a wait blocks before it looks again for a signal, its deadline and its probe
-PROBE_EVERY = 30.0  # seconds between the /health probes while a request waits for its answer
-CONNECT_TIMEOUT = 30.0  # seconds a TCP connect may take (a host that drops packets)
-SERVER_NAME = "treadle vllm-serve"  # what /health says in "server": the mark of treadle's server
-PROTOCOL = 2  # the wire's version in /health ("protocol"): 2 added the claim and the architecture fields
-RUN_HEADER = "X-Treadle-Run"  # the run a request comes from (the one that claimed the server)
-# the config fields that fix a model's shapes and its outputs (``architecture``; rope's settings are "rope"):
-# a server whose values differ serves another model, even where every weight has the policy's shape
-IDENTITY_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "tie_word_embeddings",
-    "hidden_act",
-    "hidden_activation",
-    "rms_norm_eps",
-    "layer_norm_eps",
-    "layer_norm_epsilon",
-    "rope",
-    "partial_rotary_factor",
-    "attention_bias",
-    "mlp_bias",
-    "sliding_window",
-    "use_sliding_window",
-    "max_window_layers",
-    "layer_types",
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
-    "query_pre_attn_scalar",
-    "logit_scale",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "quantization_config",
-)
-START_HINT = "start one with `treadle vllm-serve MODEL --port PORT` (docs/vllm.md)"
+ROUTES = b"unknown route: GET /health; POST /claim, /release, /generate, /score, /weights"
 
 
-class VLLMServerError(UserError, ConnectionError):
-    """No vLLM server at the URL, not treadle's, serving another model or run, or one that stopped answering."""
-
-
-def server_url(args) -> str:
-    """The server's base URL from a ``GRPOConfig``: ``vllm_server_base_url``, else ``http://host:port`` (TRL)."""
-    if args.vllm_server_base_url:
-        return args.vllm_server_base_url.rstrip("/")
-    return f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-
-
-def run_id(output_dir: str) -> str:
-    """The run a server is claimed by: this host and the run's output folder (a resumed run is the same run)."""
-    return f"{socket.gethostname()}:{os.path.abspath(output_dir)}"
-
-
-def vllm_server_engine(model: nn.Module, args, *, multi_turn: bool = False) -> VLLMServerEngine:
-    """The engine ``GRPOTrainer.build_engine`` returns under ``use_vllm`` with ``vllm_mode="server"``."""
-    if multi_turn:
-        raise ValueError(SINGLE_TURN_ONLY)
-    return VLLMServerEngine(
-        model,
-        server_url(args),
-        timeout=args.vllm_server_timeout,
-        request_timeout=args.vllm_request_timeout,
-        run=run_id(args.output_dir),
-        max_prompt_length=args.max_prompt_length,
-        max_completion_length=args.max_completion_length,
-    )
-
-
-# ---- the wire: tensors as safetensors bytes --------------------------------------------------------------
-def pack_tensors(tensors: dict[str, torch.Tensor]) -> bytes:
-    """``tensors`` as safetensors bytes (a tensor that shares storage with an earlier one, tied embeddings, is
-    copied: safetensors stores each storage once)."""
-    seen, plain = set(), {}
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().cpu().contiguous()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        plain[name] = tensor.clone() if key in seen else tensor
-        seen.add(key)
-    return save_tensors(plain)
-
-
-def pack_output(output: GenerationOutput) -> bytes:
-    return pack_tensors(
-        {f.name: getattr(output, f.name) for f in dataclasses.fields(output) if getattr(output, f.name) is not None}
-    )
-
-
-def unpack_output(data: bytes, device: torch.device | str = "cpu") -> GenerationOutput:
-    return GenerationOutput(**{name: t.to(device) for name, t in load_tensors(data).items()})
-
-
-def architecture(config: dict) -> dict:
-    """The ``IDENTITY_FIELDS`` a config dict (``PretrainedConfig.to_dict()``) holds, rope's settings gathered in
-    one dict under "rope" (transformers 5's ``rope_parameters``, or 4's ``rope_theta`` and ``rope_scaling``), as
-    JSON would carry them."""
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    if config.get("rope_theta") is not None:
-        rope.setdefault("rope_theta", config["rope_theta"])
-    if "type" in rope:  # transformers 4's older spelling
-        rope.setdefault("rope_type", rope.pop("type"))
-    if rope:
-        rope.setdefault("rope_type", "default")
-    fields = {**config, "rope": rope or None}
-    return json.loads(json.dumps({f: fields[f] for f in IDENTITY_FIELDS if f in fields}, default=str))
-
-
-def identity_mismatch(identity: dict, model: nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
-    """What differs between the model a server says it serves and the policy (a config field both name, then the
-    weights: a name the server holds that the policy lacks, or another shape), or None when they agree."""
-    ours, theirs = architecture(model.config.to_dict()), identity.get("config") or {}
-    for field in IDENTITY_FIELDS:
-        if field in ours and field in theirs and ours[field] != theirs[field]:
-            return f"{field} {theirs[field]} (the policy's: {ours[field]})"
-    for name, shape in identity.get("weights", {}).items():
-        if name not in weights:
-            return f"a weight {name} the policy does not have"
-        if list(weights[name].shape) != list(shape):
-            return f"{name} of shape {tuple(shape)} (the policy's: {tuple(weights[name].shape)})"
-    return None
-
-
-# ---- one HTTP exchange that waits in slices -----------------------------------------------------------------
-def exchange(url: str, method: str, route: str, body: bytes = b"", *, timeout: float, headers=None, on_wait=None):
-    """``(status, body)`` of one HTTP request to ``url/route``. Every wait (the connection's room to send, the
-    answer) blocks at most ``SLICE`` seconds at a time; between slices ``on_wait()`` runs (it may raise), and past
-    ``timeout`` seconds a ``TimeoutError`` is raised. Socket errors (refused, reset) propagate as ``OSError``."""
-    parts = urlsplit(url)
-    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    deadline = time.monotonic() + timeout
-    connection = connection_class(parts.hostname, parts.port, timeout=min(CONNECT_TIMEOUT, timeout))
+def bind(host: str, port: int) -> ThreadingHTTPServer:
+    """The HTTP server listening on ``host:port`` (bound before vLLM's minutes-long start, so that a port in use is
+    one line at once)."""
     try:
-        connection.putrequest(method, f"{parts.path.rstrip('/')}/{route}", skip_accept_encoding=True)
-        for key, value in {**(headers or {}), "Content-Length": str(len(body))}.items():
-            connection.putheader(key, value)
-        connection.endheaders()
-        sock, view = connection.sock, memoryview(body)
-        while view:
-            _wait_until_ready(sock, deadline, on_wait, write=True)
-            view = view[sock.send(view[: 2**20]) :]
-        _wait_until_ready(sock, deadline, on_wait, write=False)
-        sock.settimeout(max(SLICE, deadline - time.monotonic()))  # the answer has begun: read it whole
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as error:
+        raise UserError(
+            f"cannot listen on {host}:{port} ({error.strerror or error}); pass another --port, or stop what holds it"
+        ) from None
+    server.host = host  # as the user wrote it: the URL printed for the runs
+    return server
 
 
-def _wait_until_ready(sock, deadline: float, on_wait, *, write: bool) -> None:
-    while not select.select([] if write else [sock], [sock] if write else [], [], SLICE)[1 if write else 0]:
-        if time.monotonic() > deadline:
-            raise TimeoutError("no answer")
-        if on_wait is not None:
-            on_wait()
-
-
-@contextlib.contextmanager
-def noting_signals():
-    """A list that SIGTERM and SIGINT append themselves to while the block runs, after the handler in place has
-    run (the trainer's preemption handler records the signal and returns; the default Ctrl-C handler raises). Only
-    the main thread installs handlers; a signal whose handler is not Python's (SIG_DFL, SIG_IGN) is left alone."""
-    noted: list[int] = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            handler = signal.getsignal(signum)
-            if callable(handler):
-
-                def note(number, frame, handler=handler):
-                    handler(number, frame)
-                    noted.append(number)
-
-                previous[signum] = signal.signal(signum, note)
+def serve(server: ThreadingHTTPServer, folder: str, *, name: str, dtype: str | None = None, **engine_options) -> None:
+    """Start a ``ServedEngine`` on the model ``folder`` (``name``: what ``/health`` calls it; ``dtype``: default the
+    saved config's; ``engine_options``: ``ServedEngine``'s) and answer requests until Ctrl-C or SIGTERM."""
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    dtype = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+    server.engine = ServedEngine(folder, dtype=dtype, **engine_options)
+    server.identity = identity_of(name, folder, dtype, server.engine)
+    server.lock, server.pending, server.run = threading.Lock(), {}, None
+    url = f"http://{server.host}:{server.server_address[1]}"
+    print(
+        f"treadle: vLLM serves {name} at {url} (GET /health; a run connects with use_vllm: true, "
+        f"vllm_mode: server, vllm_server_base_url: {url})",
+        flush=True,
+    )
+    signal.signal(signal.SIGTERM, interrupt)  # as Ctrl-C: the engine shut down, a toy's folder removed
     try:
-        yield noted
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("treadle: vllm-serve stopped", file=sys.stderr)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        server.engine.close()
 
 
-class VLLMServerEngine(SyncChecked):
-    """A ``treadle vllm-serve`` server behind the engine contract, claimed for one run (``run``: ``run_id``; a fresh
-    id by default). The server outlives the engine: ``close`` releases the claim (start and stop the server
-    yourself, as with TRL's ``trl vllm-serve``). ``max_prompt_length`` / ``max_completion_length`` (the run's) must
-    fit in the server's context window; each request is checked against it too."""
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
 
-    samples_elsewhere = True  # the server's process samples; a thread that drives it waits on a socket
+
+def identity_of(name: str, folder: str, dtype: str, engine: ServedEngine) -> dict:
+    """What ``GET /health`` answers: the server's mark and protocol, the model's name, its config's architecture
+    fields (``wire.architecture``, from the config as transformers reads it: defaults included), each weight's
+    name and shape (read from the safetensors headers, no tensor loaded), the dtype and the context window."""
+    weights = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            weights.update({key: list(f.get_slice(key).get_shape()) for key in f.keys()})
+    return {
+        "server": SERVER_NAME,
+        "protocol": PROTOCOL,
+        "model": name,
+        "folder": folder,
+        "dtype": str(dtype),
+        "config": architecture(AutoConfig.from_pretrained(folder).to_dict()),
+        "max_model_len": engine.llm.llm_engine.model_config.max_model_len,
+        "weights": weights,
+    }
+
+
+class ServedEngine(VLLMEngine):
+    """The colocated engine started from a model folder: the same ``vllm.LLM`` settings, generation, scoring and
+    weight loading, its outputs on the CPU (they travel as bytes). The folder is not its own: ``close`` keeps it."""
 
     def __init__(
         self,
-        model: nn.Module,
-        url: str,
+        folder: str,
         *,
-        timeout: float = 240.0,
-        request_timeout: float = 1800.0,
-        run: str | None = None,
-        max_prompt_length: int | None = None,
-        max_completion_length: int | None = None,
-    ):
-        self.url, self.timeout, self.request_timeout = url.rstrip("/"), timeout, request_timeout
-        self.run, self.claimed = run or f"{socket.gethostname()}:{uuid.uuid4().hex}", False
-        with unwrapped_for_generation(model) as inner:
-            self.device = next(inner.parameters()).device
-            identity = self.wait_for_server(timeout)
-            problem = identity_mismatch(identity, inner, merged_state_dict(inner))
-        if problem:
-            raise VLLMServerError(
-                f"the vLLM server at {self.url} serves another model ({identity.get('model')!r}: "
-                f"{problem}); restart it with the policy's model: treadle vllm-serve MODEL "
-                f"--port PORT, or point vllm_server_base_url at a server of the policy's model"
-            )
-        self.identity, self.max_model_len = identity, identity.get("max_model_len")
-        self.check_lengths(max_prompt_length, max_completion_length)
-        self.claim()
-
-    def wait_for_server(self, timeout: float) -> dict:
-        """The server's identity (``GET /health``), polled until it answers or ``timeout`` seconds have passed;
-        an answer that is not a treadle server's is refused at once (``treadle_identity``)."""
-        deadline, pause = time.monotonic() + timeout, 0.1
-        with noting_signals() as noted:
-            while True:
-                try:
-                    left = max(SLICE, deadline - time.monotonic())  # a port that accepts, never answers
-                    answer = exchange(self.url, "GET", "health", timeout=left, on_wait=lambda: self.stop_if(noted))
-                except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out: not yet up
-                    if time.monotonic() + pause > deadline:
-                        raise VLLMServerError(
-                            f"no vLLM server answered at {self.url}/health within vllm_server_timeout="
-                            f"{timeout:g} s ({reason(error)}); {START_HINT}, or set vllm_server_base_url (or "
-                            f"vllm_server_host / vllm_server_port) to where it runs, and "
-                            f"vllm_server_timeout to wait longer for its start"
-                        ) from None
-                else:
-                    return self.treadle_identity(*answer)
-                time.sleep(pause)
-                self.stop_if(noted)
-                pause = min(2.0, pause * 2)
-
-    def treadle_identity(self, status: int, body: bytes) -> dict:
-        """``/health``'s answer as a treadle server's identity, or one line naming what answered instead."""
-        try:
-            identity = json.loads(body) if status == 200 else None
-        except ValueError:
-            identity = None
-        if not isinstance(identity, dict) or identity.get("server") != SERVER_NAME:
-            said = f"HTTP {status}" + (f": {shown(body)}" if body.strip() else " with an empty body")
-            raise VLLMServerError(
-                f"the server at {self.url} is not treadle's vLLM server: GET /health answered {said} "
-                f"(TRL's `trl vllm-serve` and vLLM's OpenAI-compatible `vllm serve` speak other protocols); "
-                f"{START_HINT} and point vllm_server_base_url at it"
-            )
-        if identity.get("protocol") != PROTOCOL:
-            raise VLLMServerError(
-                f"the treadle vLLM server at {self.url} speaks protocol {identity.get('protocol', 1)}, this "
-                f"treadle {PROTOCOL}: restart it with this treadle's `treadle vllm-serve`"
-            )
-        return identity
-
-    def check_lengths(self, max_prompt_length: int | None, max_completion_length: int | None) -> None:
-        """Refuse a server whose context window cannot hold even a one-token prompt and a whole completion; warn
-        when a prompt of ``max_prompt_length`` (or unbounded) would not fit: such a prompt is refused when it comes
-        (``check_context``), where vLLM would cut its completion short without a word."""
-        window = self.max_model_len
-        if window is None or max_completion_length is None:
-            return
-        if 1 + max_completion_length > window:
-            raise VLLMServerError(
-                f"the vLLM server at {self.url} holds {window} tokens per sequence (its max_model_len), too few for "
-                f"a prompt and max_completion_length={max_completion_length}: its completions would be cut short; "
-                f"restart it with a larger --max-model-len, or lower max_completion_length"
-            )
-        if max_prompt_length is None or max_prompt_length + max_completion_length > window:
-            prompts = (
-                "prompts are not cut (max_prompt_length=None)"
-                if max_prompt_length is None
-                else (
-                    f"max_prompt_length={max_prompt_length} + max_completion_length={max_completion_length} = "
-                    f"{max_prompt_length + max_completion_length}"
-                )
-            )
-            warnings.warn(
-                f"the vLLM server at {self.url} holds {window} tokens per sequence (its max_model_len) and "
-                f"{prompts}: a prompt longer than {window - max_completion_length} tokens will stop the run "
-                f"(vLLM would cut its completion short); set max_prompt_length to at most "
-                f"{window - max_completion_length}, or restart the server with a larger --max-model-len",
-                stacklevel=2,
-            )
-
-    def claim(self) -> None:
-        """Claim the server for this run (another run's claim is one line); released by ``close``, or when this
-        process exits (a run that ends, fails or is preempted frees the server; one killed with SIGKILL does not)."""
-        self.request("claim", json.dumps({"run": self.run}).encode())
-        self.claimed = True
-        atexit.register(self.close)
-
-    # ---- the contract ------------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        params: SamplingParams,
-        *,
-        generator: torch.Generator | None = None,
-        prompt_inputs: dict | None = None,
-    ) -> GenerationOutput:
-        seed = self.check_request(prompt_ids, prompt_inputs, generator)
-        self.check_context(prompt_ids, params.max_new_tokens)
-        body = {
-            "prompt_ids": [list(map(int, p)) for p in prompt_ids],
-            "params": dataclasses.asdict(params),
-            "seed": seed,
-        }
-        data = self.request("generate", json.dumps(body).encode())
-        output = self.decoded("generate", data, lambda: unpack_output(data, self.device))
-        rows = len(prompt_ids) * params.num_generations
-        if output.completion_ids.dim() != 2 or output.completion_ids.shape[0] != rows:
-            self.unreadable("generate", data, f"{tuple(output.completion_ids.shape)} completions for {rows} rows")
-        self.remember_probe(prompt_ids, output)
-        return output
-
-    def check_context(self, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
-        """A prompt whose completion would not fit in the server's context window: one line (vLLM cuts it)."""
-        longest = max((len(p) for p in prompt_ids), default=0)
-        if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
-            raise VLLMServerError(
-                f"a prompt of {longest} tokens + max_completion_length={max_new_tokens} does not fit in the "
-                f"{self.max_model_len} tokens the vLLM server at {self.url} holds (its max_model_len): the "
-                f"completion would be cut short; set max_prompt_length to at most "
-                f"{self.max_model_len - max_new_tokens}, or restart the server with a larger --max-model-len"
-            )
-
-    def load_weights(self, model, version: int | None = None) -> None:
-        """Push the policy's merged weights and check the push (``sync_unchanged``), as the colocated engine does:
-        when they differ from the last push, the server's log-probs of one probe completion must change."""
-        with unwrapped_for_generation(model) as inner:
-            self.checked_push([(name, tensor.detach()) for name, tensor in merged_state_dict(inner).items()])
-        self.policy_version = version
-
-    def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Send ``weights`` in chunks of at most ``CHUNK_BYTES``; the server loads them after the last one."""
-        chunks, size = [[]], 0
-        for name, tensor in weights:
-            nbytes = tensor.numel() * tensor.element_size()
-            if chunks[-1] and size + nbytes > CHUNK_BYTES:
-                chunks.append([])
-                size = 0
-            chunks[-1].append((name, tensor))
-            size += nbytes
-        for i, chunk in enumerate(chunks):
-            self.request(f"weights?last={int(i == len(chunks) - 1)}", pack_tensors(dict(chunk)))
+        dtype,
+        max_model_length: int | None,
+        gpu_memory_utilization: float,
+        tensor_parallel_size: int,
+        seed: int,
+    ):  # not the parent's __init__, which saves a live model
+        vllm = require_vllm()
+        check_head_size(AutoConfig.from_pretrained(folder), vllm)
+        self.lora = None  # the server is sent merged weights (engines.vllm_lora: colocated only)
+        self.start(
+            vllm,
+            folder,
+            device=torch.device("cpu"),
+            dtype=dtype,
+            seed=seed,
+            max_model_length=max_model_length,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+        )
 
     def close(self) -> None:
-        """Release the server for other runs (a server gone already needs no release)."""
-        if self.claimed:
-            self.claimed = False
-            atexit.unregister(self.close)
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                body = json.dumps({"run": self.run}).encode()
-                exchange(self.url, "POST", "release", body, timeout=min(self.timeout, 10.0))
+        self.shutdown()  # the folder is the user's (or the toy folder cli.vllm_serve.main removes)
 
-    # ---- beyond the contract -----------------------------------------------------------------------------
-    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Each completion's per-token log-probs under the server's current weights (temperature 1)."""
-        body = {
-            "prompt_ids": [list(map(int, p)) for p in prompt_ids],
-            "completion_ids": [list(map(int, c)) for c in completion_ids],
-        }
-        data = self.request("score", json.dumps(body).encode())
-        logps = self.decoded("score", data, lambda: json.loads(data)["logps"])
-        if not isinstance(logps, list) or len(logps) != len(completion_ids):
-            self.unreadable("score", data, f"not {len(completion_ids)} rows of log-probs")
-        return [self.decoded("score", data, lambda row=row: torch.tensor(row, dtype=torch.float32)) for row in logps]
 
-    def request(self, route: str, body: bytes) -> bytes:
-        """POST ``body`` to ``route``; the answer's bytes. Bounded by ``vllm_request_timeout``, with the server's
-        liveness probed meanwhile (``probe``); a signal abandons it (``stop_if``); any other end is one line."""
-        name, started = route.partition("?")[0], time.monotonic()
-        probed = [started]
+class Handler(BaseHTTPRequestHandler):
+    """The routes (engines.vllm_server's docstring): GET /health; POST /claim, /release, /generate, /score,
+    /weights?last=0|1. One run holds the server (``server.run``): its claim first, then its header on each POST."""
 
-        def on_wait():
-            self.stop_if(noted, name)
-            if time.monotonic() - probed[0] >= PROBE_EVERY:
-                self.probe(noted, name, started)
-                probed[0] = time.monotonic()
+    protocol_version = "HTTP/1.1"
 
-        with noting_signals() as noted:
-            try:
-                status, data = exchange(
-                    self.url,
-                    "POST",
-                    route,
-                    body,
-                    timeout=self.request_timeout,
-                    headers={RUN_HEADER: self.run},
-                    on_wait=on_wait,
-                )
-            except VLLMServerError:  # the probe's verdict (a ConnectionError, and so an OSError too)
-                raise
-            except TimeoutError:
-                raise VLLMServerError(
-                    f"the vLLM server at {self.url} did not answer /{name} within vllm_request_timeout="
-                    f"{self.request_timeout:g} s: raise vllm_request_timeout for "
-                    f"longer generations, or restart the server and resume (treadle train CONFIG --resume)"
-                ) from None
-            except (OSError, http.client.HTTPException) as error:  # refused, reset, cut off: gone
-                raise self.gone(reason(error)) from None
-        if status != 200:  # the server answered with an error: its one line says what
-            raise VLLMServerError(
-                f"the vLLM server at {self.url} refused /{name} (HTTP {status}: {shown(data, quote=False)})"
-            )
-        return data
+    def do_GET(self) -> None:
+        if urlsplit(self.path).path.rstrip("/") != "/health":
+            return self.answer(404, ROUTES)
+        self.answer(200, json.dumps({**self.server.identity, "run": self.server.run}).encode(), "application/json")
 
-    def probe(self, noted: list[int], name: str, started: float) -> None:
-        """The server must answer ``GET /health`` within ``vllm_server_timeout`` while a request waits."""
+    def do_POST(self) -> None:
+        route = urlsplit(self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        path = route.path.rstrip("/")
         try:
-            exchange(self.url, "GET", "health", timeout=self.timeout, on_wait=lambda: self.stop_if(noted, name))
-        except (OSError, http.client.HTTPException) as error:
-            waited = time.monotonic() - started
-            raise self.gone(
-                f"/health gave no answer within vllm_server_timeout={self.timeout:g} s while /{name} waited "
-                f"{waited:.0f} s: a stopped or hung server"
-                if isinstance(error, TimeoutError)
-                else reason(error)
-            ) from None
+            with self.server.lock:  # one request at a time reaches the engine
+                if path in ("/claim", "/release"):
+                    return self.answer(*self.claim(path, json.loads(body)))
+                if self.headers.get(RUN_HEADER) != self.server.run:
+                    return self.answer(*self.refusal(self.headers.get(RUN_HEADER)))
+                answer = self.route(path, parse_qs(route.query), body)
+        except (UserError, ValueError, KeyError) as error:  # a request the engine cannot serve: one line back
+            return self.answer(400, one_line(error).encode())
+        except Exception as error:  # a bug, or the engine failed: the traceback here, one line to the client
+            traceback.print_exc()
+            return self.answer(500, one_line(error).encode())
+        if answer is None:
+            return self.answer(404, ROUTES)
+        self.answer(200, *answer)
 
-    def gone(self, why: str) -> VLLMServerError:
-        return VLLMServerError(
-            f"the vLLM server at {self.url} stopped answering ({why}); the checkpoints written so far are intact: "
-            f"restart the server ({START_HINT}) and resume the run (treadle train CONFIG --resume)"
-        )
+    def claim(self, path: str, request) -> tuple[int, bytes, str]:
+        """``/claim``: the server is this run's unless another holds it; ``/release``: the holder lets it go."""
+        run = request.get("run") if isinstance(request, dict) else None
+        if not isinstance(run, str) or not run:
+            raise ValueError(f"a claim names its run as {{'run': RUN}}, got {request!r:.80}")
+        if path == "/release":
+            if self.server.run == run:
+                self.server.run = None
+                print(f"treadle: vllm-serve released by {run}", flush=True)
+            return 200, json.dumps({"run": self.server.run}).encode(), "application/json"
+        if self.server.run not in (None, run):
+            return self.refusal(run)
+        if self.server.run is None:
+            print(f"treadle: vllm-serve claimed by {run}", flush=True)
+        self.server.run = run
+        return 200, json.dumps({"run": run}).encode(), "application/json"
 
-    def stop_if(self, noted: list[int], name: str = "health") -> None:
-        """A signal arrived while a request waited: abandon it and stop the run (exit 143 for SIGTERM)."""
-        if noted:
-            print(
-                f"treadle: {signal.Signals(noted[0]).name} while waiting for the vLLM server at {self.url} "
-                f"(/{name}): the request is abandoned; the run saves the steps it finished and stops",
-                file=sys.stderr,
-                flush=True,
+    def refusal(self, run: str | None) -> tuple[int, bytes, str]:
+        holder = self.server.run
+        if holder is None:
+            message = (
+                f"this server holds no run's claim (was it restarted?), so it does not serve the run {run}: "
+                f"resume the run (treadle train CONFIG --resume), which claims it when it connects"
             )
-            raise stopped_by(noted[0], self.policy_version or 0, None)
+        else:
+            message = (
+                f"this server serves the run {holder} (one server serves one run: two would sample from each "
+                f"other's weights); start another `treadle vllm-serve` (another --port) for the run {run}, or end "
+                f"that run first (its close releases the server; restart the server to free it from a crashed run)"
+            )
+        return 409, message.encode(), "text/plain"
 
-    def decoded(self, route: str, data: bytes, decode):
-        """``decode()``, or one line naming the server and what it answered when it cannot be read."""
-        try:
-            return decode()
-        except Exception as error:  # noqa: BLE001 -- anything the bytes of a foreign or broken server raise
-            self.unreadable(route, data, f"{type(error).__name__}: {error}")
+    def route(self, path: str, query: dict, body: bytes) -> tuple[bytes, str] | None:
+        engine = self.server.engine
+        if path == "/generate":
+            request = json.loads(body)
+            params = request["params"]
+            params = SamplingParams(
+                **{
+                    **params,
+                    "eos_token_ids": tuple(params["eos_token_ids"]),
+                    "suppress_token_ids": tuple(params.get("suppress_token_ids", ())),
+                }
+            )
+            seed = request.get("seed")
+            generator = None if seed is None else torch.Generator().manual_seed(int(seed))
+            output = engine.generate(request["prompt_ids"], params, generator=generator)
+            return pack_output(output), "application/octet-stream"
+        if path == "/score":
+            request = json.loads(body)
+            logps = engine.score(request["prompt_ids"], request["completion_ids"])
+            return json.dumps({"logps": [row.tolist() for row in logps]}).encode(), "application/json"
+        if path == "/weights":
+            self.server.pending.update(unpack_tensors(body))
+            if query.get("last", ["1"])[0] == "1":
+                weights, self.server.pending = list(self.server.pending.items()), {}
+                engine.push(weights)  # the prefix cache is cleared with it
+                return json.dumps({"loaded": len(weights)}).encode(), "application/json"
+            return json.dumps({"received": len(self.server.pending)}).encode(), "application/json"
+        return None
 
-    def unreadable(self, route: str, data: bytes, problem: str):
-        problem = " ".join(problem.split())[:200]
-        raise VLLMServerError(
-            f"the vLLM server at {self.url} answered /{route} with what treadle cannot read ({problem}; it "
-            f"sent {shown(data)}); point vllm_server_base_url at a `treadle vllm-serve` of this treadle"
-        )
-
-
-def reason(error: BaseException) -> str:
-    """A socket error in a few words (``URLError`` wraps the ``OSError`` that says what happened)."""
-    inner = getattr(error, "reason", None)
-    inner = inner if isinstance(inner, BaseException) else error
-    return getattr(inner, "strerror", None) or str(inner) or type(inner).__name__
-
-
-def shown(data: bytes, limit: int = 200, *, quote: bool = True) -> str:
-    """The start of what a server sent, on one line (quoted: it may be anything)."""
-    text = " ".join(data.decode(errors="replace").split())
-    text = text[:limit] + ("..." if len(text) > limit else "")
-    return repr(text) if quote else text
+    def answer(self, status: int, body: bytes, kind: str = "text/plain") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treadle.text import eos_ids
+
 __all__ = [
     "GENERATION_KWARGS",
     "SamplingParams",
@@ -109,6 +111,34 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        num_generations: int,
+        max_new_tokens: int,
+        eos_token_id: int | list[int] | None,
+        pad_token_id: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        do_sample: bool = True,
+    ) -> SamplingParams:
+        """The settings under ``generate``'s keywords (one ``eos_token_id``: an id, a list, or None, which never stops
+        early), as the keyword calls ``generate_completions`` and ``generate_turns`` take them."""
+        return cls(
+            num_generations=num_generations,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_ids(eos_token_id),
+            pad_token_id=pad_token_id,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            do_sample=do_sample,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

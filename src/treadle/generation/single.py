@@ -51,7 +51,6 @@ from treadle.generation.sampling import (
     token_presence,
 )
 from treadle.models import cache_argument, causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
-from treadle.text import eos_ids
 
 __all__ = [
     "BACKENDS",
@@ -192,35 +191,13 @@ def sample_completions(
 
 
 def generate_completions(
-    model,
-    prompts: list[list[int]],
-    *,
-    num_generations: int,
-    max_new_tokens: int,
-    eos_token_id: int | list[int] | None,
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    repetition_penalty: float = 1.0,
-    do_sample: bool = True,
-    generator: torch.Generator | None = None,
-    backend: str = "auto",
+    model, prompts: list[list[int]], *, generator: torch.Generator | None = None, backend: str = "auto", **settings
 ) -> GenerationOutput:
-    """:func:`sample_completions` with the sampling settings as keywords (``eos_token_id=None`` never stops
-    early); raises ValueError for bad settings too."""
-    params = SamplingParams(
-        num_generations=num_generations,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_ids(eos_token_id),
-        pad_token_id=pad_token_id,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        repetition_penalty=repetition_penalty,
-        do_sample=do_sample,
-    )
-    return sample_completions(model, prompts, params, generator=generator, backend=backend)
+    """:func:`sample_completions` with the sampling settings as ``generate``'s keywords (``SamplingParams.of``:
+    ``num_generations``, ``max_new_tokens``, ``eos_token_id``, ``pad_token_id``, then ``temperature``, ``top_p``,
+    ``top_k``, ``repetition_penalty``, ``do_sample``; ``eos_token_id=None`` never stops early); raises ValueError for
+    bad settings too."""
+    return sample_completions(model, prompts, SamplingParams.of(**settings), generator=generator, backend=backend)
 
 
 def check_prompts(prompts) -> None:

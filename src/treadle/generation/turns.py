@@ -32,7 +32,6 @@ from treadle.generation.single import (
     sample_completions,
 )
 from treadle.models import cache_argument, eval_mode, unwrapped_for_generation
-from treadle.text import eos_ids
 
 __all__ = ["MultiTurnOutput", "Respond", "generate_turns", "pack_turns", "reprefill_turns", "sample_turns"]
 
@@ -87,34 +86,11 @@ def sample_turns(
 
 
 def generate_turns(
-    model,
-    prompts: list[list[int]],
-    respond: Respond,
-    *,
-    num_generations: int,
-    max_new_tokens: int,
-    eos_token_id: int | list[int] | None,
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    repetition_penalty: float = 1.0,
-    do_sample: bool = True,
-    generator: torch.Generator | None = None,
+    model, prompts: list[list[int]], respond: Respond, *, generator: torch.Generator | None = None, **settings
 ) -> MultiTurnOutput:
-    """:func:`sample_turns` with the sampling settings as keywords."""
-    params = SamplingParams(
-        num_generations=num_generations,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_ids(eos_token_id),
-        pad_token_id=pad_token_id,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        repetition_penalty=repetition_penalty,
-        do_sample=do_sample,
-    )
-    return sample_turns(model, prompts, respond, params, generator=generator)
+    """:func:`sample_turns` with the sampling settings as ``generate``'s keywords (``SamplingParams.of``, as
+    ``generate_completions`` takes them)."""
+    return sample_turns(model, prompts, respond, SamplingParams.of(**settings), generator=generator)
 
 
 def pack_turns(

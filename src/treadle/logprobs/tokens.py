@@ -158,19 +158,9 @@ def token_logps(
     hidden = None
     if head is not None:
         hidden = _final_hidden_states(model, base, head, input_ids, attention_mask, forward_kwargs)
-    if hidden is None:
-        return _logps_from_logits(
-            model,
-            base,
-            input_ids,
-            attention_mask,
-            labels,
-            temperature,
-            start,
-            return_entropy,
-            return_mean_logits,
-            forward_kwargs,
-        )
+    if hidden is None:  # the fallback: the model's full logits
+        logits = _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs)))
+        return _logps_from_logits(logits[:, start:-1], labels, temperature, return_entropy, return_mean_logits)
     hidden = hidden[:, start:-1]  # (B, T-1-start, H)
     mean_logits = _mean_logits(hidden, head) if return_mean_logits else None
     logps, entropy = _hidden_token_logps(
@@ -449,20 +439,10 @@ def _model_kwargs(base: nn.Module, attention_mask: Tensor | None, forward_kwargs
 
 
 def _logps_from_logits(
-    model,
-    base,
-    input_ids,
-    attention_mask,
-    labels,
-    temperature,
-    start,
-    return_entropy,
-    return_mean_logits,
-    forward_kwargs,
+    logits: Tensor, labels: Tensor, temperature: float, return_entropy: bool, return_mean_logits: bool
 ) -> TokenLogps:
-    """Fallback: the model's full logits, then :func:`selective_log_softmax` (no log-softmax copy)."""
-    logits = _output_logits(model(input_ids, **_model_kwargs(base, attention_mask, forward_kwargs)))
-    logits = logits[:, start:-1]  # (B, T-1-start, V), a view
+    """The fallback's log-probs from the model's full logits ``(B, T-1-start, V)`` (a view) through
+    :func:`selective_log_softmax` (no log-softmax copy)."""
     logps = selective_log_softmax(logits, labels, temperature=temperature)
     entropy = _entropy(logits, temperature) if return_entropy else None
     mean_logits = logits.detach().mean(dim=-1, dtype=torch.float32) if return_mean_logits else None

@@ -258,17 +258,8 @@ def grpo_loss(
     >>> loss.item()  # r = 1: each token's term is -A
     -1.0
     """
-    _check_grpo_inputs(
-        logps,
-        advantages,
-        completion_mask,
-        objective,
-        old_logps,
-        ref_logps,
-        normalizer,
-        entropies,
-        importance_sampling_ratio,
-    )
+    _check_batch(logps, advantages, completion_mask, old_logps, ref_logps, importance_sampling_ratio)
+    _check_for_objective(objective, logps, ref_logps, entropies, normalizer)
     is_token = completion_mask.bool()  # (B, T)
     mask = is_token.to(logps.dtype)  # (B, T)
     if old_logps is None:
@@ -544,20 +535,8 @@ def check_grpo_extras(
         raise ValueError(f"off_policy_mask_threshold must be > 0 (e.g. 0.5) or None, got {off_policy_mask_threshold}")
 
 
-def _check_grpo_inputs(
-    logps,
-    advantages,
-    completion_mask,
-    objective,
-    old_logps,
-    ref_logps,
-    normalizer,
-    entropies,
-    importance_sampling_ratio,
-) -> None:
-    """One batch's tensors as :func:`grpo_loss` and its ``objective`` need them (the objective checked itself)."""
-    if not isinstance(objective, GRPOObjective):
-        raise TypeError(f"grpo_loss takes its settings as one GRPOObjective, got {type(objective).__name__}")
+def _check_batch(logps, advantages, completion_mask, old_logps, ref_logps, importance_sampling_ratio) -> None:
+    """One batch's tensors as :func:`grpo_loss` takes them: their shapes."""
     if logps.dim() != 2:
         raise ValueError(f"logps must be (B, T), got shape {tuple(logps.shape)}")
     tensors = {"logps": logps, "completion_mask": completion_mask}
@@ -568,6 +547,20 @@ def _check_grpo_inputs(
     check_same_shape(**tensors)
     if advantages.shape != logps.shape[:1]:
         raise ValueError(f"advantages must be (B,) = {tuple(logps.shape[:1])}, got {tuple(advantages.shape)}")
+    if importance_sampling_ratio is not None and importance_sampling_ratio.shape not in (
+        logps.shape,
+        logps.shape[:1] + (1,),
+    ):
+        raise ValueError(
+            f"importance_sampling_ratio must be (B, T) = {tuple(logps.shape)} or (B, 1), got "
+            f"{tuple(importance_sampling_ratio.shape)}"
+        )
+
+
+def _check_for_objective(objective, logps, ref_logps, entropies, normalizer) -> None:
+    """What ``objective`` needs of the batch (the objective checked itself: ``GRPOObjective.__post_init__``)."""
+    if not isinstance(objective, GRPOObjective):
+        raise TypeError(f"grpo_loss takes its settings as one GRPOObjective, got {type(objective).__name__}")
     if objective.beta > 0 and ref_logps is None:
         raise ValueError(
             "beta > 0 needs ref_logps (the reference model's per-token log-probs); pass them or set beta=0"
@@ -584,11 +577,3 @@ def _check_grpo_inputs(
         if entropies is None:
             raise ValueError("top_entropy_quantile < 1 needs entropies (B, T), the per-token entropies of the policy")
         check_same_shape(logps=logps, entropies=entropies)
-    if importance_sampling_ratio is not None and importance_sampling_ratio.shape not in (
-        logps.shape,
-        logps.shape[:1] + (1,),
-    ):
-        raise ValueError(
-            f"importance_sampling_ratio must be (B, T) = {tuple(logps.shape)} or (B, 1), got "
-            f"{tuple(importance_sampling_ratio.shape)}"
-        )

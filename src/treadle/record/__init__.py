@@ -1,16 +1,14 @@
-"""The run record: what a run leaves in its folder, and who may write there.
+"""The run record: what a run leaves in its folder, and who may write there. One layer, below the loop that writes
+it (docs/architecture.md):
 
-- ``record.runfiles``: THE run folder's record files (metrics.jsonl, completions.jsonl, training_args.json,
-  run.json) and their one cut-line policy;
-- ``record.fingerprints``: a checkpoint's marker file (the digests of its files), the dataset's fingerprint and
-  the fingerprint of the settings that shape a run;
-- ``record.runs``: a run folder belongs to one run: its checks, the lock, ``overwrite_output_dir``;
-- ``record.describe``: what made a run besides its arguments (model, datasets, reward functions, LoRA), for run.json;
+- ``record.runfiles``: THE run folder's files (metrics.jsonl, completions.jsonl, training_args.json, run.json), the
+  entries of its log files and their one cut-line policy;
+- ``record.fingerprints``: a checkpoint's marker file (the digests of its files) and the fingerprint of the settings
+  that shape a run;
 - ``record.plots``: the PNG plots of a run's metrics;
-- ``record.trackers``: ``report_to``: transformers' tracker callbacks, completions tables and plots;
-- ``record.report``: a run's summary, report.html and overlays (``treadle report``; the run side).
+- ``record.runs``: a run folder belongs to one run: its checks, the lock (the operating system's, through
+  ``filelock``), ``overwrite_output_dir``.
 
-The rooms sit at different layers (docs/architecture.md): the files, fingerprints, the folder's claim and the plots
-sit below the loop, which writes them; ``describe`` reads models and datasets; ``trackers`` are callbacks; the
-report is the command line's.
+What reads the trainer (``treadle.describe``: run.json's contents), the trackers (``treadle.trackers``) and the
+report (``treadle.cli.report``) live beside the loop and on the run side.
 """

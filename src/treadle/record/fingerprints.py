@@ -3,7 +3,7 @@ the settings that shaped its run.
 
 Every checkpoint folder treadle writes holds ``treadle_checkpoint.json`` (written after every other file, inside
 the same atomic save): the SHA-256 of each file of the folder, and the fingerprint of the dataset the run trained
-on. It serves twice:
+on (``streaming.sampled_dataset_fingerprint``). It serves twice:
 
 - ``overwrite_output_dir`` deletes a ``checkpoint-<step>`` folder only when this marker is there and lists every
   file the folder holds (a folder named like a checkpoint that holds anything else is not treadle's);
@@ -53,31 +53,6 @@ def folder_digests(folder: str) -> dict[str, str]:
     return {rel: file_digest(os.path.join(folder, rel)) for rel in folder_files(folder) if rel != MARKER}
 
 
-def dataset_fingerprint(rows) -> str:
-    """A SHA-256 over the rows of a dataset (each row as sorted-key JSON, non-JSON values by ``repr``)."""
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps(row, sort_keys=True, default=repr).encode())
-        digest.update(b"\n")
-    return digest.hexdigest()
-
-
-def sampled_dataset_fingerprint(dataset, most: int = 1024) -> str | None:
-    """The length of ``dataset`` and ``dataset_fingerprint`` of up to ``most`` evenly spaced rows of it (the first
-    and last included): cheap at any size, and a different dataset of the same length differs in them. None for a
-    dataset without a length or indexing (an iterable dataset)."""
-    try:
-        n = len(dataset)
-        rows = (
-            [dataset[i] for i in sorted({round(k * (n - 1) / (most - 1)) for k in range(most)})]
-            if n > most
-            else [dataset[i] for i in range(n)]
-        )
-    except (TypeError, NotImplementedError, KeyError):
-        return None
-    return f"{n}:{dataset_fingerprint(rows)}"
-
-
 # --- a run's settings: their fingerprint (in trainer_state.json) and those changed since a checkpoint (on resume)
 # settings that do not shape the trained weights: a resumed run may change them without a note
 NOT_FINGERPRINTED = frozenset(
@@ -106,6 +81,7 @@ NOT_FINGERPRINTED = frozenset(
         "ddp_timeout",
         "skip_nonfinite_steps",
         "ignore_checkpoint_fingerprints",
+        "keep_freed_memory",
     }
 )
 

@@ -12,7 +12,7 @@ Figures, each one panel per metric and only for metrics that have data:
   eval.png      eval_* keys
   other.png     every remaining series
 The end-of-run summary keys (``train_*``, ``total_flos``: one value per run) are left out of the plots
-and appear in ``treadle.record.report.summarize``. ``completions_table`` is the table trackers and report.html show of
+and appear in ``treadle.cli.report.summarize``. ``completions_table`` is the table trackers and report.html show of
 GRPO's sampled completions.
 
 matplotlib is imported inside the plotting functions (it costs ~0.5 s and only a plot needs it), and only its
@@ -60,13 +60,13 @@ def metrics_path(run_dir: str | Path) -> Path:
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The log events of a run, in file order (``runfiles.read_records``: a line cut by a crash is dropped).
+    """The log events of a run, in file order (``runfiles.read_entries``: a line cut by a crash is dropped).
 
     Raises ValueError naming the file (and the line, ``file:line``) when the folder or file is missing,
     the file holds no events, or a line is not a JSON object with a numeric ``step``.
     """
     path = metrics_path(run_dir)
-    events = runfiles.read_records(path)
+    events = runfiles.read_entries(path)
     if not events:
         raise ValueError(f"{path} is empty: the run logged no events")
     return events
@@ -162,6 +162,13 @@ def plot_run(run_dir: str | Path, *, out_dir: str | Path | None = None) -> list[
         figure.savefig(target, dpi=110)
         written.append(target)
     return written
+
+
+def print_plots(run_dir: str | Path) -> list[Path]:
+    """``plot_run(run_dir)``, then one line on stdout saying where the plots are; returns their paths."""
+    paths = plot_run(run_dir)
+    print(f"treadle: plots in {Path(run_dir) / 'plots'}: {', '.join(p.name for p in paths)}")
+    return paths
 
 
 def plot_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
@@ -413,10 +420,10 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return averaged
 
 
-def completions_table(records: list[dict[str, Any]]) -> tuple[list[str], list[list]]:
-    """(columns, rows) of completions.jsonl records: step, prompt, completion, one column per reward function,
+def completions_table(entries: list[dict[str, Any]]) -> tuple[list[str], list[list]]:
+    """(columns, rows) of completions.jsonl entries: step, prompt, completion, one column per reward function,
     advantage. A chat prompt or completion (a list of messages) is written as JSON."""
-    rewards = list(dict.fromkeys(name for r in records for name in r.get("rewards", {})))
+    rewards = list(dict.fromkeys(name for r in entries for name in r.get("rewards", {})))
     columns = ["step", "prompt", "completion", *rewards, "advantage"]
     rows = [
         [
@@ -426,7 +433,7 @@ def completions_table(records: list[dict[str, Any]]) -> tuple[list[str], list[li
             *(r.get("rewards", {}).get(name) for name in rewards),
             r.get("advantage"),
         ]
-        for r in records
+        for r in entries
     ]
     return columns, rows
 

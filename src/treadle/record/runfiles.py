@@ -1,18 +1,18 @@
-"""THE run folder's record files: their names, how a record is written, read and cut back, in one place.
+"""THE run folder's files: their names, how an entry of a log file is written, read and cut back, in one place.
 
 A run folder (``output_dir``) holds, besides its checkpoints (``treadle.checkpoint``):
 
 - ``metrics.jsonl``: one JSON object a line per log event, with ``step`` and ``epoch`` (the Trainer's
-  MetricsFileCallback writes it; ``treadle.record.report`` and ``treadle.record.plots`` read it);
-- ``completions.jsonl``: GRPO's sampled completions (``log_completions=True``), one record a line with ``step``;
+  MetricsFileCallback writes it; ``treadle.cli.report`` and ``treadle.record.plots`` read it);
+- ``completions.jsonl``: GRPO's sampled completions (``log_completions=True``), one entry a line with ``step``;
 - ``training_args.json``: the arguments of the run (also inside every checkpoint);
 - ``run.json``: what made the run besides its arguments (model, datasets, reward functions, LoRA settings;
-  ``treadle.record.describe``), written when training begins.
+  ``treadle.describe``), written when training begins.
 
 The one policy for a line that does not parse: the **last** line of a file, when it has no newline, is a line cut
 by a crash in mid-write, and every reader and every cut-back drops it silently; any other line that is not a
-JSON object with a numeric ``step`` is corruption, and ``read_records`` raises ``RunFileError`` naming
-``file:line``. A resumed run first cuts each record file back to the records before (completions) or up to
+JSON object with a numeric ``step`` is corruption, and ``read_entries`` raises ``RunFileError`` naming
+``file:line``. A resumed run first cuts each log file back to the entries before (completions) or up to
 (metrics) the step it resumes from, so that no step is recorded twice.
 """
 
@@ -33,15 +33,15 @@ RUN_FILE = "run.json"  # what made the run besides its arguments: model, dataset
 
 
 class RunFileError(UserError, ValueError):
-    """A record file with a line that is neither a record nor a line cut by a crash; names ``file:line``."""
+    """A log file with a line that is neither an entry nor a line cut by a crash; names ``file:line``."""
 
 
-def append_records(path: str | Path, records: list[dict[str, Any]]) -> None:
-    """Append ``records`` to ``path``, one JSON line each (numbers that JSON lacks, e.g. tensors' floats, as
+def append_entries(path: str | Path, entries: list[dict[str, Any]]) -> None:
+    """Append ``entries`` to ``path``, one JSON line each (numbers that JSON lacks, e.g. tensors' floats, as
     floats), creating its folder when needed."""
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, default=float) + "\n" for r in records)
+        f.writelines(json.dumps(r, default=float) + "\n" for r in entries)
 
 
 def write_args(output_dir: str, json_text: str) -> None:
@@ -59,19 +59,19 @@ def read_args(run_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def write_run_record(output_dir: str, record: dict[str, Any]) -> None:
-    """Write ``record`` (``runrecord.describe_run``) to ``output_dir/run.json``."""
+def write_run_info(output_dir: str, info: dict[str, Any]) -> None:
+    """Write ``info`` (``treadle.describe.describe_run``) to ``output_dir/run.json``."""
     os.makedirs(output_dir, exist_ok=True)
-    (Path(output_dir) / RUN_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    (Path(output_dir) / RUN_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
-def read_run_record(run_dir: str | Path) -> dict[str, Any] | None:
+def read_run_info(run_dir: str | Path) -> dict[str, Any] | None:
     """A run's ``run.json``; None when absent or unreadable (a run from before it existed)."""
     try:
-        record = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
+        info = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    return record if isinstance(record, dict) else None
+    return info if isinstance(info, dict) else None
 
 
 def _numbered_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:
@@ -85,46 +85,46 @@ def _numbered_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:
 
 def _parse(line: str, where: str) -> dict[str, Any]:
     try:
-        record = json.loads(line)
+        entry = json.loads(line)
     except json.JSONDecodeError as error:
         raise RunFileError(f"{where}: corrupt line, not valid JSON ({error.msg})") from None
-    if not isinstance(record, dict):
-        raise RunFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    step = record.get("step")
+    if not isinstance(entry, dict):
+        raise RunFileError(f"{where}: expected a JSON object, got {type(entry).__name__}")
+    step = entry.get("step")
     if not isinstance(step, (int, float)) or isinstance(step, bool):
         raise RunFileError(f"{where}: event has no numeric 'step'")
-    return record
+    return entry
 
 
-def _records_and_lines(path: str | Path) -> list[tuple[dict[str, Any], str]]:
-    records = []
+def _entries_and_lines(path: str | Path) -> list[tuple[dict[str, Any], str]]:
+    entries = []
     for number, line, cut in _numbered_lines(path):
         try:
-            records.append((_parse(line, f"{path}:{number}"), line))
+            entries.append((_parse(line, f"{path}:{number}"), line))
         except RunFileError:
             if not cut:
                 raise
-    return records
+    return entries
 
 
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a record file in file order ([] when it does not exist); blank lines are skipped, a last
+def read_entries(path: str | Path) -> list[dict[str, Any]]:
+    """The entries of a log file in file order ([] when it does not exist); blank lines are skipped, a last
     line cut by a crash is dropped, any other bad line raises RunFileError naming ``file:line``."""
-    return [record for record, _ in _records_and_lines(path)] if os.path.exists(path) else []
+    return [entry for entry, _ in _entries_and_lines(path)] if os.path.exists(path) else []
 
 
 def cut_back(path: str | Path, keep: Callable[[dict[str, Any]], bool]) -> None:
-    """Rewrite ``path`` with only the lines whose records ``keep`` accepts, as they were written (no-op when it
-    does not exist); a line cut by a crash goes, a corrupt line raises as in ``read_records``."""
+    """Rewrite ``path`` with only the lines whose entries ``keep`` accepts, as they were written (no-op when it
+    does not exist); a line cut by a crash goes, a corrupt line raises as in ``read_entries``."""
     if not os.path.exists(path):
         return
-    kept = [line if line.endswith("\n") else line + "\n" for record, line in _records_and_lines(path) if keep(record)]
+    kept = [line if line.endswith("\n") else line + "\n" for entry, line in _entries_and_lines(path) if keep(entry)]
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(kept)
 
 
-def read_new_records(path: str | Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """The records appended to ``path`` since byte ``offset``, and the offset to read from next time: a last
+def read_new_entries(path: str | Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The entries appended to ``path`` since byte ``offset``, and the offset to read from next time: a last
     line without its newline is still being written and waits for the next read (the cut-line policy of a file
     that is still growing); ([], offset) when the file does not exist."""
     if not os.path.exists(path):
@@ -132,11 +132,11 @@ def read_new_records(path: str | Path, offset: int) -> tuple[list[dict[str, Any]
     with open(path, "rb") as f:
         f.seek(offset)
         lines = f.read().splitlines(keepends=True)
-    records = []
+    entries = []
     for line in lines:
         if not line.endswith(b"\n"):
             break  # the last line, still being written
         if line.strip():
-            records.append(_parse(line.decode("utf-8"), f"{path}:byte {offset}"))  # names the line's own start
+            entries.append(_parse(line.decode("utf-8"), f"{path}:byte {offset}"))  # names the line's own start
         offset += len(line)
-    return records, offset
+    return entries, offset

@@ -12,18 +12,15 @@ loads a model), on the main process:
   (``.treadle-run.json``, written when a run claims the folder) says a run owns it, less what was there before
   the run ("not ours, kept"). An entry that cannot be told (no manifest, no marker, a foreign file inside a
   checkpoint, a symbolic link) refuses the overwrite, naming it: nothing is deleted when in doubt;
-- a lock file, ``output_dir/.treadle.lock`` (pid, host, start time), is held for the run's lifetime, so that a
-  second run into the same folder is refused while the first one lives. A lock left by a process that no
-  longer runs on this machine (killed with SIGKILL, out of memory) is taken over, with a note; one held by a
-  process on another machine is refused with the file's name, as this machine cannot tell whether it lives.
-  The lock is created whole: written to a temporary file, then linked into place (``os.link`` fails when the
-  name exists), so no run ever reads a half-written lock of a live run; an empty or unreadable lock is one
-  "being written", never stale.
-- under torchrun with ``--max-restarts``, the workers of a restarted attempt are the same run: the lock and the
-  manifest record the job (``TORCHELASTIC_RUN_ID``) and its attempt (``TORCHELASTIC_RESTART_COUNT``), and an
-  attempt takes over the lock of an earlier attempt of its job (torchrun stopped every worker of it before
-  restarting; on several nodes, rank 0 may now run on another machine) and restarts in the folder it wrote,
-  without ``overwrite_output_dir``.
+- a lock, ``output_dir/.treadle.lock``, is held for the run's lifetime, so that a second run into the same folder is
+  refused while the first one lives, naming it (pid, host, start time: the holder writes them into the file). It is
+  the operating system's file lock (``filelock``: ``flock``), which a process that ends, however it ends (SIGKILL,
+  out of memory), gives back: no liveness guess, no stale lock to take over. A lock file left by a process that
+  did not end cleanly is reused, with a note naming that run;
+- under torchrun with ``--max-restarts``, the workers of a restarted attempt are the same run: the manifest records
+  the job (``TORCHELASTIC_RUN_ID``) and its attempt (``TORCHELASTIC_RESTART_COUNT``), and an attempt restarts in the
+  folder an earlier attempt of its job wrote, without ``overwrite_output_dir`` (torchrun stopped every worker of the
+  earlier attempt, so its lock is free).
 
 Every refusal is a :class:`RunFolderError` raised before anything is written. This module imports neither
 torch nor a trainer, so the CLI runs it before its slow imports.
@@ -40,6 +37,8 @@ import shutil
 import socket
 import sys
 import time
+
+from filelock import FileLock, Timeout
 
 from treadle.errors import PreflightError, UserError, shorten
 from treadle.record import fingerprints
@@ -133,7 +132,7 @@ def check_run_folder(
         )
     check_not_in_model(output_dir, model_dir)
     _check_writable(output_dir)
-    holder = _live_holder(os.path.join(output_dir, LOCK_FILE))
+    holder = lock_holder(output_dir)
     if holder is not None:
         raise RunFolderError(
             f"output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
@@ -361,117 +360,85 @@ def _check_writable(output_dir: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The lock
+# The lock: the operating system's, through filelock; its file names the holder
 # ---------------------------------------------------------------------------------------------------------
-def _read_lock(path: str) -> dict | None:
+def _holder(path: str) -> dict:
+    """What the lock file at ``path`` says of the run that holds (or last held) it; {} when nothing readable."""
     try:
         with open(path) as f:
             holder = json.load(f)
-        return holder if isinstance(holder, dict) else {}
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):  # unreadable or cut: "being written" (locks are linked in whole, see acquire_lock)
-        return {"unreadable": True}
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
 
 
 def _describe(holder: dict) -> str:
+    if not holder:
+        return "its lock file names no run"
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {started}"
 
 
-def _alive(holder: dict) -> bool | None:
-    """True / False for a process of this machine (never this very process), None when it cannot be told."""
-    pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname():
+def _lock(path: str, on_acquired=None) -> FileLock:
+    # timeout: a second, for the instant in which a run that is ending has removed its lock file but not yet let go
+    return FileLock(path, timeout=1.0, thread_local=False, on_acquired=on_acquired)
+
+
+def lock_holder(output_dir: str) -> str | None:
+    """Who holds the lock of ``output_dir`` (its lock file's account of the run), None when it is free. Reads only:
+    an absent lock file is free, and an existing one is tried without being written."""
+    path = os.path.join(output_dir, LOCK_FILE)
+    if not os.path.isfile(path):
         return None
-    if not isinstance(pid, int) or pid == os.getpid():
-        return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
-
-
-def _live_holder(path: str) -> str | None:
-    """Who holds the lock at ``path``, when it may be alive; None when it is free or stale."""
-    holder = _read_lock(path)
-    if holder is None or _earlier_attempt(holder):  # torchrun ended that attempt before starting this one
+        with _lock(path):
+            return None
+    except Timeout:
+        return _describe(_holder(path))
+    except OSError:  # a file system without file locks: acquire_lock says so
         return None
-    if holder.get("unreadable") or not holder:
-        return (
-            f"its lock {path} is empty or unreadable, as one being written is; if no run is starting there, "
-            f"delete {path}"
-        )
-    alive = _alive(holder)
-    if alive is None:
-        return f"{_describe(holder)}, another machine: if that run is gone, delete {path}"
-    return (
-        (f"{_describe(holder)}; if that run has ended and the pid now belongs to another process, delete {path}")
-        if alive
-        else None
-    )
 
 
-def acquire_lock(output_dir: str) -> str:
-    """Create ``output_dir/.treadle.lock`` for this process (taking over a stale one, with a note); its path.
-    The lock's contents are written to a temporary file first and linked into place, so that the lock exists
-    only whole: two runs racing for it never both win, and neither reads the other's as empty and stale."""
+def acquire_lock(output_dir: str) -> FileLock:
+    """Take the lock of ``output_dir`` for this process and write who holds it into its file; the held lock. A run
+    that holds it already is refused (RunFolderError naming it); a lock file a process left behind without
+    releasing it (it did not end cleanly) is reused, with a note."""
     path = os.path.join(output_dir, LOCK_FILE)
     os.makedirs(output_dir, exist_ok=True)
-    holder = _read_lock(path)
-    if holder is not None:
-        live = _live_holder(path)
-        if live is not None:
-            raise RunFolderError(
-                f"output_dir {output_dir} is in use by another run ({live}); wait for it to end or "
-                f"choose another output_dir"
-            )
-        why = (
-            f"attempt {holder['attempt']} of this torchrun job"
-            if _earlier_attempt(holder)
-            else "a run that no longer runs"
-        )
-        print(f"treadle: taking over the lock {path} of {why} ({_describe(holder)})", file=sys.stderr)
-        stale = f"{path}.stale-{os.getpid()}"
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(path, stale)  # atomic: of two runs taking over, one moves the stale lock, the other finds none
-            if _live_holder(stale) is None:
-                os.remove(stale)
-            else:  # a live run's lock replaced the stale one between the read and the rename: put it back
-                with contextlib.suppress(FileExistsError):
-                    os.link(stale, path)
-                os.remove(stale)
-    tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    with open(tmp, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **_identity()}, f)
+    left = _holder(path)
+    lock = _lock(path, on_acquired=_write_holder)
     try:
-        os.link(tmp, path)
-    except FileExistsError:  # another run took it between the check and now
-        holder = _live_holder(path)
+        lock.acquire()
+    except Timeout:
         raise RunFolderError(
-            f"output_dir {output_dir} is in use by another run that just started ({holder}); choose another output_dir"
-            if holder
-            else f"output_dir {output_dir} was locked and unlocked by another run while this one started; try again"
+            f"output_dir {output_dir} is in use by another run ({_describe(_holder(path))}); wait for it to end or "
+            f"choose another output_dir"
         ) from None
-    finally:
-        os.remove(tmp)
-    return path
+    except OSError as error:
+        raise RunFolderError(
+            f"output_dir {output_dir} cannot be locked ({error.strerror or error}: its file system has no file "
+            f"locks); set output_dir to a folder on a local disk"
+        ) from None
+    if left:
+        print(
+            f"treadle: taking over the lock {path} of a run that no longer runs ({_describe(left)})", file=sys.stderr
+        )
+    return lock
 
 
-def release_lock(path: str) -> bool:
-    """Remove the lock at ``path`` if this process still holds it; False when it could not (a read-only disk)."""
-    holder = _read_lock(path)
-    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return False
-    return True
+def _write_holder(fd: int) -> None:
+    """Write this process into the lock file just acquired (``fd``: filelock's descriptor of it)."""
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), **_identity()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+
+
+def release_lock(lock: FileLock) -> None:
+    """Let go of ``lock`` and remove its file (removed first, while held, so that no run ever finds a lock file of
+    a run that ended cleanly; on a read-only disk it stays, and the next run reuses it with a note)."""
+    with contextlib.suppress(OSError):
+        os.remove(lock.lock_file)
+    lock.release()
 
 
 @contextlib.contextmanager
@@ -489,7 +456,7 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None, auto
     )
     lock = acquire_lock(output_dir)
     try:
-        with disk_errors(output_dir, lock):
+        with disk_errors(output_dir):
             if doomed:
                 _, kept, _ = sort_out(output_dir, run_files(output_dir))
                 why = (
@@ -526,12 +493,12 @@ class DiskError(UserError):
 
 
 @contextlib.contextmanager
-def disk_errors(output_dir: str, lock: str | None = None):
+def disk_errors(output_dir: str):
     """Inside the block, an error caused by a full or read-only disk -- an OSError with its errno, or any other
     error (torch's ``inline_container`` RuntimeError, a SafetensorError) while a probe write into ``output_dir``
     then fails that way -- becomes one DiskError naming the folder, the newest complete checkpoint and what to do.
-    A half-written checkpoint (``.tmp-checkpoint-*``) is removed to give the space back; the lock is released
-    (on a read-only disk it cannot be: the message names it)."""
+    A half-written checkpoint (``.tmp-checkpoint-*``) is removed to give the space back (the run's lock is the
+    operating system's: it is let go of even on a read-only disk)."""
     try:
         yield
     except Exception as error:
@@ -542,7 +509,6 @@ def disk_errors(output_dir: str, lock: str | None = None):
             if name.startswith(".tmp-checkpoint-"):
                 shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
         kept = [n for n in run_files(output_dir) if re.fullmatch(r"checkpoint-\d+", n)]
-        locked = lock is not None and release_lock(lock) is False
         raise DiskError(
             f"output_dir {output_dir}: {problem}, so the run stopped; "
             + (
@@ -556,7 +522,6 @@ def disk_errors(output_dir: str, lock: str | None = None):
                 else "free some space (or move output_dir to another disk)"
             )
             + (", then continue with --resume (train(resume_from_checkpoint=True))" if kept else ", then start again")
-            + (f"; the lock {lock} could not be removed: delete it once the disk takes writes" if locked else "")
         ) from error
 
 

@@ -44,7 +44,7 @@ How this departs from TRL 1.16's DistillationTrainer:
 7. No ``entropy`` metric (the chunked divergence does not return the student's entropy). The rest of TRL's training
    metrics are logged with its meaning: ``completions/*`` (mean, min and max length, of the completions that ended
    with EOS too, and ``clipped_ratio``) and ``num_tokens`` per generation, as GRPO's
-   (``onpolicy.records.completion_metrics``), and ``step_time`` (``OnPolicyTrainer``'s step clock).
+   (``onpolicy.metrics.completion_metrics``), and ``step_time`` (``OnPolicyTrainer``'s step clock).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ from treadle.models import eval_mode, from_name, frozen_reference
 from treadle.packing import position_ids
 from treadle.trainers.onpolicy.config import OnPolicyConfig
 from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
-from treadle.trainers.onpolicy.records import completion_metrics, seeded_generator
+from treadle.trainers.onpolicy.inputs import seeded_generator
+from treadle.trainers.onpolicy.metrics import completion_metrics
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
 
 __all__ = ["DistillationConfig", "DistillationTrainer", "check_distinct_teacher", "check_shared_tokenizer"]

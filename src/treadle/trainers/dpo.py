@@ -256,6 +256,7 @@ class DPOTrainer(PrecomputedReference, Trainer):
     """
 
     config_class = DPOConfig
+    watched_metrics = ("rewards/accuracies", "rewards/margins", "eval_rewards/accuracies")
     logs_num_tokens = True  # TRL's num_tokens: the attention-mask tokens of every training micro-batch
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 

@@ -243,6 +243,7 @@ class KTOTrainer(PrecomputedReference, Trainer):
     PEFT model, the model itself with its adapters disabled. The model never receives labels."""
 
     config_class = KTOConfig
+    watched_metrics = ("kl", "entropy", "rewards/margins")
     logs_num_tokens = True  # TRL's num_tokens: the attention-mask tokens of every training micro-batch
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 

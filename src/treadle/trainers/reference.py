@@ -15,7 +15,7 @@ import gc
 import torch
 
 from treadle import distributed as dist
-from treadle.callbacks import show_progress_bars
+from treadle.console import show_progress_bars
 from treadle.data import column_names
 from treadle.models import eval_mode
 from treadle.streaming import require_streamable

@@ -82,6 +82,7 @@ class RewardTrainer(Trainer):
     ``pad_token_id`` to find each row's last token) to score chosen responses above rejected ones."""
 
     config_class = RewardConfig
+    watched_metrics = ("accuracy",)
     logs_num_tokens = True  # TRL's num_tokens: the attention-mask tokens of every training micro-batch
     scored_only = True  # evaluation scores the model (its mean loss per batch), it asks for no predictions
 

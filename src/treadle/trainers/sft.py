@@ -45,7 +45,7 @@ import torch
 
 from treadle import distributed as dist, vision
 from treadle.arguments import TrainingArguments
-from treadle.callbacks import show_progress_bars
+from treadle.console import show_progress_bars
 from treadle.data import check_text_columns, column_names, empty_texts, require_eval_dataset
 from treadle.errors import first_rows
 from treadle.logprobs.logsoftmax import IGNORE_INDEX, chunked_nll
@@ -98,6 +98,7 @@ class SFTTrainer(Trainer):
     """
 
     config_class = SFTConfig
+    watched_metrics = ("mean_token_accuracy", "eval_mean_token_accuracy")
 
     def __init__(
         self,

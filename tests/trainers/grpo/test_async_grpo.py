@@ -21,7 +21,8 @@ from treadle.engines.local import LocalEngine
 from treadle.errors import Preempted, is_user_error
 from treadle.losses import GRPOObjective, grpo_loss, sampling_importance_ratio
 from treadle.trainers.grpo.trainer import GRPOConfig
-from treadle.trainers.onpolicy.producer import RolloutProducer, worker_threads
+from treadle.trainers.onpolicy.producer import worker_threads
+from treadle.trainers.onpolicy.sampler import AsyncSampler, SyncSampler
 from treadle.trainers.onpolicy.worker import RolloutWorkerError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,14 +81,14 @@ def test_thread_split():
 # ------------------------------------------------------------------------------------------------ the schedule
 def test_zero_staleness_is_the_synchronous_run_and_builds_no_worker(tmp_path):
     trainer = runner.build({"output_dir": str(tmp_path / "run"), "max_staleness": 0})
-    assert type(trainer.engine) is LocalEngine and trainer.producer is None  # no producer: today's run, bit for bit
+    assert type(trainer.engine) is LocalEngine and type(trainer.rollout_sampler) is SyncSampler  # today's run
 
 
 def test_the_worker_at_zero_staleness_trains_the_synchronous_weights_bit_for_bit(tmp_path, sync_run):
     """The worker machinery itself (a process, weights pushed through the queue, replies in order) with a schedule
     of staleness 0 and the correction off samples exactly what the live model samples."""
     trainer = runner.build({"output_dir": str(tmp_path / "run"), "vllm_importance_sampling_correction": False})
-    trainer.producer = trainer.build_producer(staleness=0)
+    trainer.rollout_sampler = trainer.build_rollout_sampler(trainer.engine, staleness=0)
     with runner.one_thread():
         trainer.train()
     assert logged(trainer, "async/staleness") == [0.0] * 4
@@ -171,7 +172,7 @@ def test_a_dead_worker_stops_the_run_in_one_line_with_its_exit_status(tmp_path):
     pids = []
 
     def kill(trainer):
-        pids.append(trainer.producer.worker.handle.pid)
+        pids.append(trainer.rollout_sampler.producer.worker.handle.pid)
         os.kill(pids[0], signal.SIGKILL)
 
     with pytest.raises(RolloutWorkerError) as err:
@@ -188,7 +189,7 @@ def test_a_hung_worker_stops_the_run_at_the_timeout_naming_the_wait(tmp_path):
     pids = []
 
     def freeze(trainer):
-        pids.append(trainer.producer.worker.handle.pid)
+        pids.append(trainer.rollout_sampler.producer.worker.handle.pid)
         os.kill(pids[0], signal.SIGSTOP)  # alive, never answering
 
     with pytest.raises(RolloutWorkerError) as err:
@@ -206,7 +207,7 @@ def test_sigterm_checkpoints_the_pending_batches_stops_the_worker_and_resumes_ex
     pids = []
 
     def term(trainer):
-        pids.append(trainer.producer.worker.handle.pid)
+        pids.append(trainer.rollout_sampler.producer.worker.handle.pid)
         os.kill(os.getpid(), signal.SIGTERM)
 
     spec = {"max_steps": 5, "save_strategy": "steps", "save_steps": 2}
@@ -282,6 +283,6 @@ def test_the_demo_takes_max_staleness_and_other_tasks_refuse_it(monkeypatch, cap
     assert [s.max_staleness for s in calls] == [1, 0]
     tok = toy.build_tokenizer()
     trainer = demo.heldout_trainer(toy.build_model("tiny", tokenizer=tok), tok, calls[0], tmp_path / "run")
-    assert isinstance(trainer.producer, RolloutProducer) and trainer.args.max_staleness == 1
+    assert isinstance(trainer.rollout_sampler, AsyncSampler) and trainer.args.max_staleness == 1
     assert cli.main(["demo", "--task", "tools", "--max_staleness", "1"]) == 2
     assert "--max-staleness is for the addition demo's GRPO" in capsys.readouterr().err

@@ -93,7 +93,8 @@ def test_the_engine_that_samples_elsewhere_trains_the_own_workers_weights_bit_fo
     # generations 0 and 1 from weights 0, then g + 1 from weights g: a push a version (none for the last step's,
     # which samples nothing), a call a generation
     assert engine.pushes == [0, 1, 2, 3] and engine.calls == 5
-    assert trainer.producer.worker is None and not engine.closed  # the run ended: its worker stopped, the engine not
+    # the run ended: its worker stopped, the engine not
+    assert trainer.rollout_sampler.producer.worker is None and not engine.closed
 
 
 def test_evaluation_takes_its_turn_and_leaves_the_schedule_alone(tmp_path, thread_run):

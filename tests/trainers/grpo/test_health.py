@@ -12,7 +12,7 @@ import pytest
 import torch
 from _factories import digit_sum_reward, grpo_args, grpo_trainer
 
-from treadle.callbacks import TrainerCallback, rl_summary
+from treadle.callbacks import TrainerCallback
 from treadle.demos import toy
 from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
@@ -30,6 +30,7 @@ from treadle.trainers.grpo.health import (
     constant_values,
     generation_health,
     log_warnings,
+    rl_summary,
 )
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from treadle.trainers.onpolicy.data import Rollout, join_rows
@@ -155,6 +156,7 @@ def test_report_marks_the_health_events_on_the_panels_and_the_summary_lists_them
     assert "reward" in panels and not any(key.startswith("health/warning/") for key in panels)
     assert {p.name for p in plot_run(tmp_path / "run")} >= {"rewards.png"}
     lines = rl_summary(trainer.state.log_history, trainer.state.stateful_callbacks["HealthCallback"])
+    assert trainer.summary_lines() == lines  # what the end summary prints after the loop's own line
     assert lines[0].startswith("reward 1 -> 1; entropy ")
     assert "learning signal in 0% of 2 steps" in lines[1]
     assert lines[2:] == [

@@ -14,8 +14,7 @@ from treadle.losses import (
     ADVANTAGE_ESTIMATORS,
     MULTI_OBJECTIVE_AGGREGATIONS,
     SCALE_REWARDS,
-    check_grpo_extras,
-    check_grpo_options,
+    GRPOObjective,
     check_sampling_correction,
 )
 from treadle.trainers.onpolicy.config import OnPolicyConfig
@@ -44,7 +43,7 @@ class GRPOConfig(SharedPrefixOption, PaddingFreeOption, OnPolicyConfig):
     loss_type: str = "dapo"  # "grpo", "bnpo", "dr_grpo", "dapo", "cispo" or "sapo" (see the class docstring)
     scale_rewards: str = "group"  # divide advantages by the "group" std (GRPO), the "batch" std, or "none" (Dr. GRPO)
 
-    # --- records
+    # --- what a run writes besides its metrics
     log_completions: bool = False  # append prompt, completion, rewards, advantage to output_dir/completions.jsonl
 
     # --- objective table (issue 17): names and defaults of TRL 1.16's GRPOConfig; see docs/grpo.md
@@ -81,7 +80,6 @@ class GRPOConfig(SharedPrefixOption, PaddingFreeOption, OnPolicyConfig):
             raise ValueError(
                 f"scale_rewards={self.scale_rewards!r} is not supported; use one of {list(SCALE_REWARDS)}"
             )
-        check_grpo_options(self.loss_type, self.beta, self.epsilon, self.epsilon_high)  # the rules grpo_loss applies
         self.health_checks = resolve_health_checks(self.health_checks)
         self._validate_dynamic_sampling()
 
@@ -118,15 +116,25 @@ class GRPOConfig(SharedPrefixOption, PaddingFreeOption, OnPolicyConfig):
                 "rewards of the batch being sampled): set one of them off"
             )
 
-    def _validate_objective_table(self) -> None:
-        check_grpo_extras(
-            self.importance_sampling_level,
-            self.delta,
-            self.sapo_temperature_pos,
-            self.sapo_temperature_neg,
-            self.top_entropy_quantile,
-            self.off_policy_mask_threshold,
+    def objective(self) -> GRPOObjective:
+        """The objective's settings as ``losses.grpo_loss`` takes them: a ``GRPOObjective``, which checks them."""
+        return GRPOObjective(
+            loss_type=self.loss_type,
+            beta=self.beta,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            delta=self.delta,
+            sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg,
+            importance_sampling_level=self.importance_sampling_level,
+            use_bias_correction_kl=self.use_bias_correction_kl,
+            top_entropy_quantile=self.top_entropy_quantile,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            max_completion_length=self.max_completion_length,
         )
+
+    def _validate_objective_table(self) -> None:
+        self.objective()  # the rules grpo_loss applies, checked where they live (losses.GRPOObjective)
         for name, allowed in (
             ("multi_objective_aggregation", MULTI_OBJECTIVE_AGGREGATIONS),
             ("advantage_estimator", ADVANTAGE_ESTIMATORS),

@@ -46,9 +46,10 @@ __all__ = [
     "generation_health",
     "log_warnings",
     "reward_rose",
+    "rl_summary",
 ]
 
-STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (the run summary reads it)
+STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (GRPOTrainer.summary_lines reads it)
 RESUME = "resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`)"
 
 
@@ -347,3 +348,30 @@ class HealthCallback(TrainerCallback):
         raise TrainingStalled(
             f"{self.stopped}; checkpoint: {path_for(args.output_dir, state.global_step)}; {RESUME} once fixed"
         )
+
+
+HELD_OUT = ("eval_greedy/accuracy", "eval_pass@1", "eval_reward")  # the held-out score the summary shows, by choice
+
+
+def rl_summary(history: list[dict], health: dict | None) -> list[str]:
+    """The lines a GRPO run's end summary adds (``GRPOTrainer.summary_lines``; none for a run that logged no
+    ``reward``): the reward and the held-out score at start and end, the entropy trend, the truncation rate, the
+    fraction of steps with a learning signal and every health warning (``health``: ``HealthCallback``'s saved
+    state)."""
+
+    def trend(key: str) -> str | None:
+        values = [h[key] for h in history if isinstance(h.get(key), (int, float))]
+        return f"{key} {values[0]:.4g} -> {values[-1]:.4g}" if values else None
+
+    if not any("reward" in h for h in history):
+        return []
+    held_out = next((key for key in HELD_OUT if any(key in h for h in history)), None)
+    lines = ["; ".join(t for t in (trend("reward"), held_out and trend(held_out), trend("entropy")) if t)]
+    clipped = [h["completions/clipped_ratio"] for h in history if "completions/clipped_ratio" in h]
+    rates = [f"truncated {sum(clipped) / len(clipped):.1%} of completions"] if clipped else []
+    if health and health.get("steps"):
+        rates.append(f"learning signal in {health['signal_steps'] / health['steps']:.0%} of {health['steps']} steps")
+    lines += ["; ".join(rates)] if rates else []
+    for event in (health or {}).get("warnings", []):
+        lines.append(f"health {'stop' if event['stop'] else 'warning'} at step {event['step']}: {event['check']}")
+    return lines

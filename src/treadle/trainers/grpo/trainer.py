@@ -62,11 +62,12 @@ How this departs from the paper and from TRL's GRPOTrainer (v0.2x):
     option. ``shared_prefix`` (on by default) goes further: the rows of a micro-batch that hold the same prompt run it
     once, their completions after it under a 4D mask (``treadle.logprobs.prefix``; exact, and off by itself where the
     model or the batch does not fit).
-15. Sampling goes through a rollout engine (``treadle.engines``; ``build_engine`` returns the own KV-cached
-    sampler), single-turn, multi-turn and image rows alike, which also returns the log-probs of the distribution it
-    sampled from; they travel with each ``Sample`` as ``sampling_logps``. Where that distribution may differ from
-    the trained one (the engine does not report ``exact_logps``, a producer sampled ahead with ``max_staleness``,
-    or the sampling settings reshape it), the loss is weighed by the sampler correction
+15. Sampling goes through one rollout sampler (trainers/onpolicy/sampler.py) and its rollout engine
+    (``treadle.engines``; ``build_engine`` returns the own KV-cached sampler), single-turn, multi-turn and image rows
+    alike, which also returns the log-probs of the distribution it sampled from; they travel with each ``Sample`` as
+    ``sampling_logps``. Where that distribution may differ from the trained one (the sampler does not report
+    ``exact_logps``: the engine's own kernels, or batches sampled ahead with ``max_staleness``, or the sampling
+    settings reshape it), the loss is weighed by the sampler correction
     (trainers/grpo/correction.py; TRL corrects only with vLLM).
 """
 
@@ -92,10 +93,10 @@ from treadle.record import runfiles
 from treadle.rewards import RewardFunction, reward_name, weighted_rewards
 from treadle.trainers.grpo.config import GRPOConfig
 from treadle.trainers.grpo.dynamic import check_stream, extra_rows, fill_with_signal
-from treadle.trainers.grpo.health import HealthCallback, generation_health
-from treadle.trainers.grpo.records import completion_records, generation_metrics
+from treadle.trainers.grpo.health import STATE_KEY, HealthCallback, generation_health, rl_summary
+from treadle.trainers.grpo.metrics import completion_entries, generation_metrics
 from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
-from treadle.trainers.onpolicy.records import seeded_generator
+from treadle.trainers.onpolicy.inputs import seeded_generator
 from treadle.trainers.onpolicy.trainer import OnPolicyTrainer
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "Sample"]
@@ -113,7 +114,8 @@ class GRPOTrainer(OnPolicyTrainer):
 
     Multi-turn rollouts (treadle.rollouts, docs/agents.md): ``tools`` (annotated, docstring'd functions the model
     calls, TRL's argument) or ``env_factory`` (a callable returning a fresh ``rollouts.Environment`` per rollout).
-    Observation tokens are in the context but masked out of the loss; ``rollout`` is the hook to override.
+    Observation tokens are in the context but masked out of the loss; another agent loop is a rollout sampler of
+    its own (``build_rollout_sampler``; trainers/onpolicy/sampler.py).
 
     Sampling, the engine and evaluation are ``OnPolicyTrainer``'s (trainers/onpolicy/trainer.py). ``train`` raises
     ``TrainingStalled`` after a health check stopped the run (trainers/grpo/health.py).
@@ -123,6 +125,7 @@ class GRPOTrainer(OnPolicyTrainer):
     """
 
     config_class = GRPOConfig
+    watched_metrics = ("reward", "reward_std", "kl", "entropy", *OnPolicyTrainer.watched_metrics)
     requires_reward_funcs = True
 
     def __init__(
@@ -177,11 +180,16 @@ class GRPOTrainer(OnPolicyTrainer):
         for a PEFT model, which is its own reference with its adapters disabled (no second copy)."""
         return frozen_reference(self.model, ref_model, device=self.args.device)
 
+    def summary_lines(self) -> list[str]:
+        """The reward, the held-out score and the health of the run, after the loop's end summary."""
+        return rl_summary(self.state.log_history, self.state.stateful_callbacks.get(STATE_KEY))
+
     @property
     def corrects_sampling(self) -> bool:
         """Whether the sampler correction weighs the loss (trainers/grpo/correction.py): what the engine reports
-        (``exact_logps``), and a producer samples from weights up to ``max_staleness`` steps old."""
-        return correction.corrects_sampling(self.args, exact_logps=self.engine.exact_logps and self.producer is None)
+        and the rollout sampler report (``exact_logps``: an asynchronous one samples from weights up to
+        ``max_staleness`` steps old)."""
+        return correction.corrects_sampling(self.args, exact_logps=self.rollout_sampler.exact_logps)
 
     # ---- data -------------------------------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -396,27 +404,13 @@ class GRPOTrainer(OnPolicyTrainer):
     @functools.cached_property
     def objective(self) -> GRPOObjective:
         """The objective's settings (``losses.GRPOObjective``), from the config, built and checked once."""
-        args = self.args
-        return GRPOObjective(
-            loss_type=args.loss_type,
-            beta=args.beta,
-            epsilon_low=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            delta=args.delta,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            importance_sampling_level=args.importance_sampling_level,
-            use_bias_correction_kl=args.use_bias_correction_kl,
-            top_entropy_quantile=args.top_entropy_quantile,
-            off_policy_mask_threshold=args.off_policy_mask_threshold,
-            max_completion_length=args.max_completion_length,
-        )
+        return self.args.objective()
 
     # ---- records and checkpoints ------------------------------------------------------------------------
     def _log_completions(self, rollout: Rollout, rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """Append this generation's completions (all ranks) to output_dir/completions.jsonl, from rank 0."""
         names = [reward_name(fn) for fn in self.reward_funcs]
-        records = completion_records(rollout, rewards, advantages, names, self.state.global_step)
+        entries = completion_entries(rollout, rewards, advantages, names, self.state.global_step)
         if not dist.is_main_process():
             return
         path = os.path.join(self.args.output_dir, runfiles.COMPLETIONS_FILE)
@@ -424,4 +418,4 @@ class GRPOTrainer(OnPolicyTrainer):
             step = self.state.global_step  # a resumed run writes the steps from its checkpoint on again
             runfiles.cut_back(path, lambda r: r["step"] < step)
             self._completions_file_checked = True
-        runfiles.append_records(path, records)
+        runfiles.append_entries(path, entries)

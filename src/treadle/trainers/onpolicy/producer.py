@@ -38,7 +38,7 @@ from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import GenerationOutput
 from treadle.models import base_model
 from treadle.trainers.onpolicy.data import Prompts
-from treadle.trainers.onpolicy.records import generator_seed
+from treadle.trainers.onpolicy.inputs import generator_seed
 from treadle.trainers.onpolicy.worker import RolloutWorker, SampleRequest
 
 __all__ = ["Produced", "RolloutProducer", "pushed_weights", "worker_threads"]
@@ -88,14 +88,8 @@ class RolloutProducer:
         worker: str = "process",
         threads: int | None = None,
         timeout: float = 600.0,
-        multi_turn: bool = False,
         engine=None,
     ):
-        if multi_turn:
-            raise PreflightError(
-                "max_staleness > 0 samples single-turn completions only: leave out tools= and "
-                "env_factory=, or set max_staleness: 0"
-            )
         if dist.get_world_size() > 1:
             raise PreflightError(
                 "max_staleness > 0 runs on one process (one rollout worker): launch without "

@@ -20,19 +20,19 @@ The hooks a subclass implements: ``generate_and_score(rows, generation)`` (a gen
 slices), ``count_items(sample)`` and ``compute_loss``; it sets ``requires_reward_funcs`` when it trains on rewards.
 What it calls to sample: ``sample_generation`` (a training generation's rollout), ``sample_rows`` (one completion
 per row: single-turn through ``generate``, the one place a single-turn completion is sampled, text and image rows
-alike; multi-turn through ``rollout``; each prompt tokenised once, ``encode_prompts``), with
+alike; multi-turn through the rollout sampler's environments; each prompt tokenised once, ``encode_prompts``), with
 ``sampling_params(mode)``; ``compute_rewards`` scores a rollout. ``evaluate`` reports what RL optimises (rewards,
 pass@k) of sampled completions.
 
 Every on-policy trainer logs TRL's ``step_time`` (``training_step`` and ``prepare_window`` are timed: the sampling,
 scoring and forward-backward work of each optimizer step) and a generation's ``completions/*`` lengths and
-``num_tokens`` (``onpolicy.records.completion_metrics``, which the subclass records with its own metrics).
+``num_tokens`` (``onpolicy.metrics.completion_metrics``, which the subclass records with its own metrics).
 
-The trainer owns what samples: the rollout engine (``build_engine``: any ``engines.RolloutEngine``, whose reports
-it reads and whose type it never asks), the producer of asynchronous generation (``build_producer``, only with
-``max_staleness`` > 0: a rollout worker samples the generations ahead, each batch tagged with its policy version)
-and the rollout runner of multi-turn rollouts. ``close()`` closes all three; ``train`` stops the producer's worker
-and the runner's threads when it ends, however it ends.
+The trainer samples through one object, its rollout sampler (``build_rollout_sampler``, trainers/onpolicy/
+sampler.py: synchronous single-turn, multi-turn with tools or environments, or asynchronous with ``max_staleness``),
+around one rollout engine (``build_engine``: any ``engines.RolloutEngine``, whose reports it reads and whose type it
+never asks). ``close()`` closes both; ``train`` ends the sampler's run (a worker, threads) when it ends, however it
+ends.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ import torch
 import treadle.trainers.onpolicy.vision as onpolicy_vision
 from treadle import checkpoint as ckpt, distributed as dist
 from treadle.data import RepeatSampler, column_names, require_columns
-from treadle.engines.base import RolloutEngine, take_turns
+from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import vllm_engine
-from treadle.engines.vllm_server import vllm_server_engine
+from treadle.engines.vllm_client import vllm_server_engine
+from treadle.errors import PreflightError
 from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import GenerationOutput, distinct_prompts
 from treadle.metrics import means_of
@@ -70,18 +71,16 @@ from treadle.trainers.onpolicy.data import (
     generation_windows,
     prompt_stream,
 )
-from treadle.trainers.onpolicy.producer import RolloutProducer
-from treadle.trainers.onpolicy.records import (
-    StepClock,
+from treadle.trainers.onpolicy.inputs import (
     check_dataset,
     check_tokenizer,
-    custom_eval_metrics,
     reward_list,
-    reward_sums,
     reward_weights,
     seeded_generator,
     tokenize_prompts,
 )
+from treadle.trainers.onpolicy.metrics import StepClock, custom_eval_metrics, reward_sums
+from treadle.trainers.onpolicy.sampler import AsyncSampler, MultiTurnSampler, RolloutSampler, SyncSampler
 from treadle.vision import tokenizer_of
 
 __all__ = ["OnPolicyTrainer"]
@@ -103,32 +102,33 @@ class OnPolicyTrainer(Trainer):
 
     Multi-turn rollouts (treadle.rollouts, docs/agents.md): ``tools`` (annotated, docstring'd functions the model
     calls, TRL's argument) or ``env_factory`` (a callable returning a fresh ``rollouts.Environment`` per rollout).
-    Observation tokens are in the context but masked out of the loss; ``rollout`` is the hook to override.
+    Observation tokens are in the context but masked out of the loss; another agent loop is a rollout sampler of
+    its own (``build_rollout_sampler``; trainers/onpolicy/sampler.py).
     """
 
     config_class = OnPolicyConfig
+    watched_metrics = ("completions/mean_length", "eval_reward", "eval_pass@1", "eval_greedy/accuracy")
     requires_reward_funcs = False  # GRPO trains on rewards; distillation's are optional (evaluation only)
 
     def __init__(
         self,
         model=None,
         args: OnPolicyConfig | None = None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        callbacks=None,
-        optimizers=(None, None),
-        peft_config=None,
-        compute_metrics=None,
+        *,
         reward_funcs: RewardFunction | Sequence[RewardFunction] | None = None,
         tools=None,
         env_factory=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        **trainer_kwargs,  # the Trainer's: callbacks, optimizers, peft_config
     ):
         args = self.check_args(args)  # needed before super().__init__: the dataset check reads it
         model, processing_class = from_name(model, processing_class, args)  # a folder or Hub id (TRL's habit)
         if compute_metrics is not None:
             check_compute_metrics(compute_metrics, column_names(eval_dataset) or ())
-        self.rollout_runner = (
+        runner = (  # built first: a tool or an environment that cannot run is refused before the model is touched
             None
             if tools is None and env_factory is None
             else RolloutRunner(
@@ -147,24 +147,15 @@ class OnPolicyTrainer(Trainer):
         check_tokenizer(processing_class)
         check_dataset(train_dataset, args, processing_class)
         super().__init__(
-            model=model,
-            args=args,
-            data_collator=_keep_rows,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            peft_config=peft_config,
-            compute_metrics=compute_metrics,
+            model, args, _keep_rows, train_dataset, eval_dataset, processing_class, compute_metrics, **trainer_kwargs
         )
         onpolicy_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images
         self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
         self.prompt_cut_noted = False  # text.cut_prompts' note is shown once a run
         self.buffer = GenerationBuffer(self.micro_batches_per_batch())
         self.step_clock = StepClock()  # step_time (TRL's): the sampling and training steps of each optimizer step
-        self.engine = self.build_engine()
-        self.producer = self.build_producer() if args.max_staleness else None  # N = 0: nothing of it is built
+        self.multi_turn = runner is not None  # tools= or env_factory=
+        self.rollout_sampler = self.build_rollout_sampler(self.build_engine(), runner)
 
     def build_engine(self) -> RolloutEngine:
         """The rollout engine that single-turn training and evaluation sample through: the own KV-cached sampler
@@ -172,42 +163,49 @@ class OnPolicyTrainer(Trainer):
         ``engines.RolloutEngine``."""
         if self.args.use_vllm:
             build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_server
-            return build(self.model, self.args, multi_turn=self.rollout_runner is not None)
+            return build(self.model, self.args, multi_turn=self.multi_turn)
         return LocalEngine(self.model, backend=self.args.generation_backend)
 
-    def build_producer(self, staleness: int | None = None) -> RolloutProducer:
-        """Asynchronous generation (``max_staleness`` > 0; trainers/onpolicy/producer.py, docs/async.md): a
-        producer that samples the training generations up to ``staleness`` (default ``max_staleness``) steps ahead
-        on a rollout worker with its own copy of the policy. Built only when ``max_staleness`` > 0; evaluation
-        samples through the engine all the same. An engine that samples in another process (the vLLM server) is
-        shared: the worker's thread drives it with the weights pushed to it, and the trainer's evaluation takes
-        turns on it with the current weights (``engines.base.take_turns``; ``self.engine`` becomes the trainer's
-        side)."""
+    def build_rollout_sampler(
+        self, engine: RolloutEngine, runner: RolloutRunner | None = None, *, staleness: int | None = None
+    ) -> RolloutSampler:
+        """The one object training and evaluation sample through (trainers/onpolicy/sampler.py), around ``engine``:
+        multi-turn with ``runner`` (``tools=`` / ``env_factory=``), asynchronous when ``staleness`` (default
+        ``max_staleness``) is given or above 0 (docs/async.md: a rollout worker with its own copy of the policy samples
+        the training generations ahead; ``staleness=0`` builds it on the synchronous schedule), else synchronous
+        single-turn. Override to plug in another sampler (another agent loop)."""
         args = self.args
-        engine = None
-        if self.engine.samples_elsewhere:
-            self.engine, engine = take_turns(self.engine)
-        return RolloutProducer(
+        asynchronous = staleness is not None or args.max_staleness > 0
+        staleness = args.max_staleness if staleness is None else staleness
+        if runner is not None:
+            if asynchronous:
+                raise PreflightError(
+                    "max_staleness > 0 samples single-turn completions only: leave out tools= and "
+                    "env_factory=, or set max_staleness: 0"
+                )
+            return MultiTurnSampler(engine, runner)
+        if not asynchronous:
+            return SyncSampler(engine)
+        return AsyncSampler(
+            engine,
             self.model,
             self.sampling_params("train"),
+            staleness=staleness,
             seed=args.seed,
-            staleness=args.max_staleness if staleness is None else staleness,
             backend=args.generation_backend,
             worker=args.async_worker,
             threads=args.async_worker_threads,
             timeout=args.async_timeout,
-            multi_turn=self.rollout_runner is not None,
-            engine=engine,
         )
 
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine this trainer's sampling goes through (the rollout sampler's)."""
+        return self.rollout_sampler.engine
+
     def close(self) -> None:
-        """Release the engine, the producer and the rollout runner's threads (a later ``train`` or ``evaluate``
-        restarts the runner's threads; a closed engine is not used again)."""
-        if self.rollout_runner is not None:
-            self.rollout_runner.close()
-        if self.producer is not None:
-            self.producer.close()
-        self.engine.close()
+        """Release the rollout sampler and its engine (a worker, threads, memory); not used again after."""
+        self.rollout_sampler.close()
 
     # ---- data -------------------------------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -258,20 +256,17 @@ class OnPolicyTrainer(Trainer):
             accum=self.args.gradient_accumulation_steps,
             generations_per_epoch=per_epoch,
         )
-        return windows if self.producer is None else self.producer.read_ahead(windows)  # async: rows ahead
+        return self.rollout_sampler.windows(windows)  # an asynchronous one reads the next generations' rows ahead
 
     # ---- the buffer -------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None):
-        """``Trainer.train``; the producer's worker and the rollout runner's threads are stopped when it ends,
-        however it ends."""
+        """``Trainer.train``; the rollout sampler's run (an asynchronous worker, a multi-turn runner's threads) ends
+        when it ends, however it ends."""
         self.buffer.clear()  # a resumed run restores its own (load_extra_checkpoint_state)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint)
         finally:
-            if self.producer is not None:
-                self.producer.end()
-            if self.rollout_runner is not None:
-                self.rollout_runner.close()
+            self.rollout_sampler.end()
 
     def prepare_window(self, batch_samples: list[Ticket]) -> list[Sample]:
         """The slices this window's micro-steps train on, one per ticket. A generation not in the buffer yet is
@@ -289,8 +284,6 @@ class OnPolicyTrainer(Trainer):
                         f"exact continuation",
                         stacklevel=3,
                     )
-                if self.producer is not None:
-                    self._request_ahead(ticket.generation)
                 self.buffer.put(ticket.generation, self.generate_and_score(ticket.rows, ticket.generation))
         window = [self.buffer.take(ticket, self.args.steps_per_generation) for ticket in batch_samples]
         self.buffer.release_consumed()
@@ -299,23 +292,13 @@ class OnPolicyTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """``Trainer.training_step``, timed: after the window's last micro-batch, ``step_time`` records the
-        seconds of the window's ``prepare_window`` and training steps (``onpolicy.records.StepClock``)."""
+        seconds of the window's ``prepare_window`` and training steps (``onpolicy.metrics.StepClock``)."""
         started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         seconds = self.step_clock.add(time.perf_counter() - started)
         if seconds is not None:
             self.metrics.add("step_time", seconds, 1)
         return loss
-
-    def _request_ahead(self, generation: int) -> None:
-        """Generation ``generation`` starts (the policy is its weights): the producer gets these weights and the
-        prompts, tokenised here, of every generation due now (up to ``max_staleness`` ahead)."""
-        self.producer.start()
-        due = self.producer.due(generation, self.state.max_steps)
-        if due:
-            self.producer.push_weights(self.model, version=generation)
-        for ahead, rows in due:
-            self.producer.request(ahead, self.encode_prompts(rows))
 
     def generate_and_score(self, rows: list[dict], generation: int) -> list[Sample]:
         """Generation ``generation`` of this rank's ``rows``: its ``steps_per_generation`` slices (``Sample``s on
@@ -336,7 +319,7 @@ class OnPolicyTrainer(Trainer):
         of ``mode`` (``sampling_params``) through ``self.engine``; rows come back grouped (prompt b's completions
         are rows b*G .. b*G+G-1). ``prompt_inputs``: the prompts' vision inputs (image rows; their completions never
         sample an image token). The one place where a single-turn completion is sampled, text and image rows,
-        training and evaluation alike (the asynchronous producer's worker samples ahead through its own engine)."""
+        training and evaluation alike (an asynchronous sampler's worker samples ahead through its own engine)."""
         params = self.sampling_params(mode, num_generations)
         if prompt_inputs is None:
             return self.engine.generate(prompt_ids, params, generator=generator)
@@ -366,18 +349,11 @@ class OnPolicyTrainer(Trainer):
         )
 
     def sample_rows(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> Rollout:
-        """One completion per row (``mode``: see ``sampling_params``), as training and ``evaluate`` sample: the
-        rows' prompts tokenised, sampled, decoded. Rows that hold whole groups (the same prompt G times in a row)
-        are sampled as distinct prompts x G: each prompt is prefilled once. With tools or an environment,
-        ``rollout`` samples instead."""
-        if self.rollout_runner is not None:
-            return self.rollout(rows, generator, mode=mode)
-        prompts = self.encode_prompts(rows, mode)
-        settings = {"mode": mode} if mode != "train" else {}  # an override written for training only still trains
-        if prompts.inputs is not None:
-            settings["prompt_inputs"] = prompts.inputs
-        out = self.generate(prompts.ids, num_generations=prompts.group, generator=generator, **settings)
-        return self._decoded(rows, out, chat=prompts.inputs is not None)
+        """One completion per row (``mode``: see ``sampling_params``), as training and ``evaluate`` sample, through
+        the rollout sampler: single-turn rows' prompts tokenised, sampled (``generate``) and decoded; rows that hold
+        whole groups (the same prompt G times in a row) are sampled as distinct prompts x G, each prompt prefilled
+        once. With tools or an environment, each row's multi-turn rollout instead."""
+        return self.rollout_sampler.sample(self, rows, generator, mode)
 
     def encode_prompts(self, rows: list[dict], mode: str = "train") -> Prompts:
         """The rows' prompts tokenised, once per generation: text (``text.encode_prompt``: chat messages rendered
@@ -402,7 +378,7 @@ class OnPolicyTrainer(Trainer):
         self.prompt_cut_noted |= note is not None
         return Prompts(*distinct_prompts(ids, group))
 
-    def _decoded(self, rows: list[dict], out: GenerationOutput, chat: bool = False) -> Rollout:
+    def decode_rollout(self, rows: list[dict], out: GenerationOutput, chat: bool = False) -> Rollout:
         """The ``Rollout`` of one completion per row: ``out``'s completions cut at their length and decoded, as
         assistant messages for chat prompts (``chat``: every row's)."""
         lengths = out.completion_mask.sum(dim=1).tolist()
@@ -416,40 +392,10 @@ class OnPolicyTrainer(Trainer):
 
     def sample_generation(self, rows: list[dict], generation: int) -> Rollout:
         """Training generation ``generation``'s rollout of this rank's ``rows`` (``generate_and_score`` starts
-        here): the producer's batch, sampled ahead (``async/staleness`` logs its age in optimizer steps); else the
-        engine gets the policy's current weights and samples one completion per row (``sample_rows``) from a
-        generator seeded by (seed, generation, rank)."""
-        if self.producer is not None:
-            produced = self.producer.take(generation)
-            self.metrics.add_many({"async/staleness": (float(produced.staleness), 1)})
-            return self._decoded(rows, produced.output)
-        self.engine.load_weights(self.model_wrapped, version=self.state.global_step)  # the policy moved since
-        return self.sample_rows(rows, seeded_generator(self.args.seed, self.args.device, "train", generation))
-
-    def rollout(self, rows: list[dict], generator: torch.Generator | None, mode: str = "train") -> Rollout:
-        """Multi-turn rollouts (``tools=`` or ``env_factory=``; treadle.rollouts), one per row, sampled as ``mode``
-        says (``sampling_params``): the hook to override for another agent loop. Returns a ``Rollout`` whose
-        ``loss_mask`` is 1 on sampled tokens only, with ``transcripts`` and ``rollout_metrics``; the reward
-        functions also get the ``transcript`` and ``env_reward`` columns."""
-        args = self.args
-        out = self.rollout_runner.run(
-            self.engine,
-            rows,
-            self.sampling_params(mode),
-            max_prompt_length=args.max_prompt_length,
-            generator=generator,
-        )
-        rollout = Rollout.of(
-            rows,
-            out.generation,
-            out.completions,
-            out.completion_lists,
-            loss_mask=out.generation.sampled_mask,
-            transcripts=out.transcripts,
-            rollout_metrics=out.metrics,
-        )
-        rollout.columns.update(transcript=out.transcripts, env_reward=out.env_rewards)
-        return rollout
+        here), as the rollout sampler gives it: synchronously, the engine gets the policy's current weights and
+        samples one completion per row (``sample_rows``) from a generator seeded by (seed, generation, rank);
+        asynchronously, the batch sampled ahead (``async/staleness`` logs its age in optimizer steps)."""
+        return self.rollout_sampler.training_rollout(self, rows, generation)
 
     def compute_rewards(self, rollout: Rollout) -> torch.Tensor:
         """Every reward function's float rewards of ``rollout`` ``(N, F)`` (NaN: no opinion)."""
@@ -466,15 +412,14 @@ class OnPolicyTrainer(Trainer):
     # ---- checkpoints ------------------------------------------------------------------------------------
     def extra_checkpoint_state(self) -> dict:
         """This rank's generation buffer (unconsumed slices and cursor), saved in every checkpoint so that resuming
-        inside a generation cycle is exact (the metrics are in the Trainer's window)."""
-        extra = {} if self.producer is None else {"async": self.producer.state_dict()}  # the batches requested
-        return {"buffer": self.buffer.state_dict(), **extra}
+        inside a generation cycle is exact (the metrics are in the Trainer's window), and the rollout sampler's state
+        (an asynchronous one's batches requested ahead)."""
+        return {"buffer": self.buffer.state_dict(), **self.rollout_sampler.state_dict()}
 
     def load_extra_checkpoint_state(self, state: dict) -> None:
         # earlier releases saved {"buffers": ...} (their cursor in trainer_state.json); the buffer reads both
         self.buffer.load_state_dict(state.get("buffer", state), self.args.device)
-        if self.producer is not None and "async" in state:
-            self.producer.load_state_dict(state["async"])
+        self.rollout_sampler.load_state_dict(state)
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -8,8 +8,13 @@ The protocol is one request queue and one reply queue, two kinds of request: a w
 dict: the worker loads it into its copy and tells its engine the version) and a :class:`SampleRequest` (a
 generation, the distinct prompt ids, the ``SamplingParams`` and the generator seed to sample with). The worker
 replies to each sample request ``(generation, the version its engine held, GenerationOutput)``, or ``(generation,
-version, traceback text)`` when the push or the sampling raised. Requests are served in order, so the weights a
-generation is sampled from depend only on the schedule, never on timing.
+version, traceback text)`` when the push or the sampling raised. Tensors cross as safetensors bytes
+(``engines.wire``, as to the vLLM server), never as tensors: torch would share those through file descriptors that
+the receiver fetches from the sender, and a receiver whose sender is stopped or dead would wait for them without a
+limit (a silent hang); bytes arrive whole or not at all, and reading them runs no code. Requests are served in
+order, so the weights a generation is sampled from depend only on the schedule, never on timing. (The worker's copy
+of the model itself reaches a process worker once, at its start, as ``multiprocessing`` sends a target's
+arguments.)
 
 Nothing waits without a limit (``RolloutWorker.wait``): a reply that does not come within ``timeout`` seconds, or a
 worker that dies, raises ``RolloutWorkerError`` (a ``UserError``: one line) naming what was waited for, the exit
@@ -27,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import io
 import multiprocessing as mp
 import os
 import pickle
@@ -45,28 +49,15 @@ from typing import NamedTuple
 import torch
 
 from treadle.engines.local import LocalEngine
+from treadle.engines.wire import pack_output, pack_tensors, unpack_output, unpack_tensors
 from treadle.errors import PreflightError, UserError
 from treadle.generation.sampling import SamplingParams
-from treadle.generation.single import GenerationOutput
 from treadle.trainers.onpolicy.config import WORKER_KINDS
 
 __all__ = ["RolloutWorker", "RolloutWorkerError", "SampleRequest", "WeightPush", "check_picklable"]
 
 _POLL = 0.2  # seconds between liveness checks while waiting for a reply
 START_TIMEOUT = 300.0  # the least a worker's start may take (a new interpreter imports torch and transformers)
-
-
-def pack(tensors: dict) -> bytes:
-    """A dict of tensors as bytes. Messages hold no tensors: torch would share them through file descriptors
-    that the receiver must fetch from the sender, and a receiver whose sender is stopped or dead would wait for
-    them without a limit (a silent hang). Bytes arrive whole or not at all."""
-    buffer = io.BytesIO()
-    torch.save(tensors, buffer)
-    return buffer.getvalue()
-
-
-def unpack(data: bytes) -> dict:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class RolloutWorkerError(UserError, RuntimeError):
@@ -159,13 +150,13 @@ def serve(
         generation = request.generation if isinstance(request, SampleRequest) else None  # None: a weight push
         try:
             if isinstance(request, WeightPush):
-                load_pushed(model, unpack(request.weights))
+                load_pushed(model, unpack_tensors(request.weights))
                 engine.load_weights(model, version=request.version)
                 continue
             generator = torch.Generator(device=next(model.parameters()).device).manual_seed(request.seed)
             with torch.no_grad():
                 out = engine.generate(request.prompt_ids, request.params, generator=generator)
-            replies.put((generation, engine.policy_version, pack(dataclasses.asdict(out))))
+            replies.put((generation, engine.policy_version, pack_output(out)))
         except _Stopped:
             return
         except Exception:  # noqa: BLE001 -- reported to the trainer (at its next wait), which stops the run with it
@@ -267,6 +258,7 @@ class RolloutWorker:
             raise ValueError("a rollout worker given an engine is a thread (the engine cannot be sent to a process)")
         self.kind, self.timeout, self.remote = kind, timeout, engine is not None
         copied = copy.deepcopy(model)
+        self.device = next(copied.parameters()).device  # where the replies' tensors go (they travel on the CPU)
         if kind == "process":
             check_picklable(copied)
             context = mp.get_context("spawn")
@@ -300,7 +292,7 @@ class RolloutWorker:
 
     def load_weights(self, version: int, weights: dict) -> None:
         """Push weight ``version`` (a state dict): the requests after this one are sampled from it."""
-        self.requests.put(WeightPush(version, pack(weights)))
+        self.requests.put(WeightPush(version, pack_tensors(weights)))
 
     def sample(self, request: SampleRequest) -> None:
         """Request one generation's batch; its reply comes, in order, from ``wait``."""
@@ -328,7 +320,7 @@ class RolloutWorker:
         if isinstance(reply[2], str):
             last = next((line.strip() for line in reversed(reply[2].splitlines()) if line.strip()), "")
             self._fail(f"the rollout worker {self._name()} raised while sampling {what}: {last}")
-        return reply[0], reply[1], GenerationOutput(**unpack(reply[2]))
+        return reply[0], reply[1], unpack_output(reply[2], self.device)
 
     def _late(self, what: str, timeout: float, forwards: int) -> tuple[str, str]:
         """(what, when to resume) of a wait that ran out. A slow worker (its copy ran forward passes during the wait)

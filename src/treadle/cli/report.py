@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import treadle
+from treadle.cli.registry import config_classes
 from treadle.record import runfiles
 from treadle.record.plots import (
     Series,
@@ -24,14 +24,6 @@ from treadle.record.plots import (
     read_events,
     run_label,
 )
-
-
-def print_plots(run_dir: str | Path) -> list[Path]:
-    """``plot_run(run_dir)``, then one line on stdout saying where the plots are; returns their paths."""
-    paths = plot_run(run_dir)
-    print(f"treadle: plots in {Path(run_dir) / 'plots'}: {', '.join(p.name for p in paths)}")
-    return paths
-
 
 # ----------------------------------------------------------------------------------------------------
 # Summary
@@ -80,7 +72,7 @@ def _span(events: list[dict[str, Any]]) -> str:
 def read_completions(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of a run's completions.jsonl (GRPO with ``log_completions``); [] when there is none. A line
     cut short by a crash is skipped."""
-    return runfiles.read_records(metrics_path(run_dir).parent / runfiles.COMPLETIONS_FILE)
+    return runfiles.read_entries(metrics_path(run_dir).parent / runfiles.COMPLETIONS_FILE)
 
 
 def read_config(run_dir: str | Path) -> dict[str, Any] | None:
@@ -141,7 +133,7 @@ def write_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     last = [[key, *(s[key][1][-1] if key in s else None for s in series)] for key in metrics]
     configs = [
         {
-            **{f"run: {k}": v for k, v in flat_record(runfiles.read_run_record(metrics_path(d).parent)).items()},
+            **{f"run: {k}": v for k, v in flat_record(runfiles.read_run_info(metrics_path(d).parent)).items()},
             **(read_config(d) or {}),
         }
         for d in run_dirs
@@ -175,7 +167,7 @@ def run_sections(run_dir: str | Path) -> list[str]:
     """report.html's "Run" (run.json: model, data, reward functions, LoRA) and "Config" sections, the arguments that
     differ from the defaults of the run's config class first (training_args.json holds every argument)."""
     folder = metrics_path(run_dir).parent
-    record, config = runfiles.read_run_record(folder), read_config(folder)
+    record, config = runfiles.read_run_info(folder), read_config(folder)
     sections = [
         "<h2>Run</h2>"
         + (
@@ -211,11 +203,11 @@ def config_defaults(config_name: str | None, config: dict[str, Any]) -> dict[str
     """The arguments a run of ``config_name`` (a treadle config class, e.g. ``GRPOConfig``; None: the base
     ``TrainingArguments``) would hold with no setting changed, as training_args.json writes them; None when the
     class is not treadle's or its defaults cannot be built."""
-    name = config_name or "TrainingArguments"
-    if name not in treadle.__all__ or not (name.endswith("Config") or name == "TrainingArguments"):
+    config_class = config_classes().get(config_name or "TrainingArguments")
+    if config_class is None:
         return None
     try:
-        return json.loads(getattr(treadle, name)(output_dir=config.get("output_dir") or "run").to_json_string())
+        return json.loads(config_class(output_dir=config.get("output_dir") or "run").to_json_string())
     except (ValueError, TypeError, ImportError):
         return None
 

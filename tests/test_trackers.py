@@ -20,8 +20,8 @@ from _factories import digit_sum_reward, grpo_trainer
 
 from treadle.arguments import TRACKERS, TrainingArguments, is_installed, resolve_report_to
 from treadle.demos import toy
-from treadle.record.report import completions_table
-from treadle.record.trackers import tracker_callbacks
+from treadle.record.plots import completions_table
+from treadle.trackers import tracker_callbacks
 from treadle.trainers.grpo.trainer import GRPOConfig
 
 # Trackio reads its folder once, when first imported: point it at a temporary one before anything imports it
@@ -307,7 +307,7 @@ def write_completions(path, steps):
 
 def test_media_sends_each_completion_once_and_rereads_the_file_after_a_resume(tmp_path):
     from treadle.callbacks import TrainerState
-    from treadle.record.trackers import TrackerMedia
+    from treadle.trackers import TrackerMedia
 
     comet = FakeCometCallback()
     media = TrackerMedia({"comet_ml": comet})
@@ -349,7 +349,7 @@ def test_a_tracker_that_cannot_start_is_one_line_before_the_run_folder_is_writte
     out = tmp_path / "run"
     argv = [
         "train",
-        os.path.join(os.path.dirname(__file__), "..", "..", "examples", "sft.yaml"),
+        os.path.join(os.path.dirname(__file__), "..", "examples", "sft.yaml"),
         "--output_dir",
         str(out),
         "--max_steps",

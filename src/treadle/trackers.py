@@ -13,7 +13,7 @@ logged metric at its step, evaluation metrics and the end-of-run summary.
   ``completions.jsonl`` since the last one, as a table (step, prompt, completion, each reward, advantage):
   a W&B Table, a Trackio Table, an MLflow JSON artifact ``completions/step_<N>.json``, a TensorBoard text
   (markdown table), a Comet table;
-- the run's plots (treadle.record.report) as images when training ends.
+- the run's plots (treadle.cli.report) as images when training ends.
 
 A name that is not a tracker is refused when the arguments are built; a tracker that is not installed is refused
 when the Trainer is built, before training, with the pip command that installs it. :func:`preflight` then opens
@@ -112,7 +112,7 @@ class TrackerMedia(TrainerCallback):
     def _new_completions(self, output_dir: str, step: int) -> list[dict]:
         """The completions.jsonl records sampled in [tabled_step, step) (a record's step is the global step
         before the optimizer step that trains on it)."""
-        records, self.offset = runfiles.read_new_records(
+        records, self.offset = runfiles.read_new_entries(
             os.path.join(output_dir, runfiles.COMPLETIONS_FILE), self.offset
         )
         return [r for r in records if self.tabled_step <= r.get("step", -1) < step]

@@ -3,7 +3,7 @@
 ``training_args.json`` holds the arguments; it cannot say which model or data a run trained, so an overlay of two
 runs could not show the one real difference. :func:`describe_run` reads a trainer's public attributes into a
 JSON-able mapping, which the Trainer writes to ``output_dir/run.json`` when training begins
-(``callbacks.RunRecordCallback``, ``runfiles.write_run_record``) and ``treadle report`` shows:
+(``callbacks.RunInfoCallback``, ``runfiles.write_run_info``) and ``treadle report`` shows:
 
 - ``trainer`` and ``config``: the class names (the report compares the arguments against that config's defaults);
 - ``model``: class, ``name_or_path`` (the folder or hub id it was loaded from; "" for a model built in memory),

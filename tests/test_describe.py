@@ -1,5 +1,6 @@
-"""The run record (run.json: model, data, reward functions, LoRA) that two tiny runs write, and report.html marking
-the arguments set differently from the defaults and, in an overlay, what differs between the runs."""
+"""What made a run (treadle.describe: run.json's model, data, reward functions, LoRA) as two tiny runs write it, and
+report.html marking the arguments set differently from the defaults and, in an overlay, what differs between the
+runs."""
 
 import json
 
@@ -7,9 +8,10 @@ import pytest
 from datasets import load_dataset
 
 from treadle import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from treadle.cli import report
 from treadle.demos import toy
-from treadle.record import report, runfiles
-from treadle.record.describe import describe_run
+from treadle.describe import describe_run
+from treadle.record import runfiles
 
 
 def sft_run(folder, rows: int, peft_config=None, **settings):
@@ -40,7 +42,7 @@ def test_two_runs_record_what_made_them_and_the_report_marks_what_differs(tmp_pa
         32,
         peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
     )
-    a, b = (runfiles.read_run_record(tmp_path / run) for run in ("plain", "lora"))
+    a, b = (runfiles.read_run_info(tmp_path / run) for run in ("plain", "lora"))
     total = sum(p.numel() for p in plain.model.parameters())
     assert (a["trainer"], a["config"], a["peft"]) == ("SFTTrainer", "SFTConfig", None)
     assert a["model"] == {
@@ -85,6 +87,6 @@ def test_a_grpo_run_records_its_reward_functions_and_the_datasets_builder(tmp_pa
         processing_class=toy.build_tokenizer(),
     )
     record = describe_run(trainer)
-    assert record["reward_funcs"] == ["treadle.demos.toy.addition_reward", "test_runrecord.<lambda>"]
+    assert record["reward_funcs"] == ["treadle.demos.toy.addition_reward", "test_describe.<lambda>"]
     assert record["reward_weights"] == [1.0, 0.5] and record["train_dataset"]["builder"] == "json"
     assert record["train_dataset"]["fingerprint"] == rows._fingerprint and "eval_dataset" not in record

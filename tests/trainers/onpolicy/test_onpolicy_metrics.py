@@ -1,4 +1,4 @@
-"""What every on-policy trainer records (trainers/onpolicy/records.py): a generation's completion lengths and
+"""What every on-policy trainer records (trainers/onpolicy/metrics.py): a generation's completion lengths and
 ``num_tokens`` (TRL's names and meaning) by hand, and ``step_time`` on a fake clock through GRPO and distillation."""
 
 import types
@@ -12,7 +12,7 @@ from treadle.generation import GenerationOutput, completion_masks, left_pad
 from treadle.trainers.distillation import DistillationConfig, DistillationTrainer
 from treadle.trainers.onpolicy import trainer as onpolicy_trainer
 from treadle.trainers.onpolicy.data import Rollout
-from treadle.trainers.onpolicy.records import StepClock, completion_metrics
+from treadle.trainers.onpolicy.metrics import StepClock, completion_metrics
 
 EOS = 2  # the toy tokenizer's eos id
 
