@@ -100,14 +100,21 @@ class _Stopped(Exception):
 def _watch(model, progress, stop) -> None:
     """Every forward pass of the worker's copy counts in ``progress`` (a shared counter: what tells a slow worker
     from a hung one) and raises ``_Stopped`` once ``stop`` is set: a thread cannot be killed, so a thread worker
-    ends at its next forward instead of sampling on inside torch while the interpreter exits (an abort)."""
+    ends at its next forward instead of sampling on inside torch while the interpreter exits (an abort). The hook
+    sits on the input embeddings, which every forward passes through: the own sampler's decode steps call the
+    backbone, not the model (a hook on the model saw the prefill alone, so a stopped thread sampled on to the end
+    of its generation, and the process could exit under it)."""
 
     def hook(module, args):
         progress.value += 1
         if stop.is_set():
             raise _Stopped
 
-    model.register_forward_pre_hook(hook)
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a module of one's own: its own forward is the one there is
+        embeddings = None
+    (embeddings if isinstance(embeddings, torch.nn.Module) else model).register_forward_pre_hook(hook)
 
 
 def serve(
