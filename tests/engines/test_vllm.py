@@ -125,11 +125,11 @@ def test_evaluation_samples_through_the_engine(trainer):
     finally:
         del trainer.engine.generate
     assert calls
-    vllm_engine_, trainer.engine = trainer.engine, LocalEngine(trainer.model)
+    vllm_engine_, trainer.rollout_sampler.engine = trainer.engine, LocalEngine(trainer.model)  # the sampler's
     try:
         ours = trainer.evaluate(eval_rows)
     finally:
-        trainer.engine = vllm_engine_
+        trainer.rollout_sampler.engine = vllm_engine_
     assert theirs == ours
 
 
