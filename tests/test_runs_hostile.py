@@ -3,71 +3,16 @@ overwrite_output_dir may delete, the lock race, checkpoint fingerprints, resumin
 settings, config values at config time, merge into the base model's folder. docs/runs.md holds the table."""
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-from treadle import checkpoint as ckpt, resume
-from treadle.record import fingerprints, runs
-from treadle.state import TrainerState
 
 
 def write(path: Path, text: str = "x") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
-
-
-# ---- resume verifies what it reads ------------------------------------------------------------------------------
-def saved_state(folder: Path, **fields) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    TrainerState(train_batch_size=4, steps_per_epoch=4, **fields).save_to_json(str(folder / ckpt.STATE_FILE))
-    write(folder / "model.safetensors", "weights")
-    fingerprints.write_marker(str(folder))
-    return folder
-
-
-@pytest.mark.parametrize(
-    "tamper, needle",
-    [
-        (lambda f: write(f / "model.safetensors", "an earlier checkpoint's weights"), "model.safetensors changed"),
-        (lambda f: write(f / ckpt.STATE_FILE, json.dumps({"global_step": 99})), "trainer_state.json changed"),
-        (lambda f: os.remove(f / "model.safetensors"), "model.safetensors is missing"),
-    ],
-)
-def test_resume_refuses_a_checkpoint_that_is_not_what_was_saved(tmp_path, tamper, needle):
-    folder = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=5)
-    current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
-    tamper(folder)
-    with pytest.raises(ckpt.CheckpointError, match=f"is not what was saved: {needle}.*ignore_checkpoint_fingerprints"):
-        resume.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=False))
-    if needle == "model.safetensors changed":  # the override, named in the message, resumes
-        state = resume.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=True))
-        assert state.max_steps == 5
-
-
-def test_resume_past_a_finished_schedule_is_refused_with_the_reason(tmp_path):
-    folder = saved_state(tmp_path / "checkpoint-3", global_step=3, max_steps=3)
-    current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
-    with pytest.raises(
-        ckpt.CheckpointError, match="ends a finished run of 3 steps: its learning-rate schedule was built for 3 steps"
-    ):
-        resume.resumed_state(str(folder), current)
-    unfinished = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=3)
-    assert resume.resumed_state(str(unfinished), current).max_steps == 5  # going further mid-run is allowed
-
-
-def test_fingerprints_see_a_swapped_file_and_a_different_dataset(tmp_path):
-    write(tmp_path / "a.bin", "one")
-    fingerprints.write_marker(str(tmp_path), dataset=fingerprints.dataset_fingerprint([{"x": 1}]))
-    assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 1}])) == []
-    write(tmp_path / "b.bin", "two")
-    assert fingerprints.verify(str(tmp_path), fingerprints.dataset_fingerprint([{"x": 2}])) == [
-        "b.bin was added",
-        "the training dataset differs from the one it trained on (other rows)",
-    ]
 
 
 @pytest.mark.parametrize(
@@ -455,25 +400,6 @@ def test_merge_adapters_without_adapters_and_a_classifier_task_type_on_a_causal_
         )
 
 
-def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
-    first = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(4)]
-    other = [{"prompt": f"{a}+2=", "completion": str(a + 2)} for a in range(4)]
-    sft(tmp_path, first, save_strategy="steps", save_steps=1).train()
-    checkpoint = str(tmp_path / "run" / "checkpoint-1")
-    with pytest.raises(
-        ckpt.CheckpointError,
-        match=r"checkpoint-1 is not what was saved: the training dataset differs "
-        r"from the one it trained on .*ignore_checkpoint_fingerprints",
-    ):
-        sft(tmp_path, other, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=checkpoint)
-    sft(tmp_path, first, save_strategy="steps", save_steps=1).train(
-        resume_from_checkpoint=checkpoint
-    )  # the same: fine
-    sft(tmp_path, other, save_strategy="steps", save_steps=1, ignore_checkpoint_fingerprints=True).train(
-        resume_from_checkpoint=checkpoint
-    )  # the override named in the message
-
-
 def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the_cli_does(tmp_path):
     from treadle.demos import toy
     from treadle.errors import PreflightError
@@ -491,62 +417,6 @@ def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the
             train_dataset=[{"prompt": "1+1=", "completion": "2"}],
             processing_class=tok,
         )
-
-
-# ---- one-line messages that were wrong or gave no usable fix -----------------------------------------------------
-def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypatch):
-    from types import SimpleNamespace as NS
-
-    import torch
-    from safetensors.torch import save_file
-
-    from treadle.cli.loading import load_reward_funcs
-    from treadle.data import plan_steps
-    from treadle.errors import PreflightError
-
-    run = tmp_path / "run"
-    saved_state(run / "checkpoint-1", global_step=1, max_steps=5)
-    (run / "checkpoint-3").mkdir()  # interrupted while being written
-    with pytest.raises(
-        ckpt.CheckpointError,
-        match=r"does not exist; resume from a complete one there \(checkpoint-1; "
-        r"--resume alone takes the newest",
-    ):
-        resume.resolve(str(run / "checkpoint-9"), str(run))
-    lone = tmp_path / "lone" / "checkpoint-2"
-    lone.mkdir(parents=True)
-    with pytest.raises(
-        ckpt.CheckpointError, match="is incomplete .*no complete checkpoint is there .*start without resuming"
-    ):  # was "resume from an earlier one, e.g. None"
-        resume.resolve(str(lone), str(lone.parent))
-    write(run / "checkpoint-1" / ckpt.STATE_FILE, "{not json")
-    with pytest.raises(ckpt.CheckpointError, match="the file is corrupt: resume from an earlier checkpoint"):
-        ckpt.read_state(str(run / "checkpoint-1"))
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ckpt.CheckpointError, match="has no weights file .*resume from another checkpoint"):
-        ckpt.load_weights(model, str(lone))
-    save_file({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, str(lone / "model.safetensors"))
-    with pytest.raises(ckpt.CheckpointError, match="shapes differ.*load them into the model they were saved from"):
-        ckpt.load_weights(model, str(lone))
-    write(tmp_path / "rewards.py", "def length(completions, **kw):\n    return [0.0] * len(completions)\n")
-    with pytest.raises(ValueError, match=r"has no function 'lenght'; its functions: \['length'\]"):
-        load_reward_funcs(["rewards.py:lenght"], base_dir=tmp_path)
-    with pytest.raises(
-        PreflightError, match="give more rows, a smaller per_device_train_batch_size, or dataloader_drop_last: false"
-    ):
-        plan_steps(
-            torch.utils.data.DataLoader([1, 2], batch_size=4, drop_last=True),
-            NS(gradient_accumulation_steps=1, max_steps=1),
-        )
-
-    def lost_race(src, dst):  # another run linked its lock and removed it again between our check and our link
-        raise FileExistsError(dst)
-
-    monkeypatch.setattr(runs.os, "link", lost_race)
-    with pytest.raises(
-        runs.RunFolderError, match="was locked and unlocked by another run while this one started; try again"
-    ):  # was "(its lock is gone again); choose another"
-        runs.acquire_lock(str(tmp_path / "race"))
 
 
 def test_merge_of_a_folder_without_an_adapter_says_what_merge_takes(tmp_path):
