@@ -1,11 +1,12 @@
 """Samplers: deterministic, resumable, split across ranks; RepeatSampler for GRPO. The text rules every trainer
-shares: chat detection and rendering, prompt special tokens, eos, pad id, fast int tensors."""
+shares: chat detection, validation and rendering, prompt special tokens, eos, pad id, fast int tensors."""
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from _factories import sft
 
 from treadle.data import RepeatSampler, SeededSampler, collator_for, require_columns
 from treadle.demos import toy
@@ -140,6 +141,25 @@ def test_split_chat_completion_names_both_texts_when_the_prompt_is_not_a_prefix(
     assert "'<|user|>1+2=<|assistant|>\\n'" in message  # the rendered prompt
     assert "'<|user|>1+2=<|assistant|>3'" in message  # the whole chat
     assert "not a prefix" in message and "fix the template" in message
+
+
+@pytest.mark.parametrize(
+    "messages, needle",
+    [
+        (
+            [{"role": "hacker", "content": "hi"}],
+            "the train dataset, row 1: column 'messages', message 0 has role 'hacker', which no chat template renders",
+        ),
+        ([{"role": "user"}], "the train dataset, row 1: column 'messages', message 0 (user) has no 'content'"),
+    ],
+)
+def test_chat_messages_of_an_unknown_role_or_without_content_name_the_row(tmp_path, messages, needle):
+    from treadle.data import DatasetFileError
+
+    ok = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    with pytest.raises(DatasetFileError) as error:
+        sft(tmp_path, [{"messages": ok}, {"messages": messages}])
+    assert needle in str(error.value) and len(str(error.value)) < 300
 
 
 def test_with_eos_appends_once():
