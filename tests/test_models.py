@@ -1,6 +1,6 @@
 """treadle.models: the forward signature (cached per class), eval mode, the frozen reference, PEFT and causal-LM
-detection, gradient checkpointing, the generation context, and a model whose embedding is smaller than its
-tokenizer."""
+detection, gradient checkpointing, the generation context, a model whose embedding is smaller than its
+tokenizer, and ``load_pretrained`` refusing a revision of a local folder."""
 
 import inspect
 
@@ -220,3 +220,20 @@ def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the
             train_dataset=[{"prompt": "1+1=", "completion": "2"}],
             processing_class=tok,
         )
+
+
+# ---- loading ----------------------------------------------------------------------------------------------
+def test_a_revision_with_a_local_model_folder_is_refused_in_one_line(tmp_path, tok):
+    from treadle.demos import toy
+    from treadle.models import load_pretrained
+
+    folder = tmp_path / "model"
+    toy.build_model("tiny", tokenizer=tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    with pytest.raises(ValueError) as refused:
+        load_pretrained(str(folder), revision="v1.0")
+    assert str(refused.value) == (
+        f"revision 'v1.0' picks a version of a Hugging Face Hub model, but {folder} is a local folder, which holds "
+        f"one version; drop revision, or name the Hub id (org/name) to load that revision"
+    )
+    assert load_pretrained(str(folder))[0] is not None  # without it, the folder loads

@@ -9,9 +9,10 @@ weight (torch.equal).
 The fast tests resume in the same process; the slow ones run real processes (SIGKILL while a checkpoint is
 being written, SIGTERM during a step, a clean stop) and resume each in a new process.
 
-What a resume verifies before it continues runs tiny SFT runs (_factories) and hand-made checkpoints: a checkpoint
-whose files changed since they were saved, a finished schedule, another dataset, and the messages that name a fix
-(docs/runs.md lists the trial cases).
+What a resume verifies before it continues, and ``--resume auto``, run tiny SFT runs (_factories) and hand-made
+checkpoints: a checkpoint whose files changed since they were saved, a finished schedule, another dataset, a mismatch
+named by the setting that restores it, the messages that name a fix, and ``--resume auto`` starting afresh where no
+checkpoint was saved and skipping a corrupt newest one (docs/runs.md lists the trial cases).
 """
 
 import json
@@ -27,11 +28,12 @@ from types import SimpleNamespace
 import _resume_worker as worker
 import pytest
 import torch
-from _factories import sft, write
+from _factories import sft, sft_trainer, write
 from safetensors.torch import load_file
 
 from treadle import checkpoint as ckpt, resume
 from treadle.callbacks import TrainerCallback
+from treadle.checkpoint import CheckpointError
 from treadle.data import SeededSampler
 from treadle.errors import Interrupted, Preempted
 from treadle.record import fingerprints, runs
@@ -350,6 +352,18 @@ def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
     )  # the override named in the message
 
 
+def test_a_resume_mismatch_names_what_differs_and_the_setting_that_restores_it(tmp_path, tok):
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, max_steps=2, save_strategy="steps", save_steps=1).train()
+    resumed = sft_trainer(folder, tok, max_steps=4, per_device_train_batch_size=1)
+    with pytest.raises(CheckpointError) as refused:
+        resumed.train(resume_from_checkpoint=str(folder / "checkpoint-1"))
+    message = str(refused.value)
+    assert "train_batch_size: checkpoint 2 vs now 1 (per_device_train_batch_size); set them back" in message
+    assert "steps_per_epoch" not in message  # a consequence of the batch size, not a second fault
+    assert "max_steps" not in message  # going further is allowed
+
+
 def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypatch):
     from types import SimpleNamespace as NS
 
@@ -403,6 +417,92 @@ def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypa
         runs.RunFolderError, match="was locked and unlocked by another run while this one started; try again"
     ):  # was "(its lock is gone again); choose another"
         runs.acquire_lock(str(tmp_path / "race"))
+
+
+# ----------------------------------------------------------------------------------------- --resume auto
+class CrashAt(TrainerCallback):
+    """Raises as optimizer step ``step + 1`` begins (0: the first), as a crash (out of memory, a node lost) would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("node lost")
+
+
+def crashed_attempt(folder: Path, tok, step: int = 1, **overrides) -> Path:
+    """A run folder as an attempt that crashed at ``step`` before saving any checkpoint leaves it."""
+    trainer = sft_trainer(folder, tok, callbacks=[CrashAt(step)], max_steps=3, save_steps=100, **overrides)
+    with pytest.raises(RuntimeError, match="node lost"):
+        trainer.train()
+    assert not list(folder.glob("checkpoint-*")) and (folder / "training_args.json").exists()
+    return folder
+
+
+@pytest.mark.parametrize("step", [0, 1], ids=["step-0-failure", "crash-before-first-checkpoint"])
+def test_resume_auto_starts_afresh_where_no_checkpoint_was_saved(tmp_path, tok, capsys, step):
+    folder = crashed_attempt(tmp_path / "run", tok, step=step)
+    capsys.readouterr()
+    trainer = sft_trainer(folder, tok, max_steps=2)
+    assert trainer.train(resume_from_checkpoint="auto").global_step == 2
+    err = capsys.readouterr().err
+    assert "treadle: resume auto: no complete checkpoint in " in err and ", so a fresh start: deleting " in err
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2]  # the crashed attempt's records are gone
+
+
+def test_a_plain_run_into_an_attempt_that_saved_no_checkpoint_says_what_to_do(tmp_path, tok):
+    folder = crashed_attempt(tmp_path / "run", tok)
+    with pytest.raises(runs.RunFolderError) as refused:
+        sft_trainer(folder, tok).train()
+    message = str(refused.value)
+    assert "it saved no checkpoint (it stopped before its first), so there is nothing to resume" in message
+    assert "start it again with --resume auto (train(resume_from_checkpoint='auto'))" in message
+    assert "continue it with --resume" not in message
+    with pytest.raises(CheckpointError, match="or with --resume auto"):
+        sft_trainer(folder, tok).train(resume_from_checkpoint=True)
+
+
+def test_resume_auto_never_replaces_a_saved_model(tmp_path, tok):
+    """A finished run with save_strategy: no holds its model and no checkpoint: auto refuses, naming it."""
+    folder = tmp_path / "run"
+    trainer = sft_trainer(folder, tok)
+    trainer.train()
+    trainer.save_model()
+    with pytest.raises(runs.RunFolderError, match="it saved its model and no checkpoint, so it cannot be continued"):
+        sft_trainer(folder, tok).train(resume_from_checkpoint="auto")
+    assert (folder / "model.safetensors").exists()
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path, tok):
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, max_steps=3, save_strategy="steps", save_steps=1).train()
+    return folder
+
+
+def test_resume_auto_skips_a_corrupt_newest_checkpoint_with_a_note(three_checkpoints, tok, capsys):
+    folder = three_checkpoints
+    (folder / "checkpoint-3" / "optimizer.pt").write_bytes(b"cut")
+    (folder / "checkpoint-2" / "trainer_state.json").write_text("{")
+    capsys.readouterr()
+    trainer = sft_trainer(folder, tok, max_steps=3, save_strategy="steps", save_steps=1)
+    assert trainer.train(resume_from_checkpoint="auto").global_step == 3
+    err = capsys.readouterr().err
+    assert f"treadle: resume auto: skipping {folder}/checkpoint-3: optimizer.pt changed since it was saved" in err
+    assert f"treadle: resume auto: skipping {folder}/checkpoint-2: trainer_state.json changed" in err
+    assert f"treadle: resuming from {folder}/checkpoint-1 at step 1 of 3" in err
+
+
+def test_an_explicit_corrupt_checkpoint_is_still_refused(three_checkpoints, tok):
+    (three_checkpoints / "checkpoint-3" / "optimizer.pt").write_bytes(b"cut")
+    with pytest.raises(CheckpointError, match="checkpoint-3 is not what was saved: optimizer.pt changed"):
+        sft_trainer(three_checkpoints, tok, max_steps=3).train(resume_from_checkpoint=True)
+    with pytest.raises(CheckpointError, match="resume auto: every checkpoint in .* is corrupt"):
+        for step in (1, 2):
+            (three_checkpoints / f"checkpoint-{step}" / "scheduler.pt").write_bytes(b"cut")
+        sft_trainer(three_checkpoints, tok, max_steps=3).train(resume_from_checkpoint="auto")
 
 
 # -------------------------------------------------------------------------------------- in new processes
