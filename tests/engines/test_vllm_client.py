@@ -1,6 +1,8 @@
-"""The third hostile trial's vLLM-engine cases (issue 44), without vLLM: a server that accepts and never answers, one
-stopped with SIGSTOP, SIGTERM while a request waits, garbage and foreign answers, two runs on one server, a model
-that differs beyond shapes, a short context window, ``--port 99999``, and a head size vLLM's CPU kernels lack.
+"""The vLLM server's client (treadle.engines.vllm_server.VLLMServerEngine) against servers that misbehave, without
+vLLM: one that accepts and never answers, one stopped with SIGSTOP, SIGTERM while a request waits, garbage and foreign
+answers, two runs on one server, a model that differs beyond shapes, and a context window too short for prompt and
+completion. The client against a real server, its settings and ``treadle vllm-serve``'s: test_vllm_server.py;
+docs/runs.md lists the trial cases.
 
 The servers here are stand-ins: ``treadle.engines.serve.Handler`` itself around a fake engine (the real routes,
 claims and identity, the toy model's own sampler instead of vLLM), a script in a subprocess (so that it can be
@@ -22,15 +24,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from _vllm_common import one_line
 from test_vllm_server import server_run_config
 
 from treadle import checkpoint
 from treadle.callbacks import PreemptionCallback
 from treadle.cli import command as cli
 from treadle.demos import toy
-from treadle.engines import serve, vllm as vllm_engines, vllm_server
+from treadle.engines import serve, vllm_server
 from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError
-from treadle.errors import Preempted, UserError
+from treadle.errors import Preempted
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import sample_completions
 
@@ -138,13 +141,7 @@ def scripted(answers):
         thread.join()
 
 
-def one_line(error) -> str:
-    message = str(error)
-    assert "\n" not in message and isinstance(error, UserError), message
-    return message
-
-
-# ---- 1. hang: every wait bounded by a named setting, SIGTERM answered -------------------------------------
+# ---- hang: every wait bounded by a named setting, SIGTERM answered -------------------------------------
 def test_a_server_that_accepts_and_never_answers_generate_ends_naming_vllm_request_timeout():
     with scripted({"/generate": "hang"}) as url:
         engine = VLLMServerEngine(toy.build_model("tiny"), url, timeout=5, request_timeout=1.0)
@@ -267,16 +264,7 @@ def test_sigterm_during_a_generation_saves_the_steps_finished_and_exits_143(tmp_
     # stand-in server's thread prints a BrokenPipeError traceback when it answers the abandoned request)
 
 
-@pytest.mark.parametrize("value", [0, -1, float("inf"), True, "soon"])
-def test_config_refuses_a_vllm_request_timeout_that_cannot_bound_a_wait(tmp_path, value):
-    from treadle.trainers.grpo.trainer import GRPOConfig
-
-    with pytest.raises(ValueError) as info:
-        GRPOConfig(output_dir=str(tmp_path), vllm_request_timeout=value)
-    assert str(info.value).startswith("vllm_request_timeout must be a number")
-
-
-# ---- 2. a server answering garbage --------------------------------------------------------------------
+# ---- a server answering garbage --------------------------------------------------------------------
 @pytest.mark.parametrize(
     "route, body, said",
     [
@@ -298,7 +286,7 @@ def test_a_server_answering_garbage_is_one_line_naming_it_and_what_it_said(route
     assert f"it sent {said}" in message
 
 
-# ---- 4. a foreign server ------------------------------------------------------------------------------
+# ---- a foreign server ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "health, said",
     [
@@ -327,7 +315,7 @@ def test_an_older_treadle_server_without_claims_is_refused():
     assert "speaks protocol 1" in one_line(info.value) and "restart it with this treadle" in str(info.value)
 
 
-# ---- 5. one server, one run; a model that differs beyond shapes -----------------------------------------
+# ---- one server, one run; a model that differs beyond shapes -----------------------------------------
 def test_a_second_run_is_refused_until_the_first_releases_the_server(tmp_path):
     with treadle_server(tmp_path) as (url, _):
         first = VLLMServerEngine(toy.build_model("tiny", seed=1), url, timeout=5, run="host:/runs/a")
@@ -380,7 +368,7 @@ def test_architecture_reads_rope_from_transformers_4_and_5_alike():
     assert vllm_server.architecture({"rope_theta": 1e4})["rope"] == {"rope_theta": 1e4, "rope_type": "default"}
 
 
-# ---- 6. a server's smaller max_model_len ------------------------------------------------------------------
+# ---- a server's smaller max_model_len ------------------------------------------------------------------
 def test_a_server_whose_context_cannot_hold_prompt_and_completion_is_named_at_connect_and_refused_per_prompt(
     tmp_path,
 ):
@@ -405,55 +393,3 @@ def test_a_server_whose_context_cannot_hold_prompt_and_completion_is_named_at_co
     )
     assert "a prompt longer than 56 tokens will stop the run (vLLM would cut its completion short)" in note
     assert "a prompt of 57 tokens + max_completion_length=8 does not fit in the 64 tokens" in one_line(cut.value)
-
-
-# ---- 3. vllm-serve --port 99999 -----------------------------------------------------------------------------
-@pytest.mark.parametrize("port", ["99999", "0", "http"])
-def test_vllm_serve_refuses_a_port_outside_1_65535_before_anything_loads(capsys, monkeypatch, port):
-    monkeypatch.setattr(serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    assert cli.main(["vllm-serve", "toy:tiny", "--port", port]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "argument --port: port must lie in 1..65535, got " + repr(port) in err[0]
-
-
-# ---- 7. a head size vLLM's CPU attention lacks ----------------------------------------------------------
-def fake_vllm(monkeypatch, *, cpu: bool = True):
-    """A ``vllm`` package whose CPU attention has vLLM 0.32's head sizes and whose ``LLM`` must not start."""
-
-    class CPUAttentionBackend:
-        @classmethod
-        def get_supported_head_sizes(cls):
-            return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
-
-        @classmethod
-        def supports_head_size(cls, size):
-            return size in cls.get_supported_head_sizes()
-
-    def llm(**kwargs):
-        raise AssertionError("the engine started")
-
-    modules = {
-        "vllm": types.SimpleNamespace(__version__="0.32.0", LLM=llm),
-        "vllm.platforms": types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: cpu)),
-        "vllm.v1.attention.backends.cpu_attn": types.SimpleNamespace(CPUAttentionBackend=CPUAttentionBackend),
-    }
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-
-
-def test_colocated_vllm_refuses_a_head_size_its_cpu_kernels_lack_before_the_engine_starts(monkeypatch):
-    fake_vllm(monkeypatch)
-    with pytest.raises(UserError) as info:
-        vllm_engines.VLLMEngine(toy.build_model("tiny"))  # head size 64 / 4 = 16
-    assert one_line(info.value).startswith(
-        "vLLM 0.32.0's CPU attention has no kernel for this model's head size 16 (it has 32, 64, 80"
-    )
-    assert "use_vllm: false" in str(info.value)
-    with pytest.raises(AssertionError, match="the engine started"):  # toy small's 32 is checked and passes
-        vllm_engines.VLLMEngine(toy.build_model("small"))
-
-
-def test_the_head_size_check_leaves_other_platforms_to_vllm(monkeypatch):
-    fake_vllm(monkeypatch, cpu=False)
-    with pytest.raises(AssertionError, match="the engine started"):
-        vllm_engines.VLLMEngine(toy.build_model("tiny"))
