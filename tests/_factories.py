@@ -1,5 +1,6 @@
-"""What the tests build their runs from, written once: tiny models, rows, reward functions, a tool, and one factory
-per trainer kind (SFT, DPO, reward, GRPO; the vision variants of DPO and GRPO).
+"""What the tests build their runs from, written once: tiny models, rows, reward functions, a tool, a file writer,
+and one factory per trainer kind (SFT, DPO, reward, GRPO; the vision variants of DPO and GRPO; ``sft``: SFT at
+treadle's own defaults, for the runs that are refused or stopped).
 
 A plain module, not conftest.py: the scripts the tests start (_resume_worker.py, _dist_worker.py,
 trainers/grpo/_async_run.py) and the vLLM tests, which run in another venv, import it too. tests/ is on sys.path in
@@ -183,6 +184,13 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+# ------------------------------------------------------------------------------------------------ files
+def write(path: Path, text: str = "x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
 # ------------------------------------------------------------------------------------------------ trainers
 def _split(config_class, overrides: dict) -> tuple[dict, dict]:
     """``overrides`` as (the config's fields, the trainer's other keywords)."""
@@ -214,6 +222,17 @@ def sft_trainer(output_dir, tok, rows=SFT_ROWS, model=None, **overrides) -> SFTT
         train_dataset=rows,
         processing_class=tok,
         **kwargs,
+    )
+
+
+def sft(tmp_path, rows, **fields):
+    """SFT of the tiny toy model on ``rows`` in ``tmp_path``/run at treadle's own learning rate, with its own
+    toy tokenizer: the cases that a run refuses or stops (docs/runs.md, the second trial) build their run here."""
+    fields = {"max_steps": 2, "per_device_train_batch_size": 2, "save_strategy": "no", **fields}
+    args = SFTConfig(output_dir=str(tmp_path / "run"), report_to=[], disable_tqdm=True, logging_steps=1, **fields)
+    tok = toy.build_tokenizer()
+    return SFTTrainer(
+        model=toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows, processing_class=tok
     )
 
 

@@ -72,6 +72,21 @@ def test_invalid_combinations_say_how_to_fix(kwargs, message):
         TrainingArguments(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("learning_rate", 1e300, r"learning_rate must lie in \[0, 10\]"),
+        ("seed", -1, r"seed and data_seed must lie in \[0, 2\*\*32 - 1\]"),
+        ("dataloader_num_workers", -1, "dataloader_num_workers must be >= 0"),
+    ],
+)
+def test_out_of_range_values_are_refused_at_config_time(field, value, needle):
+    from treadle import TrainingArguments
+
+    with pytest.raises(ValueError, match=needle):
+        TrainingArguments(**{field: value})
+
+
 def test_round_trip_through_json():
     import json
 

@@ -1,15 +1,21 @@
 """Samplers: deterministic, resumable, split across ranks; RepeatSampler for GRPO. The text rules every trainer
-shares: chat detection and rendering, prompt special tokens, eos, pad id, fast int tensors."""
+shares: chat detection, validation and rendering, prompt special tokens, eos, pad id, fast int tensors; and in a run,
+prompts cut to max_prompt_length noted once, a tool-call turn the template cannot render and a tokenizer without a
+chat template named before training."""
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from _factories import add, grpo_trainer, sft, sft_trainer
 
 from treadle.data import RepeatSampler, SeededSampler, collator_for, require_columns
 from treadle.demos import toy
+from treadle.errors import UserError
 from treadle.packing import long_tensor, right_padded
+from treadle.rollouts.runner import RolloutRunner
 from treadle.text import (
     encode_prompt,
     encode_prompts,
@@ -142,6 +148,25 @@ def test_split_chat_completion_names_both_texts_when_the_prompt_is_not_a_prefix(
     assert "not a prefix" in message and "fix the template" in message
 
 
+@pytest.mark.parametrize(
+    "messages, needle",
+    [
+        (
+            [{"role": "hacker", "content": "hi"}],
+            "the train dataset, row 1: column 'messages', message 0 has role 'hacker', which no chat template renders",
+        ),
+        ([{"role": "user"}], "the train dataset, row 1: column 'messages', message 0 (user) has no 'content'"),
+    ],
+)
+def test_chat_messages_of_an_unknown_role_or_without_content_name_the_row(tmp_path, messages, needle):
+    from treadle.data import DatasetFileError
+
+    ok = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    with pytest.raises(DatasetFileError) as error:
+        sft(tmp_path, [{"messages": ok}, {"messages": messages}])
+    assert needle in str(error.value) and len(str(error.value)) < 300
+
+
 def test_with_eos_appends_once():
     assert with_eos([5, 6], EOS) == [5, 6, EOS]
     assert with_eos(with_eos([5, 6], EOS), EOS) == [5, 6, EOS]
@@ -173,3 +198,59 @@ def test_long_tensor_and_right_padded_rows():
     padded = right_padded([[1, 2, 3], [4]], 4, 0)
     assert padded.dtype == torch.int64 and padded.tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]]
     assert right_padded([np.array([1, 2]), [3]], 2, 9).tolist() == [[1, 2], [3, 9]]
+
+
+# ---- chat rows and prompts in a run -------------------------------------------------------------------------
+CHAT = [{"role": "system", "content": "You add."}, {"role": "user", "content": "12+34="}]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_cut_prompts_are_noted_once_with_what_was_lost(tmp_path, tok, capsys):
+    rows = [{"prompt": CHAT}] * 4 + [{"prompt": "1+1="}] * 4
+    trainer = grpo_trainer(tmp_path, tok, rows, max_prompt_length=8)
+    prompts = trainer.encode_prompts(rows)
+    assert tok.decode(prompts.ids[0]) == "12+34=\n<|assistant|>"  # the last 8 tokens: the end is kept, as TRL
+    trainer.encode_prompts(rows)
+    err = capsys.readouterr().err
+    assert err.count("treadle: 1 of 2 prompts is longer than max_prompt_length=8 tokens") == 1
+    assert "the first lost '<|system|>You add." in err and "raise max_prompt_length to " in err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_tool_runners_cut_prompts_are_noted_too(tok, capsys):
+    runner = RolloutRunner(tok, tools=[add])
+    assert runner.encode_prompts([CHAT, "1+1="], 5)[1] == tok("1+1=")["input_ids"]
+    assert "1 of 2 prompts is longer than max_prompt_length=5" in capsys.readouterr().err
+    runner.close()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_tool_call_turn_the_template_cannot_render_names_the_row(tmp_path, tok):
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+    good = [{"role": "user", "content": "2+3="}, {"role": "assistant", "content": "5"}]
+    rows = [{"messages": good}, {"messages": good}, {"messages": [good[0], call, good[1]]}]
+    with pytest.raises(UserError, match=r"^row 2: the chat template of .* cannot render the tool-call turn .*'add'"):
+        sft_trainer(tmp_path, tok, rows=rows)
+    rows[2]["messages"][1] = {**call, "content": ""}  # rendered as an empty turn: the call silently dropped
+    with pytest.raises(UserError, match=r"^row 2: .* renders the tool-call turn .* without its call to 'add'"):
+        sft_trainer(tmp_path, tok, rows=rows)
+    adding = copy.copy(tok)
+    adding.chat_template = "{% for m in messages %}{{ m['role'] + 1 }}{% endfor %}"  # a TypeError of the template's
+    with pytest.raises(UserError, match=r"cannot render the chat \[\{'role': 'user'.*\(TypeError: .*\); fix the row"):
+        render_chat_prompt(adding, good[:1])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_tokenizer_without_a_chat_template_is_named_before_training(tmp_path, dataset):
+    from transformers import AutoTokenizer
+
+    plain = toy.build_tokenizer()
+    plain.chat_template = None
+    plain.save_pretrained(tmp_path / "tokenizer")
+    plain = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in dataset["prompt"][:8]]
+    needle = rf"tokenizer '{tmp_path / 'tokenizer'}' has no chat template; set tokenizer.chat_template"
+    with pytest.raises(UserError, match=needle):
+        grpo_trainer(tmp_path, plain, rows, model=toy.build_model("tiny", tokenizer=plain))
+    with pytest.raises(UserError, match=needle):  # SFT's chat rows too
+        sft_trainer(tmp_path, plain, rows=[{"messages": rows[0]["prompt"] + [{"role": "assistant", "content": "2"}]}])

@@ -5,7 +5,7 @@ a ChatML template inside the file (transformers builds the tokenizer from it; no
 
 Loads by ``.gguf`` path and by folder + ``gguf_file``, trains a step and saves a folder plain transformers reloads,
 the one-line errors, a LoRA adapter of a GGUF base merged by ``treadle merge``, and the CLI with ``model:`` a .gguf
-file. The real model's GGUF (SmolLM2, Q4_1): tests/real/test_real_model.py."""
+file (beside the config, or missing). The real model's GGUF (SmolLM2, Q4_1): tests/real/test_real_model.py."""
 
 import copy
 import json
@@ -13,6 +13,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_run_errors import error_line, treadle, write_config
 
 from treadle import models
 from treadle.models import load_pretrained
@@ -289,3 +290,21 @@ def test_the_cli_trains_a_model_named_by_its_gguf_file(tmp_path, tiny_gguf, load
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run"))
     assert reloaded.config.vocab_size == 262
     assert not torch.allclose(logits(reloaded), logits(loaded[0]))
+
+
+def test_a_config_names_a_gguf_file_beside_it_and_a_missing_one_is_a_gguf_error(tmp_path):
+    pytest.importorskip("gguf")
+    from treadle.cli.command import main
+
+    beside = tmp_path / "configs"
+    beside.mkdir()
+    write_gguf(beside / "tiny.gguf")
+    config = write_config(beside, model="tiny.gguf", output_dir=str(tmp_path / "run"), max_steps=1)
+    config.write_text(config.read_text().replace("data.jsonl", str(beside / "data.jsonl")) + 'save_strategy: "no"\n')
+    assert main(["train", str(config)]) == 0  # found beside the config, as a dataset is
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    for missing in ("nope.gguf", str(tmp_path / "nope.gguf")):
+        result = treadle("train", config, "--model", missing, "--output_dir", tmp_path / "run2", cwd=tmp_path)
+        line = error_line(result)
+        assert f"GGUF file {tmp_path / 'nope.gguf'} not found; name an existing .gguf file" in line
+        assert "model folder" not in line

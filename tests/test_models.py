@@ -1,5 +1,6 @@
 """treadle.models: the forward signature (cached per class), eval mode, the frozen reference, PEFT and causal-LM
-detection, gradient checkpointing and the generation context."""
+detection, gradient checkpointing, the generation context, a model whose embedding is smaller than its
+tokenizer, and ``load_pretrained`` refusing a revision of a local folder."""
 
 import inspect
 
@@ -199,3 +200,40 @@ def test_unwrapped_for_generation_gives_the_peft_base_and_refuses_fsdp1():
     with pytest.raises(ValueError, match="FSDP1.*fully_shard"):
         with unwrapped_for_generation(FullyShardedDataParallel()):
             pass
+
+
+# ---- the model against its tokenizer ----------------------------------------------------------------------
+def test_python_api_refuses_a_model_vocabulary_smaller_than_the_tokenizer_as_the_cli_does(tmp_path):
+    from treadle.demos import toy
+    from treadle.errors import PreflightError
+    from treadle.trainers.sft import SFTConfig, SFTTrainer
+
+    tok = toy.build_tokenizer()
+    with pytest.raises(
+        PreflightError,
+        match=rf"the tokenizer of LlamaForCausalLM has {len(tok)} tokens but the model's "
+        r"embedding has 16 rows; .*resize_token_embeddings",
+    ):
+        SFTTrainer(
+            toy.build_model("tiny", vocab_size=16),
+            args=SFTConfig(output_dir=str(tmp_path), report_to=[]),
+            train_dataset=[{"prompt": "1+1=", "completion": "2"}],
+            processing_class=tok,
+        )
+
+
+# ---- loading ----------------------------------------------------------------------------------------------
+def test_a_revision_with_a_local_model_folder_is_refused_in_one_line(tmp_path, tok):
+    from treadle.demos import toy
+    from treadle.models import load_pretrained
+
+    folder = tmp_path / "model"
+    toy.build_model("tiny", tokenizer=tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    with pytest.raises(ValueError) as refused:
+        load_pretrained(str(folder), revision="v1.0")
+    assert str(refused.value) == (
+        f"revision 'v1.0' picks a version of a Hugging Face Hub model, but {folder} is a local folder, which holds "
+        f"one version; drop revision, or name the Hub id (org/name) to load that revision"
+    )
+    assert load_pretrained(str(folder))[0] is not None  # without it, the folder loads

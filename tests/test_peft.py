@@ -22,6 +22,7 @@ from _factories import (  # noqa: E402
     grpo_trainer,
     length_reward,
     reward_trainer,
+    sft,
     sft_trainer,
     tiny_reward_model,
 )
@@ -338,6 +339,27 @@ def test_bad_peft_config_and_double_wrapping_are_refused(tok):
     wrapped = treadle_peft.apply_peft(model, lora())
     with pytest.raises(ValueError, match="already a PEFT model"):
         treadle_peft.apply_peft(wrapped, lora())
+
+
+def test_merge_adapters_without_adapters_and_a_classifier_task_type_on_a_causal_lm_are_refused(tmp_path):
+    pytest.importorskip("peft")
+    from treadle.peft import lora_config
+
+    rows = [{"prompt": "1+1=", "completion": "2"}] * 2
+    with pytest.raises(ValueError, match="merge_adapters=True but the model has no adapters to merge"):
+        sft(tmp_path, rows, merge_adapters=True)
+    with pytest.raises(ValueError, match="peft task_type 'SEQ_CLS' does not fit LlamaForCausalLM, a causal LM"):
+        from treadle.demos import toy
+        from treadle.trainers.sft import SFTConfig, SFTTrainer
+
+        tok = toy.build_tokenizer()
+        SFTTrainer(
+            toy.build_model("tiny", tokenizer=tok),
+            args=SFTConfig(output_dir=str(tmp_path / "r"), report_to=[]),
+            train_dataset=rows,
+            processing_class=tok,
+            peft_config=lora_config({"r": 2, "target_modules": "all-linear", "task_type": "SEQ_CLS"}),
+        )
 
 
 @pytest.mark.slow

@@ -8,6 +8,11 @@ weight (torch.equal).
 
 The fast tests resume in the same process; the slow ones run real processes (SIGKILL while a checkpoint is
 being written, SIGTERM during a step, a clean stop) and resume each in a new process.
+
+What a resume verifies before it continues, and ``--resume auto``, run tiny SFT runs (_factories) and hand-made
+checkpoints: a checkpoint whose files changed since they were saved, a finished schedule, another dataset, a mismatch
+named by the setting that restores it, the messages that name a fix, and ``--resume auto`` starting afresh where no
+checkpoint was saved and skipping a corrupt newest one (docs/runs.md lists the trial cases).
 """
 
 import json
@@ -17,17 +22,23 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import _resume_worker as worker
 import pytest
 import torch
+from _factories import sft, sft_trainer, write
 from safetensors.torch import load_file
 
-from treadle import checkpoint as ckpt
+from treadle import checkpoint as ckpt, resume
 from treadle.callbacks import TrainerCallback
+from treadle.checkpoint import CheckpointError
 from treadle.data import SeededSampler
 from treadle.errors import Interrupted, Preempted
-from treadle.record import fingerprints
+from treadle.record import fingerprints, runs
+from treadle.state import TrainerState
+from treadle.streaming import dataset_fingerprint
 from treadle.trainer import Trainer
 
 WORKER = os.path.join(os.path.dirname(__file__), "_resume_worker.py")
@@ -271,6 +282,219 @@ class _StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+# -------------------------------------------------------------------------------- what a resume verifies
+def saved_state(folder: Path, **fields) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    TrainerState(train_batch_size=4, steps_per_epoch=4, **fields).save_to_json(str(folder / ckpt.STATE_FILE))
+    write(folder / "model.safetensors", "weights")
+    fingerprints.write_marker(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "tamper, needle",
+    [
+        (lambda f: write(f / "model.safetensors", "an earlier checkpoint's weights"), "model.safetensors changed"),
+        (lambda f: write(f / ckpt.STATE_FILE, json.dumps({"global_step": 99})), "trainer_state.json changed"),
+        (lambda f: os.remove(f / "model.safetensors"), "model.safetensors is missing"),
+    ],
+)
+def test_resume_refuses_a_checkpoint_that_is_not_what_was_saved(tmp_path, tamper, needle):
+    folder = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=5)
+    current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
+    tamper(folder)
+    with pytest.raises(ckpt.CheckpointError, match=f"is not what was saved: {needle}.*ignore_checkpoint_fingerprints"):
+        resume.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=False))
+    if needle == "model.safetensors changed":  # the override, named in the message, resumes
+        state = resume.resumed_state(str(folder), current, SimpleNamespace(ignore_checkpoint_fingerprints=True))
+        assert state.max_steps == 5
+
+
+def test_resume_past_a_finished_schedule_is_refused_with_the_reason(tmp_path):
+    folder = saved_state(tmp_path / "checkpoint-3", global_step=3, max_steps=3)
+    current = TrainerState(train_batch_size=4, steps_per_epoch=4, max_steps=5)
+    with pytest.raises(
+        ckpt.CheckpointError, match="ends a finished run of 3 steps: its learning-rate schedule was built for 3 steps"
+    ):
+        resume.resumed_state(str(folder), current)
+    unfinished = saved_state(tmp_path / "checkpoint-2", global_step=2, max_steps=3)
+    assert resume.resumed_state(str(unfinished), current).max_steps == 5  # going further mid-run is allowed
+
+
+def test_fingerprints_see_a_swapped_file_and_a_different_dataset(tmp_path):
+    write(tmp_path / "a.bin", "one")
+    fingerprints.write_marker(str(tmp_path), dataset=dataset_fingerprint([{"x": 1}]))
+    assert fingerprints.verify(str(tmp_path), dataset_fingerprint([{"x": 1}])) == []
+    write(tmp_path / "b.bin", "two")
+    assert fingerprints.verify(str(tmp_path), dataset_fingerprint([{"x": 2}])) == [
+        "b.bin was added",
+        "the training dataset differs from the one it trained on (other rows)",
+    ]
+
+
+def test_resume_into_another_dataset_of_the_same_length_is_refused(tmp_path):
+    first = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(4)]
+    other = [{"prompt": f"{a}+2=", "completion": str(a + 2)} for a in range(4)]
+    sft(tmp_path, first, save_strategy="steps", save_steps=1).train()
+    checkpoint = str(tmp_path / "run" / "checkpoint-1")
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"checkpoint-1 is not what was saved: the training dataset differs "
+        r"from the one it trained on .*ignore_checkpoint_fingerprints",
+    ):
+        sft(tmp_path, other, save_strategy="steps", save_steps=1).train(resume_from_checkpoint=checkpoint)
+    sft(tmp_path, first, save_strategy="steps", save_steps=1).train(
+        resume_from_checkpoint=checkpoint
+    )  # the same: fine
+    sft(tmp_path, other, save_strategy="steps", save_steps=1, ignore_checkpoint_fingerprints=True).train(
+        resume_from_checkpoint=checkpoint
+    )  # the override named in the message
+
+
+def test_a_resume_mismatch_names_what_differs_and_the_setting_that_restores_it(tmp_path, tok):
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, max_steps=2, save_strategy="steps", save_steps=1).train()
+    resumed = sft_trainer(folder, tok, max_steps=4, per_device_train_batch_size=1)
+    with pytest.raises(CheckpointError) as refused:
+        resumed.train(resume_from_checkpoint=str(folder / "checkpoint-1"))
+    message = str(refused.value)
+    assert "train_batch_size: checkpoint 2 vs now 1 (per_device_train_batch_size); set them back" in message
+    assert "steps_per_epoch" not in message  # a consequence of the batch size, not a second fault
+    assert "max_steps" not in message  # going further is allowed
+
+
+def test_messages_that_were_wrong_or_gave_no_fix_now_name_one(tmp_path, monkeypatch):
+    from types import SimpleNamespace as NS
+
+    import torch
+    from safetensors.torch import save_file
+
+    from treadle.cli.loading import load_reward_funcs
+    from treadle.data import plan_steps
+    from treadle.errors import PreflightError
+
+    run = tmp_path / "run"
+    saved_state(run / "checkpoint-1", global_step=1, max_steps=5)
+    (run / "checkpoint-3").mkdir()  # interrupted while being written
+    with pytest.raises(
+        ckpt.CheckpointError,
+        match=r"does not exist; resume from a complete one there \(checkpoint-1; "
+        r"--resume alone takes the newest",
+    ):
+        resume.resolve(str(run / "checkpoint-9"), str(run))
+    lone = tmp_path / "lone" / "checkpoint-2"
+    lone.mkdir(parents=True)
+    with pytest.raises(
+        ckpt.CheckpointError, match="is incomplete .*no complete checkpoint is there .*start without resuming"
+    ):  # was "resume from an earlier one, e.g. None"
+        resume.resolve(str(lone), str(lone.parent))
+    write(run / "checkpoint-1" / ckpt.STATE_FILE, "{not json")
+    with pytest.raises(ckpt.CheckpointError, match="the file is corrupt: resume from an earlier checkpoint"):
+        ckpt.read_state(str(run / "checkpoint-1"))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ckpt.CheckpointError, match="has no weights file .*resume from another checkpoint"):
+        ckpt.load_weights(model, str(lone))
+    save_file({"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}, str(lone / "model.safetensors"))
+    with pytest.raises(ckpt.CheckpointError, match="shapes differ.*load them into the model they were saved from"):
+        ckpt.load_weights(model, str(lone))
+    write(tmp_path / "rewards.py", "def length(completions, **kw):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(ValueError, match=r"has no function 'lenght'; its functions: \['length'\]"):
+        load_reward_funcs(["rewards.py:lenght"], base_dir=tmp_path)
+    with pytest.raises(
+        PreflightError, match="give more rows, a smaller per_device_train_batch_size, or dataloader_drop_last: false"
+    ):
+        plan_steps(
+            torch.utils.data.DataLoader([1, 2], batch_size=4, drop_last=True),
+            NS(gradient_accumulation_steps=1, max_steps=1),
+        )
+
+
+# ----------------------------------------------------------------------------------------- --resume auto
+class CrashAt(TrainerCallback):
+    """Raises as optimizer step ``step + 1`` begins (0: the first), as a crash (out of memory, a node lost) would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("node lost")
+
+
+def crashed_attempt(folder: Path, tok, step: int = 1, **overrides) -> Path:
+    """A run folder as an attempt that crashed at ``step`` before saving any checkpoint leaves it."""
+    trainer = sft_trainer(folder, tok, callbacks=[CrashAt(step)], max_steps=3, save_steps=100, **overrides)
+    with pytest.raises(RuntimeError, match="node lost"):
+        trainer.train()
+    assert not list(folder.glob("checkpoint-*")) and (folder / "training_args.json").exists()
+    return folder
+
+
+@pytest.mark.parametrize("step", [0, 1], ids=["step-0-failure", "crash-before-first-checkpoint"])
+def test_resume_auto_starts_afresh_where_no_checkpoint_was_saved(tmp_path, tok, capsys, step):
+    folder = crashed_attempt(tmp_path / "run", tok, step=step)
+    capsys.readouterr()
+    trainer = sft_trainer(folder, tok, max_steps=2)
+    assert trainer.train(resume_from_checkpoint="auto").global_step == 2
+    err = capsys.readouterr().err
+    assert "treadle: resume auto: no complete checkpoint in " in err and ", so a fresh start: deleting " in err
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == [1, 2]  # the crashed attempt's records are gone
+
+
+def test_a_plain_run_into_an_attempt_that_saved_no_checkpoint_says_what_to_do(tmp_path, tok):
+    folder = crashed_attempt(tmp_path / "run", tok)
+    with pytest.raises(runs.RunFolderError) as refused:
+        sft_trainer(folder, tok).train()
+    message = str(refused.value)
+    assert "it saved no checkpoint (it stopped before its first), so there is nothing to resume" in message
+    assert "start it again with --resume auto (train(resume_from_checkpoint='auto'))" in message
+    assert "continue it with --resume" not in message
+    with pytest.raises(CheckpointError, match="or with --resume auto"):
+        sft_trainer(folder, tok).train(resume_from_checkpoint=True)
+
+
+def test_resume_auto_never_replaces_a_saved_model(tmp_path, tok):
+    """A finished run with save_strategy: no holds its model and no checkpoint: auto refuses, naming it."""
+    folder = tmp_path / "run"
+    trainer = sft_trainer(folder, tok)
+    trainer.train()
+    trainer.save_model()
+    with pytest.raises(runs.RunFolderError, match="it saved its model and no checkpoint, so it cannot be continued"):
+        sft_trainer(folder, tok).train(resume_from_checkpoint="auto")
+    assert (folder / "model.safetensors").exists()
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path, tok):
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, max_steps=3, save_strategy="steps", save_steps=1).train()
+    return folder
+
+
+def test_resume_auto_skips_a_corrupt_newest_checkpoint_with_a_note(three_checkpoints, tok, capsys):
+    folder = three_checkpoints
+    (folder / "checkpoint-3" / "optimizer.pt").write_bytes(b"cut")
+    (folder / "checkpoint-2" / "trainer_state.json").write_text("{")
+    capsys.readouterr()
+    trainer = sft_trainer(folder, tok, max_steps=3, save_strategy="steps", save_steps=1)
+    assert trainer.train(resume_from_checkpoint="auto").global_step == 3
+    err = capsys.readouterr().err
+    assert f"treadle: resume auto: skipping {folder}/checkpoint-3: optimizer.pt changed since it was saved" in err
+    assert f"treadle: resume auto: skipping {folder}/checkpoint-2: trainer_state.json changed" in err
+    assert f"treadle: resuming from {folder}/checkpoint-1 at step 1 of 3" in err
+
+
+def test_an_explicit_corrupt_checkpoint_is_still_refused(three_checkpoints, tok):
+    (three_checkpoints / "checkpoint-3" / "optimizer.pt").write_bytes(b"cut")
+    with pytest.raises(CheckpointError, match="checkpoint-3 is not what was saved: optimizer.pt changed"):
+        sft_trainer(three_checkpoints, tok, max_steps=3).train(resume_from_checkpoint=True)
+    with pytest.raises(CheckpointError, match="resume auto: every checkpoint in .* is corrupt"):
+        for step in (1, 2):
+            (three_checkpoints / f"checkpoint-{step}" / "scheduler.pt").write_bytes(b"cut")
+        sft_trainer(three_checkpoints, tok, max_steps=3).train(resume_from_checkpoint="auto")
 
 
 # -------------------------------------------------------------------------------------- in new processes

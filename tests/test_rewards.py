@@ -2,6 +2,7 @@
 
 import doctest
 import functools
+import json
 import math
 
 import numpy as np
@@ -59,6 +60,40 @@ def test_accepted_return_types(values):
 def test_none_means_no_opinion_and_comes_back_as_nan():
     out = call(lambda **kw: [None, 2.0])
     assert math.isnan(out[0]) and out[1] == 2.0
+
+
+def test_a_reward_function_that_edits_its_arguments_changes_nothing_for_the_next_or_the_record():
+    from treadle.rewards import score_completions
+
+    seen = {}
+
+    def vandal(prompts, completions, completion_ids, answer, **kw):
+        completions[0], prompts[0], answer[0] = "MUTATED", "MUTATED", "MUTATED"
+        completion_ids[0].append(99)
+        completions[1][0]["content"] = "MUTATED"
+        return [0.0, 0.0]
+
+    def judge(prompts, completions, completion_ids, answer, **kw):
+        seen.update(prompts=prompts, completions=completions, completion_ids=completion_ids, answer=answer)
+        return [1.0, 1.0]
+
+    prompts, completions = ["p0", "p1"], ["c0", [{"role": "assistant", "content": "c1"}]]
+    ids, columns = [[1, 2], [3]], {"answer": ["a0", "a1"]}
+    original = json.dumps([prompts, completions, ids, columns])
+    score_completions(
+        [vandal, judge],
+        [1.0, 1.0],
+        prompts=prompts,
+        completions=completions,
+        completion_ids=ids,
+        columns=columns,
+        step=1,
+    )
+    assert json.dumps([prompts, completions, ids, columns]) == original  # what completions.jsonl logs
+    assert (
+        json.dumps([seen["prompts"], seen["completions"], seen["completion_ids"], {"answer": seen["answer"]}])
+        == original
+    )
 
 
 # ------------------------------------------------------------------------------------------ error messages

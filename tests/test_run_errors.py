@@ -4,6 +4,10 @@ that every file that was there before is byte-identical afterwards. docs/runs.md
 
 One tiny model folder (the toy model, saved) and one real two-step SFT run are built once per module; most
 cases fail at preflight, before a model loads. The cases that train (signals, NaN, overwrite) are marked slow.
+
+A signal after the last step (during the final save, or before it begins) lets the final model be saved whole and
+exits 128 + the signal: those cases run the command in a script that sends the process the signal at that point, as
+a preemption landing in that window would.
 """
 
 import json
@@ -13,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -347,6 +352,85 @@ def test_a_signal_saves_exits_128_plus_it_and_says_how_to_resume(work, signum, s
         f"treadle: resuming from run/checkpoint-{step} at step {step} of {step + 1}; settings changed since: "
         f"learning_rate: 0.001 -> 0.002" in resumed.stderr
     )
+
+
+def run_python(folder: Path, source: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    script = folder / "hooked.py"
+    script.write_text(textwrap.dedent(source))
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        timeout=timeout,
+    )
+
+
+# the process sends itself the signals at a point of the run (the hook), then goes on as a preempted job would
+SIGNAL_AT = """
+import os, signal, sys, time
+import treadle.checkpoint as ckpt
+from treadle.trainer import Trainer
+from treadle.cli import command
+
+def hooked(original):
+    def hook(*args, **kwargs):
+        for signum in {signals}:
+            os.kill(os.getpid(), signum)
+        time.sleep(0.1)  # the handler runs here: before the writes begin
+        return original(*args, **kwargs)
+    return hook
+
+{patch}
+sys.exit(command.main(["train", "cfg.yaml"]))
+"""
+
+
+AT_SAVE = "ckpt.save_weights = hooked(ckpt.save_weights)"  # the final save's weights (save_strategy: no)
+
+
+AT_END = "Trainer._finish_training = hooked(Trainer._finish_training)"  # after the loop, before the save
+
+
+def assert_final_model_whole(run: Path) -> None:
+    from safetensors.torch import load_file
+
+    names = {p.name for p in run.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "training_args.json"} <= names, names
+    assert load_file(run / "model.safetensors")  # whole: it loads
+    assert not [n for n in names if n.startswith("checkpoint-")]  # save_strategy: no
+
+
+@pytest.mark.parametrize(
+    "patch, signals, status",
+    [
+        (AT_SAVE, [signal.SIGTERM], 143),
+        (AT_END, [signal.SIGTERM], 143),
+        (AT_SAVE, [signal.SIGINT, signal.SIGINT], 130),  # even a second Ctrl-C lets the save complete
+    ],
+    ids=["sigterm-during-final-save", "sigterm-after-last-step", "two-ctrl-c-during-final-save"],
+)
+def test_a_signal_after_the_last_step_keeps_the_final_model_and_exits_128_plus_it(tmp_path, patch, signals, status):
+    write_config(tmp_path, save_strategy="no")
+    result = run_python(tmp_path, SIGNAL_AT.format(signals=[int(s) for s in signals], patch=patch))
+    assert result.returncode == status, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
+    name = signal.Signals(signals[0]).name
+    assert f"treadle: stopped by {name} after the last step (2): the final model is saved whole in run" in (
+        result.stderr
+    )
+    assert_final_model_whole(tmp_path / "run")
+
+
+def test_a_signal_during_a_run_still_stops_it_at_the_next_step_with_a_checkpoint(tmp_path):
+    """The guard over the whole run does not change a signal in the loop: checkpoint, resume line, 143."""
+    write_config(tmp_path, save_strategy="no", max_steps=3)
+    patch = "Trainer.training_step = hooked(Trainer.training_step)"  # every step: the first one stops the run
+    result = run_python(tmp_path, SIGNAL_AT.format(signals=[int(signal.SIGTERM)], patch=patch))
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert "treadle: resume with: treadle train cfg.yaml --resume" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
 
 
 @pytest.mark.slow

@@ -1,19 +1,24 @@
 """treadle.streaming: streamed datasets in the Trainer, SFT (packed) and GRPO; ranks read disjoint rows; a resumed
-streaming run equals the uninterrupted one bit for bit, by the source's state and by skipping."""
+streaming run equals the uninterrupted one bit for bit, by the source's state and by skipping; a stream is tied to
+its data (resumed with a larger max_steps, refused on other rows), and a cut or null .jsonl line is named by its file
+and line."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import _resume_worker as rw
 import pytest
 import torch
-from _factories import tiny_reward_model
+from _factories import sft_trainer, tiny_reward_model
 from datasets import Dataset
+from test_run_errors import ROWS, write_jsonl
 
 from treadle import Trainer, streaming
 from treadle.callbacks import TrainerCallback
+from treadle.checkpoint import CheckpointError
 from treadle.errors import PreflightError
 
 
@@ -376,3 +381,80 @@ def test_precomputed_reference_log_probs_refuse_a_stream_and_a_one_shot_iterator
     assert next(batches) == [{"i": 0}, {"i": 1}]
     with pytest.raises(PreflightError, match="can be read once only"):
         next(batches)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A stream tied to its data: resumed further or on other rows, a cut or null .jsonl line
+# ---------------------------------------------------------------------------------------------------------
+def streamed(rows=ROWS):
+    from datasets import Dataset
+
+    return Dataset.from_list(rows).to_iterable_dataset()
+
+
+def test_a_streamed_run_resumes_with_a_larger_max_steps(tmp_path, tok, capsys):
+    """A stream's one "epoch" is the run (max_steps): going further is not another batch size or process count."""
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, rows=streamed(), max_steps=2, save_strategy="steps", save_steps=1).train()
+    resumed = sft_trainer(folder, tok, rows=streamed(), max_steps=4, save_strategy="steps", save_steps=1)
+    assert resumed.train(resume_from_checkpoint=str(folder / "checkpoint-1")).global_step == 4
+    assert f"treadle: resuming from {folder}/checkpoint-1 at step 1 of 4" in capsys.readouterr().err
+    assert [h["step"] for h in resumed.state.log_history if "loss" in h] == [1, 2, 3, 4]
+
+
+def test_a_streamed_run_resumed_on_another_dataset_is_refused_as_a_map_style_one_is(tmp_path, tok):
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, rows=streamed(), max_steps=2, save_strategy="steps", save_steps=1).train()
+    other = [{"prompt": row["prompt"], "completion": row["completion"] + "0"} for row in ROWS]
+    for rows in (streamed(other), other):  # streamed or not, other rows
+        with pytest.raises(CheckpointError) as refused:
+            sft_trainer(folder, tok, rows=rows).train(resume_from_checkpoint=str(folder / "checkpoint-1"))
+        assert "checkpoint-1 is not what was saved: the training dataset differs from the one it trained on" in str(
+            refused.value
+        )
+    assert "ignore_checkpoint_fingerprints: true" in str(refused.value)
+    resumed = sft_trainer(folder, tok, rows=streamed(other), ignore_checkpoint_fingerprints=True)
+    assert resumed.train(resume_from_checkpoint=str(folder / "checkpoint-1")).global_step == 2  # the override works
+
+
+def test_a_stream_read_once_is_not_read_for_its_fingerprint():
+    from treadle import streaming
+
+    rows = iter(ROWS)
+    assert streaming.head_fingerprint(rows) is None and next(rows) == ROWS[0]
+    assert streaming.head_fingerprint(streamed()).startswith("stream:16:")
+    assert streaming.head_fingerprint(ROWS) is None  # not a stream: the sampled fingerprint's
+
+
+@pytest.mark.parametrize(
+    "last_line, needle",
+    [
+        ('{"prompt": "1+2=", "compl', "data.jsonl:17: not valid JSON (Unterminated string"),
+        ("null", "data.jsonl:17: a JSON lines dataset holds one object per line, got NoneType"),
+        ('{"prompt": null, "completion": "3"}', "data.jsonl, line 17: column 'prompt' holds nothing (null / empty)"),
+    ],
+    ids=["cut-last-line", "null-line", "null-prompt"],
+)
+def test_a_streamed_jsonl_row_that_is_cut_or_null_names_the_file_and_line(tmp_path, tok, last_line, needle):
+    from treadle.cli.loading import load_dataset
+    from treadle.data import DatasetFileError
+
+    path = write_jsonl(tmp_path / "data.jsonl", ROWS)
+    path.write_text(path.read_text() + last_line)  # the last line as a crash leaves it: no newline
+    stream = load_dataset({"path": str(path), "streaming": True}, kind="sft")
+    with pytest.raises(DatasetFileError, match=re.escape(f"{tmp_path}/{needle}")):
+        list(stream)
+    trainer = sft_trainer(tmp_path / "run", tok, rows=load_dataset({"path": str(path), "streaming": True}))
+    with pytest.raises(DatasetFileError, match=re.escape(needle)):  # in a run: the same one line
+        trainer.train()
+
+
+def test_a_streamed_jsonl_file_still_resumes_from_its_state(tmp_path, tok):
+    from treadle.cli.loading import load_dataset
+
+    spec = {"path": str(write_jsonl(tmp_path / "data.jsonl", ROWS)), "streaming": True}
+    folder = tmp_path / "run"
+    sft_trainer(folder, tok, rows=load_dataset(spec), max_steps=4, save_strategy="steps", save_steps=2).train()
+    resumed = sft_trainer(folder, tok, rows=load_dataset(spec), max_steps=4)
+    assert resumed.train(resume_from_checkpoint=str(folder / "checkpoint-2")).global_step == 4
+    assert resumed.callback_handler.train_dataloader.mode == "state"

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from _factories import lm_rows, tiny_llama
+from _factories import lm_rows, sft, tiny_llama
 
 from treadle import Trainer, TrainingArguments
 from treadle.callbacks import TrainerCallback
@@ -432,6 +432,32 @@ def test_a_plain_module_returning_a_tuple_trains(tmp_path):
     )
     trainer.train()
     torch.testing.assert_close(model.lin.weight.detach(), torch.tensor([[2.0, -1.0]]), atol=0.05, rtol=0)
+
+
+def test_a_run_that_trained_on_nothing_never_ends_as_if_it_had(tmp_path):
+    from treadle.errors import NothingTrainedError, is_user_error
+
+    rows = [{"input_ids": [1, 5, 6, 2], "completion_mask": [0, 0, 0, 0]}] * 4  # not one token with loss
+    trainer = sft(tmp_path, rows)
+    with pytest.raises(
+        NothingTrainedError, match="the run took 2 steps but not one of its batches held a token with loss"
+    ) as error:
+        trainer.train()
+    assert is_user_error(error.value)
+
+
+def test_a_batch_larger_than_the_dataset_is_capped_and_the_header_says_so(tmp_path, capsys):
+    rows = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(6)]
+    trainer = sft(tmp_path, rows, per_device_train_batch_size=10**7, max_steps=1)
+    out = trainer.train()
+    header = capsys.readouterr().out
+    assert (
+        "6 rows; 6 rows per step (6 per device x 1 accumulated x 1 processes, per_device_train_batch_size="
+        "10000000 capped at the rows there are)" in header
+    )
+    assert trainer.get_train_dataloader().batch_size == 6
+    samples_per_step = out.metrics["train_samples_per_second"] / out.metrics["train_steps_per_second"]
+    assert samples_per_step == pytest.approx(6, rel=1e-2)  # was 10**7 "samples" a step
 
 
 # --- run record ----------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 locally (treadle.demos.toy_vision: random weights, the toy character tokenizer plus vision tokens, PIL image
 processors)."""
 
+import struct
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -141,6 +144,29 @@ def test_an_image_path_loads_like_the_image(tmp_path, processor):
     from_image = vision.VisionCollator(processor)(rows)
     from_path = vision.VisionCollator(processor)([{**rows[0], "images": [str(path)]}])
     assert torch.equal(from_image["pixel_values"], from_path["pixel_values"])
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG that declares ``width`` x ``height`` pixels (PIL reads the size from the header alone)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+def test_a_huge_image_is_one_line_naming_the_row_and_the_limit(tmp_path):
+    from datasets import Dataset
+
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(png_header(20000, 20000))
+    with pytest.raises(vision.VisionDataError, match=r"row 5 of x: image .*huge\.png' is too large for PIL .*"):
+        vision.load_image(str(huge), row=5, where="x")
+    rows = tv.count_task("train", 2)
+    rows[1]["images"] = [str(huge)]
+    with pytest.raises(vision.VisionDataError, match="row 1 of the dataset: .* raise PIL.Image.MAX_IMAGE_PIXELS"):
+        vision.check_vision_dataset(Dataset.from_list(rows))
 
 
 def test_more_placeholders_than_images_is_one_line():

@@ -1,12 +1,14 @@
 """What the two real-engine modules (test_vllm.py in process, test_vllm_server.py over HTTP) check with: the
 prompts, a plain-PyTorch log-prob reference and the completions' rows (the reward that moves the weights is
-_factories.digit_sum_reward)."""
+_factories.digit_sum_reward); and ``one_line``, a refusal's message checked to be one line and a UserError (there and
+in test_vllm_client.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from treadle.demos import toy
+from treadle.errors import UserError
 
 
 def prompts(tok, n=4):
@@ -36,3 +38,9 @@ def load_with_push_skipped(engine, model):
         engine.load_weights(model)
     finally:
         engine.push = real_push
+
+
+def one_line(error) -> str:
+    message = str(error)
+    assert "\n" not in message and isinstance(error, UserError), message
+    return message

@@ -7,7 +7,8 @@ greedy tokens, a plain-PyTorch forward for the sampled log-probs, the trained mo
 (the engine's copy before the sync must differ from them, or the check could not see a skipped sync), and a
 hand-merged LoRA model. A second engine (module fixture ``lora_trainer``) serves a PEFT LoRA policy as vLLM LoRA
 requests: its syncs are counted (adapters only) and it scores as peft's ``merge_and_unload``. The unmarked tests
-check the options' one-line refusals and the LoRA plan, and need no vLLM.
+check the options' one-line refusals, the LoRA plan, and a head size vLLM's CPU attention lacks (refused before the
+engine starts, against a stand-in ``vllm`` package), and need no vLLM.
 """
 
 import copy
@@ -16,15 +17,17 @@ import json
 import os
 import shutil
 import sys
+import types
 
 import peft
 import pytest
 import torch
 from _factories import digit_sum_reward, untimed
-from _vllm_common import load_with_push_skipped, model_logps, prompts, rows_of
+from _vllm_common import load_with_push_skipped, model_logps, one_line, prompts, rows_of
 
 from treadle.cli.command import main
 from treadle.demos import toy
+from treadle.engines import vllm as vllm_engines
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import VLLMNotInstalled, merged_state_dict, vllm_engine
 from treadle.engines.vllm_lora import adapter_tensors, lora_plan, lora_rank_bound
@@ -529,6 +532,49 @@ def test_adapter_tensors_are_what_peft_saves(tmp_path):
     assert sum(t.numel() * t.element_size() for t in ours.values()) == ADAPTER_BYTES
     for key, tensor in saved.items():
         assert torch.equal(ours[key], tensor), key
+
+
+# ----------------------------------------------------------------- a head size vLLM's CPU attention lacks
+def fake_vllm(monkeypatch, *, cpu: bool = True):
+    """A ``vllm`` package whose CPU attention has vLLM 0.32's head sizes and whose ``LLM`` must not start."""
+
+    class CPUAttentionBackend:
+        @classmethod
+        def get_supported_head_sizes(cls):
+            return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+        @classmethod
+        def supports_head_size(cls, size):
+            return size in cls.get_supported_head_sizes()
+
+    def llm(**kwargs):
+        raise AssertionError("the engine started")
+
+    modules = {
+        "vllm": types.SimpleNamespace(__version__="0.32.0", LLM=llm),
+        "vllm.platforms": types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: cpu)),
+        "vllm.v1.attention.backends.cpu_attn": types.SimpleNamespace(CPUAttentionBackend=CPUAttentionBackend),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_colocated_vllm_refuses_a_head_size_its_cpu_kernels_lack_before_the_engine_starts(monkeypatch):
+    fake_vllm(monkeypatch)
+    with pytest.raises(UserError) as info:
+        vllm_engines.VLLMEngine(toy.build_model("tiny"))  # head size 64 / 4 = 16
+    assert one_line(info.value).startswith(
+        "vLLM 0.32.0's CPU attention has no kernel for this model's head size 16 (it has 32, 64, 80"
+    )
+    assert "use_vllm: false" in str(info.value)
+    with pytest.raises(AssertionError, match="the engine started"):  # toy small's 32 is checked and passes
+        vllm_engines.VLLMEngine(toy.build_model("small"))
+
+
+def test_the_head_size_check_leaves_other_platforms_to_vllm(monkeypatch):
+    fake_vllm(monkeypatch, cpu=False)
+    with pytest.raises(AssertionError, match="the engine started"):
+        vllm_engines.VLLMEngine(toy.build_model("tiny"))
 
 
 @pytest.mark.vllm

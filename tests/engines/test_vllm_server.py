@@ -1,4 +1,5 @@
-"""vLLM's server mode (treadle.engines.vllm_client, treadle.engines.serve): the client and a real server on CPU.
+"""vLLM's server mode (treadle.engines.vllm_client, treadle.engines.vllm_server, the ``treadle vllm-serve`` command
+treadle.cli.vllm_serve): the client and a real server on CPU.
 
 The tests marked ``vllm`` need .venv-vllm (`make test-vllm`): one ``treadle vllm-serve`` subprocess per module,
 serving toy "small" saved to a temporary folder (head size 32: vLLM's CPU attention has no kernel for toy tiny's
@@ -6,7 +7,9 @@ serving toy "small" saved to a temporary folder (head size 32: vLLM's CPU attent
 log-probs after a GRPO step (the server's copy before the sync must differ from them, so a skipped sync fails),
 the policy's shapes (a server of another model is refused), and a checkpoint left complete when the server is
 killed mid-run (the last test: it kills the module's server). The unmarked tests need no vLLM: the client's
-refusals against a URL where nothing listens and a stand-in server that answers another identity.
+refusals against a URL where nothing listens and a stand-in server that answers another identity, the settings'
+refusals, and ``treadle vllm-serve``'s port. The client against servers that hang, answer garbage, are foreign or
+serve another run: test_vllm_client.py.
 """
 
 import dataclasses
@@ -24,6 +27,7 @@ import torch
 from _factories import digit_sum_reward
 from _vllm_common import load_with_push_skipped, model_logps, prompts, rows_of
 
+import treadle.cli.vllm_serve as vllm_serve
 from treadle import checkpoint
 from treadle.cli import command as cli
 from treadle.demos import toy
@@ -396,6 +400,15 @@ def test_config_refuses_server_settings_in_one_line(tmp_path, field, value, frag
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("value", [0, -1, float("inf"), True, "soon"])
+def test_config_refuses_a_vllm_request_timeout_that_cannot_bound_a_wait(tmp_path, value):
+    from treadle.trainers.grpo.trainer import GRPOConfig
+
+    with pytest.raises(ValueError) as info:
+        GRPOConfig(output_dir=str(tmp_path), vllm_request_timeout=value)
+    assert str(info.value).startswith("vllm_request_timeout must be a number")
+
+
 def test_server_url_is_the_base_url_or_host_and_port(tmp_path):
     assert server_url(config(tmp_path, "http://h:1/")) == "http://h:1"
     args = config(tmp_path, None, vllm_server_host="10.0.0.2", vllm_server_port=8123)
@@ -407,3 +420,11 @@ def test_server_fields_are_trls_names_and_defaults():
     theirs = {f.name: f.default for f in dataclasses.fields(trl_config) if f.name.startswith("vllm_server_")}
     ours = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name.startswith("vllm_server_")}
     assert ours == theirs and len(ours) == 4
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "http"])
+def test_vllm_serve_refuses_a_port_outside_1_65535_before_anything_loads(capsys, monkeypatch, port):
+    monkeypatch.setattr(vllm_serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(["vllm-serve", "toy:tiny", "--port", port]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --port: port must lie in 1..65535, got " + repr(port) in err[0]

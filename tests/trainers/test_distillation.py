@@ -106,6 +106,7 @@ import copy  # noqa: E402  (the trainer's tests below share the module with the 
 from _factories import add, chatty_model  # noqa: E402  (the tool and the EOS-biased toy model of GRPO's tests)
 from datasets import Dataset  # noqa: E402
 
+import treadle  # noqa: E402
 from treadle.demos import toy  # noqa: E402
 from treadle.errors import PreflightError  # noqa: E402
 from treadle.generation import GenerationOutput, completion_masks, left_pad  # noqa: E402
@@ -307,6 +308,23 @@ def test_a_teacher_folder_with_another_tokenizer_is_refused(tmp_path, tok, datas
         )
 
 
+@pytest.mark.parametrize(
+    "teacher, needle", [("same", "is the student model itself"), ("copy", "has the student.s very weights")]
+)
+def test_a_teacher_that_is_the_student_is_refused(tmp_path, tok, teacher, needle):
+    student = toy.build_model("tiny", tokenizer=tok)
+    args = treadle.DistillationConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1)
+    with pytest.raises(PreflightError, match=f"teacher_model {needle}.*would train on nothing"):
+        treadle.DistillationTrainer(
+            student,
+            student if teacher == "same" else copy.deepcopy(student),
+            args=args,
+            train_dataset=[{"prompt": "1+1="}] * 4,
+            processing_class=tok,
+        )
+    assert all(p.requires_grad for p in student.parameters())  # the "frozen teacher" did not freeze the student
+
+
 def save_toy(folder, tok):
     toy.build_model("tiny", tokenizer=tok, seed=1).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -353,7 +371,8 @@ def test_eval_loss_without_reward_functions(tmp_path, tok, dataset):
     metrics = trainer.evaluate(dataset.select(range(6)))
     assert set(metrics) == {"eval_loss", "eval_completions/mean_length"}
     assert math.isfinite(metrics["eval_loss"]) and metrics["eval_loss"] > 0
-    # the student as its own teacher (refused for training, test_hostile3_data.py): the divergence is 0
+    # the student as its own teacher (refused for training: test_a_teacher_that_is_the_student_is_refused above):
+    # the divergence is 0
     same_teacher = make_trainer(tmp_path, tok, dataset)
     same_teacher.teacher_model = copy.deepcopy(same_teacher.model).eval()
     assert same_teacher.evaluate(dataset.select(range(6)))["eval_loss"] == pytest.approx(0.0, abs=1e-6)

@@ -186,6 +186,35 @@ def test_prompt_longer_than_max_length_is_an_error_that_says_how_to_fix_it(tmp_p
         make_trainer(tmp_path, tokenizer, rows=PAIRS[:1], max_length=6, max_prompt_length=None)
 
 
+def dpo(tmp_path, rows):
+    from treadle.demos import toy
+    from treadle.trainers.dpo import DPOConfig, DPOTrainer
+
+    tok = toy.build_tokenizer()
+    args = DPOConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+    )
+    return DPOTrainer(toy.build_model("tiny", tokenizer=tok), args=args, train_dataset=rows, processing_class=tok)
+
+
+def test_dpo_refuses_pairs_that_are_all_identical_and_notes_some(tmp_path, capsys):
+    same = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 1)} for a in range(4)]
+    with pytest.raises(
+        ValueError,
+        match=r"every one of the 4 train pairs has chosen identical to rejected .*loss "
+        r"log 2, gradient 0",
+    ):
+        dpo(tmp_path, same)
+    mixed = same[:1] + [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(3)]
+    dpo(tmp_path, mixed)
+    assert "treadle: 1 of 4 train pairs have chosen identical to rejected (rows 0)" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------- the config
 
 

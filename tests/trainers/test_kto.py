@@ -1,9 +1,10 @@
 """KTO: the loss against hand-computed numbers and a plain-PyTorch reference, the collator's layout, dataset
-preparation (unpairing, KL completions), a tiny training run, the reference variants, and parity with
-trl.KTOTrainer (eval loss and metrics for both loss types with unequal weights, one SGD step's weights)."""
+preparation (unpairing, KL completions, labels as users write them), a tiny training run, the reference variants, and
+parity with trl.KTOTrainer (eval loss and metrics for both loss types with unequal weights, one SGD step's weights)."""
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 import treadle
 from treadle.demos import toy
 from treadle.losses import kto_kl, kto_loss
-from treadle.trainers.kto import KTOCollator, rotate_completions, unpair_rows
+from treadle.trainers.kto import KTOCollator, rotate_completions, tokenize_row, unpair_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,6 +178,55 @@ def test_missing_columns_and_long_prompt_are_clear_errors(tmp_path, tok):
         )
     with pytest.raises(ValueError, match="per_device_train_batch_size must be >= 2"):
         treadle.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=1)
+
+
+@pytest.mark.parametrize(
+    "label, expected",
+    [
+        (True, True),
+        (False, False),
+        (1, True),
+        (0, False),
+        (-1, False),
+        (1.0, True),
+        (0.0, False),
+        ("True", True),
+        ("False", False),
+        (" false ", False),
+        ("TRUE", True),
+        ("1", True),
+        ("0", False),
+    ],
+)
+def test_kto_labels_as_users_write_them(tok, label, expected):
+    row = tokenize_row({"prompt": "1+1=", "completion": "2", "label": label}, 0, tokenizer=tok, max_length=None)
+    assert row["label"] is expected  # bool("False") and bool(-1) are True: the rejected answer pushed up
+
+
+@pytest.mark.parametrize("label", [None, "yes", "-", 2, 0.5, float("nan"), [True]])
+def test_kto_labels_that_are_not_labels_are_refused_naming_the_row(tok, label):
+    with pytest.raises(ValueError, match=r"^row 3: label .* is neither desirable nor undesirable; give"):
+        tokenize_row({"prompt": "1+1=", "completion": "2", "label": label}, 3, tokenizer=tok, max_length=None)
+
+
+def kto(tmp_path, tok, labels):
+    rows = [{"prompt": f"1+{i}=", "completion": str(i + 1), "label": label} for i, label in enumerate(labels)]
+    args = treadle.KTOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to="none", disable_tqdm=True
+    )
+    model = toy.build_model("tiny", tokenizer=tok)
+    return treadle.KTOTrainer(model, args=args, train_dataset=rows, processing_class=tok)
+
+
+def test_kto_csv_labels_train_both_classes_and_one_class_is_warned(tmp_path, tok):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # two classes: no warning
+        trainer = kto(tmp_path / "a", tok, ["True", "False", "true", "false"])
+    assert [bool(x) for x in trainer.train_dataset["label"]] == [True, False, True, False]
+    with pytest.warns(UserWarning, match="every one of the 4 KTO training rows is labelled desirable"):
+        kto(tmp_path / "b", tok, [1, 1, 1, 1])
+    with pytest.raises(ValueError, match="row 1: label None"):
+        kto(tmp_path / "c", tok, [True, None, False, True])
 
 
 # ---- training ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _factories import tiny_llama
+from _factories import sft, tiny_llama
 
 from treadle import SFTConfig, SFTTrainer
 from treadle.data import SeededSampler
@@ -189,6 +189,25 @@ def test_a_plain_training_arguments_is_refused(tmp_path, tokenizer):
         SFTTrainer(
             tiny_llama(vocab_size=VOCAB), TrainingArguments(output_dir=str(tmp_path)), processing_class=tokenizer
         )
+
+
+@pytest.mark.parametrize(
+    "rows, needle",
+    [
+        (
+            [{"prompt": "1+1=", "completion": ""}] * 4,
+            r"4 of 4 train rows have an empty 'completion' \(rows 0, 1, 2, 3\)",
+        ),
+        (
+            [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": " "}],
+            r"1 of 2 train rows have an empty 'completion' \(rows 1\): SFT would train them on the end-of-text token",
+        ),
+        ([{"text": "1+1=2"}, {"text": ""}], r"1 of 2 train rows have an empty 'text'"),
+    ],
+)
+def test_sft_refuses_empty_completions_as_dpo_does(tmp_path, rows, needle):
+    with pytest.raises(ValueError, match=needle):
+        sft(tmp_path, rows)
 
 
 # ---- collation ----------------------------------------------------------------------------------------------

@@ -53,6 +53,21 @@ def test_config_names_the_nearest_valid_values():
     assert "per_device_train_batch_size=3 or 6, or num_generations=2 or 4, or steps_per_generation=3" in message
 
 
+def test_the_nearest_valid_hint_is_instant_for_a_huge_num_generations():
+    from treadle.trainers.grpo.config import GRPOConfig
+    from treadle.trainers.onpolicy.config import _nearest_divisors, _nearest_multiples
+
+    assert _nearest_multiples(5, 4) == [4, 8] and _nearest_multiples(3, 4) == [4]  # hand-computed
+    assert _nearest_divisors(12, 5) == [4, 6] and _nearest_divisors(12, 13) == [12]
+    assert _nearest_divisors(10**15, 7) == []  # too many trials: no hint rather than a wait
+    with pytest.raises(
+        ValueError,
+        match=r"not a multiple of num_generations=1000000000 .* Nearest valid: "
+        r"per_device_train_batch_size=1000000000, or num_generations=8, or steps_per_generation=125000000",
+    ):
+        GRPOConfig(num_generations=10**9, per_device_train_batch_size=8, steps_per_generation=1)
+
+
 def test_config_counts_every_rank(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     GRPOConfig(per_device_train_batch_size=2, num_generations=4)  # 2 x 1 x 2 = 4: one group across 2 ranks

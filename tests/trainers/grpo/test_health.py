@@ -1,6 +1,7 @@
 """Health checks (trainers/grpo/health.py) and dynamic sampling (trainers/grpo/dynamic.py): the pure checks by
-hand, each check firing on a crafted run and silent on a normal one, the stop's checkpoint and message, and a
-dynamic-sampling run that never trains on a group of equal rewards."""
+hand, each check firing on a crafted run and silent on a normal one, the stop's checkpoint and message, a learning
+run whose every completion is truncated warned and not stopped, and a dynamic-sampling run that never trains on a
+group of equal rewards."""
 
 import functools
 import json
@@ -30,6 +31,7 @@ from treadle.trainers.grpo.health import (
     constant_values,
     generation_health,
     log_warnings,
+    reward_rose,
     rl_summary,
 )
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
@@ -97,6 +99,11 @@ def test_log_warnings_by_hand():
     assert "0.3 of the tokens" in found["max_clip_ratio"]
     assert log_warnings({"cispo_clip_ratio": 0.9}, checks).keys() == {"max_clip_ratio"}
     assert log_warnings({"entropy": 0.0}, {**checks, "min_entropy": None}) == {}
+
+
+def test_reward_rose_by_hand():
+    assert reward_rose([0.1, 0.2], [0.3, 0.4]) and not reward_rose([0.3, 0.2], [0.25, 0.25])
+    assert not reward_rose([0.5], [0.5])  # equal: not moving
 
 
 def test_weight_sync_hook_stops_at_the_step_end(tmp_path):
@@ -220,6 +227,76 @@ def test_a_frozen_policy_warns_once_that_its_entropy_collapsed(tmp_path, tok, da
     assert [r["step"] for r in records if "health/warning/min_entropy" in r] == [2]
     saved = trainer.state.stateful_callbacks["HealthCallback"]["warnings"]
     assert saved == [{"step": 1, "check": "min_entropy", "stop": False}]
+
+
+def digit_share(completions, **kwargs):
+    """The share of digits in each answer: a random policy learns it within a few dozen steps."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def noise(completions, **kwargs):
+    """A reward nothing can learn: seeded noise that ignores the completion (the groups differ)."""
+    draw = torch.Generator().manual_seed(len(completions) + sum(map(len, completions)))
+    return torch.rand(len(completions), generator=draw).tolist()
+
+
+# issue 44's run, shrunk: answers of exactly 4 tokens (EOS never sampled, every completion truncated), async N=1
+FIXED_LENGTH = dict(
+    per_device_train_batch_size=8,
+    max_completion_length=4,
+    learning_rate=1e-2,
+    max_staleness=1,
+    async_worker="thread",
+    logging_steps=1,
+    seed=0,
+)
+
+
+fixed_length_run = functools.partial(grpo_trainer, **FIXED_LENGTH)
+
+
+def test_a_learning_run_whose_every_completion_is_truncated_is_warned_not_stopped(tmp_path, tok, dataset):
+    trainer = fixed_length_run(
+        tmp_path,
+        tok,
+        dataset,
+        reward=digit_share,
+        max_steps=8,
+        generation_kwargs={"suppress_tokens": [tok.eos_token_id]},
+        health_checks={"patience": 3},
+    )
+    with pytest.warns(
+        HealthWarning,
+        match=r"step 3: every completion hit max_completion_length=4 .* fine for "
+        r"answers of a fixed length while the reward rises",
+    ) as caught:
+        trainer.train()  # 2a6f17d: TrainingStalled, 'all_truncated' stopped the run at step 3
+    assert trainer.state.global_step == 8
+    assert len([w for w in caught if "max_completion_length" in str(w.message)]) == 1  # once
+    records = [r for r in logged(tmp_path) if "loss" in r]
+    assert all(r["completions/clipped_ratio"] == 1.0 for r in records)
+    assert records[-1]["reward"] > records[0]["reward"]  # it learns
+    assert not any(k.startswith("health/stop/") for r in records for k in r)
+    assert [r["step"] for r in records if "health/warning/all_truncated" in r] == [3]
+
+
+def test_a_truncated_run_whose_reward_does_not_rise_still_stops(tmp_path, tok, dataset):
+    trainer = fixed_length_run(
+        tmp_path,
+        tok,
+        dataset,
+        reward=noise,
+        max_steps=12,
+        generation_kwargs={"suppress_tokens": [tok.eos_token_id]},
+        health_checks={"patience": 2, "constant_reward": False},
+    )
+    with pytest.warns(HealthWarning), pytest.raises(TrainingStalled) as stop:
+        trainer.train()
+    message = str(stop.value)
+    assert "\n" not in message and "'all_truncated' stopped the run at step" in message
+    assert "and the mean reward did not rise" in message and "since step 1" in message
+    assert trainer.state.global_step >= 4  # 2 x patience steps at least
+    assert HEALTH_CHECKS["patience"] == 10  # the default the false-alarm benchmark measured
 
 
 class StaleEngine(RolloutEngine):

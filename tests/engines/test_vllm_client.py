@@ -1,8 +1,10 @@
-"""The third hostile trial's vLLM-engine cases (issue 44), without vLLM: a server that accepts and never answers, one
-stopped with SIGSTOP, SIGTERM while a request waits, garbage and foreign answers, two runs on one server, a model
-that differs beyond shapes, a short context window, ``--port 99999``, and a head size vLLM's CPU kernels lack.
+"""The vLLM server's client (treadle.engines.vllm_client.VLLMServerEngine) against servers that misbehave, without
+vLLM: one that accepts and never answers, one stopped with SIGSTOP, SIGTERM while a request waits, garbage and foreign
+answers, two runs on one server, a model that differs beyond shapes, and a context window too short for prompt and
+completion. The client against a real server, its settings and ``treadle vllm-serve``'s: test_vllm_server.py;
+docs/runs.md lists the trial cases.
 
-The servers here are stand-ins: ``treadle.engines.serve.Handler`` itself around a fake engine (the real routes,
+The servers here are stand-ins: ``treadle.engines.vllm_server.Handler`` itself around a fake engine (the real routes,
 claims and identity, the toy model's own sampler instead of vLLM), a script in a subprocess (so that it can be
 stopped), or a bare socket that accepts and never answers.
 """
@@ -22,15 +24,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from _vllm_common import one_line
 from test_vllm_server import server_run_config
 
 from treadle import checkpoint
 from treadle.callbacks import PreemptionCallback
 from treadle.cli import command as cli
 from treadle.demos import toy
-from treadle.engines import serve, vllm as vllm_engines, vllm_server
-from treadle.engines.vllm_server import VLLMServerEngine, VLLMServerError
-from treadle.errors import Preempted, UserError
+from treadle.engines import vllm_client, vllm_server, wire
+from treadle.engines.vllm_client import VLLMServerEngine, VLLMServerError
+from treadle.errors import Preempted
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import sample_completions
 
@@ -39,7 +42,7 @@ PARAMS = SamplingParams(num_generations=2, max_new_tokens=3, eos_token_ids=(EOS,
 
 
 class FakeEngine:
-    """What ``serve.Handler`` calls on its engine, answered by a toy model on the CPU (no vLLM)."""
+    """What ``vllm_server.Handler`` calls on its engine, answered by a toy model on the CPU (no vLLM)."""
 
     def __init__(self, model):
         self.model = model
@@ -72,16 +75,16 @@ def tiny(seed: int = 0, **config):
 
 @contextlib.contextmanager
 def treadle_server(tmp_path, *, max_model_len=256, **config):
-    """The URL of ``serve.Handler`` serving toy tiny (``config`` overrides its config) from a fake engine."""
+    """The URL of ``vllm_server.Handler`` serving toy tiny (``config`` overrides its config) from a fake engine."""
     model = tiny(**config)
     folder = tmp_path / "served"
     model.save_pretrained(folder)
     engine = FakeEngine(model)
     engine.llm.llm_engine.model_config.max_model_len = max_model_len
     engine.released = threading.Event()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), serve.Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), vllm_server.Handler)
     server.engine, server.lock, server.pending, server.run = engine, threading.Lock(), {}, None
-    server.identity = serve.identity_of("toy:tiny", str(folder), "float32", engine)
+    server.identity = vllm_server.identity_of("toy:tiny", str(folder), "float32", engine)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -119,7 +122,7 @@ class Scripted(BaseHTTPRequestHandler):
         pass
 
 
-HEALTH = json.dumps({"server": "treadle vllm-serve", "protocol": vllm_server.PROTOCOL, "max_model_len": 256}).encode()
+HEALTH = json.dumps({"server": "treadle vllm-serve", "protocol": wire.PROTOCOL, "max_model_len": 256}).encode()
 
 
 @contextlib.contextmanager
@@ -138,13 +141,7 @@ def scripted(answers):
         thread.join()
 
 
-def one_line(error) -> str:
-    message = str(error)
-    assert "\n" not in message and isinstance(error, UserError), message
-    return message
-
-
-# ---- 1. hang: every wait bounded by a named setting, SIGTERM answered -------------------------------------
+# ---- hang: every wait bounded by a named setting, SIGTERM answered -------------------------------------
 def test_a_server_that_accepts_and_never_answers_generate_ends_naming_vllm_request_timeout():
     with scripted({"/generate": "hang"}) as url:
         engine = VLLMServerEngine(toy.build_model("tiny"), url, timeout=5, request_timeout=1.0)
@@ -193,11 +190,11 @@ STOPPABLE = textwrap.dedent(
     print(server.server_address[1], flush=True)
     server.serve_forever()
     """
-).replace("PROTOCOL", str(vllm_server.PROTOCOL))
+).replace("PROTOCOL", str(wire.PROTOCOL))
 
 
 def test_a_server_stopped_with_sigstop_mid_generation_is_found_by_the_health_probe(monkeypatch):
-    monkeypatch.setattr(vllm_server, "PROBE_EVERY", 0.5)
+    monkeypatch.setattr(vllm_client, "PROBE_EVERY", 0.5)
     process = subprocess.Popen([sys.executable, "-c", STOPPABLE], stdout=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{process.stdout.readline().strip()}"
@@ -267,16 +264,7 @@ def test_sigterm_during_a_generation_saves_the_steps_finished_and_exits_143(tmp_
     # stand-in server's thread prints a BrokenPipeError traceback when it answers the abandoned request)
 
 
-@pytest.mark.parametrize("value", [0, -1, float("inf"), True, "soon"])
-def test_config_refuses_a_vllm_request_timeout_that_cannot_bound_a_wait(tmp_path, value):
-    from treadle.trainers.grpo.trainer import GRPOConfig
-
-    with pytest.raises(ValueError) as info:
-        GRPOConfig(output_dir=str(tmp_path), vllm_request_timeout=value)
-    assert str(info.value).startswith("vllm_request_timeout must be a number")
-
-
-# ---- 2. a server answering garbage --------------------------------------------------------------------
+# ---- a server answering garbage --------------------------------------------------------------------
 @pytest.mark.parametrize(
     "route, body, said",
     [
@@ -298,7 +286,7 @@ def test_a_server_answering_garbage_is_one_line_naming_it_and_what_it_said(route
     assert f"it sent {said}" in message
 
 
-# ---- 4. a foreign server ------------------------------------------------------------------------------
+# ---- a foreign server ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "health, said",
     [
@@ -327,7 +315,7 @@ def test_an_older_treadle_server_without_claims_is_refused():
     assert "speaks protocol 1" in one_line(info.value) and "restart it with this treadle" in str(info.value)
 
 
-# ---- 5. one server, one run; a model that differs beyond shapes -----------------------------------------
+# ---- one server, one run; a model that differs beyond shapes -----------------------------------------
 def test_a_second_run_is_refused_until_the_first_releases_the_server(tmp_path):
     with treadle_server(tmp_path) as (url, _):
         first = VLLMServerEngine(toy.build_model("tiny", seed=1), url, timeout=5, run="host:/runs/a")
@@ -348,12 +336,12 @@ def test_a_second_run_is_refused_until_the_first_releases_the_server(tmp_path):
         second.close()
         with pytest.raises(VLLMServerError, match=r"holds no run's claim \(was it restarted\?\)"):
             second.generate([[1, 5, 6]], PARAMS)  # as after a restart of the server mid-run
-        status, said = vllm_server.exchange(url, "POST", "claim", b"[]", timeout=5)
+        status, said = vllm_client.exchange(url, "POST", "claim", b"[]", timeout=5)
         assert status == 400 and said == b"treadle: error: a claim names its run as {'run': RUN}, got []"
 
 
 def test_the_run_id_is_the_output_folder_on_this_host(tmp_path):
-    assert vllm_server.run_id(str(tmp_path / "run")) == f"{socket.gethostname()}:{tmp_path / 'run'}"
+    assert vllm_client.run_id(str(tmp_path / "run")) == f"{socket.gethostname()}:{tmp_path / 'run'}"
 
 
 @pytest.mark.parametrize(
@@ -376,11 +364,11 @@ def test_a_server_whose_model_differs_beyond_shapes_is_refused(tmp_path, served,
 def test_architecture_reads_rope_from_transformers_4_and_5_alike():
     four = {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 2.0}, "rms_norm_eps": 1e-6}
     five = {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}, "rms_norm_eps": 1e-6}
-    assert vllm_server.architecture(four) == vllm_server.architecture(five)
-    assert vllm_server.architecture({"rope_theta": 1e4})["rope"] == {"rope_theta": 1e4, "rope_type": "default"}
+    assert wire.architecture(four) == wire.architecture(five)
+    assert wire.architecture({"rope_theta": 1e4})["rope"] == {"rope_theta": 1e4, "rope_type": "default"}
 
 
-# ---- 6. a server's smaller max_model_len ------------------------------------------------------------------
+# ---- a server's smaller max_model_len ------------------------------------------------------------------
 def test_a_server_whose_context_cannot_hold_prompt_and_completion_is_named_at_connect_and_refused_per_prompt(
     tmp_path,
 ):
@@ -405,55 +393,3 @@ def test_a_server_whose_context_cannot_hold_prompt_and_completion_is_named_at_co
     )
     assert "a prompt longer than 56 tokens will stop the run (vLLM would cut its completion short)" in note
     assert "a prompt of 57 tokens + max_completion_length=8 does not fit in the 64 tokens" in one_line(cut.value)
-
-
-# ---- 3. vllm-serve --port 99999 -----------------------------------------------------------------------------
-@pytest.mark.parametrize("port", ["99999", "0", "http"])
-def test_vllm_serve_refuses_a_port_outside_1_65535_before_anything_loads(capsys, monkeypatch, port):
-    monkeypatch.setattr(serve, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    assert cli.main(["vllm-serve", "toy:tiny", "--port", port]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "argument --port: port must lie in 1..65535, got " + repr(port) in err[0]
-
-
-# ---- 7. a head size vLLM's CPU attention lacks ----------------------------------------------------------
-def fake_vllm(monkeypatch, *, cpu: bool = True):
-    """A ``vllm`` package whose CPU attention has vLLM 0.32's head sizes and whose ``LLM`` must not start."""
-
-    class CPUAttentionBackend:
-        @classmethod
-        def get_supported_head_sizes(cls):
-            return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
-
-        @classmethod
-        def supports_head_size(cls, size):
-            return size in cls.get_supported_head_sizes()
-
-    def llm(**kwargs):
-        raise AssertionError("the engine started")
-
-    modules = {
-        "vllm": types.SimpleNamespace(__version__="0.32.0", LLM=llm),
-        "vllm.platforms": types.SimpleNamespace(current_platform=types.SimpleNamespace(is_cpu=lambda: cpu)),
-        "vllm.v1.attention.backends.cpu_attn": types.SimpleNamespace(CPUAttentionBackend=CPUAttentionBackend),
-    }
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-
-
-def test_colocated_vllm_refuses_a_head_size_its_cpu_kernels_lack_before_the_engine_starts(monkeypatch):
-    fake_vllm(monkeypatch)
-    with pytest.raises(UserError) as info:
-        vllm_engines.VLLMEngine(toy.build_model("tiny"))  # head size 64 / 4 = 16
-    assert one_line(info.value).startswith(
-        "vLLM 0.32.0's CPU attention has no kernel for this model's head size 16 (it has 32, 64, 80"
-    )
-    assert "use_vllm: false" in str(info.value)
-    with pytest.raises(AssertionError, match="the engine started"):  # toy small's 32 is checked and passes
-        vllm_engines.VLLMEngine(toy.build_model("small"))
-
-
-def test_the_head_size_check_leaves_other_platforms_to_vllm(monkeypatch):
-    fake_vllm(monkeypatch, cpu=False)
-    with pytest.raises(AssertionError, match="the engine started"):
-        vllm_engines.VLLMEngine(toy.build_model("tiny"))
