@@ -211,7 +211,15 @@ def peak_memory(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, float]
 
 
 def peak_rss_mib() -> float:
-    """This process's resident-memory high-water mark since it started (Linux reports KiB)."""
+    """This process's resident-memory high-water mark (MiB): /proc's VmHWM, which a new program starts afresh;
+    ``ru_maxrss`` keeps the parent's high-water mark across fork and exec, so a child started by a benchmark that had
+    grown would report the parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -267,18 +275,13 @@ class Run:
         self.name, self.opts, self.start = name, opts, time.time()
         self.out = Path(opts.out or tempfile.mkdtemp(prefix=f"treadle-bench-{name}-"))
         self.out.mkdir(parents=True, exist_ok=True)
-        self.record = {
-            "benchmark": name,
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-            "commit": git_commit(),
-            "command": shlex.join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]]),
-            "quick": bool(getattr(opts, "quick", False)),
-            "machine": machine(),
-            "options": {k: v for k, v in vars(opts).items() if k not in ("out", "json", "log", "no_log")},
-            "contenders": {},
-            "rows": [],
-            "figures": {},
-        }
+        self.record = record_head(name, quick=bool(getattr(opts, "quick", False)))
+        self.record.update(
+            options={k: v for k, v in vars(opts).items() if k not in ("out", "json", "log", "no_log")},
+            contenders={},
+            rows=[],
+            figures={},
+        )
         print(machine_line(self.record["machine"]), flush=True)
 
     def contender(self, name: str, **settings) -> None:
@@ -300,12 +303,36 @@ class Run:
         self.record["load_at_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
         path = Path(self.opts.json or self.out / f"{self.name}.json")
         path.write_text(json.dumps(self.record, indent=1, default=str) + "\n")
-        log = None if self.opts.no_log else self.opts.log or (None if self.record["quick"] else RESULTS_LOG)
+        log = log_path(self.opts, self.record["quick"])
         if log:
-            with open(log, "a") as f:
-                f.write(json.dumps(self.record, default=str) + "\n")
+            append_log(log, self.record)
         print(f"\nrecord: {path}" + (f"; appended to {log}" if log else ""), flush=True)
         return path
+
+
+def record_head(name: str, quick: bool) -> dict:
+    """The first fields of a run's record: what ran, when, on which commit and machine."""
+    return {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": git_commit(),
+        "command": shlex.join(["python", "-m", f"benchmarks.{name}", *sys.argv[1:]]),
+        "quick": quick,
+        "machine": machine(),
+    }
+
+
+def log_path(opts: argparse.Namespace, check: bool) -> Path | None:
+    """Where a run's record goes: ``--log``, else the results log for a measurement (not a ``check``: --quick)."""
+    if opts.no_log:
+        return None
+    return Path(opts.log) if opts.log else (None if check else RESULTS_LOG)
+
+
+def append_log(path: Path, record: dict) -> None:
+    """One line of JSON per run, appended: the results log is the benchmarks' dated history."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
 
 
 def table(header: list[str], rows: list[list]) -> str:
