@@ -239,6 +239,7 @@ def parse_args(argv=None):
     ):
         if set(given) - set(known):
             p.error(f"{name} {sorted(set(given) - set(known))}: choose from {', '.join(known)}")
+    opts.no_log = opts.no_log or opts.table_only  # a table of runs already logged is no new run
     if opts.parallel > 1 and "distill" in opts.variants:
         p.error("--parallel with distill: its runs of one kernel set and thread count share one teacher")
     return opts
