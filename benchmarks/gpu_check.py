@@ -157,6 +157,25 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     return "peak_process_rss_gib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def training_arguments(mode: str, opts, output_dir: str, steps: int) -> TrainingArguments:
+    """Both modes' settings: bf16 autocast, a constant learning rate, every step logged, nothing saved."""
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=opts.batch,
+        max_steps=steps,
+        learning_rate=1e-4,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        bf16=True,
+        fsdp="full_shard" if mode == "fsdp" else "",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_pin_memory=True,
+    )
+
+
 def run_mode(mode: str, opts, device: torch.device) -> dict:
     """Train ``warmup + steps`` optimizer steps in one mode and measure the timed ones."""
     model = build_model(opts.cpu_smoke, device)
@@ -166,21 +185,7 @@ def run_mode(mode: str, opts, device: torch.device) -> dict:
     rows = random_rows(opts.batch * steps * world, opts.seq_len, model.config.vocab_size)
     clock = StepClock(opts.warmup, device)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(
-            output_dir=output_dir,
-            per_device_train_batch_size=opts.batch,
-            max_steps=steps,
-            learning_rate=1e-4,
-            warmup_steps=0,
-            lr_scheduler_type="constant",
-            bf16=True,
-            fsdp="full_shard" if mode == "fsdp" else "",
-            logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-            dataloader_pin_memory=True,
-        )
+        args = training_arguments(mode, opts, output_dir, steps)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         trainer = Trainer(model, args, train_dataset=rows, callbacks=[clock])
