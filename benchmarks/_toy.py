@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader
 from benchmarks._lockstep import Workload
 from treadle import TrainerCallback
 from treadle.demos import toy
-from treadle.generation import generate_completions
+from treadle.generation import SamplingParams
+from treadle.generation.single import sample_completions
 
 LR = 1e-5
 BATCH = 8  # rows (SFT), pairs (DPO) or completions (GRPO) per optimizer step
@@ -39,6 +40,10 @@ MUST_MATCH = ("loss", "batch", "sampled tokens", "optimizer")
 # ...and these in all of them but the row that shows TRL as its defaults configure it (labelled as such).
 MUST_MATCH_COMPARED = ("precision", "grad checkpointing")
 TRL_DEFAULTS = "TRL defaults (bf16 autocast + grad ckpt)"
+# The two health checks that stop a run: an untrained model on the addition reward gets equal rewards in every group,
+# and every completion is truncated (fixed_length), so they would stop treadle's GRPO at step 10 or 20. Their metrics
+# and the warning checks still run: the per-step work stays what a user's run does.
+GRPO_HEALTH_CHECKS = {"no_learning_signal": False, "all_truncated": False}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -92,20 +97,18 @@ def rows_for(work: Workload, steps: int) -> list[dict]:
     return grpo_rows(steps * BATCH // GROUP)
 
 
-def build(size: str, *, sampled_lengths: bool = True):
-    """(tokenizer, model) for one contender: the same weights every time.
-
-    ``sampled_lengths=False`` (GRPO) makes every completion exactly L tokens: EOS becomes a new token that the model,
-    whose vocabulary stays as it was, can never sample. An untrained model samples the real EOS about once per 100
-    tokens, which would give each contender a different amount of work by chance.
-    """
+def build(size: str):
+    """(tokenizer, model) for one contender: the same weights every time."""
     tokenizer = toy.build_tokenizer()
     model = toy.build_model(size, tokenizer=tokenizer, seed=0)
-    if not sampled_lengths:
-        tokenizer.add_special_tokens({"eos_token": "<never>"})
-        model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.train()
-    return tokenizer, model
+    return tokenizer, model.train()
+
+
+def fixed_length(tokenizer) -> dict:
+    """GRPO's generation settings that make every completion exactly L tokens: the end token suppressed, as
+    ``generate``'s ``suppress_tokens`` does. An untrained model samples it about once per 100 tokens, which would give
+    each contender a different amount of work by chance."""
+    return {"suppress_tokens": [tokenizer.eos_token_id]}
 
 
 def items_per_step(work: Workload) -> tuple[float, str]:
@@ -328,18 +331,19 @@ def completion_logps(model, input_ids, attention_mask, prompt_length: int):
 
 
 def sample_and_score(model, tokenizer, chosen: list[dict], work: Workload, generator):
-    """One generation of GROUP completions per chosen row with the fast sampler: (output, lengths, advantages)."""
-    out = generate_completions(
-        model,
-        [tokenizer(r["prompt"])["input_ids"] for r in chosen],
+    """One generation of GROUP completions per chosen row with the fast sampler, every completion L tokens (the end
+    token suppressed: ``fixed_length``): (output, lengths, advantages)."""
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(
         num_generations=GROUP,
         max_new_tokens=work.completion_length,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_ids=(eos,),
         pad_token_id=tokenizer.pad_token_id,
         temperature=1.0,
-        generator=generator,
-        backend="fast",
+        suppress_token_ids=tuple(fixed_length(tokenizer)["suppress_tokens"]),
     )
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in chosen]
+    out = sample_completions(model, prompts, params, generator=generator, backend="fast")
     lengths = out.completion_mask.sum(dim=1).tolist()
     texts = tokenizer.batch_decode(
         [ids[:n] for ids, n in zip(out.completion_ids.tolist(), lengths)], skip_special_tokens=True
@@ -352,7 +356,7 @@ def sample_and_score(model, tokenizer, chosen: list[dict], work: Workload, gener
 
 
 def plain_grpo(work: Workload, size: str, steps: int, clock, bare: bool = False) -> None:
-    tokenizer, model = build(size, sampled_lengths=False)
+    tokenizer, model = build(size)
     rows = rows_for(work, steps)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     generator, per_generation = torch.Generator().manual_seed(0), BATCH * work.spg // GROUP

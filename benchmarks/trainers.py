@@ -12,10 +12,12 @@ model, data, optimizer and the hand-written loops):
 - DPO (sigmoid loss, beta 0.1): 8 pairs, 60-token prompt and 16-token responses; one policy forward over the 16
   sequences, one reference forward without gradients, backward.
 - GRPO: 8 completions per micro-step, G = 8 per prompt (64-token prompts), temperature 1, every completion exactly L
-  tokens, beta 0, loss "dapo"; one generation of 8 x spg completions feeds spg optimizer steps (with spg > 1 the old
-  log-probs are computed once per slice, as all three do). Treadle and the plain loop sample with
-  ``treadle.generation.generate_completions``; TRL calls ``model.generate`` on the B*G repeated prompts, the way it
-  works on CPU without vLLM, which is part of what is being compared.
+  tokens (the end token suppressed in every contender, ``generate``'s ``suppress_tokens``), beta 0, loss "dapo"; one
+  generation of 8 x spg completions feeds spg optimizer steps (with spg > 1 the old log-probs are computed once per
+  slice, as all three do). Treadle and the plain loop sample with treadle's own sampler (``backend="fast"``); TRL
+  calls ``model.generate`` on the B*G repeated prompts, the way it works on CPU without vLLM, which is part of what is
+  being compared. Treadle also corrects for sampling from the truncated distribution (its sampler's log-probs are
+  exact), at no extra forward with one step per generation.
 
 Contenders, in lockstep on one core (``benchmarks._lockstep``): the bare loop, the plain loop, (``--twin``) the plain
 loop again, treadle, TRL float32, and TRL as its defaults configure it (bf16 autocast + gradient checkpointing: other
@@ -42,6 +44,7 @@ from benchmarks._toy import (
     BETA_DPO,
     EPSILON,
     GROUP,
+    GRPO_HEALTH_CHECKS,
     MUST_MATCH,
     MUST_MATCH_COMPARED,
     SFT_PROMPT,
@@ -49,6 +52,7 @@ from benchmarks._toy import (
     build,
     check_settings,
     common_args,
+    fixed_length,
     items_per_step,
     plain_dpo,
     plain_grpo,
@@ -106,7 +110,7 @@ def treadle_dpo(work: Workload, size: str, steps: int, clock, output_dir: str) -
 
 
 def treadle_grpo(work: Workload, size: str, steps: int, clock, output_dir: str) -> None:
-    tokenizer, model = build(size, sampled_lengths=False)
+    tokenizer, model = build(size)
     args = GRPOConfig(
         **common_args(output_dir, steps),
         num_generations=GROUP,
@@ -118,6 +122,8 @@ def treadle_grpo(work: Workload, size: str, steps: int, clock, output_dir: str) 
         epsilon=EPSILON,
         loss_type="dapo",
         scale_rewards="group",
+        generation_kwargs=fixed_length(tokenizer),
+        health_checks=GRPO_HEALTH_CHECKS,
     )
     trainer = GRPOTrainer(
         model,
@@ -140,8 +146,8 @@ def trl_trainer(kind: str, work: Workload, size: str, steps: int, clock, output_
     from datasets import Dataset
     from transformers import TrainerCallback as TransformersCallback
 
-    tokenizer, model = build(size, sampled_lengths=kind != "grpo")
-    config, more = trl_config(kind, work, output_dir, steps, defaults), {}
+    tokenizer, model = build(size)
+    config, more = trl_config(kind, work, output_dir, steps, defaults, tokenizer), {}
     if kind == "dpo":  # TRL reloads its reference from the hub id when given none; ours has none: the same copy
         more["ref_model"] = copy.deepcopy(model).eval().requires_grad_(False)
     if kind == "grpo":
@@ -158,7 +164,7 @@ def trl_trainer(kind: str, work: Workload, size: str, steps: int, clock, output_
     clock.settings.update(trainer_settings(work, trainer, model))
 
 
-def trl_config(kind: str, work: Workload, output_dir: str, steps: int, defaults: bool):
+def trl_config(kind: str, work: Workload, output_dir: str, steps: int, defaults: bool, tokenizer):
     """TRL's config for ``kind`` doing the same work."""
     import trl
 
@@ -183,6 +189,7 @@ def trl_config(kind: str, work: Workload, output_dir: str, steps: int, defaults:
         scale_rewards="group",
         num_iterations=1,
         log_completions=False,
+        generation_kwargs=fixed_length(tokenizer),
     )
 
 
