@@ -69,9 +69,11 @@ test-real: real-model
 real-model: $(DEV_STAMP)
 	$(PY) -c "from treadle.demos import smollm2; print(smollm2.folder())"
 
+# every benchmark of the suite (benchmarks/__main__.py; hours, most of it the demos matrix), then all their tables;
+# each full run appends its record to benchmarks/results.jsonl. `python -m benchmarks --quick` checks that they run
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[bench]'
-	$(PY) benchmarks/run_all.py
+	$(PY) -m benchmarks
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache

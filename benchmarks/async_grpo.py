@@ -1,45 +1,75 @@
-"""Asynchronous GRPO (``max_staleness``, docs/async.md): wall time and held-out accuracy against the synchronous run.
+"""Asynchronous GRPO (``max_staleness``, docs/async.md): wall time against the synchronous run, with the own sampler
+in a worker, and with the vLLM server.
 
-``--part wall``: the same GRPO run (same steps, prompts, sampling settings and seed) of the toy ``small`` model on
-the addition prompts (rewarded by the share of digits) with ``max_staleness`` 0, 1 and 2 (the own sampler in a
-worker process), and 1 with a thread worker, ``--rounds`` rounds each, interleaved. The synchronous run runs with 1
-and with 2 torch threads (the machine's 2 cores); a process-worker async run splits 2 threads (worker 1, trainer 1:
-``worker_threads``), a thread worker shares the trainer's 1. Each row prints its settings, the completion tokens it
-sampled (equal work: the learning rate is small, so the policies stay close), the load average, and where the time
-went: the synchronous run's sampling seconds (timed around the engine), the async run's worker start and the seconds
-the trainer waited for the worker, and the CPU seconds of the trainer's process (a thread worker's included) and of
-a worker process.
+    python -m benchmarks.async_grpo --parts wall --rounds 3
+    .venv-vllm/bin/python -m benchmarks.async_grpo --parts server --completion 64 --own
+    python -m benchmarks.async_grpo --quick      # 3 steps of 16 completions, 1 round; server: "not run" without vLLM
 
-``--part demo``: the addition demo's SFT warm start once per seed, then GRPO from that checkpoint with
-``max_staleness`` 0 and 1 for the same number of steps; held-out greedy exact match on 1,000 problems.
+Every run: the same GRPO run (``grpo_run``) of a toy model (``--model``, seed 0) on the addition prompts rewarded by
+their share of digits (every step has a learning signal), ``--steps`` steps of ``--batch`` completions (G
+``--generations``), at most ``--completion`` tokens, learning rate 1e-5 (the policies stay close, so every run samples
+about the same tokens: printed), the same seed, no saving, no health checks. Per run: seconds, the synchronous run's
+sampling seconds (timed around its engine), the async worker's start and the seconds the trainer waited for a batch,
+completion tokens, the CPU seconds of the trainer's process and of the worker's or server's, the load average.
 
-    nice python benchmarks/async_grpo.py --part wall --rounds 3
-    nice python benchmarks/async_grpo.py --part demo --seeds 0,1,2
+- ``wall``: ``max_staleness`` 0 with 1 torch thread (and with 2, ``--sync-two-threads``), 1 and 2 with a process
+  worker (2 threads split: worker 1, trainer 1), 1 with a thread worker (sharing the trainer's 1); the synchronous
+  1-thread run first in every round, the ratios to it.
+- ``server``: one ``treadle vllm-serve`` subprocess pinned to ``--server-core`` (``taskset``; vLLM binds its OpenMP
+  threads within the cores it may use) serves every run; the trainer runs here, pinned to ``--trainer-core`` with 1
+  torch thread: the synchronous run with the server, the asynchronous ones (``--staleness``), and with ``--own`` the
+  synchronous own sampler on the trainer's core, for scale; the synchronous server run first in every round.
+
+Every process keeps freed memory unless ``--allocator glibc`` (the worker and the server inherit the setting).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 import resource
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
+import torch
 
+from benchmarks import harness
+from benchmarks.engines import start_server, stop
+from treadle.demos import toy
+from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
-def loadavg() -> str:
-    return " ".join(open("/proc/loadavg").read().split()[:3])
+PARTS = ("wall", "server")
 
 
 def digit_reward(completions, **kwargs) -> list[float]:
-    """A reward that an untrained model's completions already spread over (the share of digits), so every step
-    has a learning signal (the exact-match reward is 0 for every completion of an untrained model)."""
+    """A reward that an untrained model's completions already spread over (the share of digits), so every step has a
+    learning signal (the exact-match reward is 0 for every completion of an untrained model)."""
     return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+
+def grpo_run(opts, out: Path, staleness: int, **overrides) -> GRPOTrainer:
+    """The GRPO run every contender trains; ``overrides``: more ``GRPOConfig`` fields (the worker, the server)."""
+    tok = toy.build_tokenizer()
+    args = GRPOConfig(
+        output_dir=str(out),
+        overwrite_output_dir=True,
+        max_steps=opts.steps,
+        seed=0,
+        per_device_train_batch_size=opts.batch,
+        num_generations=opts.generations,
+        max_completion_length=opts.completion,
+        learning_rate=1e-5,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        max_staleness=staleness,
+        report_to="none",
+        health_checks=False,
+        **overrides,
+    )
+    data = toy.load_task("addition", "train", kind="rl", n=2000, seed=0)
+    model = toy.build_model(opts.model, tokenizer=tok, seed=0)
+    return GRPOTrainer(model, digit_reward, args=args, train_dataset=data, processing_class=tok)
 
 
 def timed_sampling(trainer) -> list[float]:
@@ -57,199 +87,151 @@ def timed_sampling(trainer) -> list[float]:
     return sampling
 
 
-def grpo_run(options, out: Path, staleness: int, generations: int = 8, **overrides):
-    """The GRPO run both async benchmarks time: the toy ``options.model`` (seed 0) on the addition prompts rewarded by
-    their share of digits, ``options.steps`` steps of ``options.batch`` completions (G ``generations``), at most
-    ``options.completion`` tokens, learning rate 1e-5, seed 0, no saving, no health checks; ``overrides``: more
-    ``GRPOConfig`` fields (the worker's kind, the vLLM server)."""
-    from treadle.demos import toy
-    from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-
-    tok = toy.build_tokenizer()
-    args = GRPOConfig(
-        output_dir=str(out),
-        overwrite_output_dir=True,
-        max_steps=options.steps,
-        seed=0,
-        per_device_train_batch_size=options.batch,
-        num_generations=generations,
-        max_completion_length=options.completion,
-        learning_rate=1e-5,
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        max_staleness=staleness,
-        report_to="none",
-        health_checks=False,
-        **overrides,
-    )
-    return GRPOTrainer(
-        toy.build_model(options.model, tokenizer=tok, seed=0),
-        digit_reward,
-        args=args,
-        train_dataset=toy.load_task("addition", "train", kind="rl", n=2000, seed=0),
-        processing_class=tok,
-    )
+def producer_timings(trainer) -> dict:
+    """The asynchronous producer's timings (worker start, seconds waited), {} for a synchronous run."""
+    sampler = getattr(trainer, "rollout_sampler", None)
+    if sampler is None:  # a tree from before the rollout sampler: the producer hung off the trainer itself
+        sampler = trainer
+    producer = getattr(sampler, "producer", None)
+    return dict(producer.timings) if producer is not None else {}
 
 
-def wall_run(out: Path, options, staleness: int, worker: str, threads: int) -> dict:
-    """One GRPO run with ``threads`` torch threads in this process (an async process worker takes half);
-    returns its seconds, the completion tokens sampled and where the time went."""
-    import torch
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    torch.set_num_threads(threads)
 
-    threads = torch.get_num_threads()
-    trainer = grpo_run(options, out, staleness, async_worker=worker if staleness else "process")
-    sampling = timed_sampling(trainer) if not staleness else [0.0]
-    start, cpu, children = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    trainer.train()  # a process worker is joined when it ends: its CPU time is then in RUSAGE_CHILDREN
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def one_run(trainer, staleness: int, other_pid: int | None = None) -> dict:
+    """Train; seconds, tokens sampled and where the time went (``other_pid``: the server, whose CPU is counted)."""
+    sampling = timed_sampling(trainer) if not staleness else [None]
+    other = cpu_seconds(other_pid) if other_pid else children_cpu()
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        trainer.train()  # a process worker is joined when it ends: its CPU time is then in RUSAGE_CHILDREN
+    finally:
+        trainer.close()  # the worker, the server's claim
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    worker_cpu = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
+    other = (cpu_seconds(other_pid) if other_pid else children_cpu()) - other
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
-    tokens = sum(h["completions/mean_length"] for h in logs) * options.batch
-    timings = trainer.producer.timings if trainer.producer is not None else {}
+    timings = producer_timings(trainer)
     return {
         "seconds": seconds,
-        "tokens": round(tokens),
-        "sampling": sampling[0] if not staleness else None,
+        "tokens": round(sum(h["completions/mean_length"] for h in logs) * trainer.args.per_device_train_batch_size),
+        "sampling": sampling[0],
         "worker_start": timings.get("worker_start"),
         "waiting": timings.get("waiting"),
-        "staleness": [h.get("async/staleness") for h in logs],
         "cpu": cpu,
-        "worker_cpu": worker_cpu if staleness and worker == "process" else None,
+        "other_cpu": other,
+        "load": harness.machine()["load"],
     }
 
 
-def part_wall(options, root: Path) -> None:
-    contenders = [(0, "none", 1), (0, "none", 2), (1, "process", 2), (2, "process", 2), (1, "thread", 1)]
-    if not options.sync_two_threads:  # on a loaded 2-core machine it took 15x the 1-thread time: left out by default
-        contenders.remove((0, "none", 2))
-    # the synchronous contenders run first in every round: each row's ratios are to that round's baselines
-    results = {c: [] for c in contenders}
+def rounds_table(run: harness.Run, part: str, contenders: list[str], results: dict, base: str) -> None:
+    """Every run (round by round, its ratio to the base's run of that round), then the medians."""
+    rows = []
+    for round_ in range(len(results[base])):
+        for name in contenders:
+            r = results[name][round_]
+            cells = [r[k] for k in ("sampling", "worker_start", "waiting", "cpu", "other_cpu")]
+            rows.append(
+                [round_, name, f"{r['seconds']:.1f}", f"{r['seconds'] / results[base][round_]['seconds']:.3f}"]
+            )
+            rows[-1] += [r["tokens"], *("-" if c is None else f"{c:.1f}" for c in cells), r["load"]]
+    header = ["round", "contender", "seconds", f"ratio to {base}", "tokens", "sync: sampling s", "worker start s"]
     print(
-        "| round | max_staleness | worker | model | steps | completions/step | max tokens | torch threads "
-        "(trainer / worker) | seconds | ratio to sync 1 thread | ratio to sync 2 threads | tokens sampled | "
-        "sync: sampling s | async: worker start s | async: trainer waited s | trainer CPU s | worker process CPU s "
-        "| load average |"
+        f"\n### {part}\n\n"
+        + harness.table(header + ["waited s", "trainer CPU s", "worker/server CPU s", "load"], rows)
     )
-    print("|" + "---|" * 18)
-    for round_ in range(options.rounds):
-        for staleness, worker, threads in contenders:
-            r = wall_run(root / f"r{round_}-{staleness}-{worker}-{threads}", options, staleness, worker, threads)
-            results[(staleness, worker, threads)].append(r)
-            bases = [results[(0, "none", t)][-1]["seconds"] if results.get((0, "none", t)) else None for t in (1, 2)]
-            print_row(round_, (staleness, worker, threads), r, bases, options)
-    print("\nmedians over rounds (ratio of medians to the synchronous medians):")
-    sync = statistics.median(r["seconds"] for r in results[(0, "none", 1)])
-    for (staleness, worker, threads), rows in results.items():
-        median = statistics.median(r["seconds"] for r in rows)
-        print(
-            f"  max_staleness={staleness} worker={worker} threads={threads}: {median:.1f} s, ratio to sync "
-            f"1 thread {median / sync:.3f}"
+    sync = statistics.median(r["seconds"] for r in results[base])
+    print("\nmedians over rounds:")
+    for name in contenders:
+        s = harness.spread([r["seconds"] for r in results[name]])
+        run.row(part=part, contender=name, seconds=s, ratio=s["median"] / sync, runs=results[name])
+        print(f"  {name}: {s['median']:.1f} s (range {s['min']:.1f} - {s['max']:.1f}), {s['median'] / sync:.3f}x")
+
+
+def part_wall(run: harness.Run, opts) -> None:
+    contenders = {"sync, 1 thread": (0, "process", 1), "N=1 process": (1, "process", 2)}
+    contenders |= {"N=2 process": (2, "process", 2), "N=1 thread": (1, "thread", 1)}
+    if opts.sync_two_threads:  # on a loaded 2-core machine it took 15x the 1-thread time: left out by default
+        contenders["sync, 2 threads"] = (0, "process", 2)
+    for name, (staleness, worker, threads) in contenders.items():
+        run.contender(name, part="wall", max_staleness=staleness, worker=worker if staleness else "-", threads=threads)
+    results = {name: [] for name in contenders}
+    for round_ in range(opts.rounds):
+        for name, (staleness, worker, threads) in contenders.items():  # the synchronous run first: the ratios' base
+            torch.set_num_threads(threads)
+            trainer = grpo_run(opts, run.out / f"r{round_}-{name}", staleness, async_worker=worker)
+            results[name].append(one_run(trainer, staleness))
+            print(f"round {round_} {name}: {results[name][-1]['seconds']:.1f} s", flush=True)
+    rounds_table(run, "wall", list(contenders), results, "sync, 1 thread")
+
+
+def part_server(run: harness.Run, opts) -> None:
+    os.sched_setaffinity(0, {opts.trainer_core})
+    torch.set_num_threads(1)
+    model = toy.build_model(opts.model, tokenizer=toy.build_tokenizer(), seed=0)
+    env = harness.allocator_env(opts.allocator, treadle_contender=True)
+    prefix = ("taskset", "-c", str(opts.server_core))
+    engine, started, _, process = start_server(model, f"toy:{opts.model}", prefix=prefix, env=env)
+    if engine is None:
+        print(f"\n### server\n\nnot run: {started}")
+        return
+    engine.close()  # the runs claim it one at a time
+    served = {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": engine.url}
+    contenders = {"sync server": (0, served)} | {f"async server N={n}": (int(n), served) for n in opts.staleness}
+    contenders |= {"sync own sampler": (0, {})} if opts.own else {}
+    for name, (staleness, settings) in contenders.items():
+        run.contender(
+            name, part="server", max_staleness=staleness, server=bool(settings), trainer_core=opts.trainer_core
         )
-
-
-def print_row(round_: int, contender: tuple, r: dict, bases: list[float], options) -> None:
-    staleness, worker, threads = contender
-    split = (
-        f"{threads}"
-        if not staleness
-        else f"{threads} / shared"
-        if worker == "thread"
-        else f"{max(1, threads - max(1, threads // 2))} / {max(1, threads // 2)}"
-    )
-
-    def ratio(seconds: float, base: float | None) -> str:
-        return "-" if base is None else f"{seconds / base:.3f}"
-
-    def fmt(value) -> str:
-        return "-" if value is None else f"{value:.1f}"
-
-    print(
-        f"| {round_} | {staleness} | {worker} | {options.model} | {options.steps} | {options.batch} | "
-        f"{options.completion} | {split} | {r['seconds']:.1f} | {ratio(r['seconds'], bases[0])} | "
-        f"{ratio(r['seconds'], bases[1])} | {r['tokens']} | {fmt(r['sampling'])} | {fmt(r['worker_start'])} | "
-        f"{fmt(r['waiting'])} | {fmt(r['cpu'])} | {fmt(r['worker_cpu'])} | {loadavg()} |",
-        flush=True,
+    results = {name: [] for name in contenders}
+    try:
+        for round_ in range(opts.rounds):
+            for name, (staleness, settings) in contenders.items():
+                trainer = grpo_run(opts, run.out / f"r{round_}-{name}", staleness, **settings)
+                results[name].append(one_run(trainer, staleness, process.pid if settings else None))
+    finally:
+        stop(process)
+    rounds_table(
+        run, f"server (start-up {started:.1f} s, core {opts.server_core})", list(contenders), results, "sync server"
     )
 
 
-def demo_run(checkpoint: str, settings, out: Path, staleness: int) -> dict:
-    from treadle.cli.loading import load_model
-    from treadle.demos import toy
-    from treadle.demos.addition import ACCURACY, heldout_trainer
-
-    tokenizer = toy.build_tokenizer()
-    model, _ = load_model(checkpoint, tokenizer=tokenizer)
-    trainer = heldout_trainer(
-        model,
-        tokenizer,
-        settings,
-        out,
-        max_steps=settings.grpo_steps,
-        learning_rate=settings.grpo_learning_rate,
-        lr_scheduler_type="cosine",
-        warmup_steps=settings.grpo_warmup,
-        logging_steps=max(1, settings.grpo_steps // 40),
-        save_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        max_staleness=staleness,
-    )
-    start = time.time()
-    trainer.train()
-    seconds = time.time() - start
-    return {"after": trainer.evaluate()[ACCURACY], "seconds": seconds, "steps": trainer.state.global_step}
+def parse_args(argv=None):
+    p = harness.parser(__doc__, "3 steps of 16 completions x 8 tokens, 1 round")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="small", help="toy size (the server needs head size 32 or more: small, base)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=32, help="completions per step")
+    p.add_argument("--generations", type=int, default=8, help="G")
+    p.add_argument("--completion", type=int, default=16, help="max_completion_length (the server runs: 64)")
+    p.add_argument("--sync-two-threads", action="store_true", help="wall: also the synchronous run on 2 threads")
+    p.add_argument("--staleness", default="1", help="server: comma-separated max_staleness values of the async rows")
+    p.add_argument("--server-core", type=int, default=0)
+    p.add_argument("--trainer-core", type=int, default=1)
+    p.add_argument("--own", action="store_true", help="server: also the synchronous own sampler on the trainer's core")
+    opts = p.parse_args(argv)
+    if opts.quick:
+        opts.rounds, opts.steps, opts.batch, opts.completion = 1, 3, 16, 8
+    opts.staleness = opts.staleness.split(",")
+    return opts
 
 
-def part_demo(options, root: Path) -> None:
-    import torch
-
-    from treadle.demos import toy
-    from treadle.demos.addition import DemoSettings, demo_sft
-
-    torch.set_num_threads(1)  # as the demo
-    print(
-        "| seed | after SFT (steps) | GRPO max_staleness=0 | max_staleness=1 | difference | seconds 0 / 1 | "
-        "load average |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for seed in [int(s) for s in options.seeds.split(",")]:
-        settings = DemoSettings(seed=seed, **({"grpo_steps": options.grpo_steps} if options.grpo_steps else {}))
-        model = toy.build_model(settings.model_size, seed=seed, tokenizer=toy.build_tokenizer())
-        checkpoint, sft_steps, _ = demo_sft(model, toy.build_tokenizer(), settings, root / f"seed{seed}" / "sft")
-        sync = demo_run(checkpoint, settings, root / f"seed{seed}" / "sync", 0)
-        stale = demo_run(checkpoint, settings, root / f"seed{seed}" / "async", 1)
-        from treadle.demos.addition import evaluate_heldout  # noqa: F401  (the SFT score: the same evaluation)
-
-        print(
-            f"| {seed} | ({sft_steps}) | {sync['after']:.1%} | {stale['after']:.1%} | "
-            f"{100 * (stale['after'] - sync['after']):+.1f} | {sync['seconds']:.0f} / {stale['seconds']:.0f} | "
-            f"{loadavg()} |",
-            flush=True,
-        )
-        (root / f"seed{seed}.json").write_text(json.dumps({"sync": sync, "async": stale, "sft_steps": sft_steps}))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("wall", "demo"), default="wall")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--sync-two-threads", action="store_true", help="also the synchronous run on 2 threads")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=32, help="completions per step (G = 8)")
-    parser.add_argument("--completion", type=int, default=16, help="max_completion_length")
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--grpo-steps", type=int, default=None)
-    parser.add_argument("--out", default=None)
-    options = parser.parse_args()
-    root = Path(options.out or tempfile.mkdtemp(prefix="async-grpo-"))
-    print(machine_header() + "\n")
-    print(f"settings: {vars(options)}\n")
-    (part_wall if options.part == "wall" else part_demo)(options, root)
+def main(argv=None) -> None:
+    opts = parse_args(argv)
+    harness.apply_allocator(opts.allocator)
+    run = harness.Run("async_grpo", opts)
+    for part in opts.parts.split(","):
+        {"wall": part_wall, "server": part_server}[part](run, opts)
+    run.finish()
 
 
 if __name__ == "__main__":

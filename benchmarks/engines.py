@@ -1,59 +1,44 @@
-"""Rollouts per second of GRPO's rollout engines: the own sampler, vLLM colocated, vLLM server and transformers
-``generate``.
+"""Rollouts per second of GRPO's rollout engines: the own sampler, transformers ``generate``, vLLM colocated and vLLM
+served, each through the engine contract (``engine.generate(prompts, params, generator=...)``).
 
-Every contender gets the same randomly initialised toy Llama (``treadle.toy``: "small" 4.2M parameters, head size
-32; "base" 33.6M, head size 64 -- vLLM's CPU attention has no kernel for toy "tiny"'s head size 16), the same B
-distinct prompts from the toy addition task, G completions per prompt and the same sampling settings
-(temperature 1, no top-k / top-p, EOS ignored so that every completion is exactly ``--tokens`` long and each
-contender produces the same number of tokens). The own sampler is ``engines.LocalEngine`` (backend "fast"),
-``generate`` is the same engine with backend "hf" (``model.generate(num_return_sequences=G)``, TRL's non-vLLM
-path), vLLM is ``engines.vllm.VLLMEngine`` (in-process, float32) after one weight sync, and the vLLM server is
-``engines.vllm_server.VLLMServerEngine`` talking to a ``treadle vllm-serve toy:<model>`` subprocess on loopback
-(the same weights pushed to it over HTTP; its answers cross the loopback as bytes). The contenders run
-interleaved, ``--rounds`` times, so that noise from other processes hits all alike; each vLLM's start-up (once
-per run) and one weight sync are timed apart.
+    .venv-vllm/bin/python -m benchmarks.engines --parts toy --model small      # or --model base (33.6M)
+    .venv-vllm/bin/python -m benchmarks.engines --parts real --threads 2       # SmolLM2-135M-Instruct
+    python -m benchmarks.engines --quick     # 2 prompts x 2 x 8 tokens, 1 round; vLLM rows say why they did not run
 
-    .venv-vllm/bin/python benchmarks/engines.py [--model small|base] [--quick] [--no-server]  # make test-vllm
+Every contender gets the same model, prompts and sampling settings (temperature 1, no top-k / top-p, EOS ignored so
+that every completion is exactly ``--tokens`` long and each contender produces the same number of tokens):
 
-Without vLLM installed (the main .venv) the vLLM row says so and the other two still run. One model per run:
-vLLM's in-process engine is started once per process. Figures: docs/vllm.md.
+- own sampler: ``engines.local.LocalEngine`` (backend "fast"); generate: the same engine with backend "hf"
+  (``model.generate(num_return_sequences=G)``, TRL's non-vLLM path);
+- vLLM colocate: ``engines.vllm.VLLMEngine``, in-process, after one full weight sync;
+- vLLM server: ``engines.vllm_client.VLLMServerEngine`` talking to a ``treadle vllm-serve`` subprocess on loopback
+  (``toy:<model>`` or the real model's folder), the same weights pushed to it over HTTP.
+
+The models: ``toy``: the toy Llama (``treadle.demos.toy``; "small" 4.2M parameters, head size 32; "base" 33.6M, head
+size 64: vLLM's CPU attention has no kernel for toy "tiny"'s head size 16), B prompts of the addition task; ``real``:
+SmolLM2-135M-Instruct float32, 8 chat prompts x G. The contenders run interleaved, ``--rounds`` times after an untimed
+round; each vLLM's start-up (once per run) and one weight sync are timed apart. Without vLLM (the main .venv) the vLLM
+rows print "not run: <reason>" and the others still run.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from _machine import machine_header  # noqa: E402  (this folder is on sys.path when a script in it runs)
+from benchmarks import harness
+from treadle.demos import toy
+from treadle.engines.local import LocalEngine
+from treadle.generation.sampling import SamplingParams
 
-from treadle.demos import toy  # noqa: E402
-from treadle.engines.local import LocalEngine  # noqa: E402
-from treadle.generation.sampling import SamplingParams  # noqa: E402
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small", choices=["small", "base"])
-    parser.add_argument("--prompts", type=int, default=16, help="B distinct prompts")
-    parser.add_argument("--generations", type=int, default=8, help="G completions per prompt")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per completion (EOS ignored)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--no-server", action="store_true", help="leave out the vLLM server row (a second start)")
-    parser.add_argument("--quick", action="store_true", help="2 prompts x 2 x 8 tokens, 1 round: checks it runs")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.prompts, args.generations, args.tokens, args.rounds = 2, 2, 8, 1
-    return args
+PARTS = ("toy", "real")
+OWN, HF = "own sampler (LocalEngine, fast)", "transformers generate (LocalEngine, hf)"
+COLOCATE, SERVER = "vLLM colocate (VLLMEngine)", "vLLM server (VLLMServerEngine, loopback)"
 
 
 def start_vllm(model):
@@ -73,43 +58,32 @@ def start_vllm(model):
     return engine, started, time.perf_counter() - start
 
 
-def start_server(
-    model, spec: str, options: tuple[str, ...] = (), timeout: float = 900.0, prefix: tuple[str, ...] = ()
-):
-    """(engine, start-up seconds, one weight sync's seconds, process) of a ``treadle vllm-serve SPEC`` subprocess
-    (``toy:<size>`` or a model folder; ``options``: more of its flags, e.g. ``--dtype``), or (None, reason, None,
-    None) without vLLM. ``timeout``: seconds the engine waits for the server's first answer; ``prefix``: a command
-    the server runs under (e.g. ``taskset -c 0``)."""
-    try:
-        from treadle.engines.vllm import require_vllm  # vLLM is optional: .venv-vllm only
-        from treadle.engines.vllm_server import VLLMServerEngine
-
-        require_vllm()
-    except ImportError as error:
-        return None, str(error), None, None
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
-    }
+        return s.getsockname()[1]
+
+
+def start_server(model, spec: str, options=(), timeout: float = 900.0, prefix=(), env: dict | None = None):
+    """(engine, start-up seconds, one weight sync's seconds, process) of a ``treadle vllm-serve SPEC`` subprocess
+    (``toy:<size>`` or a model folder; ``options``: more of its flags, e.g. ``--dtype``; ``prefix``: a command it
+    runs under, e.g. ``taskset -c 0``; ``env``: its environment, this process's by default), or (None, reason, None,
+    None) without vLLM. ``timeout``: seconds the engine waits for the server's first answer."""
+    try:
+        from treadle.engines.vllm import require_vllm  # vLLM is optional: .venv-vllm only
+
+        require_vllm()
+        from treadle.engines.vllm_client import VLLMServerEngine
+    except ImportError as error:
+        return None, str(error), None, None
+    port = free_port()
+    env = dict(os.environ if env is None else env)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    command = [*prefix, sys.executable, "-m", "treadle", "vllm-serve", spec, "--port", str(port)]
     start = time.perf_counter()
-    command = [
-        *prefix,
-        sys.executable,
-        "-m",
-        "treadle",
-        "vllm-serve",
-        spec,
-        "--port",
-        str(port),
-        "--max-model-len",
-        "256",
-        *options,
-    ]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*command, "--max-model-len", "256", *options], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=timeout)
     except BaseException:  # a server that never answers (or a row's time running out) leaves no process behind
@@ -122,70 +96,122 @@ def start_server(
     return engine, started, time.perf_counter() - start, process
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    tok = toy.build_tokenizer()
-    model = toy.build_model(args.model, tokenizer=tok, seed=0).eval()
-    prompts = [tok(row["prompt"])["input_ids"] for row in toy.load_task("addition", kind="rl", n=args.prompts)]
-    params = SamplingParams(
-        num_generations=args.generations,
-        max_new_tokens=args.tokens,
-        eos_token_ids=(),
-        pad_token_id=tok.pad_token_id,
-        temperature=1.0,
-    )
-    vllm, vllm_start, vllm_sync = start_vllm(model)
-    contenders = {
-        "own sampler (LocalEngine, fast)": LocalEngine(model, backend="fast"),
-        "transformers generate (LocalEngine, hf)": LocalEngine(model, backend="hf"),
-    }
-    if vllm is not None:
-        contenders["vLLM colocate (VLLMEngine)"] = vllm
-    server = server_start = server_sync = process = None
-    if not args.no_server:
-        server, server_start, server_sync, process = start_server(model, f"toy:{args.model}")
-    if server is not None:
-        contenders["vLLM server (VLLMServerEngine, loopback)"] = server
-    times = {name: [] for name in contenders}
-    for round_ in range(args.rounds + 1):  # round 0 warms every contender up and is not counted
-        for name, engine in contenders.items():
-            torch.set_num_threads(args.threads)  # vLLM's worker may set the process's threads: same for all
-            start = time.perf_counter()
-            out = engine.generate(prompts, params, generator=torch.Generator().manual_seed(round_))
-            elapsed = time.perf_counter() - start
-            assert int(out.completion_mask.sum()) == len(prompts) * args.generations * args.tokens
-            if round_:
-                times[name].append(elapsed)
-    rollouts = len(prompts) * args.generations
-    print(machine_header())
-    print(
-        f"\nmodel: toy {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32); "
-        f"{len(prompts)} prompts x {args.generations} completions x {args.tokens} tokens, temperature 1, EOS "
-        f"ignored; {args.rounds} rounds, {args.threads} torch threads\n"
-    )
-    print("| engine | model | B x G x tokens | rollouts/s (median) | best | tokens/s (median) | vs own sampler |")
-    print("|---|---|---|---|---|---|---|")
-    base = statistics.median(times["own sampler (LocalEngine, fast)"])
-    for name, spent in times.items():
-        median = statistics.median(spent)
-        print(
-            f"| {name} | toy {args.model} | {len(prompts)} x {args.generations} x {args.tokens} | "
-            f"{rollouts / median:.1f} | {rollouts / min(spent):.1f} | {rollouts * args.tokens / median:.0f} | "
-            f"{base / median:.2f}x |"
-        )
-    if vllm is None:
-        print(f"| vLLM colocate | toy {args.model} | - | not run: {vllm_start} | | | |")
-    else:
-        print(f"\nvLLM start-up (once per run): {vllm_start:.1f} s; one full weight sync: {vllm_sync * 1000:.0f} ms")
-        vllm.close()
+def stop(process) -> None:
     if process is not None:
-        mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        print(
-            f"vLLM server start-up (to its first answer): {server_start:.1f} s; one full weight sync over loopback: "
-            f"{server_sync * 1000:.0f} ms ({mib:.0f} MiB of weights)"
-        )
         process.terminate()
         process.wait(timeout=60)
+
+
+def engines_for(run: harness.Run, model, spec: str, opts) -> tuple[dict, list, object]:
+    """({name: engine}, a line per vLLM row (start-up and sync, or why it did not run), the server's process)."""
+    engines = {OWN: LocalEngine(model, backend="fast"), HF: LocalEngine(model, backend="hf")}
+    lines, process = [], None
+    vllm, started, synced = start_vllm(model)
+    if vllm is None:
+        lines.append(f"{COLOCATE}: not run: {started}")
+    else:
+        engines[COLOCATE] = vllm
+        lines.append(f"{COLOCATE}: start-up {started:.1f} s, one full weight sync {1000 * synced:.0f} ms")
+    if not opts.no_server:
+        env = harness.allocator_env(opts.allocator, treadle_contender=True)
+        env["OMP_NUM_THREADS"] = str(opts.threads)  # the server's torch threads
+        server, started, synced, process = start_server(model, spec, env=env)
+        if server is None:
+            lines.append(f"{SERVER}: not run: {started}")
+        else:
+            engines[SERVER] = server
+            lines.append(
+                f"{SERVER}: start-up {started:.1f} s, one full weight sync over loopback {1000 * synced:.0f} ms"
+            )
+    for name in engines:
+        run.contender(name, threads=opts.threads, allocator=run.record["options"]["allocator"])
+    return engines, lines, process
+
+
+def measure(engines: dict, prompts, params, rounds: int, threads: int) -> dict[str, list[float]]:
+    """Seconds of each engine's ``generate`` per round (an untimed round first), interleaved."""
+    times = {name: [] for name in engines}
+    for round_, name in harness.interleaved(list(engines), rounds + 1):
+        torch.set_num_threads(threads)  # vLLM's worker may set the process's threads: the same for all
+        start = time.perf_counter()
+        out = engines[name].generate(prompts, params, generator=torch.Generator().manual_seed(round_))
+        elapsed = time.perf_counter() - start
+        assert int(out.completion_mask.sum()) == len(prompts) * params.num_generations * params.max_new_tokens
+        if round_:
+            times[name].append(elapsed)
+    return times
+
+
+def report(run: harness.Run, part: str, times: dict, prompts, params) -> None:
+    rollouts = len(prompts) * params.num_generations
+    base, rows = harness.spread(times[OWN])["median"], []
+    for name, spent in times.items():
+        s = harness.spread(spent)
+        run.row(part=part, contender=name, seconds=s, rollouts_per_s=rollouts / s["median"])
+        rows.append(
+            [name, f"{rollouts / s['median']:.1f}", f"{rollouts / s['max']:.1f} - {rollouts / s['min']:.1f}"]
+            + [f"{rollouts * params.max_new_tokens / s['median']:.0f}", f"{base / s['median']:.2f}x"]
+        )
+    shape = f"{len(prompts)} prompts x {params.num_generations} x {params.max_new_tokens} tokens"
+    print(f"\n### {part}: {shape}, temperature 1, EOS ignored\n")
+    header = ["engine", "rollouts/s (median)", "range", "tokens/s (median)", "vs own sampler"]
+    print(harness.table(header, rows))
+
+
+def model_and_prompts(part: str, opts):
+    """(model, prompt ids, sampling settings, the server's spec) of a part."""
+    if part == "toy":
+        tok = toy.build_tokenizer()
+        model = toy.build_model(opts.model, tokenizer=tok, seed=0).eval()
+        prompts = [tok(row["prompt"])["input_ids"] for row in toy.load_task("addition", kind="rl", n=opts.prompts)]
+        params = SamplingParams(
+            num_generations=opts.generations,
+            max_new_tokens=opts.tokens,
+            eos_token_ids=(),
+            pad_token_id=tok.pad_token_id,
+        )
+        return model, prompts, params, f"toy:{opts.model}"
+    from benchmarks.generation import load_real  # the real model's chat prompts, as the generation benchmark has them
+    from treadle.demos import smollm2
+
+    model, prompts, params = load_real(opts.tokens, opts.generations)
+    return model, prompts, params, str(smollm2.folder())
+
+
+def parse_args(argv=None):
+    p = harness.parser(__doc__, "2 prompts x 2 x 8 tokens, 1 round, both parts")
+    p.add_argument("--parts", default="toy", help=f"comma-separated, of {', '.join(PARTS)} (default toy)")
+    p.add_argument("--model", default="small", choices=["small", "base"], help="toy: the toy model")
+    p.add_argument("--prompts", type=int, default=16, help="toy: B distinct prompts (real: 8 chats)")
+    p.add_argument("--generations", type=int, default=8, help="G completions per prompt")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per completion (EOS ignored)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--no-server", action="store_true", help="leave out the vLLM server row (a second start)")
+    opts = p.parse_args(argv)
+    if opts.quick:
+        opts.parts, opts.prompts, opts.generations, opts.tokens, opts.rounds = "toy,real", 2, 2, 8, 1
+    return opts
+
+
+def main(argv=None) -> None:
+    opts = parse_args(argv)
+    harness.apply_allocator(opts.allocator)
+    torch.set_num_threads(opts.threads)
+    run = harness.Run("engines", opts)
+    for part in opts.parts.split(","):
+        model, prompts, params, spec = model_and_prompts(part, opts)
+        engines, lines, process = engines_for(run, model, spec, opts)
+        try:
+            times = measure(engines, prompts, params, opts.rounds, opts.threads)
+        finally:
+            for name in (COLOCATE, SERVER):
+                if name in engines:
+                    engines[name].close()
+            stop(process)
+        report(run, part, times, prompts, params)
+        print("\n".join(lines))
+    run.finish()
 
 
 if __name__ == "__main__":

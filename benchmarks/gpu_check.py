@@ -1,9 +1,9 @@
 """GPU check for a lent machine: bf16 training of a ~0.5B-parameter Llama through treadle's Trainer, once
 wrapped in DDP and once sharded with FSDP2, reporting tokens/s and peak memory. A few minutes on one H200.
 
-    python benchmarks/gpu_check.py                       # one GPU: DDP, then FSDP2 (a 1-process group)
-    torchrun --nproc_per_node 8 benchmarks/gpu_check.py  # N GPUs: the same, data-parallel over N
-    python benchmarks/gpu_check.py --cpu-smoke           # CPU, tiny model, seconds: checks the script runs
+    python -m benchmarks.gpu_check                        # one GPU: DDP, then FSDP2 (a 1-process group)
+    torchrun --nproc_per_node 8 -m benchmarks.gpu_check   # N GPUs: the same, data-parallel over N
+    python -m benchmarks.gpu_check --cpu-smoke            # CPU, tiny model, seconds: checks the script runs
 
 One process per device. Without torchrun the script makes a one-process group itself
 (``distributed.init_distributed(force=True)``) so that the Trainer really wraps the model in DDP / FSDP2 as it
@@ -22,13 +22,16 @@ seconds, the median of 3 syncs of changed weights (seconds, tensors, MB sent) an
 change its log-probs. Without vLLM (the main .venv) the rows are skipped with the reason printed.
 
 Mode ``real`` (one process only; last): rollout tokens/s of the own sampler, transformers ``generate``, vLLM colocated
-and vLLM served, and seconds per GRPO step, on SmolLM2-135M-Instruct's architecture (``benchmarks/_real_rows.py``
+and vLLM served, and seconds per GRPO step, on SmolLM2-135M-Instruct's architecture (``benchmarks._gpu_rows``
 says what each row runs; ``--real-rows``, ``--real-model``, ``--real-weights``). Each of its rows runs under
 ``--row-timeout`` seconds: one that runs out is reported and the next runs.
 
 ``--out FILE`` holds every mode's rows (``results``) and the failures, rewritten after each row, so that a run cut
-short keeps what it measured. The default run (DDP, FSDP2, vLLM skipped without vLLM, real) takes a few minutes on
-one H200, most of it imports and start-up.
+short keeps what it measured; a run on a GPU also appends them to the results log (``--log``, benchmarks/results.jsonl
+by default; ``--cpu-smoke`` appends nowhere). The default run (DDP, FSDP2, vLLM skipped without vLLM, real) takes a
+few minutes on one H200, most of it imports and start-up. The script also runs as a file
+(``python benchmarks/gpu_check.py``, as torchrun and tests/test_distributed.py start it): it then starts again as this
+package's module.
 """
 
 from __future__ import annotations
@@ -43,18 +46,16 @@ import sys
 import tempfile
 import time
 
-import torch
+if __name__ == "__main__" and not __package__:  # run as a file: start again as benchmarks.gpu_check (see above)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, "-m", "benchmarks.gpu_check", *sys.argv[1:]]
+    os.execve(sys.executable, argv, {**os.environ, "PYTHONPATH": path})
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-import _real_rows  # noqa: E402  (this folder is on sys.path when a script in it runs)
-from _machine import machine_header  # noqa: E402
+import torch  # noqa: E402  (after the start as a module, above)
 
-from treadle import (  # noqa: E402
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-    distributed as dist,  # noqa: E402
-)
+from benchmarks import _gpu_rows, harness  # noqa: E402
+from treadle import Trainer, TrainerCallback, TrainingArguments, distributed as dist  # noqa: E402
 
 # ~0.5B parameters (tied embeddings): 18 layers x 25.2M + 32000 x 1536 embeddings = 502M
 GPU_MODEL = dict(
@@ -88,7 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=None, help="rows per device (default 8; smoke 2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 1024; smoke 32)")
     parser.add_argument("--out", default=None, help="also write the results to this JSON file")
-    _real_rows.add_arguments(parser)
+    parser.add_argument("--log", default=None, help="append the run to this log (default: the results log, on a GPU)")
+    parser.add_argument("--no-log", action="store_true", help="append the run to no log")
+    _gpu_rows.add_arguments(parser)
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
     args.steps = args.steps or (3 if smoke else 10)
@@ -101,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; use {', '.join(MODES)}")
-    _real_rows.check_arguments(args, parser)
+    _gpu_rows.check_arguments(args, parser)
     return args
 
 
@@ -154,6 +157,25 @@ def peak_memory_gib(device: torch.device) -> tuple[str, float]:
     return "peak_process_rss_gib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def training_arguments(mode: str, opts, output_dir: str, steps: int) -> TrainingArguments:
+    """Both modes' settings: bf16 autocast, a constant learning rate, every step logged, nothing saved."""
+    return TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=opts.batch,
+        max_steps=steps,
+        learning_rate=1e-4,
+        warmup_steps=0,
+        lr_scheduler_type="constant",
+        bf16=True,
+        fsdp="full_shard" if mode == "fsdp" else "",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        dataloader_pin_memory=True,
+    )
+
+
 def run_mode(mode: str, opts, device: torch.device) -> dict:
     """Train ``warmup + steps`` optimizer steps in one mode and measure the timed ones."""
     model = build_model(opts.cpu_smoke, device)
@@ -163,21 +185,7 @@ def run_mode(mode: str, opts, device: torch.device) -> dict:
     rows = random_rows(opts.batch * steps * world, opts.seq_len, model.config.vocab_size)
     clock = StepClock(opts.warmup, device)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(
-            output_dir=output_dir,
-            per_device_train_batch_size=opts.batch,
-            max_steps=steps,
-            learning_rate=1e-4,
-            warmup_steps=0,
-            lr_scheduler_type="constant",
-            bf16=True,
-            fsdp="full_shard" if mode == "fsdp" else "",
-            logging_steps=1,
-            save_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-            dataloader_pin_memory=True,
-        )
+        args = training_arguments(mode, opts, output_dir, steps)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         trainer = Trainer(model, args, train_dataset=rows, callbacks=[clock])
@@ -248,10 +256,11 @@ def main(argv=None) -> int:
     if "real" in opts.modes and world > 1:
         print("real: skipped: its rows run in one process (without torchrun)")
     elif "real" in opts.modes:
-        real_failures = _real_rows.real_rows(opts, device, out.add)
-        _real_rows.report([r for r in out.rows if r["mode"] == "real"])
+        real_failures = _gpu_rows.real_rows(opts, device, out.add)
+        _gpu_rows.report([r for r in out.rows if r["mode"] == "real"])
         print("\n".join(f"FAIL {f}" for f in real_failures) or "OK (real)")
         out.fail(*real_failures)
+    out.log(opts)
     return 1 if out.failures else 0
 
 
@@ -276,6 +285,13 @@ class Results:
         if self.path and self.main_process:
             with open(self.path, "w") as f:
                 json.dump({"results": self.rows, "failures": self.failures}, f, indent=2)
+
+    def log(self, opts) -> None:
+        """Append the run to the results log (a GPU run; ``--cpu-smoke`` only where ``--log`` names a file)."""
+        path = harness.log_path(opts, check=opts.cpu_smoke)
+        if path and self.main_process:
+            record = harness.record_head("gpu_check", quick=opts.cpu_smoke)
+            harness.append_log(path, {**record, "results": self.rows, "failures": self.failures})
 
 
 def vllm_rows(opts, device: torch.device, world: int, out: Results) -> list[str]:
@@ -369,7 +385,7 @@ def vllm_row(sync: str, opts, device: torch.device, engine_class) -> dict:
 def report(results: list[dict], failures: list[str], opts) -> None:
     memory_key = "peak_gpu_memory_gib" if not opts.cpu_smoke else "peak_process_rss_gib"
     gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() and not opts.cpu_smoke else ""
-    print(f"\n{machine_header()}{gpu}")
+    print(f"\n{harness.machine_line(harness.machine())}{gpu}")
     if not {"ddp", "fsdp"} & set(opts.modes):
         return
     print(

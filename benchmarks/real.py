@@ -1,25 +1,26 @@
 """SFT, DPO and GRPO steps on the real model, SmolLM2-135M-Instruct (134.5M, float32): treadle (eager, with
-``torch_compile``, and with ``gradient_checkpointing``), TRL 1.16 and a bare PyTorch loop doing the same work, against
-the machine's float32 matmul roof measured in the same run.
+``torch_compile``, and with ``gradient_checkpointing``), TRL and a bare PyTorch loop doing the same work, against the
+machine's float32 matmul roof measured in the same run.
 
-    python benchmarks/real.py [--rounds 3] [--steps 5] [--threads 2] [--only sft,dpo,grpo] [--grpo 8x8x64]
-                              [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl,trl-glibc]
-                              [--keep-freed-memory 1]
+    python -m benchmarks.real [--rounds 3] [--steps 5] [--threads 2] [--only sft,dpo,grpo] [--grpo 8x8x64]
+                              [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl]
+                              [--allocator kept|glibc|as-shipped]
+    python -m benchmarks.real --quick     # 1 round of 2 steps, 2 rows a step, GRPO 2x2x8; bare, treadle and TRL
 
-The same work for every contender (each in its own process, so that its peak RSS is its own; the contenders of a
-workload run one after another, round by round, interleaved):
+The same work for every contender, each in its own process (its peak RSS is its own), the contenders of a workload
+one after another, round by round, interleaved:
 
-- process: the same threads and the same glibc allocator settings for every contender: each imports treadle (TRL's
-  and the bare loop's process to find the model's folder), whose ``keep_freed_memory`` keeps freed memory for reuse
-  (``--keep-freed-memory 0``: glibc's defaults for all). ``trl-glibc`` is TRL as it ships, in glibc's defaults
-  whatever the flag: the same run then compares treadle and TRL each as shipped, and TRL in treadle's setting;
+- process: the same threads and the same allocator for every contender: ``--allocator kept`` (the default) has every
+  contender's process keep freed memory (``treadle.allocator.keep_freed_memory``, what treadle's train() applies on
+  CPU), ``glibc`` leaves glibc's defaults to all, ``as-shipped`` keeps it for treadle's contenders only: TRL and the
+  bare loop as they ship, a comparison of what ships rather than of the work. Each row prints its allocator;
 - model: the cached HF folder of ``treadle.demos.smollm2``, float32, in train mode; AdamW (torch, for-loop), lr 1e-5,
   no weight decay, gradient clipping at 1.0, a constant schedule; one micro-batch per optimizer step; no evaluation,
-  no checkpoints, no progress bars.
-- SFT: 8 rows of exactly 128 tokens of English text (slices of one tokenised passage), already tokenised
-  (``input_ids``), loss on every token; 6 x 134.5M x 1,024 = 826 GFLOP a step.
-- DPO (sigmoid, beta 0.1): 8 pairs, a 96-token prompt and 32-token responses (chosen and rejected differ), a
-  frozen reference model run each step; 6 x N x 2,048 (policy) + 2 x N x 2,048 (reference) = 2,203 GFLOP a step.
+  no checkpoints, no progress bars;
+- SFT: 8 rows of exactly 128 tokens of English text (slices of one tokenised passage), already tokenised, loss on
+  every token; 6 x 134.5M x 1,024 = 826 GFLOP a step;
+- DPO (sigmoid, beta 0.1): 8 pairs, a 96-token prompt and 32-token responses (chosen and rejected differ), a frozen
+  reference model run each step; 6 x N x 2,048 (policy) + 2 x N x 2,048 (reference) = 2,203 GFLOP a step;
 - GRPO (``--grpo PROMPTSxGxTOKENS``, default 8 x 8 x 64): chat prompts "What is a + b? Reply with just the number.",
   G completions each, sampled at temperature 1 with both end tokens suppressed so that every completion is exactly
   TOKENS long; reward 1 when the answer's last number is the sum; no reference model (beta 0), loss_type dapo, one
@@ -27,31 +28,31 @@ workload run one after another, round by round, interleaved):
   prompt + completion (the training pass); the trainers' own sampler (treadle) and transformers ``generate`` (TRL and
   the bare loop) do the same rollout.
 
-The bare loops are what a careful engineer writes by hand: the model's own loss (SFT: ``model(ids, labels=ids)``,
-full float32 logits), the DPO loss from ``log_softmax(...).gather`` over the completion tokens, or GRPO as
-``model.generate`` then the group-normalised policy gradient from ``log_softmax(...).gather``; no framework. They
-take the rows in the trainers' seeded order (``torch.randperm`` of seed 0), so that SFT and DPO end at their loss.
-
-Each contender's step time is the median interval between consecutive optimizer-step ends after the first
-(the first pays allocation, and compilation when compiled); GFLOP/s is the step's FLOP count over that; the roof is
-the best of torch float32 matmuls of the shapes the model runs (1,024 x 576 by 576 x {576, 1536, 49152}, with this
-run's threads), measured before each round.
+The bare loops are what a careful engineer writes by hand: the model's own loss (SFT, full float32 logits), the DPO
+loss from ``log_softmax(...).gather`` over the completion tokens, or GRPO as ``model.generate`` then the
+group-normalised policy gradient; no framework. They take the rows in the trainers' seeded order, so that SFT and DPO
+end at their loss. Each contender's step time is the median interval between consecutive optimizer-step ends after
+the first (which pays allocation, and compilation when compiled); GFLOP/s is the step's FLOP count over that; the
+roof is the best of float32 matmuls of the model's shapes (1,024 x 576 by 576 x {576, 1536, 49152}, this run's
+threads), measured before each round. treadle's DPO and GRPO run less than the counted work (no padding, each prompt
+once per pair or group), so their GFLOP/s can pass the roof: the time is the claim.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
+import copy
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
+import torch
+import torch.nn.functional as F
+
+from benchmarks import harness
+
 N_PARAMS = 134_515_008  # SmolLM2-135M-Instruct, tied embeddings counted once
-BATCH, SFT_LEN, PROMPT, RESPONSE = 8, 128, 96, 32
+SFT_LEN, PROMPT, RESPONSE = 128, 96, 32
 PASSAGE = (
     "The history of the calculator begins with the abacus, a frame of beads that merchants used to add and subtract "
     "long before paper was cheap. In the seventeenth century Pascal built a machine of gears that carried tens by "
@@ -59,23 +60,21 @@ PASSAGE = (
     "nineteenth century, and by the middle of the twentieth, electronic machines filled whole rooms. The pocket "
     "calculator arrived in the nineteen seventies and changed schools, shops and laboratories within a decade. "
 )
-CONTENDERS = ("bare", "treadle", "treadle-compiled", "treadle-checkpointed", "trl", "trl-glibc")
-GLIBC = "-glibc"  # a contender name ending so runs in glibc's allocator defaults (TREADLE_KEEP_FREED_MEMORY=0)
-GRPO = {"prompts": 8, "g": 8, "tokens": 64}  # set by --grpo
+CONTENDERS = ("bare", "treadle", "treadle-compiled", "treadle-checkpointed", "trl")
+WORK = {"batch": 8, "prompts": 8, "g": 8, "tokens": 64}  # rows a step (SFT, DPO) and GRPO's shape: set by the options
+ROOF_SHAPES = [(576, 576), (576, 1536), (576, 49152)]  # (K, N) of the model's matmuls, at 1,024 rows
 
 
 def flops_per_step(kind: str, tokenizer=None) -> float:
-    if kind == "grpo":  # every completion is exactly GRPO["tokens"] long: see grpo_prompts
-        lengths = [len(prompt_ids(tokenizer, row)) for row in grpo_rows(GRPO["prompts"])]
-        return 8 * N_PARAMS * GRPO["g"] * sum(n + GRPO["tokens"] for n in lengths)
-    tokens = BATCH * SFT_LEN if kind == "sft" else 2 * BATCH * (PROMPT + RESPONSE)
+    if kind == "grpo":  # every completion is exactly WORK["tokens"] long: see end_ids
+        lengths = [len(prompt_ids(tokenizer, row)) for row in grpo_rows(WORK["prompts"])]
+        return 8 * N_PARAMS * WORK["g"] * sum(n + WORK["tokens"] for n in lengths)
+    tokens = WORK["batch"] * SFT_LEN if kind == "sft" else 2 * WORK["batch"] * (PROMPT + RESPONSE)
     return 6 * N_PARAMS * tokens + (2 * N_PARAMS * tokens if kind == "dpo" else 0)
 
 
 def seeded_order(n: int) -> list[int]:
     """The trainers' order of ``n`` rows at seed 0, epoch 0 (treadle.data's sampler; TRL's gives the same losses)."""
-    import torch
-
     return torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
 
 
@@ -87,115 +86,14 @@ def token_rows(tokenizer, kind: str, n: int) -> list[dict]:
         start = (37 * i) % (len(ids) - 2 * SFT_LEN)
         if kind == "sft":
             rows.append({"input_ids": ids[start : start + SFT_LEN]})
-        else:  # text, as DPO users give it: each trainer tokenises prompt and responses itself
-            prompt = ids[start : start + PROMPT]
-            chosen = ids[start + PROMPT : start + PROMPT + RESPONSE]
-            rejected = ids[start + PROMPT + 7 : start + PROMPT + 7 + RESPONSE]
-            rows.append(
-                {k: tokenizer.decode(v) for k, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
-            )
+            continue
+        prompt = ids[start : start + PROMPT]  # text, as DPO users give it: each trainer tokenises it itself
+        chosen = ids[start + PROMPT : start + PROMPT + RESPONSE]
+        rejected = ids[start + PROMPT + 7 : start + PROMPT + 7 + RESPONSE]
+        rows.append(
+            {k: tokenizer.decode(v) for k, v in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))}
+        )
     return rows
-
-
-def matmul_roof(threads: int, dtype: str = "float32", cols=(576, 1536, 49152), repeats: int = 3) -> float:
-    """Best GFLOP/s of the model's own matmul shapes at 1,024 rows (1,024 x 576 by 576 x ``cols``), float32 unless
-    ``dtype`` says otherwise."""
-    import torch
-
-    torch.set_num_threads(threads)
-    best = 0.0
-    for n in cols:
-        a, b = torch.randn(1024, 576, dtype=getattr(torch, dtype)), torch.randn(576, n, dtype=getattr(torch, dtype))
-        a @ b
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = max(best, 2 * 1024 * 576 * n / (time.perf_counter() - start) / 1e9)
-    return best
-
-
-# ---------------------------------------------------------------------------------------------------------
-# One contender's run, in a child process
-# ---------------------------------------------------------------------------------------------------------
-class StepEnds:
-    """Seconds between consecutive optimizer-step ends (the first measured from the start of training)."""
-
-    def __init__(self):
-        self.last, self.times = time.perf_counter(), []
-
-    def tick(self) -> None:
-        now = time.perf_counter()
-        self.times.append(now - self.last)
-        self.last = now
-
-
-def bare(kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    if kind == "grpo":
-        return bare_grpo(model, tokenizer, steps, clock)
-    rows = token_rows(tokenizer, kind, BATCH * steps)
-    rows = [rows[i] for i in seeded_order(len(rows))]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=False)
-    losses, reference = [], None
-    if kind == "dpo":
-        import copy
-
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
-    clock.last = time.perf_counter()
-    for step in range(steps):
-        batch = rows[step * BATCH : (step + 1) * BATCH]
-        if kind == "sft":
-            ids = torch.tensor([r["input_ids"] for r in batch])
-            loss = model(input_ids=ids, labels=ids).loss
-        else:
-            ids, mask, completion = dpo_batch(tokenizer, batch)  # (2B, T): chosen rows, then rejected
-
-            policy = dpo_logps(model, ids, mask, completion)
-            with torch.no_grad():
-                ref = dpo_logps(reference, ids, mask, completion)
-            margin = (policy[:BATCH] - ref[:BATCH]) - (policy[BATCH:] - ref[BATCH:])
-            loss = -F.logsigmoid(0.1 * margin).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        clock.tick()
-    # the trainers log the mean loss of the steps since their last log (logging_steps = steps: all of them)
-    settings = "hand-written loop, model's own loss (SFT) / log_softmax.gather (DPO)"
-    return {"loss": sum(losses) / len(losses), "settings": settings}
-
-
-def dpo_logps(model, ids, mask, completion):
-    """Summed log-probs ``(2B,)`` of the completion tokens, from the full float32 logits."""
-    import torch.nn.functional as F
-
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    token = F.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return (token * completion[:, 1:]).sum(-1)
-
-
-def dpo_batch(tokenizer, batch: list[dict]):
-    """Right-padded ``(input_ids, attention_mask, completion_mask)`` of the chosen rows then the rejected ones: the
-    prompt and each response tokenised apart, eos after the response (as TRL and treadle build them)."""
-    import torch
-
-    seqs = []
-    for key in ("chosen", "rejected"):
-        for row in batch:
-            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            answer = tokenizer(row[key], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            seqs.append((prompt, answer))
-    width = max(len(p) + len(a) for p, a in seqs)
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
-    mask, completion = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, a) in enumerate(seqs):
-        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-        mask[i, : len(p) + len(a)] = 1
-        completion[i, len(p) : len(p) + len(a)] = 1
-    return ids, mask, completion
 
 
 def grpo_rows(n: int) -> list[dict]:
@@ -217,41 +115,118 @@ def end_ids(tokenizer) -> list[int]:
     return sorted({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")})
 
 
+# ---------------------------------------------------------------------------------------------------------
+# One contender's run, in a child process
+# ---------------------------------------------------------------------------------------------------------
+class StepEnds:
+    """Seconds between consecutive optimizer-step ends (the first measured from the start of training)."""
+
+    def __init__(self):
+        self.last, self.times = time.perf_counter(), []
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+
+
+def bare(kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
+    """The hand-written SFT or DPO loop (GRPO: ``bare_grpo``)."""
+    if kind == "grpo":
+        return bare_grpo(model, tokenizer, steps, clock)
+    batch_size = WORK["batch"]
+    rows = token_rows(tokenizer, kind, batch_size * steps)
+    rows = [rows[i] for i in seeded_order(len(rows))]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=False)
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if kind == "dpo" else None
+    losses, clock.last = [], time.perf_counter()
+    for step in range(steps):
+        batch = rows[step * batch_size : (step + 1) * batch_size]
+        if kind == "sft":
+            ids = torch.tensor([r["input_ids"] for r in batch])
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            ids, mask, completion = dpo_batch(tokenizer, batch)  # (2B, T): chosen rows, then rejected
+            policy = dpo_logps(model, ids, mask, completion)
+            with torch.no_grad():
+                ref = dpo_logps(reference, ids, mask, completion)
+            margin = (policy[:batch_size] - ref[:batch_size]) - (policy[batch_size:] - ref[batch_size:])
+            loss = -F.logsigmoid(0.1 * margin).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        clock.tick()
+    # the trainers log the mean loss of the steps since their last log (logging_steps = steps: all of them)
+    settings = "hand-written loop, model's own loss (SFT) / log_softmax.gather (DPO)"
+    return {"loss": sum(losses) / len(losses), "settings": settings}
+
+
+def dpo_logps(model, ids, mask, completion):
+    """Summed log-probs ``(2B,)`` of the completion tokens, from the full float32 logits."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    token = F.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return (token * completion[:, 1:]).sum(-1)
+
+
+def dpo_batch(tokenizer, batch: list[dict]):
+    """Right-padded ``(input_ids, attention_mask, completion_mask)`` of the chosen rows then the rejected ones: the
+    prompt and each response tokenised apart, eos after the response (as TRL and treadle build them)."""
+    seqs = []
+    for key in ("chosen", "rejected"):
+        for row in batch:
+            prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            answer = tokenizer(row[key], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            seqs.append((prompt, answer))
+    width = max(len(p) + len(a) for p, a in seqs)
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    mask, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, a) in enumerate(seqs):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, : len(p) + len(a)] = 1
+        completion[i, len(p) : len(p) + len(a)] = 1
+    return ids, mask, completion
+
+
+def bare_generate(model, tokenizer, batch: list[dict]):
+    """``generate`` G completions of each prompt, end tokens suppressed: (sequences, prompt width, prompt mask)."""
+    prompts = [prompt_ids(tokenizer, row) for row in batch]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.repeat_interleave(WORK["g"], 0),
+            attention_mask=mask.repeat_interleave(WORK["g"], 0),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=WORK["tokens"],
+            suppress_tokens=end_ids(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return out, width, mask.repeat_interleave(WORK["g"], 0)
+
+
 def bare_grpo(model, tokenizer, steps: int, clock: StepEnds) -> dict:
-    """``generate`` G completions of each prompt, group-normalised rewards, one policy-gradient step (ratio 1 at
-    the sampled weights, as one step per generation has it); the loss averaged over every completion token (dapo)."""
-    import torch
-    import torch.nn.functional as F
+    """``generate``, group-normalised rewards, one policy-gradient step (ratio 1 at the sampled weights, as one step
+    per generation has it); the loss averaged over every completion token (dapo)."""
+    from treadle.demos.real import last_number_is_sum  # the demo's reward, as the trainers get it
 
-    from treadle.demos.real import last_number_is_sum
-
-    P, G, T = GRPO["prompts"], GRPO["g"], GRPO["tokens"]
+    P, G, T = WORK["prompts"], WORK["g"], WORK["tokens"]
     rows = grpo_rows(P * steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, foreach=False)
     clock.last = time.perf_counter()
     for step in range(steps):
         batch = rows[step * P : (step + 1) * P]
-        prompts = [prompt_ids(tokenizer, row) for row in batch]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
-        mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids.repeat_interleave(G, 0),
-                attention_mask=mask.repeat_interleave(G, 0),
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=T,
-                suppress_tokens=end_ids(tokenizer),
-                pad_token_id=tokenizer.pad_token_id,
-            )
+        out, width, mask = bare_generate(model, tokenizer, batch)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        answers = [row["answer"] for row in batch for _ in range(G)]
-        rewards = torch.tensor(last_number_is_sum(texts, answers)).view(P, G)  # treadle.demos.real's reward
+        rewards = torch.tensor(last_number_is_sum(texts, [row["answer"] for row in batch for _ in range(G)]))
+        rewards = rewards.view(P, G)
         advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
-        full_mask = torch.cat([mask.repeat_interleave(G, 0), torch.ones(P * G, T, dtype=torch.long)], 1)
+        full_mask = torch.cat([mask, torch.ones(P * G, T, dtype=torch.long)], 1)
         logits = model(input_ids=out, attention_mask=full_mask).logits[:, width - 1 : -1].float()
         logps = F.log_softmax(logits, -1).gather(-1, out[:, width:, None]).squeeze(-1)
         loss = -(torch.exp(logps - logps.detach()) * advantages[:, None]).mean()
@@ -263,11 +238,12 @@ def bare_grpo(model, tokenizer, steps: int, clock: StepEnds) -> dict:
     return {"loss": loss.item(), "settings": f"hand-written loop, model.generate, {P} prompts x G {G} x {T} tokens"}
 
 
-def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
-    common = dict(
+def framework_args(name: str, kind: str, steps: int, tokenizer) -> dict:
+    """The config fields of contender ``name`` (treadle or TRL) for ``kind``: the same work as the bare loop."""
+    args = dict(
         output_dir=tempfile.mkdtemp(prefix=f"real-{name}-{kind}-"),
         max_steps=steps,
-        per_device_train_batch_size=BATCH,
+        per_device_train_batch_size=WORK["batch"],
         learning_rate=1e-5,
         weight_decay=0.0,
         max_grad_norm=1.0,
@@ -278,118 +254,104 @@ def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnd
         disable_tqdm=True,
         logging_steps=steps,
         seed=0,
-        max_length=None,
     )
-    from datasets import Dataset
-
-    if kind == "grpo":
-        rows = Dataset.from_list(grpo_rows(GRPO["prompts"] * steps))
+    if name == "trl":  # float32 as the others, no loader workers
+        args.update(bf16=False, dataloader_num_workers=0)
     else:
-        rows = Dataset.from_list(token_rows(tokenizer, kind, BATCH * steps))
-    lib, callback_base, extra = trainer_library(name)
-    prefix = kind.upper()
-    config_class, trainer_class = getattr(lib, f"{prefix}Config"), getattr(lib, f"{prefix}Trainer")
-    common.update(extra)
+        args.update(torch_compile=name == "treadle-compiled", gradient_checkpointing=name == "treadle-checkpointed")
     if kind == "dpo":
-        common.update(beta=0.1, loss_type="sigmoid")
-    elif kind == "sft":
-        common.update(packing=False)
-    else:
-        del common["max_length"]
-        common.update(
-            per_device_train_batch_size=GRPO["prompts"] * GRPO["g"],
-            num_generations=GRPO["g"],
-            max_completion_length=GRPO["tokens"],
-            steps_per_generation=1,
-            temperature=1.0,
-            beta=0.0,
-            loss_type="dapo",
-            generation_kwargs={"suppress_tokens": end_ids(tokenizer)},
-        )
+        return dict(args, max_length=None, beta=0.1, loss_type="sigmoid")
+    if kind == "sft":
+        return dict(args, max_length=None, packing=False)
+    return dict(
+        args,
+        per_device_train_batch_size=WORK["prompts"] * WORK["g"],
+        num_generations=WORK["g"],
+        max_completion_length=WORK["tokens"],
+        steps_per_generation=1,
+        temperature=1.0,
+        beta=0.0,
+        loss_type="dapo",
+        generation_kwargs={"suppress_tokens": end_ids(tokenizer)},
+    )
 
-    class Tick(callback_base):
+
+def framework(name: str, kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
+    """treadle's or TRL's trainer of ``kind``, trained ``steps`` steps with ``clock`` ticking at each step's end."""
+    from datasets import Dataset  # the trainers' own input type; the GPU image has none (see gpu_check)
+
+    from treadle.demos.real import last_number_is_sum
+
+    if name == "trl":
+        import transformers
+        import trl as lib  # the peer: imported only in its own process
+
+        base = transformers.TrainerCallback
+    else:
+        import treadle as lib
+
+        base = lib.TrainerCallback
+    rows = grpo_rows(WORK["prompts"] * steps) if kind == "grpo" else token_rows(tokenizer, kind, WORK["batch"] * steps)
+    config = getattr(lib, f"{kind.upper()}Config")(**framework_args(name, kind, steps, tokenizer))
+
+    class Tick(base):
         def on_train_begin(self, args, state, control, **kwargs):
             clock.last = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             clock.tick()
 
-    from treadle.demos.real import last_number_is_sum
-
     more = {"reward_funcs": last_number_is_sum} if kind == "grpo" else {}
-    trainer = trainer_class(
-        model=model, args=config_class(**common), train_dataset=rows, processing_class=tokenizer, **more
+    trainer = getattr(lib, f"{kind.upper()}Trainer")(
+        model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, **more
     )
     trainer.add_callback(Tick())
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    args = trainer.args
-    settings = f"{type(trainer).__name__}, optim {args.optim}, lr {args.learning_rate}, clip {args.max_grad_norm}"
+    return {"loss": losses[-1] if losses else float("nan"), "settings": settings_label(name, kind, trainer.args)}
+
+
+def settings_label(name: str, kind: str, args) -> str:
+    """What a framework contender ran, read from its trainer's arguments after training."""
+    label = (
+        f"{name}, optim {getattr(args.optim, 'value', args.optim)}, lr {args.learning_rate}, clip {args.max_grad_norm}"
+    )
     if kind == "sft":
-        settings += f", loss_type {getattr(args, 'loss_type', 'nll (the model loss, chunked on large logits)')}"
+        label += f", loss_type {getattr(args, 'loss_type', 'nll (the model loss, chunked on large logits)')}"
     if kind == "grpo":
         sampler = "transformers generate" if name == "trl" else f"generation_backend {args.generation_backend}"
-        settings += f", {GRPO['prompts']} prompts x G {args.num_generations} x {args.max_completion_length}, {sampler}"
+        label += f", {WORK['prompts']} prompts x G {args.num_generations} x {args.max_completion_length}, {sampler}"
     if name == "treadle-compiled":
-        settings += f", torch_compile {args.torch_compile_backend}"
+        label += f", torch_compile {args.torch_compile_backend}"
     if name == "treadle-checkpointed":
-        settings += ", gradient_checkpointing"
-    return {"loss": losses[-1] if losses else float("nan"), "settings": settings}
-
-
-def trainer_library(name: str):
-    """The module holding contender ``name``'s trainers and configs, its callback base class, and the settings it
-    needs for the same work (TRL: float32, no loader workers; treadle: ``torch_compile`` for the compiled one)."""
-    if name == "trl":
-        import transformers
-        import trl
-
-        return trl, transformers.TrainerCallback, {"bf16": False, "dataloader_num_workers": 0}
-    import treadle
-
-    return (
-        treadle,
-        treadle.TrainerCallback,
-        {
-            "torch_compile": name == "treadle-compiled",
-            "gradient_checkpointing": name == "treadle-checkpointed",
-        },
-    )
+        label += ", gradient_checkpointing"
+    return label
 
 
 def child(spec: str, steps: int, threads: int) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
-    name, kind = spec.split(":")
+    """One contender's run in this (its own) process: load the model, train, report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from treadle.demos import smollm2
 
+    allocator = harness.apply_allocator()  # before the model is loaded: as allocator_env set this process up
+    torch.set_num_threads(threads)
+    name, kind = spec.split(":")
     folder = smollm2.folder()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model.train()
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    clock = StepEnds()
-    library = name.removesuffix(GLIBC)
-    run = (
-        bare(kind, model, tokenizer, steps, clock)
-        if library == "bare"
-        else framework(library, kind, model, tokenizer, steps, clock)
-    )
-    import treadle
-
-    kept = treadle.keep_freed_memory()  # what import treadle did in this process (the same call, idempotent)
-    run["settings"] += ", freed memory kept (glibc)" if kept else ", glibc's allocator defaults"
+    loaded, clock = harness.peak_rss_mib(), StepEnds()
+    work = bare if name == "bare" else lambda *a: framework(name, *a)
+    run = work(kind, model, tokenizer, steps, clock)
     return {
         **run,
+        "settings": f"{run['settings']}, {allocator}",
         "contender": name,
         "kind": kind,
         "times": clock.times,
         "gflop": flops_per_step(kind, tokenizer) / 1e9,
         "loaded_rss_mib": loaded,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": harness.peak_rss_mib(),
         "threads": torch.get_num_threads(),
     }
 
@@ -397,81 +359,67 @@ def child(spec: str, steps: int, threads: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 # The driver
 # ---------------------------------------------------------------------------------------------------------
-def spawn(spec: str, steps: int, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if spec.split(":")[0].endswith(GLIBC):  # as it ships: glibc's defaults, whatever --keep-freed-memory says
-        env["TREADLE_KEEP_FREED_MEMORY"] = "0"
-    grpo = "x".join(str(GRPO[k]) for k in ("prompts", "g", "tokens"))
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", spec, "--steps", str(steps), "--threads", str(threads), "--grpo", grpo],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(f"{spec} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+def work_args() -> list[str]:
+    """The options that fix the work, passed on to every contender's process."""
+    grpo = "x".join(str(WORK[k]) for k in ("prompts", "g", "tokens"))
+    return ["--grpo", grpo, "--batch", str(WORK["batch"])]
+
+
+def spawn(spec: str, steps: int, threads: int, allocator: str) -> dict:
+    env = harness.allocator_env(allocator, treadle_contender=spec.startswith("treadle"))
+    env["OMP_NUM_THREADS"] = str(threads)
+    args = ["--child", spec, "--steps", str(steps), "--threads", str(threads), *work_args()]
+    return harness.spawn("real", args, env=env)
+
+
+def parse_args(argv=None):
+    p = harness.parser(__doc__, "1 round of 2 steps, 2 rows a step, GRPO 2x2x8; bare, treadle and TRL")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not timed)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", default="sft,dpo,grpo")
+    p.add_argument("--grpo", default="8x8x64", help="GRPO's prompts x G x new tokens per step")
+    p.add_argument("--batch", type=int, default=8, help="SFT rows / DPO pairs per step")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+    if opts.quick:
+        opts.rounds, opts.steps, opts.batch, opts.grpo = 1, 2, 2, "2x2x8"
+        kept = ("bare", "treadle", "trl")  # the others are treadle with one flag more, each a process of its own
+        opts.contenders = ",".join(c for c in opts.contenders.split(",") if c in kept)
+    WORK.update(zip(("prompts", "g", "tokens"), map(int, opts.grpo.split("x"))), batch=opts.batch)
+    return opts
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first is not timed)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", default="sft,dpo,grpo")
-    parser.add_argument("--grpo", default="8x8x64", help="GRPO's prompts x G x new tokens per step")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    parser.add_argument("--json", default=None, help="also write every run's raw figures here")
-    parser.add_argument(
-        "--keep-freed-memory",
-        choices=("1", "0"),
-        default="1",
-        help="TREADLE_KEEP_FREED_MEMORY for every contender alike (each imports treadle), except the '-glibc' ones",
-    )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    GRPO.update(zip(("prompts", "g", "tokens"), map(int, args.grpo.split("x"))))
-    if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.steps, args.threads)), flush=True)
+    opts = parse_args(argv)
+    if opts.child:
+        harness.child_result(child(opts.child, opts.steps, opts.threads))
         return
-    sys.path.insert(0, os.path.dirname(__file__))
-    from _machine import machine_header
-
-    os.environ["TREADLE_KEEP_FREED_MEMORY"] = args.keep_freed_memory  # inherited by every contender's process
-    print(machine_header())
-    print(
-        f"{args.rounds} rounds x {args.steps} steps per run, {args.threads} threads; the first step of a run untimed;"
-        f" GRPO {args.grpo} (prompts x G x new tokens);"
-        f" TREADLE_KEEP_FREED_MEMORY={args.keep_freed_memory} for every contender"
-    )
+    torch.set_num_threads(opts.threads)  # the roof's threads: the contenders'
+    run = harness.Run("real", opts)
+    kinds, names = opts.only.split(","), opts.contenders.split(",")
+    for name in names:
+        treadle_side = name.startswith("treadle")
+        shipped = "kept" if opts.allocator == "kept" or (opts.allocator == "as-shipped" and treadle_side) else "glibc"
+        run.contender(name, process="its own", threads=opts.threads, allocator=shipped, work=WORK)
     runs, roofs = [], []
-    for round_ in range(args.rounds):
-        roofs.append(matmul_roof(args.threads))
-        for kind in args.only.split(","):
-            for name in args.contenders.split(","):
-                run = spawn(f"{name}:{kind}", args.steps, args.threads)
-                run["round"] = round_
-                runs.append(run)
-                step = statistics.median(run["times"][1:])
-                print(f"  round {round_} {kind} {name}: {step:.2f} s/step, loss {run['loss']:.4f}", flush=True)
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(table(runs, roofs))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"runs": runs, "roofs": roofs}, f, indent=1)
+    for round_ in range(opts.rounds):
+        roofs.append(harness.matmul_roof(1024, ROOF_SHAPES))
+        for kind in kinds:
+            for _, name in harness.interleaved(names, 1):
+                result = dict(spawn(f"{name}:{kind}", opts.steps, opts.threads, opts.allocator), round=round_)
+                runs.append(result)
+                step = statistics.median(result["times"][1:])
+                print(f"  round {round_} {kind} {name}: {step:.2f} s/step, loss {result['loss']:.4f}", flush=True)
+    roofs.append(harness.matmul_roof(1024, ROOF_SHAPES))
+    print(table(run, runs, roofs))
+    run.figure(roofs=roofs)
+    run.finish()
 
 
-def table(runs: list[dict], roofs: list[float]) -> str:
-    roof = max(roofs)
-    lines = [
-        f"float32 matmul roof: {roof:.0f} GFLOP/s (best of the rounds; each round: "
-        f"{', '.join(f'{r:.0f}' for r in roofs)})",
-        "",
-        "| workload | contender | s/step (median; every round) | vs bare | vs TRL | GFLOP/s | share of roof | "
-        "peak RSS | above loaded | final loss | settings |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def table(run: harness.Run, runs: list[dict], roofs: list[float]) -> str:
+    roof, rows = max(roofs), []
     for kind in dict.fromkeys(r["kind"] for r in runs):
         mine = [r for r in runs if r["kind"] == kind]
         medians = {}
@@ -479,16 +427,44 @@ def table(runs: list[dict], roofs: list[float]) -> str:
             medians[name] = [statistics.median(r["times"][1:]) for r in mine if r["contender"] == name]
         for name, per_round in medians.items():
             last = [r for r in mine if r["contender"] == name][-1]
-            step = statistics.median(per_round)
-            gflops = last["gflop"] / step
-            vs = f"{step / statistics.median(medians['bare']):.2f}x" if "bare" in medians else "-"
-            vs += f" | {step / statistics.median(medians['trl']):.2f}x" if "trl" in medians else " | -"
-            lines.append(
-                f"| {kind.upper()} | {name} | {step:.2f} ({', '.join(f'{s:.2f}' for s in per_round)}) | {vs} | "
-                f"{gflops:.0f} | {gflops / roof:.0%} | {last['peak_rss_mib']:.0f} MiB | "
-                f"{last['peak_rss_mib'] - last['loaded_rss_mib']:.0f} MiB | {last['loss']:.4f} | {last['settings']} |"
-            )
-    return "\n".join(lines)
+            rows.append(kind_row(run, kind, name, per_round, medians, last, roof))
+    header = ["workload", "contender", "s/step (median; every round)", "vs bare", "vs TRL", "GFLOP/s", "share of roof"]
+    return (
+        f"\nfloat32 matmul roof: {roof:.0f} GFLOP/s (the best; measured before each round and at the end: "
+        f"{', '.join(f'{r:.0f}' for r in roofs)})\n\n"
+        + harness.table(header + ["peak RSS", "above loaded", "final loss", "settings"], rows)
+    )
+
+
+def kind_row(run, kind: str, name: str, per_round: list[float], medians: dict, last: dict, roof: float) -> list:
+    """One contender's row of one workload (and its record in the run)."""
+    step = statistics.median(per_round)
+    vs = [f"{step / statistics.median(medians[b]):.2f}x" if b in medians else "-" for b in ("bare", "trl")]
+    gflops = last["gflop"] / step
+    run.row(
+        workload=kind,
+        contender=name,
+        seconds=harness.spread(per_round),
+        vs_bare=vs[0],
+        vs_trl=vs[1],
+        gflop_per_s=gflops,
+        share_of_roof=gflops / roof,
+        peak_rss_mib=last["peak_rss_mib"],
+        loss=last["loss"],
+        settings=last["settings"],
+    )
+    return [
+        kind.upper(),
+        name,
+        f"{step:.2f} ({', '.join(f'{s:.2f}' for s in per_round)})",
+        *vs,
+        f"{gflops:.0f}",
+        f"{gflops / roof:.0%}",
+        f"{last['peak_rss_mib']:.0f} MiB",
+        f"{last['peak_rss_mib'] - last['loaded_rss_mib']:.0f} MiB",
+        f"{last['loss']:.4f}",
+        last["settings"],
+    ]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Mode ``real`` of ``gpu_check.py``: rollout and GRPO figures on the real model's architecture, SmolLM2-135M-Instruct
-(134.5M parameters, 30 layers, head size 64), so that the first GPU lent to the project measures issue 42's rows.
+"""Mode ``real`` of ``benchmarks.gpu_check``: rollout and GRPO figures on the real model's architecture,
+SmolLM2-135M-Instruct (134.5M parameters, 30 layers, head size 64), in the same short run as the training modes.
 
 The model is ``--real-model DIR`` (default ``benchmarks/data/smollm2-config``: the config and the tokenizer only,
 3.4 MB, so that it travels with the working tree; the 93 MB GGUF does not) with ``--real-weights random`` (seeded
@@ -12,15 +12,15 @@ The rows (``--real-rows``; every one prints its settings, dtype and device):
   (smoke 2 x 2 x 8), temperature 1, EOS ignored; one untimed round, then the median of 3 (smoke 1).
 - ``hf``: the same through transformers ``generate`` (``LocalEngine``, backend "hf": TRL's non-vLLM path).
 - ``vllm-colocate``, ``vllm-server``: the same through ``VLLMEngine`` (in-process) and a ``treadle vllm-serve``
-  subprocess (``benchmarks/engines.py``'s ``start_vllm`` / ``start_server``), with start-up and one weight sync
-  timed apart; skipped, with the reason, without vLLM.
+  subprocess (``benchmarks.engines``' ``start_vllm`` / ``start_server``), with start-up and one weight sync timed
+  apart; skipped, with the reason, without vLLM.
 - ``grpo``: ``GRPOTrainer`` steps, 8 prompts x G 8 x 64 new tokens (smoke 2 x 2 x 8), end tokens suppressed, no
   reference model (beta 0), loss_type dapo, the own sampler; one untimed step then 3 (smoke 1); seconds per step,
   split into sampling and scoring (``prepare_window``) and the rest (forward, backward, optimizer).
 
-Sampler tokens/s count the sampled tokens; GFLOP/s is 2 x N per sampled token (the forward work the issue's table
-counts), GRPO's that of ``benchmarks/real.py`` (``flops_per_step``). Each row runs under ``--row-timeout`` seconds
-(SIGALRM): a row that runs out is reported and the next one runs.
+Sampler tokens/s count the sampled tokens; GFLOP/s is 2 x N per sampled token, GRPO's that of ``benchmarks.real``
+(``flops_per_step``). Each row runs under ``--row-timeout`` seconds (SIGALRM): a row that runs out is reported and the
+next one runs.
 """
 
 from __future__ import annotations
@@ -34,10 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import real  # benchmarks/real.py: the GRPO prompts, the end tokens and the FLOP count, shared with the CPU figures
 import torch
-from engines import start_server, start_vllm
 
+from benchmarks import real  # the GRPO prompts, the end tokens and the FLOP count, shared with the CPU figures
+from benchmarks.engines import start_server, start_vllm
+from treadle import GRPOConfig, GRPOTrainer, TrainerCallback
+from treadle.demos.real import last_number_is_sum  # benchmarks.real's GRPO reward
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import require_vllm
 from treadle.generation.sampling import SamplingParams
@@ -238,9 +240,6 @@ def timed_generation(engine, prompts, params, device, generator_device, rounds: 
 
 def grpo_row(name: str, opts, device: torch.device) -> dict:
     """Seconds per GRPO step on the real model, split into sampling + scoring and the rest."""
-    from treadle import GRPOConfig, GRPOTrainer, TrainerCallback
-    from treadle.demos.real import last_number_is_sum  # benchmarks/real.py's GRPO reward
-
     model, tokenizer, source = load_model(opts, device, torch.float32)  # fp32 master weights, bf16 from autocast
     (prompts_, group, tokens), timed = SIZES["grpo"][scale(opts)]
     ends, sampling = [], []
@@ -265,7 +264,7 @@ def grpo_row(name: str, opts, device: torch.device) -> dict:
         trainer.train()
     steps = [b - a for a, b in zip([start, *ends], ends)][1:]  # the first step pays allocation: untimed
     step, sample = statistics.median(steps), statistics.median(sampling[1:])
-    real.GRPO.update(prompts=prompts_, g=group, tokens=tokens)
+    real.WORK.update(prompts=prompts_, g=group, tokens=tokens)
     gflop = real.flops_per_step("grpo", tokenizer) * sum(p.numel() for p in model.parameters()) / real.N_PARAMS
     return {
         **describe(model, device, "bf16 autocast, fp32 weights" if device.type == "cuda" else "float32", source),
@@ -283,7 +282,7 @@ def grpo_row(name: str, opts, device: torch.device) -> dict:
 
 
 def grpo_settings(output_dir, prompts_, group, tokens, timed, tokenizer, device) -> dict:
-    """benchmarks/real.py's GRPO settings (one optimizer step per generation), bf16 autocast on a GPU."""
+    """``benchmarks.real``'s GRPO settings (one optimizer step per generation), bf16 autocast on a GPU."""
     return dict(
         output_dir=output_dir,
         max_steps=timed + 1,

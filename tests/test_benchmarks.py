@@ -1,0 +1,41 @@
+"""benchmarks/ stays a package that imports: every module of the suite and of the lab imports (no torch work, no
+benchmark run: `python -m benchmarks --quick` is the check that they run), the runner lists every one, and none of
+them reaches its siblings through sys.path. The imports run in one interpreter started in the repository's root, as
+`python -m benchmarks` is, whatever the folder pytest was started from."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = sorted(
+    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in (ROOT / "benchmarks").rglob("*.py")
+    if path.name != "__init__.py"
+)
+IMPORT_ALL = """import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+runner = importlib.import_module("benchmarks.__main__")
+print(json.dumps(runner.SUITE + runner.LAB))
+"""
+
+
+def test_every_module_imports_and_the_runner_lists_every_benchmark():
+    assert {"benchmarks.harness", "benchmarks.__main__", "benchmarks.trainers", "benchmarks.lab.profile"} <= set(
+        MODULES
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, *MODULES], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    listed = json.loads(proc.stdout.strip().splitlines()[-1])
+    scripts = {m.removeprefix("benchmarks.") for m in MODULES if "._" not in m} - {"harness", "__main__"}
+    assert sorted(listed) == sorted(scripts)
+
+
+def test_no_module_reaches_its_siblings_through_sys_path():
+    for name in MODULES:
+        text = (ROOT / Path(*name.split("."))).with_suffix(".py").read_text()
+        assert "sys.path" not in text, f"{name} reaches modules through sys.path"
