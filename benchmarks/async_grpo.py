@@ -89,10 +89,7 @@ def timed_sampling(trainer) -> list[float]:
 
 def producer_timings(trainer) -> dict:
     """The asynchronous producer's timings (worker start, seconds waited), {} for a synchronous run."""
-    sampler = getattr(trainer, "rollout_sampler", None)
-    if sampler is None:  # a tree from before the rollout sampler: the producer hung off the trainer itself
-        sampler = trainer
-    producer = getattr(sampler, "producer", None)
+    producer = getattr(trainer.rollout_sampler, "producer", None)  # an AsyncSampler's
     return dict(producer.timings) if producer is not None else {}
 
 

@@ -29,9 +29,7 @@ says what each row runs; ``--real-rows``, ``--real-model``, ``--real-weights``).
 ``--out FILE`` holds every mode's rows (``results``) and the failures, rewritten after each row, so that a run cut
 short keeps what it measured; a run on a GPU also appends them to the results log (``--log``, benchmarks/results.jsonl
 by default; ``--cpu-smoke`` appends nowhere). The default run (DDP, FSDP2, vLLM skipped without vLLM, real) takes a
-few minutes on one H200, most of it imports and start-up. The script also runs as a file
-(``python benchmarks/gpu_check.py``, as torchrun and tests/test_distributed.py start it): it then starts again as this
-package's module.
+few minutes on one H200, most of it imports and start-up.
 """
 
 from __future__ import annotations
@@ -42,17 +40,10 @@ import json
 import math
 import os
 import resource
-import sys
 import tempfile
 import time
 
-if __name__ == "__main__" and not __package__:  # run as a file: start again as benchmarks.gpu_check (see above)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    argv = [sys.executable, "-m", "benchmarks.gpu_check", *sys.argv[1:]]
-    os.execve(sys.executable, argv, {**os.environ, "PYTHONPATH": path})
-
-import torch  # noqa: E402  (after the start as a module, above)
+import torch
 
 from benchmarks import _gpu_rows, harness  # noqa: E402
 from treadle import Trainer, TrainerCallback, TrainingArguments, distributed as dist  # noqa: E402

@@ -139,10 +139,8 @@ def apply_allocator(setting: str | None = None) -> str:
         os.environ["TREADLE_KEEP_FREED_MEMORY"] = "0"
     elif setting == "kept":
         os.environ.pop("TREADLE_KEEP_FREED_MEMORY", None)
-    try:
-        from treadle.allocator import keep_freed_memory
-    except ImportError:  # a tree from before treadle.allocator: the same function at the package's top
-        from treadle import keep_freed_memory
+    from treadle.allocator import keep_freed_memory  # treadle only once the setting is in the environment
+
     return "freed memory kept" if keep_freed_memory() else "the allocator's defaults"
 
 

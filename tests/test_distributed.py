@@ -565,10 +565,10 @@ sys.meta_path.insert(0, NoDatasets())
 def test_gpu_check_cpu_smoke_runs_every_mode_without_datasets(tmp_path):
     out = tmp_path / "gpu_check.json"
     (tmp_path / "sitecustomize.py").write_text(NO_DATASETS)
-    path = os.pathsep.join([str(tmp_path), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    path = os.pathsep.join([str(tmp_path), str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # ROOT: the benchmarks package
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--steps", "2", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--cpu-smoke", "--steps", "2", "--out", str(out)],
         cwd=tmp_path,
         env=env,
         capture_output=True,

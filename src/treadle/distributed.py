@@ -75,7 +75,7 @@ def init_distributed(device: torch.device, timeout_s: float | None = None, *, fo
 
     A no-op without torchrun (``WORLD_SIZE`` unset or 1) or when a group exists already. ``force=True``
     creates a group even for one process (rendezvous on a free local port when torchrun set none): that is
-    how one device runs through DDP or FSDP2 exactly as N devices would (``benchmarks/gpu_check.py``).
+    how one device runs through DDP or FSDP2 exactly as N devices would (``python -m benchmarks.gpu_check``).
     """
     if is_initialized() or (not force and launched("WORLD_SIZE") <= 1):
         return

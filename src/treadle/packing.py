@@ -32,7 +32,7 @@ def long_tensor(values: Sequence[int], shape: tuple[int, ...]) -> torch.Tensor:
     """An int64 tensor of ``shape`` from a flat sequence of ints (or an ``array.array("q")``).
 
     Goes through one C array: 3-4x faster than ``torch.tensor`` on Python lists, which for a small model costs
-    more than its forward pass (benchmarks/trainers.py).
+    more than its forward pass (``python -m benchmarks.trainers``).
     """
     try:
         flat = values if isinstance(values, array.array) else array.array("q", values)
@@ -66,7 +66,7 @@ def prompt_completion_batch(
     """
     length = max(len(p) + len(c) for p, c in pairs)
     # Flat Python lists, converted once per column: a tensor per row and slice copies into the batch cost more than
-    # a small model's forward pass (benchmarks/trainers.py).
+    # a small model's forward pass (``python -m benchmarks.trainers``).
     ids, attention, completion = [], [], []
     for prompt, answer in pairs:
         pad = length - len(prompt) - len(answer)

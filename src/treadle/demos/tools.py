@@ -40,7 +40,7 @@ from treadle.trainers.sft import SFTTrainer
 @dataclasses.dataclass
 class ToolsDemoSettings:
     """What ``treadle demo --task tools`` trains; tuned on 2 busy CPU cores (docs/demos.md: seeds 0-4 on two sets of
-    CPU kernels, ``benchmarks/tools_seeds.py``)."""
+    CPU kernels, ``python -m benchmarks.demos --variants tools``)."""
 
     seed: int = 0  # model initialisation, data order and sampling
     model_size: str = "tiny"  # a treadle.toy.MODEL_SIZES key

@@ -500,7 +500,7 @@ class SFTCollator:
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         # One torch.tensor per column, from right-padded Python lists: a tensor per row plus a copy into the batch
-        # cost more than a tiny model's forward pass (benchmarks/trainers.py).
+        # cost more than a tiny model's forward pass (``python -m benchmarks.trainers``).
         ids = [_as_list(row["input_ids"]) for row in rows]
         lengths = [len(r) for r in ids]
         width = max(lengths)

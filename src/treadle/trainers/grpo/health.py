@@ -121,7 +121,8 @@ def reward_rose(first: list[float], last: list[float]) -> bool:
     steps (``last``) is above that of its first steps (``first``; the two windows do not overlap). A plain
     comparison of means, no noise margin, made from ``2 x patience`` steps on: a run whose reward moves up keeps
     going, one whose reward is flat (or falls) stops when its noise first puts the last window at or below the
-    first (benchmarks/health_false_alarms.py measures both; at ``patience`` steps, slow learners were stopped too).
+    first (``python -m benchmarks.lab.health_false_alarms`` measures both; at ``patience`` steps, slow learners were
+    stopped too).
 
     >>> reward_rose([0.1, 0.2], [0.3, 0.4]), reward_rose([0.3, 0.2], [0.25, 0.2])
     (True, False)
