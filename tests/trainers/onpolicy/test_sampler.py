@@ -4,43 +4,12 @@ trains as the built-in one does), and the refusals."""
 
 import pytest
 import torch
-from _factories import digit_sum_reward
+from _factories import grpo_trainer
 
-from treadle.demos import toy
 from treadle.errors import PreflightError
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-from treadle.trainers.onpolicy.sampler import AsyncSampler, MultiTurnSampler, RolloutSampler, SyncSampler
+from treadle.trainers.onpolicy.sampler import AsyncSampler, MultiTurnSampler, SyncSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def config(tmp_path, **overrides) -> GRPOConfig:
-    settings = dict(
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=3,
-        max_steps=2,
-        learning_rate=1e-2,
-        disable_tqdm=True,
-        save_strategy="no",
-        logging_steps=1,
-        seed=3,
-    )
-    return GRPOConfig(output_dir=str(tmp_path / "run"), **{**settings, **overrides})
-
-
-def trainer(tmp_path, trainer_class=GRPOTrainer, **kwargs) -> GRPOTrainer:
-    tok = toy.build_tokenizer()
-    model = toy.build_model("tiny", seed=0, tokenizer=tok)
-    rows = toy.load_task("addition", kind="rl", n=16)
-    return trainer_class(
-        model,
-        reward_funcs=digit_sum_reward,
-        args=config(tmp_path, **kwargs.pop("args", {})),
-        train_dataset=rows,
-        processing_class=tok,
-        **kwargs,
-    )
 
 
 def calc(x: str) -> str:
@@ -52,22 +21,22 @@ def calc(x: str) -> str:
     return x
 
 
-def test_the_trainer_builds_the_sampler_its_settings_ask_for(tmp_path):
-    plain = trainer(tmp_path / "a")
+def test_the_trainer_builds_the_sampler_its_settings_ask_for(tmp_path, tok, dataset):
+    plain = grpo_trainer(tmp_path / "a", tok, dataset)
     assert type(plain.rollout_sampler) is SyncSampler and plain.engine is plain.rollout_sampler.engine
     assert plain.rollout_sampler.exact_logps  # the own sampler samples from the live policy
-    tools = trainer(tmp_path / "b", tools=[calc])
+    tools = grpo_trainer(tmp_path / "b", tok, dataset, tools=[calc])
     assert type(tools.rollout_sampler) is MultiTurnSampler and tools.rollout_sampler.runner.tools == [calc]
-    ahead = trainer(tmp_path / "c", args={"max_staleness": 1, "async_worker": "thread"})
+    ahead = grpo_trainer(tmp_path / "c", tok, dataset, max_staleness=1, async_worker="thread")
     assert type(ahead.rollout_sampler) is AsyncSampler and ahead.rollout_sampler.producer.staleness == 1
     assert not ahead.rollout_sampler.exact_logps and ahead.corrects_sampling  # batches sampled from older weights
     for built in (plain, tools, ahead):
         built.close()
 
 
-def test_asynchronous_multi_turn_rollouts_are_refused_in_one_line(tmp_path):
+def test_asynchronous_multi_turn_rollouts_are_refused_in_one_line(tmp_path, tok, dataset):
     with pytest.raises(PreflightError, match="max_staleness > 0 samples single-turn completions only"):
-        trainer(tmp_path, tools=[calc], args={"max_staleness": 1})
+        grpo_trainer(tmp_path, tok, dataset, tools=[calc], max_staleness=1)
 
 
 class Counting(SyncSampler):
@@ -97,17 +66,13 @@ class Counting(SyncSampler):
         self.calls["end"] += 1
 
 
-class CountingGRPO(GRPOTrainer):
-    def build_rollout_sampler(self, engine, runner=None, *, staleness=None) -> RolloutSampler:
-        return Counting(engine)
-
-
-def test_a_sampler_of_ones_own_trains_exactly_as_the_built_in_one(tmp_path):
+def test_a_sampler_of_ones_own_trains_exactly_as_the_built_in_one(tmp_path, tok, dataset):
     """The trainer calls the interface and nothing else: the same weights, every call through the sampler, its state in
     the checkpoint's extra state, its run ended when training ends."""
-    reference = trainer(tmp_path / "ref")
+    reference = grpo_trainer(tmp_path / "ref", tok, dataset)
     reference.train()
-    counted = trainer(tmp_path / "own", trainer_class=CountingGRPO, args={"save_strategy": "steps", "save_steps": 2})
+    counted = grpo_trainer(tmp_path / "own", tok, dataset, save_strategy="steps", save_steps=2)
+    counted.rollout_sampler = Counting(counted.engine)  # as an override of build_rollout_sampler returns it
     counted.train()
     for name, tensor in reference.model.state_dict().items():
         assert torch.equal(tensor, counted.model.state_dict()[name]), name
