@@ -98,9 +98,10 @@ class StopAtAccuracy(TrainerCallback):
             control.should_training_stop = control.should_save = control.should_log = True
 
 
-def start_demo(task: str, output_dir: str | None, *, one_thread: bool = True) -> Path:
+def start_demo(task: str, output_dir: str | None, title: str, *, one_thread: bool = True) -> tuple[Path, float]:
     """Every demo's start: one torch thread unless OMP_NUM_THREADS says otherwise (``one_thread=False``: torch's
-    own choice, every core), and its run folder (``output_dir``, or runs/demo[-task]-<time>), created."""
+    own choice, every core), its run folder (``output_dir``, or runs/demo[-task]-<time>) created, and its ``title``
+    printed with the folder; (the folder, the start time)."""
     if one_thread and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
@@ -110,20 +111,17 @@ def start_demo(task: str, output_dir: str | None, *, one_thread: bool = True) ->
     name = f"demo-{task}" if task else "demo"
     out = Path(output_dir or os.path.join("runs", time.strftime(f"{name}-%Y%m%d-%H%M%S")))
     out.mkdir(parents=True, exist_ok=True)
-    return out
+    print(f"{title}; run folder {out}", flush=True)
+    return out, time.time()
 
 
 def run_demo(settings: DemoSettings, output_dir: str | None = None) -> int:
     """SFT the tiny model on addition, then GRPO from the SFT checkpoint; print held-out accuracy of each."""
-    out = start_demo("", output_dir)
-    start = time.time()
+    vllm = " (GRPO samples with vLLM)" if settings.use_vllm else ""
+    title = f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition{vllm}"
+    out, start = start_demo("", output_dir, title)
     tokenizer = toy.build_tokenizer()
     problems = min(settings.eval_size, 1000)  # the held-out problems every stage is scored on
-    print(
-        f"treadle demo: SFT then GRPO of the {settings.model_size} toy model on 2-digit addition"
-        f"{' (GRPO samples with vLLM)' if settings.use_vllm else ''}; run folder {out}",
-        flush=True,
-    )
     model = toy.build_model(settings.model_size, seed=settings.seed, tokenizer=tokenizer)
     untrained = evaluate_heldout(model, tokenizer, settings, out / "untrained")
     rows = [("untrained", untrained[ACCURACY], 0, 0.0)]

@@ -114,12 +114,8 @@ def probe_scores(model, batch: dict) -> tuple[float, float]:
 
 def run_count_demo(settings: CountDemoSettings, output_dir: str | None = None) -> int:
     """SFT the tiny VLM on counting, then GRPO; print the held-out greedy accuracy of each stage."""
-    out = start_demo("count", output_dir)
-    start = time.time()
-    print(
-        f"treadle demo: SFT then GRPO of a tiny {settings.kind} model counting {settings.what}; run folder {out}",
-        flush=True,
-    )
+    title = f"treadle demo: SFT then GRPO of a tiny {settings.kind} model counting {settings.what}"
+    out, start = start_demo("count", output_dir, title)
     processor = toy_vision.build_processor(settings.kind)
     model = toy_vision.build_model(settings.kind, processor, seed=settings.seed, hidden=settings.hidden)
     grpo = count_grpo_trainer(model, processor, settings, out / "grpo")

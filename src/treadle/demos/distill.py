@@ -92,15 +92,13 @@ def score(model, tokenizer, problems) -> float:
 
 def run_distill_demo(settings: DistillDemoSettings, output_dir: str | None = None) -> int:
     """Teacher, SFT warm start, then GRPO / distillation / SFT on the teacher's answers; print the table."""
-    out = start_demo("distill", output_dir)
-    start = time.time()
+    title = (
+        f"treadle demo --task distill: a teacher, the SFT warm start, then GRPO vs on-policy distillation vs "
+        f"SFT on the teacher's answers, {settings.grpo_steps} steps each"
+    )
+    out, start = start_demo("distill", output_dir, title)
     tokenizer = toy.build_tokenizer()
     problems = toy.load_task("addition", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    print(
-        f"treadle demo --task distill: a teacher, the SFT warm start, then GRPO vs on-policy distillation vs "
-        f"SFT on the teacher's answers, {settings.grpo_steps} steps each; run folder {out}",
-        flush=True,
-    )
     teacher, teacher_record = load_or_train_teacher(
         settings, tokenizer, Path(settings.teacher_dir or out / "teacher"), problems
     )

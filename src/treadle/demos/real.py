@@ -122,9 +122,8 @@ def real_trainer(settings: RealDemoSettings, output_dir: Path) -> GRPOTrainer:
 
 def run_real_demo(settings: RealDemoSettings, output_dir: str | None = None) -> int:
     """GRPO of SmolLM2-135M-Instruct on addition chats; print the held-out greedy accuracy before and after."""
-    out = start_demo("smollm2", output_dir, one_thread=False)  # a real model's matmuls pay for every core
-    start = time.time()
-    print(f"treadle demo: GRPO of SmolLM2-135M-Instruct on 2-digit addition chats; run folder {out}", flush=True)
+    title = "treadle demo: GRPO of SmolLM2-135M-Instruct on 2-digit addition chats"
+    out, start = start_demo("smollm2", output_dir, title, one_thread=False)  # its matmuls pay for every core
     trainer = real_trainer(settings, out / "grpo")
     curve = [(0, trainer.evaluate()[ACCURACY])]
     began = time.time()

@@ -79,15 +79,13 @@ class ToolsDemoSettings:
 
 def run_tools_demo(settings: ToolsDemoSettings, output_dir: str | None = None) -> int:
     """Warm-start SFT, GRPO with the tool, and the no-tool control; print held-out exact match of each."""
-    out = start_demo("tools", output_dir)
-    start = time.time()
+    title = (
+        f"treadle demo --task tools: the {settings.model_size} toy model learns to call calc() for 3-digit "
+        f"addition (SFT warm start, then GRPO with the tool)"
+    )
+    out, start = start_demo("tools", output_dir, title)
     tokenizer = toy.build_tokenizer()
     test = toy.load_task("tools", "test", kind="rl", n=min(settings.eval_size, 1000), seed=settings.seed)
-    print(
-        f"treadle demo --task tools: the {settings.model_size} toy model learns to call calc() for 3-digit "
-        f"addition (SFT warm start, then GRPO with the tool); run folder {out}",
-        flush=True,
-    )
     held_out = HeldOut(tokenizer, test, settings, out)
     rows, sft_steps, attempts = tool_stages(tokenizer, settings, out, held_out)
     rows.append(control_stage(tokenizer, settings, out, held_out, sft_steps))
