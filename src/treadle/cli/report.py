@@ -70,7 +70,7 @@ def _span(events: list[dict[str, Any]]) -> str:
 
 
 def read_completions(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of a run's completions.jsonl (GRPO with ``log_completions``); [] when there is none. A line
+    """The entries of a run's completions.jsonl (GRPO with ``log_completions``); [] when there is none. A line
     cut short by a crash is skipped."""
     return runfiles.read_entries(metrics_path(run_dir).parent / runfiles.COMPLETIONS_FILE)
 

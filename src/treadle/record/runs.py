@@ -134,10 +134,7 @@ def check_run_folder(
     _check_writable(output_dir)
     holder = lock_holder(output_dir)
     if holder is not None:
-        raise RunFolderError(
-            f"output_dir {output_dir} is in use by another run ({holder}); wait for it to end or "
-            f"choose another output_dir"
-        )
+        raise _in_use(output_dir, holder)
     files = run_files(output_dir)
     if resume or not files or _earlier_attempt(read_manifest(output_dir)):  # the last: a restarted elastic worker
         return []
@@ -379,6 +376,13 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {started}"
 
 
+def _in_use(output_dir: str, holder: str) -> RunFolderError:
+    """The refusal of a folder whose lock a live run holds (``holder``: its lock file's account of it)."""
+    return RunFolderError(
+        f"output_dir {output_dir} is in use by another run ({holder}); wait for it to end or choose another output_dir"
+    )
+
+
 def _lock(path: str, on_acquired=None) -> FileLock:
     # timeout: a second, for the instant in which a run that is ending has removed its lock file but not yet let go
     return FileLock(path, timeout=1.0, thread_local=False, on_acquired=on_acquired)
@@ -410,10 +414,7 @@ def acquire_lock(output_dir: str) -> FileLock:
     try:
         lock.acquire()
     except Timeout:
-        raise RunFolderError(
-            f"output_dir {output_dir} is in use by another run ({_describe(_holder(path))}); wait for it to end or "
-            f"choose another output_dir"
-        ) from None
+        raise _in_use(output_dir, _describe(_holder(path))) from None
     except OSError as error:
         raise RunFolderError(
             f"output_dir {output_dir} cannot be locked ({error.strerror or error}: its file system has no file "

@@ -162,7 +162,7 @@ class OnPolicyTrainer(Trainer):
         (``generation_backend``), or vLLM with ``use_vllm`` (``engines.vllm``). Override to plug in another
         ``engines.RolloutEngine``."""
         if self.args.use_vllm:
-            build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_server
+            build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_client
             return build(self.model, self.args, multi_turn=self.multi_turn)
         return LocalEngine(self.model, backend=self.args.generation_backend)
 
