@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_run_errors import error_line, treadle, write_config
 
-from treadle import models
+from treadle import modelfiles
 from treadle.models import load_pretrained
 
 gguf = pytest.importorskip("gguf")
@@ -264,12 +264,12 @@ def test_every_architecture_transformers_loads_passes_the_check(tmp_path, arch):
     """Regression: llama.cpp's names that transformers loads under another spelling (qwen3moe, gpt-oss) or through
     its newer reader (qwen35: Qwen3.5) were refused as unknown."""
     write_gguf(tmp_path / "m.gguf", arch=arch, with_tensors=False)
-    models._check_gguf_file(str(tmp_path / "m.gguf"))  # raises when refused
-    assert "general" not in models.gguf_architectures()  # a metadata section, not an architecture
+    modelfiles.check_gguf_file(str(tmp_path / "m.gguf"))  # raises when refused
+    assert "general" not in modelfiles.gguf_architectures()  # a metadata section, not an architecture
 
 
 def test_without_the_gguf_package(tmp_path, tiny_gguf, monkeypatch):
-    monkeypatch.setattr(models, "GGUF_PACKAGE", "gguf_is_not_installed")
+    monkeypatch.setattr(modelfiles, "GGUF_PACKAGE", "gguf_is_not_installed")
     message = one_line_error(str(tiny_gguf[0]))
     assert "needs the gguf_is_not_installed package" in message and "pip install 'treadle[gguf]'" in message
 
@@ -308,3 +308,56 @@ def test_a_config_names_a_gguf_file_beside_it_and_a_missing_one_is_a_gguf_error(
         line = error_line(result)
         assert f"GGUF file {tmp_path / 'nope.gguf'} not found; name an existing .gguf file" in line
         assert "model folder" not in line
+
+
+# ---- the fourth hostile trial (issue 59): files that are not what they say -------------------------------------
+@pytest.mark.parametrize("arch, missing", [("qwen2", "self_attn.q_proj.bias"), ("mamba", "backbone.layers.0.mixer")])
+def test_a_gguf_whose_header_names_another_architecture_is_refused_unless_strict_is_off(tmp_path, arch, missing):
+    """Regression: a llama GGUF whose header says qwen2 (biases never loaded) or mamba (every layer never loaded)
+    trained and saved the random weights, exit 0."""
+    write_gguf(tmp_path / f"{arch}.gguf", arch=arch)
+    message = one_line_error(str(tmp_path / f"{arch}.gguf"))
+    assert f"{tmp_path / f'{arch}.gguf'} does not fit the " in message and "weights are not in the files" in message
+    assert missing in message and "model_init_kwargs: {strict: false}" in message
+    model, _ = load_pretrained(str(tmp_path / f"{arch}.gguf"), strict=False)  # the user's opt-in: loads
+    assert type(model).__name__.lower().startswith(arch)
+
+
+def test_a_gguf_file_is_found_by_its_magic_bytes_not_its_name(tmp_path, tiny_gguf, loaded):
+    """Regression: a GGUF file renamed x.bin or named UPPER.GGUF was "model folder not found, and it is not a Hub id"."""
+    for name in ("x.bin", "UPPER.GGUF"):
+        (tmp_path / name).write_bytes(tiny_gguf[0].read_bytes())
+        model, _ = load_pretrained(str(tmp_path / name))
+        assert model.name_or_path == str(tmp_path / name)
+        torch.testing.assert_close(model.state_dict(), loaded[0].state_dict(), rtol=0, atol=0)
+
+
+def test_a_gguf_of_a_newer_format_version_says_so(tmp_path, tiny_gguf):
+    """Regression: version 99 was "not a whole GGUF file ... copy it again"; the file is whole, its format is newer."""
+    data = bytearray(tiny_gguf[0].read_bytes())
+    data[4:8] = (99).to_bytes(4, "little")
+    (tmp_path / "v99.gguf").write_bytes(bytes(data))
+    message = one_line_error(str(tmp_path / "v99.gguf"))
+    assert "is a GGUF file of format version 99, newer than the installed gguf" in message
+    assert "copy it again" not in message and "pip install -U gguf transformers" in message
+
+
+def test_a_gguf_cut_in_its_tensor_data_names_the_file_and_its_size(tmp_path, tiny_gguf):
+    """Regression: an interrupted download cut in the tensor data was numpy's "cannot reshape array of size ...",
+    naming the folder."""
+    whole = tiny_gguf[0].read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) - 1000])
+    message = one_line_error(str(tmp_path / "cut.gguf"))
+    assert f"{tmp_path / 'cut.gguf'} is cut short: {len(whole) - 1000} bytes of the {len(whole)}" in message
+    assert "reshape" not in message
+
+
+def test_an_empty_folder_and_a_folder_holding_only_a_gguf_file(tmp_path, tiny_gguf):
+    """Regression: `model: dir.gguf` (an empty folder) and a folder holding only a .gguf file both said "has no
+    tokenizer files"."""
+    (tmp_path / "dir.gguf").mkdir()
+    message = one_line_error(str(tmp_path / "dir.gguf"))
+    assert f"model folder {tmp_path / 'dir.gguf'} is empty: it has no config.json, no weights and no tokenizer" in message
+    message = one_line_error(str(tiny_gguf[0].parent))
+    assert f"holds the GGUF file tiny.gguf and no config.json; name the file itself (model: {tiny_gguf[0]})" in message
+    assert "tokenizer" not in message

@@ -237,3 +237,49 @@ def test_a_revision_with_a_local_model_folder_is_refused_in_one_line(tmp_path, t
         f"one version; drop revision, or name the Hub id (org/name) to load that revision"
     )
     assert load_pretrained(str(folder))[0] is not None  # without it, the folder loads
+
+
+# ---- the fourth hostile trial (issue 59): weights that were never loaded ----------------------------------------
+def test_a_folder_whose_safetensors_lacks_tensors_is_refused_unless_strict_is_off(tmp_path):
+    """Regression: a model folder whose model.safetensors lacks 12 of its 20 tensors trained the random weights and
+    saved them, exit 0 (the trial's lacked 12 of 20; transformers' load report was the only hint)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treadle.demos.toy import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    models.load_pretrained(str(tmp_path))  # whole: loads
+    weights = load_file(tmp_path / "model.safetensors")
+    assert len(weights) == 21  # 2 layers of 9, the embedding, the final norm, the head
+    dropped = sorted(weights)[:12]
+    save_file({k: v for k, v in weights.items() if k not in dropped}, tmp_path / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError) as error:
+        models.load_pretrained(str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "12 of its 21 weights are not in the files" in message
+    assert dropped[0] in message and "model_init_kwargs: {strict: false}" in message
+    model, _ = models.load_pretrained(str(tmp_path), strict=False)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    weights["extra.weight"] = torch.zeros(2)
+    save_file(weights, tmp_path / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ValueError, match="1 weights in the files have no place in it \\(extra.weight\\)"):
+        models.load_pretrained(str(tmp_path))
+
+
+def test_a_reward_head_is_new_and_not_refused(tmp_path):
+    """A sequence classifier from a causal LM's folder: its score head is new by design (not in the files)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from treadle.demos.toy import build_model, build_tokenizer
+
+    build_model("tiny").save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    model, _ = models.load_pretrained(str(tmp_path), model_class=AutoModelForSequenceClassification, num_labels=1)
+    assert type(model).__name__ == "LlamaForSequenceClassification"

@@ -25,9 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import json
 import os
-import struct
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,12 +35,14 @@ from torch import nn
 
 from treadle import distributed as dist
 from treadle.errors import PreflightError
+from treadle.modelfiles import check_model_folder, gguf_source
 
 __all__ = [
     "ForwardSignature",
     "cache_argument",
     "causal_lm_problem",
     "check_model_folder",
+    "check_loaded_weights",
     "check_vocabulary",
     "check_hub_model",
     "enable_gradient_checkpointing",
@@ -50,6 +50,7 @@ __all__ = [
     "forward_parameters",
     "forward_signature",
     "from_name",
+    "gguf_source",
     "frozen_reference",
     "is_causal_lm",
     "is_peft_model",
@@ -360,8 +361,11 @@ def load_pretrained(
     its ``from_pretrained`` (TRL's ``model_init_kwargs``); a vision-language model (:func:`is_vision_language`) loads
     with ``AutoModelForImageTextToText`` and its ``AutoProcessor``. A ``.gguf`` path (or a folder or Hub id with
     ``gguf_file=``) is dequantised into an ordinary model (:func:`gguf_source`) that trains and saves as any other.
-    ValueError names what is wrong in one line. (``toy:<size>`` specs: ``treadle.cli.loading``.)"""
+    A model some of whose weights are not in its files, or whose files hold weights it has no place for, is refused
+    (:func:`check_loaded_weights`) unless ``strict=False`` (torch's ``load_state_dict`` name) is among
+    ``model_kwargs``. ValueError names what is wrong in one line. (``toy:<size>`` specs: ``treadle.cli.loading``.)"""
     source, gguf_file = gguf_source(os.fspath(name_or_path), model_kwargs.pop("gguf_file", None))
+    strict = model_kwargs.pop("strict", True)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers' model classes load ~5 s
 
     if os.path.isdir(source):
@@ -371,7 +375,7 @@ def load_pretrained(
                 f"{'file' if gguf_file else 'folder'}, which holds one version; drop revision, or name the Hub id "
                 f"(org/name) to load that revision"
             )
-        check_model_folder(source, needs_tokenizer=tokenizer is None and gguf_file is None)
+        check_model_folder(source, needs_tokenizer=tokenizer is None and gguf_file is None, gguf_file=gguf_file)
         options = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     else:
         check_hub_model(source, revision, filename=gguf_file or "config.json")
@@ -385,10 +389,13 @@ def load_pretrained(
         vision = model_class is None and is_vision_language(source, options)
         if tokenizer is None:
             tokenizer = (vision_classes()[1] if vision else AutoTokenizer).from_pretrained(source, **options)
+        head = model_class is not None  # a class of the caller's: a head of its own, new (a reward model's score)
         model_class = model_class or (vision_classes()[0] if vision else AutoModelForCausalLM)
-        model = model_class.from_pretrained(source, **options, **model_kwargs)
+        model, report = model_class.from_pretrained(source, **options, **model_kwargs, output_loading_info=True)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot load a model and tokenizer from {source}: {str(error).splitlines()[0]}") from None
+    if strict:
+        check_loaded_weights(model, report, os.path.join(source, gguf_file) if gguf_file else source, new_head=head)
     if gguf_file:  # records, adapters (their base_model_name_or_path) and `treadle merge` name the file itself
         # both: from_pretrained copied the config's into the model's own attribute, which PEFT reads
         name = os.path.join(source, gguf_file) if os.path.isdir(source) else source
@@ -397,85 +404,33 @@ def load_pretrained(
     return model, tokenizer
 
 
-GGUF_PACKAGE = "gguf"  # what transformers' GGUF reader imports; treadle's `gguf` extra installs it
+def check_loaded_weights(model: nn.Module, report: dict, where: str, *, new_head: bool = False) -> None:
+    """Refuse (ValueError, one line) a model that transformers built with weights its files do not hold (they would
+    train from random values: a GGUF whose header names another architecture, a folder missing tensors) or from files
+    holding weights it has no place for. ``report``: ``from_pretrained(..., output_loading_info=True)``'s;
+    ``new_head``: weights outside the base model (a classification head the caller asked for) may be new."""
+    missing = sorted(report.get("missing_keys") or ())
+    if new_head:
+        prefix = getattr(model, "base_model_prefix", "") + "."
+        missing = [key for key in missing if key.startswith(prefix)]
+    unexpected = sorted(report.get("unexpected_keys") or ())
+    if not missing and not unexpected:
+        return
+    total = len(model.state_dict())
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of its {total} weights are not in the files ({_some(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weights in the files have no place in it ({_some(unexpected)})")
+    raise ValueError(
+        f"{where} does not fit the {type(model).__name__} transformers built from it: {'; '.join(problems)}; use "
+        f"the files saved with this model (a GGUF header or config naming another architecture is a wrong file), or "
+        f"pass model_init_kwargs: {{strict: false}} to train the missing weights from random values"
+    )
 
 
-def gguf_source(source: str, gguf_file: str | None = None) -> tuple[str, str | None]:
-    """``(folder or Hub id, GGUF file name or None)`` for a model named by ``source``: a path ending in ``.gguf`` is
-    split into its folder and file name; a folder or Hub id keeps ``gguf_file`` as given. A local GGUF file is
-    checked before transformers reads it (ValueError, one line naming the fix): the ``gguf`` package is installed,
-    the file exists, starts with the GGUF magic bytes, and holds an architecture transformers' GGUF loader knows."""
-    if gguf_file is None and source.endswith(".gguf") and not os.path.isdir(source):
-        source, gguf_file = os.path.dirname(os.path.abspath(source)), os.path.basename(source)
-    if gguf_file is None:
-        return source, None
-    import importlib.util
-
-    if importlib.util.find_spec(GGUF_PACKAGE) is None:
-        raise ValueError(
-            f"loading {gguf_file} needs the {GGUF_PACKAGE} package, which transformers reads GGUF files with; "
-            f"install it: pip install 'treadle[gguf]'"
-        )
-    if importlib.util.find_spec("transformers.integrations.gguf") is None:
-        import transformers
-
-        raise ValueError(
-            f"loading {gguf_file} needs transformers' GGUF reader with GgufConfig(dequantize=True), which "
-            f"transformers {transformers.__version__} lacks; upgrade transformers (5.24 is what treadle tests)"
-        )
-    path = os.path.join(source, gguf_file)
-    if (os.path.isdir(source) or os.path.isabs(source)) and not os.path.isfile(path):
-        raise ValueError(f"GGUF file {path} not found; name an existing .gguf file (model: path/to/model.gguf)")
-    if os.path.isfile(path):
-        _check_gguf_file(path)
-    return source, gguf_file
-
-
-def _check_gguf_file(path: str) -> None:
-    """Refuse a file that is not GGUF, is cut short in its metadata, or whose architecture transformers cannot turn
-    into a model."""
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the bytes GGUF); copy it again")
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
-    try:
-        architecture = read_gguf_metadata(path)[0].get("general.architecture")
-    except (struct.error, ValueError) as error:  # an interrupted download: the reader runs off the end of the file
-        raise ValueError(
-            f"{path} is not a whole GGUF file, its metadata cannot be read ({str(error).splitlines()[0]}); "
-            f"copy it again"
-        ) from None
-    known = gguf_architectures()
-    if architecture not in known:
-        raise ValueError(
-            f"{path} holds a {architecture!r} model, which transformers' GGUF loader does not know (it knows "
-            f"{', '.join(sorted(known)[:12])}, ...); convert it to a transformers folder "
-            f"with the tools of the project that wrote it, or upgrade transformers"
-        )
-
-
-# llama.cpp's spellings (general.architecture) that transformers' legacy GGUF reader renames to its own before it
-# looks them up (``load_gguf_checkpoint``)
-GGUF_ARCHITECTURE_RENAMES = {
-    "qwen2moe": "qwen2_moe",
-    "qwen3moe": "qwen3_moe",
-    "gpt-oss": "gpt_oss",
-    "minimax-m2": "minimax_m2",
-    "t5encoder": "t5",
-}
-
-
-def gguf_architectures() -> set[str]:
-    """The ``general.architecture`` values transformers turns into a model: those its GGUF reader rebuilds a config
-    for (``GGUF_CONFIG_ARCHS``: Qwen3.5, LFM2 ...), and those of its legacy reader, in its spelling and llama.cpp's.
-    (The legacy list also holds the metadata sections ``general`` and ``tokenizer``, no architectures.)"""
-    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    legacy = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}
-    renamed = {name for name, target in GGUF_ARCHITECTURE_RENAMES.items() if target in legacy}
-    return set(GGUF_CONFIG_ARCHS) | legacy | renamed
+def _some(keys: list[str], shown: int = 3) -> str:
+    return ", ".join(keys[:shown]) + (", ..." if len(keys) > shown else "")
 
 
 def _dequantized_gguf():
@@ -543,41 +498,6 @@ def from_name(model, processing_class, args, *, model_class=None, **model_kwargs
         trust_remote_code=getattr(args, "trust_remote_code", False),
         **kwargs,
     )
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def check_model_folder(path: str, *, needs_tokenizer: bool = True) -> None:
-    """Refuse (ValueError) a model folder without tokenizer files (when no tokenizer is given) or with a
-    truncated ``.safetensors`` file (shorter than its own header says), before transformers reads it."""
-    names = set(os.listdir(path))
-    if needs_tokenizer and not names & set(TOKENIZER_FILES):
-        raise ValueError(
-            f"model folder {path} has no tokenizer files ({' / '.join(TOKENIZER_FILES[:2])}); save the "
-            f"tokenizer there too (tokenizer.save_pretrained({path!r}))"
-        )
-    for name in sorted(n for n in names if n.endswith(".safetensors")):
-        problem = _safetensors_problem(os.path.join(path, name))
-        if problem:
-            raise ValueError(f"{os.path.join(path, name)} is {problem}; copy or save the model again")
-
-
-def _safetensors_problem(path: str) -> str | None:
-    """What is wrong with a .safetensors file's framing (8-byte header length, JSON header, data), or None."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else None
-        if length is None or 8 + length > size:
-            return f"truncated ({size} bytes, not even its header)"
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            return "not a safetensors file (its header is not JSON)"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    expected = 8 + length + end
-    return f"truncated ({size} bytes of the {expected} its header describes)" if expected > size else None
 
 
 def check_vocabulary(model: nn.Module, tokenizer, where: str | None = None) -> None:
