@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treadle import distributed
-from treadle.optim import check_scheduler_kwargs, optimizer_options
+from treadle.optim import check_float16_adamw, check_scheduler_kwargs, optimizer_options
 
 OPTIMIZERS = (
     "adamw",
@@ -46,6 +46,28 @@ SCHEDULERS = (
 TOKEN_COUNTS = ("no", "all", "non_padding")  # include_num_input_tokens_seen
 STRATEGIES = ("no", "steps", "epoch")
 MAX_LEARNING_RATE = 10.0  # far above any rate that trains; 1e300 overflowed inside torch
+
+
+TRAINING_DTYPES = ("float32", "bfloat16", "float16")  # the weights' dtypes treadle trains in (model_init_kwargs)
+
+
+def check_model_dtype(kwargs: dict | None, name: str, args=None) -> None:
+    """Refuse (ValueError, one line) a ``dtype`` (or transformers' older ``torch_dtype``) among a model's
+    ``from_pretrained`` keywords that treadle does not train in (``TRAINING_DTYPES`` as names or torch dtypes, and
+    ``"auto"``: the checkpoint's own), and float16 weights that ``args``' AdamW cannot train
+    (``optim.check_float16_adamw``)."""
+    for key in ("dtype", "torch_dtype"):
+        value = kwargs.get(key) if isinstance(kwargs, dict) else None
+        spelled = str(value).removeprefix("torch.") if value is not None else None
+        if value is None or spelled == "auto" and isinstance(value, str):
+            continue
+        if spelled not in TRAINING_DTYPES:
+            raise ValueError(
+                f"{name}: {key}={spelled!r} is not a dtype treadle trains weights in; use one of "
+                f"{', '.join(TRAINING_DTYPES)} or auto (the checkpoint's own)"
+            )
+        if spelled == "float16" and args is not None:
+            check_float16_adamw(args, f"{name}: {key}=float16")
 
 
 def expand_path(path):
@@ -190,6 +212,7 @@ class TrainingArguments:
                 setattr(self, name, value := json.loads(value))
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a mapping (e.g. {{}}), got {value!r}")
+        check_model_dtype(self.model_init_kwargs, "model_init_kwargs", self)
         check_scheduler_kwargs(self.lr_scheduler_type, self.lr_scheduler_kwargs)  # names a pointer for the refused
         if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.torch_compile = True  # as transformers: either setting asks for compilation

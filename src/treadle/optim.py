@@ -97,6 +97,22 @@ def _bitsandbytes_adamw(groups: list[dict], args, paged: bool) -> torch.optim.Op
     )
 
 
+ADAMW_OPTIMIZERS = ("adamw", "adamw_torch", "adamw_torch_fused")  # torch's AdamW: its state in the weights' dtype
+FLOAT16_TINY = 2.0**-25  # half float16's smallest positive number: anything smaller rounds to 0 in float16
+
+
+def check_float16_adamw(args, weights: str) -> None:
+    """Refuse (ValueError, one line) float16 weights (``weights`` says where from) trained by torch's AdamW with an
+    ``adam_epsilon`` that is 0 in float16 (the default 1e-8 is): the update divides by zero wherever a squared
+    gradient underflows, and the loss becomes nan at any learning rate (refused, not warned: no run trains so)."""
+    if args.optim in ADAMW_OPTIMIZERS and args.adam_epsilon < FLOAT16_TINY:
+        raise ValueError(
+            f"{weights} with optim={args.optim} and adam_epsilon={args.adam_epsilon:g}: the epsilon is 0 in float16, "
+            f"so AdamW divides by zero and the loss becomes nan at any learning rate; train float32 weights (bf16: "
+            f"true for speed), bfloat16 weights, or raise adam_epsilon (e.g. 1e-4)"
+        )
+
+
 def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """The optimizer ``args.optim`` names, over ``param_groups`` (as transformers builds it):
 
@@ -104,6 +120,8 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     - ``sgd``: ``torch.optim.SGD`` without momentum; ``optim_args="momentum=0.9,nesterov=True"`` adds it
     - ``adafactor``: transformers' ``Adafactor`` with the given learning rate (no relative step or scaling)
     - ``adamw_8bit`` (alias ``adamw_bnb_8bit``) / ``paged_adamw_8bit``: bitsandbytes' 8-bit AdamW
+
+    float16 weights with torch's AdamW and an epsilon that is 0 in float16 are refused (:func:`check_float16_adamw`).
     """
     groups = param_groups(model, args.weight_decay)
     if not groups:
@@ -117,6 +135,8 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
         return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False)
     if args.optim in ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"):
         return _bitsandbytes_adamw(groups, args, paged=args.optim.startswith("paged_"))
+    if any(p.dtype == torch.float16 for group in groups for p in group["params"]):
+        check_float16_adamw(args, f"{type(model).__name__}'s float16 weights")
     fused = args.optim == "adamw_torch_fused"
     return torch.optim.AdamW(
         groups,

@@ -294,7 +294,8 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, args=None, reward_he
     model unless one is given. ValueError names what is wrong."""
     if spec.removeprefix("toy:") in toy_vision.VISION_TOKENS:  # a tiny VLM and its processor (toy:llava ...)
         processor = tokenizer if tokenizer is not None else toy_vision.build_processor(spec.removeprefix("toy:"))
-        model = toy_vision.build_model(spec.removeprefix("toy:"), processor, seed=seed)
+        dtype = toy.init_dtype(spec, getattr(args, "model_init_kwargs", None))
+        model = toy_vision.build_model(spec.removeprefix("toy:"), processor, seed=seed).to(dtype)
         model.name_or_path = spec  # an adapter names its base (treadle merge), as for toy:<size>
         return model, processor
     if spec.startswith("toy:"):
@@ -303,6 +304,7 @@ def load_model(spec: str, *, tokenizer=None, seed: int = 0, args=None, reward_he
             raise ValueError(f"unknown toy model {spec!r}; use one of {['toy:' + s for s in toy.MODEL_SIZES]}")
         tokenizer = tokenizer if tokenizer is not None else toy.build_tokenizer()
         model = toy.build_model(size, seed=seed, tokenizer=tokenizer, reward_head=reward_head)
+        model.to(toy.init_dtype(spec, getattr(args, "model_init_kwargs", None)))  # the dtype the run record says
         model.name_or_path = spec  # an adapter trained on it names its base (adapter_config.json; treadle merge)
         return model, tokenizer
     if tokenizer is None and os.path.isdir(spec):  # a saved toy Qwen2-VL: its processor is not AutoProcessor's

@@ -148,6 +148,23 @@ def build_model(
     return model
 
 
+def init_dtype(spec: str, model_init_kwargs: dict | None) -> torch.dtype:
+    """The dtype a toy model ``spec`` (``toy:tiny``) is built in: ``model_init_kwargs``' ``dtype`` (or ``torch_dtype``;
+    checked by ``TrainingArguments``; ``auto``: the toy's own float32). A toy is built in code, not read from files, so
+    any other ``from_pretrained`` keyword (``gguf_file``, ``revision`` ...) means nothing for it: refused (ValueError,
+    one line)."""
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+    if kwargs:
+        raise ValueError(
+            f"model_init_kwargs {sorted(kwargs)} mean nothing for {spec}, which treadle builds in code (no files to "
+            f"read): only dtype applies to it; drop them, or name a model folder or .gguf file as model:"
+        )
+    if dtype is None or dtype == "auto":
+        return torch.float32
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Tasks
 # ----------------------------------------------------------------------------------------------------

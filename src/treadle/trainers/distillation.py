@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 
 from treadle import distributed as dist
-from treadle.arguments import LogprobChunkOption
+from treadle.arguments import LogprobChunkOption, check_model_dtype
 from treadle.errors import PreflightError
 from treadle.logprobs.tokens import hidden_states_and_head
 from treadle.losses import check_distill_options, chunked_generalized_jsd, generalized_jsd
@@ -86,6 +86,7 @@ class DistillationConfig(LogprobChunkOption, OnPolicyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_model_dtype(self.teacher_model_init_kwargs, "teacher_model_init_kwargs")
         check_distill_options(self.beta, self.temperature)
         if self.steps_per_generation != self.gradient_accumulation_steps or self.num_iterations != 1:
             raise ValueError(
