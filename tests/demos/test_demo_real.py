@@ -23,6 +23,16 @@ def test_the_held_out_chats_are_never_trained_on_and_every_answer_is_the_sum():
     assert demo.chats("train", 20, seed=1) == demo.chats("train", 20, seed=1)
 
 
+@pytest.mark.parametrize("split", ["validation", "Test", "eval"])
+def test_an_unknown_split_is_refused_not_taken_as_training_chats(split):
+    """Regression (issue 59): chats("validation" | "Test" | "eval", ...) returned the training pairs, an evaluation
+    set the model trains on."""
+    with pytest.raises(
+        ValueError, match=f"unknown split {split!r}; the real demo's chats have the splits train and test"
+    ):
+        demo.chats(split, 4, seed=0)
+
+
 @pytest.mark.parametrize(
     "text, reward",
     [

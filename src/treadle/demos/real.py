@@ -56,8 +56,14 @@ class RealDemoSettings:
             raise ValueError(f"--eval-size is at most {HELD_OUT}, the held-out pairs there are; got {self.eval_size}")
 
 
+SPLITS = ("train", "test")  # the held-out chats are "test"'s; any other name is refused, never taken as "train"
+
+
 def split_pairs(split: str) -> list[tuple[int, int]]:
-    """The operand pairs of ``split``: "test" holds the fifth with (7a + b) % 5 == 0, "train" the rest."""
+    """The operand pairs of ``split``: "test" holds the fifth with (7a + b) % 5 == 0, "train" the rest. Another
+    name (``"validation"``, ``"Test"``) is refused (ValueError, one line)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; the real demo's chats have the splits {' and '.join(SPLITS)}")
     return [(a, b) for a in range(10, 100) for b in range(10, 100) if ((a * 7 + b) % 5 == 0) == (split == "test")]
 
 
