@@ -179,6 +179,26 @@ def test_more_placeholders_than_images_is_one_line():
         vision.vision_messages(messages, 3, row=0)
 
 
+def test_images_given_to_a_text_only_model_with_its_tokenizer_name_the_model_not_a_processor(tmp_path, tok):
+    """Regression (issue 59): a text-only model given images with its own tokenizer said "pass
+    AutoProcessor.from_pretrained(model)", which cannot help: the model takes no images."""
+    from treadle.demos import toy
+    from treadle.trainers.onpolicy import vision as onpolicy_vision
+
+    model = toy.build_model()
+    model.name_or_path = "toy:tiny"
+    for build in (
+        lambda: SFTTrainer(model=model, args=config(tmp_path), train_dataset=tv.count_task("train", 4),
+                           processing_class=tok),
+        lambda: onpolicy_vision.check_dataset(tv.count_task("train", 4, kind="grpo"), model, tok),
+    ):  # fmt: skip
+        with pytest.raises(vision.VisionDataError) as error:
+            build()
+        message = str(error.value)
+        assert "the model toy:tiny (LlamaForCausalLM) is a text-only model" in message
+        assert "no processor changes that" in message and "AutoProcessor.from_pretrained" not in message
+
+
 def test_a_text_only_model_given_images_is_refused(tmp_path, tok):
     from treadle.demos import toy
 

@@ -13,8 +13,9 @@ each image part into the model's image tokens and builds ``pixel_values`` and th
   any processor without knowing how it expands an image;
 - :class:`VisionCollator` processes a batch once (``pixel_values`` exactly as the processor makes them) and
   builds ``labels``: the assistant tokens, never padding nor an image token (:func:`image_token_ids`);
-- :func:`check_model_takes_images` (a text-only model given images), :func:`lora_on_language_model` (LoRA on
-  the language model only, unless the config names its modules).
+- :func:`check_images_accepted`: :func:`check_model_takes_images` (a text-only model given images, named) before
+  :func:`check_processor`; :func:`lora_on_language_model` (LoRA on the language model only, unless the config names
+  its modules).
 
 Packing does not apply to image rows (a row's image tokens and pixels go together): SFT switches it off, saying so.
 """
@@ -232,13 +233,23 @@ def takes_images(model: nn.Module) -> bool:
 
 
 def check_model_takes_images(model: nn.Module, *, where: str = "the dataset") -> None:
-    """VisionDataError when a text-only model is given images."""
+    """VisionDataError when a text-only model is given images, naming the model: no processor makes it take them."""
     if not takes_images(model):
+        inner = dist.unwrap_model(model)
+        name = getattr(inner, "name_or_path", "") or ""
+        named = f"{name} ({type(inner).__name__})" if name else type(inner).__name__
         raise VisionDataError(
-            f"{where} has images but {type(dist.unwrap_model(model)).__name__} is a text-only "
-            f"model (its forward takes no pixel_values); use a vision-language model and its "
-            f"processor, or drop the images column"
+            f"{where} has images but the model {named} is a text-only model: its forward takes no pixel_values, so "
+            f"it takes no images and no processor changes that; train a vision-language model (with its "
+            f"AutoProcessor), or drop the images column"
         )
+
+
+def check_images_accepted(model: nn.Module, processing_class, *, where: str = "the dataset") -> None:
+    """Images go to ``model`` through ``processing_class``: the model first (a text-only model is the problem that a
+    processor would not solve), then the processor."""
+    check_model_takes_images(model, where=where)
+    check_processor(processing_class, where=where)
 
 
 def check_processor(processing_class, *, where: str = "the dataset") -> None:

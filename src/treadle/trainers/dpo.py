@@ -360,8 +360,7 @@ class DPOTrainer(PrecomputedReference, Trainer):
         """A vision dataset as it is (``vision.VisionPreferenceCollator`` processes each batch), checked first:
         the processor, a model that takes images, every image and both chats of every row."""
         where = f"the {split} dataset"
-        vision.check_processor(self.processing_class, where=where)
-        vision.check_model_takes_images(self.model, where=where)
+        vision.check_images_accepted(self.model, self.processing_class, where=where)
         vision.check_preference_dataset(dataset, where=where)
         return dataset
 

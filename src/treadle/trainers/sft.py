@@ -196,8 +196,7 @@ class SFTTrainer(Trainer):
     def _prepare_vision(self, dataset, name: str):
         """A vision dataset as it is (the collator processes it), after checking processor, model and every row."""
         where = f"the {name} dataset"
-        vision.check_processor(self.processing_class, where=where)
-        vision.check_model_takes_images(self.vision_model, where=where)
+        vision.check_images_accepted(self.vision_model, self.processing_class, where=where)
         vision.check_vision_dataset(dataset, where=where)
         if self.args.packing:
             if dist.is_main_process():

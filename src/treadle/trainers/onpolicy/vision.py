@@ -37,8 +37,7 @@ def check_dataset(dataset, model, processing_class, *, where: str = "the train d
     """Before training: a processor, a model that takes images, every image opening, placeholders matching."""
     if dataset is None or not vision.has_images(dataset):
         return
-    vision.check_processor(processing_class, where=where)
-    vision.check_model_takes_images(model, where=where)
+    vision.check_images_accepted(model, processing_class, where=where)
     if isinstance(dataset, (list, tuple)):
         for i, row in enumerate(dataset):
             vision.row_chat(row, i, where)
