@@ -324,7 +324,8 @@ def test_a_gguf_whose_header_names_another_architecture_is_refused_unless_strict
 
 
 def test_a_gguf_file_is_found_by_its_magic_bytes_not_its_name(tmp_path, tiny_gguf, loaded):
-    """Regression: a GGUF file renamed x.bin or named UPPER.GGUF was "model folder not found, and it is not a Hub id"."""
+    """Regression: a GGUF file renamed x.bin or named UPPER.GGUF was "model folder not found, and it is not a Hub
+    id"."""
     for name in ("x.bin", "UPPER.GGUF"):
         (tmp_path / name).write_bytes(tiny_gguf[0].read_bytes())
         model, _ = load_pretrained(str(tmp_path / name))
@@ -357,7 +358,10 @@ def test_an_empty_folder_and_a_folder_holding_only_a_gguf_file(tmp_path, tiny_gg
     tokenizer files"."""
     (tmp_path / "dir.gguf").mkdir()
     message = one_line_error(str(tmp_path / "dir.gguf"))
-    assert f"model folder {tmp_path / 'dir.gguf'} is empty: it has no config.json, no weights and no tokenizer" in message
+    assert (
+        f"model folder {tmp_path / 'dir.gguf'} is empty: it has no config.json, no weights and no tokenizer" in message
+    )
     message = one_line_error(str(tiny_gguf[0].parent))
-    assert f"holds the GGUF file tiny.gguf and no config.json; name the file itself (model: {tiny_gguf[0]})" in message
+    only = f"holds the GGUF file tiny.gguf and no config.json; name the file itself (model: {tiny_gguf[0]})"
+    assert only in message
     assert "tokenizer" not in message

@@ -61,6 +61,7 @@ __all__ = [
     "max_positions",
     "training_forward_kwargs",
     "unwrapped_for_generation",
+    "vocabulary_size",
 ]
 
 
@@ -504,11 +505,17 @@ def check_vocabulary(model: nn.Module, tokenizer, where: str | None = None) -> N
     """Refuse (PreflightError, a ValueError) a tokenizer whose ids go past the model's input embedding (an
     IndexError at the first forward): ``load_model`` for the CLI, ``Trainer.__init__`` for Python alike."""
     where = where or getattr(model, "name_or_path", None) or type(dist.unwrap_model(model)).__name__
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    rows = getattr(embeddings, "num_embeddings", None)
+    rows = vocabulary_size(model)
     if rows is not None and hasattr(tokenizer, "__len__") and len(tokenizer) > rows:
         raise PreflightError(
             f"the tokenizer of {where} has {len(tokenizer)} tokens but the model's embedding has "
             f"{rows} rows; use the tokenizer saved with this model, or resize the embedding "
             f"(model.resize_token_embeddings(len(tokenizer))) and save both"
         )
+
+
+def vocabulary_size(model: nn.Module) -> int | None:
+    """The rows of the model's input embedding: every token id it is given must be below it. None when the model has
+    no ``get_input_embeddings`` (a plain module)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None)

@@ -133,6 +133,14 @@ def score_completions(
         for fn in reward_funcs
     ]
     rewards = torch.tensor(per_function, dtype=torch.float32).T.reshape(len(completions), len(reward_funcs))
+    overflowed = rewards.isinf()  # finite as Python floats (checked), beyond float32's range (3.4e38) here
+    if overflowed.any():
+        i, j = (int(k) for k in overflowed.nonzero()[0])
+        raise RewardFunctionError(
+            f"reward function {reward_name(reward_funcs[j])!r} returned {per_function[j][i]:g} for sample {i} at "
+            f"step {step}, beyond the float32 range rewards are computed in (|r| < 3.4e38); return rewards of a "
+            f"sensible scale (e.g. within +-1e6). Sample: {_describe(i, prompts, completions, columns)}"
+        )
     weighted = [j for j, w in enumerate(weights) if w != 0]
     unscored = rewards[:, weighted].isnan().all(dim=1) if weighted else torch.zeros(len(completions), dtype=torch.bool)
     if unscored.any():

@@ -10,7 +10,9 @@ them, never restate them):
 - padding uses an explicit override, else the tokenizer's pad, else its eos, else 0 (``pad_token_id``);
 - chat messages need a chat template, and a template that fails on a row (a tool-call turn it cannot render) is
   one line naming the tokenizer or the row (``apply_chat_template``, ``ChatTemplateError``);
-- prompts cut to ``max_prompt_length`` keep their end, with one note of what was cut (``cut_prompts``).
+- prompts cut to ``max_prompt_length`` keep their end, with one note of what was cut (``cut_prompts``);
+- token ids lie in the model's vocabulary (``token_id_problem``), and ``<unk>`` in tokenised rows is counted
+  (``unknown_share``): a tokenizer without a token for a character writes it.
 """
 
 from __future__ import annotations
@@ -278,3 +280,38 @@ def eos_ids(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
     if eos_token_id is None:
         return ()
     return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(int(t) for t in eos_token_id)
+
+
+def token_id_problem(rows: Sequence[Sequence[int]], vocab_size: int, first_row: int | None = 0) -> str | None:
+    """What is wrong with the first row of token ids holding an id outside ``[0, vocab_size)`` (a tokenizer of another
+    model, or -100, which marks ignored labels, never inputs), naming the row (``first_row``: the index of ``rows[0]``;
+    None: a streamed chunk's, not known); None when every id is one.
+
+    >>> token_id_problem([[1, 2], [3, 9]], 5)
+    'row 1 holds the id 9 at position 1'
+    >>> token_id_problem([[1, -100]], 5, first_row=None) is None, token_id_problem([[4]], 5)
+    (False, None)
+    """
+    for i, ids in enumerate(rows):
+        for j, token in enumerate(ids):
+            if not 0 <= token < vocab_size:
+                row = f"row {first_row + i}" if first_row is not None else "a streamed row"
+                return f"{row} holds the id {token} at position {j}"
+    return None
+
+
+def unknown_share(tokenizer, rows: Sequence[tuple[list[int], list[int]]]) -> tuple[int, int, int] | None:
+    """``(unknown tokens, of them in the loss, tokens)`` of tokenised rows ``(ids, loss mask)``: the tokenizer's
+    ``<unk>`` stands where it has no token for a character (an emoji, an accent, CJK); None when it has no unknown
+    token or the rows hold none."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None:
+        return None
+    unknown = in_loss = total = 0
+    for ids, mask in rows:
+        total += len(ids)
+        for token, loss in zip(ids, mask):
+            if token == unk:
+                unknown += 1
+                in_loss += bool(loss)
+    return (unknown, in_loss, total) if unknown else None

@@ -283,7 +283,7 @@ class KTOTrainer(PrecomputedReference, Trainer):
         """Unpair preference pairs, tokenise every row once, and add the KL completions ("kto"). Accepts a
         ``datasets.Dataset`` or a list of dicts: ``{prompt, completion, label}`` (text or chat messages),
         ``{prompt?, chosen, rejected}`` pairs, or already tokenised rows. Reference columns are kept."""
-        from datasets import Dataset
+        from datasets import Dataset, Value
 
         if isinstance(dataset, (list, tuple)):
             dataset = Dataset.from_list(list(dataset))
@@ -313,6 +313,10 @@ class KTOTrainer(PrecomputedReference, Trainer):
         dataset = dataset.map(
             fn, with_indices=True, remove_columns=drop or None, **kwargs(f"Tokenizing {split} dataset")
         )
+        if isinstance(dataset, Dataset) and getattr(dataset.features["label"], "dtype", "bool") != "bool":
+            # datasets keeps a column's recorded type over what the map returned (a CSV's text labels: "false"
+            # would be read back as a desirable label); the map wrote True / False, which the cast restores
+            dataset = dataset.cast_column("label", Value("bool"))
         if kto_uses_kl(self.args.loss_type) and KL_COLUMN not in (column_names(dataset) or ()):
             # runs of per_device_train_batch_size rows, for evaluation too (as TRL)
             dataset = dataset.map(

@@ -51,7 +51,7 @@ from treadle.errors import first_rows
 from treadle.logprobs.logsoftmax import IGNORE_INDEX, chunked_nll
 from treadle.logprobs.tokens import SMALL_LOGITS, hidden_states_and_head
 from treadle.metrics import mode_of
-from treadle.models import from_name, max_positions, training_forward_kwargs
+from treadle.models import from_name, max_positions, training_forward_kwargs, vocabulary_size
 from treadle.packing import best_fit_bins, right_padded
 from treadle.streaming import Stream, is_stream
 from treadle.text import (
@@ -61,6 +61,8 @@ from treadle.text import (
     is_conversation,
     pad_token_id,
     split_chat_completion,
+    token_id_problem,
+    unknown_share,
     with_eos,
 )
 from treadle.trainer import Trainer
@@ -119,6 +121,7 @@ class SFTTrainer(Trainer):
         self.args = args = fit_max_length(args, model)
         self.processing_class = processing_class
         self.vision_model = model  # prepare_dataset checks that a model given images takes them
+        self.unknown_noted = False  # the note on <unk> tokens in the rows is shown once
         train_dataset = self.prepare_dataset(train_dataset, "train") if train_dataset is not None else None
         eval_dataset = self.prepare_dataset(eval_dataset, "eval") if eval_dataset is not None else None
         if data_collator is None and vision.image_column(column_names(train_dataset)):
@@ -162,7 +165,7 @@ class SFTTrainer(Trainer):
         if vision.image_column(columns):
             return self._prepare_vision(dataset, name)
         if "input_ids" in columns:
-            rows = self._pretokenized_rows(dataset)
+            rows = self._pretokenized_rows(dataset, name, first_row=0)
         else:
             rows = self._tokenize_rows(dataset, columns, name)
         return Dataset.from_dict(self._training_rows(rows, columns, name))
@@ -174,7 +177,7 @@ class SFTTrainer(Trainer):
         def transform(chunk: list[dict]) -> list[dict]:
             table = {c: [row[c] for row in chunk] for c in columns}
             rows = (
-                self._pretokenized_rows(table)
+                self._pretokenized_rows(table, name, first_row=None)
                 if "input_ids" in columns
                 else self._tokenize_chunk(table, dataset_form(columns, self.args.dataset_text_field))
             )
@@ -184,7 +187,10 @@ class SFTTrainer(Trainer):
         return Stream(dataset, transform, chunk_size=TOKENIZE_CHUNK)
 
     def _training_rows(self, rows: list, columns: list[str], name: str) -> dict[str, list[list[int]]]:
-        """Tokenised rows truncated to ``max_length``, masked as ``completion_only_loss`` says, packed if asked."""
+        """Tokenised rows truncated to ``max_length``, masked as ``completion_only_loss`` says, packed if asked; the
+        share of ``<unk>`` in rows the tokenizer wrote is noted (once)."""
+        if "input_ids" not in columns:
+            self._note_unknown_tokens(rows, name)
         rows = truncate_rows(rows, self.args.max_length, name=name)
         if self.args.completion_only_loss is False and "prompt" in columns and "input_ids" not in columns:
             # prompt/completion rows are tokenised with the prompt masked, so that truncation could find it
@@ -208,9 +214,34 @@ class SFTTrainer(Trainer):
             self.args = self.args.replace(packing=False)
         return dataset
 
-    def _pretokenized_rows(self, dataset) -> list[tuple[list[int], list[int]]]:
-        """``dataset``: a datasets.Dataset or a dict of columns."""
+    def _note_unknown_tokens(self, rows: list[tuple[list[int], list[int]]], name: str) -> None:
+        """One note (a run's first) when the tokenizer wrote ``<unk>`` for characters it has no token for: the model
+        would learn to write ``<unk>``."""
+        counts = None if self.unknown_noted else unknown_share(self.processing_class, rows)
+        if counts is None or not dist.is_main_process():
+            return
+        unknown, in_loss, total = counts
+        print(
+            f"treadle: {unknown} of the {total} tokens of the {name} dataset ({unknown / total:.1%}) are "
+            f"{self.processing_class.unk_token} ({in_loss} of them in the loss): the tokenizer has no token for some "
+            f"characters (emoji, accents, CJK ...), so the model learns to write {self.processing_class.unk_token}; "
+            f"use a tokenizer that covers the text, or clean those rows; shown once",
+            file=sys.stderr,
+        )
+        self.unknown_noted = True
+
+    def _pretokenized_rows(self, dataset, name: str, first_row: int | None) -> list[tuple[list[int], list[int]]]:
+        """``dataset``: a datasets.Dataset or a dict of columns (``first_row``: its first row's index; None for a
+        stream's chunk). An id outside the model's vocabulary is refused (ValueError naming the row), before step 1
+        would fail on it."""
         ids = [list(r) for r in dataset["input_ids"]]
+        size = vocabulary_size(self.vision_model)
+        problem = token_id_problem(ids, size, first_row) if size is not None else None
+        if problem:
+            raise ValueError(
+                f"the {name} dataset's input_ids: {problem}, outside the model's vocabulary of {size} ids (0 to "
+                f"{size - 1}); tokenise the rows with this model's tokenizer (-100 marks ignored labels, not inputs)"
+            )
         names = dataset if isinstance(dataset, dict) else column_names(dataset)
         masks = dataset["completion_mask"] if "completion_mask" in names else [None] * len(ids)
         return [(r, list(m) if m is not None else [1] * len(r)) for r, m in zip(ids, masks)]

@@ -18,6 +18,9 @@ a run that cannot learn. The settings are ``GRPOConfig.health_checks`` (defaults
   ``max_clip_ratio``, the mean sampler importance ratio (``sampling/importance_sampling_ratio/mean``, logged when
   the sampler correction applies: trainers/grpo/correction.py) outside ``importance_ratio_bounds``.
 
+Rewards whose weighted sum or group advantages overflow float32 stop the run at once, on every generation, naming the
+reward function (:func:`check_finite_rewards`).
+
 A check's warning or stop is also logged as ``health/warning/<check>`` or ``health/stop/<check>`` = 1 at the
 step it happened (metrics.jsonl; report.html marks it on the panels). Every decision is made from numbers that
 are the same on every rank (gathered rewards, reduced logs), so all ranks stop after the same step.
@@ -36,12 +39,14 @@ from treadle.checkpoint import path_for
 from treadle.errors import UserError
 from treadle.losses import zero_spread_groups
 from treadle.record.plots import HEALTH_MARKERS
+from treadle.rewards import RewardFunctionError
 
 __all__ = [
     "GenerationHealth",
     "HealthCallback",
     "HealthWarning",
     "TrainingStalled",
+    "check_finite_rewards",
     "constant_values",
     "generation_health",
     "log_warnings",
@@ -96,6 +101,30 @@ def generation_health(
         truncated_fraction=float(truncated.float().mean()),
         constant_rewards=constant_values(rewards, names),
         mean_reward=float(total.float().mean()) if total.numel() else 0.0,
+    )
+
+
+def check_finite_rewards(
+    rewards: torch.Tensor,
+    total: torch.Tensor,
+    advantages: torch.Tensor,
+    spread: torch.Tensor,
+    names: list[str],
+    step: int,
+) -> None:
+    """Stop (``RewardFunctionError``, one line) a generation whose weighted rewards ``(W*N,)``, group advantages
+    ``(W*N,)`` or reward spread (the logged ``reward_std``) are not finite although every reward ``(W*N, F)`` is:
+    rewards so large that their sum or spread overflows float32 (a NaN advantage, or an infinite spread that scales
+    every advantage to 0). Checked on every generation, so a NaN never reaches the weights (and the next sampling
+    step), naming the reward function with the largest reward."""
+    if all(bool(torch.isfinite(t).all()) for t in (total, advantages, spread)):
+        return
+    largest = rewards.abs().nan_to_num(nan=-1.0)  # (W*N, F)
+    i, j = divmod(int(largest.argmax()), rewards.shape[1])
+    raise RewardFunctionError(
+        f"the rewards at step {step} overflow float32 in their weighted sum, spread or group advantages (a NaN "
+        f"or infinity); the largest in size, {float(rewards[i, j]):g}, came from reward function {names[j]!r}; "
+        f"return rewards of a sensible scale (e.g. within +-1e6), or lower its weight in reward_weights"
     )
 
 

@@ -93,7 +93,13 @@ from treadle.record import runfiles
 from treadle.rewards import RewardFunction, reward_name, weighted_rewards
 from treadle.trainers.grpo.config import GRPOConfig
 from treadle.trainers.grpo.dynamic import check_stream, extra_rows, fill_with_signal
-from treadle.trainers.grpo.health import STATE_KEY, HealthCallback, generation_health, rl_summary
+from treadle.trainers.grpo.health import (
+    STATE_KEY,
+    HealthCallback,
+    check_finite_rewards,
+    generation_health,
+    rl_summary,
+)
 from treadle.trainers.grpo.metrics import completion_entries, generation_metrics
 from treadle.trainers.onpolicy.data import Rollout, Sample, slice_sample
 from treadle.trainers.onpolicy.inputs import seeded_generator
@@ -239,6 +245,8 @@ class GRPOTrainer(OnPolicyTrainer):
         )
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward normalised on its own
             advantages = decoupled_advantages(all_rewards, self.reward_weights, args.num_generations)
+        names = [reward_name(fn) for fn in self.reward_funcs]
+        check_finite_rewards(all_rewards, total, advantages, metrics["reward_std"], names, self.state.global_step)
         rank, rows_here = dist.get_rank(), len(rows)
         local_advantages = advantages[rank * rows_here : (rank + 1) * rows_here]  # (N,)
         self.metrics.add_many(
@@ -251,7 +259,7 @@ class GRPOTrainer(OnPolicyTrainer):
                     total,
                     dist.gather_rows(rollout.generation.is_truncated.cpu()),
                     args.num_generations,
-                    [reward_name(fn) for fn in self.reward_funcs],
+                    names,
                 )
             )
         )

@@ -9,12 +9,16 @@ import random
 import torch
 
 from treadle import distributed as dist
-from treadle.data import require_columns
+from treadle.data import column_names, require_columns
+from treadle.errors import PreflightError
+from treadle.models import max_positions
 from treadle.rewards import RewardFunction, from_reward_model, reward_name
 from treadle.text import check_chat_template, encode_prompt, is_conversation
 
 __all__ = [
     "check_dataset",
+    "check_positions",
+    "check_prompt_positions",
     "check_tokenizer",
     "generator_seed",
     "reward_list",
@@ -116,3 +120,48 @@ def check_dataset(dataset, args, processing_class=None) -> None:
             )
         if len(dataset) and is_conversation(dataset[0]["prompt"]):
             check_chat_template(processing_class)
+
+
+def check_prompt_positions(lengths: list[int], args, limit: int | None, where: str) -> None:
+    """Refuse (PreflightError, one line) prompts of ``lengths`` tokens (cut to ``args.max_prompt_length``) that, with
+    ``args.max_completion_length`` tokens sampled after them, need more positions than the model's ``limit``
+    (``max_position_embeddings``): learned positions fail at the first generation, rotary ones run out of what the
+    model was trained on. ``where``: the prompts' source, named in the message."""
+    if limit is None or not lengths:
+        return
+    cap = args.max_prompt_length or max(lengths)
+    longest = min(max(lengths), cap)
+    if longest + args.max_completion_length <= limit:
+        return
+    cut = f" (cut to max_prompt_length={args.max_prompt_length})" if max(lengths) > cap else ""
+    room = limit - args.max_completion_length
+    fix = (
+        f"lower max_prompt_length to {room} (or max_completion_length), or shorten the prompts"
+        if room > 0
+        else f"lower max_completion_length below {limit}"
+    )
+    raise PreflightError(
+        f"{where}: the longest prompt has {longest} tokens{cut} and max_completion_length="
+        f"{args.max_completion_length} more are sampled after it, {longest + args.max_completion_length} positions, "
+        f"more than the model's max_position_embeddings={limit}; {fix}"
+    )
+
+
+def check_positions(model, processing_class, args, datasets: dict) -> None:
+    """Before training: :func:`check_prompt_positions` on every prompt of ``datasets`` (``{name: dataset}``; a stream
+    or a dataset with images is checked as it is sampled instead), tokenised only when ``max_prompt_length`` and
+    ``max_completion_length`` alone could exceed the model's positions."""
+    limit = max_positions(model)
+    if limit is None or (args.max_prompt_length and args.max_prompt_length + args.max_completion_length <= limit):
+        return
+    for name, dataset in datasets.items():
+        if isinstance(dataset, list):
+            columns = list(dataset[0]) if dataset else None
+        else:
+            columns = column_names(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+        if not columns or "prompt" not in columns or {"image", "images"} & set(columns):
+            continue
+        prompts = dataset["prompt"] if not isinstance(dataset, list) else [row["prompt"] for row in dataset]
+        distinct = list({repr(p): p for p in prompts}.values())
+        lengths = [len(ids) for ids in tokenize_prompts(processing_class, distinct)]
+        check_prompt_positions(lengths, args, limit, f"the {name} dataset")

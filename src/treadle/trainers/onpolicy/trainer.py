@@ -51,11 +51,11 @@ from treadle.engines.base import RolloutEngine
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import vllm_engine
 from treadle.engines.vllm_client import vllm_server_engine
-from treadle.errors import PreflightError
+from treadle.errors import NonFiniteLossError, PreflightError
 from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import GenerationOutput, distinct_prompts
-from treadle.metrics import means_of
-from treadle.models import from_name
+from treadle.metrics import NONFINITE_FIX, means_of
+from treadle.models import from_name, max_positions
 from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, score_completions
 from treadle.rollouts.runner import RolloutRunner
 from treadle.streaming import is_stream
@@ -73,6 +73,8 @@ from treadle.trainers.onpolicy.data import (
 )
 from treadle.trainers.onpolicy.inputs import (
     check_dataset,
+    check_positions,
+    check_prompt_positions,
     check_tokenizer,
     reward_list,
     reward_weights,
@@ -150,6 +152,8 @@ class OnPolicyTrainer(Trainer):
             model, args, _keep_rows, train_dataset, eval_dataset, processing_class, compute_metrics, **trainer_kwargs
         )
         onpolicy_vision.check_dataset(train_dataset, self.model, processing_class)  # rows with images
+        check_positions(self.model, processing_class, args, {"train": train_dataset, "eval": eval_dataset})
+        self.position_limit = max_positions(self.model)  # encode_prompts checks each generation's prompts too
         self.pad_token_id = pad_token_id(tokenizer_of(processing_class))
         self.prompt_cut_noted = False  # text.cut_prompts' note is shown once a run
         self.buffer = GenerationBuffer(self.micro_batches_per_batch())
@@ -292,9 +296,16 @@ class OnPolicyTrainer(Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """``Trainer.training_step``, timed: after the window's last micro-batch, ``step_time`` records the
-        seconds of the window's ``prepare_window`` and training steps (``onpolicy.metrics.StepClock``)."""
+        seconds of the window's ``prepare_window`` and training steps (``onpolicy.metrics.StepClock``). A NaN or
+        infinite loss stops the run on every step (one host sync per micro-batch), not only on logged ones, unless
+        ``skip_nonfinite_steps`` lets the loop skip it: the policy samples the next generation."""
         started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if not self.args.skip_nonfinite_steps and not bool(torch.isfinite(loss)):  # every step: weights sample
+            raise NonFiniteLossError(  # the next generation, and a NaN in them kills the sampler at once
+                f"the training loss became {float(loss)} at step {self.state.global_step + 1}, before its optimizer "
+                f"step (the weights are unchanged); {NONFINITE_FIX}"
+            )
         seconds = self.step_clock.add(time.perf_counter() - started)
         if seconds is not None:
             self.metrics.add("step_time", seconds, 1)
@@ -376,6 +387,7 @@ class OnPolicyTrainer(Trainer):
         if note and not self.prompt_cut_noted and dist.is_main_process():
             print(f"{note}; shown once", file=sys.stderr)
         self.prompt_cut_noted |= note is not None
+        check_prompt_positions([len(i) for i in ids], self.args, self.position_limit, f"the {mode} prompts")
         return Prompts(*distinct_prompts(ids, group))
 
     def decode_rollout(self, rows: list[dict], out: GenerationOutput, chat: bool = False) -> Rollout:
