@@ -9,7 +9,6 @@ import torch
 from _factories import grpo_trainer, sft_trainer
 from test_run_errors import error_line, treadle
 
-from treadle.demos import toy
 from treadle.errors import NonFiniteLossError, PreflightError
 from treadle.rewards import RewardFunctionError
 
@@ -165,8 +164,3 @@ def test_kto_labels_read_from_a_csv_as_true_and_false_train_both_kinds(tmp_path)
 def test_a_kto_label_that_is_not_a_boolean_is_one_line(tmp_path):
     line = error_line(treadle("train", kto_config(tmp_path, ["True", "maybe", "True", "False"]), cwd=tmp_path))
     assert "row 1: label 'maybe' is neither desirable nor undesirable" in line
-
-
-def test_toy_tokenizer_writes_unk_for_what_it_lacks():
-    tok = toy.build_tokenizer()
-    assert tok("🎉日é")["input_ids"].count(tok.unk_token_id) >= 2
