@@ -301,15 +301,21 @@ class OnPolicyTrainer(Trainer):
         ``skip_nonfinite_steps`` lets the loop skip it: the policy samples the next generation."""
         started = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not self.args.skip_nonfinite_steps and not bool(torch.isfinite(loss)):  # every step: weights sample
-            raise NonFiniteLossError(  # the next generation, and a NaN in them kills the sampler at once
-                f"the training loss became {float(loss)} at step {self.state.global_step + 1}, before its optimizer "
-                f"step (the weights are unchanged); {NONFINITE_FIX}"
-            )
+        if not self.args.skip_nonfinite_steps:  # every step: the weights sample the next generation, and a NaN in
+            self._stop_if_nonfinite(loss)  # them kills the sampler at once
         seconds = self.step_clock.add(time.perf_counter() - started)
         if seconds is not None:
             self.metrics.add("step_time", seconds, 1)
         return loss
+
+    def _stop_if_nonfinite(self, loss: torch.Tensor) -> None:
+        """NonFiniteLossError when this micro-batch's loss is NaN or infinite. Per rank, with no collective (a
+        thread worker may hold the process group): under torchrun the rank's exit ends the others, as any error."""
+        if not bool(torch.isfinite(loss)):
+            raise NonFiniteLossError(
+                f"the training loss became {float(loss)} at step {self.state.global_step + 1}, before its optimizer "
+                f"step (the weights are unchanged); {NONFINITE_FIX}"
+            )
 
     def generate_and_score(self, rows: list[dict], generation: int) -> list[Sample]:
         """Generation ``generation`` of this rank's ``rows``: its ``steps_per_generation`` slices (``Sample``s on
