@@ -1,6 +1,6 @@
-"""The fourth hostile trial (issue 59), models and their dtypes: ``model_init_kwargs`` on a toy model (dtype honoured,
-the rest refused), a dtype treadle does not train in, and float16 weights under an AdamW whose epsilon is 0 in float16.
-The GGUF and folder cases: tests/test_gguf.py and tests/test_models.py. docs/runs.md lists every case."""
+"""Models and their dtypes (the fourth hostile trial's cases, issue 59): ``model_init_kwargs`` on a toy model (dtype
+honoured, the rest refused), a dtype treadle does not train in, and float16 weights under an AdamW whose epsilon is
+0 in float16. The GGUF and folder cases: tests/test_gguf.py and tests/test_models.py. docs/runs.md lists every case."""
 
 import json
 

@@ -1,6 +1,7 @@
-"""The fourth hostile trial (issue 59), data and training: SFT rows the tokenizer writes as ``<unk>``, pre-tokenised
-ids outside the vocabulary, GRPO prompts longer than the model's positions, rewards that overflow float32, a NaN loss
-on a step that is not logged, and KTO labels read from a CSV. docs/runs.md lists every case."""
+"""Rows and limits in training (the fourth hostile trial's cases, issue 59): SFT rows the tokenizer writes as
+``<unk>``, pre-tokenised ids outside the vocabulary, GRPO prompts longer than the model's positions, rewards that
+overflow float32, a NaN loss on a step that is not logged, and KTO labels read from a CSV. docs/runs.md lists every
+case."""
 
 import json
 
