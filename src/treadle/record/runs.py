@@ -40,8 +40,8 @@ import time
 
 from filelock import FileLock, Timeout
 
-from treadle.errors import PreflightError, UserError, shorten
-from treadle.record import fingerprints
+from treadle.errors import PreflightError, UserError, resume_hint, resuming_as, shorten
+from treadle.record import fingerprints, runfiles
 from treadle.record.plots import FIGURE_TITLES
 
 LOCK_FILE = ".treadle.lock"
@@ -131,7 +131,9 @@ def check_run_folder(
             f"(new, or holding the run to resume)"
         )
     check_not_in_model(output_dir, model_dir)
+    check_creatable(output_dir)
     _check_writable(output_dir)
+    check_files_regular(output_dir)
     holder = lock_holder(output_dir)
     if holder is not None:
         raise _in_use(output_dir, holder)
@@ -150,6 +152,25 @@ def check_run_folder(
     if not overwrite:
         raise RunFolderError(f"output_dir {output_dir} holds an earlier run ({_listing(files)}); {_ways_on(files)}")
     return ours
+
+
+def check_merge_output(output_dir: str, *, overwrite: bool) -> None:
+    """Refuse (RunFolderError) an ``output_dir`` of ``treadle merge`` that is a file, cannot be created, or holds
+    a run's files or a saved model (``run_files``) while ``overwrite`` (``--overwrite-output-dir``) is off: the
+    merged model would replace them without a word."""
+    output_dir = check_path(output_dir)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise RunFolderError(
+            f"--output-dir {output_dir} is a file, not a folder: the merged model is a folder of files; set "
+            f"--output-dir to a new folder"
+        )
+    check_creatable(output_dir, what="--output-dir")
+    files = run_files(output_dir)
+    if files and not overwrite:
+        raise RunFolderError(
+            f"--output-dir {output_dir} holds a run or a saved model ({_listing(files)}): the merged model would "
+            f"replace them; choose another --output-dir, or pass --overwrite-output-dir to replace them"
+        )
 
 
 SAVED_MODEL_NAMES = frozenset({"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"})
@@ -341,6 +362,51 @@ def check_not_in_model(output_dir: str, model_dir: str | None, what: str = "outp
         )
 
 
+KERNEL_FOLDERS = ("/proc", "/sys", "/dev")  # the kernel's own file systems: no folder for a run's files
+
+
+def check_creatable(output_dir: str, what: str = "output_dir") -> None:
+    """Refuse (RunFolderError) an ``output_dir`` in the kernel's file systems (/proc, /sys, /dev) or with a name
+    longer than its file system takes (ENAMETOOLONG), before anything is created."""
+    real = os.path.realpath(output_dir)
+    for kernel in KERNEL_FOLDERS:
+        if real == kernel or real.startswith(kernel + os.sep):
+            raise RunFolderError(
+                f"{what} {shorten(output_dir)} is inside {kernel}, the kernel's own file system, which holds no "
+                f"folders of files; set {what} to a folder on a disk (e.g. runs/my-run)"
+            )
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        name_most, path_most = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_most, path_most = 255, 4096
+    longest = max(os.path.abspath(output_dir).split(os.sep), key=len)
+    if len(os.fsencode(longest)) > name_most or len(os.fsencode(os.path.abspath(output_dir))) > path_most - 64:
+        raise RunFolderError(
+            f"{what} {shorten(output_dir, 80)} has a name too long for its file system (a name of "
+            f"{len(os.fsencode(longest))} bytes, at most {name_most}; a path of at most {path_most - 64} leaves room "
+            f"for the run's files): choose a shorter name"
+        )
+
+
+RUN_LOGS = (runfiles.METRICS_FILE, runfiles.COMPLETIONS_FILE, runfiles.ARGS_FILE, runfiles.RUN_FILE)
+
+
+def check_files_regular(output_dir: str) -> None:
+    """Refuse (RunFolderError) a folder whose files that treadle opens (its logs, run.json, the lock, the manifest)
+    are not regular files: a FIFO would wait forever, a device (a link to /dev/full) read endlessly."""
+    for name in (*RUN_LOGS, LOCK_FILE, MANIFEST_FILE):
+        path = os.path.join(output_dir, name)
+        kind = runfiles.not_regular(path)
+        if kind is not None:
+            raise RunFolderError(
+                f"output_dir {output_dir}: {name} is {kind}, not a regular file: a run reads and appends it; "
+                f"remove it (rm {path}) or choose another output_dir"
+            )
+
+
 def _check_writable(output_dir: str) -> None:
     existing = os.path.abspath(output_dir)
     while not os.path.exists(existing):  # the folder is made later: its nearest existing parent must take it
@@ -408,7 +474,13 @@ def acquire_lock(output_dir: str) -> FileLock:
     that holds it already is refused (RunFolderError naming it); a lock file a process left behind without
     releasing it (it did not end cleanly) is reused, with a note."""
     path = os.path.join(output_dir, LOCK_FILE)
-    os.makedirs(output_dir, exist_ok=True)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as error:
+        raise RunFolderError(
+            f"output_dir {shorten(output_dir, 80)} cannot be created ({error.strerror or error}); set output_dir to "
+            f"a folder you can create"
+        ) from None
     left = _holder(path)
     lock = _lock(path, on_acquired=_write_holder)
     try:
@@ -479,6 +551,53 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None, auto
 
 
 # ---------------------------------------------------------------------------------------------------------
+# A demo's folder: new or empty, and held for the demo's lifetime
+# ---------------------------------------------------------------------------------------------------------
+DEMO_RESUME_HINT = "a demo is not resumed: run `treadle demo` again, with a new --output-dir"
+
+
+def check_demo_folder(output_dir: str) -> str:
+    """Refuse (RunFolderError) a ``treadle demo`` folder that is a file, cannot be created, is locked by a demo or run
+    that lives, or holds anything (a user's results.json, an earlier demo): a demo writes a new folder of its own,
+    and neither resumes nor overwrites. Reads only; returns ``output_dir`` expanded."""
+    output_dir = check_path(output_dir)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise RunFolderError(f"--output-dir {output_dir} is a file, not a folder; set --output-dir to a new folder")
+    check_creatable(output_dir, what="--output-dir")
+    _check_writable(output_dir)
+    holder = lock_holder(output_dir)
+    if holder is not None:
+        raise RunFolderError(
+            f"--output-dir {output_dir} is in use by another demo or run ({holder}); wait for it to end, or choose "
+            f"another --output-dir"
+        )
+    held = sorted(n for n in os.listdir(output_dir) if n != LOCK_FILE) if os.path.isdir(output_dir) else []
+    if held:
+        raise RunFolderError(
+            f"--output-dir {output_dir} holds {len(held)} entries ({_listing(held, 4)}), which the demo would "
+            f"overwrite or mix with; a demo writes a new folder: choose a new --output-dir (or empty that one)"
+        )
+    return output_dir
+
+
+@contextlib.contextmanager
+def claim_demo_folder(output_dir: str):
+    """Check the demo's ``output_dir`` (``check_demo_folder``), lock it (a second demo into it is refused before it
+    writes anything), check again under the lock, and hold it inside the block; its messages say that a demo is run
+    again, not resumed."""
+    output_dir = check_demo_folder(output_dir)
+    lock = acquire_lock(output_dir)
+    try:
+        taken = sorted(n for n in os.listdir(output_dir) if n != LOCK_FILE)  # by a demo that ended in that instant
+        if taken:
+            raise RunFolderError(f"--output-dir {output_dir} was taken by another demo just now; choose another")
+        with resuming_as(DEMO_RESUME_HINT):
+            yield output_dir
+    finally:
+        release_lock(lock)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # A disk that fills up or turns read-only mid-run
 # ---------------------------------------------------------------------------------------------------------
 DISK_ERRNOS = {
@@ -522,7 +641,7 @@ def disk_errors(output_dir: str):
                 if "read-only" in problem
                 else "free some space (or move output_dir to another disk)"
             )
-            + (", then continue with --resume (train(resume_from_checkpoint=True))" if kept else ", then start again")
+            + (f", then {resume_hint()}" if kept else ", then start again")
         ) from error
 
 

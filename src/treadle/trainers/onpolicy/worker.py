@@ -50,7 +50,7 @@ import torch
 
 from treadle.engines.local import LocalEngine
 from treadle.engines.wire import pack_output, pack_tensors, unpack_output, unpack_tensors
-from treadle.errors import PreflightError, UserError
+from treadle.errors import PreflightError, UserError, resume_hint
 from treadle.generation.sampling import SamplingParams
 from treadle.trainers.onpolicy.config import WORKER_KINDS
 
@@ -395,5 +395,5 @@ class RolloutWorker:
         self.close(timeout=2.0)
         raise RolloutWorkerError(
             f"{message}; its last output: {tail or '(none)'}; the run stopped with its "
-            f"checkpoints intact: resume with resume_from_checkpoint=True (--resume auto){' ' + when if when else ''}"
+            f"checkpoints intact: {resume_hint()}{' ' + when if when else ''}"
         )
