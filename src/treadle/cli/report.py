@@ -7,8 +7,8 @@ from __future__ import annotations
 import base64
 import html
 import json
-import sys
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
