@@ -37,6 +37,7 @@ from treadle import distributed as dist, models, peft as treadle_peft
 from treadle.errors import UserError
 from treadle.record import fingerprints
 from treadle.record.runfiles import ARGS_FILE
+from treadle.record.runs import MODEL_SCRATCH
 from treadle.state import TrainerState
 
 PREFIX = "checkpoint-"
@@ -330,22 +331,47 @@ def export_model(model, output_dir: str, processing_class=None, args=None) -> No
     full_weights = dist.full_state_dict(model)
     if dist.is_main_process():
         os.makedirs(output_dir, exist_ok=True)
-        save_weights(model, output_dir, state_dict=full_weights)
-        folders = [output_dir] + ([os.path.join(output_dir, treadle_peft.MERGED_DIR)] if merge else [])
+        # written whole into a scratch folder, then renamed into place: a save that fails (a full disk) leaves
+        # output_dir as it was, never a config.json without its weights
+        scratch = os.path.join(output_dir, f"{MODEL_SCRATCH}{os.getpid()}")
+        try:
+            _write_export(model, scratch, full_weights, processing_class, args, merge)
+            _move_into(scratch, output_dir)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         if merge:
-            save_weights(treadle_peft.merged_model(model), folders[1])
             print(
                 f"treadle: merge_adapters: the adapters merged into the base model, a plain transformers model, "
-                f"in {folders[1]}",
+                f"in {os.path.join(output_dir, treadle_peft.MERGED_DIR)}",
                 flush=True,
             )
-        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-            for folder in folders:
-                processing_class.save_pretrained(folder)
-        if args is not None:
-            with open(os.path.join(output_dir, ARGS_FILE), "w") as f:
-                f.write(args.to_json_string() + "\n")
     dist.barrier()
+
+
+def _write_export(model, folder: str, full_weights, processing_class, args, merge: bool) -> None:
+    """The final model's files in ``folder``: weights, ``merged/`` when ``merge``, the processing class, the args."""
+    save_weights(model, folder, state_dict=full_weights)
+    folders = [folder] + ([os.path.join(folder, treadle_peft.MERGED_DIR)] if merge else [])
+    if merge:
+        save_weights(treadle_peft.merged_model(model), folders[1])
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        for each in folders:
+            processing_class.save_pretrained(each)
+    if args is not None:
+        with open(os.path.join(folder, ARGS_FILE), "w") as f:
+            f.write(args.to_json_string() + "\n")
+    _fsync_tree(folder)
+
+
+def _move_into(scratch: str, output_dir: str) -> None:
+    """Rename each entry of ``scratch`` into ``output_dir`` (a folder replaces the one of its name): renames take
+    no space, so a full disk cannot stop them half-way."""
+    for name in sorted(os.listdir(scratch)):
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(scratch, name), target)
+    _fsync_dir(output_dir)
 
 
 def read_state(path: str):

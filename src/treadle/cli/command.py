@@ -221,7 +221,7 @@ def train_and_save(trainer, checkpoint: str | bool | None, resume_command: list[
             print(f"treadle: resume with: {shlex.join(resume_command)}", file=sys.stderr)
             return stop.exit_status
         # a full or read-only disk at the final save: one line, as during training; a signal waits for the save
-        with preemption.guard(hold=True), disk_errors(output_dir):
+        with preemption.guard(hold=True), disk_errors(output_dir, final_save=True):
             trainer.save_model()
         main_process = trainer.state.is_world_process_zero  # under torchrun, one report, not one per rank
         if main_process:

@@ -604,21 +604,26 @@ DISK_ERRNOS = {
     errno.ENOSPC: "the disk is full",
     errno.EDQUOT: "the disk quota is used up",
     errno.EROFS: "the file system is read-only",
+    errno.EFBIG: "a file grew past the largest the system allows (`ulimit -f`, a quota, or FAT32's 4 GiB)",
 }
+OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how a Rust library (safetensors' SafetensorError) names the errno
+MODEL_SCRATCH = ".tmp-model-"  # the final model's scratch folder in output_dir (checkpoint.export_model)
+SCRATCH_PREFIXES = (".tmp-checkpoint-", MODEL_SCRATCH)  # half-written checkpoints and final models
 
 
 class DiskError(UserError):
-    """``output_dir`` stopped taking writes mid-run (full, over quota, read-only): the run stopped; what it saved
-    before is intact."""
+    """``output_dir`` stopped taking writes mid-run (full, over quota, read-only, a file-size limit): the run
+    stopped; what it saved before is intact."""
 
 
 @contextlib.contextmanager
-def disk_errors(output_dir: str):
-    """Inside the block, an error caused by a full or read-only disk -- an OSError with its errno, or any other
-    error (torch's ``inline_container`` RuntimeError, a SafetensorError) while a probe write into ``output_dir``
-    then fails that way -- becomes one DiskError naming the folder, the newest complete checkpoint and what to do.
-    A half-written checkpoint (``.tmp-checkpoint-*``) is removed to give the space back (the run's lock is the
-    operating system's: it is let go of even on a read-only disk)."""
+def disk_errors(output_dir: str, *, final_save: bool = False):
+    """Inside the block, an error caused by a full or read-only disk -- an OSError with its errno, an error naming
+    ``(os error N)`` (safetensors'), or any other error (torch's ``inline_container`` RuntimeError) while a probe
+    write into ``output_dir`` then fails that way -- becomes one DiskError naming the folder, the newest complete
+    checkpoint and what to do. A half-written checkpoint or final model (``SCRATCH_PREFIXES``) is removed to give
+    the space back (the run's lock is the operating system's: it is let go of even on a read-only disk).
+    ``final_save``: the block is the final save, so the message says the trained weights were not saved."""
     try:
         yield
     except Exception as error:
@@ -626,23 +631,43 @@ def disk_errors(output_dir: str):
         if problem is None:
             raise
         for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
-            if name.startswith(".tmp-checkpoint-"):
+            if name.startswith(SCRATCH_PREFIXES):
                 shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-        kept = [n for n in run_files(output_dir) if re.fullmatch(r"checkpoint-\d+", n)]
-        raise DiskError(
-            f"output_dir {output_dir}: {problem}, so the run stopped; "
-            + (
-                f"its checkpoints saved before are intact (newest: {kept[-1]}); "
-                if kept
-                else "no checkpoint was saved; "
-            )
-            + (
-                "make it writable (remount, or copy the folder to a writable disk)"
-                if "read-only" in problem
-                else "free some space (or move output_dir to another disk)"
-            )
-            + (f", then {resume_hint()}" if kept else ", then start again")
-        ) from error
+        raise DiskError(_disk_message(output_dir, problem, final_save)) from error
+
+
+def _disk_message(output_dir: str, problem: str, final_save: bool) -> str:
+    kept = [n for n in run_files(output_dir) if re.fullmatch(r"checkpoint-\d+", n)]
+    if "read-only" in problem:
+        fix = "make it writable (remount, or copy the folder to a writable disk)"
+    elif "ulimit" in problem:
+        fix = "raise the limit (ulimit -f unlimited) or move output_dir to a disk that takes large files"
+    else:
+        fix = "free some space (or move output_dir to another disk)"
+    if final_save:
+        saved = (
+            f"the final model was NOT saved (the folder is as it was before the save); the newest checkpoint, "
+            f"{kept[-1]}, holds the weights of its step"
+            if kept
+            else "the trained weights were NOT saved and no checkpoint holds them (save_strategy saved none); the "
+            "folder is as it was before the save"
+        )
+        return f"output_dir {output_dir}: {problem} at the final save: {saved}; {fix}" + (
+            f", then {resume_hint()}" if kept else ", then train again"
+        )
+    saved = f"its checkpoints saved before are intact (newest: {kept[-1]})" if kept else "no checkpoint was saved"
+    return f"output_dir {output_dir}: {problem}, so the run stopped; {saved}; {fix}" + (
+        f", then {resume_hint()}" if kept else ", then start again"
+    )
+
+
+def _disk_errno(error: BaseException) -> int | None:
+    """The errno of a full or read-only disk that ``error`` carries (an OSError's, or ``(os error N)`` in its
+    text), None when it carries none."""
+    if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
+        return error.errno
+    found = OS_ERROR.search(str(error))
+    return int(found.group(1)) if found and int(found.group(1)) in DISK_ERRNOS else None
 
 
 def disk_problem(output_dir: str, error: BaseException) -> str | None:
@@ -650,8 +675,9 @@ def disk_problem(output_dir: str, error: BaseException) -> str | None:
     not the disk: the errno of an OSError in its chain, else a probe write of 64 KiB into ``output_dir``."""
     seen = error
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
-            return f"{DISK_ERRNOS[seen.errno]} ({os.strerror(seen.errno)})"
+        code = _disk_errno(seen)
+        if code is not None:
+            return f"{DISK_ERRNOS[code]} ({os.strerror(code)})"
         seen = seen.__cause__ or seen.__context__
     probe = os.path.join(output_dir, f".treadle-probe-{os.getpid()}")
     try:
