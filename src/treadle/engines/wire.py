@@ -134,7 +134,8 @@ def identity_problem(identity: dict) -> str | None:
         (n for n, s in weights.items() if not (isinstance(s, list) and all(whole(d) and d >= 0 for d in s))), None
     )
     if bad is not None:
-        return f"the shape of its weight {shorten(bad, 80)} is {shorten(json.dumps(weights[bad]), 60)}, not a list of sizes"
+        shape = shorten(json.dumps(weights[bad]), 60)
+        return f"the shape of its weight {shorten(bad, 80)} is {shape}, not a list of sizes"
     for name, kind in (("model", str), ("dtype", str), ("config", dict)):
         if name in identity and not isinstance(identity[name], kind):
             return f"its {name} is {shorten(json.dumps(identity[name]), 60)}, not a {kind.__name__}"
