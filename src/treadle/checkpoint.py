@@ -374,6 +374,21 @@ def _move_into(scratch: str, output_dir: str) -> None:
     _fsync_dir(output_dir)
 
 
+TRANSFORMERS_ARGS = "training_args.bin"  # transformers' Trainer (and TRL's) pickles its arguments there; treadle never
+
+
+def check_own_checkpoint(path: str) -> None:
+    """Refuse (CheckpointError) to resume checkpoint ``path`` when transformers' Trainer wrote it (its
+    ``training_args.bin``, no treadle marker): its optimizer, scheduler and RNG files are that Trainer's, so treadle
+    cannot continue its run exactly; its weights can start a new one."""
+    if os.path.isfile(os.path.join(path, TRANSFORMERS_ARGS)) and fingerprints.read_marker(path) is None:
+        raise CheckpointError(
+            f"checkpoint {path} was written by transformers' Trainer (it holds {TRANSFORMERS_ARGS} and no "
+            f"{fingerprints.MARKER}), not by treadle, which cannot continue that run exactly; its weights can start "
+            f"a new run: model: {path}, in a new output_dir (or resume it with transformers' Trainer)"
+        )
+
+
 def read_state(path: str):
     """The TrainerState saved in checkpoint ``path`` (its ``trainer_state.json``), without loading anything else."""
     try:
