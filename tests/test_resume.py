@@ -678,7 +678,7 @@ def test_metrics_file_continues_without_duplicated_or_missing_steps(interrupted,
     assert records[-1] is final
 
 
-# ---- the fourth hostile trial (issue 59): a folder transformers' Trainer wrote ---------------------------------------
+# ---- the fourth hostile trial (issue 59): a folder transformers' Trainer wrote --------------------------------------
 def test_resume_auto_in_a_transformers_trainer_folder_names_whose_checkpoint_it_is(tmp_path):
     import transformers
 

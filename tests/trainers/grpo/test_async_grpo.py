@@ -415,8 +415,8 @@ save_strategy: "no"
 @pytest.fixture(scope="module")
 def slow_thread_worker(tmp_path_factory):
     """`treadle train` with a thread worker that samples 200 tokens x 128 completions (seconds) and 50 ms to do it
-    in, beside a CPU hog per core. (32 x 64 tokens was not slow enough: in the full suite the worker once finished before the trainer first
-    waited, and the run ended with exit 0.)"""
+    in, beside a CPU hog per core. (32 x 64 tokens was not slow enough: in the full suite the worker once finished
+    before the trainer first waited, and the run ended with exit 0.)"""
     folder = tmp_path_factory.mktemp("slow")
     (folder / "c.yaml").write_text(SLOW_WORKER.format(out=folder / "run"))
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC)}  # torch's own threads: the abort needs them
