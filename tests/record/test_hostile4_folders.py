@@ -131,3 +131,20 @@ def test_a_second_demo_into_a_held_folder_is_refused_before_it_writes(tmp_path):
             pass
         assert os.listdir(out) == [runs.LOCK_FILE]  # the second wrote nothing
     assert errors.resume_hint() == errors.RESUME_HINT and os.listdir(out) == []
+
+
+def test_a_demos_sigterm_line_names_what_a_demo_has_not_resume_from_checkpoint(tmp_path, capsys):
+    import signal
+
+    from treadle.callbacks import PreemptionCallback
+
+    stopped = PreemptionCallback()
+    stopped.signal, stopped.stopped = signal.SIGTERM, True
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=3, is_world_process_zero=True)
+    with runs.claim_demo_folder(str(tmp_path / "demo")):
+        stopped.on_train_end(args, state, None)
+    line = capsys.readouterr().err.strip()
+    assert "stopped by SIGTERM after step 3" in line and "run `treadle demo` again, with a new --output-dir" in line
+    assert "resume_from_checkpoint" not in line and "--resume" not in line
+    stopped.on_train_end(args, state, None)  # outside a demo: the Trainer's way, as before
+    assert "trainer.train(resume_from_checkpoint=True)" in capsys.readouterr().err
