@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from treadle import checkpoint as ckpt
 from treadle.callbacks import TrainerCallback
 from treadle.cli.command import train_and_save
-from treadle.record import runs
+from treadle.record import disk, runs
 
 ROWS = [{"prompt": f"{a}+1=", "completion": str(a + 1)} for a in range(4)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +40,13 @@ def small_disk(folder: Path, size: str):
 
 
 def no_scratch(run: Path) -> bool:
-    return not [n for n in os.listdir(run) if n.startswith(runs.SCRATCH_PREFIXES)]
+    return not [n for n in os.listdir(run) if n.startswith(disk.SCRATCH_PREFIXES)]
 
 
 def test_a_real_full_disk_at_a_checkpoint_is_one_line_and_removes_the_scratch(tmp_path):
     with small_disk(tmp_path / "run", "1m") as run:
         trainer = sft(tmp_path, ROWS, max_steps=200, save_strategy="steps", save_steps=1)
-        with pytest.raises(runs.DiskError) as error:
+        with pytest.raises(disk.DiskError) as error:
             trainer.train()
         message = str(error.value)
         assert "the disk is full (No space left on device), so the run stopped" in message and "\n" not in message
@@ -74,7 +74,7 @@ def test_a_real_full_disk_at_the_final_save_leaves_the_folder_as_it_was(tmp_path
             before.update(dict.fromkeys(os.listdir(run)))
 
         trainer.add_callback(type("Seen", (TrainerCallback,), {"on_train_end": listing})())
-        with pytest.raises(runs.DiskError) as error:
+        with pytest.raises(disk.DiskError) as error:
             train_and_save(trainer, None, ["treadle", "train", "cfg.yaml"])
         message = str(error.value)
         assert "the disk is full" in message and "at the final save: the trained weights were NOT saved" in message
@@ -95,7 +95,7 @@ def test_safetensors_own_error_is_the_disk_error_and_its_scratch_goes(tmp_path, 
         return real_save(model, folder, state_dict)
 
     monkeypatch.setattr(ckpt, "save_weights", save_weights)
-    with pytest.raises(runs.DiskError) as error:
+    with pytest.raises(disk.DiskError) as error:
         trainer.train()
     assert needle in str(error.value) and "newest: checkpoint-1" in str(error.value)
     assert no_scratch(tmp_path / "run")
@@ -110,7 +110,7 @@ def test_a_failed_final_save_leaves_the_folder_as_it_was_and_says_so(tmp_path, m
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(ckpt, "save_weights", save_weights)
-    with pytest.raises(runs.DiskError, match="the trained weights were NOT saved and no checkpoint holds them"):
+    with pytest.raises(disk.DiskError, match="the trained weights were NOT saved and no checkpoint holds them"):
         train_and_save(trainer, None, ["treadle", "train", "cfg.yaml"])
     left = set(os.listdir(tmp_path / "run"))
     assert "config.json" not in left and "model.safetensors" not in left and no_scratch(tmp_path / "run")
@@ -125,13 +125,13 @@ def test_a_file_size_limit_is_the_disk_error_for_real(tmp_path):
         sys.path.insert(0, {str(ROOT / "tests")!r})
         from _factories import sft
         from pathlib import Path
-        from treadle.record import runs
+        from treadle.record import disk
         rows = [{{"prompt": f"{{a}}+1=", "completion": str(a + 1)}} for a in range(4)]
         trainer = sft(Path({str(tmp_path)!r}), rows, max_steps=3, save_strategy="steps", save_steps=1)
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
         try:
             trainer.train()
-        except runs.DiskError as error:
+        except disk.DiskError as error:
             print("DISK", error)
         """
     )

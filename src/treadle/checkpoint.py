@@ -36,8 +36,8 @@ import torch
 from treadle import distributed as dist, models, peft as treadle_peft
 from treadle.errors import UserError
 from treadle.record import fingerprints
+from treadle.record.disk import MODEL_SCRATCH
 from treadle.record.runfiles import ARGS_FILE
-from treadle.record.runs import MODEL_SCRATCH
 from treadle.state import TrainerState
 
 PREFIX = "checkpoint-"

@@ -7,7 +7,7 @@ import os
 from _runs import sft_events, write_run
 
 from treadle.cli import command as cli
-from treadle.record import runs
+from treadle.record import commands, runs
 
 
 def one_error_line(argv, capsys) -> str:
@@ -59,7 +59,7 @@ def test_demo_with_a_negative_seed_is_one_line_and_leaves_no_folder(tmp_path, ca
 
 def test_a_second_demo_is_refused_before_it_writes_anything(tmp_path, capsys):
     out = tmp_path / "demo"
-    with runs.claim_demo_folder(str(out)):  # the first demo, running
+    with commands.claim_demo_folder(str(out)):  # the first demo, running
         line = one_error_line(["demo", "--output-dir", out, "--sft-steps", "1", "--grpo-steps", "1"], capsys)
         assert "in use by another demo or run" in line
         assert os.listdir(out) == [runs.LOCK_FILE]  # no step 0 lines, no stage folders

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from treadle import errors
-from treadle.record import runfiles, runs
+from treadle.record import commands, runfiles, runs
 
 
 def claim(output_dir, **kwargs):
@@ -96,37 +96,37 @@ def test_merge_refuses_a_folder_holding_another_runs_model_or_a_file(tmp_path):
     (other / "model.safetensors").write_bytes(b"trained weights")
     (other / "config.json").write_text("{}")
     with pytest.raises(runs.RunFolderError, match="pass --overwrite-output-dir to replace them"):
-        runs.check_merge_output(str(other), overwrite=False)
-    runs.check_merge_output(str(other), overwrite=True)
+        commands.check_merge_output(str(other), overwrite=False)
+    commands.check_merge_output(str(other), overwrite=True)
     (tmp_path / "a-file").write_text("mine")
     with pytest.raises(runs.RunFolderError, match="is a file, not a folder"):
-        runs.check_merge_output(str(tmp_path / "a-file"), overwrite=True)
-    runs.check_merge_output(str(tmp_path / "new"), overwrite=False)  # a new folder: fine
+        commands.check_merge_output(str(tmp_path / "a-file"), overwrite=True)
+    commands.check_merge_output(str(tmp_path / "new"), overwrite=False)  # a new folder: fine
 
 
 def test_a_demo_folder_holding_the_users_results_is_refused(tmp_path):
     (tmp_path / "results.json").write_text('{"mine": true}')
     with (
         pytest.raises(runs.RunFolderError, match=r"holds 1 entries \(results.json\)"),
-        runs.claim_demo_folder(str(tmp_path)),
+        commands.claim_demo_folder(str(tmp_path)),
     ):
         pass
     assert (tmp_path / "results.json").read_text() == '{"mine": true}' and os.listdir(tmp_path) == ["results.json"]
     (tmp_path / "file").write_text("x")
     with (
         pytest.raises(runs.RunFolderError, match="is a file, not a folder"),
-        runs.claim_demo_folder(str(tmp_path / "file")),
+        commands.claim_demo_folder(str(tmp_path / "file")),
     ):
         pass
 
 
 def test_a_second_demo_into_a_held_folder_is_refused_before_it_writes(tmp_path):
     out = tmp_path / "demo"
-    with runs.claim_demo_folder(str(out)):
-        assert errors.resume_hint() == runs.DEMO_RESUME_HINT  # the demo's lines name what a demo has
+    with commands.claim_demo_folder(str(out)):
+        assert errors.resume_hint() == commands.DEMO_RESUME_HINT  # the demo's lines name what a demo has
         with (
             pytest.raises(runs.RunFolderError, match="is in use by another demo or run"),
-            runs.claim_demo_folder(str(out)),
+            commands.claim_demo_folder(str(out)),
         ):
             pass
         assert os.listdir(out) == [runs.LOCK_FILE]  # the second wrote nothing
@@ -141,7 +141,7 @@ def test_a_demos_sigterm_line_names_what_a_demo_has_not_resume_from_checkpoint(t
     stopped = PreemptionCallback()
     stopped.signal, stopped.stopped = signal.SIGTERM, True
     args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=3, is_world_process_zero=True)
-    with runs.claim_demo_folder(str(tmp_path / "demo")):
+    with commands.claim_demo_folder(str(tmp_path / "demo")):
         stopped.on_train_end(args, state, None)
     line = capsys.readouterr().err.strip()
     assert "stopped by SIGTERM after step 3" in line and "run `treadle demo` again, with a new --output-dir" in line

@@ -36,8 +36,10 @@ from treadle.allocator import keep_freed_memory
 from treadle.cli.registry import trainer_kinds
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
 from treadle.record import runfiles
+from treadle.record.commands import check_merge_output, claim_demo_folder
+from treadle.record.disk import disk_errors
 from treadle.record.plots import print_plots
-from treadle.record.runs import check_merge_output, check_run_folder, claim_demo_folder, disk_errors
+from treadle.record.runs import check_run_folder
 
 RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft", "teacher")  # not config fields
 

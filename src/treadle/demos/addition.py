@@ -100,7 +100,7 @@ class StopAtAccuracy(TrainerCallback):
 
 def demo_folder(task: str, output_dir: str | None) -> Path:
     """A demo's run folder: ``output_dir``, or runs/demo[-task]-<time> (``treadle demo`` claims it before the demo
-    starts: ``record.runs.claim_demo_folder``)."""
+    starts: ``record.commands.claim_demo_folder``)."""
     name = f"demo-{task}" if task else "demo"
     return Path(output_dir or os.path.join("runs", time.strftime(f"{name}-%Y%m%d-%H%M%S")))
 

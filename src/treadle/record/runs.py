@@ -29,7 +29,6 @@ torch nor a trainer, so the CLI runs it before its slow imports.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -40,8 +39,9 @@ import time
 
 from filelock import FileLock, Timeout
 
-from treadle.errors import PreflightError, UserError, resume_hint, resuming_as, shorten
+from treadle.errors import PreflightError, shorten
 from treadle.record import fingerprints, runfiles
+from treadle.record.disk import disk_errors
 from treadle.record.plots import FIGURE_TITLES
 
 LOCK_FILE = ".treadle.lock"
@@ -132,7 +132,7 @@ def check_run_folder(
         )
     check_not_in_model(output_dir, model_dir)
     check_creatable(output_dir)
-    _check_writable(output_dir)
+    check_writable(output_dir)
     check_files_regular(output_dir)
     holder = lock_holder(output_dir)
     if holder is not None:
@@ -144,33 +144,14 @@ def check_run_folder(
     if doubts:
         raise RunFolderError(
             f"output_dir {output_dir} holds {len(doubts)} entries named like a run's that no treadle run provably "
-            f"wrote ({_listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
+            f"wrote ({listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
             f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir"
         )
     if auto and not overwrite and not _saved_model(files):
         return ours  # an attempt that crashed before its first checkpoint: nothing to resume, start it again
     if not overwrite:
-        raise RunFolderError(f"output_dir {output_dir} holds an earlier run ({_listing(files)}); {_ways_on(files)}")
+        raise RunFolderError(f"output_dir {output_dir} holds an earlier run ({listing(files)}); {_ways_on(files)}")
     return ours
-
-
-def check_merge_output(output_dir: str, *, overwrite: bool) -> None:
-    """Refuse (RunFolderError) an ``output_dir`` of ``treadle merge`` that is a file, cannot be created, or holds
-    a run's files or a saved model (``run_files``) while ``overwrite`` (``--overwrite-output-dir``) is off: the
-    merged model would replace them without a word."""
-    output_dir = check_path(output_dir)
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise RunFolderError(
-            f"--output-dir {output_dir} is a file, not a folder: the merged model is a folder of files; set "
-            f"--output-dir to a new folder"
-        )
-    check_creatable(output_dir, what="--output-dir")
-    files = run_files(output_dir)
-    if files and not overwrite:
-        raise RunFolderError(
-            f"--output-dir {output_dir} holds a run or a saved model ({_listing(files)}): the merged model would "
-            f"replace them; choose another --output-dir, or pass --overwrite-output-dir to replace them"
-        )
 
 
 SAVED_MODEL_NAMES = frozenset({"model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"})
@@ -294,7 +275,7 @@ def sort_out(output_dir: str, names: list[str]) -> tuple[list[str], list[str], l
             if foreign is None:
                 doubts.append(f"{name} (no {fingerprints.MARKER}: not a checkpoint treadle wrote)")
             elif foreign:
-                doubts.append(f"{name} (holds {_listing(foreign, 2)}, which no treadle checkpoint wrote)")
+                doubts.append(f"{name} (holds {listing(foreign, 2)}, which no treadle checkpoint wrote)")
             else:
                 ours.append(name)
         elif manifest is None:
@@ -345,7 +326,7 @@ def delete_ours(output_dir: str, paths: list[str]) -> None:
                 parent = os.path.dirname(parent)
 
 
-def _listing(names: list[str], most: int = 6) -> str:
+def listing(names: list[str], most: int = 6) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
@@ -407,7 +388,7 @@ def check_files_regular(output_dir: str) -> None:
             )
 
 
-def _check_writable(output_dir: str) -> None:
+def check_writable(output_dir: str) -> None:
     existing = os.path.abspath(output_dir)
     while not os.path.exists(existing):  # the folder is made later: its nearest existing parent must take it
         existing = os.path.dirname(existing)
@@ -539,7 +520,7 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None, auto
                 )
                 print(
                     f"treadle: {why}: deleting {len(doomed)} entries of the earlier run in "
-                    f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""),
+                    f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {listing(kept)}" if kept else ""),
                     file=sys.stderr,
                 )
                 delete_ours(output_dir, doomed)
@@ -548,151 +529,6 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None, auto
             yield
     finally:
         release_lock(lock)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# A demo's folder: new or empty, and held for the demo's lifetime
-# ---------------------------------------------------------------------------------------------------------
-DEMO_RESUME_HINT = "a demo is not resumed: run `treadle demo` again, with a new --output-dir"
-
-
-def check_demo_folder(output_dir: str) -> str:
-    """Refuse (RunFolderError) a ``treadle demo`` folder that is a file, cannot be created, is locked by a demo or run
-    that lives, or holds anything (a user's results.json, an earlier demo): a demo writes a new folder of its own,
-    and neither resumes nor overwrites. Reads only; returns ``output_dir`` expanded."""
-    output_dir = check_path(output_dir)
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise RunFolderError(f"--output-dir {output_dir} is a file, not a folder; set --output-dir to a new folder")
-    check_creatable(output_dir, what="--output-dir")
-    _check_writable(output_dir)
-    holder = lock_holder(output_dir)
-    if holder is not None:
-        raise RunFolderError(
-            f"--output-dir {output_dir} is in use by another demo or run ({holder}); wait for it to end, or choose "
-            f"another --output-dir"
-        )
-    held = sorted(n for n in os.listdir(output_dir) if n != LOCK_FILE) if os.path.isdir(output_dir) else []
-    if held:
-        raise RunFolderError(
-            f"--output-dir {output_dir} holds {len(held)} entries ({_listing(held, 4)}), which the demo would "
-            f"overwrite or mix with; a demo writes a new folder: choose a new --output-dir (or empty that one)"
-        )
-    return output_dir
-
-
-@contextlib.contextmanager
-def claim_demo_folder(output_dir: str):
-    """Check the demo's ``output_dir`` (``check_demo_folder``), lock it (a second demo into it is refused before it
-    writes anything), check again under the lock, and hold it inside the block; its messages say that a demo is run
-    again, not resumed."""
-    output_dir = check_demo_folder(output_dir)
-    lock = acquire_lock(output_dir)
-    try:
-        taken = sorted(n for n in os.listdir(output_dir) if n != LOCK_FILE)  # by a demo that ended in that instant
-        if taken:
-            raise RunFolderError(f"--output-dir {output_dir} was taken by another demo just now; choose another")
-        with resuming_as(DEMO_RESUME_HINT):
-            yield output_dir
-    finally:
-        release_lock(lock)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# A disk that fills up or turns read-only mid-run
-# ---------------------------------------------------------------------------------------------------------
-DISK_ERRNOS = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is used up",
-    errno.EROFS: "the file system is read-only",
-    errno.EFBIG: "a file grew past the largest the system allows (`ulimit -f`, a quota, or FAT32's 4 GiB)",
-}
-OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how a Rust library (safetensors' SafetensorError) names the errno
-MODEL_SCRATCH = ".tmp-model-"  # the final model's scratch folder in output_dir (checkpoint.export_model)
-SCRATCH_PREFIXES = (".tmp-checkpoint-", MODEL_SCRATCH)  # half-written checkpoints and final models
-
-
-class DiskError(UserError):
-    """``output_dir`` stopped taking writes mid-run (full, over quota, read-only, a file-size limit): the run
-    stopped; what it saved before is intact."""
-
-
-@contextlib.contextmanager
-def disk_errors(output_dir: str, *, final_save: bool = False):
-    """Inside the block, an error caused by a full or read-only disk -- an OSError with its errno, an error naming
-    ``(os error N)`` (safetensors'), or any other error (torch's ``inline_container`` RuntimeError) while a probe
-    write into ``output_dir`` then fails that way -- becomes one DiskError naming the folder, the newest complete
-    checkpoint and what to do. A half-written checkpoint or final model (``SCRATCH_PREFIXES``) is removed to give
-    the space back (the run's lock is the operating system's: it is let go of even on a read-only disk).
-    ``final_save``: the block is the final save, so the message says the trained weights were not saved."""
-    try:
-        yield
-    except Exception as error:
-        problem = disk_problem(output_dir, error)
-        if problem is None:
-            raise
-        for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
-            if name.startswith(SCRATCH_PREFIXES):
-                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-        raise DiskError(_disk_message(output_dir, problem, final_save)) from error
-
-
-def _disk_message(output_dir: str, problem: str, final_save: bool) -> str:
-    kept = [n for n in run_files(output_dir) if re.fullmatch(r"checkpoint-\d+", n)]
-    if "read-only" in problem:
-        fix = "make it writable (remount, or copy the folder to a writable disk)"
-    elif "ulimit" in problem:
-        fix = "raise the limit (ulimit -f unlimited) or move output_dir to a disk that takes large files"
-    else:
-        fix = "free some space (or move output_dir to another disk)"
-    if final_save:
-        saved = (
-            f"the final model was NOT saved (the folder is as it was before the save); the newest checkpoint, "
-            f"{kept[-1]}, holds the weights of its step"
-            if kept
-            else "the trained weights were NOT saved and no checkpoint holds them (save_strategy saved none); the "
-            "folder is as it was before the save"
-        )
-        return f"output_dir {output_dir}: {problem} at the final save: {saved}; {fix}" + (
-            f", then {resume_hint()}" if kept else ", then train again"
-        )
-    saved = f"its checkpoints saved before are intact (newest: {kept[-1]})" if kept else "no checkpoint was saved"
-    return f"output_dir {output_dir}: {problem}, so the run stopped; {saved}; {fix}" + (
-        f", then {resume_hint()}" if kept else ", then start again"
-    )
-
-
-def _disk_errno(error: BaseException) -> int | None:
-    """The errno of a full or read-only disk that ``error`` carries (an OSError's, or ``(os error N)`` in its
-    text), None when it carries none."""
-    if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
-        return error.errno
-    found = OS_ERROR.search(str(error))
-    return int(found.group(1)) if found and int(found.group(1)) in DISK_ERRNOS else None
-
-
-def disk_problem(output_dir: str, error: BaseException) -> str | None:
-    """What about the disk caused ``error`` ("the disk is full (No space left on device)" ...), None when it was
-    not the disk: the errno of an OSError in its chain, else a probe write of 64 KiB into ``output_dir``."""
-    seen = error
-    while seen is not None:
-        code = _disk_errno(seen)
-        if code is not None:
-            return f"{DISK_ERRNOS[code]} ({os.strerror(code)})"
-        seen = seen.__cause__ or seen.__context__
-    probe = os.path.join(output_dir, f".treadle-probe-{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(1 << 16))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as probe_error:
-        if probe_error.errno in DISK_ERRNOS:
-            return f"{DISK_ERRNOS[probe_error.errno]} ({os.strerror(probe_error.errno)})"
-        return None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(probe)
-    return None
 
 
 def model_folder(model) -> str | None:
