@@ -58,8 +58,9 @@ def check_demo_folder(output_dir: str) -> str:
 def claim_demo_folder(output_dir: str):
     """Check the demo's ``output_dir`` (``check_demo_folder``), lock it (a second demo into it is refused before it
     writes anything), check again under the lock, and hold it inside the block; its messages say that a demo is run
-    again, not resumed."""
+    again, not resumed. A folder it made that the demo left empty (it stopped before writing) is removed."""
     output_dir = check_demo_folder(output_dir)
+    made = not os.path.exists(output_dir)
     lock = acquire_lock(output_dir)
     try:
         taken = sorted(n for n in os.listdir(output_dir) if n != LOCK_FILE)  # by a demo that ended in that instant
@@ -69,6 +70,8 @@ def claim_demo_folder(output_dir: str):
             yield output_dir
     finally:
         release_lock(lock)
+        if made and not os.listdir(output_dir):
+            os.rmdir(output_dir)
 
 
 def check_merge_output(output_dir: str, *, overwrite: bool) -> None:

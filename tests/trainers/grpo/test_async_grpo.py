@@ -287,6 +287,7 @@ def test_the_demo_takes_max_staleness_and_other_tasks_refuse_it(monkeypatch, cap
 
     calls = []
     monkeypatch.setattr(demo, "run_demo", lambda settings, out: calls.append(settings) or 0)
+    monkeypatch.chdir(tmp_path)  # the command claims the default folder (runs/demo-...) before the demo
     assert cli.main(["demo", "--max_staleness", "1"]) == 0 and cli.main(["demo"]) == 0
     assert [s.max_staleness for s in calls] == [1, 0]
     tok = toy.build_tokenizer()
