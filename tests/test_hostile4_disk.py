@@ -141,3 +141,25 @@ def test_a_file_size_limit_is_the_disk_error_for_real(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "DISK" in result.stdout and "ulimit -f" in result.stdout and "File too large" in result.stdout
     assert no_scratch(tmp_path / "run")
+
+
+def test_the_final_model_replaces_an_earlier_saves_shards_and_keeps_them_when_it_fails(tmp_path, monkeypatch):
+    trainer = sft(tmp_path, ROWS, max_steps=1)
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    for name in stale:
+        (run / name).write_text("an earlier save's")
+    real_save = ckpt.save_weights
+
+    def failing(model, folder, state_dict=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt, "save_weights", failing)
+    with pytest.raises(SafetensorError):
+        trainer.save_model()
+    assert sorted(os.listdir(run)) == sorted(stale)  # as it was
+    monkeypatch.setattr(ckpt, "save_weights", real_save)
+    trainer.save_model()
+    left = set(os.listdir(run))
+    assert "model.safetensors" in left and "config.json" in left and not left & set(stale)  # as save_pretrained

@@ -363,10 +363,18 @@ def _write_export(model, folder: str, full_weights, processing_class, args, merg
     _fsync_tree(folder)
 
 
+WEIGHT_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors")
+
+
 def _move_into(scratch: str, output_dir: str) -> None:
     """Rename each entry of ``scratch`` into ``output_dir`` (a folder replaces the one of its name): renames take
-    no space, so a full disk cannot stop them half-way."""
-    for name in sorted(os.listdir(scratch)):
+    no space, so a full disk cannot stop them half-way. Weight files of an earlier save that this one does not
+    replace (its shards, when this one is a single file, or the other way round) go, as save_pretrained's own."""
+    new = set(os.listdir(scratch))
+    for name in os.listdir(output_dir) if any(WEIGHT_FILES.fullmatch(n) for n in new) else ():
+        if name not in new and WEIGHT_FILES.fullmatch(name) and os.path.isfile(os.path.join(output_dir, name)):
+            os.remove(os.path.join(output_dir, name))
+    for name in sorted(new):
         target = os.path.join(output_dir, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
