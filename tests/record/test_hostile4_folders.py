@@ -148,3 +148,9 @@ def test_a_demos_sigterm_line_names_what_a_demo_has_not_resume_from_checkpoint(t
     assert "resume_from_checkpoint" not in line and "--resume" not in line
     stopped.on_train_end(args, state, None)  # outside a demo: the Trainer's way, as before
     assert "trainer.train(resume_from_checkpoint=True)" in capsys.readouterr().err
+
+
+def test_merge_into_a_folder_whose_metrics_is_a_fifo_does_not_open_it(tmp_path):
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    error = refused_without_blocking(lambda: commands.check_merge_output(str(tmp_path), overwrite=False))
+    assert isinstance(error, runs.RunFolderError) and "holds a run or a saved model (metrics.jsonl)" in str(error)

@@ -87,7 +87,8 @@ def run_files(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     names = [n for n in os.listdir(output_dir) if _run_named(n)]
-    if "metrics.jsonl" in names and not _has_training_records(os.path.join(output_dir, "metrics.jsonl")):
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if "metrics.jsonl" in names and runfiles.not_regular(metrics) is None and not _has_training_records(metrics):
         names.remove("metrics.jsonl")  # only evaluate() before training logged there: no run yet
     return sorted(
         names,
@@ -104,9 +105,10 @@ def _run_named(name: str) -> bool:
 
 
 def _has_training_records(path: str) -> bool:
-    """Whether a metrics.jsonl logged any training (a step after 0, a loss), not only evaluations before it."""
+    """Whether a metrics.jsonl logged any training (a step after 0, a loss), not only evaluations before it. (A
+    regular file, ``check_files_regular``; its lines read at most ``runfiles.LINE_MOST`` characters at a time.)"""
     with open(path, errors="replace") as f:
-        for line in f:
+        for line in iter(lambda: f.readline(runfiles.LINE_MOST), ""):
             try:
                 record = json.loads(line)
             except ValueError:
