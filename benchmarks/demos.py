@@ -25,6 +25,7 @@ final accuracy in less training time than GRPO took; ``smollm2``: GRPO gains >= 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -220,19 +221,31 @@ def summaries(records: list[dict], outcomes: list) -> list[str]:
     return lines
 
 
+def whole_numbers(text: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 0 (argparse's ``type``: a bad one is argparse's own error line)."""
+    try:
+        numbers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of whole numbers, e.g. 0,1,2"
+        ) from None
+    if any(n < 0 for n in numbers):
+        raise argparse.ArgumentTypeError(f"{text!r} holds a negative number; seeds and thread counts are >= 0")
+    return numbers
+
+
 def parse_args(argv=None):
     p = harness.parser(__doc__, "addition and count, seed 0, native kernels, 1 thread, a few steps", allocator=False)
     p.add_argument("--variants", default="addition,count,tools,distill", help=f"of {', '.join(VARIANTS)}")
-    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated demo seeds")
+    p.add_argument("--seeds", type=whole_numbers, default="0,1,2,3,4", help="comma-separated demo seeds")
     p.add_argument("--kernels", default="native,default", help=f"comma-separated, of {', '.join(harness.KERNEL_SETS)}")
-    p.add_argument("--threads", default="1,2", help="comma-separated OMP_NUM_THREADS values")
+    p.add_argument("--threads", type=whole_numbers, default="1,2", help="comma-separated OMP_NUM_THREADS values")
     p.add_argument("--parallel", type=int, default=1, help="runs at once (not with distill: its runs share a teacher)")
     p.add_argument("--table-only", action="store_true", help="run nothing: the table of the runs already in --out")
     opts = p.parse_args(argv)
     if opts.quick:
-        opts.variants, opts.seeds, opts.kernels, opts.threads = "addition,count", "0", "native", "1"
+        opts.variants, opts.seeds, opts.kernels, opts.threads = "addition,count", [0], "native", [1]
     opts.variants, opts.kernels = opts.variants.split(","), opts.kernels.split(",")
-    opts.seeds, opts.threads = [int(s) for s in opts.seeds.split(",")], [int(t) for t in opts.threads.split(",")]
     for name, given, known in (
         ("--variants", opts.variants, VARIANTS),
         ("--kernels", opts.kernels, harness.KERNEL_SETS),

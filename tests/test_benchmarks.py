@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(
     ".".join(path.relative_to(ROOT).with_suffix("").parts)
@@ -39,3 +41,18 @@ def test_no_module_reaches_its_siblings_through_sys_path():
     for name in MODULES:
         text = (ROOT / Path(*name.split("."))).with_suffix(".py").read_text()
         assert "sys.path" not in text, f"{name} reaches modules through sys.path"
+
+
+@pytest.mark.slow
+def test_demos_matrix_options_of_the_wrong_type_are_argparses_own_error_line():
+    """The fourth hostile trial (issue 59): `--seeds a` was a ValueError traceback."""
+    for flag in ("--seeds", "--threads"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.demos", flag, "a", "--no-log"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert f"error: argument {flag}: 'a' is not a comma-separated list of whole numbers" in proc.stderr

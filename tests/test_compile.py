@@ -12,6 +12,7 @@ from torch import nn
 import treadle
 from treadle import compilation
 from treadle.demos import toy
+from treadle.errors import PreflightError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,3 +139,33 @@ def test_the_command_line_trains_compiled_from_a_yaml_config(tmp_path):
         losses[name] = [line for line in result.stdout.splitlines() if "train_loss=" in line][-1]
     assert "torch_compile compiled 2 blocks with aot_eager: the first step took" in result.stdout + result.stderr
     assert losses["eager"].split("train_loss=")[1] == losses["compiled"].split("train_loss=")[1]
+
+
+# ---- the fourth hostile trial (issue 59): refused before the run folder is claimed ---------------------------------
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("torch_compile_backend", "nonsense", "'nonsense' is not a torch.compile backend"),
+        ("torch_compile_mode", "nonsense", "'nonsense' is not a torch.compile mode; use one of default, "),
+    ],
+)
+def test_an_unknown_backend_or_mode_is_one_line_before_the_folder_is_claimed(tmp_path, tok, field, value, needle):
+    trainer = sft_trainer(tmp_path / "run", tok, SFT_ROWS, max_steps=1, save_strategy="no", **{field: value})
+    with pytest.raises(PreflightError, match=needle):
+        trainer.train()
+    assert not (tmp_path / "run").exists()
+
+
+def test_inductor_without_a_cpp_compiler_names_the_ways_out(tmp_path, tok):
+    """CXX naming a compiler that is not there: inductor's own search fails, at setup, not at step 1."""
+    trainer = sft_trainer(tmp_path / "run", tok, SFT_ROWS, max_steps=1, save_strategy="no", torch_compile=True)
+    with (
+        torch._inductor.config.patch({"cpp.cxx": (str(tmp_path / "no-such-c++"),)}),
+        pytest.raises(PreflightError) as error,
+    ):
+        trainer.train()
+    message = str(error.value)
+    assert "needs a C++ compiler" in message and "no-such-c++" in message
+    assert "torch_compile_backend: aot_eager" in message and "apt install g++" in message
+    assert not (tmp_path / "run").exists()
+    compilation.check_cpp_compiler()  # this machine's compiler runs: no refusal

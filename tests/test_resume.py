@@ -676,3 +676,30 @@ def test_metrics_file_continues_without_duplicated_or_missing_steps(interrupted,
     (final,) = [r for r in records if "train_loss" in r]  # the interrupted process's total was dropped
     assert final["step"] == 9 and final["train_loss"] == train_loss(ref.state.log_history)
     assert records[-1] is final
+
+
+# ---- the fourth hostile trial (issue 59): a folder transformers' Trainer wrote --------------------------------------
+def test_resume_auto_in_a_transformers_trainer_folder_names_whose_checkpoint_it_is(tmp_path):
+    import transformers
+
+    from treadle.demos import toy
+
+    tok = toy.build_tokenizer()
+    ids = tok("1+1=2")["input_ids"]
+    rows = [{"input_ids": ids, "labels": ids}] * 4
+    theirs = transformers.Trainer(
+        model=toy.build_model("tiny", tokenizer=tok),
+        args=transformers.TrainingArguments(
+            output_dir=str(tmp_path / "run"), max_steps=1, save_steps=1, report_to=[], use_cpu=True
+        ),
+        train_dataset=rows,
+    )
+    theirs.train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    assert (checkpoint / "training_args.bin").is_file()
+    for resume_from in ("auto", True, str(checkpoint)):
+        with pytest.raises(CheckpointError) as error:
+            sft(tmp_path, [{"prompt": "1+1=", "completion": "2"}] * 4).train(resume_from_checkpoint=resume_from)
+        message = str(error.value)
+        assert f"checkpoint {checkpoint} was written by transformers' Trainer" in message
+        assert f"model: {checkpoint}" in message and "steps_per_epoch" not in message

@@ -38,7 +38,7 @@ import threading
 from treadle import distributed as dist
 from treadle.checkpoint import path_for
 from treadle.describe import describe_run
-from treadle.errors import Interrupted, Preempted, stopped_by
+from treadle.errors import Interrupted, Preempted, resume_hint, stopped_by
 from treadle.record import runfiles
 from treadle.state import LoopState, TrainerControl, TrainerState  # noqa: F401 (re-exported: transformers.trainer_callback's path)
 
@@ -367,8 +367,7 @@ class PreemptionCallback(TrainerCallback):
         if self.stopped and state.is_world_process_zero:
             print(
                 f"treadle: stopped by {signal.Signals(self.signal).name} after step {state.global_step}; "
-                f"checkpoint: {path_for(args.output_dir, state.global_step)}. Resume with "
-                f"trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`).",
+                f"checkpoint: {path_for(args.output_dir, state.global_step)}; {resume_hint()}.",
                 file=sys.stderr,
                 flush=True,
             )

@@ -36,6 +36,7 @@ import torch
 from treadle import distributed as dist, models, peft as treadle_peft
 from treadle.errors import UserError
 from treadle.record import fingerprints
+from treadle.record.disk import MODEL_SCRATCH
 from treadle.record.runfiles import ARGS_FILE
 from treadle.state import TrainerState
 
@@ -330,22 +331,70 @@ def export_model(model, output_dir: str, processing_class=None, args=None) -> No
     full_weights = dist.full_state_dict(model)
     if dist.is_main_process():
         os.makedirs(output_dir, exist_ok=True)
-        save_weights(model, output_dir, state_dict=full_weights)
-        folders = [output_dir] + ([os.path.join(output_dir, treadle_peft.MERGED_DIR)] if merge else [])
+        # written whole into a scratch folder, then renamed into place: a save that fails (a full disk) leaves
+        # output_dir as it was, never a config.json without its weights
+        scratch = os.path.join(output_dir, f"{MODEL_SCRATCH}{os.getpid()}")
+        try:
+            _write_export(model, scratch, full_weights, processing_class, args, merge)
+            _move_into(scratch, output_dir)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         if merge:
-            save_weights(treadle_peft.merged_model(model), folders[1])
             print(
                 f"treadle: merge_adapters: the adapters merged into the base model, a plain transformers model, "
-                f"in {folders[1]}",
+                f"in {os.path.join(output_dir, treadle_peft.MERGED_DIR)}",
                 flush=True,
             )
-        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-            for folder in folders:
-                processing_class.save_pretrained(folder)
-        if args is not None:
-            with open(os.path.join(output_dir, ARGS_FILE), "w") as f:
-                f.write(args.to_json_string() + "\n")
     dist.barrier()
+
+
+def _write_export(model, folder: str, full_weights, processing_class, args, merge: bool) -> None:
+    """The final model's files in ``folder``: weights, ``merged/`` when ``merge``, the processing class, the args."""
+    save_weights(model, folder, state_dict=full_weights)
+    folders = [folder] + ([os.path.join(folder, treadle_peft.MERGED_DIR)] if merge else [])
+    if merge:
+        save_weights(treadle_peft.merged_model(model), folders[1])
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        for each in folders:
+            processing_class.save_pretrained(each)
+    if args is not None:
+        with open(os.path.join(folder, ARGS_FILE), "w") as f:
+            f.write(args.to_json_string() + "\n")
+    _fsync_tree(folder)
+
+
+WEIGHT_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors")
+
+
+def _move_into(scratch: str, output_dir: str) -> None:
+    """Rename each entry of ``scratch`` into ``output_dir`` (a folder replaces the one of its name): renames take
+    no space, so a full disk cannot stop them half-way. Weight files of an earlier save that this one does not
+    replace (its shards, when this one is a single file, or the other way round) go, as save_pretrained's own."""
+    new = set(os.listdir(scratch))
+    for name in os.listdir(output_dir) if any(WEIGHT_FILES.fullmatch(n) for n in new) else ():
+        if name not in new and WEIGHT_FILES.fullmatch(name) and os.path.isfile(os.path.join(output_dir, name)):
+            os.remove(os.path.join(output_dir, name))
+    for name in sorted(new):
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        os.replace(os.path.join(scratch, name), target)
+    _fsync_dir(output_dir)
+
+
+TRANSFORMERS_ARGS = "training_args.bin"  # transformers' Trainer (and TRL's) pickles its arguments there; treadle never
+
+
+def check_own_checkpoint(path: str) -> None:
+    """Refuse (CheckpointError) to resume checkpoint ``path`` when transformers' Trainer wrote it (its
+    ``training_args.bin``, no treadle marker): its optimizer, scheduler and RNG files are that Trainer's, so treadle
+    cannot continue its run exactly; its weights can start a new one."""
+    if os.path.isfile(os.path.join(path, TRANSFORMERS_ARGS)) and fingerprints.read_marker(path) is None:
+        raise CheckpointError(
+            f"checkpoint {path} was written by transformers' Trainer (it holds {TRANSFORMERS_ARGS} and no "
+            f"{fingerprints.MARKER}), not by treadle, which cannot continue that run exactly; its weights can start "
+            f"a new run: model: {path}, in a new output_dir (or resume it with transformers' Trainer)"
+        )
 
 
 def read_state(path: str):

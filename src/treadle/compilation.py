@@ -11,10 +11,58 @@ from __future__ import annotations
 
 import time
 
+import torch
 from torch import nn
 
 from treadle import distributed as dist
 from treadle.callbacks import TrainerCallback
+from treadle.errors import PreflightError
+
+EAGER_WAYS = "torch_compile_backend: aot_eager (or eager: no compilation at all)"
+
+
+def check_settings(args) -> None:
+    """Refuse (PreflightError, one line) what would fail at the first compiled step, before the run folder is
+    claimed: an unknown ``torch_compile_backend`` or ``torch_compile_mode``, and inductor on the CPU without a
+    working C++ compiler (a cheap probe: the compiler's ``--version``, as inductor itself finds it)."""
+    if not args.torch_compile:
+        return
+    backend, mode = args.torch_compile_backend, args.torch_compile_mode
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in backends:
+        raise PreflightError(
+            f"torch_compile_backend: {backend!r} is not a torch.compile backend; use one of "
+            f"{', '.join(torch._dynamo.list_backends())} or aot_eager / eager (inductor is the default)"
+        )
+    modes = ["default", *(m for m in torch._inductor.list_mode_options() if m != "default")]
+    if mode is not None and mode not in modes:
+        raise PreflightError(
+            f"torch_compile_mode: {mode!r} is not a torch.compile mode; use one of {', '.join(modes)}"
+        )
+    if backend == "inductor" and args.device.type == "cpu":
+        check_cpp_compiler()
+
+
+def check_cpp_compiler() -> None:
+    """Refuse (PreflightError) inductor on the CPU when no C++ compiler runs (``CXX`` naming a missing one, none
+    installed): inductor would fail at the first step with a long traceback."""
+    try:
+        from torch._inductor import cpp_builder, exc  # inductor's own search (config.cpp.cxx, CXX)
+    except ImportError:  # pragma: no cover -- a torch without inductor: torch.compile says so itself
+        return
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        tried = (
+            [c for c in torch._inductor.config.cpp.cxx if c]
+            if isinstance(torch._inductor.config.cpp.cxx, (list, tuple))
+            else [torch._inductor.config.cpp.cxx]
+        )
+        raise PreflightError(
+            f"torch_compile with the inductor backend needs a C++ compiler on the CPU, and none runs here (tried "
+            f"{', '.join(map(str, tried))}; CXX names it); install one (e.g. apt install g++) or set CXX to it, or "
+            f"train with {EAGER_WAYS}"
+        ) from None
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> int:

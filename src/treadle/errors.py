@@ -17,6 +17,7 @@ their traceback); :func:`one_line` is how it prints one.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 
@@ -69,6 +70,27 @@ class Interrupted(_Stopped, KeyboardInterrupt):
 def stopped_by(signum: int, step: int, checkpoint: str | None) -> BaseException:
     """The exception ``train()`` raises after a signal stopped it at ``step`` and saved ``checkpoint``."""
     return Interrupted(step, checkpoint) if signum == signal.SIGINT else Preempted(step, checkpoint)
+
+
+RESUME_HINT = "resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`)"
+_resume_hints = [RESUME_HINT]
+
+
+def resume_hint() -> str:
+    """How the process's owner resumes a stopped run, for the messages that say so (SIGTERM's line, a full disk's,
+    a stalled run's): ``RESUME_HINT``, unless a ``resuming_as`` block says otherwise."""
+    return _resume_hints[-1]
+
+
+@contextlib.contextmanager
+def resuming_as(hint: str):
+    """Inside the block, ``resume_hint()`` is ``hint``: a program whose runs are resumed otherwise, or not at all
+    (``treadle demo``: run it again), names what it has rather than ``resume_from_checkpoint``."""
+    _resume_hints.append(hint)
+    try:
+        yield
+    finally:
+        _resume_hints.pop()
 
 
 def is_user_error(error: BaseException) -> bool:

@@ -27,6 +27,7 @@ from treadle.checkpoint import (
     PREFIX,
     STATE_FILE,
     CheckpointError,
+    check_own_checkpoint,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
@@ -53,6 +54,13 @@ def resolve(resume_from_checkpoint, output_dir: str, ignore_fingerprints: bool =
     checkpoints whose state cannot be read."""
     if resume_from_checkpoint in (None, False):
         return None
+    path = _resolve(resume_from_checkpoint, output_dir, ignore_fingerprints)
+    if path is not None:
+        check_own_checkpoint(path)  # transformers' Trainer's: its weights start a new run
+    return path
+
+
+def _resolve(resume_from_checkpoint, output_dir: str, ignore_fingerprints: bool) -> str | None:
     if resume_from_checkpoint == AUTO:
         return _newest_intact(output_dir, ignore_fingerprints)
     if resume_from_checkpoint is True:

@@ -296,8 +296,8 @@ class Trainer(Evaluation):
         output_dir; "auto": that or a fresh start; a path) continues that run exactly. The folder is claimed first."""
         args = self.args
         resume_path = resume.resolve(resume_from_checkpoint, args.output_dir, args.ignore_checkpoint_fingerprints)
-        auto, main = resume_from_checkpoint == resume.AUTO, dist.is_main_process()
-        resumed = resume_path is not None
+        auto, main, resumed = resume_from_checkpoint == resume.AUTO, dist.is_main_process(), resume_path is not None
+        compilation.check_settings(args)  # torch_compile's backend, mode and compiler, before the folder is claimed
         with runs.claim_run_folder(args, resume=resumed, model=self.model, main_process=main, auto=auto):
             return self._train(resume_path)
 

@@ -3,6 +3,7 @@ loading, the example configs end to end, `treadle report`, and how `treadle demo
 treadle.demos.addition (the demo itself: tests/test_demo.py)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -189,9 +190,17 @@ def test_demo_flags_reach_the_settings_and_the_rest_keep_their_defaults(tmp_path
 
     calls = []
     monkeypatch.setattr(demo, "run_demo", lambda settings, output_dir: calls.append((settings, output_dir)) or 0)
-    assert run(["demo", "--seed", "3", "--eval-size", "40", "--output-dir", tmp_path], capsys)[0] == 0
+    monkeypatch.chdir(tmp_path)
+    assert run(["demo", "--seed", "3", "--eval-size", "40", "--output-dir", tmp_path / "d"], capsys)[0] == 0
     assert run(["demo"], capsys)[0] == 0
-    assert calls == [(demo.DemoSettings(seed=3, eval_size=40), str(tmp_path)), (demo.DemoSettings(), None)]
+    (given, given_dir), (default, default_dir) = calls
+    assert (given, given_dir, default) == (
+        demo.DemoSettings(seed=3, eval_size=40),
+        str(tmp_path / "d"),
+        demo.DemoSettings(),
+    )
+    assert default_dir.startswith(os.path.join("runs", "demo-"))  # the folder the command claimed, the default's
+    assert not (tmp_path / "d").exists()  # claimed, then removed: the demo (replaced here) wrote nothing
 
 
 def test_report_of_a_missing_folder(tmp_path, capsys):

@@ -93,7 +93,8 @@ def test_summary_finds_the_first_step_at_grpo_final():
     assert lines[6].split()[-1] == "never"
 
 
-def test_the_command_line_hands_the_teacher_folder_to_the_distill_demo_only(monkeypatch, capsys):
+def test_the_command_line_hands_the_teacher_folder_to_the_distill_demo_only(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the command claims the folder (x) before the demo
     calls = []
     monkeypatch.setattr(demo_distill, "run_distill_demo", lambda settings, out: calls.append((settings, out)) or 0)
     assert cli.main(["demo", "--task", "distill", "--seed", "3", "--teacher-dir", "t", "--output-dir", "x"]) == 0

@@ -74,7 +74,8 @@ def test_the_command_line_refuses_in_one_line(argv, needle, capsys, monkeypatch)
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
-def test_the_command_line_hands_its_flags_to_the_real_demo(monkeypatch):
+def test_the_command_line_hands_its_flags_to_the_real_demo(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the command claims the folder (x) before the demo
     calls = []
     monkeypatch.setattr(demo, "run_real_demo", lambda settings, out: calls.append((settings, out)) or 0)
     assert cli.main(["demo", "--model", "smollm2", "--seed", "2", "--grpo-steps", "7", "--output-dir", "x"]) == 0

@@ -41,7 +41,8 @@ def test_the_tools_task_is_three_digit_and_its_splits_are_disjoint():
     assert {f"{y}+{x}=" for x, y in (p.rstrip("=").split("+") for p in test["prompt"])} == set(test["prompt"])
 
 
-def test_the_cli_runs_the_tools_demo_and_keeps_the_default(monkeypatch):
+def test_the_cli_runs_the_tools_demo_and_keeps_the_default(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the command claims the default folder (runs/demo-...) before the demo
     calls = []
     monkeypatch.setattr(demo_tools, "run_tools_demo", lambda settings, out: calls.append(("tools", settings)) or 0)
     from treadle.demos import addition as demo

@@ -393,3 +393,28 @@ def test_a_server_whose_context_cannot_hold_prompt_and_completion_is_named_at_co
     )
     assert "a prompt longer than 56 tokens will stop the run (vLLM would cut its completion short)" in note
     assert "a prompt of 57 tokens + max_completion_length=8 does not fit in the 64 tokens" in one_line(cut.value)
+
+
+# ---- the fourth hostile trial (issue 59): an identity that does not read, a host that is not this machine's -------
+@pytest.mark.parametrize("field, value", [("max_model_len", "4096"), ("weights", [["lm_head.weight", [8, 4]]])])
+def test_an_identity_of_the_wrong_types_is_one_line_not_a_traceback(field, value):
+    identity = {
+        "server": wire.SERVER_NAME,
+        "protocol": wire.PROTOCOL,
+        "model": "toy:tiny",
+        "config": {},
+        "weights": {},
+    }
+    body = json.dumps({**identity, "max_model_len": 64, field: value}).encode()
+    with scripted({"/health": (200, body)}) as url, pytest.raises(VLLMServerError) as info:
+        VLLMServerEngine(toy.build_model("tiny"), url, timeout=5)
+    message = one_line(info.value)
+    assert "an identity that does not read" in message and field in message
+
+
+def test_vllm_serve_on_a_host_that_is_not_this_machines_names_the_host(capsys):
+    # 192.0.2.1: TEST-NET-1 (RFC 5737), an address no machine is given
+    assert cli.main(["vllm-serve", "toy:tiny", "--host", "192.0.2.1", "--port", "8123"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--host 192.0.2.1 is not an address of this machine" in err[0]
+    assert "another --port" not in err[0]

@@ -67,3 +67,22 @@ def test_the_rollout_workers_messages_are_safetensors_bytes():
         assert (generation, version) == (0, 1) and out.completion_ids.shape == (2, 3)
     finally:
         worker.close()
+
+
+# ---- the vLLM server's identity (the fourth hostile trial, issue 59) -------------------------------------------
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("max_model_len", "4096", 'its max_model_len is "4096", not a positive whole number'),
+        ("max_model_len", True, "its max_model_len is true"),
+        ("weights", [["lm_head.weight", [8, 4]]], "its weights are a list, not a mapping"),
+        ("weights", {"lm_head.weight": "8x4"}, 'the shape of its weight lm_head.weight is "8x4"'),
+        ("config", "llama", 'its config is "llama", not a dict'),
+    ],
+)
+def test_an_identity_that_does_not_read_is_named(field, value, needle):
+    from treadle.engines.wire import identity_problem
+
+    identity = {"model": "toy:tiny", "dtype": "float32", "config": {}, "max_model_len": 4096, "weights": {"w": [2, 3]}}
+    assert identity_problem(identity) is None and identity_problem({**identity, "max_model_len": None}) is None
+    assert needle in identity_problem({**identity, field: value})

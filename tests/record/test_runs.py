@@ -17,7 +17,7 @@ from _factories import sft, write
 from _runs import lock_held_by_another_process
 
 from treadle import checkpoint as ckpt
-from treadle.record import fingerprints, runs
+from treadle.record import disk, fingerprints, runs
 
 
 def files_under(folder) -> dict[str, bytes]:
@@ -200,7 +200,7 @@ def test_a_disk_that_stops_taking_writes_mid_run_is_one_line_and_keeps_what_was_
 
     monkeypatch.setattr(ckpt, "save_weights", save_weights)
     run = tmp_path / "run"
-    with pytest.raises(runs.DiskError) as error:
+    with pytest.raises(disk.DiskError) as error:
         trainer.train()
     message = str(error.value)
     assert is_user_error(error.value) and "\n" not in message
@@ -228,6 +228,6 @@ def test_an_error_without_an_errno_is_told_by_a_probe_write(tmp_path, monkeypatc
         return real_open(path, mode, *a, **kw)
 
     error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 512 vs 0")
-    assert runs.disk_problem(str(tmp_path), error) is None  # the disk takes writes: not the disk, a traceback
+    assert disk.disk_problem(str(tmp_path), error) is None  # the disk takes writes: not the disk, a traceback
     monkeypatch.setattr(builtins, "open", full_open)
-    assert runs.disk_problem(str(tmp_path), error) == "the disk is full (No space left on device)"
+    assert disk.disk_problem(str(tmp_path), error) == "the disk is full (No space left on device)"

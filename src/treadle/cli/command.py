@@ -4,7 +4,7 @@
                  [--sft-steps N] [--grpo-steps N] [--eval-size N] [--teacher-dir DIR] [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
-    treadle merge RUN_DIR [--output-dir DIR]
+    treadle merge RUN_DIR [--output-dir DIR [--overwrite-output-dir]]
     treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.cli.vllm_serve)
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
@@ -36,8 +36,10 @@ from treadle.allocator import keep_freed_memory
 from treadle.cli.registry import trainer_kinds
 from treadle.errors import Interrupted, Preempted, UserError, is_user_error, one_line
 from treadle.record import runfiles
+from treadle.record.commands import check_merge_output, claim_demo_folder
+from treadle.record.disk import disk_errors
 from treadle.record.plots import print_plots
-from treadle.record.runs import check_run_folder, disk_errors
+from treadle.record.runs import check_run_folder
 
 RUN_KEYS = ("trainer", "model", "dataset", "eval_dataset", "reward_funcs", "peft", "teacher")  # not config fields
 
@@ -136,6 +138,12 @@ def _add_merge_command(commands) -> None:
     merge = commands.add_parser("merge", help="merge a LoRA run's adapter into its base model (a transformers folder)")
     merge.add_argument("run_dir", help="a folder holding adapter_config.json (a LoRA run's output_dir)")
     merge.add_argument("--output-dir", default=None, help="where the merged model goes (default: RUN_DIR/merged)")
+    merge.add_argument(
+        "--overwrite-output-dir",
+        "--overwrite_output_dir",
+        action="store_true",
+        help="replace the run or model that --output-dir holds (refused without it)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return run_train(args.config, extra, resume=args.resume)
         if args.command == "merge":
-            return run_merge(args.run_dir, args.output_dir)
+            return run_merge(args.run_dir, args.output_dir, overwrite=args.overwrite_output_dir)
         return run_report(args.run_dir, args.output_dir)
     except Exception as error:
         if debug or not is_user_error(error):
@@ -215,7 +223,7 @@ def train_and_save(trainer, checkpoint: str | bool | None, resume_command: list[
             print(f"treadle: resume with: {shlex.join(resume_command)}", file=sys.stderr)
             return stop.exit_status
         # a full or read-only disk at the final save: one line, as during training; a signal waits for the save
-        with preemption.guard(hold=True), disk_errors(output_dir):
+        with preemption.guard(hold=True), disk_errors(output_dir, final_save=True):
             trainer.save_model()
         main_process = trainer.state.is_world_process_zero  # under torchrun, one report, not one per rank
         if main_process:
@@ -369,7 +377,11 @@ def run_report(run_dirs: list[str], output_dir: str | None = None) -> int:
     return 0
 
 
-def run_merge(run_dir: str, output_dir: str | None) -> int:
+def run_merge(run_dir: str, output_dir: str | None, *, overwrite: bool = False) -> int:
+    """``treadle merge``: an ``output_dir`` that is a file or holds another run or model is refused before anything
+    loads (``overwrite``: replace it); the default, RUN_DIR/merged, is the run's own merge, replaced each time."""
+    if output_dir is not None:
+        check_merge_output(output_dir, overwrite=overwrite)
     from treadle.cli.loading import merge_adapter_folder  # heavy: torch, transformers, peft
 
     try:
@@ -415,11 +427,17 @@ def run_demo(args: argparse.Namespace) -> int:
         if not hasattr(settings_class, name):
             purpose = "is for the addition demo's GRPO" if name in ("use_vllm", "max_staleness") else "has no use"
             raise UserError(f"--{name.replace('_', '-')} {purpose} in {where}; leave it out")
+    seed = given.get("seed", 0)
+    if not 0 <= seed < 2**32:
+        raise UserError(f"--seed {seed} is out of range: a seed is a whole number from 0 to {2**32 - 1}")
     try:
         settings = settings_class(**given)
     except ValueError as error:
         raise UserError(str(error)) from None
-    return run(settings, args.output_dir)
+    name = "smollm2" if where == "--model smollm2" else "" if task == "addition" else task
+    folder = demo.demo_folder(name, args.output_dir)
+    with claim_demo_folder(str(folder)) as output_dir:  # before the demo writes anything: one demo a folder
+        return run(settings, output_dir)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,7 @@ import base64
 import html
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,15 @@ def write_overlay(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     return target
 
 
+def _no_run_json(folder: Path) -> str:
+    """Why report.html shows no run.json: there is none, or the one there is cut or unreadable (said on stderr too)."""
+    note = runfiles.unreadable_note(folder / runfiles.RUN_FILE)
+    if note is None:
+        return "no run.json in the run folder"
+    print(f"treadle: note: {folder}: {note}; report.html shows no run.json", file=sys.stderr)
+    return f"{note}: not shown"
+
+
 def run_sections(run_dir: str | Path) -> list[str]:
     """report.html's "Run" (run.json: model, data, reward functions, LoRA) and "Config" sections, the arguments that
     differ from the defaults of the run's config class first (training_args.json holds every argument)."""
@@ -173,7 +183,7 @@ def run_sections(run_dir: str | Path) -> list[str]:
         + (
             _table(["what", "value"], [[k, _value(v)] for k, v in flat_record(record).items()])
             if record
-            else "<p class=note>no run.json in the run folder</p>"
+            else f"<p class=note>{html.escape(_no_run_json(folder))}</p>"
         )
     ]
     if not config:

@@ -7,6 +7,7 @@ imported only once the server starts."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
@@ -57,25 +58,12 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def main(argv: list[str], parser_class=argparse.ArgumentParser) -> int:
-    """Serve until interrupted; returns the exit status (``treadle vllm-serve``)."""
+    """Serve until interrupted; returns the exit status (``treadle vllm-serve``). The address is bound first: a
+    host that is not this machine's, or a port in use, is one line before any model is built."""
     args = build_parser(parser_class).parse_args(argv)
-    owned = None
-    if args.model.startswith("toy:"):
-        owned = tempfile.mkdtemp(prefix="treadle-vllm-serve-")
-        try:
-            model, _ = load_model(args.model, seed=args.seed)
-        except ValueError as error:
-            raise UserError(str(error)) from None
-        model.save_pretrained(owned, safe_serialization=True)  # vLLM runs without the tokenizer (treadle tokenises)
-    folder = owned or os.path.abspath(args.model)
+    server = vllm_server.bind(args.host, args.port)
     try:
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise UserError(
-                f"{args.model} is not a model folder (no config.json); pass a folder written by "
-                f"save_pretrained, or toy:<size>"
-            )
-        server = vllm_server.bind(args.host, args.port)
-        try:
+        with model_folder(args.model, args.seed) as folder:
             vllm_server.serve(
                 server,
                 folder,
@@ -86,9 +74,32 @@ def main(argv: list[str], parser_class=argparse.ArgumentParser) -> int:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tensor_parallel_size=args.tensor_parallel_size,
             )
-        finally:
-            server.server_close()
+    finally:
+        server.server_close()
+    return 0
+
+
+@contextlib.contextmanager
+def model_folder(model: str, seed: int):
+    """The folder vLLM serves ``model`` from: a transformers model folder (absolute), or ``toy:<size>`` built and
+    saved to a temporary folder, removed when the block ends."""
+    owned = None
+    if model.startswith("toy:"):
+        owned = tempfile.mkdtemp(prefix="treadle-vllm-serve-")
+        try:
+            built, _ = load_model(model, seed=seed)
+        except ValueError as error:
+            shutil.rmtree(owned, ignore_errors=True)
+            raise UserError(str(error)) from None
+        built.save_pretrained(owned, safe_serialization=True)  # vLLM runs without the tokenizer (treadle tokenises)
+    folder = owned or os.path.abspath(model)
+    try:
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise UserError(
+                f"{model} is not a model folder (no config.json); pass a folder written by save_pretrained, or "
+                f"toy:<size>"
+            )
+        yield folder
     finally:
         if owned:
             shutil.rmtree(owned, ignore_errors=True)
-    return 0

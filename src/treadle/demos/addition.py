@@ -98,6 +98,13 @@ class StopAtAccuracy(TrainerCallback):
             control.should_training_stop = control.should_save = control.should_log = True
 
 
+def demo_folder(task: str, output_dir: str | None) -> Path:
+    """A demo's run folder: ``output_dir``, or runs/demo[-task]-<time> (``treadle demo`` claims it before the demo
+    starts: ``record.commands.claim_demo_folder``)."""
+    name = f"demo-{task}" if task else "demo"
+    return Path(output_dir or os.path.join("runs", time.strftime(f"{name}-%Y%m%d-%H%M%S")))
+
+
 def start_demo(task: str, output_dir: str | None, title: str, *, one_thread: bool = True) -> tuple[Path, float]:
     """Every demo's start: one torch thread unless OMP_NUM_THREADS says otherwise (``one_thread=False``: torch's
     own choice, every core), its run folder (``output_dir``, or runs/demo[-task]-<time>) created, and its ``title``
@@ -108,8 +115,7 @@ def start_demo(task: str, output_dir: str | None, title: str, *, one_thread: boo
         # the tiny models' matrices are too small for a second thread to pay: on 2 busy cores the addition demo
         # took 55 s with one thread and 175 s with two
         torch.set_num_threads(1)
-    name = f"demo-{task}" if task else "demo"
-    out = Path(output_dir or os.path.join("runs", time.strftime(f"{name}-%Y%m%d-%H%M%S")))
+    out = demo_folder(task, output_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(f"{title}; run folder {out}", flush=True)
     return out, time.time()

@@ -56,6 +56,7 @@ from treadle.engines.wire import (
     RUN_HEADER,
     SERVER_NAME,
     architecture,
+    identity_problem,
     pack_tensors,
     unpack_output,
 )
@@ -261,6 +262,12 @@ class VLLMServerEngine(SyncChecked):
             raise VLLMServerError(
                 f"the treadle vLLM server at {self.url} speaks protocol {identity.get('protocol', 1)}, this "
                 f"treadle {PROTOCOL}: restart it with this treadle's `treadle vllm-serve`"
+            )
+        problem = identity_problem(identity)
+        if problem is not None:
+            raise VLLMServerError(
+                f"the treadle vLLM server at {self.url} answered GET /health with an identity that does not read: "
+                f"{problem}; restart it with this treadle's `treadle vllm-serve`"
             )
         return identity
 

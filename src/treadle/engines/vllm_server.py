@@ -11,10 +11,12 @@ any one run: it stops on Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -42,10 +44,21 @@ def bind(host: str, port: int) -> ThreadingHTTPServer:
         server = ThreadingHTTPServer((host, port), Handler)
     except OSError as error:
         raise UserError(
-            f"cannot listen on {host}:{port} ({error.strerror or error}); pass another --port, or stop what holds it"
+            f"cannot listen on {host}:{port} ({error.strerror or error}); {_bind_fix(host, error)}"
         ) from None
     server.host = host  # as the user wrote it: the URL printed for the runs
     return server
+
+
+def _bind_fix(host: str, error: OSError) -> str:
+    """What to change when ``bind`` fails: the host when it is not this machine's (or no address at all), else the
+    port."""
+    if isinstance(error, socket.gaierror) or error.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+        return (
+            f"--host {host} is not an address of this machine; pass --host 127.0.0.1 (this machine only), "
+            f"0.0.0.0 (every interface) or one of this machine's addresses (ip addr)"
+        )
+    return "pass another --port, or stop what holds it"
 
 
 def serve(server: ThreadingHTTPServer, folder: str, *, name: str, dtype: str | None = None, **engine_options) -> None:

@@ -17,6 +17,7 @@ import json
 import torch
 from safetensors.torch import load as load_tensors, save as save_tensors
 
+from treadle.errors import shorten
 from treadle.generation.single import GenerationOutput
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "RUN_HEADER",
     "SERVER_NAME",
     "architecture",
+    "identity_problem",
     "pack_output",
     "pack_tensors",
     "unpack_output",
@@ -112,3 +114,29 @@ def architecture(config: dict) -> dict:
         rope.setdefault("rope_type", "default")
     fields = {**config, "rope": rope or None}
     return json.loads(json.dumps({f: fields[f] for f in IDENTITY_FIELDS if f in fields}, default=str))
+
+
+def identity_problem(identity: dict) -> str | None:
+    """What is wrong with a treadle server's ``/health`` identity (``engines.vllm_server.identity_of``'s shape:
+    ``model`` and ``dtype`` strings, ``config`` a dict, ``max_model_len`` a positive whole number or null,
+    ``weights`` a dict of name to a list of whole numbers), None when it is whole: a server of another build, or an
+    answer changed on its way, is refused in one line before a field of it is used."""
+
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    length, weights = identity.get("max_model_len"), identity.get("weights", {})
+    if length is not None and not (whole(length) and length > 0):
+        return f"its max_model_len is {shorten(json.dumps(length), 60)}, not a positive whole number"
+    if not isinstance(weights, dict):
+        return f"its weights are a {type(weights).__name__}, not a mapping of each weight's name to its shape"
+    bad = next(
+        (n for n, s in weights.items() if not (isinstance(s, list) and all(whole(d) and d >= 0 for d in s))), None
+    )
+    if bad is not None:
+        shape = shorten(json.dumps(weights[bad]), 60)
+        return f"the shape of its weight {shorten(bad, 80)} is {shape}, not a list of sizes"
+    for name, kind in (("model", str), ("dtype", str), ("config", dict)):
+        if name in identity and not isinstance(identity[name], kind):
+            return f"its {name} is {shorten(json.dumps(identity[name]), 60)}, not a {kind.__name__}"
+    return None

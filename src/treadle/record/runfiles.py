@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,14 +33,52 @@ ARGS_FILE = "training_args.json"  # the run's arguments, beside its metrics and 
 RUN_FILE = "run.json"  # what made the run besides its arguments: model, datasets, reward functions, LoRA
 
 
+LINE_MOST = 64 << 20  # characters in one entry's line: a longer one is no entry (a device or a damaged file)
+
+
 class RunFileError(UserError, ValueError):
-    """A log file with a line that is neither an entry nor a line cut by a crash; names ``file:line``."""
+    """A log file with a line that is neither an entry nor a line cut by a crash (names ``file:line``), or a run
+    file that is not a regular file (a FIFO, a device, a folder)."""
+
+
+def not_regular(path: str | Path) -> str | None:
+    """What ``path`` is when it exists and is not a regular file ("a FIFO (named pipe)", "a character device such
+    as /dev/full" ...), following a symbolic link; None for a regular file or nothing there. Opening a FIFO waits
+    for a writer forever, and a device reads endlessly: a run file that is either is refused before it is opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a symbolic link to nothing" if os.path.islink(path) else None
+    except OSError as error:
+        return f"unreadable ({error.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {
+        stat.S_ISFIFO: "a FIFO (named pipe)",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+        stat.S_ISDIR: "a folder",
+    }
+    kind = next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+    return kind + (f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else "")
+
+
+def check_regular(path: str | Path) -> None:
+    """Refuse (RunFileError) a run file ``path`` that exists and is not a regular file (``not_regular``)."""
+    kind = not_regular(path)
+    if kind is not None:
+        raise RunFileError(
+            f"{path} is {kind}, not a regular file: treadle reads and appends its run files; remove it "
+            f"(rm {path}) or choose another output_dir"
+        )
 
 
 def append_entries(path: str | Path, entries: list[dict[str, Any]]) -> None:
     """Append ``entries`` to ``path``, one JSON line each (numbers that JSON lacks, e.g. tensors' floats, as
     floats), creating its folder when needed."""
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    check_regular(path)
     with open(path, "a", encoding="utf-8") as f:
         f.writelines(json.dumps(r, default=float) + "\n" for r in entries)
 
@@ -53,10 +92,41 @@ def write_args(output_dir: str, json_text: str) -> None:
 
 def read_args(run_dir: str | Path) -> dict[str, Any] | None:
     """The arguments a run was trained with (``training_args.json``); None when absent or unreadable."""
-    try:
-        return json.loads((Path(run_dir) / ARGS_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    return _read_json(Path(run_dir) / ARGS_FILE)
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON value in the regular file ``path``; None when absent, not a regular file, or not JSON."""
+    if not path.is_file() or not_regular(path) is not None:
         return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def unreadable_note(path: str | Path) -> str | None:
+    """Why the JSON file ``path`` (run.json, training_args.json) that is there cannot be read ("cut mid-write ...");
+    None when it is absent or reads."""
+    path = Path(path)
+    kind = not_regular(path)
+    if kind is not None:
+        return f"{path.name} is {kind}, not a regular file"
+    if not path.exists():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+        json.loads(text)
+    except (OSError, UnicodeDecodeError) as error:
+        return f"{path.name} is there but unreadable ({error})"
+    except json.JSONDecodeError as error:
+        if text.lstrip().startswith("{") and not text.rstrip().endswith("}"):  # an object that never closes
+            return (
+                f"{path.name} is cut: its {len(text.encode())} bytes stop in mid-write (the run stopped while "
+                f"writing it, or the disk filled up)"
+            )
+        return f"{path.name} is not valid JSON ({error.msg}, line {error.lineno})"
+    return None
 
 
 def write_run_info(output_dir: str, info: dict[str, Any]) -> None:
@@ -66,21 +136,29 @@ def write_run_info(output_dir: str, info: dict[str, Any]) -> None:
 
 
 def read_run_info(run_dir: str | Path) -> dict[str, Any] | None:
-    """A run's ``run.json``; None when absent or unreadable (a run from before it existed)."""
-    try:
-        info = json.loads((Path(run_dir) / RUN_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
+    """A run's ``run.json``; None when absent or unreadable (a run from before it existed; ``unreadable_note`` says
+    why one that is there does not read)."""
+    info = _read_json(Path(run_dir) / RUN_FILE)
     return info if isinstance(info, dict) else None
 
 
 def _numbered_lines(path: str | Path) -> Iterator[tuple[int, str, bool]]:
-    """(line number, text, is the cut last line) of each non-blank line of ``path``."""
+    """(line number, text, is the cut last line) of each non-blank line of ``path`` (a regular file: a line of
+    more than ``LINE_MOST`` characters raises RunFileError, never read whole)."""
+    check_regular(path)
     with open(path, encoding="utf-8") as f:
-        lines = f.readlines()
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            yield number, line, number == len(lines) and not line.endswith("\n")
+        number, line = 0, f.readline(LINE_MOST + 1)
+        while line:
+            number += 1
+            if len(line) > LINE_MOST:
+                raise RunFileError(
+                    f"{path}:{number}: a line of over {LINE_MOST:,} characters, which no run writes: the file is "
+                    f"damaged or not a run's log; move it out of the run folder"
+                )
+            following = f.readline(LINE_MOST + 1)
+            if line.strip():
+                yield number, line, not following and not line.endswith("\n")
+            line = following
 
 
 def _parse(line: str, where: str) -> dict[str, Any]:
@@ -129,6 +207,7 @@ def read_new_entries(path: str | Path, offset: int) -> tuple[list[dict[str, Any]
     that is still growing); ([], offset) when the file does not exist."""
     if not os.path.exists(path):
         return [], offset
+    check_regular(path)
     with open(path, "rb") as f:
         f.seek(offset)
         lines = f.read().splitlines(keepends=True)

@@ -29,7 +29,6 @@ torch nor a trainer, so the CLI runs it before its slow imports.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
@@ -40,8 +39,9 @@ import time
 
 from filelock import FileLock, Timeout
 
-from treadle.errors import PreflightError, UserError, shorten
-from treadle.record import fingerprints
+from treadle.errors import PreflightError, shorten
+from treadle.record import fingerprints, runfiles
+from treadle.record.disk import disk_errors
 from treadle.record.plots import FIGURE_TITLES
 
 LOCK_FILE = ".treadle.lock"
@@ -87,7 +87,8 @@ def run_files(output_dir: str) -> list[str]:
     if not os.path.isdir(output_dir):
         return []
     names = [n for n in os.listdir(output_dir) if _run_named(n)]
-    if "metrics.jsonl" in names and not _has_training_records(os.path.join(output_dir, "metrics.jsonl")):
+    metrics = os.path.join(output_dir, "metrics.jsonl")
+    if "metrics.jsonl" in names and runfiles.not_regular(metrics) is None and not _has_training_records(metrics):
         names.remove("metrics.jsonl")  # only evaluate() before training logged there: no run yet
     return sorted(
         names,
@@ -104,9 +105,10 @@ def _run_named(name: str) -> bool:
 
 
 def _has_training_records(path: str) -> bool:
-    """Whether a metrics.jsonl logged any training (a step after 0, a loss), not only evaluations before it."""
+    """Whether a metrics.jsonl logged any training (a step after 0, a loss), not only evaluations before it. (A
+    regular file, ``check_files_regular``; its lines read at most ``runfiles.LINE_MOST`` characters at a time.)"""
     with open(path, errors="replace") as f:
-        for line in f:
+        for line in iter(lambda: f.readline(runfiles.LINE_MOST), ""):
             try:
                 record = json.loads(line)
             except ValueError:
@@ -131,7 +133,9 @@ def check_run_folder(
             f"(new, or holding the run to resume)"
         )
     check_not_in_model(output_dir, model_dir)
-    _check_writable(output_dir)
+    check_creatable(output_dir)
+    check_writable(output_dir)
+    check_files_regular(output_dir)
     holder = lock_holder(output_dir)
     if holder is not None:
         raise _in_use(output_dir, holder)
@@ -142,13 +146,13 @@ def check_run_folder(
     if doubts:
         raise RunFolderError(
             f"output_dir {output_dir} holds {len(doubts)} entries named like a run's that no treadle run provably "
-            f"wrote ({_listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
+            f"wrote ({listing(doubts, 3)}); the run would overwrite or mix with them, so nothing was "
             f"{'deleted' if overwrite else 'written'}: move them out of output_dir or choose another output_dir"
         )
     if auto and not overwrite and not _saved_model(files):
         return ours  # an attempt that crashed before its first checkpoint: nothing to resume, start it again
     if not overwrite:
-        raise RunFolderError(f"output_dir {output_dir} holds an earlier run ({_listing(files)}); {_ways_on(files)}")
+        raise RunFolderError(f"output_dir {output_dir} holds an earlier run ({listing(files)}); {_ways_on(files)}")
     return ours
 
 
@@ -273,7 +277,7 @@ def sort_out(output_dir: str, names: list[str]) -> tuple[list[str], list[str], l
             if foreign is None:
                 doubts.append(f"{name} (no {fingerprints.MARKER}: not a checkpoint treadle wrote)")
             elif foreign:
-                doubts.append(f"{name} (holds {_listing(foreign, 2)}, which no treadle checkpoint wrote)")
+                doubts.append(f"{name} (holds {listing(foreign, 2)}, which no treadle checkpoint wrote)")
             else:
                 ours.append(name)
         elif manifest is None:
@@ -324,7 +328,7 @@ def delete_ours(output_dir: str, paths: list[str]) -> None:
                 parent = os.path.dirname(parent)
 
 
-def _listing(names: list[str], most: int = 6) -> str:
+def listing(names: list[str], most: int = 6) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
@@ -341,7 +345,52 @@ def check_not_in_model(output_dir: str, model_dir: str | None, what: str = "outp
         )
 
 
-def _check_writable(output_dir: str) -> None:
+KERNEL_FOLDERS = ("/proc", "/sys", "/dev")  # the kernel's own file systems: no folder for a run's files
+
+
+def check_creatable(output_dir: str, what: str = "output_dir") -> None:
+    """Refuse (RunFolderError) an ``output_dir`` in the kernel's file systems (/proc, /sys, /dev) or with a name
+    longer than its file system takes (ENAMETOOLONG), before anything is created."""
+    real = os.path.realpath(output_dir)
+    for kernel in KERNEL_FOLDERS:
+        if real == kernel or real.startswith(kernel + os.sep):
+            raise RunFolderError(
+                f"{what} {shorten(output_dir)} is inside {kernel}, the kernel's own file system, which holds no "
+                f"folders of files; set {what} to a folder on a disk (e.g. runs/my-run)"
+            )
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        name_most, path_most = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_most, path_most = 255, 4096
+    longest = max(os.path.abspath(output_dir).split(os.sep), key=len)
+    if len(os.fsencode(longest)) > name_most or len(os.fsencode(os.path.abspath(output_dir))) > path_most - 64:
+        raise RunFolderError(
+            f"{what} {shorten(output_dir, 80)} has a name too long for its file system (a name of "
+            f"{len(os.fsencode(longest))} bytes, at most {name_most}; a path of at most {path_most - 64} leaves room "
+            f"for the run's files): choose a shorter name"
+        )
+
+
+RUN_LOGS = (runfiles.METRICS_FILE, runfiles.COMPLETIONS_FILE, runfiles.ARGS_FILE, runfiles.RUN_FILE)
+
+
+def check_files_regular(output_dir: str) -> None:
+    """Refuse (RunFolderError) a folder whose files that treadle opens (its logs, run.json, the lock, the manifest)
+    are not regular files: a FIFO would wait forever, a device (a link to /dev/full) read endlessly."""
+    for name in (*RUN_LOGS, LOCK_FILE, MANIFEST_FILE):
+        path = os.path.join(output_dir, name)
+        kind = runfiles.not_regular(path)
+        if kind is not None:
+            raise RunFolderError(
+                f"output_dir {output_dir}: {name} is {kind}, not a regular file: a run reads and appends it; "
+                f"remove it (rm {path}) or choose another output_dir"
+            )
+
+
+def check_writable(output_dir: str) -> None:
     existing = os.path.abspath(output_dir)
     while not os.path.exists(existing):  # the folder is made later: its nearest existing parent must take it
         existing = os.path.dirname(existing)
@@ -408,7 +457,13 @@ def acquire_lock(output_dir: str) -> FileLock:
     that holds it already is refused (RunFolderError naming it); a lock file a process left behind without
     releasing it (it did not end cleanly) is reused, with a note."""
     path = os.path.join(output_dir, LOCK_FILE)
-    os.makedirs(output_dir, exist_ok=True)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as error:
+        raise RunFolderError(
+            f"output_dir {shorten(output_dir, 80)} cannot be created ({error.strerror or error}); set output_dir to "
+            f"a folder you can create"
+        ) from None
     left = _holder(path)
     lock = _lock(path, on_acquired=_write_holder)
     try:
@@ -467,7 +522,7 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None, auto
                 )
                 print(
                     f"treadle: {why}: deleting {len(doomed)} entries of the earlier run in "
-                    f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {_listing(kept)}" if kept else ""),
+                    f"{output_dir}: {', '.join(doomed)}" + (f"; not ours, kept: {listing(kept)}" if kept else ""),
                     file=sys.stderr,
                 )
                 delete_ours(output_dir, doomed)
@@ -476,78 +531,6 @@ def claim_run_folder(args, *, resume: bool, main_process: bool, model=None, auto
             yield
     finally:
         release_lock(lock)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# A disk that fills up or turns read-only mid-run
-# ---------------------------------------------------------------------------------------------------------
-DISK_ERRNOS = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is used up",
-    errno.EROFS: "the file system is read-only",
-}
-
-
-class DiskError(UserError):
-    """``output_dir`` stopped taking writes mid-run (full, over quota, read-only): the run stopped; what it saved
-    before is intact."""
-
-
-@contextlib.contextmanager
-def disk_errors(output_dir: str):
-    """Inside the block, an error caused by a full or read-only disk -- an OSError with its errno, or any other
-    error (torch's ``inline_container`` RuntimeError, a SafetensorError) while a probe write into ``output_dir``
-    then fails that way -- becomes one DiskError naming the folder, the newest complete checkpoint and what to do.
-    A half-written checkpoint (``.tmp-checkpoint-*``) is removed to give the space back (the run's lock is the
-    operating system's: it is let go of even on a read-only disk)."""
-    try:
-        yield
-    except Exception as error:
-        problem = disk_problem(output_dir, error)
-        if problem is None:
-            raise
-        for name in os.listdir(output_dir) if os.path.isdir(output_dir) else ():
-            if name.startswith(".tmp-checkpoint-"):
-                shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-        kept = [n for n in run_files(output_dir) if re.fullmatch(r"checkpoint-\d+", n)]
-        raise DiskError(
-            f"output_dir {output_dir}: {problem}, so the run stopped; "
-            + (
-                f"its checkpoints saved before are intact (newest: {kept[-1]}); "
-                if kept
-                else "no checkpoint was saved; "
-            )
-            + (
-                "make it writable (remount, or copy the folder to a writable disk)"
-                if "read-only" in problem
-                else "free some space (or move output_dir to another disk)"
-            )
-            + (", then continue with --resume (train(resume_from_checkpoint=True))" if kept else ", then start again")
-        ) from error
-
-
-def disk_problem(output_dir: str, error: BaseException) -> str | None:
-    """What about the disk caused ``error`` ("the disk is full (No space left on device)" ...), None when it was
-    not the disk: the errno of an OSError in its chain, else a probe write of 64 KiB into ``output_dir``."""
-    seen = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
-            return f"{DISK_ERRNOS[seen.errno]} ({os.strerror(seen.errno)})"
-        seen = seen.__cause__ or seen.__context__
-    probe = os.path.join(output_dir, f".treadle-probe-{os.getpid()}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(bytes(1 << 16))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as probe_error:
-        if probe_error.errno in DISK_ERRNOS:
-            return f"{DISK_ERRNOS[probe_error.errno]} ({os.strerror(probe_error.errno)})"
-        return None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(probe)
-    return None
 
 
 def model_folder(model) -> str | None:

@@ -287,6 +287,7 @@ def test_the_demo_takes_max_staleness_and_other_tasks_refuse_it(monkeypatch, cap
 
     calls = []
     monkeypatch.setattr(demo, "run_demo", lambda settings, out: calls.append(settings) or 0)
+    monkeypatch.chdir(tmp_path)  # the command claims the default folder (runs/demo-...) before the demo
     assert cli.main(["demo", "--max_staleness", "1"]) == 0 and cli.main(["demo"]) == 0
     assert [s.max_staleness for s in calls] == [1, 0]
     tok = toy.build_tokenizer()
@@ -415,18 +416,26 @@ save_strategy: "no"
 @pytest.fixture(scope="module")
 def slow_thread_worker(tmp_path_factory):
     """`treadle train` with a thread worker that samples 200 tokens x 128 completions (seconds) and 50 ms to do it
-    in. (32 x 64 tokens was not slow enough: in the full suite the worker once finished before the trainer first
-    waited, and the run ended with exit 0.)"""
+    in, beside a CPU hog per core. (32 x 64 tokens was not slow enough: in the full suite the worker once finished
+    before the trainer first waited, and the run ended with exit 0.)"""
     folder = tmp_path_factory.mktemp("slow")
     (folder / "c.yaml").write_text(SLOW_WORKER.format(out=folder / "run"))
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC)}  # torch's own threads: the abort needs them
-    return subprocess.run(
-        [sys.executable, "-m", "treadle", "train", str(folder / "c.yaml")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    # under load, as in the full suite where it aborted (issue 59): a CPU hog per core beside the run, so that the
+    # worker's forward pass outlasts close()'s wait and the thread is still inside torch when the run ends
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "treadle", "train", str(folder / "c.yaml")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 @pytest.mark.slow

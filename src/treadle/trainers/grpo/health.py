@@ -36,7 +36,7 @@ import torch
 from treadle import distributed as dist
 from treadle.callbacks import TrainerCallback
 from treadle.checkpoint import path_for
-from treadle.errors import UserError
+from treadle.errors import UserError, resume_hint
 from treadle.losses import zero_spread_groups
 from treadle.record.plots import HEALTH_MARKERS
 from treadle.rewards import RewardFunctionError
@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 STATE_KEY = "HealthCallback"  # its entry in state.stateful_callbacks (GRPOTrainer.summary_lines reads it)
-RESUME = "resume with trainer.train(resume_from_checkpoint=True) (or `treadle train CONFIG --resume`)"
 
 
 class TrainingStalled(UserError):
@@ -376,7 +375,7 @@ class HealthCallback(TrainerCallback):
         if self.stopped is None:
             return
         raise TrainingStalled(
-            f"{self.stopped}; checkpoint: {path_for(args.output_dir, state.global_step)}; {RESUME} once fixed"
+            f"{self.stopped}; checkpoint: {path_for(args.output_dir, state.global_step)}; {resume_hint()} once fixed"
         )
 
 

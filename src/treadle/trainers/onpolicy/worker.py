@@ -29,6 +29,7 @@ it) and exits by itself when the trainer's process is gone.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -50,7 +51,7 @@ import torch
 
 from treadle.engines.local import LocalEngine
 from treadle.engines.wire import pack_output, pack_tensors, unpack_output, unpack_tensors
-from treadle.errors import PreflightError, UserError
+from treadle.errors import PreflightError, UserError, resume_hint
 from treadle.generation.sampling import SamplingParams
 from treadle.trainers.onpolicy.config import WORKER_KINDS
 
@@ -240,6 +241,37 @@ def check_picklable(model) -> None:
     )
 
 
+EXIT_JOIN = 300.0  # seconds the interpreter's exit waits for a stopped thread worker to end (its next forward pass)
+_still_running: list[threading.Thread] = []
+_exit_hook: list = []  # registered with atexit once, when a thread worker first outlives its close
+
+
+def _join_at_exit(thread: threading.Thread) -> None:
+    """Have the interpreter's exit wait for ``thread``, a thread worker told to stop that is still inside torch (a
+    forward pass of a loaded machine outlasts ``close``'s wait). A thread cannot be killed, and one still running
+    torch's code while the interpreter finalises aborts the process ("terminate called without an active
+    exception", SIGABRT): joined first, it ends at its copy's next forward pass (``_watch``) and the exit is the
+    run's own. One that does not end within ``EXIT_JOIN`` seconds (hung in a user's code) is left, with a line."""
+    if not _exit_hook:
+        atexit.register(_join_still_running)
+        _exit_hook.append(_join_still_running)
+    _still_running[:] = [*(t for t in _still_running if t.is_alive()), thread]
+
+
+def _join_still_running() -> None:
+    deadline = time.monotonic() + EXIT_JOIN
+    for thread in _still_running:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in _still_running):
+        print(
+            f"treadle: the rollout worker thread did not end within {EXIT_JOIN:g} s of the run's end (hung outside "
+            f"torch's forward passes); the interpreter exits under it",
+            file=sys.stderr,
+            flush=True,
+        )
+    _still_running.clear()
+
+
 class RolloutWorker:
     """The trainer's handle on one worker: ``load_weights`` and ``sample`` requests, ``wait`` for replies (in order),
     ``close``.
@@ -368,6 +400,8 @@ class RolloutWorker:
         if handle.is_alive():
             self.requests.put(None)
             handle.join(timeout)
+        if self.kind == "thread" and not self.remote and handle.is_alive():  # (remote: waiting on HTTP, not torch)
+            _join_at_exit(handle)  # it ends at its copy's next forward pass: before the interpreter finalises
         if self.kind == "process":
             if handle.is_alive():
                 handle.kill()
@@ -395,5 +429,5 @@ class RolloutWorker:
         self.close(timeout=2.0)
         raise RolloutWorkerError(
             f"{message}; its last output: {tail or '(none)'}; the run stopped with its "
-            f"checkpoints intact: resume with resume_from_checkpoint=True (--resume auto){' ' + when if when else ''}"
+            f"checkpoints intact: {resume_hint()}{' ' + when if when else ''}"
         )
