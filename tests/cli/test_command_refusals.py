@@ -1,6 +1,6 @@
-"""The fourth hostile trial (issue 59), the commands' side: `treadle report` on a cut run.json, `treadle merge` into
-another run or a file, `treadle demo` into a folder of the user's, a file, with --seed -1, or beside a second demo.
-docs/runs.md lists each case: "The fourth hostile trial"."""
+"""Cases of the fourth hostile trial (issue 59), the commands' side: `treadle report` on a cut run.json, `treadle
+merge` into another run or a file, `treadle demo` into a folder of the user's, a file, with --seed -1, or beside a
+second demo. docs/runs.md lists each case: "The fourth hostile trial"."""
 
 import os
 

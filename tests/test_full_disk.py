@@ -1,8 +1,8 @@
-"""The fourth hostile trial (issue 59), full disks for real: safetensors' own error (``SafetensorError``, os error 28
-or 27) is the one-line disk error too, its half-written checkpoint removed; the final model is written atomically, so
-a final save that fails leaves the folder as it was and says the weights were not saved. A real small tmpfs where this
-user may mount one (root), a file-size limit (``RLIMIT_FSIZE``) in a subprocess, and safetensors' error raised in
-place otherwise. docs/runs.md: "The fourth hostile trial"."""
+"""Cases of the fourth hostile trial (issue 59), full disks for real: safetensors' own error (``SafetensorError``, os
+error 28 or 27) is the one-line disk error too, its half-written checkpoint removed; the final model is written
+atomically, so a final save that fails leaves the folder as it was and says the weights were not saved. A real small
+tmpfs where this user may mount one (root), a file-size limit (``RLIMIT_FSIZE``) in a subprocess, and safetensors'
+error raised in place otherwise. docs/runs.md: "The fourth hostile trial"."""
 
 import contextlib
 import os

@@ -1,7 +1,7 @@
-"""The fourth hostile trial (issue 59), the run folder's side: run files that are not regular files (a FIFO waits
-forever, a link to /dev/full reads endlessly), a line that never ends, output_dir in /proc or /sys or with a name too
-long, a run.json cut mid-write, a demo's folder claimed before it writes, and `treadle merge`'s --output-dir.
-docs/runs.md lists each case: "The fourth hostile trial"."""
+"""Cases of the fourth hostile trial (issue 59), the run folder's side: run files that are not regular files (a FIFO
+waits forever, a link to /dev/full reads endlessly), a line that never ends, output_dir in /proc or /sys or with a
+name too long, a run.json cut mid-write, a demo's folder claimed before it writes, and `treadle merge`'s --output-
+dir. docs/runs.md lists each case: "The fourth hostile trial"."""
 
 import os
 import threading
