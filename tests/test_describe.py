@@ -77,7 +77,11 @@ def test_a_grpo_run_records_its_reward_functions_and_the_datasets_builder(tmp_pa
     path.write_text("".join(json.dumps(r) + "\n" for r in toy.load_task("addition", kind="rl", n=8)))
     rows = load_dataset("json", data_files=str(path), split="train")
     args = GRPOConfig(
-        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=2, reward_weights=[1.0, 0.5]
+        output_dir=str(tmp_path / "run"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,  # within toy tiny's 256 positions
+        reward_weights=[1.0, 0.5],
     )
     trainer = GRPOTrainer(
         toy.build_model("tiny"),

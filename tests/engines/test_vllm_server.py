@@ -362,6 +362,7 @@ def test_a_server_that_stops_answering_mid_run_is_one_line(stand_in):
 def server_run_config(tmp_path, url: str, **keys) -> None:
     """``tmp_path/run.yaml``: GRPO of toy tiny on toy addition through the vLLM server at ``url``; ``keys`` add or
     override settings."""
+    keys.setdefault("max_completion_length", 8)  # toy tiny has 256 positions: 64 + 256 (the default) is refused
     config = dict(
         trainer="grpo",
         model="toy:tiny",
