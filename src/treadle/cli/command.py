@@ -5,6 +5,7 @@
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR]
+    treadle eval MODEL --tasks a,b [--n N --seed S ...] | --dataset FILE --reward-funcs F   (treadle.cli.evaluate)
     treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.cli.vllm_serve)
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
@@ -51,7 +52,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``treadle`` parser: ``--debug`` and one subcommand (demo, train, report, merge, vllm-serve)."""
+    """The ``treadle`` parser: ``--debug`` and one subcommand (demo, train, report, merge, eval, vllm-serve)."""
     parser = _Parser(
         prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one loop."
     )
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_command(commands)
     _add_report_command(commands)
     _add_merge_command(commands)
-    # its flags are treadle.cli.vllm_serve's, parsed there: argparse only names the command here
+    # their flags are treadle.cli.evaluate's and treadle.cli.vllm_serve's, parsed there: argparse only names them
+    commands.add_parser("eval", add_help=False, help="score a model on reasoning-gym tasks or a dataset with rewards")
     commands.add_parser("vllm-serve", add_help=False, help="serve a model with vLLM to GRPO (vllm_mode: server)")
     return parser
 
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             import treadle.cli.vllm_serve as vllm_serve  # heavy: torch, and vLLM once it starts
 
             return vllm_serve.main(extra, parser_class=_Parser)
+        if args.command == "eval":
+            import treadle.cli.evaluate as evaluate  # heavy: torch, transformers
+
+            return evaluate.main(extra, parser_class=_Parser)
         if extra and args.command != "train":
             raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `treadle {args.command} --help`)")
         if args.command == "demo":
