@@ -78,7 +78,9 @@ def require_gym():
     try:
         import reasoning_gym  # optional, ~1 s to import: only where tasks are used
     except ImportError:
-        raise GymError(f"reasoning-gym tasks need the reasoning-gym package, which is not installed: {GYM_INSTALL}")
+        raise GymError(
+            f"reasoning-gym tasks need the reasoning-gym package, which is not installed: {GYM_INSTALL}"
+        ) from None
     return reasoning_gym
 
 
@@ -124,14 +126,16 @@ def _check_task(task: GymTask) -> None:
 
     if task.name not in DATASETS:
         close = difflib.get_close_matches(task.name, list(DATASETS), n=5, cutoff=0.5)
-        hint = f"close names: {', '.join(close)}" if close else f"{len(DATASETS)} tasks: reasoning_gym.factory.DATASETS"
+        hint = (
+            f"close names: {', '.join(close)}" if close else f"{len(DATASETS)} tasks: reasoning_gym.factory.DATASETS"
+        )
         raise GymError(f"reasoning-gym has no task {task.name!r}; {hint}")
     fields = [f.name for f in dataclasses.fields(DATASETS[task.name][1]) if f.name not in ("seed", "size")]
     unknown = [key for key in task.config if key not in fields]
     if unknown:
         raise GymError(f"reasoning-gym task {task.name} has no config key {unknown[0]!r}; its keys: {fields}")
     try:
-        _task_dataset(task.name, _config_json(task.config))
+        _task_dataset(task.name, _config_json(task.config))[0]  # an item too: some configs fail only there
     except (AssertionError, ValueError, TypeError) as error:  # its config's validate() asserts
         raise GymError(f"reasoning-gym task {task.name} refuses its config {dict(task.config)}: {error}") from None
 
@@ -221,7 +225,7 @@ def gym_dataset(spec: Mapping[str, Any], split: str = "train", *, exclude=(), tr
 def mixture_seeds(spec: Mapping[str, Any], split: str, train_seed: int = 0) -> set[tuple[str, int]]:
     """``(task, seed)`` of each task of a ``reasoning_gym:`` mapping, as ``gym_dataset`` seeds them."""
     seed = spec["seed"] if "seed" in spec else split_seed(train_seed, split)
-    return {(name, seed + i + 1) for i, name in enumerate(gym_tasks(spec["tasks"]))} if "tasks" in spec else set()
+    return {(t.name, seed + i + 1) for i, t in enumerate(gym_tasks(spec["tasks"]))} if "tasks" in spec else set()
 
 
 def overlap_warning(train: Mapping[str, Any], evaluation: Mapping[str, Any]) -> str | None:

@@ -1,6 +1,6 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--task addition|tools|distill|count] [--model toy|smollm2] [--output-dir DIR] [--seed N]
+    treadle demo [--task addition|tools|distill|count|gym] [--model toy|smollm2] [--output-dir DIR] [--seed N]
                  [--sft-steps N] [--grpo-steps N] [--eval-size N] [--teacher-dir DIR] [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
@@ -93,10 +93,10 @@ def _add_demo_command(commands) -> None:
     )
     demo.add_argument(
         "--task",
-        choices=("addition", "tools", "distill", "count"),
+        choices=("addition", "tools", "distill", "count", "gym"),
         help="addition (default); tools: "
         "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
-        "count: a tiny VLM counts shapes",
+        "count: a tiny VLM counts shapes; gym (with --model smollm2): 5 reasoning-gym tasks",
     )
     demo.add_argument(
         "--model",
@@ -412,11 +412,17 @@ def run_demo(args: argparse.Namespace) -> int:
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     where = f"--task {task}"
     if getattr(args, "model", "toy") == "smollm2":
-        if task != "addition":
-            raise UserError(f"--model smollm2 runs the addition demo, not --task {task}; leave --task out")
-        from treadle.demos import real as demo_real  # heavy, as above
+        if task not in ("addition", "gym"):
+            raise UserError(
+                f"--model smollm2 runs the addition demo, not --task {task}; leave --task out (or --task gym)"
+            )
+        from treadle.demos import gym as demo_gym, real as demo_real  # heavy, as above
 
         settings_class, run, where = demo_real.RealDemoSettings, demo_real.run_real_demo, "--model smollm2"
+        if task == "gym":
+            settings_class, run, where = demo_gym.GymDemoSettings, demo_gym.run_gym_demo, "--task gym"
+    elif task == "gym":
+        raise UserError("--task gym trains the real model: add --model smollm2")
     for name in given:  # e.g. --sft-steps: the smollm2 demo has no SFT stage
         if not hasattr(settings_class, name):
             purpose = "is for the addition demo's GRPO" if name in ("use_vllm", "max_staleness") else "has no use"

@@ -42,7 +42,9 @@ def build_parser(parser_class=argparse.ArgumentParser) -> argparse.ArgumentParse
     )
     parser.add_argument("model", help="toy:<size>, a model folder, Hub id, .gguf file, run folder, checkpoint or LoRA")
     parser.add_argument(
-        "--tasks", help="reasoning-gym tasks: a,b or a YAML mapping {chain_sum: {max_terms: 2}} or a .yaml file"
+        "--tasks",
+        help="reasoning-gym tasks: a,b or a YAML mapping {chain_sum: {max_terms: 2}}, or a .yaml file of one (or a "
+        "training config: its dataset's tasks)",
     )
     parser.add_argument("--n", type=int, default=200, help="items per task (default 200)")
     parser.add_argument(
@@ -102,7 +104,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.temperature is None:
         args.temperature = 1.0 if args.num_samples > 1 else 0.0
     if args.num_samples > 1 and args.temperature == 0:
-        raise UserError("--num-samples > 1 with --temperature 0 draws the same greedy reply k times; set --temperature")
+        raise UserError(
+            "--num-samples > 1 with --temperature 0 draws the same greedy reply k times; set --temperature"
+        )
 
 
 def eval_inputs(args: argparse.Namespace):
@@ -123,17 +127,21 @@ def eval_inputs(args: argparse.Namespace):
 
 
 def task_spec(text: str):
-    """``--tasks``: a .yaml file or inline YAML mapping of tasks to configs, else comma-separated names."""
+    """``--tasks``: a .yaml file (a mapping of tasks to configs, or a training config: its dataset's tasks) or inline
+    YAML, else comma-separated names."""
     if text.endswith((".yaml", ".yml")) or text.lstrip().startswith("{"):
         if text.endswith((".yaml", ".yml")):
             if not os.path.isfile(text):
                 raise ValueError(f"--tasks {text}: file not found")
             text = Path(text).read_text(encoding="utf-8")
         spec = load_yaml(text)
+        spec = spec.get("dataset", spec) if isinstance(spec, dict) else spec  # a training config's own tasks
         spec = spec.get("reasoning_gym", spec) if isinstance(spec, dict) else spec
         spec = spec.get("tasks", spec) if isinstance(spec, dict) else spec
         if not isinstance(spec, dict):
-            raise ValueError("--tasks YAML must be a mapping of task names to configs, e.g. {chain_sum: {max_terms: 2}}")
+            raise ValueError(
+                "--tasks YAML must be a mapping of task names to configs, e.g. {chain_sum: {max_terms: 2}}"
+            )
         return spec
     return text
 
@@ -172,7 +180,11 @@ def per_task(metrics: dict[str, float], prefix: str = "eval_") -> dict:
     """``TaskMetrics``' figures of an evaluation's metrics, by task: ``{"per_task": {...}, "mean": {...}}``."""
     grouped: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
-        if key.startswith(prefix) and "/" in key and not key.startswith((prefix + "rewards/", prefix + "completions/")):
+        if (
+            key.startswith(prefix)
+            and "/" in key
+            and not key.startswith((prefix + "rewards/", prefix + "completions/"))
+        ):
             task, _, figure = key.removeprefix(prefix).partition("/")
             grouped.setdefault(task, {})[figure] = value
     mean = grouped.pop("mean", {})
