@@ -4,6 +4,7 @@ and reasoning-gym datasets in a ``treadle train`` config (the verifier as the de
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from reasoning_gym import create_dataset
 from reasoning_gym.utils import extract_answer
 
 from treadle.cli import command as cli
+from treadle.cli.evaluate import task_spec
 from treadle.cli.loading import load_any_model, load_model
 
 TASKS = "{chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1}, leg_counting: {min_animals: 1, max_animals: 2}}"
@@ -19,6 +21,7 @@ CONFIGS = {
     "leg_counting": {"min_animals": 1, "max_animals": 2},
 }
 SYSTEM = "Answer in tags."
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(argv, capsys):
@@ -153,3 +156,10 @@ def test_a_config_trains_on_reasoning_gym_with_its_verifier_and_held_out_items(t
     cli.build_trainer(config)
     warning = [line for line in capsys.readouterr().err.splitlines() if "share items" in line]
     assert len(warning) == 1 and "chain_sum (seed 1)" in warning[0]
+
+
+def test_the_example_config_builds_its_trainer_and_names_its_eval_tasks(tmp_path):
+    config = cli.load_config(str(ROOT / "examples" / "grpo-gym.yaml"), ["--output_dir", str(tmp_path / "run")])
+    trainer = cli.build_trainer(config, base_dir=ROOT / "examples")
+    assert set(trainer.train_dataset["task"]) == {"chain_sum", "leg_counting"}
+    assert task_spec(str(ROOT / "examples" / "grpo-gym.yaml")) == config["dataset"]["reasoning_gym"]["tasks"]

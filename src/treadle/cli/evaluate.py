@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from treadle import tasks
 from treadle.cli.configfile import load as load_yaml
 from treadle.cli.loading import load_any_model, load_dataset, load_reward_funcs
@@ -134,7 +136,10 @@ def task_spec(text: str):
             if not os.path.isfile(text):
                 raise ValueError(f"--tasks {text}: file not found")
             text = Path(text).read_text(encoding="utf-8")
-        spec = load_yaml(text)
+        try:
+            spec = load_yaml(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--tasks is not valid YAML: {getattr(error, 'problem', None) or error}") from None
         spec = spec.get("dataset", spec) if isinstance(spec, dict) else spec  # a training config's own tasks
         spec = spec.get("reasoning_gym", spec) if isinstance(spec, dict) else spec
         spec = spec.get("tasks", spec) if isinstance(spec, dict) else spec

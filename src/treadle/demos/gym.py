@@ -31,11 +31,12 @@ from pathlib import Path
 
 from treadle import tasks
 from treadle.demos import smollm2
-from treadle.demos.addition import start_demo
+from treadle.demos.addition import sft_warm_start, start_demo
 from treadle.models import load_pretrained
 from treadle.record.plots import print_plots
 from treadle.text import eos_ids
 from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from treadle.trainers.sft import SFTTrainer
 
 # chosen from the base model's scores (docs/tasks.md): lenient between about 5% and 60%, before any training
 DEMO_TASKS = {
@@ -49,16 +50,9 @@ DEMO_TASKS = {
         "allow_parentheses": False,
         "allow_negation": False,
     },
-    "leg_counting": {"min_animals": 1, "max_animals": 2, "min_instances": 1, "max_instances": 3},
-    "simple_equations": {
-        "min_terms": 2,
-        "max_terms": 2,
-        "min_value": 1,
-        "max_value": 10,
-        "operators": ["+", "-"],
-        "operators_weights": [0.5, 0.5],
-    },
-    "products": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    "gcd": {"min_value": 1, "max_value": 20},
+    "lcm": {"min_value": 1, "max_value": 10},
+    "letter_counting": {"min_words": 3, "max_words": 5},
 }
 STAGE_SCORES = ("strict", "lenient")
 
@@ -68,15 +62,18 @@ class GymDemoSettings:
     """What ``treadle demo --model smollm2 --task gym`` trains (docs/demos.md: every run, its seed, load and wall)."""
 
     seed: int = 0  # the training mixture's items and order, and sampling (the held-out items are fixed)
-    eval_size: int = 50  # held-out items per task, scored before, during and after
-    grpo_steps: int = 30  # GRPO optimizer steps
-    learning_rate: float = 2e-5  # AdamW, constant
+    eval_size: int = 30  # held-out items per task, scored before, during and after
+    grpo_steps: int = 20  # GRPO optimizer steps
+    learning_rate: float = 3e-5  # AdamW, constant
     prompts_per_step: int = 4  # training items per step
     num_generations: int = 8  # G: completions per item
     max_completion_length: int = 48  # tokens, in training and in the held-out scores (the base table's)
     temperature: float = 1.0
     format_weight: float = 0.5  # the format reward's weight beside the strict score's 1
-    eval_every: int = 15  # GRPO steps between held-out scores
+    sft_steps: int = 0  # an SFT warm start on gold answers in the tag format before GRPO (0: none)
+    sft_learning_rate: float = 1e-5
+    sft_batch_size: int = 8
+    eval_every: int = 10  # GRPO steps between held-out scores
 
     def __post_init__(self) -> None:
         if min(self.grpo_steps, self.eval_size, self.eval_every) < 1:
@@ -99,18 +96,41 @@ def heldout_rows(settings: GymDemoSettings) -> list[dict]:
 def training_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
     """The rows of GRPO's ``grpo_steps`` steps: reasoning-gym's weighted mixture of the tasks (seed ``seed``), every
     held-out question left out."""
-    size = settings.prompts_per_step * settings.grpo_steps
+    return _mixture_rows(settings, held_out)[: settings.prompts_per_step * settings.grpo_steps]
+
+
+def warm_start_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
+    """The SFT warm start's rows (``sft_steps`` > 0): mixture items after GRPO's, each gold answer in the tag."""
+    rows = _mixture_rows(settings, held_out)[settings.prompts_per_step * settings.grpo_steps :]
+    rows = rows[: settings.sft_steps * settings.sft_batch_size]
+    return [
+        {"prompt": r["prompt"], "completion": [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
+        for r in rows
+    ]
+
+
+def _mixture_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
+    size = settings.prompts_per_step * settings.grpo_steps + settings.sft_steps * settings.sft_batch_size
     questions = {row["prompt"][-1]["content"] for row in held_out}
     items = tasks.mixture_items(demo_tasks(), 2 * size, settings.seed)  # twice: room for the questions left out
-    return tasks.gym_rows(items, demo_tasks(), exclude=questions)[:size]
+    return tasks.gym_rows(items, demo_tasks(), exclude=questions)
 
 
-def gym_trainer(settings: GymDemoSettings, output_dir: Path) -> GRPOTrainer:
-    """The demo's GRPOTrainer: the pretrained model, the mixture's training rows, the held-out rows, its rewards."""
+def warm_start(model, tokenizer, settings: GymDemoSettings, held_out: list[dict], output_dir: Path) -> float:
+    """SFT of ``model`` in place on gold answers in the tag format; returns its training seconds."""
     import datasets  # ~1 s to import
 
-    model, tokenizer = load_pretrained(smollm2.folder())
-    held_out = heldout_rows(settings)
+    args = sft_warm_start(settings, output_dir, save_strategy="no", logging_steps=5, max_length=None)
+    rows = datasets.Dataset.from_list(warm_start_rows(settings, held_out))
+    began = time.time()
+    SFTTrainer(model, args, train_dataset=rows, processing_class=tokenizer).train()
+    return time.time() - began
+
+
+def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, held_out) -> GRPOTrainer:
+    """The demo's GRPOTrainer: ``model``, the mixture's training rows, the held-out rows, its rewards."""
+    import datasets  # ~1 s to import
+
     rewards = [tasks.reasoning_gym_score, tasks.answer_format, tasks.reasoning_gym_lenient, tasks.answer_tag]
     args = GRPOConfig(
         output_dir=str(output_dir),
@@ -159,8 +179,13 @@ def run_gym_demo(settings: GymDemoSettings, output_dir: str | None = None) -> in
     title = "treadle demo: GRPO of SmolLM2-135M-Instruct on 5 reasoning-gym tasks"
     out, start = start_demo("gym", output_dir, title, one_thread=False)  # its matmuls pay for every core
     load_before = os.getloadavg()
-    trainer = gym_trainer(settings, out / "grpo")
+    model, tokenizer = load_pretrained(smollm2.folder())
+    held_out = heldout_rows(settings)
+    trainer = gym_trainer(settings, out / "grpo", model, tokenizer, held_out)
     stages = [stage("pretrained", trainer.evaluate(), 0, 0.0)]
+    if settings.sft_steps:  # the same model object: the trainer evaluates and trains it after the warm start
+        seconds = warm_start(model, tokenizer, settings, held_out, out / "sft")
+        stages.append(stage("warm start", trainer.evaluate(), settings.sft_steps, seconds))
     began = time.time()
     trainer.train()
     seconds = time.time() - began  # training time, the held-out scores on the way included
