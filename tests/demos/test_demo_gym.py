@@ -46,5 +46,5 @@ def test_the_command_line_hands_its_flags_to_the_gym_demo(monkeypatch, capsys):
     assert calls == [(demo.GymDemoSettings(seed=1, grpo_steps=3), "x")]
     assert cli.main(["demo", "--task", "gym"]) == 2
     assert "add --model smollm2" in capsys.readouterr().err
-    assert cli.main(["demo", "--model", "smollm2", "--task", "gym", "--sft-steps", "2"]) == 2
-    assert "--sft-steps has no use in --task gym" in capsys.readouterr().err
+    assert cli.main(["demo", "--model", "smollm2", "--task", "gym", "--use-vllm"]) == 2
+    assert "--use-vllm is for the addition demo's GRPO in --task gym" in capsys.readouterr().err
