@@ -1,6 +1,8 @@
 """``treadle demo --model smollm2 --task gym`` without the real model: its tasks, held-out and training rows, the
 stages of results.json and the command line (the run itself: tests/real/test_real_gym_demo.py)."""
 
+import re
+
 import pytest
 
 from treadle import tasks
@@ -48,3 +50,16 @@ def test_the_command_line_hands_its_flags_to_the_gym_demo(monkeypatch, capsys):
     assert "add --model smollm2" in capsys.readouterr().err
     assert cli.main(["demo", "--model", "smollm2", "--task", "gym", "--use-vllm"]) == 2
     assert "--use-vllm is for the addition demo's GRPO in --task gym" in capsys.readouterr().err
+
+
+def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
+    settings = demo.GymDemoSettings(eval_size=10, grpo_steps=5, sft_steps=3, sft_batch_size=4)
+    held_out = demo.heldout_rows(settings)
+    warm = demo.warm_start_rows(settings, held_out)
+    train = demo.training_rows(settings, held_out)
+    assert len(warm) == 12 and len(train) == 20
+    assert all(re.fullmatch(r"<answer>.+</answer>", row["completion"][0]["content"]) for row in warm)
+    asked = {row["prompt"][-1]["content"] for row in held_out}
+    assert not asked & {row["prompt"][-1]["content"] for row in warm}
+    first_warm = demo._mixture_rows(settings, held_out)[len(train)]
+    assert warm[0]["prompt"] == first_warm["prompt"]  # the items after GRPO's
