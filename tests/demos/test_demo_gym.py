@@ -2,11 +2,13 @@
 stages of results.json and the command line (the run itself: tests/real/test_real_gym_demo.py)."""
 
 import re
+from pathlib import Path
 
 import pytest
 
 from treadle import tasks
 from treadle.cli import command as cli
+from treadle.cli.evaluate import task_spec
 from treadle.demos import gym as demo
 
 
@@ -63,3 +65,7 @@ def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
     assert not asked & {row["prompt"][-1]["content"] for row in warm}
     first_warm = demo._mixture_rows(settings, held_out)[len(train)]
     assert warm[0]["prompt"] == first_warm["prompt"]  # the items after GRPO's
+
+
+def test_the_example_tasks_file_is_the_demos_tasks():
+    assert task_spec(str(Path(__file__).resolve().parents[2] / "examples" / "gym-tasks.yaml")) == demo.DEMO_TASKS
