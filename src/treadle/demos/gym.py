@@ -196,7 +196,7 @@ def run_gym_demo(settings: GymDemoSettings, output_dir: str | None = None) -> in
     evals = [h for h in trainer.state.log_history if "eval_mean/strict" in h]
     stages.append(stage("after GRPO", evals[-1], trainer.state.global_step, seconds))
     trainer.save_model(str(out / "grpo" / "final"))
-    curve = [{"step": 0, **stages[0]["mean"]}] + [
+    curve = [{"step": 0, **stages[-2]["mean"]}] + [  # from the stage GRPO starts from
         {"step": h["step"], **{s: h[f"eval_mean/{s}"] for s in STAGE_SCORES}} for h in evals
     ]
     record = {
