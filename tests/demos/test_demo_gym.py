@@ -1,0 +1,71 @@
+"""``treadle demo --model smollm2 --task gym`` without the real model: its tasks, held-out and training rows, the
+stages of results.json and the command line (the run itself: tests/real/test_real_gym_demo.py)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from treadle import tasks
+from treadle.cli import command as cli
+from treadle.cli.evaluate import task_spec
+from treadle.demos import gym as demo
+
+
+def test_the_demo_tasks_are_five_valid_reasoning_gym_configs():
+    chosen = demo.demo_tasks()
+    assert len(chosen) >= 5 and [t.name for t in chosen] == list(demo.DEMO_TASKS)
+
+
+def test_training_rows_never_ask_a_held_out_question():
+    settings = demo.GymDemoSettings(eval_size=20, grpo_steps=10)
+    held_out = demo.heldout_rows(settings)
+    assert len(held_out) == 20 * len(demo.DEMO_TASKS)
+    first = held_out[0]
+    assert first["task"] == "chain_sum" and first["prompt"][0]["content"] == tasks.ANSWER_PROMPT
+    expected = tasks.task_items(demo.demo_tasks()[0], 20, tasks.EVAL_SEED_OFFSET)[0]["question"]
+    assert first["prompt"][-1]["content"] == expected  # the items of docs/tasks.md's base table
+    train = demo.training_rows(settings, held_out)
+    assert len(train) == settings.prompts_per_step * settings.grpo_steps
+    assert not {r["prompt"][-1]["content"] for r in train} & {r["prompt"][-1]["content"] for r in held_out}
+    assert len({r["task"] for r in train}) > 1
+
+
+def test_a_stage_holds_each_tasks_scores_and_their_means():
+    names = list(demo.DEMO_TASKS)
+    metrics = {f"eval_{n}/strict": i / 10 for i, n in enumerate(names)}
+    metrics |= {f"eval_{n}/lenient": 0.5 for n in names}
+    stage = demo.stage("pretrained", metrics, 0, 0.0)
+    assert stage["per_task"][names[1]] == {"strict": 0.1, "lenient": 0.5}
+    assert stage["mean"] == {"strict": pytest.approx(sum(range(len(names))) / 10 / len(names)), "lenient": 0.5}
+    table = demo.stage_table([stage, stage])
+    assert all(name in table for name in names) and "mean" in table.splitlines()[-1]
+
+
+def test_the_command_line_hands_its_flags_to_the_gym_demo(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(demo, "run_gym_demo", lambda settings, out: calls.append((settings, out)) or 0)
+    argv = ["demo", "--model", "smollm2", "--task", "gym", "--seed", "1", "--grpo-steps", "3", "--output-dir", "x"]
+    assert cli.main(argv) == 0
+    assert calls == [(demo.GymDemoSettings(seed=1, grpo_steps=3), "x")]
+    assert cli.main(["demo", "--task", "gym"]) == 2
+    assert "add --model smollm2" in capsys.readouterr().err
+    assert cli.main(["demo", "--model", "smollm2", "--task", "gym", "--use-vllm"]) == 2
+    assert "--use-vllm is for the addition demo's GRPO in --task gym" in capsys.readouterr().err
+
+
+def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
+    settings = demo.GymDemoSettings(eval_size=10, grpo_steps=5, sft_steps=3, sft_batch_size=4)
+    held_out = demo.heldout_rows(settings)
+    warm = demo.warm_start_rows(settings, held_out)
+    train = demo.training_rows(settings, held_out)
+    assert len(warm) == 12 and len(train) == 20
+    assert all(re.fullmatch(r"<answer>.+</answer>", row["completion"][0]["content"]) for row in warm)
+    asked = {row["prompt"][-1]["content"] for row in held_out}
+    assert not asked & {row["prompt"][-1]["content"] for row in warm}
+    first_warm = demo._mixture_rows(settings, held_out)[len(train)]
+    assert warm[0]["prompt"] == first_warm["prompt"]  # the items after GRPO's
+
+
+def test_the_example_tasks_file_is_the_demos_tasks():
+    assert task_spec(str(Path(__file__).resolve().parents[2] / "examples" / "gym-tasks.yaml")) == demo.DEMO_TASKS
