@@ -145,6 +145,7 @@ def test_a_config_trains_on_reasoning_gym_with_its_verifier_and_held_out_items(t
         "dataset": {"reasoning_gym": {"tasks": {"chain_sum": dict(CONFIGS["chain_sum"], weight=2)}, "size": 60}},
         "eval_dataset": {"reasoning_gym": {"tasks": {"chain_sum": CONFIGS["chain_sum"]}, "size": 20}},
         "max_prompt_length": 200,
+        "max_completion_length": 16,  # toy tiny has 256 positions
     }
     trainer = cli.build_trainer(config)
     assert [fn.__name__ for fn in trainer.reward_funcs] == ["reasoning_gym_score", "answer_format"]
