@@ -13,8 +13,7 @@ import time
 import pytest
 
 from treadle.cli import command as cli
-from treadle.demos import real as demo
-from treadle.demos import real_models, smollm2
+from treadle.demos import real as demo, real_models, smollm2
 from treadle.errors import UserError
 
 

