@@ -40,12 +40,16 @@ def real_model_threads():
     torch.set_num_threads(threads)
 
 
-def _load(folder):
+_LOADED: dict[str, tuple] = {}  # one pristine copy of each model per session, whichever fixture asks first
+
+
+def _load(key: str):
     from treadle.models import load_pretrained
 
-    model, tokenizer = load_pretrained(folder)
-    model.eval()
-    return model, tokenizer
+    if key not in _LOADED:
+        model, tokenizer = load_pretrained(real_models.folder(key))
+        _LOADED[key] = model.eval(), tokenizer
+    return _LOADED[key]
 
 
 @pytest.fixture(scope="session", params=REAL_MODELS)
@@ -59,8 +63,8 @@ def real_folder(real_key) -> str:
 
 
 @pytest.fixture(scope="session")
-def real_pristine(real_folder):
-    return _load(real_folder)
+def real_pristine(real_key):
+    return _load(real_key)
 
 
 @pytest.fixture
@@ -77,8 +81,8 @@ def smollm2_folder():
 
 
 @pytest.fixture(scope="session")
-def smollm2_pristine(smollm2_folder):
-    return _load(smollm2_folder)
+def smollm2_pristine():
+    return _load("smollm2")
 
 
 @pytest.fixture
@@ -89,10 +93,5 @@ def smollm2(smollm2_pristine):
 
 
 @pytest.fixture(scope="session")
-def gemma3_folder():
-    return real_models.folder("gemma3")
-
-
-@pytest.fixture(scope="session")
-def gemma3_pristine(gemma3_folder):
-    return _load(gemma3_folder)
+def gemma3_pristine():
+    return _load("gemma3")
