@@ -17,7 +17,9 @@ import warnings
 
 import pytest
 import torch
+from _factories import grpo_trainer
 
+from treadle.demos import toy
 from treadle.engines.local import LocalEngine
 from treadle.generation import SamplingParams, left_pad
 from treadle.generation.turns import sample_turns
@@ -31,25 +33,25 @@ WINDOW, VOCAB, PAD = 8, 96, 0
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36]]
 
 
-def tiny_gemma3(seed: int = 0) -> torch.nn.Module:
+def tiny_gemma3(seed: int = 0, *, vocab: int = VOCAB, window: int = WINDOW, pad: int = PAD) -> torch.nn.Module:
     """Three layers: two sliding (window 8) and one full, as Gemma 3's pattern; tied embeddings scaled by
     sqrt(hidden); initializer_range=0.3 makes the next-token distributions peaked, so greedy has no near-ties."""
     torch.manual_seed(seed)
     config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=3,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        sliding_window=WINDOW,
+        sliding_window=window,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         max_position_embeddings=128,
         initializer_range=0.3,
         bos_token_id=2,
         eos_token_id=1,
-        pad_token_id=PAD,
+        pad_token_id=pad,
         attn_implementation="sdpa",
     )
     return transformers.Gemma3ForCausalLM(config).eval()
@@ -175,3 +177,32 @@ def test_padding_free_and_shared_prefix_forwards_are_the_padded_one(model):
     assert int(attention_mask.sum(1).min()) > WINDOW  # every row crosses the window
     torch.testing.assert_close(packed[real], padded[real], rtol=0, atol=1e-5)
     torch.testing.assert_close(shared.logps[real], padded[real], rtol=0, atol=1e-5)
+
+
+def test_greedy_evaluation_across_the_window_is_generate(tmp_path, tok):
+    """GRPO's evaluation (the own sampler, greedy) on prompts of 6-7 tokens with 6 new ones, a window of 4: the
+    completions of transformers' generate on the same left-padded prompts."""
+    problems = toy.load_task("addition", "test", kind="rl", n=24, seed=0)
+    model = tiny_gemma3(vocab=len(tok), window=4, pad=tok.pad_token_id)
+    seen = {}
+
+    def capture(prompts, completions, **_):
+        seen.update(completions=completions)
+        return {}
+
+    trainer = grpo_trainer(
+        tmp_path,
+        tok,
+        problems,
+        reward=lambda completions, **_: [0.0] * len(completions),
+        model=model,
+        eval_dataset=problems,
+        per_device_eval_batch_size=24,
+        num_generations_eval=1,
+        eval_temperature=0.0,
+        max_completion_length=6,
+        compute_metrics=capture,
+    )
+    trainer.evaluate()
+    expected = toy.greedy_completions(trainer.model, tok, problems["prompt"], batch_size=24, max_new_tokens=6)
+    assert seen["completions"] == expected and len(set(expected)) > 1
