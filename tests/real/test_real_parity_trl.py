@@ -135,7 +135,7 @@ def assert_moved(trainer):
 
 
 # ---- SFT --------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("form", [0, 1])
+@pytest.mark.parametrize("form", [0, 1], ids=["prompt_completion", "messages_or_text"])
 def test_sft_tokens_masks_and_losses_match_trl(tmp_path, real_model, real_key, form):
     """TRL tokenises each chat row whole and takes the completion from where prompt and prompt + completion diverge;
     treadle renders the completion after the prompt (trainers/sft.py, departure 1): the same ids for ChatML. Before
