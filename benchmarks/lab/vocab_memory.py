@@ -12,7 +12,7 @@ Each row gives the largest tensor the LM head returned during the step (a forwar
 in vocabulary slices and never calls the module), the seconds of the step, the process's RSS once the model(s) are
 loaded and its peak (``ru_maxrss``) at the end. The optimizer is SGD, so that the peak is the model, its gradients
 and the step's activations and logits, not an optimizer's moments. Work per step, the same on both paths: SFT 8 text
-rows of about 64 tokens; DPO 4 pairs (8 sequences); KTO 8 rows; GRPO 2 prompts x 4 completions x 32 new tokens
+rows of about 120 tokens; DPO 4 pairs (8 sequences); KTO 8 rows; GRPO 2 prompts x 4 completions x 32 new tokens
 (beta 0); distillation 2 prompts x 4 completions x 32 new tokens, the teacher a second copy of the model.
 """
 
@@ -34,7 +34,7 @@ FACT = "The harbour ledger lists {} barrels of salt, {} crates of tea and {} sac
 
 def text_rows(kind: str, n: int) -> list[dict]:
     prompts = [f"Question: how much cargo came on day {i + 1}?\nAnswer:" for i in range(n)]
-    answers = [" " + FACT.format(12 + i, 7 + 2 * i, 30 + 3 * i) for i in range(n)]
+    answers = [" " + " ".join([FACT.format(12 + i, 7 + 2 * i, 30 + 3 * i)] * 3) for i in range(n)]  # ~110 tokens
     if kind == "sft":
         return [{"prompt": p, "completion": a} for p, a in zip(prompts, answers)]
     if kind == "dpo":
@@ -56,13 +56,13 @@ def build(kind: str, model, tokenizer, out: str):
     common = dict(output_dir=out, max_steps=1, learning_rate=1e-5, optim="sgd", seed=0, save_strategy="no")
     common.update(report_to="none", disable_tqdm=True, logging_steps=1)
     if kind == "sft":
-        args = SFTConfig(**common, per_device_train_batch_size=8, max_length=128)
+        args = SFTConfig(**common, per_device_train_batch_size=8, max_length=256)
         return SFTTrainer(model, args, train_dataset=text_rows(kind, 8), processing_class=tokenizer)
     if kind == "dpo":
-        args = DPOConfig(**common, per_device_train_batch_size=4, max_length=128)
+        args = DPOConfig(**common, per_device_train_batch_size=4, max_length=256)
         return DPOTrainer(model, args=args, train_dataset=text_rows(kind, 4), processing_class=tokenizer)
     if kind == "kto":
-        args = KTOConfig(**common, per_device_train_batch_size=8, max_length=128)
+        args = KTOConfig(**common, per_device_train_batch_size=8, max_length=256)
         return KTOTrainer(model, args=args, train_dataset=text_rows(kind, 8), processing_class=tokenizer)
     online = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=32, temperature=1.0)
     if kind == "grpo":
