@@ -72,6 +72,8 @@ def build(kind: str, model, tokenizer, out: str):
         )
     args = DistillationConfig(**common, **online)
     teacher = copy.deepcopy(model)
+    with torch.no_grad():  # a teacher with other weights (treadle refuses the student's very weights as a teacher)
+        teacher.get_decoder().norm.weight.mul_(0.7)
     return DistillationTrainer(model, teacher, args=args, train_dataset=text_rows(kind, 2), processing_class=tokenizer)
 
 
