@@ -130,6 +130,7 @@ def main(argv=None) -> None:
                     f"{r['peak_rss_mib'] - r['loaded_rss_mib']:.0f}",
                 ]
             )
+            print("row: " + " | ".join(rows[-1]), flush=True)  # each as it comes: a later failure keeps it
     print(f"\n### One step on {opts.model}, {opts.threads} thread(s), SGD: the chunked path against full logits\n")
     header = ["trainer", "path", "largest head output", "step s", "RSS loaded MiB", "peak RSS MiB", "step adds MiB"]
     print(harness.table(header, rows))
