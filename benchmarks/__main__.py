@@ -46,6 +46,7 @@ LAB = [
     "lab.profile",
     "lab.vllm_load",
     "lab.demo_control",
+    "lab.vocab_memory",
 ]
 FULL = {"trainers": ["--twin"]}  # --twin: the table in docs/performance.md
 

@@ -1,6 +1,9 @@
-"""Same rows, same numbers as TRL 1.16 on the real model (SmolLM2-135M-Instruct): what tests/test_parity_trl.py checks
-on the toy model, where the toy cannot reach: a BPE tokenizer, a ChatML template that injects its own system prompt
-and ends a turn with ``<|im_end|>`` and a newline, eos = pad, 30 layers of grouped-query attention, tied embeddings.
+"""Same rows, same numbers as TRL 1.16 on both real models (``real_model``: SmolLM2-135M-Instruct and Gemma 3 270M):
+what tests/test_parity_trl.py checks on the toy model, where the toy cannot reach. SmolLM2: a BPE tokenizer, a ChatML
+template that injects its own system prompt and ends a turn with ``<|im_end|>`` and a newline, eos = pad, 30 layers
+of grouped-query attention, tied embeddings; its rows are chats. Gemma 3: a base model without a chat template, so
+its rows are the same questions and answers as plain text (``Question: ...\nAnswer:`` and `` answer``), a tokenizer
+that adds bos, pad apart from eos, sliding-window attention, a 262k vocabulary (the chunked losses).
 
 Each test builds TRL's trainer and treadle's on copies of the same model, the same rows in the same order, the same
 batch, seed, precision (float32) and optimizer, compares the token ids and loss masks both prepare, then the logs of
@@ -16,8 +19,8 @@ summed log-prob of -10 to -30 to 1.4e-4). A mis-tokenised or mis-masked token mo
 more, and the token checks catch it before any step. DPO's and KTO's rewards are beta x log-ratios, differences of
 two to four such sums: to ``abs=beta * 1e-3``.
 
-The whole file takes about 2 minutes (measured twice: 119-122 s of tests, 134-144 s with the imports, on 2 cores
-under a load of 2-3): six tests, two libraries, two steps each."""
+SmolLM2's half takes about 2 minutes (measured twice: 119-122 s of tests, 134-144 s with the imports, on 2 cores
+under a load of 2-3): six tests, two libraries, two steps each; Gemma's is in docs/models.md."""
 
 import copy
 
@@ -69,6 +72,25 @@ def assistant(text):
 PROMPTS = [user("What is 2+3?"), user("Capital of France?"), user("Name a colour."), user("Say hi.")]
 ANSWERS = [("2+3 is 5.", "It is 6."), ("Paris.", "Rome, I think."), ("Blue.", "Seven."), ("Hi there!", "No.")]
 PAIRS = [{"prompt": [p], "chosen": [assistant(c)], "rejected": [assistant(r)]} for p, (c, r) in zip(PROMPTS, ANSWERS)]
+
+
+def text(chat: list[dict], *, prompt: bool = False) -> str:
+    """A chat's content as a base model's plain text: a question as ``Question: ...\nAnswer:``, an answer after a
+    space."""
+    content = chat[0]["content"]
+    return f"Question: {content}\nAnswer:" if prompt else f" {content}"
+
+
+def as_text(row: dict) -> dict:
+    """A chat row with each field as plain text (the prompt, the completion / chosen / rejected); others kept."""
+    return {k: text(v, prompt=k == "prompt") if isinstance(v, list) else v for k, v in row.items()}
+
+
+def rows_for(tok, rows: list[dict]) -> list[dict]:
+    """The rows as chats for a tokenizer with a chat template, else as plain text."""
+    return rows if tok.chat_template else [as_text(r) for r in rows]
+
+
 SFT_ROWS = {
     "prompt_completion": [{"prompt": r["prompt"], "completion": r["chosen"]} for r in PAIRS],
     # one chat with its own system prompt (the template then injects none) and two assistant turns
@@ -84,7 +106,10 @@ SFT_ROWS = {
         }
     ]
     + [{"messages": r["prompt"] + r["chosen"]} for r in PAIRS[1:]],
+    # a base model's language-modelling rows: the loss on every token
+    "text": [{"text": text(r["prompt"], prompt=True) + text(r["chosen"])} for r in PAIRS],
 }
+SFT_FORMS = {"smollm2": ["prompt_completion", "messages"], "gemma3": ["prompt_completion", "text"]}
 
 
 def assert_same_logs(theirs, ours, keys, *, beta=None):
@@ -110,13 +135,14 @@ def assert_moved(trainer):
 
 
 # ---- SFT --------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("form", ["prompt_completion", "messages"])
-def test_sft_tokens_masks_and_losses_match_trl(tmp_path, smollm2, form):
+@pytest.mark.parametrize("form", [0, 1], ids=["prompt_completion", "messages_or_text"])
+def test_sft_tokens_masks_and_losses_match_trl(tmp_path, real_model, real_key, form):
     """TRL tokenises each chat row whole and takes the completion from where prompt and prompt + completion diverge;
     treadle renders the completion after the prompt (trainers/sft.py, departure 1): the same ids for ChatML. Before
     adf409a treadle appended a second <|im_end|> after the template's ``<|im_end|>\\n`` (step 1: 0.637, TRL 0.678)."""
-    model, tok = smollm2
-    rows = SFT_ROWS[form]
+    model, tok = real_model
+    form = SFT_FORMS[real_key][form]
+    rows = rows_for(tok, SFT_ROWS[form])
     args = dict(STEPS, max_length=128)
     theirs = trl.SFTTrainer(
         model=copy.deepcopy(model),
@@ -132,8 +158,12 @@ def test_sft_tokens_masks_and_losses_match_trl(tmp_path, smollm2, form):
         assert b["input_ids"] == a["input_ids"], tok.decode(a["input_ids"])
         labels = [t if keep else -100 for t, keep in zip(b["input_ids"], b["completion_mask"])]
         assert labels == a["labels"], tok.decode(a["input_ids"])
-        assert tok.decode(b["input_ids"][-3:]) in (".<|im_end|>\n", "!<|im_end|>\n")  # the turn's end, no eos after
-        prompt_masked = form == "prompt_completion"  # messages rows: the loss on every token, as TRL
+        if tok.chat_template:
+            assert tok.decode(b["input_ids"][-3:]) in (".<|im_end|>\n", "!<|im_end|>\n")  # the turn's end, no eos
+        else:  # bos first, eos last, once each
+            assert b["input_ids"][0] == tok.bos_token_id and b["input_ids"][-1] == tok.eos_token_id
+            assert b["input_ids"].count(tok.eos_token_id) == b["input_ids"].count(tok.bos_token_id) == 1
+        prompt_masked = form == "prompt_completion"  # messages and text rows: the loss on every token, as TRL
         assert (0 in b["completion_mask"]) is prompt_masked
     theirs.train()
     ours.train()
@@ -155,16 +185,17 @@ DPO_METRICS = [
 ]
 
 
-def test_dpo_tokens_loss_and_logps_match_trl(tmp_path, smollm2):
+def test_dpo_tokens_loss_and_logps_match_trl(tmp_path, real_model):
     """Step 1 (policy = reference): the log-probs of chosen and rejected; step 2: the loss and the log-probs after one
     update. max_prompt_length=None: treadle's own prompt cap, which TRL 1.16 has not (dpo.py, departure 4)."""
-    model, tok = smollm2
+    model, tok = real_model
+    pairs = rows_for(tok, PAIRS)
     args = dict(STEPS, beta=0.1, max_length=128)
     theirs = trl.DPOTrainer(
         model=copy.deepcopy(model),
         ref_model=copy.deepcopy(model),
         processing_class=tok,
-        train_dataset=Dataset.from_list(PAIRS),
+        train_dataset=Dataset.from_list(pairs),
         args=trl.DPOConfig(
             output_dir=str(tmp_path / "trl"),
             train_sampling_strategy="sequential",
@@ -176,7 +207,7 @@ def test_dpo_tokens_loss_and_logps_match_trl(tmp_path, smollm2):
     ours = in_order(treadle.DPOTrainer)(
         model,
         args=treadle.DPOConfig(output_dir=str(tmp_path / "t"), max_prompt_length=None, **args),
-        train_dataset=PAIRS,
+        train_dataset=pairs,
         processing_class=tok,
     )
     for a, b in zip(theirs.train_dataset, ours.train_dataset, strict=True):
@@ -209,22 +240,23 @@ KTO_METRICS = [
 ]
 
 
-def test_kto_tokens_and_loss_match_trl(tmp_path, smollm2):
+def test_kto_tokens_and_loss_match_trl(tmp_path, real_model):
     """TRL 1.16 has KTOTrainer at the top level (trl.KTOTrainer). Both trainers read the rows in order, so each batch's
     KL completions are its own completions rotated by one (kto.py, departure 3)."""
-    model, tok = smollm2
+    model, tok = real_model
+    kto_rows = rows_for(tok, KTO_ROWS)
     args = dict(STEPS, beta=0.5, max_length=128, desirable_weight=1.4, undesirable_weight=0.6)
     theirs = trl.KTOTrainer(
         model=copy.deepcopy(model),
         ref_model=copy.deepcopy(model),
         processing_class=tok,
-        train_dataset=Dataset.from_list(KTO_ROWS),
+        train_dataset=Dataset.from_list(kto_rows),
         args=trl.KTOConfig(output_dir=str(tmp_path / "trl"), train_sampling_strategy="sequential", **TRL_ONLY, **args),
     )
     ours = in_order(treadle.KTOTrainer)(
         model,
         args=treadle.KTOConfig(output_dir=str(tmp_path / "t"), **args),
-        train_dataset=KTO_ROWS,
+        train_dataset=kto_rows,
         processing_class=tok,
     )
     for a, b in zip(theirs.train_dataset, ours.train_dataset, strict=True):
@@ -269,20 +301,22 @@ GRPO_METRICS = [
 ]
 
 
-def test_grpo_loss_matches_trl_on_fixed_completions(tmp_path, smollm2, monkeypatch):
+def test_grpo_loss_matches_trl_on_fixed_completions(tmp_path, real_model, monkeypatch):
     """Neither trainer samples: both train on the same four completions of one chat prompt (treadle: a ``generate``
     override; TRL: a ``rollout_func`` that renders the prompt with the chat template). One generation, used twice
     (num_iterations=2): step 1 on-policy, step 2 with the importance ratio and the KL to the reference after a step.
     Step 1's dapo loss is -sum(A_i L_i) / sum(L_i) (ratio 1, KL 0): it holds the completion masks and the rewards;
     entropy holds the logits."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    model, tok = smollm2
+    model, tok = real_model
     fixed = grpo_completions(tok)
-    prompt = [user("What is 2+3?")]
+    prompt = [user("What is 2+3?")] if tok.chat_template else text([user("What is 2+3?")], prompt=True)
     rows = Dataset.from_list([{"prompt": prompt}] * 4)  # one prompt: the order of the rows cannot matter
 
-    def render(messages):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def render(prompt):
+        if isinstance(prompt, str):  # plain text: the tokenizer's own special tokens (Gemma's bos)
+            return tok(prompt)["input_ids"]
+        text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
 
     args = dict(
@@ -329,19 +363,20 @@ def test_grpo_loss_matches_trl_on_fixed_completions(tmp_path, smollm2, monkeypat
 
 
 # ---- reward model -----------------------------------------------------------------------------------------------
-def test_reward_model_tokens_and_loss_match_trl(tmp_path, smollm2_folder, smollm2_pristine):
+def test_reward_model_tokens_and_loss_match_trl(tmp_path, real_folder, real_pristine):
     """A one-label sequence classifier on the real model (a fresh score head, seeded), read at each row's last token
-    that is not the pad: the newline after the final <|im_end|> in both libraries' rows."""
-    _, tok = smollm2_pristine
+    that is not the pad: the newline after the final <|im_end|> in both libraries' chat rows, eos in text rows."""
+    _, tok = real_pristine
+    pairs = rows_for(tok, PAIRS)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = AutoModelForSequenceClassification.from_pretrained(smollm2_folder, num_labels=1)
-    assert model.config.pad_token_id == tok.pad_token_id == tok.eos_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(real_folder, num_labels=1)
+    assert model.config.pad_token_id == tok.pad_token_id
     args = dict(STEPS, max_length=128)
     theirs = trl.RewardTrainer(
         model=copy.deepcopy(model),
         processing_class=tok,
-        train_dataset=Dataset.from_list(PAIRS),
+        train_dataset=Dataset.from_list(pairs),
         args=trl.RewardConfig(
             output_dir=str(tmp_path / "trl"), train_sampling_strategy="sequential", **TRL_ONLY, **args
         ),
@@ -349,7 +384,7 @@ def test_reward_model_tokens_and_loss_match_trl(tmp_path, smollm2_folder, smollm
     ours = in_order(treadle.RewardTrainer)(
         model,
         args=treadle.RewardConfig(output_dir=str(tmp_path / "t"), **args),
-        train_dataset=PAIRS,
+        train_dataset=pairs,
         processing_class=tok,
     )
     # TRL tokenises prompt + response as one chat, treadle the response after the prompt (reward.py, departure 2)

@@ -27,7 +27,7 @@ import re
 import time
 from pathlib import Path
 
-from treadle.demos import smollm2
+from treadle.demos import real_models, smollm2
 from treadle.demos.addition import ACCURACY, results_table, start_demo, write_results
 from treadle.models import load_pretrained
 from treadle.record.plots import print_plots
@@ -129,6 +129,7 @@ def real_trainer(settings: RealDemoSettings, output_dir: Path) -> GRPOTrainer:
 def run_real_demo(settings: RealDemoSettings, output_dir: str | None = None) -> int:
     """GRPO of SmolLM2-135M-Instruct on addition chats; print the held-out greedy accuracy before and after."""
     title = "treadle demo: GRPO of SmolLM2-135M-Instruct on 2-digit addition chats"
+    real_models.check_available("smollm2")  # a missing wheel is one line, before the run folder is claimed
     out, start = start_demo("smollm2", output_dir, title, one_thread=False)  # its matmuls pay for every core
     trainer = real_trainer(settings, out / "grpo")
     curve = [(0, trainer.evaluate()[ACCURACY])]

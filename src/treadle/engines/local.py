@@ -10,6 +10,8 @@ the fast path cannot run under "auto", re-prefill the whole transcript each turn
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from treadle.engines.base import RolloutEngine
@@ -57,9 +59,13 @@ class LocalEngine(RolloutEngine):
             if self.backend != "hf":
                 try:
                     return sample_turns(self.model, prompt_ids, respond, params, generator=generator)
-                except ValueError:  # raised before any turn when the fast path cannot run this model
+                except ValueError as error:  # raised before any turn when the fast path cannot run this model
                     if self.backend == "fast":
                         raise
+                    warnings.warn(  # never silently slower: say why (e.g. sliding-window layers, Gemma 3)
+                        f"multi-turn sampling re-prefills each turn for {type(self.model).__name__}: {error}",
+                        stacklevel=2,
+                    )
             return reprefill_turns(self.model, prompt_ids, respond, params, generator=generator, backend=self.backend)
 
     def load_weights(self, model, version: int | None = None) -> None:
