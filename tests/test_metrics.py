@@ -9,7 +9,9 @@ from _factories import dpo_trainer, reward_trainer
 
 from treadle import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer, TrainerCallback
 from treadle.demos import toy
-from treadle.metrics import MetricWindow, record_num_tokens, training_logs
+from treadle.errors import NonFiniteLossError, resuming_as
+from treadle.metrics import MetricWindow, check_logged_loss, record_num_tokens, training_logs
+from treadle.record.commands import DEMO_RESUME_HINT
 from treadle.state import TrainerState
 from treadle.trainers.kto import KTOConfig, KTOTrainer
 
@@ -170,3 +172,12 @@ def test_num_tokens_counts_every_attention_mask_token_trained_on(tmp_path, kind)
     logged = [h["num_tokens"] for h in trainer.state.log_history if "loss" in h]
     assert len(logged) == 2 and logged[1] == sum(per_row) == trainer.state.num_tokens
     assert logged[0] in {sum(rows) for rows in itertools.combinations(per_row, 4)}
+
+
+def test_a_nan_loss_names_how_this_program_resumes_a_demo_none():
+    state = TrainerState(global_step=3)
+    with pytest.raises(NonFiniteLossError, match=r"resume_from_checkpoint=True"):
+        check_logged_loss({"loss": float("nan")}, state)
+    with resuming_as(DEMO_RESUME_HINT), pytest.raises(NonFiniteLossError) as caught:
+        check_logged_loss({"loss": float("nan")}, state)
+    assert "run `treadle demo` again" in str(caught.value) and "--resume" not in str(caught.value)

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 
 from treadle import distributed as dist
-from treadle.errors import NonFiniteLossError, NothingTrainedError
+from treadle.errors import NonFiniteLossError, NothingTrainedError, resume_hint
 
 Number = float | int | torch.Tensor
 
@@ -267,11 +267,12 @@ def speed_metrics(start_time: float, steps: int, samples: int, state) -> dict[st
 # ---------------------------------------------------------------------------------------------------------
 # A loss that is not a number
 # ---------------------------------------------------------------------------------------------------------
-NONFINITE_FIX = (
-    "lower learning_rate, keep max_grad_norm > 0 (clipping), check the data (e.g. rows with no "
-    "loss token), or set skip_nonfinite_steps: N to skip up to N such steps; a checkpoint from before "
-    "it can be resumed (treadle train CONFIG --resume PATH)"
-)
+def nonfinite_fix() -> str:
+    """What to do about a loss that is not a number; how to resume is ``resume_hint()``'s (a demo is not resumed)."""
+    return (
+        "lower learning_rate, keep max_grad_norm > 0 (clipping), check the data (e.g. rows with no loss token), or "
+        f"set skip_nonfinite_steps: N to skip up to N such steps; from a checkpoint before it: {resume_hint()}"
+    )
 
 
 def check_logged_loss(logs: dict[str, float], state) -> None:
@@ -286,7 +287,7 @@ def check_logged_loss(logs: dict[str, float], state) -> None:
     first = logged[-1] + 1 if logged else 1
     steps = f"step {state.global_step}" if first >= state.global_step else f"steps {first}-{state.global_step}"
     raise NonFiniteLossError(
-        f"the training loss became {loss} ({steps}); the run stopped without saving after it; {NONFINITE_FIX}"
+        f"the training loss became {loss} ({steps}); the run stopped without saving after it; {nonfinite_fix()}"
     )
 
 
@@ -307,7 +308,7 @@ def skip_nonfinite_step(step_loss: torch.Tensor, state, args) -> bool:
         raise NonFiniteLossError(
             f"the training loss was NaN or infinite at step {step}: "
             f"{state.nonfinite_steps_skipped} such steps, more than skip_nonfinite_steps="
-            f"{args.skip_nonfinite_steps} allows; {NONFINITE_FIX}"
+            f"{args.skip_nonfinite_steps} allows; {nonfinite_fix()}"
         )
     if dist.is_main_process():
         print(

@@ -54,7 +54,7 @@ from treadle.engines.vllm_client import vllm_server_engine
 from treadle.errors import NonFiniteLossError, PreflightError
 from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import GenerationOutput, distinct_prompts
-from treadle.metrics import NONFINITE_FIX, means_of
+from treadle.metrics import means_of, nonfinite_fix
 from treadle.models import from_name, max_positions
 from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, score_completions
 from treadle.rollouts.runner import RolloutRunner
@@ -314,7 +314,7 @@ class OnPolicyTrainer(Trainer):
         if not bool(torch.isfinite(loss)):
             raise NonFiniteLossError(
                 f"the training loss became {float(loss)} at step {self.state.global_step + 1}, before its optimizer "
-                f"step (the weights are unchanged); {NONFINITE_FIX}"
+                f"step (the weights are unchanged); {nonfinite_fix()}"
             )
 
     def generate_and_score(self, rows: list[dict], generation: int) -> list[Sample]:
