@@ -17,14 +17,16 @@ import sys
 import pytest
 
 MiB = 2**20
+PROBE_INFO = """
+FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(name, ctypes.c_size_t) for name in FIELDS]
+"""
 PROBE = """
 import ctypes, json
 {setup}
 libc = ctypes.CDLL("libc.so.6")
-FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
-class Info(ctypes.Structure):  # glibc's struct mallinfo2
-    _fields_ = [(name, ctypes.c_size_t) for name in FIELDS]
-libc.mallinfo2.restype = Info
+{info}libc.mallinfo2.restype = Info
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 size = 64 << 20
 before = libc.mallinfo2()
@@ -43,7 +45,7 @@ def probe(setup: str, **env: str) -> dict:
     """Where a 64 MiB block came from and went (bytes: ``mapped`` afresh, ``kept`` free in the heap after it was
     freed), in a new process that first runs ``setup``; ``env`` adds to a clean environment. Its stderr too."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("TREADLE_KEEP", "MALLOC_", "GLIBC_TUNABLES"))}
-    code = PROBE.format(setup=setup)
+    code = PROBE.format(setup=setup, info=PROBE_INFO)
     out = subprocess.run(
         [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, check=True
     )
@@ -81,23 +83,48 @@ def test_a_users_own_malloc_settings_win_with_one_line(name, value):
 
 
 TRAIN = """
-from treadle import Trainer, TrainingArguments
+from treadle import Trainer, TrainerCallback, TrainingArguments
 from treadle.demos import toy
+
+class During(TrainerCallback):  # the same probe inside the run, at its step's end
+    def on_step_end(self, args, state, control, **kwargs):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        libc.mallinfo2.restype = Info
+        before = libc.mallinfo2()
+        block = libc.malloc(64 << 20)
+        mapped = libc.mallinfo2().hblkhd - before.hblkhd
+        libc.free(block)
+        open({during!r}, "w").write(json.dumps({{"mapped": mapped}}))
+
 tok = toy.build_tokenizer()
 rows = [{{"input_ids": ids, "labels": ids}} for ids in (tok.encode("12+34=46"),) * 8]
 args = TrainingArguments(output_dir={out!r}, max_steps=1, per_device_train_batch_size=4, save_strategy="no",
                          disable_tqdm=True, keep_freed_memory={keep})
-Trainer(toy.build_model("tiny", seed=0, tokenizer=tok), args, train_dataset=rows, processing_class=tok).train()
+trainer = Trainer(toy.build_model("tiny", seed=0, tokenizer=tok), args, train_dataset=rows, processing_class=tok)
+trainer.add_callback(During())
+trainer.train()
 """
 
 
 @pytest.mark.parametrize("keep", [True, False])
-def test_train_keeps_freed_memory_on_cpu_unless_told_not_to(tmp_path, keep):
-    block = probe(TRAIN.format(out=str(tmp_path / "run"), keep=keep))
-    if keep:
-        assert block["mapped"] == 0 and block["kept"] > 63 * MiB
-    else:
-        assert block["mapped"] >= 64 * MiB and block["kept"] < MiB
+def test_train_keeps_freed_memory_on_cpu_for_its_run_only_unless_told_not_to(tmp_path, keep):
+    """Inside the run a large block comes from the heap (kept) unless told not to; once train() returns, the
+    program around it has glibc's defaults again: the block is mapped afresh and handed back."""
+    during = tmp_path / "during.json"
+    setup = (
+        "import ctypes, json\n" + PROBE_INFO + TRAIN.format(out=str(tmp_path / "run"), keep=keep, during=str(during))
+    )
+    block = probe(setup)
+    assert (json.loads(during.read_text())["mapped"] == 0) is keep
+    assert block["mapped"] >= 64 * MiB and block["kept"] < MiB
+
+
+def test_train_leaves_the_owners_kept_memory_kept(tmp_path):
+    block = probe(
+        KEEP + "\n" + PROBE_INFO + TRAIN.format(out=str(tmp_path / "run"), keep=True, during=str(tmp_path / "d"))
+    )
+    assert block["mapped"] == 0 and block["kept"] > 63 * MiB  # the process's owner asked: train() leaves it so
 
 
 def test_the_treadle_command_keeps_freed_memory_for_train_as_its_config_says(tmp_path, monkeypatch):

@@ -10,7 +10,9 @@ Who calls it (``import treadle`` never does):
 
 - the ``treadle`` command, for the process it owns, before ``train`` and ``demo``;
 - ``Trainer.train`` on a CPU while ``TrainingArguments.keep_freed_memory`` is True (the default; transformers'
-  Trainer leaves the allocator alone: docs/coming-from-transformers-and-trl.md lists the departure);
+  Trainer leaves the allocator alone: docs/coming-from-transformers-and-trl.md lists the departure), for the run
+  only (:func:`freed_memory_kept`): when ``train()`` returns, glibc's defaults are back and what it kept is handed
+  back (``malloc_trim``), so the program around it keeps nothing;
 - anyone, explicitly: ``treadle.allocator.keep_freed_memory()``.
 
 It stands aside, returning False, where glibc is not the allocator, where ``TREADLE_KEEP_FREED_MEMORY`` says no
@@ -20,18 +22,21 @@ It stands aside, returning False, where glibc is not the allocator, where ``TREA
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
 
-__all__ = ["ENV", "keep_freed_memory", "users_settings"]
+__all__ = ["ENV", "freed_memory_kept", "keep_freed_memory", "users_settings"]
 
 ENV = "TREADLE_KEEP_FREED_MEMORY"
 OFF = ("0", "false", "no", "off")
 # glibc's own malloc settings (mallopt(3)): a process started with any of them chose its allocator itself
 GLIBC_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+GLIBC_DEFAULTS = {M_MMAP_MAX: 65536, M_TRIM_THRESHOLD: 128 * 1024}  # mallopt(3)'s defaults for the two
 
+_said: list[bool] = []  # the user's settings were named on stderr
 _kept: bool | None = None  # this process's answer, once asked: mallopt's settings last as long as the process
 
 
@@ -52,11 +57,33 @@ def keep_freed_memory() -> bool:
     return _kept
 
 
+@contextlib.contextmanager
+def freed_memory_kept():
+    """Keep freed memory inside the block (``Trainer.train``'s run), then put glibc's defaults back and hand what
+    was kept back to the system. Where the process's owner kept it already (:func:`keep_freed_memory`), its setting
+    stands, before and after. Yields whether memory is kept inside."""
+    if _kept:
+        yield True
+        return
+    kept = _apply()
+    try:
+        yield kept
+    finally:
+        if kept:
+            libc = ctypes.CDLL("libc.so.6")
+            for option, value in GLIBC_DEFAULTS.items():
+                libc.mallopt(option, value)
+            libc.malloc_trim(0)
+
+
 def _apply() -> bool:
     if os.environ.get(ENV, "1").strip().lower() in OFF or not sys.platform.startswith("linux"):
         return False
     theirs = users_settings()
     if theirs:
+        if _said:
+            return False
+        _said.append(True)  # one line a process, however many runs ask
         print(
             f"treadle: {', '.join(theirs)} set: glibc's allocator keeps your settings, not treadle's kept freed "
             f"memory ({ENV}=0 silences this)",

@@ -136,7 +136,7 @@ class TrainingArguments:
     torch_compile: bool = False  # compile each transformer block (torch.compile) before training; docs/performance.md
     torch_compile_backend: str | None = None  # torch.compile's backend; setting it sets torch_compile ("inductor")
     torch_compile_mode: str | None = None  # torch.compile's mode ("reduce-overhead", ...); sets torch_compile
-    keep_freed_memory: bool = True  # on CPU, train() has glibc keep freed memory for the next step (treadle.allocator)
+    keep_freed_memory: bool = True  # on CPU, train() has glibc keep freed memory during the run (treadle.allocator)
 
     # --- data
     remove_unused_columns: bool = True  # drop dataset columns that the model's forward does not take

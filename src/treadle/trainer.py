@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from treadle import checkpoint as ckpt, compilation, data, distributed as dist, models, peft as treadle_peft, resume
-from treadle.allocator import keep_freed_memory
+from treadle.allocator import freed_memory_kept
 from treadle.arguments import TrainingArguments, check_config
 from treadle.callbacks import CallbackHandler, FlowCallback, MetricsFileCallback, PreemptionCallback, RunInfoCallback
 from treadle.console import PrinterCallback, ProgressCallback, RunSummaryCallback, watched_keys
@@ -298,14 +298,14 @@ class Trainer(Evaluation):
         resume_path = resume.resolve(resume_from_checkpoint, args.output_dir, args.ignore_checkpoint_fingerprints)
         auto, main, resumed = resume_from_checkpoint == resume.AUTO, dist.is_main_process(), resume_path is not None
         compilation.check_settings(args)  # torch_compile's backend, mode and compiler, before the folder is claimed
+        keep = args.keep_freed_memory and args.device.type == "cpu"  # for the run only (a departure: allocator.py)
         with runs.claim_run_folder(args, resume=resumed, model=self.model, main_process=main, auto=auto):
-            return self._train(resume_path)
+            with freed_memory_kept() if keep else contextlib.nullcontext():
+                return self._train(resume_path)
 
     def _train(self, resume_path: str | None) -> TrainOutput:
         args = self.args
         dist.init_distributed(args.device, args.ddp_timeout)
-        if args.keep_freed_memory and args.device.type == "cpu":  # the process's allocator (a departure: allocator.py)
-            keep_freed_memory()
         ckpt.set_seed(args.seed)
         data.require_eval_dataset(args, self.eval_dataset)
         if args.gradient_checkpointing:
