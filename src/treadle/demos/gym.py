@@ -34,10 +34,11 @@ from pathlib import Path
 from treadle import tasks
 from treadle.demos import smollm2
 from treadle.demos.addition import sft_warm_start, start_demo
+from treadle.demos.real import demo_grpo_config
 from treadle.models import load_pretrained
 from treadle.record.plots import print_plots
 from treadle.text import eos_ids
-from treadle.trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from treadle.trainers.grpo.trainer import GRPOTrainer
 from treadle.trainers.sft import SFTTrainer
 
 # chosen from the base model's scores (docs/tasks.md): lenient between about 5% and 60%, before any training
@@ -136,27 +137,13 @@ def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, h
     import datasets  # ~1 s to import
 
     rewards = [tasks.reasoning_gym_score, tasks.answer_format, tasks.reasoning_gym_lenient, tasks.answer_tag]
-    args = GRPOConfig(
-        output_dir=str(output_dir),
-        seed=settings.seed,
-        max_steps=settings.grpo_steps,
-        learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant",
-        per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
-        num_generations=settings.num_generations,
-        max_completion_length=settings.max_completion_length,
+    args = demo_grpo_config(
+        settings,
+        output_dir,
         max_prompt_length=None,
-        temperature=settings.temperature,
         reward_weights=[1.0, settings.format_weight, 0.0, 0.0],  # lenient and the tag rate are only recorded
-        logging_steps=5,
-        save_strategy="no",
-        log_completions=True,
-        eval_strategy="steps",
-        eval_steps=settings.eval_every,
         eval_temperature=0.0,  # greedy
-        num_generations_eval=1,
         per_device_eval_batch_size=50,
-        disable_tqdm=True,
     )
     return GRPOTrainer(
         model,

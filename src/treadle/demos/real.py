@@ -93,10 +93,12 @@ def last_number_is_sum(completions, answer, **_) -> list[float]:
     return rewards
 
 
-def real_trainer(settings: RealDemoSettings, output_dir: Path) -> GRPOTrainer:
-    """The demo's GRPOTrainer: the pretrained model, the training chats of the seed, the held-out chats to score."""
-    model, tokenizer = load_pretrained(smollm2.folder())
-    args = GRPOConfig(
+def demo_grpo_config(settings, output_dir: Path, **keys) -> GRPOConfig:
+    """A real-model demo's GRPOConfig from its settings (seed, grpo_steps, learning_rate, prompts_per_step,
+    num_generations, max_completion_length, temperature, eval_every): a constant learning rate, logs every 5 steps,
+    completions logged, held-out scores every ``eval_every`` steps, nothing saved but the final model; ``keys`` add
+    the demo's own."""
+    return GRPOConfig(
         output_dir=str(output_dir),
         seed=settings.seed,
         max_steps=settings.grpo_steps,
@@ -111,11 +113,16 @@ def real_trainer(settings: RealDemoSettings, output_dir: Path) -> GRPOTrainer:
         log_completions=True,
         eval_strategy="steps",
         eval_steps=settings.eval_every,
-        eval_greedy=True,
         num_generations_eval=1,
-        per_device_eval_batch_size=100,
         disable_tqdm=True,
+        **keys,
     )
+
+
+def real_trainer(settings: RealDemoSettings, output_dir: Path) -> GRPOTrainer:
+    """The demo's GRPOTrainer: the pretrained model, the training chats of the seed, the held-out chats to score."""
+    model, tokenizer = load_pretrained(smollm2.folder())
+    args = demo_grpo_config(settings, output_dir, eval_greedy=True, per_device_eval_batch_size=100)
     return GRPOTrainer(
         model,
         reward_funcs=last_number_is_sum,
