@@ -16,7 +16,18 @@ The rows (``--real-rows``; every one prints its settings, dtype and device):
   apart; skipped, with the reason, without vLLM.
 - ``grpo``: ``GRPOTrainer`` steps, 8 prompts x G 8 x 64 new tokens (smoke 2 x 2 x 8), end tokens suppressed, no
   reference model (beta 0), loss_type dapo, the own sampler; one untimed step then 3 (smoke 1); seconds per step,
-  split into sampling and scoring (``prepare_window``) and the rest (forward, backward, optimizer).
+  split into sampling and scoring (``prepare_window``, its share of the step: ``sampling_share``) and the rest
+  (forward, backward, optimizer).
+- ``static``, ``grpo-static``: ``own`` and ``grpo`` with ``cache_implementation="static"`` (the static decode step,
+  generation/static.py: CUDA graphs through ``torch.compile(mode="reduce-overhead")`` on a GPU, eager on CPU); the
+  untimed first round or step pays the capture (``first_s``), ``captures`` counts the compiled buckets.
+- ``hf-static``: ``hf`` with ``cache_implementation="static"`` (transformers compiles its own static-cache step).
+- ``own-0.5b``, ``static-0.5b``, ``hf-0.5b``: ``own``, ``static``, ``hf`` on a Qwen2.5-0.5B-like Llama built in code
+  (``HALF_B``: 24 layers, hidden 896, 14 heads / 2 KV heads, vocabulary 151,936, tied embeddings; 494M parameters;
+  random weights; smoke: cut to 2 layers and hidden 64), where the GPU's work per token is larger.
+
+``--real-rows capture`` runs the captured-decode set (own, hf, static, grpo, grpo-static and the 0.5B rows): the one
+command for a lent GPU is in docs/performance.md.
 
 Sampler tokens/s count the sampled tokens; GFLOP/s is 2 x N per sampled token, GRPO's that of ``benchmarks.real``
 (``flops_per_step``). Each row runs under ``--row-timeout`` seconds (SIGALRM): a row that runs out is reported and the
@@ -43,8 +54,35 @@ from treadle.demos.real import last_number_is_sum  # benchmarks.real's GRPO rewa
 from treadle.engines.local import LocalEngine
 from treadle.engines.vllm import require_vllm
 from treadle.generation.sampling import SamplingParams
+from treadle.generation.static import DecodeSettings, static_decoder
 
-ROWS = ("own", "hf", "vllm-colocate", "vllm-server", "grpo")
+ROWS = (
+    "own",
+    "hf",
+    "static",
+    "hf-static",
+    "vllm-colocate",
+    "vllm-server",
+    "grpo",
+    "grpo-static",
+    "own-0.5b",
+    "static-0.5b",
+    "hf-0.5b",
+)
+DEFAULT_ROWS = ("own", "hf", "vllm-colocate", "vllm-server", "grpo")
+CAPTURE_ROWS = ("own", "hf", "static", "grpo", "grpo-static", "own-0.5b", "static-0.5b", "hf-0.5b")
+# Qwen2.5-0.5B's sizes as a Llama (no q/k/v bias): 24 x 14.9M + 151936 x 896 (tied) = 494M parameters
+HALF_B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+HALF_B_SMOKE = dict(HALF_B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "data" / "smollm2-config")
 SIZES = {  # (prompts, completions per prompt, new tokens), (timed rounds or steps)
     "sampler": {"gpu": ((64, 8, 128), 3), "smoke": ((2, 2, 8), 1)},
@@ -58,7 +96,11 @@ class RowTimeout(BaseException):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--real-rows", default=",".join(ROWS), help=f"mode real's rows: {', '.join(ROWS)}")
+    parser.add_argument(
+        "--real-rows",
+        default=",".join(DEFAULT_ROWS),
+        help=f"mode real's rows: {', '.join(ROWS)}; 'capture': {', '.join(CAPTURE_ROWS)}",
+    )
     parser.add_argument("--real-model", default=DEFAULT_MODEL, help="folder with config.json and the tokenizer")
     parser.add_argument("--real-weights", default="random", choices=["random", "file"], help="random or DIR's")
     parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds one real row may take")
@@ -66,6 +108,8 @@ def add_arguments(parser) -> None:
 
 def check_arguments(args, parser) -> None:
     args.real_rows = [r.strip() for r in args.real_rows.split(",") if r.strip()]
+    if "capture" in args.real_rows:
+        args.real_rows = [r for r in args.real_rows if r != "capture"] + list(CAPTURE_ROWS)
     unknown = set(args.real_rows) - set(ROWS)
     if unknown:
         parser.error(f"unknown --real-rows {sorted(unknown)}; use {', '.join(ROWS)}")
@@ -129,11 +173,19 @@ def scale(opts) -> str:
     return "smoke" if opts.cpu_smoke else "gpu"
 
 
-def load_model(opts, device: torch.device, dtype: torch.dtype):
-    """(model, tokenizer, description) of ``--real-model`` on ``device`` in ``dtype``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_model(opts, device: torch.device, dtype: torch.dtype, half_b: bool = False):
+    """(model, tokenizer, description) of ``--real-model`` on ``device`` in ``dtype``; ``half_b``: the
+    Qwen2.5-0.5B-like Llama (``HALF_B``, random weights) with ``--real-model``'s tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(opts.real_model)
+    if half_b:
+        sizes = HALF_B_SMOKE if opts.cpu_smoke else HALF_B
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**sizes, attn_implementation="sdpa"), dtype=dtype)
+        cut = " (smoke: 2 layers, hidden 64)" if opts.cpu_smoke else ""
+        return model.eval(), tokenizer, f"Qwen2.5-0.5B-like Llama built in code, random weights (seed 0){cut}"
     if opts.real_weights == "file":
         model = AutoModelForCausalLM.from_pretrained(opts.real_model, dtype=dtype).to(device)
         return model.eval(), tokenizer, f"{opts.real_model} (its weights)"
@@ -166,7 +218,7 @@ def sampler_row(name: str, opts, device: torch.device) -> dict:
     if name.startswith("vllm"):
         require_vllm()  # ImportError: the row is skipped with its reason, before a model is built for nothing
     dtype = torch.float32 if opts.cpu_smoke else torch.bfloat16
-    model, tokenizer, source = load_model(opts, device, dtype)
+    model, tokenizer, source = load_model(opts, device, dtype, half_b=name.endswith("-0.5b"))
     (prompts_, group, tokens), rounds = SIZES["sampler"][scale(opts)]
     prompts = chat_prompts(tokenizer, prompts_)
     params = SamplingParams(
@@ -179,12 +231,16 @@ def sampler_row(name: str, opts, device: torch.device) -> dict:
     finally:
         close_engine(engine)
     sampled = prompts_ * group * tokens
+    first, times = times[0], times[1:]
     median = statistics.median(times)
+    if "static" in name and name != "hf-static":
+        row["captures"] = static_decoder(model, "auto", device).captures
     return {
         **row,
         "settings": f"{prompts_} chat prompts x {group} x {tokens} new tokens, temperature 1, EOS ignored; "
         f"1 untimed round, median of {rounds}",
         "seconds": round(median, 3),
+        "first_s": round(first, 3),
         "rounds_s": [round(t, 3) for t in times],
         "tokens_per_s": round(sampled / median, 1),
         "gflop_per_s": round(2 * row["params_m"] * 1e6 * sampled / median / 1e9, 1),
@@ -193,9 +249,12 @@ def sampler_row(name: str, opts, device: torch.device) -> dict:
 
 def start_engine(name: str, model, opts, device: torch.device, row: dict):
     """(engine, the device of its sampling generator); vLLM's start-up and first sync go into ``row``."""
-    if name in ("own", "hf"):
-        row["engine"] = f"LocalEngine backend {'fast' if name == 'own' else 'hf'}"
-        return LocalEngine(model, backend="fast" if name == "own" else "hf"), device
+    if not name.startswith("vllm"):
+        backend = "hf" if name.startswith("hf") else "fast"
+        decode = DecodeSettings("static" if "static" in name else None)
+        static = ", cache_implementation static" if decode.static else ""
+        row["engine"] = f"LocalEngine backend {backend}{static}"
+        return LocalEngine(model, backend=backend, decode=decode), device
     if name == "vllm-colocate":
         engine, started, synced = start_vllm(model)
         process = None
@@ -224,7 +283,8 @@ def close_engine(engine) -> None:
 
 
 def timed_generation(engine, prompts, params, device, generator_device, rounds: int) -> list[float]:
-    """Seconds of ``rounds`` generations after an untimed one, each checked to have sampled every token."""
+    """Seconds of an untimed generation (the first: allocation, a capture) then ``rounds`` timed ones, each checked
+    to have sampled every token."""
     times = []
     for round_ in range(rounds + 1):
         generator = torch.Generator(device=generator_device).manual_seed(round_)
@@ -232,8 +292,7 @@ def timed_generation(engine, prompts, params, device, generator_device, rounds: 
         start = time.perf_counter()
         out = engine.generate(prompts, params, generator=generator)
         sync(device)
-        if round_:
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
         assert int(out.completion_mask.sum()) == len(prompts) * params.num_generations * params.max_new_tokens
     return times
 
@@ -250,7 +309,8 @@ def grpo_row(name: str, opts, device: torch.device) -> dict:
             ends.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as output_dir:
-        args = GRPOConfig(**grpo_settings(output_dir, prompts_, group, tokens, timed, tokenizer, device))
+        settings = grpo_settings(output_dir, prompts_, group, tokens, timed, tokenizer, device)
+        args = GRPOConfig(**settings, cache_implementation="static" if name == "grpo-static" else None)
         trainer = GRPOTrainer(
             model.train(),
             reward_funcs=last_number_is_sum,
@@ -264,20 +324,25 @@ def grpo_row(name: str, opts, device: torch.device) -> dict:
         trainer.train()
     steps = [b - a for a, b in zip([start, *ends], ends)][1:]  # the first step pays allocation: untimed
     step, sample = statistics.median(steps), statistics.median(sampling[1:])
+    captures = {"captures": static_decoder(model, "auto", device).captures} if args.cache_implementation else {}
     real.WORK.update(prompts=prompts_, g=group, tokens=tokens)
     gflop = real.flops_per_step("grpo", tokenizer) * sum(p.numel() for p in model.parameters()) / real.N_PARAMS
     return {
         **describe(model, device, "bf16 autocast, fp32 weights" if device.type == "cuda" else "float32", source),
-        "engine": f"GRPOTrainer, generation_backend {args.generation_backend}",
+        "engine": f"GRPOTrainer, generation_backend {args.generation_backend}"
+        + (", cache_implementation static" if args.cache_implementation else ""),
         "settings": f"{prompts_} prompts x G {group} x {tokens} new tokens (end tokens suppressed), beta 0, "
         f"loss_type dapo, AdamW lr 1e-5; 1 untimed step, median of {timed}",
         "step_s": round(step, 3),
         "steps_s": [round(t, 3) for t in steps],
         "sample_and_score_s": round(sample, 3),
+        "sampling_share": round(sample / step, 3),
+        "first_s": round(ends[0] - start, 3),
         "train_s": round(step - sample, 3),
         "tokens_per_s": round(prompts_ * group * tokens / step, 1),
         "gflop_per_s": round(gflop / step / 1e9, 1),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        **captures,
     }
 
 
@@ -322,21 +387,38 @@ def timed_call(function, device: torch.device, seconds: list[float]):
 
 def report(rows: list[dict]) -> None:
     """Mode real's table: one line a row, with its engine, dtype, device and figures or why it has none."""
-    print(f"\n{'real row':14} {'engine':38} {'dtype':28} {'device':7} {'s':>8} {'tokens/s':>10} {'GFLOP/s':>8}  extra")
+    print(f"\n{'real row':14} {'engine':66} {'dtype':28} {'device':7} {'s':>8} {'tokens/s':>10} {'GFLOP/s':>8}  extra")
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['row']:14} {r['status']}: {r['reason']}")
             continue
         seconds = r.get("seconds", r.get("step_s"))
         extra = (
-            f"sample+score {r['sample_and_score_s']:.3f} s, train {r['train_s']:.3f} s"
+            f"sample+score {r['sample_and_score_s']:.3f} s ({r['sampling_share']:.0%}), train {r['train_s']:.3f} s"
             if "step_s" in r
             else (f"start {r['start_s']} s, sync {r['sync_s']} s" if "start_s" in r else "")
         )
+        extra += f"; first {r['first_s']:.1f} s" + (f", {r['captures']} captures" if "captures" in r else "")
         print(
-            f"{r['row']:14} {r['engine']:38} {r['dtype']:28} {r['device']:7} {seconds:8.3f} {r['tokens_per_s']:10.1f} "
+            f"{r['row']:14} {r['engine']:66} {r['dtype']:28} {r['device']:7} {seconds:8.3f} {r['tokens_per_s']:10.1f} "
             f"{r['gflop_per_s']:8.1f}  {extra}"
         )
+    print("\n".join(ratios(rows)))
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """The issue's targets, as ratios of the rows that ran: static / generate tokens/s (>= 2x), the static GRPO
+    step's sampling share (<= 50%)."""
+    by_name = {r["row"]: r for r in rows if r["status"] == "ok"}
+    lines = []
+    for own, hf in (("static", "hf"), ("own", "hf"), ("static-0.5b", "hf-0.5b"), ("own-0.5b", "hf-0.5b")):
+        if own in by_name and hf in by_name:
+            ratio = by_name[own]["tokens_per_s"] / by_name[hf]["tokens_per_s"]
+            lines.append(f"{own} / {hf} tokens/s: {ratio:.2f}x (target for static: >= 2x)")
+    for name in ("grpo", "grpo-static"):
+        if name in by_name:
+            lines.append(f"{name} sampling share of the step: {by_name[name]['sampling_share']:.0%} (target <= 50%)")
+    return lines
 
 
 ROW_FUNCTIONS = {
@@ -345,4 +427,10 @@ ROW_FUNCTIONS = {
     "vllm-colocate": sampler_row,
     "vllm-server": sampler_row,
     "grpo": grpo_row,
+    "static": sampler_row,
+    "hf-static": sampler_row,
+    "grpo-static": grpo_row,
+    "own-0.5b": sampler_row,
+    "static-0.5b": sampler_row,
+    "hf-0.5b": sampler_row,
 }

@@ -27,6 +27,7 @@ LEAVES = {
         "treadle.engines.options",
         "treadle.generation.sampling",
         "treadle.generation.single",
+        "treadle.generation.static",  # DecodeSettings validates cache_implementation
     },
     "treadle.trainers.grpo.config": {
         "treadle.trainers.onpolicy.config",

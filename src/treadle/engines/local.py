@@ -6,6 +6,10 @@ release. Its log-probs are exact (``exact_logps``): the live policy's, with the 
 rollouts keep each row's KV cache across turns (``generation.turns.sample_turns``) or, with backend "hf" or a model
 the fast path cannot run under "auto", re-prefill the whole transcript each turn
 (``generation.turns.reprefill_turns``).
+
+``decode`` (``generation.static.DecodeSettings``): with ``cache_implementation="static"`` single-turn sampling
+(training and evaluation) decodes over a static KV cache with a compiled step; multi-turn rollouts keep their ragged
+cache (each row writes at its own slot, which the static step does not do) and say so once.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from treadle.engines.base import RolloutEngine
 from treadle.generation.sampling import SamplingParams
 from treadle.generation.single import BACKENDS, GenerationOutput, sample_completions
+from treadle.generation.static import DecodeSettings, warn_fallback
 from treadle.generation.turns import MultiTurnOutput, Respond, reprefill_turns, sample_turns
 
 __all__ = ["LocalEngine"]
@@ -27,10 +32,10 @@ class LocalEngine(RolloutEngine):
 
     exact_logps = True  # the live policy itself, sampled with the trainer's own kernels
 
-    def __init__(self, model, backend: str = "auto"):
+    def __init__(self, model, backend: str = "auto", decode: DecodeSettings | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.model, self.backend = model, backend
+        self.model, self.backend, self.decode = model, backend, decode or DecodeSettings()
 
     def generate(
         self,
@@ -42,7 +47,13 @@ class LocalEngine(RolloutEngine):
     ) -> GenerationOutput:
         with eager():
             return sample_completions(
-                self.model, prompt_ids, params, generator=generator, backend=self.backend, prompt_inputs=prompt_inputs
+                self.model,
+                prompt_ids,
+                params,
+                generator=generator,
+                backend=self.backend,
+                prompt_inputs=prompt_inputs,
+                decode=self.decode,
             )
 
     def generate_turns(
@@ -55,6 +66,8 @@ class LocalEngine(RolloutEngine):
     ) -> MultiTurnOutput:
         """ "fast"/"auto" keep each row's KV cache across turns ("auto" falls back when the model cannot), "hf"
         re-prefills the whole transcript each turn."""
+        if self.decode.static:
+            warn_fallback(self.model, "multi-turn rollouts keep a ragged cache (each row writes at its own slot)")
         with eager():
             if self.backend != "hf":
                 try:

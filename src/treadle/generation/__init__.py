@@ -1,10 +1,12 @@
-"""Sampling for online RL, in four rooms (import from the submodules inside treadle; this file only re-exports
+"""Sampling for online RL, in five rooms (import from the submodules inside treadle; this file only re-exports
 the public names for users, tests and benchmarks):
 
 - ``generation.sampling``: :class:`SamplingParams` (the settings of one call, passed down whole) and the logits
   processors (what distribution a token is drawn from);
 - ``generation.cache``: every transformers KV-cache internal (the preallocated and ragged cache layers);
 - ``generation.single``: single-turn sampling, the fast KV-cached backend and the transformers fallback;
+- ``generation.static``: the static decode step (``DecodeSettings(cache_implementation="static")``), compiled once
+  per bucket of rows and cache capacity;
 - ``generation.turns``: multi-turn sampling with one KV cache kept across turns, and the re-prefilling baseline.
 
 GRPO and evaluation reach the sampler through a rollout engine (``treadle.engines``), not directly.
@@ -33,6 +35,7 @@ from treadle.generation.single import (
     left_pad,
     sample_completions,
 )
+from treadle.generation.static import DecodeSettings
 from treadle.generation.turns import (
     MultiTurnOutput,
     Respond,
@@ -44,6 +47,7 @@ from treadle.generation.turns import (
 
 __all__ = [
     "BACKENDS",
+    "DecodeSettings",
     "GenerationOutput",
     "MultiTurnOutput",
     "Respond",

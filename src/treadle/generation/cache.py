@@ -9,6 +9,11 @@ its ``__class__``, which keeps the buffers the layer holds):
 - ``RaggedLayer`` (multi-turn sampling): a preallocated layer where each row writes its new keys at its own next
   slot (``RaggedWrites``), so that a row waiting for its environment costs no columns.
 
+``StaticKV`` (the static decode step, ``generation.static``) is a third kind: transformers' own ``StaticLayer`` for
+every layer, sliding ones included (a sliding layer keeps every slot too; its window is the attention mask's
+business), with buffers of a fixed (rows, heads, capacity, head dim) that a compiled step reads at the same address
+on every call.
+
 Both classes are built on first use, so that importing treadle does not import transformers. A transformers
 release that renames ``DynamicLayer``'s attributes (``keys``, ``values``, ``is_initialized``) breaks this file
 only.
@@ -24,7 +29,7 @@ from torch import Tensor
 from treadle.models import forward_signature
 from treadle.packing import position_ids
 
-__all__ = ["RaggedWrites", "attention_kind", "expand_cache", "prefill"]
+__all__ = ["RaggedWrites", "StaticKV", "attention_kind", "expand_cache", "prefill", "static_cache_problem"]
 
 
 def attention_kind(model) -> str | None:
@@ -191,3 +196,65 @@ class _RaggedLayerMixin:
 @functools.cache
 def _ragged_layer_class():
     return type("RaggedLayer", (_RaggedLayerMixin, _preallocated_layer_class()), {})
+
+
+def static_cache_problem(cache) -> str | None:
+    """Why a prefilled cache cannot move into a :class:`StaticKV`, or None: every layer must be transformers' plain
+    ``DynamicLayer`` (full attention) or ``DynamicSlidingWindowLayer`` (a window, e.g. Gemma 3's local layers)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # heavy: see the docstring
+
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return f"its cache ({type(cache).__name__}) has no per-layer objects"
+    for layer in layers:
+        if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) or not layer.is_initialized:
+            return f"a {type(layer).__name__} cache layer has no static counterpart here"
+    return None
+
+
+class StaticKV:
+    """One transformers ``Cache`` of ``StaticLayer``s whose buffers hold ``rows`` x ``capacity`` tokens, allocated
+    once and reused by every generation that falls in the same bucket (a compiled step reads these very tensors).
+
+    Every row writes its new key at the same slot, ``cumulative_length`` (a 0-d tensor, so that a compiled step does
+    not specialise on it): the prompts are left-padded, so slot = prompt width + decode step for all rows.
+    ``windows[i]``: layer i's sliding window, or None for full attention."""
+
+    def __init__(self, prefill_cache, rows: int, capacity: int):
+        from transformers.cache_utils import Cache, StaticLayer  # heavy: see the docstring
+
+        layers, self.windows = [], []
+        for layer in prefill_cache.layers:
+            static = StaticLayer(max_cache_len=capacity)
+            keys, values = layer.keys, layer.values
+            # allocates zero-filled buffers (never garbage: masked slots are read with weight 0, and 0 * NaN is NaN)
+            # and marks them static, so that CUDA graphs replay on the same addresses
+            static.lazy_initialization(
+                keys.new_empty(rows, keys.shape[1], 1, keys.shape[3]),
+                values.new_empty(rows, values.shape[1], 1, values.shape[3]),
+            )
+            layers.append(static)
+            self.windows.append(layer.sliding_window if getattr(layer, "is_sliding", False) else None)
+        self.cache, self.rows, self.capacity = Cache(layers=layers), rows, capacity
+
+    def fits(self, prefill_cache) -> bool:
+        """Whether these buffers take ``prefill_cache``'s layers (the same count, heads, dims, dtype, device)."""
+        return len(self.cache.layers) == len(prefill_cache.layers) and all(
+            static.keys.shape[1::2] == layer.keys.shape[1::2]
+            and static.values.shape[-1] == layer.values.shape[-1]
+            and static.keys.dtype == layer.keys.dtype
+            and static.keys.device == layer.keys.device
+            for static, layer in zip(self.cache.layers, prefill_cache.layers)
+        )
+
+    def load(self, prefill_cache, group: int, width: int) -> None:
+        """Copy the B prefilled prompts (width ``width``) into rows b*G .. b*G+G-1 and point every layer at slot
+        ``width``. A sliding layer's prefill kept only its last tokens: they go to the slots just before ``width``;
+        the slots before them are outside every later query's window. Rows and slots not written keep stale, finite
+        numbers that the attention mask hides."""
+        for static, layer in zip(self.cache.layers, prefill_cache.layers):
+            prompts, heads, kept, _ = layer.keys.shape
+            for buffer, source in ((static.keys, layer.keys), (static.values, layer.values)):
+                grouped = buffer[: prompts * group].view(prompts, group, heads, self.capacity, buffer.shape[-1])
+                grouped[..., width - kept : width, :] = source[:, None]
+            static.cumulative_length.fill_(width)

@@ -50,6 +50,7 @@ from treadle.generation.sampling import (
     sampled_logps,
     token_presence,
 )
+from treadle.generation.static import DecodeSettings, static_decoder, static_problem, warn_fallback
 from treadle.models import cache_argument, causal_lm_problem, eval_mode, forward_signature, unwrapped_for_generation
 
 __all__ = [
@@ -73,6 +74,7 @@ BACKENDS = ("auto", "fast", "hf")
 # the remaining rows, about what one decoding step reads anyway, so waiting for 1/8 of the rows repays it
 # within ~8 steps while still shedding dead rows early.
 SHRINK_FRACTION = 0.125
+DYNAMIC = DecodeSettings()  # the default decode: the dynamic (preallocated, growing-view) cache, no compiled step
 
 
 @dataclass
@@ -147,6 +149,7 @@ def sample_completions(
     generator: torch.Generator | None = None,
     backend: str = "auto",
     prompt_inputs: dict | None = None,
+    decode: DecodeSettings | None = None,
 ) -> GenerationOutput:
     """Sample ``params.num_generations`` completions for each of the distinct ``prompts`` (token-id lists).
 
@@ -162,6 +165,10 @@ def sample_completions(
     ``prompt_inputs``: what else the B prompts' forward takes (a VLM's ``pixel_values``, ``image_grid_thw`` ...,
     as its processor made them for the left-padded prompts): the fast path puts them in the prefill only; a model
     whose positions depend on the images (M-RoPE, ``positions_need_images``) samples through "hf" instead.
+
+    ``decode``: how the decode runs (``static.DecodeSettings``); ``cache_implementation="static"`` decodes over a
+    static KV cache with a step compiled once per bucket (``generation.static``; "hf" passes it to ``generate``).
+    The same tokens either way (greedy; sampled, where the kernels give the same logits).
     """
     check_prompts(prompts)
     with unwrapped_for_generation(model) as inner, eval_mode(model), torch.no_grad():
@@ -175,7 +182,9 @@ def sample_completions(
             name = "hf"
         prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, model_device(inner))
         extras = {k: v.to(prompt_ids.device) for k, v in (prompt_inputs or {}).items()}
-        raw_ids, raw_logps = _run_backend(name, inner, prompt_ids, prompt_mask, params, generator, extras)
+        raw_ids, raw_logps = _run_backend(
+            name, inner, prompt_ids, prompt_mask, params, generator, extras, decode or DYNAMIC
+        )
     completion_ids, completion_mask, is_truncated = completion_masks(
         raw_ids, params.eos_token_ids, params.pad_token_id
     )
@@ -216,13 +225,14 @@ def _run_backend(
     params: SamplingParams,
     generator: torch.Generator | None,
     extras: dict | None = None,
+    decode: DecodeSettings = DYNAMIC,
 ) -> tuple[Tensor, Tensor]:
     """Dispatch to a backend; each returns raw completion ids (B*G, C<=max_new_tokens), EOS not yet cut, and
     each token's sampling log-prob (B*G, C)."""
     if name == "fast":
-        return _generate_fast(model, prompt_ids, prompt_mask, params, generator, extras)
+        return _generate_fast(model, prompt_ids, prompt_mask, params, generator, extras, decode)
     if name == "hf":
-        return _generate_hf(model, prompt_ids, prompt_mask, params, generator, extras)
+        return _generate_hf(model, prompt_ids, prompt_mask, params, generator, extras, decode)
     raise AssertionError(f"unresolved backend {name!r}")  # resolve_backend only returns the names above
 
 
@@ -279,9 +289,11 @@ def _generate_hf(
     params: SamplingParams,
     generator: torch.Generator | None,
     extras: dict | None = None,
+    decode: DecodeSettings = DYNAMIC,
 ) -> tuple[Tensor, Tensor]:
-    """``model.generate`` with a GenerationConfig built from ``params`` only; the sampling log-probs come from
-    its processed ``scores`` (after every logits processor and warper, i.e. what it sampled from).
+    """``model.generate`` with a GenerationConfig built from ``params`` and ``decode.cache_implementation`` only; the
+    sampling log-probs come from its processed ``scores`` (after every logits processor and warper, i.e. what it
+    sampled from).
 
     The model's own ``generation_config`` is set aside for the call: transformers fills every unset field
     from it (e.g. its eos_token_id, top_k=50), which would change the distribution behind our back.
@@ -310,6 +322,7 @@ def _generate_hf(
         output_scores=True,
         return_dict_in_generate=True,
         suppress_tokens=list(params.suppress_token_ids) or None,
+        cache_implementation=decode.cache_implementation,
         **sampling,
     )
     saved_config = getattr(model, "generation_config", None)
@@ -353,12 +366,18 @@ def _generate_fast(
     params: SamplingParams,
     generator: torch.Generator | None,
     extras: dict | None = None,
+    decode: DecodeSettings = DYNAMIC,
 ) -> tuple[Tensor, Tensor]:
     """Decode all B*G rows together; returns raw ids (B*G, max_new_tokens), pad where a row stopped early, and
     each token's log-prob under the scores it was drawn from."""
     group, width = params.num_generations, prompt_ids.shape[1]
     cache_name = cache_argument(model)
     logits, cache = prefill(model, prompt_ids, prompt_mask, cache_name, extras)
+    if decode.static:
+        problem = "it samples from images (prompt_inputs)" if extras else static_problem(model, cache)
+        if problem is None:
+            return _decode_static(model, cache, prompt_ids, prompt_mask, logits, params, generator, decode)
+        warn_fallback(model, problem)
     all_preallocated = expand_cache(cache, group, capacity=width + params.max_new_tokens)
 
     state = DecodeState.start(
@@ -373,6 +392,36 @@ def _generate_fast(
         state.drop_finished_rows(cache, unfinished)
         state.logits = forward(state, step)
         state.positions += 1
+    return state.completion, state.completion_logps
+
+
+def _decode_static(
+    model,
+    cache,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    logits: Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    decode: DecodeSettings,
+) -> tuple[Tensor, Tensor]:
+    """The decode loop of ``_generate_fast`` over a static cache (``generation.static``): the same sampling state,
+    so the same rows sample the same random numbers; a finished row leaves the sampling state (as above) but keeps
+    its cache row, so that the step's shapes never change."""
+    rows, capacity = prompt_ids.shape[0] * params.num_generations, prompt_ids.shape[1] + params.max_new_tokens
+    decoder = static_decoder(model, decode.decode_compile, prompt_ids.device)
+    step_function = decoder.step(model, cache, cache_argument(model), rows, capacity)
+    step_function.load(cache, prompt_mask, params.num_generations)
+    del cache  # the prompts' keys now live in the bucket's buffers
+    state = DecodeState.start(prompt_ids, prompt_mask, logits, params)
+    with decoder.running():
+        for step in range(params.max_new_tokens):
+            state.sample(step, params, generator)
+            unfinished = int(state.unfinished.sum())
+            if step == params.max_new_tokens - 1 or unfinished == 0:
+                break
+            state.drop_finished_rows(None, unfinished)
+            state.logits = step_function(model, state.next_tokens, state.row_ids)
     return state.completion, state.completion_logps
 
 
@@ -477,7 +526,8 @@ class DecodeState:
         if finished == 0 or finished < SHRINK_FRACTION * len(self.unfinished):
             return
         keep = self.unfinished.nonzero().squeeze(1)
-        cache.batch_select_indices(keep)
+        if cache is not None:  # None: a static cache keeps every row
+            cache.batch_select_indices(keep)
         for name in ("seen", "attention_mask", "positions", "row_ids", "unfinished", "next_tokens"):
             value = getattr(self, name)
             if value is not None:

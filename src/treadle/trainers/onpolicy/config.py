@@ -12,6 +12,7 @@ from treadle.engines.options import check_vllm_options
 from treadle.errors import PreflightError
 from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import BACKENDS
+from treadle.generation.static import DecodeSettings
 
 __all__ = ["MAX_STALENESS", "OnPolicyConfig", "WORKER_KINDS", "check_async_config"]
 
@@ -52,6 +53,9 @@ class OnPolicyConfig(TrainingArguments):
     min_p: float | None = None  # drop tokens below min_p x the top token's probability (0.01-0.2); None disables
     generation_kwargs: dict | None = None  # GenerationConfig names the own sampler takes (sampling.GENERATION_KWARGS)
     generation_backend: str = "auto"  # "fast" (KV-cache sampler), "hf" (model.generate) or "auto"
+    # TRL's name: "static" decodes over a static KV cache, the step compiled once per bucket (CUDA graphs on a GPU,
+    # eager on CPU; generation/static.py); None: the dynamic cache. Not for vLLM (which has its own)
+    cache_implementation: str | None = None
     mask_truncated_completions: bool = False  # completions without EOS get no loss (DAPO's overlong filtering)
 
     # --- vLLM as the rollout engine (treadle.engines.vllm; docs/vllm.md); TRL 1.16's names and defaults
@@ -100,6 +104,7 @@ class OnPolicyConfig(TrainingArguments):
             raise ValueError(
                 f"generation_backend={self.generation_backend!r} is not supported; use one of {list(BACKENDS)}"
             )
+        DecodeSettings(self.cache_implementation)  # raises ValueError naming the values it takes
         self._validate_sampling_numbers()
         self._validate_generation_batch()
         self._resolve_eval_settings()
@@ -234,6 +239,11 @@ def check_async_config(args) -> None:
             "max_staleness > 0 samples with the own sampler or the vLLM server: the colocated vLLM engine "
             "cannot sample in the background (it shares the trainer's process and threads); set vllm_mode: "
             "server (treadle vllm-serve), use_vllm: false, or max_staleness: 0"
+        )
+    if args.cache_implementation == "static" and not args.use_vllm:
+        raise PreflightError(
+            "max_staleness > 0 samples in a rollout worker on the dynamic KV cache: set cache_implementation: "
+            "null, or max_staleness: 0 for the static decode step"
         )
     if args.steps_per_generation * args.num_iterations != args.gradient_accumulation_steps:
         raise PreflightError(

@@ -54,6 +54,7 @@ from treadle.engines.vllm_client import vllm_server_engine
 from treadle.errors import NonFiniteLossError, PreflightError
 from treadle.generation.sampling import SamplingParams, sampler_options
 from treadle.generation.single import GenerationOutput, distinct_prompts
+from treadle.generation.static import DecodeSettings
 from treadle.metrics import means_of, nonfinite_fix
 from treadle.models import from_name, max_positions
 from treadle.rewards import RewardFunction, check_compute_metrics, reward_name, score_completions
@@ -168,7 +169,8 @@ class OnPolicyTrainer(Trainer):
         if self.args.use_vllm:
             build = vllm_server_engine if self.args.vllm_mode == "server" else vllm_engine  # engines.vllm_client
             return build(self.model, self.args, multi_turn=self.multi_turn)
-        return LocalEngine(self.model, backend=self.args.generation_backend)
+        decode = DecodeSettings(self.args.cache_implementation)
+        return LocalEngine(self.model, backend=self.args.generation_backend, decode=decode)
 
     def build_rollout_sampler(
         self, engine: RolloutEngine, runner: RolloutRunner | None = None, *, staleness: int | None = None
