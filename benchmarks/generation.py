@@ -4,6 +4,7 @@ model against the machine's matmul roof, and multi-turn rollouts with the KV cac
     python -m benchmarks.generation --threads 1          # every part: toy, real, turns
     python -m benchmarks.generation --parts real --threads 1 --tokens 32 --rounds 3
     python -m benchmarks.generation --parts turns --latency-ms 5
+    python -m benchmarks.generation --parts static --threads 1 --generations 4 --tokens 32 --rounds 3
     python -m benchmarks.generation --quick               # tiny model, 16 tokens; real at 4 tokens; turns: tiny
 
 - ``toy``: randomly initialised Llamas (nothing downloaded), B distinct prompts of ~100 tokens (+-10%, so left padding
@@ -19,6 +20,10 @@ model against the machine's matmul roof, and multi-turn rollouts with the KV cac
   best float32 rate of the model's own matmul shapes at that many rows, measured before and after the rounds (the
   higher counts: a roof measured while another process holds a core reads low). ``benchmarks.lab.profile --decode``
   splits the decode step op by op.
+- ``static``: the same SmolLM2 work through the own sampler three ways: the dynamic cache (``real``'s own sampler),
+  the static decode step run eagerly, and the static step compiled by inductor (``DecodeSettings("static",
+  "eager" | "inductor")``, generation/static.py), interleaved; per contender tokens/s, ms per decode step (as in
+  ``real``) and the first call's seconds (the compiled one pays its compilation there, once per bucket).
 - ``turns``: the same B prompts x G rolled out for ``--turns`` tool turns, each model turn (ending at EOS) answered
   with a ~10-token observation, optionally after a random tool latency (``--latency-ms``, uniform in [0, 2x]):
   ``generation.sample_turns`` (the KV cache kept, a row waiting on its tool sits out) against
@@ -43,8 +48,14 @@ from benchmarks import harness
 from treadle.demos import toy
 from treadle.generation import SamplingParams, generate_completions, reprefill_turns, sample_turns
 from treadle.generation.single import sample_completions
+from treadle.generation.static import DecodeSettings
 
-PARTS = ("toy", "real", "turns")
+PARTS = ("toy", "real", "static", "turns")
+STATIC_CONTENDERS = {  # part static: name -> how the own sampler decodes
+    "dynamic cache": None,
+    "static, eager": DecodeSettings("static", "eager"),
+    "static, inductor": DecodeSettings("static", "inductor"),
+}
 TOY_MODELS = {"tiny": (64, 2, 4, 64), "small": (256, 4, 4, 1000)}  # name: (hidden, layers, heads, vocab)
 N_PARAMS = 134_515_008  # SmolLM2-135M-Instruct, tied embeddings counted once (the head is a matmul, the lookup not)
 ROOF_SHAPES = [(576, 192), (576, 576), (576, 1536), (1536, 576), (576, 49152)]  # (K, N) of SmolLM2's matmuls
@@ -229,10 +240,11 @@ def load_real(tokens: int, generations: int):
     return model, prompts, params
 
 
-def timed_call(model, prompts, params, backend: str, tokens: int) -> float:
+def timed_call(model, prompts, params, backend: str, tokens: int, decode: DecodeSettings | None = None) -> float:
     generator = torch.Generator().manual_seed(0)
+    params = replace(params, max_new_tokens=tokens)
     start = time.perf_counter()
-    sample_completions(model, prompts, replace(params, max_new_tokens=tokens), generator=generator, backend=backend)
+    sample_completions(model, prompts, params, generator=generator, backend=backend, decode=decode)
     return time.perf_counter() - start
 
 
@@ -253,6 +265,31 @@ def part_real(run: harness.Run, opts) -> None:
     print(f"\n### SmolLM2-135M-Instruct float32, {rows} rows, {tokens} new tokens, {rounds} rounds; roofs {roofs}\n")
     print(real_table(run, times, tokens, rows, max(roofs)))
     run.figure(real_roofs=roofs)
+
+
+def part_static(run: harness.Run, opts) -> None:
+    tokens, generations, rounds = (4, 2, 1) if opts.quick else (opts.tokens, opts.generations, opts.rounds)
+    model, prompts, params = load_real(tokens, generations)
+    rows, names = len(prompts) * generations, list(STATIC_CONTENDERS)
+    for name, decode in STATIC_CONTENDERS.items():
+        run.contender(name, part="static", decode=str(decode), rows=f"{len(prompts)} x {generations}", tokens=tokens)
+    first = {name: timed_call(model, prompts, params, "fast", tokens, STATIC_CONTENDERS[name]) for name in names}
+    times = {name: {"full": [], "one": []} for name in names}
+    for _, name in harness.interleaved(names, rounds):
+        times[name]["full"].append(timed_call(model, prompts, params, "fast", tokens, STATIC_CONTENDERS[name]))
+        times[name]["one"].append(timed_call(model, prompts, params, "fast", 1, STATIC_CONTENDERS[name]))
+    out = []
+    for name, t in times.items():
+        full, one = statistics.median(t["full"]), statistics.median(t["one"])
+        step = (full - one) / max(1, tokens - 1)
+        rate = rows * tokens / full
+        versus = rate / (rows * tokens / statistics.median(times[names[0]]["full"]))
+        run.row(part="static", contender=name, full_s=t["full"], one_token_s=t["one"], first_s=first[name])
+        out.append([name, f"{rate:.1f}", f"{1e3 * step:.1f}", f"{versus:.2f}x", f"{first[name]:.1f}"])
+        out[-1].append(", ".join(f"{x:.2f}" for x in t["full"]))
+    print(f"\n### SmolLM2-135M-Instruct float32, {rows} rows, {tokens} new tokens, {rounds} rounds: the decode step\n")
+    header = ["own sampler", "tokens/s", "ms per decode step", "vs dynamic", "first call (s)", "rounds (s)"]
+    print(harness.table(header, out))
 
 
 def real_table(run: harness.Run, times: dict, tokens: int, rows: int, roof: float) -> str:
@@ -349,9 +386,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-length", type=int, default=100, help="toy: prompt tokens")
     p.add_argument("--batch", type=int, default=4, help="toy: B distinct prompts")
     p.add_argument("--group", type=int, default=8, help="toy: G completions per prompt")
-    p.add_argument("--tokens", type=int, default=32, help="real: new tokens per completion (EOS ignored)")
-    p.add_argument("--generations", type=int, default=8, help="real: completions per prompt (8 prompts)")
-    p.add_argument("--rounds", type=int, default=3, help="real: interleaved rounds")
+    p.add_argument("--tokens", type=int, default=32, help="real, static: new tokens per completion (EOS ignored)")
+    p.add_argument("--generations", type=int, default=8, help="real, static: completions per prompt (8 prompts)")
+    p.add_argument("--rounds", type=int, default=3, help="real, static: interleaved rounds")
     p.add_argument("--turns", type=int, default=3, help="turns: tool turns per rollout")
     p.add_argument("--latency-ms", type=float, default=0.0, help="turns: mean tool latency")
     return p.parse_args(argv)
@@ -363,7 +400,7 @@ def main(argv=None) -> None:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     run = harness.Run("generation", opts)
-    parts = {"toy": part_toy, "real": part_real, "turns": part_turns}
+    parts = {"toy": part_toy, "real": part_real, "static": part_static, "turns": part_turns}
     for name in opts.parts.split(","):
         parts[name](run, opts)
         print(f"(part {name} done; load average {harness.machine()['load']})", file=sys.stderr, flush=True)

@@ -8,7 +8,12 @@ generating code, seconds instead of a minute); one slow test compiles with induc
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +229,27 @@ def test_inductor_compiled_step_same_tokens_and_reads_updated_weights():
     assert_same_samples(sample(model, PROMPTS, decode, seed=8), sample(model, PROMPTS, seed=8))
     assert static_decoder(model, "inductor", torch.device("cpu")).captures == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_gpu_check_capture_rows_run_on_cpu(tmp_path):
+    """``gpu_check --real-rows capture``, the lent GPU's one command, in its CPU smoke mode (about a minute)."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "capture.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    command = ["-m", "benchmarks.gpu_check", "--cpu-smoke", "--modes", "real", "--real-rows", "capture"]
+    proc = subprocess.run(
+        [sys.executable, *command, "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["own", "hf", "static", "grpo", "grpo-static", "own-0.5b", "static-0.5b", "hf-0.5b"]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows.values())
+    assert "cache_implementation static" in rows["static"]["engine"] and 0 < rows["grpo-static"]["sampling_share"] < 1
+    assert rows["static"]["captures"] == 0  # CPU: "auto" runs the static step eagerly
+    assert "static-0.5b / hf-0.5b tokens/s" in proc.stdout

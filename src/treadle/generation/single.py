@@ -386,7 +386,7 @@ def _generate_fast(
     forward = NextLogits(model, cache, width)
     for step in range(params.max_new_tokens):
         state.sample(step, params, generator)
-        unfinished = int(state.unfinished.sum())  # the one host sync per token: the price of stopping early
+        unfinished = state.unfinished_count()
         if step == params.max_new_tokens - 1 or unfinished == 0:
             break
         state.drop_finished_rows(cache, unfinished)
@@ -417,7 +417,7 @@ def _decode_static(
     with decoder.running():
         for step in range(params.max_new_tokens):
             state.sample(step, params, generator)
-            unfinished = int(state.unfinished.sum())
+            unfinished = state.unfinished_count()
             if step == params.max_new_tokens - 1 or unfinished == 0:
                 break
             state.drop_finished_rows(None, unfinished)
@@ -520,6 +520,11 @@ class DecodeState:
             self.unfinished &= ~torch.isin(next_tokens, self.eos)
         if self.seen is not None:
             self.seen[torch.arange(len(next_tokens), device=next_tokens.device), next_tokens] = True
+
+    def unfinished_count(self) -> int:
+        """How many active rows have not produced EOS: the one host sync per token, the price of stopping early
+        (none without EOS ids, when no row can finish)."""
+        return len(self.unfinished) if self.eos is None else int(self.unfinished.sum())
 
     def drop_finished_rows(self, cache, unfinished: int) -> None:
         finished = len(self.unfinished) - unfinished

@@ -174,7 +174,7 @@ class BucketStep:
         self.kv = StaticKV(prefill_cache, rows, capacity)
         device = self.kv.cache.layers[0].keys.device
         self.spec = mask_spec(model, prefill_cache, self.kv.cache.layers[0].keys.dtype)
-        self.cache_name, self.mode = cache_name, mode
+        self.cache_name, self.mode, self.captured = cache_name, mode, False
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
@@ -207,21 +207,27 @@ class BucketStep:
         logits = self.function(
             model, self.kv.cache, self.cache_name, self.spec, self.tokens, self.valid, self.lengths, self.width
         )
+        self.captured = self.mode != "eager"  # the first call compiled (and, on CUDA, captured) this bucket's step
         return logits.index_select(0, row_ids)  # a copy: a CUDA graph's output is overwritten by the next replay
 
 
 class StaticDecoder:
-    """A model's bucket steps, kept across generations; ``captures``: how many were compiled (one per bucket)."""
+    """A model's bucket steps, kept across generations."""
 
     def __init__(self, mode: str):
-        self.mode, self.steps, self.captures = mode, {}, 0
+        self.mode, self.steps, self.replaced = mode, {}, 0
+
+    @property
+    def captures(self) -> int:
+        """How many steps were compiled: one per bucket that decoded at least one token (eager: 0)."""
+        return self.replaced + sum(step.captured for step in self.steps.values())
 
     def step(self, model, prefill_cache, cache_name: str, rows: int, capacity: int) -> BucketStep:
         key = (bucket(rows, SMALLEST_ROWS), bucket(capacity, SMALLEST_CAPACITY))
         step = self.steps.get(key)
-        if step is None or not step.kv.fits(prefill_cache):
+        if step is None or not step.kv.fits(prefill_cache):  # new, or the model's cache changed (dtype, device)
+            self.replaced += step is not None and step.captured
             step = self.steps[key] = BucketStep(model, prefill_cache, cache_name, *key, self.mode)
-            self.captures += self.mode != "eager"
         return step
 
     @contextlib.contextmanager
