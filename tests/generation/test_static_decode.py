@@ -109,6 +109,17 @@ def test_compiled_step_same_tokens_and_one_graph_per_bucket(dynamo_only):
     assert (decoder.captures, graphs(dynamo_only)) == (1, 1)
 
 
+def test_the_engine_s_eager_stance_does_not_stop_the_compiled_step(dynamo_only):
+    """LocalEngine samples under ``force_eager`` (training's compiled blocks would recompile per token); the static
+    step is compiled all the same, and gives the same tokens."""
+    model = tiny_llama()
+    params = SamplingParams(num_generations=4, max_new_tokens=20, eos_token_ids=(), pad_token_id=PAD)
+    engine = LocalEngine(model, backend="fast", decode=DecodeSettings("static", "inductor"))
+    out = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+    assert graphs(dynamo_only) == 1
+    assert_same_samples(out, sample(model, PROMPTS))
+
+
 def test_in_place_weight_updates_need_no_new_capture(dynamo_only):
     """An optimizer step changes the parameters in place: the compiled step reads them, without recompiling."""
     model = tiny_llama()
@@ -138,6 +149,23 @@ def test_compilations_are_bounded_by_the_buckets(dynamo_only):
     decoder = static_decoder(model, "inductor", torch.device("cpu"))
     assert len(met) == 6  # rows {8, 16, 32} x capacity {64, 128}, for 32 generations
     assert decoder.captures == graphs(dynamo_only) == len(met)
+
+
+def test_a_grpo_run_compiles_once_per_bucket_across_optimizer_steps(tmp_path, dynamo_only):
+    """Training generations between optimizer steps (in-place weight updates) and an evaluation: one graph per
+    bucket met, never a recompilation for new weights."""
+    tok, rows = toy.build_tokenizer(), toy.load_task("addition", kind="rl", n=16)
+    trainer = grpo_trainer(tmp_path, tok, rows, cache_implementation="static", max_steps=4, learning_rate=1e-2)
+    trainer.engine.decode = DecodeSettings("static", "inductor")  # CPU's "auto" is eager: compile it here
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    trainer.evaluate(rows.select(range(6)))
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # the weights moved
+    decoder = static_decoder(trainer.model, "inductor", torch.device("cpu"))
+    # 4 training generations of 4 rows (bucket 8) and one evaluation of 6 x 4 rows (bucket 32), prompts + 3 tokens
+    # within 64: two buckets, two graphs
+    assert sorted(decoder.steps) == [(8, 64), (32, 64)]
+    assert decoder.captures == graphs(dynamo_only) == 2
 
 
 def test_a_model_that_cannot_run_static_says_so_once_and_samples_on_the_dynamic_cache(monkeypatch):
