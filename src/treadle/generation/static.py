@@ -9,8 +9,9 @@ Inside the step the new key is written at the cache's slot tensor (transformers'
 and attention reads the whole capacity under a mask built from the prompt mask, the slot and each layer's window.
 
 :func:`static_decoder` keeps one :class:`StaticDecoder` per model (weakly, with its buckets) and counts the
-compilations (``captures``): a run compiles at most once per bucket it meets. The weights are read in place: an
-optimizer step (in-place updates of the same parameters) needs no new capture.
+compilations (``captures``): a run compiles at most once per bucket it meets. A bucket's KV cache stays allocated as
+long as the model lives (a compiled step reads those very buffers): one rows x capacity cache per bucket met. The
+weights are read in place: an optimizer step (in-place updates of the same parameters) needs no new capture.
 
 What cannot run static, said once and sampled on the dynamic path instead (:func:`static_problem`): attention other
 than "sdpa" or "eager", cache layers other than transformers' plain and sliding-window ones, mixed layer kinds
@@ -43,6 +44,7 @@ __all__ = [
     "bucket",
     "static_decoder",
     "static_problem",
+    "warn_fallback",
 ]
 
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")  # TRL's cache_implementation values the own sampler takes
