@@ -209,6 +209,12 @@ def test_settings_are_checked():
         static_decoder(tiny_llama(), "reduce-overhead", torch.device("cpu"))
 
 
+def test_the_field_is_trls():
+    trl_config = pytest.importorskip("trl.trainer.grpo_config").GRPOConfig
+    assert GRPOConfig.__dataclass_fields__["cache_implementation"].default is None
+    assert trl_config.__dataclass_fields__["cache_implementation"].default is None
+
+
 def test_grpo_config_wires_the_field_to_the_engine(tmp_path):
     with pytest.raises(ValueError, match="cache_implementation='offloaded' is not supported"):
         GRPOConfig(output_dir=str(tmp_path), cache_implementation="offloaded")
