@@ -11,6 +11,8 @@ from treadle.cli import command as cli
 from treadle.cli.evaluate import task_spec
 from treadle.demos import gym as demo
 
+from tests._factories import tiny_llama
+
 
 def test_the_demo_tasks_are_five_valid_reasoning_gym_configs():
     chosen = demo.demo_tasks()
@@ -69,3 +71,45 @@ def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
 
 def test_the_example_tasks_file_is_the_demos_tasks():
     assert task_spec(str(Path(__file__).resolve().parents[2] / "examples" / "gym-tasks.yaml")) == demo.DEMO_TASKS
+
+
+def test_a_one_step_warm_start_trains_at_its_rate_not_a_warm_up_rate(monkeypatch, tmp_path):
+    seen = []
+
+    class Recorder:
+        def __init__(self, model, args, **_):
+            seen.append(args)
+
+        def train(self):
+            pass
+
+    monkeypatch.setattr(demo, "SFTTrainer", Recorder)
+    settings = demo.GymDemoSettings(eval_size=2, sft_steps=1, sft_batch_size=2, grpo_steps=1)
+    demo.warm_start(None, None, settings, demo.heldout_rows(settings), tmp_path)
+    # transformers' warm-up makes step 1 of N warm-up steps a step at rate 0: a one-step warm start would not train
+    assert seen[0].max_steps == 1 and seen[0].warmup_steps == 0
+    assert seen[0].learning_rate == settings.sft_learning_rate
+
+
+def test_a_lora_policy_trains_adapters_alone_at_scaled_rates():
+    pytest.importorskip("peft")
+    settings = demo.GymDemoSettings(lora_rank=4, lora_rate_scale=10.0)
+    applied = settings.applied()
+    assert applied.learning_rate == pytest.approx(10 * settings.learning_rate)
+    assert applied.sft_learning_rate == pytest.approx(10 * settings.sft_learning_rate)
+    assert applied.applied() == applied  # applied once: the rates are not scaled again
+    assert demo.GymDemoSettings().applied() == demo.GymDemoSettings()
+    model = demo.policy(tiny_llama(), settings)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    with pytest.raises(ValueError, match="--lora-rank -1"):
+        demo.GymDemoSettings(lora_rank=-1)
+
+
+def test_the_command_line_hands_the_lora_rank_to_the_gym_demo_alone(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(demo, "run_gym_demo", lambda settings, out: calls.append(settings) or 0)
+    assert cli.main(["demo", "--model", "smollm2", "--task", "gym", "--lora-rank", "16", "--output-dir", "y"]) == 0
+    assert calls == [demo.GymDemoSettings(lora_rank=16)]
+    assert cli.main(["demo", "--model", "smollm2", "--lora-rank", "16"]) == 2
+    assert "--lora-rank has no use in --model smollm2" in capsys.readouterr().err
