@@ -113,3 +113,23 @@ def test_the_command_line_hands_the_lora_rank_to_the_gym_demo_alone(monkeypatch,
     assert calls == [demo.GymDemoSettings(lora_rank=16)]
     assert cli.main(["demo", "--model", "smollm2", "--lora-rank", "16"]) == 2
     assert "--lora-rank has no use in --model smollm2" in capsys.readouterr().err
+
+
+def test_the_demo_matrix_judges_the_gym_claim_from_the_stage_grpo_starts_from():
+    from benchmarks.demos import gym_outcome
+
+    def stage(strict, lenient):
+        names = list(demo.DEMO_TASKS)
+        per_task = {n: {"strict": s, "lenient": lenient} for n, s in zip(names, strict, strict=True)}
+        return {"per_task": per_task, "mean": {"strict": sum(strict) / len(strict), "lenient": lenient}}
+
+    pretrained, warm = stage([0.0] * 5, 0.30), stage([0.1] * 5, 0.25)
+    short = gym_outcome([pretrained, warm, stage([0.3, 0.3, 0.3, 0.2, 0.1], 0.31)])
+    assert short["start"] == pytest.approx(0.1)  # the warm start, not the pretrained model
+    assert short["gain"] == pytest.approx(14) and not short["met"]  # the mean gains 14 strict points
+    enough = gym_outcome([pretrained, warm, stage([0.4, 0.4, 0.3, 0.1, 0.1], 0.31)])
+    assert enough["gain"] == pytest.approx(16) and enough["met"]
+    format_only = gym_outcome([pretrained, warm, stage([0.4, 0.4, 0.3, 0.1, 0.1], 0.29)])
+    assert not format_only["met"]  # lenient +4: the gain is the answer format's
+    two_tasks = gym_outcome([pretrained, warm, stage([0.6, 0.5, 0.1, 0.1, 0.1], 0.40)])
+    assert two_tasks["gain"] == pytest.approx(18) and not two_tasks["met"]  # 2 tasks moved
