@@ -11,7 +11,7 @@ from treadle.cli import command as cli
 from treadle.cli.evaluate import task_spec
 from treadle.demos import gym as demo
 
-from tests._factories import tiny_llama
+from _factories import tiny_llama
 
 
 def test_the_demo_tasks_are_five_valid_reasoning_gym_configs():
@@ -65,8 +65,11 @@ def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
     assert all(re.fullmatch(r"<answer>.+</answer>", row["completion"][0]["content"]) for row in warm)
     asked = {row["prompt"][-1]["content"] for row in held_out}
     assert not asked & {row["prompt"][-1]["content"] for row in warm}
-    first_warm = demo._mixture_rows(settings, held_out)[len(train)]
-    assert warm[0]["prompt"] == first_warm["prompt"]  # the items after GRPO's
+    mixture = demo._mixture_rows(settings, held_out)
+    assert [r["prompt"] for r in warm] == [r["prompt"] for r in mixture[:12]]  # the mixture's first items
+    assert train == mixture[12:32]  # then GRPO's, so that a longer run extends a shorter one's rows
+    longer = demo.training_rows(demo.GymDemoSettings(eval_size=10, grpo_steps=8, sft_steps=3, sft_batch_size=4), held_out)
+    assert longer[:20] == train
 
 
 def test_the_example_tasks_file_is_the_demos_tasks():
