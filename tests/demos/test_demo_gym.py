@@ -5,13 +5,12 @@ import re
 from pathlib import Path
 
 import pytest
+from _factories import tiny_llama
 
 from treadle import tasks
 from treadle.cli import command as cli
 from treadle.cli.evaluate import task_spec
 from treadle.demos import gym as demo
-
-from _factories import tiny_llama
 
 
 def test_the_demo_tasks_are_five_valid_reasoning_gym_configs():
@@ -68,7 +67,8 @@ def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
     mixture = demo._mixture_rows(settings, held_out)
     assert [r["prompt"] for r in warm] == [r["prompt"] for r in mixture[:12]]  # the mixture's first items
     assert train == mixture[12:32]  # then GRPO's, so that a longer run extends a shorter one's rows
-    longer = demo.training_rows(demo.GymDemoSettings(eval_size=10, grpo_steps=8, sft_steps=3, sft_batch_size=4), held_out)
+    longer_run = demo.GymDemoSettings(eval_size=10, grpo_steps=8, sft_steps=3, sft_batch_size=4)
+    longer = demo.training_rows(longer_run, held_out)
     assert longer[:20] == train
 
 

@@ -1,7 +1,8 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
     treadle demo [--task addition|tools|distill|count|gym] [--model toy|smollm2] [--output-dir DIR] [--seed N]
-                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--lora-rank N] [--teacher-dir DIR] [--max_staleness N]
+                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--lora-rank N] [--teacher-dir DIR]
+                 [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR [--overwrite-output-dir]]
