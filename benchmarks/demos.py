@@ -4,6 +4,7 @@
         --kernels native,avx2,default --threads 1 --out DIR          # 1-7 min a run on 2 quiet cores
     python -m benchmarks.demos --variants addition --seeds 0 --kernels native,avx2,default --threads 1,2 --out DIR
     python -m benchmarks.demos --variants smollm2 --seeds 0,1,2 --threads 2 --parallel 1 --out DIR   # ~15 min a run
+    python -m benchmarks.demos --variants gym,gym-lora --seeds 0,1,2 --threads 2 --out DIR          # reasoning-gym
     .venv-vllm/bin/python -m benchmarks.demos --variants vllm --seeds 0,1,2 --out DIR
     python -m benchmarks.demos --table-only --out DIR                # the table of the runs already in DIR
     python -m benchmarks.demos --quick                               # addition and count, a few steps: it runs
@@ -20,7 +21,9 @@ run of the same seed, kernels and threads.
 
 The claims, each on every run: ``addition``, ``count``, ``async`` and ``vllm``: GRPO gains >= 10 points over the SFT
 warm start; ``tools``: >= 15 points over SFT and over the no-tool control; ``distill``: distillation reaches GRPO's
-final accuracy in less training time than GRPO took; ``smollm2``: GRPO gains >= 10 points over the pretrained model.
+final accuracy in less training time than GRPO took; ``smollm2``: GRPO gains >= 10 points over the pretrained model;
+``gym`` and ``gym-lora`` (a LoRA policy of rank 16): from the warm start, the mean held-out strict score gains >= 15
+points, the lenient >= 5, and at least 3 of the 5 tasks >= 5 strict.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import harness
+
+GYM_CLAIM = "GRPO >= +15 strict, >= +5 lenient, 3 tasks >= +5 strict, from the warm start"
+GYM_QUICK = ("--grpo-steps", "1", "--eval-size", "2")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ VARIANTS = {
     "async": Variant(("--task", "addition", "--max-staleness", "1"), "GRPO >= +10 points over SFT"),
     "vllm": Variant(("--task", "addition", "--use-vllm"), "GRPO >= +10 points over SFT"),
     "smollm2": Variant(("--model", "smollm2"), "GRPO >= +10 points over the pretrained model", ("--grpo-steps", "2")),
+    "gym": Variant(("--model", "smollm2", "--task", "gym"), GYM_CLAIM, GYM_QUICK),
+    "gym-lora": Variant(("--model", "smollm2", "--task", "gym", "--lora-rank", "16"), GYM_CLAIM, GYM_QUICK),
 }
 
 
@@ -99,6 +107,8 @@ def outcome(variant: str, folder: Path) -> dict:
     if variant == "distill":
         return distill_outcome(results)
     stages = {s["stage"]: s for s in results["stages"]}
+    if variant.startswith("gym"):
+        return gym_outcome(results["stages"])
     if variant == "tools":
         sft, grpo, control = stages["after SFT"], stages["GRPO + tool"], stages["no-tool ctrl"]
         gain = 100 * min(grpo["accuracy"] - sft["accuracy"], grpo["accuracy"] - control["accuracy"])
@@ -116,6 +126,25 @@ def outcome(variant: str, folder: Path) -> dict:
         "gain": gain,
         "met": gain >= 10,
         "detail": detail_of(variant, folder, results, start),
+    }
+
+
+def gym_outcome(stages: list[dict]) -> dict:
+    """The gym demo's claim, from the stage GRPO starts from (the one before "after GRPO") to its end: the mean
+    strict score gains >= 15 points, the mean lenient >= 5, and at least 3 tasks gain >= 5 strict."""
+    start, end = stages[-2], stages[-1]
+    strict = 100 * (end["mean"]["strict"] - start["mean"]["strict"])
+    lenient = 100 * (end["mean"]["lenient"] - start["mean"]["lenient"])
+    per_task = {n: 100 * (end["per_task"][n]["strict"] - t["strict"]) for n, t in start["per_task"].items()}
+    improved = sum(gain >= 5 for gain in per_task.values())
+    detail = f"lenient {lenient:+.1f}; " + ", ".join(f"{n} {g:+.0f}" for n, g in per_task.items())
+    met = strict >= 15 and lenient >= 5 and improved >= 3
+    return {
+        "start": start["mean"]["strict"],
+        "end": end["mean"]["strict"],
+        "gain": strict,
+        "met": met,
+        "detail": detail,
     }
 
 

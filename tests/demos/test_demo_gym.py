@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _factories import tiny_llama
 
 from treadle import tasks
 from treadle.cli import command as cli
@@ -63,9 +64,75 @@ def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
     assert all(re.fullmatch(r"<answer>.+</answer>", row["completion"][0]["content"]) for row in warm)
     asked = {row["prompt"][-1]["content"] for row in held_out}
     assert not asked & {row["prompt"][-1]["content"] for row in warm}
-    first_warm = demo._mixture_rows(settings, held_out)[len(train)]
-    assert warm[0]["prompt"] == first_warm["prompt"]  # the items after GRPO's
+    mixture = demo._mixture_rows(settings, held_out)
+    assert [r["prompt"] for r in warm] == [r["prompt"] for r in mixture[:12]]  # the mixture's first items
+    assert train == mixture[12:32]  # then GRPO's, so that a longer run extends a shorter one's rows
+    longer_run = demo.GymDemoSettings(eval_size=10, grpo_steps=8, sft_steps=3, sft_batch_size=4)
+    longer = demo.training_rows(longer_run, held_out)
+    assert longer[:20] == train
 
 
 def test_the_example_tasks_file_is_the_demos_tasks():
     assert task_spec(str(Path(__file__).resolve().parents[2] / "examples" / "gym-tasks.yaml")) == demo.DEMO_TASKS
+
+
+def test_a_one_step_warm_start_trains_at_its_rate_not_a_warm_up_rate(monkeypatch, tmp_path):
+    seen = []
+
+    class Recorder:
+        def __init__(self, model, args, **_):
+            seen.append(args)
+
+        def train(self):
+            pass
+
+    monkeypatch.setattr(demo, "SFTTrainer", Recorder)
+    settings = demo.GymDemoSettings(eval_size=2, sft_steps=1, sft_batch_size=2, grpo_steps=1)
+    demo.warm_start(None, None, settings, demo.heldout_rows(settings), tmp_path)
+    # transformers' warm-up makes step 1 of N warm-up steps a step at rate 0: a one-step warm start would not train
+    assert seen[0].max_steps == 1 and seen[0].warmup_steps == 0
+    assert seen[0].learning_rate == settings.sft_learning_rate
+
+
+def test_a_lora_policy_trains_adapters_alone_at_scaled_rates():
+    pytest.importorskip("peft")
+    settings = demo.GymDemoSettings(lora_rank=4, lora_rate_scale=10.0)
+    applied = settings.applied()
+    assert applied.learning_rate == pytest.approx(10 * settings.learning_rate)
+    assert applied.sft_learning_rate == pytest.approx(10 * settings.sft_learning_rate)
+    assert applied.applied() == applied  # applied once: the rates are not scaled again
+    assert demo.GymDemoSettings().applied() == demo.GymDemoSettings()
+    model = demo.policy(tiny_llama(), settings)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    with pytest.raises(ValueError, match="--lora-rank -1"):
+        demo.GymDemoSettings(lora_rank=-1)
+
+
+def test_the_command_line_hands_the_lora_rank_to_the_gym_demo_alone(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(demo, "run_gym_demo", lambda settings, out: calls.append(settings) or 0)
+    assert cli.main(["demo", "--model", "smollm2", "--task", "gym", "--lora-rank", "16", "--output-dir", "y"]) == 0
+    assert calls == [demo.GymDemoSettings(lora_rank=16)]
+    assert cli.main(["demo", "--model", "smollm2", "--lora-rank", "16"]) == 2
+    assert "--lora-rank has no use in --model smollm2" in capsys.readouterr().err
+
+
+def test_the_demo_matrix_judges_the_gym_claim_from_the_stage_grpo_starts_from():
+    from benchmarks.demos import gym_outcome
+
+    def stage(strict, lenient):
+        names = list(demo.DEMO_TASKS)
+        per_task = {n: {"strict": s, "lenient": lenient} for n, s in zip(names, strict, strict=True)}
+        return {"per_task": per_task, "mean": {"strict": sum(strict) / len(strict), "lenient": lenient}}
+
+    pretrained, warm = stage([0.0] * 5, 0.30), stage([0.1] * 5, 0.25)
+    short = gym_outcome([pretrained, warm, stage([0.3, 0.3, 0.3, 0.2, 0.1], 0.31)])
+    assert short["start"] == pytest.approx(0.1)  # the warm start, not the pretrained model
+    assert short["gain"] == pytest.approx(14) and not short["met"]  # the mean gains 14 strict points
+    enough = gym_outcome([pretrained, warm, stage([0.4, 0.4, 0.3, 0.1, 0.1], 0.31)])
+    assert enough["gain"] == pytest.approx(16) and enough["met"]
+    format_only = gym_outcome([pretrained, warm, stage([0.4, 0.4, 0.3, 0.1, 0.1], 0.29)])
+    assert not format_only["met"]  # lenient +4: the gain is the answer format's
+    two_tasks = gym_outcome([pretrained, warm, stage([0.6, 0.5, 0.1, 0.1, 0.1], 0.40)])
+    assert two_tasks["gain"] == pytest.approx(18) and not two_tasks["met"]  # 2 tasks moved

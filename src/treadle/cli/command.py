@@ -1,7 +1,8 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
     treadle demo [--task addition|tools|distill|count|gym] [--model toy|smollm2] [--output-dir DIR] [--seed N]
-                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--teacher-dir DIR] [--max_staleness N]
+                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--lora-rank N] [--teacher-dir DIR]
+                 [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
     treadle merge RUN_DIR [--output-dir DIR [--overwrite-output-dir]]
@@ -83,6 +84,7 @@ def _add_demo_command(commands) -> None:
     demo.add_argument("--sft-steps", type=int, help="at most this many SFT steps (tools: per attempt)")
     demo.add_argument("--grpo-steps", type=int, help="GRPO optimizer steps")
     demo.add_argument("--eval-size", type=int, help="held-out problems scored")
+    demo.add_argument("--lora-rank", type=int, help="gym: a LoRA policy of this rank (default: every weight trains)")
     demo.add_argument(
         "--teacher-dir", help="distill: the teacher's folder, reused when it holds one (default: RUN_FOLDER/teacher)"
     )
@@ -406,7 +408,7 @@ def run_demo(args: argparse.Namespace) -> int:
     keep_freed_memory()
     from treadle.demos import addition as demo  # heavy: torch, transformers
 
-    names = ("seed", "sft_steps", "grpo_steps", "eval_size", "teacher_dir", "use_vllm", "max_staleness")
+    names = ("seed", "sft_steps", "grpo_steps", "eval_size", "lora_rank", "teacher_dir", "use_vllm", "max_staleness")
     given = {name: getattr(args, name) for name in names if name in args}
     settings_class, run = demo.DemoSettings, demo.run_demo
     task = getattr(args, "task", None) or "addition"

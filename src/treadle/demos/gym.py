@@ -36,6 +36,7 @@ from treadle.demos import smollm2
 from treadle.demos.addition import sft_warm_start, start_demo
 from treadle.demos.real import demo_grpo_config
 from treadle.models import load_pretrained
+from treadle.peft import apply_peft, lora_config
 from treadle.record.plots import print_plots
 from treadle.text import eos_ids
 from treadle.trainers.grpo.trainer import GRPOTrainer
@@ -67,22 +68,38 @@ class GymDemoSettings:
     seed: int = 0  # the training mixture's items and order, and sampling (the held-out items are fixed)
     eval_size: int = 30  # held-out items per task, scored before, during and after
     grpo_steps: int = 20  # GRPO optimizer steps
-    learning_rate: float = 3e-5  # AdamW, constant
+    learning_rate: float = 2e-5  # AdamW, constant
     prompts_per_step: int = 4  # training items per step
     num_generations: int = 8  # G: completions per item
     max_completion_length: int = 48  # tokens, in training and in the held-out scores (the base table's)
     temperature: float = 1.0
     format_weight: float = 0.5  # the format reward's weight beside the strict score's 1
     # an SFT warm start on gold answers in the tag format before GRPO (0: none): the base model wrote the tag in none
-    # of 160 samples at temperature 1 (docs/tasks.md), so a format reward alone would have nothing to reward
-    sft_steps: int = 10
+    # of 160 samples at temperature 1 (docs/tasks.md), so a format reward alone would have nothing to reward. One step
+    # makes the tag appear in about a third of the replies and leaves the policy's entropy high; 10 steps made it
+    # near deterministic (entropy 0.02-0.19), and GRPO then found few groups with a signal (docs/tasks.md)
+    sft_steps: int = 1
     sft_learning_rate: float = 5e-5
     sft_batch_size: int = 8
     eval_every: int = 10  # GRPO steps between held-out scores
+    # a LoRA policy of this rank on every linear layer (0: every weight trains); the warm start and GRPO train the
+    # same adapters, at ``lora_rate_scale`` times the learning rates above (adapters start at zero and move slowly)
+    lora_rank: int = 0
+    lora_rate_scale: float = 10.0
 
     def __post_init__(self) -> None:
         if min(self.grpo_steps, self.eval_size, self.eval_every) < 1:
             raise ValueError("--grpo-steps and --eval-size must be >= 1")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank {self.lora_rank}: give a rank >= 1, or 0 to train every weight")
+
+    def applied(self) -> GymDemoSettings:
+        """These settings with the learning rates the run applies: scaled by ``lora_rate_scale`` for a LoRA policy."""
+        if not self.lora_rank:
+            return self
+        scale = self.lora_rate_scale
+        rates = dict(learning_rate=self.learning_rate * scale, sft_learning_rate=self.sft_learning_rate * scale)
+        return dataclasses.replace(self, lora_rate_scale=1.0, **rates)
 
 
 def demo_tasks() -> list[tasks.GymTask]:
@@ -99,15 +116,15 @@ def heldout_rows(settings: GymDemoSettings) -> list[dict]:
 
 
 def training_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
-    """The rows of GRPO's ``grpo_steps`` steps: reasoning-gym's weighted mixture of the tasks (seed ``seed``), every
-    held-out question left out."""
-    return _mixture_rows(settings, held_out)[: settings.prompts_per_step * settings.grpo_steps]
+    """The rows of GRPO's ``grpo_steps`` steps: reasoning-gym's weighted mixture of the tasks (seed ``seed``) after
+    the warm start's items, every held-out question left out; a run of more steps extends a shorter one's rows."""
+    first = settings.sft_steps * settings.sft_batch_size
+    return _mixture_rows(settings, held_out)[first : first + settings.prompts_per_step * settings.grpo_steps]
 
 
 def warm_start_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
-    """The SFT warm start's rows (``sft_steps`` > 0): mixture items after GRPO's, each gold answer in the tag."""
-    rows = _mixture_rows(settings, held_out)[settings.prompts_per_step * settings.grpo_steps :]
-    rows = rows[: settings.sft_steps * settings.sft_batch_size]
+    """The SFT warm start's rows (``sft_steps`` > 0): the mixture's first items, each gold answer in the tag."""
+    rows = _mixture_rows(settings, held_out)[: settings.sft_steps * settings.sft_batch_size]
     return [
         {"prompt": r["prompt"], "completion": [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
         for r in rows
@@ -125,7 +142,9 @@ def warm_start(model, tokenizer, settings: GymDemoSettings, held_out: list[dict]
     """SFT of ``model`` in place on gold answers in the tag format; returns its training seconds."""
     import datasets  # ~1 s to import
 
-    args = sft_warm_start(settings, output_dir, save_strategy="no", logging_steps=5, max_length=None)
+    args = sft_warm_start(  # no warm-up: with one step, a warm-up would make it a step at rate 0
+        settings, output_dir, save_strategy="no", logging_steps=5, max_length=None, warmup_steps=0
+    )
     rows = datasets.Dataset.from_list(warm_start_rows(settings, held_out))
     began = time.time()
     SFTTrainer(model, args, train_dataset=rows, processing_class=tokenizer).train()
@@ -156,6 +175,16 @@ def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, h
     )
 
 
+def policy(model, settings: GymDemoSettings):
+    """``model`` itself, or (``lora_rank`` > 0) ``model`` with LoRA adapters of that rank on every linear layer."""
+    if not settings.lora_rank:
+        return model
+    config = lora_config(
+        {"r": settings.lora_rank, "lora_alpha": 2 * settings.lora_rank, "target_modules": "all-linear"}
+    )
+    return apply_peft(model, config, seed=settings.seed)
+
+
 def stage(name: str, metrics: dict[str, float], step: int, seconds: float) -> dict:
     """One stage of results.json: per task its strict and lenient held-out scores, and their means over tasks."""
     per_task = {
@@ -169,8 +198,9 @@ def run_gym_demo(settings: GymDemoSettings, output_dir: str | None = None) -> in
     """GRPO of SmolLM2-135M-Instruct on the reasoning-gym mixture; print the per-task held-out table."""
     title = "treadle demo: GRPO of SmolLM2-135M-Instruct on 5 reasoning-gym tasks"
     out, start = start_demo("gym", output_dir, title, one_thread=False)  # its matmuls pay for every core
-    load_before = os.getloadavg()
+    load_before, given, settings = os.getloadavg(), settings, settings.applied()
     model, tokenizer = load_pretrained(smollm2.folder())
+    model = policy(model, settings)
     held_out = heldout_rows(settings)
     trainer = gym_trainer(settings, out / "grpo", model, tokenizer, held_out)
     stages = [stage("pretrained", trainer.evaluate(), 0, 0.0)]
@@ -187,8 +217,9 @@ def run_gym_demo(settings: GymDemoSettings, output_dir: str | None = None) -> in
         {"step": h["step"], **{s: h[f"eval_mean/{s}"] for s in STAGE_SCORES}} for h in evals
     ]
     record = {
-        "settings": dataclasses.asdict(settings),
-        "model": "SmolLM2-135M-Instruct",
+        "settings": dataclasses.asdict(given),
+        "learning_rates": {"grpo": settings.learning_rate, "warm_start": settings.sft_learning_rate},
+        "model": "SmolLM2-135M-Instruct" + (f" + LoRA rank {settings.lora_rank}" if settings.lora_rank else ""),
         "tasks": [{"name": t.name, "config": dict(t.config)} for t in demo_tasks()],
         "system_prompt": tasks.system_prompt_text(None),
         "heldout_items_per_task": settings.eval_size,

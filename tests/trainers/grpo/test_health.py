@@ -571,3 +571,16 @@ def test_join_rows_pads_prompts_left_and_completions_right():
     assert joined.generation.is_truncated.tolist() == [False, True, False]
     assert joined.generation.sampling_logps is None
     assert joined.prompts == ["p7", "p8", "p8"] and joined.columns == {"answer": [7, 8, 8]}
+
+
+def test_a_reward_of_weight_zero_is_left_out_of_the_constant_reward_check():
+    # the gym demo records reasoning-gym's lenient score and the tag rate at weight 0: once the tag is always
+    # written, the tag column is constant, which says nothing about the advantages (weight 0 by design)
+    rewards = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.5, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    total = rewards[:, 0] + rewards[:, 1]
+    truncated = torch.zeros(4, dtype=torch.bool)
+    names = ["strict", "format", "tag"]
+    weighted = generation_health(rewards, total, truncated, 2, names, torch.tensor([1.0, 1.0, 0.0]))
+    assert weighted.constant_rewards == {"strict": None, "format": 1.0}
+    unweighted = generation_health(rewards, total, truncated, 2, names)
+    assert unweighted.constant_rewards == {"strict": None, "format": 1.0, "tag": 1.0}

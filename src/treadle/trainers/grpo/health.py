@@ -91,14 +91,22 @@ def constant_values(rewards: torch.Tensor, names: list[str]) -> dict[str, float 
 
 
 def generation_health(
-    rewards: torch.Tensor, total: torch.Tensor, truncated: torch.Tensor, group: int, names: list[str]
+    rewards: torch.Tensor,
+    total: torch.Tensor,
+    truncated: torch.Tensor,
+    group: int,
+    names: list[str],
+    weights: torch.Tensor | None = None,
 ) -> GenerationHealth:
     """The health of one generation from every rank's rewards ``(W*N, F)``, their weighted total ``(W*N,)`` and
-    truncation flags ``(W*N,)``; ``group`` completions per prompt."""
+    truncation flags ``(W*N,)``; ``group`` completions per prompt. A reward of weight 0 (``weights``, ``(F,)``) is
+    only recorded: it is left out of the constant-reward check, as it adds nothing to the advantages by design."""
+    kept = [j for j in range(len(names)) if weights is None or float(weights[j]) != 0]
+    constant = constant_values(rewards[:, kept], [names[j] for j in kept])
     return GenerationHealth(
         zero_spread_fraction=float(zero_spread_groups(total, group).float().mean()),
         truncated_fraction=float(truncated.float().mean()),
-        constant_rewards=constant_values(rewards, names),
+        constant_rewards=constant,
         mean_reward=float(total.float().mean()) if total.numel() else 0.0,
     )
 

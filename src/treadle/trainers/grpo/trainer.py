@@ -260,6 +260,7 @@ class GRPOTrainer(OnPolicyTrainer):
                     dist.gather_rows(rollout.generation.is_truncated.cpu()),
                     args.num_generations,
                     names,
+                    self.reward_weights,
                 )
             )
         )
