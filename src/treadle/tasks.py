@@ -60,9 +60,10 @@ __all__ = [
 
 GYM_INSTALL = "pip install 'treadle[gym]'"
 EVAL_SEED_OFFSET = 10_000  # evaluation items draw from seed + 10,000: a mixture's task i draws from seed + i + 1
-ANSWER_PROMPT = (  # the default system prompt: short, as a 135M model reads it, and it names the tag
-    "Answer the question. Put only the final answer between <answer> and </answer> tags, e.g. <answer>42</answer>."
-)
+# the default system prompt: short, as a 135M model reads it, and it names the tag. No example answer: SmolLM2 copied
+# an example's number ("e.g. <answer>42</answer>") into a third to a half of its GRPO samples, a mode the format
+# reward paid for (docs/tasks.md)
+ANSWER_PROMPT = "Answer the question. Put only the final answer between <answer> and </answer> tags."
 # the rewards a config's reasoning-gym dataset trains on when it names none: the verifier, and the format with partial
 # credit (GRPO cannot find the tag from the strict score alone: a small model never writes it unasked)
 AUTO_REWARDS = ("treadle.tasks.reasoning_gym_score", "treadle.tasks.answer_format")

@@ -73,7 +73,10 @@ class GymDemoSettings:
     num_generations: int = 8  # G: completions per item
     max_completion_length: int = 48  # tokens, in training and in the held-out scores (the base table's)
     temperature: float = 1.0
-    format_weight: float = 0.5  # the format reward's weight beside the strict score's 1
+    format_weight: float = 0.5  # the format reward's weight beside the score's 1
+    # the verifier score GRPO trains on: "strict" (the tag's content) or "lenient" (an untagged reply's last number
+    # too: a right answer counts before the tag is learned); the other one is only recorded
+    trained_score: str = "strict"
     # an SFT warm start on gold answers in the tag format before GRPO (0: none): the base model wrote the tag in none
     # of 160 samples at temperature 1 (docs/tasks.md), so a format reward alone would have nothing to reward. One step
     # makes the tag appear in about a third of the replies and leaves the policy's entropy high; 10 steps made it
@@ -90,6 +93,8 @@ class GymDemoSettings:
     def __post_init__(self) -> None:
         if min(self.grpo_steps, self.eval_size, self.eval_every) < 1:
             raise ValueError("--grpo-steps and --eval-size must be >= 1")
+        if self.trained_score not in STAGE_SCORES:
+            raise ValueError(f"trained_score must be one of {STAGE_SCORES}, got {self.trained_score!r}")
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank {self.lora_rank}: give a rank >= 1, or 0 to train every weight")
 
@@ -156,11 +161,12 @@ def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, h
     import datasets  # ~1 s to import
 
     rewards = [tasks.reasoning_gym_score, tasks.answer_format, tasks.reasoning_gym_lenient, tasks.answer_tag]
+    strict = 1.0 if settings.trained_score == "strict" else 0.0
     args = demo_grpo_config(
         settings,
         output_dir,
         max_prompt_length=None,
-        reward_weights=[1.0, settings.format_weight, 0.0, 0.0],  # lenient and the tag rate are only recorded
+        reward_weights=[strict, settings.format_weight, 1.0 - strict, 0.0],  # the tag rate is only recorded
         eval_temperature=0.0,  # greedy
         per_device_eval_batch_size=50,
     )
