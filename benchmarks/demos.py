@@ -20,7 +20,8 @@ run of the same seed, kernels and threads.
 
 The claims, each on every run: ``addition``, ``count``, ``async`` and ``vllm``: GRPO gains >= 10 points over the SFT
 warm start; ``tools``: >= 15 points over SFT and over the no-tool control; ``distill``: distillation reaches GRPO's
-final accuracy in less training time than GRPO took; ``smollm2``: GRPO gains >= 10 points over the pretrained model.
+final accuracy in less training time than GRPO took; ``smollm2``, ``gemma3``: GRPO gains >= 10 points over the
+pretrained model.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ VARIANTS = {
     "async": Variant(("--task", "addition", "--max-staleness", "1"), "GRPO >= +10 points over SFT"),
     "vllm": Variant(("--task", "addition", "--use-vllm"), "GRPO >= +10 points over SFT"),
     "smollm2": Variant(("--model", "smollm2"), "GRPO >= +10 points over the pretrained model", ("--grpo-steps", "2")),
+    "gemma3": Variant(("--model", "gemma3"), "GRPO >= +10 points over the pretrained model", ("--grpo-steps", "2")),
 }
+REAL_MODEL_VARIANTS = ("smollm2", "gemma3")  # GRPO from the pretrained model, no SFT stage
 
 
 def run_recorded(argv: list[str], folder: Path, kernels: str, threads: int) -> dict:
@@ -107,7 +110,7 @@ def outcome(variant: str, folder: Path) -> dict:
             f" -> {grpo['right_call']:.0%}; control {control['accuracy']:.1%}"
         )
         return {"start": sft["accuracy"], "end": grpo["accuracy"], "gain": gain, "met": gain >= 15, "detail": detail}
-    start = stages["pretrained" if variant == "smollm2" else "after SFT"]
+    start = stages["pretrained" if variant in REAL_MODEL_VARIANTS else "after SFT"]
     end = stages["after GRPO"]
     gain = 100 * (end["accuracy"] - start["accuracy"])
     return {
@@ -121,7 +124,7 @@ def outcome(variant: str, folder: Path) -> dict:
 
 def detail_of(variant: str, folder: Path, results: dict, start: dict) -> str:
     """The curve of the real model's demo; the sampled pass@1 / pass@4 after GRPO of the toy ones; SFT's steps."""
-    if variant == "smollm2":
+    if variant in REAL_MODEL_VARIANTS:
         return "curve " + ", ".join(f"{p['accuracy']:.1%}" for p in results.get("grpo_curve", []))
     metrics = folder / "grpo" / "metrics.jsonl"
     events = (
