@@ -8,8 +8,8 @@ two-shot completion, scored on held-out problems before and after.
 2. scores it on ``eval_size`` held-out problems ``a + b`` (a from 10 to 99, b from 1 to 9; the pairs with
    (7a + b) % 5 == 0, 162 of them, are never trained on: ``demos.real.split_pairs``) with
    ``GRPOTrainer.evaluate()``: greedy, a problem is solved when the completion's number is the sum;
-3. GRPO from there, as the SmolLM2 demo (``demos.real``: ``demo_grpo_config``, the reward ``last_number_is_sum``, the
-   results and plots), no reference model.
+3. GRPO from there, as the SmolLM2 demo (``demos.real``: ``demo_grpo_config``, the run, its results and plots), no
+   reference model, at a tenth of its learning rate: at 1e-5 three AdamW steps take the model from 52.5% to 0.6%.
 
 A base model has no chat template and does not answer questions: it continues text. So each prompt is plain text, two
 solved problems then the question (``prompt``), and a completion ends at the newline: for the demo the tokenizer's
