@@ -1,7 +1,7 @@
 """The ``treadle`` command (also ``python -m treadle``)::
 
-    treadle demo [--task addition|tools|distill|count|gym] [--model toy|smollm2] [--output-dir DIR] [--seed N]
-                 [--sft-steps N] [--grpo-steps N] [--eval-size N] [--lora-rank N] [--teacher-dir DIR]
+    treadle demo [--task addition|tools|distill|count|gym] [--model toy|smollm2|gemma3] [--output-dir DIR]
+                 [--seed N] [--sft-steps N] [--grpo-steps N] [--eval-size N] [--lora-rank N] [--teacher-dir DIR]
                  [--max_staleness N]
     treadle train CONFIG.yaml [--resume [CHECKPOINT | auto]] [--key value ...]
     treadle report RUN_DIR [RUN_DIR ...] [--output-dir DIR]
@@ -11,7 +11,8 @@
     (any command: --debug, or TREADLE_DEBUG=1, shows the traceback of an error)
 
 ``demo`` (treadle.demos.addition): SFT then GRPO of a toy model, scored on held-out problems; ``--model smollm2``
-(treadle.demos.real): GRPO of the real SmolLM2-135M-Instruct on addition chats. ``train`` runs one
+(treadle.demos.real): GRPO of the real SmolLM2-135M-Instruct on addition chats; ``--model gemma3``
+(treadle.demos.gemma): GRPO of the base model Gemma 3 270M on two-shot addition. ``train`` runs one
 trainer: the keys ``trainer``, ``model``, ``dataset``, ``eval_dataset``, ``reward_funcs`` and ``peft`` (a LoRA mapping)
 say what to train, every other key is a field of the trainer's config (read by ``TrainingArguments.from_mapping``;
 ``--key value`` overrides one). ``report`` redraws the plots of a run folder, writes its report.html and prints a
@@ -104,9 +105,10 @@ def _add_demo_command(commands) -> None:
     )
     demo.add_argument(
         "--model",
-        choices=("toy", "smollm2"),
+        choices=("toy", "smollm2", "gemma3"),
         help="toy (default): a tiny model trained from scratch; smollm2: GRPO of the real SmolLM2-135M-Instruct "
-        "on addition chats (about 15 minutes on 2 cores)",
+        "on addition chats (about 15 minutes on 2 cores); gemma3: GRPO of the base model Gemma 3 270M on two-shot "
+        "addition",
     )
 
 
@@ -425,16 +427,9 @@ def run_demo(args: argparse.Namespace) -> int:
 
         settings_class, run = demo_count.CountDemoSettings, demo_count.run_count_demo
     where = f"--task {task}"
-    if getattr(args, "model", "toy") == "smollm2":
-        if task not in ("addition", "gym"):
-            raise UserError(
-                f"--model smollm2 runs the addition demo, not --task {task}; leave --task out (or --task gym)"
-            )
-        from treadle.demos import gym as demo_gym, real as demo_real  # heavy, as above
-
-        settings_class, run, where = demo_real.RealDemoSettings, demo_real.run_real_demo, "--model smollm2"
-        if task == "gym":
-            settings_class, run, where = demo_gym.GymDemoSettings, demo_gym.run_gym_demo, "--task gym"
+    model = getattr(args, "model", None) or "toy"
+    if model != "toy":
+        settings_class, run, where = _real_model_demo(model, task)
     elif task == "gym":
         raise UserError("--task gym trains the real model: add --model smollm2")
     for name in given:  # e.g. --sft-steps: the smollm2 demo has no SFT stage
@@ -448,10 +443,27 @@ def run_demo(args: argparse.Namespace) -> int:
         settings = settings_class(**given)
     except ValueError as error:
         raise UserError(str(error)) from None
-    name = "smollm2" if where == "--model smollm2" else "" if task == "addition" else task
+    name = where.removeprefix("--model ") if where.startswith("--model") else "" if task == "addition" else task
     folder = demo.demo_folder(name, args.output_dir)
     with claim_demo_folder(str(folder)) as output_dir:  # before the demo writes anything: one demo a folder
         return run(settings, output_dir)
+
+
+def _real_model_demo(model: str, task: str):
+    """The settings class, the run function and the flag that names them of ``--model smollm2|gemma3``'s demo."""
+    if model == "gemma3":
+        if task != "addition":
+            raise UserError(f"--model gemma3 runs the addition demo, not --task {task}; leave --task out")
+        from treadle.demos import gemma as demo_gemma  # heavy: torch, transformers
+
+        return demo_gemma.GemmaDemoSettings, demo_gemma.run_gemma_demo, "--model gemma3"
+    if task not in ("addition", "gym"):
+        raise UserError(f"--model smollm2 runs the addition demo, not --task {task}; leave --task out (or --task gym)")
+    from treadle.demos import gym as demo_gym, real as demo_real  # heavy, as above
+
+    if task == "gym":
+        return demo_gym.GymDemoSettings, demo_gym.run_gym_demo, "--task gym"
+    return demo_real.RealDemoSettings, demo_real.run_real_demo, "--model smollm2"
 
 
 if __name__ == "__main__":  # pragma: no cover

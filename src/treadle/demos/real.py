@@ -59,12 +59,20 @@ class RealDemoSettings:
 SPLITS = ("train", "test")  # the held-out chats are "test"'s; any other name is refused, never taken as "train"
 
 
-def split_pairs(split: str) -> list[tuple[int, int]]:
-    """The operand pairs of ``split``: "test" holds the fifth with (7a + b) % 5 == 0, "train" the rest. Another
-    name (``"validation"``, ``"Test"``) is refused (ValueError, one line)."""
+def split_pairs(split: str, second: range = range(10, 100)) -> list[tuple[int, int]]:
+    """The operand pairs (a, b) of ``split``, a from 10 to 99 and b from ``second`` (2 digits, or 1 for the Gemma
+    demo's): "test" holds those with (7a + b) % 5 == 0 (a fifth of 2-digit pairs), "train" the rest. Another name
+    (``"validation"``, ``"Test"``) is refused (ValueError, one line)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; the real demo's chats have the splits {' and '.join(SPLITS)}")
-    return [(a, b) for a in range(10, 100) for b in range(10, 100) if ((a * 7 + b) % 5 == 0) == (split == "test")]
+    return [(a, b) for a in range(10, 100) for b in second if ((a * 7 + b) % 5 == 0) == (split == "test")]
+
+
+def ordered_pairs(split: str, n: int, seed: int, second: range = range(10, 100)) -> list[tuple[int, int]]:
+    """``n`` pairs of the split in the seed's order, distinct up to the split's size (then they repeat)."""
+    pairs = split_pairs(split, second)
+    random.Random(f"{split}-{seed}").shuffle(pairs)
+    return [pairs[i % len(pairs)] for i in range(n)]
 
 
 HELD_OUT = len(split_pairs("test"))  # 1,620 pairs
@@ -74,11 +82,8 @@ def chats(split: str, n: int, seed: int) -> list[dict]:
     """``n`` addition chats of the split ("train" or "test") in the seed's order, distinct up to the split's size
     (then they repeat); rows hold the chat (``prompt``) and the sum as text (``answer``), which the reward function
     receives."""
-    pairs = split_pairs(split)
-    random.Random(f"{split}-{seed}").shuffle(pairs)
     rows = []
-    for i in range(n):
-        a, b = pairs[i % len(pairs)]
+    for a, b in ordered_pairs(split, n, seed):
         prompt = [{"role": "user", "content": f"What is {a} + {b}? Reply with just the number."}]
         rows.append({"prompt": prompt, "answer": str(a + b)})
     return rows
@@ -139,16 +144,28 @@ def run_real_demo(settings: RealDemoSettings, output_dir: str | None = None) -> 
     real_models.check_available("smollm2")  # a missing wheel is one line, before the run folder is claimed
     out, start = start_demo("smollm2", output_dir, title, one_thread=False)  # its matmuls pay for every core
     trainer = real_trainer(settings, out / "grpo")
+    curve, seconds = score_and_train(trainer)
+    return finish_real_demo(trainer, "smollm2", settings, out, start, curve, seconds)
+
+
+def score_and_train(trainer: GRPOTrainer) -> tuple[list[tuple[int, float]], float]:
+    """A real-model demo's GRPO: the held-out score of the pretrained model, then training, which scores every
+    ``eval_every`` steps; (the curve [(step, held-out greedy accuracy)], the training seconds, scores included)."""
     curve = [(0, trainer.evaluate()[ACCURACY])]
     began = time.time()
     trainer.train()
-    seconds = time.time() - began  # training time, the held-out scores on the way included
+    seconds = time.time() - began
     curve += [(h["step"], h[ACCURACY]) for h in trainer.state.log_history if ACCURACY in h]
+    return curve, seconds
+
+
+def finish_real_demo(trainer: GRPOTrainer, key: str, settings, out: Path, start: float, curve, seconds: float) -> int:
+    """A real-model demo's end: the trained model saved in ``grpo/final``, results.json, the plots, the curve and the
+    before/after table printed."""
     trainer.save_model(str(out / "grpo" / "final"))
     rows = [("pretrained", curve[0][1], 0, 0.0), ("after GRPO", curve[-1][1], trainer.state.global_step, seconds)]
-    write_results(
-        out, settings, rows, start, curve=curve, model="SmolLM2-135M-Instruct", heldout_problems=settings.eval_size
-    )
+    name = real_models.model(key).name
+    write_results(out, settings, rows, start, curve=curve, model=name, heldout_problems=settings.eval_size)
     print_plots(out / "grpo")
     print("held-out greedy accuracy over GRPO steps: " + ", ".join(f"{s}: {a:.1%}" for s, a in curve))
     print(results_table(rows, settings.eval_size))
