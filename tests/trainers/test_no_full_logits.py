@@ -25,7 +25,7 @@ from treadle.logprobs import logsoftmax, prefix, tokens
 from treadle.logprobs.tokens import SMALL_LOGITS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-VOCAB = 65_536  # large against everything else: hidden 64, 2 layers, about 40 tokens a row
+VOCAB = 65_536  # large against everything else: hidden 64, 2 layers, rows of about 85 tokens
 CHUNK = 8  # rows per chunk of the LM head's logits in these steps (logsoftmax.CHUNK_LOGITS set to CHUNK x VOCAB)
 SEQUENCES = 8  # the most rows of one forward here (GRPO / distillation: 2 prompts x 4; DPO: 2 pairs; KTO 4 + 4 KL)
 ALLOWED = max(CHUNK, SEQUENCES)  # a whole batch's logits: 96 rows (GRPO's 8 x 12 completion tokens) or more
