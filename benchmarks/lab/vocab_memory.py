@@ -16,7 +16,7 @@ the seconds of the warm-up step (the one-time checks, the first allocations) and
 sampling included for GRPO and distillation), the process's RSS once the model(s) are loaded and its peak (VmHWM) at
 the end. The optimizer is SGD, so that the peak is the model, its gradients and the step's activations and logits, not
 an optimizer's moments (AdamW adds 8 bytes per parameter: 1.0 GiB for SmolLM2, 2.0 GiB for Gemma 3). Work per step,
-the same on both paths: SFT 8 text rows of about 120 tokens; DPO 4 pairs (8 sequences); KTO 8 rows (and their 8 KL
+the same on both paths: SFT 8 text rows of about 100 tokens; DPO 4 pairs (8 sequences); KTO 8 rows (and their 8 KL
 rows); reward 4 pairs; GRPO 2 prompts x 4 completions x 32 new tokens (beta 0); distillation 2 prompts x 4 completions
 x 32 new tokens, the teacher a second copy of the model.
 """
