@@ -201,7 +201,7 @@ def test_each_log_prob_option_is_declared_once_and_mixed_into_the_configs_that_t
     options = {
         PaddingFreeOption: ("padding_free", True),
         SharedPrefixOption: ("shared_prefix", True),
-        LogprobChunkOption: ("logprob_chunk_size", 1024),
+        LogprobChunkOption: ("logprob_chunk_size", None),  # None: rows from the vocabulary (logprobs.chunk_rows)
     }  # TRL's names and treadle's defaults
     takes = {
         DPOConfig: set(options),

@@ -396,12 +396,15 @@ class LogprobChunkOption:
     """``logprob_chunk_size``: DPO, KTO (``logprobs.token_logps``), distillation (through both LM heads,
     ``losses.chunked_generalized_jsd``)."""
 
-    logprob_chunk_size: int = 1024  # positions per chunk through the LM head: a smaller chunk holds fewer logits
+    # None: 1,024 rows, fewer beyond a 49k vocabulary (192 at 262k): at most 50,331,648 logits (logprobs.chunk_rows)
+    logprob_chunk_size: int | None = None  # positions per chunk through the LM head: fewer hold fewer logits (192 MiB)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the TrainingArguments this is mixed into: its checks (and types) first
-        if self.logprob_chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be >= 1 (typical 1024), got {self.logprob_chunk_size}")
+        if self.logprob_chunk_size is not None and self.logprob_chunk_size < 1:
+            raise ValueError(
+                f"logprob_chunk_size must be >= 1 or None (the vocabulary's default), got {self.logprob_chunk_size}"
+            )
 
 
 # --- from_mapping's type rules ------------------------------------------------------------------------------

@@ -8,12 +8,13 @@ treadle; this file only re-exports the public names for users, tests and benchma
 - ``logprobs.prefix``: shared-prefix forwards (each group's prompt once, its completions after it under a 4D mask).
 """
 
-from treadle.logprobs.logsoftmax import chunked_token_logps, selective_log_softmax
+from treadle.logprobs.logsoftmax import chunk_rows, chunked_token_logps, selective_log_softmax
 from treadle.logprobs.prefix import prompt_first_layout, shared_prefix_logps
 from treadle.logprobs.tokens import TokenLogps, hidden_states_and_head, token_logps
 
 __all__ = [
     "TokenLogps",
+    "chunk_rows",
     "chunked_token_logps",
     "hidden_states_and_head",
     "prompt_first_layout",

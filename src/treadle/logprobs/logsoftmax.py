@@ -6,6 +6,9 @@
   never building the ``[B, T, V]`` logits at once (the backward pass recomputes each chunk; on CPU, up to 1 GiB of
   logits, it keeps them from the forward pass instead).
 
+The hidden-state kernels' default chunk (:func:`chunk_rows`) is 1,024 rows up to a 49,152-token vocabulary and
+``CHUNK_LOGITS`` logits beyond it, so that no default chunk of a larger vocabulary costs more memory than SmolLM2's.
+
 Pure tensor functions (custom autograd), tested against ``log_softmax(...).gather`` in tests/test_logprobs.py.
 """
 
@@ -19,6 +22,25 @@ IGNORE_INDEX = -100
 # chunked_token_logps keeps its logits for the backward pass up to this size on CPU (keeps_logits): 1 GiB holds
 # 4,096 rows of a 64k vocabulary, a GRPO step's completions for a small model
 KEEP_LOGITS_BYTES = 1 << 30
+# The default chunk of the hidden-state kernels: CHUNK_ROWS rows, and at most CHUNK_LOGITS logits (rows x V), the
+# 192 MiB of float32 of 1,024 rows of SmolLM2's 49,152-token vocabulary. Up to that vocabulary every model keeps the
+# 1,024 rows it had; Gemma 3's 262,144 get 192, where 1,024 rows would be a 1 GiB block (docs/models.md measures it)
+CHUNK_ROWS = 1024
+CHUNK_LOGITS = CHUNK_ROWS * 49152
+
+
+def chunk_rows(vocab: int, chunk_size: int | None = None) -> int:
+    """Rows per chunk of a ``vocab``-wide LM head's logits: ``chunk_size`` where given (the user's
+    ``logprob_chunk_size``), else ``CHUNK_ROWS`` (1,024) cut to ``CHUNK_LOGITS // vocab`` (at least 1).
+
+    >>> chunk_rows(103), chunk_rows(49152), chunk_rows(151936), chunk_rows(262144), chunk_rows(262144, 64)
+    (1024, 1024, 331, 192, 64)
+    """
+    if chunk_size is None:
+        return max(1, min(CHUNK_ROWS, CHUNK_LOGITS // vocab))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
 
 
 # ------------------------------------------------------------------------------ selective log-softmax
@@ -129,7 +151,7 @@ def chunked_token_logps(
     *,
     bias: Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs of ``labels`` under ``softmax((hidden @ weight.T + bias) / temperature)``, chunked.
@@ -138,10 +160,11 @@ def chunked_token_logps(
         hidden: ``(N, H)`` final hidden states (after the last norm).
         weight: ``(V, H)`` the LM head weight; ``bias``: ``(V,)`` or None.
         labels: ``(N,)`` token ids; ``-100`` gives log-prob 0 and no gradient.
-        chunk_size: rows per chunk; the extra memory is one float32 ``(chunk_size, V)`` buffer (two with
-            ``return_entropy``, and a bf16 copy in the backward pass for bf16 inputs), plus, on CPU, the whole
-            ``(N, V)`` float32 logits kept for the backward pass when they fit in ``KEEP_LOGITS_BYTES`` (1 GiB):
-            the backward pass then needs no second head matmul (``keeps_logits``).
+        chunk_size: rows per chunk (None: :func:`chunk_rows`' default for V); the extra memory is one
+            float32 ``(chunk_size, V)`` buffer (two with ``return_entropy``, and a bf16 copy in the backward pass for
+            bf16 inputs), plus, on CPU, the whole ``(N, V)`` float32 logits kept for the backward pass when they
+            fit in ``KEEP_LOGITS_BYTES`` (1 GiB): the backward pass then needs no second head matmul
+            (``keeps_logits``).
         return_entropy: also return the entropy of each row's distribution (detached; computed for
             every row, the caller masks).
 
@@ -158,8 +181,7 @@ def chunked_token_logps(
         raise ValueError(f"need hidden (N, H) and weight (V, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be (N,) = {tuple(hidden.shape[:1])}, got {tuple(labels.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = chunk_rows(weight.shape[0], chunk_size)
     check_temperature(temperature)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -176,7 +198,7 @@ def chunked_token_logps(
 
 
 def chunked_nll(
-    hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None, chunk_size: int = 1024
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None, chunk_size: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """SFT's loss terms from final hidden states, chunked as :func:`chunked_token_logps` (temperature 1): the
     summed negative log-likelihood of ``labels`` ``(N,)`` (``-100`` rows add nothing) and, detached, how many
@@ -197,7 +219,7 @@ def chunked_nll(
     if not torch.is_grad_enabled():  # needs_input_grad ignores no_grad: detached, the kernel does no gradient work
         hidden, weight, bias = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
     with torch.autocast(device_type, enabled=False):
-        return _ChunkedNLL.apply(hidden, weight, bias, labels, chunk_size)
+        return _ChunkedNLL.apply(hidden, weight, bias, labels, chunk_rows(weight.shape[0], chunk_size))
 
 
 class _ChunkedNLL(torch.autograd.Function):

@@ -369,7 +369,7 @@ def shared_prefix_logps(
     *,
     prompt_width: int,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     return_entropy: bool = False,
     return_mean_logits: bool = False,
 ) -> TokenLogps | None:

@@ -46,6 +46,7 @@ from treadle.logprobs.logsoftmax import (
     IGNORE_INDEX,
     as_blocks,
     check_temperature,
+    chunk_rows,
     chunked_token_logps,
     row_chunks,
     selective_log_softmax,
@@ -104,7 +105,7 @@ def token_logps(
     *,
     temperature: float = 1.0,
     start: int = 0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     return_entropy: bool = False,
     return_mean_logits: bool = False,
     padding_free: bool = False,
@@ -119,7 +120,8 @@ def token_logps(
         temperature: divides the logits (use the sampling temperature for GRPO's log-probs).
         start: skip the first ``start`` predictions; the result covers targets ``input_ids[:, start+1:]``
             (e.g. ``start = prompt_length - 1`` for completion tokens only). ``0 <= start < T - 1``.
-        chunk_size: rows per chunk of :func:`chunked_token_logps`. At most ``chunk_size`` rows with at most
+        chunk_size: rows per chunk of :func:`chunked_token_logps` (None: ``logsoftmax.chunk_rows``' default, a
+            fixed number of logits whatever the vocabulary). At most ``chunk_size`` rows with at most
             ``SMALL_LOGITS`` logits in all are computed in one piece through plain autograd instead.
         return_entropy: also return the per-position entropy (detached).
         return_mean_logits: also return the per-position mean logit over the vocabulary (detached), taken
@@ -171,10 +173,17 @@ def token_logps(
 
 
 def _hidden_token_logps(
-    hidden: Tensor, head: nn.Linear, labels: Tensor, temperature: float, chunk_size: int, return_entropy: bool
+    hidden: Tensor,
+    head: nn.Linear,
+    labels: Tensor,
+    temperature: float,
+    chunk_size: int | None,
+    return_entropy: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """``(N, H)`` final hidden states and ``(N,)`` labels -> ``(N,)`` log-probs (and entropies): in one piece
-    (``_small_token_logps``) up to ``chunk_size`` rows and ``SMALL_LOGITS`` logits, else chunked."""
+    (``_small_token_logps``) up to ``chunk_size`` rows (None: ``chunk_rows``' default) and ``SMALL_LOGITS`` logits,
+    else chunked."""
+    chunk_size = chunk_rows(head.weight.shape[0], chunk_size)
     rows = labels.numel()
     if rows <= chunk_size and rows * head.weight.shape[0] <= SMALL_LOGITS:
         return _small_token_logps(hidden, head, labels, temperature, return_entropy)

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from treadle.logprobs.logsoftmax import chunk_rows
+
 
 def check_distill_options(beta: float, temperature: float) -> None:
     """ValueError, naming the fix, for ``beta`` outside [0, 1] or a non-positive temperature."""
@@ -87,12 +89,13 @@ def chunked_generalized_jsd(
     teacher_bias: Tensor | None = None,
     beta: float = 0.5,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
 ) -> Tensor:
     """``generalized_jsd`` per row ``(N,)`` from final hidden states ``(N, H_s)`` / ``(N, H_t)`` and each model's
-    LM head ``(V, H)``, ``chunk_size`` rows at a time: each chunk's logits are built inside an activation checkpoint
-    (the teacher's without gradient) and rebuilt in the backward pass, so at most one chunk of each
-    model's ``[chunk_size, V]`` logits (and their float32 softmaxes) is alive at once.
+    LM head ``(V, H)``, ``chunk_size`` rows at a time (None: ``logprobs.logsoftmax.chunk_rows``' default, a fixed
+    number of logits whatever the vocabulary): each chunk's logits are built inside an activation checkpoint (the
+    teacher's without gradient) and rebuilt in the backward pass, so at most one chunk of each model's
+    ``[chunk_size, V]`` logits (and their float32 softmaxes) is alive at once.
     """
     check_distill_options(beta, temperature)
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
@@ -100,8 +103,7 @@ def chunked_generalized_jsd(
             f"student and teacher hidden states must have the same rows, got "
             f"{student_hidden.shape[0]} and {teacher_hidden.shape[0]}"
         )
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = chunk_rows(student_weight.shape[0], chunk_size)
     pieces = []
     teacher_hidden = teacher_hidden.detach()
     for s in range(0, student_hidden.shape[0], chunk_size):
