@@ -31,7 +31,7 @@ from pathlib import Path
 from treadle.demos import real_models
 from treadle.demos.addition import start_demo
 from treadle.demos.real import (
-    demo_grpo_config,
+    addition_trainer,
     finish_real_demo,
     last_number_is_sum,
     ordered_pairs,
@@ -97,15 +97,7 @@ def first_line_is_sum(completions, answer, **_) -> list[float]:
 
 def gemma_trainer(settings: GemmaDemoSettings, output_dir: Path, model, tokenizer) -> GRPOTrainer:
     """The demo's GRPOTrainer: ``model``, the training problems of the seed, the held-out problems to score."""
-    args = demo_grpo_config(settings, output_dir, eval_greedy=True, per_device_eval_batch_size=100)
-    return GRPOTrainer(
-        model,
-        reward_funcs=first_line_is_sum,
-        args=args,
-        processing_class=tokenizer,
-        train_dataset=problems("train", settings.prompts_per_step * settings.grpo_steps, settings.seed),
-        eval_dataset=problems("test", settings.eval_size, 0),  # the same held-out problems for every seed
-    )
+    return addition_trainer(settings, output_dir, model, tokenizer, first_line_is_sum, problems)
 
 
 def run_gemma_demo(settings: GemmaDemoSettings, output_dir: str | None = None) -> int:

@@ -127,14 +127,21 @@ def demo_grpo_config(settings, output_dir: Path, **keys) -> GRPOConfig:
 def real_trainer(settings: RealDemoSettings, output_dir: Path) -> GRPOTrainer:
     """The demo's GRPOTrainer: the pretrained model, the training chats of the seed, the held-out chats to score."""
     model, tokenizer = load_pretrained(smollm2.folder())
+    return addition_trainer(settings, output_dir, model, tokenizer, last_number_is_sum, chats)
+
+
+def addition_trainer(settings, output_dir: Path, model, tokenizer, reward, rows) -> GRPOTrainer:
+    """A real model's addition demo's GRPOTrainer (SmolLM2's, Gemma 3's): ``rows(split, n, seed)`` gives the
+    training rows of the seed and the held-out rows to score greedily (the same for every seed), ``reward`` scores
+    the completions."""
     args = demo_grpo_config(settings, output_dir, eval_greedy=True, per_device_eval_batch_size=100)
     return GRPOTrainer(
         model,
-        reward_funcs=last_number_is_sum,
+        reward_funcs=reward,
         args=args,
         processing_class=tokenizer,
-        train_dataset=chats("train", settings.prompts_per_step * settings.grpo_steps, settings.seed),
-        eval_dataset=chats("test", settings.eval_size, 0),  # the same held-out chats for every seed
+        train_dataset=rows("train", settings.prompts_per_step * settings.grpo_steps, settings.seed),
+        eval_dataset=rows("test", settings.eval_size, 0),  # the same held-out rows for every seed
     )
 
 
