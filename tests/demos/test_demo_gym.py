@@ -1,6 +1,7 @@
 """``treadle demo --model smollm2 --task gym`` without the real model: its tasks, held-out and training rows, the
 stages of results.json and the command line (the run itself: tests/real/test_real_gym_demo.py)."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from treadle import tasks
 from treadle.cli import command as cli
 from treadle.cli.evaluate import task_spec
 from treadle.demos import gym as demo
+from treadle.generation.single import GenerationOutput
 
 
 def test_the_demo_tasks_are_five_valid_reasoning_gym_configs():
@@ -70,6 +72,73 @@ def test_the_warm_start_shows_gold_answers_in_the_tag_on_other_items():
     longer_run = demo.GymDemoSettings(eval_size=10, grpo_steps=8, sft_steps=3, sft_batch_size=4)
     longer = demo.training_rows(longer_run, held_out)
     assert longer[:20] == train
+
+
+def test_the_own_warm_start_keeps_the_models_right_replies_and_appends_the_tag(monkeypatch):
+    import torch
+
+    settings = demo.GymDemoSettings(
+        eval_size=4, grpo_steps=2, warm_start="own", warm_start_pool=3, warm_start_samples=2
+    )
+    held_out = demo.heldout_rows(settings)
+    mixture = demo._mixture_rows(settings, held_out)
+    gold = [row["answer"] for row in mixture[:3]]
+    texts = [  # item 0: wrong, then right; item 1: right but cut at the token limit, then wrong; item 2: right twice
+        "I do not know",
+        f"so it is {gold[0]}. ",
+        f"it is {gold[1]}",
+        "no idea",
+        f"{gold[2]}",
+        f"first {gold[2]}",
+    ]
+    sampled = []
+
+    def sample(model, prompts, **options):
+        sampled.append((prompts, options))
+        n = len(texts)
+        return GenerationOutput(
+            prompt_ids=torch.zeros(n, 1, dtype=torch.long),
+            prompt_mask=torch.ones(n, 1, dtype=torch.long),
+            completion_ids=torch.arange(n).unsqueeze(1),
+            completion_mask=torch.ones(n, 1, dtype=torch.long),
+            is_truncated=torch.tensor([False, False, True, False, False, False]),
+        )
+
+    class Tokenizer:
+        eos_token_id, pad_token_id = 2, 0
+
+        def __call__(self, text, **_):
+            return type("Encoding", (), {"input_ids": [1]})()
+
+        def decode(self, ids, **_):
+            return texts[int(ids[0])]
+
+    monkeypatch.setattr(demo, "generate_completions", sample)
+    monkeypatch.setattr(demo, "render_chat_prompt", lambda tokenizer, messages: "prompt")
+    rows = demo.own_warm_start_rows(None, Tokenizer(), settings, held_out)
+    assert [r["prompt"] for r in rows] == [mixture[0]["prompt"], mixture[2]["prompt"]]
+    replies = [r["completion"][0]["content"] for r in rows]
+    assert replies == [f"so it is {gold[0]}.\n<answer>{gold[0]}</answer>", f"{gold[2]}\n<answer>{gold[2]}</answer>"]
+    assert len(sampled[0][0]) == 3 and sampled[0][1]["num_generations"] == 2 and sampled[0][1]["do_sample"]
+    assert demo.training_rows(settings, held_out) == mixture[3:11]  # GRPO's rows come after the sampled pool
+    fewer = demo.own_warm_start_rows(None, Tokenizer(), dataclasses.replace(settings, sft_batch_size=1), held_out)
+    assert fewer == rows[:1]  # at most sft_steps x sft_batch_size rows
+    with pytest.raises(ValueError, match="warm_start must be one of"):
+        demo.GymDemoSettings(warm_start="both")
+
+
+def test_the_trained_score_picks_the_reward_weights():
+    weights = {
+        name: demo.reward_weights(demo.GymDemoSettings(trained_score=name, format_weight=0.25))
+        for name in ("strict", "lenient", "both")
+    }
+    assert weights == {
+        "strict": [1.0, 0.25, 0.0, 0.0],
+        "lenient": [0.0, 0.25, 1.0, 0.0],
+        "both": [1.0, 0.25, 1.0, 0.0],
+    }
+    with pytest.raises(ValueError, match="trained_score must be one of"):
+        demo.GymDemoSettings(trained_score="tag")
 
 
 def test_the_example_tasks_file_is_the_demos_tasks():

@@ -35,10 +35,11 @@ from treadle import tasks
 from treadle.demos import smollm2
 from treadle.demos.addition import sft_warm_start, start_demo
 from treadle.demos.real import demo_grpo_config
+from treadle.generation.single import generate_completions
 from treadle.models import load_pretrained
 from treadle.peft import apply_peft, lora_config
 from treadle.record.plots import print_plots
-from treadle.text import eos_ids
+from treadle.text import eos_ids, render_chat_prompt
 from treadle.trainers.grpo.trainer import GRPOTrainer
 from treadle.trainers.sft import SFTTrainer
 
@@ -59,6 +60,8 @@ DEMO_TASKS = {
     "letter_counting": {"min_words": 3, "max_words": 5},
 }
 STAGE_SCORES = ("strict", "lenient")
+WARM_STARTS = ("gold", "own")
+TRAINED_SCORES = (*STAGE_SCORES, "both")
 
 
 @dataclasses.dataclass
@@ -74,8 +77,9 @@ class GymDemoSettings:
     max_completion_length: int = 48  # tokens, in training and in the held-out scores (the base table's)
     temperature: float = 1.0
     format_weight: float = 0.5  # the format reward's weight beside the score's 1
-    # the verifier score GRPO trains on: "strict" (the tag's content) or "lenient" (an untagged reply's last number
-    # too: a right answer counts before the tag is learned); the other one is only recorded
+    # the verifier score GRPO trains on: "strict" (the tag's content), "lenient" (an untagged reply's last number
+    # too: a right answer counts before the tag is learned) or "both" (their sum: a right answer earns 1, a right
+    # answer in the tag 2, a wrong one 0 with or without the tag); a score not trained on is only recorded
     trained_score: str = "strict"
     # an SFT warm start on gold answers in the tag format before GRPO (0: none): the base model wrote the tag in none
     # of 160 samples at temperature 1 (docs/tasks.md), so a format reward alone would have nothing to reward. One step
@@ -84,6 +88,13 @@ class GymDemoSettings:
     sft_steps: int = 1
     sft_learning_rate: float = 5e-5
     sft_batch_size: int = 8
+    # what the warm start shows: "gold" (the gold answer alone in the tag) or "own" (the model's own sampled replies
+    # whose last number is right, with that number appended in the tag: its reasoning kept, so that GRPO starts from
+    # replies that work before they answer); "own" samples ``warm_start_samples`` replies for each of the mixture's
+    # first ``warm_start_pool`` items and keeps one right reply per item
+    warm_start: str = "gold"
+    warm_start_pool: int = 32
+    warm_start_samples: int = 4
     eval_every: int = 10  # GRPO steps between held-out scores
     # a LoRA policy of this rank on every linear layer (0: every weight trains); the warm start and GRPO train the
     # same adapters, at ``lora_rate_scale`` times the learning rates above (adapters start at zero and move slowly)
@@ -93,8 +104,10 @@ class GymDemoSettings:
     def __post_init__(self) -> None:
         if min(self.grpo_steps, self.eval_size, self.eval_every) < 1:
             raise ValueError("--grpo-steps and --eval-size must be >= 1")
-        if self.trained_score not in STAGE_SCORES:
-            raise ValueError(f"trained_score must be one of {STAGE_SCORES}, got {self.trained_score!r}")
+        if self.trained_score not in TRAINED_SCORES:
+            raise ValueError(f"trained_score must be one of {TRAINED_SCORES}, got {self.trained_score!r}")
+        if self.warm_start not in WARM_STARTS:
+            raise ValueError(f"warm_start must be one of {WARM_STARTS}, got {self.warm_start!r}")
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank {self.lora_rank}: give a rank >= 1, or 0 to train every weight")
 
@@ -123,35 +136,88 @@ def heldout_rows(settings: GymDemoSettings) -> list[dict]:
 def training_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
     """The rows of GRPO's ``grpo_steps`` steps: reasoning-gym's weighted mixture of the tasks (seed ``seed``) after
     the warm start's items, every held-out question left out; a run of more steps extends a shorter one's rows."""
-    first = settings.sft_steps * settings.sft_batch_size
+    first = warm_start_items(settings)
     return _mixture_rows(settings, held_out)[first : first + settings.prompts_per_step * settings.grpo_steps]
 
 
+def warm_start_items(settings: GymDemoSettings) -> int:
+    """How many of the mixture's first items the warm start uses (GRPO's rows come after them)."""
+    if not settings.sft_steps:
+        return 0
+    return settings.warm_start_pool if settings.warm_start == "own" else settings.sft_steps * settings.sft_batch_size
+
+
 def warm_start_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
-    """The SFT warm start's rows (``sft_steps`` > 0): the mixture's first items, each gold answer in the tag."""
-    rows = _mixture_rows(settings, held_out)[: settings.sft_steps * settings.sft_batch_size]
+    """The gold warm start's rows (``sft_steps`` > 0): the mixture's first items, each gold answer in the tag."""
+    rows = _mixture_rows(settings, held_out)[: warm_start_items(settings)]
     return [
         {"prompt": r["prompt"], "completion": [{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}]}
         for r in rows
     ]
 
 
+def own_warm_start_rows(model, tokenizer, settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
+    """The "own" warm start's rows: for each of the mixture's first ``warm_start_pool`` items, the first of
+    ``warm_start_samples`` replies (temperature ``temperature``) that ends within ``max_completion_length`` tokens
+    with a right last number (reasoning-gym's lenient score), with that number appended in the tag."""
+    import torch
+
+    rows = _mixture_rows(settings, held_out)[: warm_start_items(settings)]
+    prompts = [tokenizer(render_chat_prompt(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows]
+    k = settings.warm_start_samples
+    out = generate_completions(
+        model,
+        prompts,
+        generator=torch.Generator().manual_seed(settings.seed),
+        num_generations=k,
+        max_new_tokens=settings.max_completion_length,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=settings.temperature,
+        do_sample=True,
+    )
+    lengths = out.completion_mask.sum(1).tolist()
+    texts = [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(out.completion_ids, lengths)]
+    kept = []
+    for i, row in enumerate(rows):
+        for j in range(i * k, (i + 1) * k):
+            if out.is_truncated[j] or not _lenient(texts[j], row):
+                continue
+            reply = f"{texts[j].rstrip()}\n<answer>{tasks.last_number(texts[j])}</answer>"
+            kept.append({"prompt": row["prompt"], "completion": [{"role": "assistant", "content": reply}]})
+            break
+    return kept[: settings.sft_steps * settings.sft_batch_size]
+
+
+def _lenient(text: str, row: dict) -> bool:
+    return tasks.reasoning_gym_lenient([text], [row["task"]], [row["entry"]], [row["task_config"]])[0] == 1.0
+
+
 def _mixture_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]:
-    size = settings.prompts_per_step * settings.grpo_steps + settings.sft_steps * settings.sft_batch_size
+    size = settings.prompts_per_step * settings.grpo_steps + warm_start_items(settings)
     questions = {row["prompt"][-1]["content"] for row in held_out}
     items = tasks.mixture_items(demo_tasks(), 2 * size, settings.seed)  # twice: room for the questions left out
     return tasks.gym_rows(items, demo_tasks(), exclude=questions)
 
 
 def warm_start(model, tokenizer, settings: GymDemoSettings, held_out: list[dict], output_dir: Path) -> float:
-    """SFT of ``model`` in place on gold answers in the tag format; returns its training seconds."""
+    """SFT of ``model`` in place on the warm start's rows (``warm_start``), saved in ``warm_start_rows.jsonl``;
+    returns its seconds (the sampling of "own" included)."""
     import datasets  # ~1 s to import
 
     args = sft_warm_start(  # no warm-up: with one step, a warm-up would make it a step at rate 0
         settings, output_dir, save_strategy="no", logging_steps=5, max_length=None, warmup_steps=0
     )
-    rows = datasets.Dataset.from_list(warm_start_rows(settings, held_out))
     began = time.time()
+    if settings.warm_start == "own":
+        rows = datasets.Dataset.from_list(own_warm_start_rows(model, tokenizer, settings, held_out))
+    else:
+        rows = datasets.Dataset.from_list(warm_start_rows(settings, held_out))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "warm_start_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows.to_list()))
+    if not len(rows):  # "own": no sampled reply was right
+        print(f"treadle demo: no warm start: none of the {settings.warm_start_pool} items got a right reply")
+        return time.time() - began
     SFTTrainer(model, args, train_dataset=rows, processing_class=tokenizer).train()
     return time.time() - began
 
@@ -161,12 +227,11 @@ def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, h
     import datasets  # ~1 s to import
 
     rewards = [tasks.reasoning_gym_score, tasks.answer_format, tasks.reasoning_gym_lenient, tasks.answer_tag]
-    strict = 1.0 if settings.trained_score == "strict" else 0.0
     args = demo_grpo_config(
         settings,
         output_dir,
         max_prompt_length=None,
-        reward_weights=[strict, settings.format_weight, 1.0 - strict, 0.0],  # the tag rate is only recorded
+        reward_weights=reward_weights(settings),
         eval_temperature=0.0,  # greedy
         per_device_eval_batch_size=50,
     )
@@ -179,6 +244,14 @@ def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, h
         eval_dataset=datasets.Dataset.from_list(held_out),
         compute_metrics=tasks.TaskMetrics(1, settings.max_completion_length, eos_ids(tokenizer.eos_token_id)),
     )
+
+
+def reward_weights(settings: GymDemoSettings) -> list[float]:
+    """The weights of the trainer's rewards (the strict score, the format, the lenient score, the tag rate): the
+    trained score's, the format's ``format_weight``; the tag rate is only recorded."""
+    strict = 1.0 if settings.trained_score in ("strict", "both") else 0.0
+    lenient = 1.0 if settings.trained_score in ("lenient", "both") else 0.0
+    return [strict, settings.format_weight, lenient, 0.0]
 
 
 def policy(model, settings: GymDemoSettings):
