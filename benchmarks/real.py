@@ -1,11 +1,18 @@
 """SFT, DPO and GRPO steps on the real model, SmolLM2-135M-Instruct (134.5M, float32): treadle (eager, with
 ``torch_compile``, and with ``gradient_checkpointing``), TRL and a bare PyTorch loop doing the same work, against the
-machine's float32 matmul roof measured in the same run.
+machine's float32 matmul roof measured in the same run; the peak memory of each against the bare loop's.
 
     python -m benchmarks.real [--rounds 3] [--steps 5] [--threads 2] [--only sft,dpo,grpo] [--grpo 8x8x64]
                               [--contenders bare,treadle,treadle-compiled,treadle-checkpointed,trl]
                               [--allocator kept|glibc|as-shipped]
     python -m benchmarks.real --quick     # 1 round of 2 steps, 2 rows a step, GRPO 2x2x8; bare, treadle and TRL
+    python -m benchmarks.real --only sft --rounds 1 --steps 4 --contenders all    # the memory rows: every contender
+
+Contenders beyond the default five (``--contenders all`` or by name): treadle with torchao's low-bit AdamW,
+``optim="adamw_torch_8bit"`` / ``"adamw_torch_4bit"`` (the moments in 8 or 4 bits), with and without
+``gradient_checkpointing`` (``treadle-8bit``, ``treadle-4bit``, ``treadle-checkpointed-8bit``,
+``treadle-checkpointed-4bit``). The bare loop keeps plain torch AdamW (float32 moments) whatever the others turn on:
+its memory ratio is of what a user of treadle can switch on, not of the same optimizer.
 
 The same work for every contender, each in its own process (its peak RSS is its own), the contenders of a workload
 one after another, round by round, interleaved:
@@ -42,9 +49,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +69,17 @@ PASSAGE = (
     "nineteenth century, and by the middle of the twentieth, electronic machines filled whole rooms. The pocket "
     "calculator arrived in the nineteen seventies and changed schools, shops and laboratories within a decade. "
 )
-CONTENDERS = ("bare", "treadle", "treadle-compiled", "treadle-checkpointed", "trl")
+TREADLE = {  # treadle's contenders: the arguments each turns on over the eager run (framework_args)
+    "treadle": {},
+    "treadle-compiled": {"torch_compile": True},
+    "treadle-checkpointed": {"gradient_checkpointing": True},
+    "treadle-8bit": {"optim": "adamw_torch_8bit"},
+    "treadle-4bit": {"optim": "adamw_torch_4bit"},
+    "treadle-checkpointed-8bit": {"gradient_checkpointing": True, "optim": "adamw_torch_8bit"},
+    "treadle-checkpointed-4bit": {"gradient_checkpointing": True, "optim": "adamw_torch_4bit"},
+}
+CONTENDERS = ("bare", "treadle", "treadle-compiled", "treadle-checkpointed", "trl")  # the default run
+ALL_CONTENDERS = ("bare", *TREADLE, "trl")  # --contenders all
 WORK = {"batch": 8, "prompts": 8, "g": 8, "tokens": 64}  # rows a step (SFT, DPO) and GRPO's shape: set by the options
 ROOF_SHAPES = [(576, 576), (576, 1536), (576, 49152)]  # (K, N) of the model's matmuls, at 1,024 rows
 
@@ -159,7 +178,7 @@ def bare(kind: str, model, tokenizer, steps: int, clock: StepEnds) -> dict:
         losses.append(loss.item())
         clock.tick()
     # the trainers log the mean loss of the steps since their last log (logging_steps = steps: all of them)
-    settings = "hand-written loop, model's own loss (SFT) / log_softmax.gather (DPO)"
+    settings = "hand-written loop, torch AdamW (float32 moments), model's own loss (SFT) / log_softmax.gather (DPO)"
     return {"loss": sum(losses) / len(losses), "settings": settings}
 
 
@@ -235,7 +254,8 @@ def bare_grpo(model, tokenizer, steps: int, clock: StepEnds) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         clock.tick()
-    return {"loss": loss.item(), "settings": f"hand-written loop, model.generate, {P} prompts x G {G} x {T} tokens"}
+    settings = f"hand-written loop, torch AdamW (float32 moments), model.generate, {P} prompts x G {G} x {T} tokens"
+    return {"loss": loss.item(), "settings": settings}
 
 
 def framework_args(name: str, kind: str, steps: int, tokenizer) -> dict:
@@ -258,7 +278,7 @@ def framework_args(name: str, kind: str, steps: int, tokenizer) -> dict:
     if name == "trl":  # float32 as the others, no loader workers
         args.update(bf16=False, dataloader_num_workers=0)
     else:
-        args.update(torch_compile=name == "treadle-compiled", gradient_checkpointing=name == "treadle-checkpointed")
+        args.update(TREADLE[name])
     if kind == "dpo":
         return dict(args, max_length=None, beta=0.1, loss_type="sigmoid")
     if kind == "sft":
@@ -321,9 +341,9 @@ def settings_label(name: str, kind: str, args) -> str:
     if kind == "grpo":
         sampler = "transformers generate" if name == "trl" else f"generation_backend {args.generation_backend}"
         label += f", {WORK['prompts']} prompts x G {args.num_generations} x {args.max_completion_length}, {sampler}"
-    if name == "treadle-compiled":
+    if getattr(args, "torch_compile", False) and name != "trl":
         label += f", torch_compile {args.torch_compile_backend}"
-    if name == "treadle-checkpointed":
+    if args.gradient_checkpointing:
         label += ", gradient_checkpointing"
     return label
 
@@ -352,8 +372,28 @@ def child(spec: str, steps: int, threads: int) -> dict:
         "gflop": flops_per_step(kind, tokenizer) / 1e9,
         "loaded_rss_mib": loaded,
         "peak_rss_mib": harness.peak_rss_mib(),
+        "workers_rss_mib": descendants_peak_rss_mib(),
         "threads": torch.get_num_threads(),
     }
+
+
+def descendants_peak_rss_mib() -> float:
+    """The resident high-water marks (VmHWM, MiB) of this process's live descendants, summed: the compile workers that
+    ``torch.compile`` starts (torchao's optimizer step and ``torch_compile`` compile), whose memory the process's own
+    peak leaves out. An upper bound: each counts the libraries it shares with the others."""
+    total, parents = 0.0, [os.getpid()]
+    while parents:
+        for task in Path(f"/proc/{parents.pop()}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child_pid in children:
+                parents.append(int(child_pid))
+                status = Path(f"/proc/{child_pid}/status")
+                lines = status.read_text().splitlines() if status.exists() else []
+                total += sum(int(line.split()[1]) / 1024 for line in lines if line.startswith("VmHWM:"))
+    return total
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -383,6 +423,10 @@ def parse_args(argv=None):
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--child", help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
+    opts.contenders = ",".join(ALL_CONTENDERS) if opts.contenders == "all" else opts.contenders
+    unknown = sorted(set(opts.contenders.split(",")) - set(ALL_CONTENDERS))
+    if unknown:
+        p.error(f"--contenders: {unknown} unknown; use 'all' or names of {', '.join(ALL_CONTENDERS)}")
     if opts.quick:
         opts.rounds, opts.steps, opts.batch, opts.grpo = 1, 2, 2, "2x2x8"
         kept = ("bare", "treadle", "trl")  # the others are treadle with one flag more, each a process of its own
@@ -425,20 +469,29 @@ def table(run: harness.Run, runs: list[dict], roofs: list[float]) -> str:
         medians = {}
         for name in dict.fromkeys(r["contender"] for r in mine):
             medians[name] = [statistics.median(r["times"][1:]) for r in mine if r["contender"] == name]
+        bare_added = [added_mib(r) for r in mine if r["contender"] == "bare"]
         for name, per_round in medians.items():
             last = [r for r in mine if r["contender"] == name][-1]
-            rows.append(kind_row(run, kind, name, per_round, medians, last, roof))
+            rows.append(kind_row(run, kind, name, per_round, medians, last, roof, bare_added[-1:]))
     header = ["workload", "contender", "s/step (median; every round)", "vs bare", "vs TRL", "GFLOP/s", "share of roof"]
+    memory = ["peak RSS", "above loaded", "compile workers", "memory vs bare"]
     return (
         f"\nfloat32 matmul roof: {roof:.0f} GFLOP/s (the best; measured before each round and at the end: "
-        f"{', '.join(f'{r:.0f}' for r in roofs)})\n\n"
-        + harness.table(header + ["peak RSS", "above loaded", "final loss", "settings"], rows)
+        f"{', '.join(f'{r:.0f}' for r in roofs)})\nmemory vs bare: the peak RSS above the loaded model plus the "
+        f"compile workers' peaks, over the bare loop's (which keeps torch AdamW's float32 moments, whatever the row "
+        f"turns on)\n\n" + harness.table(header + memory + ["final loss", "settings"], rows)
     )
 
 
-def kind_row(run, kind: str, name: str, per_round: list[float], medians: dict, last: dict, roof: float) -> list:
-    """One contender's row of one workload (and its record in the run)."""
+def added_mib(result: dict) -> float:
+    """The memory a run added (MiB): its process's peak RSS above the loaded model, plus its compile workers'."""
+    return result["peak_rss_mib"] - result["loaded_rss_mib"] + result.get("workers_rss_mib", 0.0)
+
+
+def kind_row(run, kind, name, per_round: list[float], medians: dict, last: dict, roof: float, bare: list) -> list:
+    """One contender's row of one workload (and its record in the run); ``bare``: the bare loop's ``added_mib``."""
     step = statistics.median(per_round)
+    memory = f"{added_mib(last) / bare[0]:.2f}x" if bare else "-"
     vs = [f"{step / statistics.median(medians[b]):.2f}x" if b in medians else "-" for b in ("bare", "trl")]
     gflops = last["gflop"] / step
     run.row(
@@ -450,6 +503,8 @@ def kind_row(run, kind: str, name: str, per_round: list[float], medians: dict, l
         gflop_per_s=gflops,
         share_of_roof=gflops / roof,
         peak_rss_mib=last["peak_rss_mib"],
+        added_mib=added_mib(last),
+        memory_vs_bare=memory,
         loss=last["loss"],
         settings=last["settings"],
     )
@@ -462,6 +517,8 @@ def kind_row(run, kind: str, name: str, per_round: list[float], medians: dict, l
         f"{gflops / roof:.0%}",
         f"{last['peak_rss_mib']:.0f} MiB",
         f"{last['peak_rss_mib'] - last['loaded_rss_mib']:.0f} MiB",
+        f"{last.get('workers_rss_mib', 0.0):.0f} MiB",
+        memory,
         f"{last['loss']:.4f}",
         last["settings"],
     ]

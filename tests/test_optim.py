@@ -85,9 +85,9 @@ def test_sgd_has_no_momentum_unless_optim_args_says():
     assert isinstance(plain, torch.optim.SGD) and plain.defaults["momentum"] == 0
     heavy = build_optimizer(model, TrainingArguments(optim="sgd", optim_args="momentum=0.9, nesterov=True"))
     assert heavy.defaults["momentum"] == 0.9 and heavy.defaults["nesterov"] is True
-    with pytest.raises(ValueError, match="optim='sgd' only"):
+    with pytest.raises(ValueError, match="optim='sgd' / 'adamw_torch_8bit' / 'adamw_torch_4bit' only"):
         TrainingArguments(optim="adamw", optim_args="momentum=0.9")
-    with pytest.raises(ValueError, match="'betas' is not an SGD setting"):
+    with pytest.raises(ValueError, match="'betas' is not a setting of optim='sgd'; use momentum, dampening"):
         TrainingArguments(optim="sgd", optim_args="betas=0.9")
 
 

@@ -30,6 +30,8 @@ OPTIMIZERS = (
     "adamw_8bit",
     "adamw_bnb_8bit",
     "paged_adamw_8bit",
+    "adamw_torch_8bit",
+    "adamw_torch_4bit",
 )  # treadle.optim.build_optimizer
 SCHEDULERS = (
     "constant",
@@ -167,7 +169,7 @@ class TrainingArguments:
 
     # --- more of transformers' names, same meaning (docs/coming-from-transformers-and-trl.md)
     lr_scheduler_kwargs: dict[str, Any] | None = None  # schedule options, e.g. {"min_lr_rate": 0.1}; see optim.py
-    optim_args: str | None = None  # "momentum=0.9,nesterov=True": SGD's settings (no momentum without it)
+    optim_args: str | None = None  # "momentum=0.9,nesterov=True": SGD's (no momentum without it); optim.OPTIM_ARGS
     eval_on_start: bool = False  # evaluate once before the first step (checks the evaluation set-up early)
     eval_delay: float = 0  # no evaluation before this many steps (epochs when eval_strategy="epoch")
     include_num_input_tokens_seen: str | bool = "no"  # "all", "non_padding" (True = "all"): log num_input_tokens_seen

@@ -10,9 +10,12 @@ peak at ``s = warmup``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import logging
 
 import torch
+from packaging.version import Version  # transformers' own dependency
 from torch.optim.lr_scheduler import LambdaLR
 
 # names transformers has that treadle refuses, with what to do instead
@@ -53,29 +56,40 @@ def parse_optim_args(text: str | None) -> dict[str, str]:
     return out
 
 
+OPTIM_ARGS = {  # the optim_args keys each optimizer reads (transformers' names), and how each value is read
+    "sgd": {"momentum": float, "dampening": float, "weight_decay": float, "nesterov": "bool"},
+    "adamw_torch_8bit": {"block_size": int, "bf16_stochastic_round": "bool"},
+    "adamw_torch_4bit": {"block_size": int, "bf16_stochastic_round": "bool"},
+}
+
+
 def optimizer_options(optim: str, optim_args: str | None) -> dict:
-    """The keyword arguments ``optim_args`` gives the optimizer ``optim``: SGD's ``momentum``, ``dampening``,
-    ``weight_decay`` and ``nesterov`` (transformers' ``sgd`` reads those); other optimizers take none.
+    """The keyword arguments ``optim_args`` gives the optimizer ``optim`` (``OPTIM_ARGS``): SGD's ``momentum``,
+    ``dampening``, ``weight_decay`` and ``nesterov``; torchao's 8-bit and 4-bit AdamW's ``block_size`` and
+    ``bf16_stochastic_round`` (transformers reads those); other optimizers take none.
 
     >>> optimizer_options("sgd", "momentum=0.9,nesterov=True")
     {'momentum': 0.9, 'nesterov': True}
+    >>> optimizer_options("adamw_torch_8bit", "block_size=128")
+    {'block_size': 128}
     """
     options = parse_optim_args(optim_args)
-    if options and optim != "sgd":
+    readers = OPTIM_ARGS.get(optim, {})
+    if options and not readers:
         raise ValueError(
-            f"optim_args is read by optim='sgd' only (momentum, dampening, weight_decay, nesterov); "
+            f"optim_args is read by optim={' / '.join(repr(name) for name in OPTIM_ARGS)} only; "
             f"optim={optim!r} takes its settings from adam_beta1, adam_beta2, adam_epsilon"
         )
     kwargs: dict = {}
     for key, value in options.items():
-        if key in ("momentum", "dampening", "weight_decay"):
-            kwargs[key] = float(value)
-        elif key == "nesterov":
-            kwargs[key] = value.lower() in ("true", "1", "yes")
-        else:
-            raise ValueError(
-                f"optim_args key {key!r} is not an SGD setting; use momentum, dampening, weight_decay or nesterov"
-            )
+        if key not in readers:
+            raise ValueError(f"optim_args key {key!r} is not a setting of optim={optim!r}; use {', '.join(readers)}")
+        read = readers[key]
+        try:
+            kwargs[key] = value.lower() in ("true", "1", "yes") if read == "bool" else read(value)
+        except ValueError:
+            example = "128" if read is int else "0.9"
+            raise ValueError(f"optim_args {key}={value!r} is not a number; e.g. {key}={example}") from None
     return kwargs
 
 
@@ -113,13 +127,59 @@ def check_float16_adamw(args, weights: str) -> None:
         )
 
 
+TORCHAO_ADAMW = {"adamw_torch_8bit": "AdamW8bit", "adamw_torch_4bit": "AdamW4bit"}  # optim -> torchao.optim class
+TORCHAO_MIN_VERSION = "0.15.0"  # transformers' own floor for these names (transformers.utils.import_utils)
+
+
+def _torchao_adamw(groups: list[dict], args, options: dict) -> torch.optim.Optimizer:
+    """torchao's ``AdamW8bit`` / ``AdamW4bit``, as transformers builds them: its betas and epsilon, ``block_size``
+    256 and ``bf16_stochastic_round`` False unless ``optim_args`` says. torchao quantizes the two moments of every
+    tensor of at least 4,096 values (a multiple of ``block_size``) in blocks; smaller tensors (norm weights, biases)
+    keep float32 moments. Its step is ``torch.compile``d once per parameter shape (the first step pays for it)."""
+    if importlib.util.find_spec("torchao") is None:
+        raise ImportError(
+            f"optim={args.optim!r} needs torchao (8-bit / 4-bit AdamW states, on CPU and GPU): "
+            f"pip install torchao; or use optim='adamw_torch'"
+        )
+    found = importlib.metadata.version("torchao")
+    if Version(found) < Version(TORCHAO_MIN_VERSION):
+        raise ImportError(
+            f"optim={args.optim!r} needs torchao>={TORCHAO_MIN_VERSION}, found {found}: pip install -U torchao"
+        )
+    torchao_optim = _import_torchao_optim()
+    return getattr(torchao_optim, TORCHAO_ADAMW[args.optim])(
+        groups,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        block_size=options.get("block_size", 256),
+        bf16_stochastic_round=options.get("bf16_stochastic_round", False),
+    )
+
+
+def _import_torchao_optim():
+    """``torchao.optim``. Without CUDA, torchao's import logs a warning for each of its CUDA kernel libraries that
+    cannot load (they serve only its GPU quantization paths, never these optimizers): silenced on such a machine."""
+    logger = logging.getLogger("torchao")
+    level = logger.level
+    if not torch.cuda.is_available():
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.optim
+    finally:
+        logger.setLevel(level)
+    return torchao.optim
+
+
 def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     """The optimizer ``args.optim`` names, over ``param_groups`` (as transformers builds it):
 
     - ``adamw`` / ``adamw_torch``: ``torch.optim.AdamW``; ``adamw_torch_fused``: the same with ``fused=True``
     - ``sgd``: ``torch.optim.SGD`` without momentum; ``optim_args="momentum=0.9,nesterov=True"`` adds it
     - ``adafactor``: transformers' ``Adafactor`` with the given learning rate (no relative step or scaling)
-    - ``adamw_8bit`` (alias ``adamw_bnb_8bit``) / ``paged_adamw_8bit``: bitsandbytes' 8-bit AdamW
+    - ``adamw_8bit`` (alias ``adamw_bnb_8bit``) / ``paged_adamw_8bit``: bitsandbytes' 8-bit AdamW (CUDA)
+    - ``adamw_torch_8bit`` / ``adamw_torch_4bit``: torchao's ``AdamW8bit`` / ``AdamW4bit`` (CPU and GPU): the moments
+      in 8 or 4 bits, a quarter or an eighth of AdamW's state (``_torchao_adamw``)
 
     float16 weights with torch's AdamW and an epsilon that is 0 in float16 are refused (:func:`check_float16_adamw`).
     """
@@ -135,6 +195,8 @@ def build_optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
         return Adafactor(groups, lr=args.learning_rate, scale_parameter=False, relative_step=False)
     if args.optim in ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"):
         return _bitsandbytes_adamw(groups, args, paged=args.optim.startswith("paged_"))
+    if args.optim in TORCHAO_ADAMW:
+        return _torchao_adamw(groups, args, options)
     if any(p.dtype == torch.float16 for group in groups for p in group["params"]):
         check_float16_adamw(args, f"{type(model).__name__}'s float16 weights")
     fused = args.optim == "adamw_torch_fused"

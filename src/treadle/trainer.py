@@ -406,7 +406,7 @@ class Trainer(Evaluation):
                 self.loop.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
             self.optimizer.step()
             self._event("on_optimizer_step")
-            self.loop.learning_rate = self.lr_scheduler.get_last_lr()[0]  # the step's own lr: logged, as transformers
+            self.loop.learning_rate = float(self.lr_scheduler.get_last_lr()[0])  # the step's lr (torchao's: a tensor)
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
