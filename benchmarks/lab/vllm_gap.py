@@ -33,8 +33,10 @@ CLOCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def thread_times(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of each thread of process ``pid``, keyed "name/tid"."""
-    times = {}
+    """CPU seconds (user + system) of each live thread of process ``pid``, keyed "name/tid", and under "all" the
+    process's own total, which keeps the time of threads that have exited (the server's handler thread of each
+    request, and its OpenMP pool, end with the request)."""
+    times = {"all": _cpu_seconds(f"/proc/{pid}/stat")}
     folder = f"/proc/{pid}/task"
     for tid in os.listdir(folder):
         try:
@@ -42,18 +44,29 @@ def thread_times(pid: int) -> dict[str, float]:
                 text = f.read()
         except OSError:
             continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text[text.rindex(")") + 2 :].split()
-        times[f"{name}/{tid}"] = (int(fields[11]) + int(fields[12])) / CLOCK
+        times[f"{text[text.index('(') + 1 : text.rindex(')')]}/{tid}"] = _cpu_seconds(text=text)
     return times
 
 
+def _cpu_seconds(path: str | None = None, text: str | None = None) -> float:
+    if text is None:
+        with open(path) as f:
+            text = f.read()
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK
+
+
 def busy_threads(before: dict, after: dict, wall: float) -> tuple[float, str]:
-    """(the process's CPU seconds over wall seconds, its threads above 3% of the wall: "name xx%")."""
-    spent = {k: after[k] - before.get(k, 0.0) for k in after}
-    total = sum(spent.values())
+    """(the process's CPU seconds over wall seconds, its live threads above 3% of the wall: "name xx%", and the
+    threads that ended during the round)."""
+    spent = {k: after[k] - before.get(k, 0.0) for k in after if k != "all"}
+    total = after["all"] - before["all"]
     top = sorted(((v, k) for k, v in spent.items() if v > 0.03 * wall), reverse=True)
-    return total / wall, ", ".join(f"{k.split('/')[0]} {100 * v / wall:.0f}%" for v, k in top)
+    cells = [f"{k.split('/')[0]} {100 * v / wall:.0f}%" for v, k in top]
+    ended = total - sum(spent.values())
+    if ended > 0.03 * wall:
+        cells.append(f"ended threads {100 * ended / wall:.0f}%")
+    return total / wall, ", ".join(cells)
 
 
 def worker_probe(worker) -> dict:
