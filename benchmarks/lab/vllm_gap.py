@@ -7,12 +7,13 @@ engine can trail the server (issue 57; docs/vllm.md, speed).
 
 One in-process ``VLLMEngine`` and one ``treadle vllm-serve`` subprocess on SmolLM2-135M-Instruct (float32, 8 chat
 prompts x 8 x 32 tokens, EOS ignored), taking turns ``--rounds`` times after a warm-up round. Per round: tokens/s, and
-for both processes the CPU seconds of each of their threads over the round (``/proc/PID/task``), so a thread that
-spins or a pool of the wrong size shows as CPU time. Before the rounds, what the in-process worker runs with (torch
-threads, the thread that calls it). ``--defaults``: the engines as a user who sets nothing starts them
-(``VLLMEngine(model)`` and ``treadle vllm-serve FOLDER``: no ``VLLM_CPU_KVCACHE_SPACE``, the model's context window);
-otherwise ``benchmarks.engines``' settings (1 GiB of KV cache, 256 tokens of context).
-"""
+for both processes the CPU seconds they used over the round, per thread (``/proc/PID/task``; threads that ended
+during it, as the server's handler thread of each request, counted together), so a thread that spins or a pool of
+the wrong size shows as CPU time, and tokens per CPU-second compare the engines apart from the load. Before the
+rounds, what the in-process worker runs with (torch threads, the thread that calls it). ``--defaults``: the engines as
+a user who sets nothing starts them (``VLLMEngine(model)`` and ``treadle vllm-serve FOLDER``: no
+``VLLM_CPU_KVCACHE_SPACE``, the model's context window); otherwise ``benchmarks.engines``' settings (1 GiB of KV
+cache, 256 tokens of context; ``--kv-mib``: both engines' KV cache in MiB, for a machine short of memory)."""
 
 from __future__ import annotations
 
@@ -178,14 +179,15 @@ def main(argv=None) -> None:
             wall = time.perf_counter() - began
             rate = int(out.completion_mask.sum()) / wall
             cpu = {who: busy_threads(before[who], thread_times(pid), wall) for who, pid in pids.items()}
+            own = rate / max(cpu["served" if name == "served" else "in-process"][0], 1e-9)  # per CPU-second
             if round_:
                 rates[name].append(rate)
             print(
-                f"round {round_} {name}: {rate:.0f} tok/s, load {load:.2f}; "
+                f"round {round_} {name}: {rate:.0f} tok/s, {own:.0f} per CPU-second, load {load:.2f}; "
                 + "; ".join(f"{who} CPU {c:.2f} cores [{top}]" for who, (c, top) in cpu.items()),
                 flush=True,
             )
-            run.row(round=round_, contender=name, tokens_per_s=rate, load=load, cpu=cpu)
+            run.row(round=round_, contender=name, tokens_per_s=rate, per_cpu_second=own, load=load, cpu=cpu)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         ratio = medians["in-process"] / medians["served"]
         print(f"median tok/s: {medians}; in-process / served {ratio:.3f}; load now {os.getloadavg()[0]:.2f}")
