@@ -45,6 +45,7 @@ LAB = [
     "lab.peft_generation",
     "lab.profile",
     "lab.vllm_load",
+    "lab.vllm_gap",
     "lab.demo_control",
     "lab.vocab_memory",
 ]

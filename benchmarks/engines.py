@@ -64,11 +64,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model, spec: str, options=(), timeout: float = 900.0, prefix=(), env: dict | None = None):
+# ``treadle vllm-serve`` with the process's allocator set first as ``treadle train`` sets it (freed memory kept unless
+# TREADLE_KEEP_FREED_MEMORY says no; the command itself leaves glibc's defaults): the server's process then runs under
+# the same allocator as the in-process contender's, which ``harness.apply_allocator`` set
+SERVE_UNDER_ALLOCATOR = (
+    "import sys; from treadle.allocator import keep_freed_memory; keep_freed_memory(); "
+    "from treadle.cli.command import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def server_command(spec: str, port: int, options=(), prefix=(), *, keep_freed: bool = False) -> list[str]:
+    """The command line of a ``treadle vllm-serve SPEC`` server on ``port`` (``keep_freed``: under
+    ``SERVE_UNDER_ALLOCATOR``)."""
+    launcher = ["-c", SERVE_UNDER_ALLOCATOR] if keep_freed else ["-m", "treadle"]
+    serve = ["vllm-serve", spec, "--port", str(port), "--max-model-len", "256", *options]
+    return [*prefix, sys.executable, *launcher, *serve]
+
+
+def start_server(
+    model,
+    spec: str,
+    options=(),
+    timeout: float = 900.0,
+    prefix=(),
+    env: dict | None = None,
+    keep_freed: bool = False,
+):
     """(engine, start-up seconds, one weight sync's seconds, process) of a ``treadle vllm-serve SPEC`` subprocess
     (``toy:<size>`` or a model folder; ``options``: more of its flags, e.g. ``--dtype``; ``prefix``: a command it
-    runs under, e.g. ``taskset -c 0``; ``env``: its environment, this process's by default), or (None, reason, None,
-    None) without vLLM. ``timeout``: seconds the engine waits for the server's first answer."""
+    runs under, e.g. ``taskset -c 0``; ``env``: its environment, this process's by default; ``keep_freed``: its
+    allocator set as ``treadle train`` sets it, ``server_command``), or (None, reason, None, None) without vLLM.
+    ``timeout``: seconds the engine waits for the server's first answer."""
     try:
         from treadle.engines.vllm import require_vllm  # vLLM is optional: .venv-vllm only
 
@@ -79,11 +105,9 @@ def start_server(model, spec: str, options=(), timeout: float = 900.0, prefix=()
     port = free_port()
     env = dict(os.environ if env is None else env)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    command = [*prefix, sys.executable, "-m", "treadle", "vllm-serve", spec, "--port", str(port)]
+    command = server_command(spec, port, options, prefix, keep_freed=keep_freed)
     start = time.perf_counter()
-    process = subprocess.Popen(
-        [*command, "--max-model-len", "256", *options], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         engine = VLLMServerEngine(model, f"http://127.0.0.1:{port}", timeout=timeout)
     except BaseException:  # a server that never answers (or a row's time running out) leaves no process behind
@@ -115,7 +139,9 @@ def engines_for(run: harness.Run, model, spec: str, opts) -> tuple[dict, list, o
     if not opts.no_server:
         env = harness.allocator_env(opts.allocator, treadle_contender=True)
         env["OMP_NUM_THREADS"] = str(opts.threads)  # the server's torch threads
-        server, started, synced, process = start_server(model, spec, env=env)
+        # the server's allocator as this process's (harness.apply_allocator): `treadle vllm-serve` alone leaves
+        # glibc's defaults, so the two vLLM rows once ran under different allocators while the record said one
+        server, started, synced, process = start_server(model, spec, env=env, keep_freed=True)
         if server is None:
             lines.append(f"{SERVER}: not run: {started}")
         else:

@@ -6,7 +6,11 @@ asynchronous producer's batches tagged with their policy version, and GRPO sampl
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +298,28 @@ def test_the_colocated_engine_calls_vllm_from_its_own_thread_unless_told_not_to(
     engine.runner = engine_thread()
     assert engine.runner is None and engine.call(threading.current_thread) is here
     assert object.__new__(VLLMEngine).call(threading.current_thread) is here
+
+
+@pytest.mark.slow
+def test_the_engines_benchmark_serves_vllm_under_the_in_process_rows_allocator():
+    """``benchmarks.engines`` records one allocator for every contender, and the in-process vLLM row runs in its
+    own process under it; ``treadle vllm-serve`` alone leaves glibc's defaults, so the server row once ran under
+    another. Its command sets the allocator first (freed memory kept, unless ``TREADLE_KEEP_FREED_MEMORY=0``): run
+    here with the command's ``main`` replaced by one that reports the allocator's state. No vLLM needed."""
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys, treadle.allocator as allocator, treadle.cli.command as command\n"
+        "from benchmarks.engines import server_command\n"
+        "line = server_command('toy:small', 8000, keep_freed=True)\n"
+        "command.main = lambda argv: print(argv[:2], allocator._kept) or 0  # _kept: None until someone asks\n"
+        "sys.argv = line[2:]\n"
+        "exec(line[line.index('-c') + 1])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    env.pop("TREADLE_KEEP_FREED_MEMORY", None)
+    for setting, kept in ((None, "True"), ("0", "False")):
+        if setting is not None:
+            env["TREADLE_KEEP_FREED_MEMORY"] = setting
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["['vllm-serve',", "'toy:small']", kept]

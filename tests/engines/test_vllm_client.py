@@ -418,3 +418,24 @@ def test_vllm_serve_on_a_host_that_is_not_this_machines_names_the_host(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--host 192.0.2.1 is not an address of this machine" in err[0]
     assert "another --port" not in err[0]
+
+
+def test_a_generation_slower_than_the_health_probes_interval_after_the_first_is_checked_and_answered(
+    tmp_path, monkeypatch
+):
+    """While a request waits, the client checks the server's /health every PROBE_EVERY seconds. The first generation
+    keeps a completion for the weight-sync check in ``engine.probe``, which once hid the health check of the same
+    name: every later request slower than PROBE_EVERY (30 s; a CPU generation under load) ended the run with
+    "'tuple' object is not callable"."""
+    monkeypatch.setattr(vllm_client, "PROBE_EVERY", 0.2)
+    with treadle_server(tmp_path) as (url, served):
+        engine = VLLMServerEngine(tiny(), url, timeout=5)
+        first = engine.generate([[1, 5]], PARAMS)
+        assert engine.probe is not None  # the weight-sync check's completion, kept
+        checks, do_get = [], vllm_server.Handler.do_GET
+        monkeypatch.setattr(vllm_server.Handler, "do_GET", lambda self: (checks.append(self.path), do_get(self)))
+        fast = served.generate
+        served.generate = lambda *args, **kwargs: (time.sleep(1.5), fast(*args, **kwargs))[1]
+        second = engine.generate([[1, 5]], PARAMS)
+    assert checks and set(checks) == {"/health"}  # asked while /generate waited, and answered
+    assert second.completion_ids.shape == first.completion_ids.shape

@@ -378,14 +378,14 @@ class VLLMServerEngine(SyncChecked):
 
     def request(self, route: str, body: bytes) -> bytes:
         """POST ``body`` to ``route``; the answer's bytes. Bounded by ``vllm_request_timeout``, with the server's
-        liveness probed meanwhile (``probe``); a signal abandons it (``stop_if``); any other end is one line."""
+        liveness probed meanwhile (``check_alive``); a signal abandons it (``stop_if``); any other end is one line."""
         name, started = route.partition("?")[0], time.monotonic()
         probed = [started]
 
         def on_wait():
             self.stop_if(noted, name)
             if time.monotonic() - probed[0] >= PROBE_EVERY:
-                self.probe(noted, name, started)
+                self.check_alive(noted, name, started)
                 probed[0] = time.monotonic()
 
         with noting_signals() as noted:
@@ -415,8 +415,10 @@ class VLLMServerEngine(SyncChecked):
             )
         return data
 
-    def probe(self, noted: list[int], name: str, started: float) -> None:
-        """The server must answer ``GET /health`` within ``vllm_server_timeout`` while a request waits."""
+    def check_alive(self, noted: list[int], name: str, started: float) -> None:
+        """The server must answer ``GET /health`` within ``vllm_server_timeout`` while a request waits. (Not named
+        ``probe``: that is ``SyncChecked``'s weight-sync probe, a tuple set by the first generation, which hid the
+        method and failed every request slower than ``PROBE_EVERY`` after it.)"""
         try:
             exchange(self.url, "GET", "health", timeout=self.timeout, on_wait=lambda: self.stop_if(noted, name))
         except (OSError, http.client.HTTPException) as error:
