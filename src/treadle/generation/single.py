@@ -384,14 +384,25 @@ def _generate_fast(
         prompt_ids, prompt_mask, logits, params, four_d_mask=all_preallocated and attention_kind(model) == "sdpa"
     )
     forward = NextLogits(model, cache, width)
+
+    def next_logits(state: DecodeState, step: int) -> Tensor:
+        logits = forward(state, step)
+        state.positions += 1
+        return logits
+
+    return _sample_until_done(state, params, generator, cache, next_logits)
+
+
+def _sample_until_done(state: DecodeState, params: SamplingParams, generator, cache, next_logits):
+    """The decode loop both caches share: sample each row's next token, stop at ``max_new_tokens`` or when every row
+    has ended, drop the finished rows (from ``cache`` too, unless it is None), and get the next logits."""
     for step in range(params.max_new_tokens):
         state.sample(step, params, generator)
         unfinished = state.unfinished_count()
         if step == params.max_new_tokens - 1 or unfinished == 0:
             break
         state.drop_finished_rows(cache, unfinished)
-        state.logits = forward(state, step)
-        state.positions += 1
+        state.logits = next_logits(state, step)
     return state.completion, state.completion_logps
 
 
@@ -415,14 +426,9 @@ def _decode_static(
     del cache  # the prompts' keys now live in the bucket's buffers
     state = DecodeState.start(prompt_ids, prompt_mask, logits, params)
     with decoder.running():
-        for step in range(params.max_new_tokens):
-            state.sample(step, params, generator)
-            unfinished = state.unfinished_count()
-            if step == params.max_new_tokens - 1 or unfinished == 0:
-                break
-            state.drop_finished_rows(None, unfinished)
-            state.logits = step_function(model, state.next_tokens, state.row_ids)
-    return state.completion, state.completion_logps
+        return _sample_until_done(
+            state, params, generator, None, lambda state, _: step_function(model, state.next_tokens, state.row_ids)
+        )
 
 
 class NextLogits:
