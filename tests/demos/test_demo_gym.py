@@ -139,6 +139,11 @@ def test_the_trained_score_picks_the_reward_weights():
     }
     with pytest.raises(ValueError, match="trained_score must be one of"):
         demo.GymDemoSettings(trained_score="tag")
+    heavier = demo.GymDemoSettings(trained_score="both", format_weight=0.0, strict_weight=2.0)
+    assert demo.reward_weights(heavier) == [2.0, 0.0, 1.0, 0.0]  # right: 1 untagged, 3 tagged; wrong: 0
+    assert demo.reward_weights(dataclasses.replace(heavier, trained_score="lenient"))[0] == 0.0
+    with pytest.raises(ValueError, match="strict_weight"):
+        demo.GymDemoSettings(strict_weight=0.0)
 
 
 def test_the_example_tasks_file_is_the_demos_tasks():

@@ -81,6 +81,9 @@ class GymDemoSettings:
     # too: a right answer counts before the tag is learned) or "both" (their sum: a right answer earns 1, a right
     # answer in the tag 2, a wrong one 0 with or without the tag); a score not trained on is only recorded
     trained_score: str = "strict"
+    # the strict score's weight where it is trained on ("strict", "both"); above 1 under "both", a right answer pays
+    # more in the tag than without it (run G11)
+    strict_weight: float = 1.0
     # an SFT warm start on gold answers in the tag format before GRPO (0: none): the base model wrote the tag in none
     # of 160 samples at temperature 1 (docs/tasks.md), so a format reward alone would have nothing to reward. One step
     # makes the tag appear in about a third of the replies and leaves the policy's entropy high; 10 steps made it
@@ -106,6 +109,8 @@ class GymDemoSettings:
             raise ValueError("--grpo-steps and --eval-size must be >= 1")
         if self.trained_score not in TRAINED_SCORES:
             raise ValueError(f"trained_score must be one of {TRAINED_SCORES}, got {self.trained_score!r}")
+        if self.strict_weight <= 0:
+            raise ValueError(f"strict_weight must be > 0, got {self.strict_weight}")
         if self.warm_start not in WARM_STARTS:
             raise ValueError(f"warm_start must be one of {WARM_STARTS}, got {self.warm_start!r}")
         if self.lora_rank < 0:
@@ -248,8 +253,9 @@ def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, h
 
 def reward_weights(settings: GymDemoSettings) -> list[float]:
     """The weights of the trainer's rewards (the strict score, the format, the lenient score, the tag rate): the
-    trained score's, the format's ``format_weight``; the tag rate is only recorded."""
-    strict = 1.0 if settings.trained_score in ("strict", "both") else 0.0
+    trained score's (the strict score's ``strict_weight``, the lenient score's 1), the format's ``format_weight``; the
+    tag rate is only recorded."""
+    strict = settings.strict_weight if settings.trained_score in ("strict", "both") else 0.0
     lenient = 1.0 if settings.trained_score in ("lenient", "both") else 0.0
     return [strict, settings.format_weight, lenient, 0.0]
 
