@@ -56,10 +56,10 @@ def parse_optim_args(text: str | None) -> dict[str, str]:
     return out
 
 
+TORCHAO_ADAMW = {"adamw_torch_8bit": "AdamW8bit", "adamw_torch_4bit": "AdamW4bit"}  # optim -> torchao.optim class
 OPTIM_ARGS = {  # the optim_args keys each optimizer reads (transformers' names), and how each value is read
     "sgd": {"momentum": float, "dampening": float, "weight_decay": float, "nesterov": "bool"},
-    "adamw_torch_8bit": {"block_size": int, "bf16_stochastic_round": "bool"},
-    "adamw_torch_4bit": {"block_size": int, "bf16_stochastic_round": "bool"},
+    **dict.fromkeys(TORCHAO_ADAMW, {"block_size": int, "bf16_stochastic_round": "bool"}),
 }
 
 
@@ -127,7 +127,6 @@ def check_float16_adamw(args, weights: str) -> None:
         )
 
 
-TORCHAO_ADAMW = {"adamw_torch_8bit": "AdamW8bit", "adamw_torch_4bit": "AdamW4bit"}  # optim -> torchao.optim class
 TORCHAO_MIN_VERSION = "0.15.0"  # transformers' own floor for these names (transformers.utils.import_utils)
 
 
