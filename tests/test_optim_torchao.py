@@ -8,7 +8,6 @@ moments, as a real model's norm weights do. torchao compiles its step once per p
 their first step (seconds), once per process.
 """
 
-import copy
 import importlib.util
 
 import pytest
@@ -19,6 +18,8 @@ torchao_optim = pytest.importorskip("torchao.optim")  # the test extras install 
 transformers = pytest.importorskip("transformers", minversion="5.24")
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
+from _parity import COMMON, run_both, train_logs  # noqa: E402  (after the skips: it imports transformers)
+
 import treadle  # noqa: E402
 from treadle import optim  # noqa: E402
 from treadle.data import collator_for  # noqa: E402
@@ -27,20 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NAMES = {"adamw_torch_8bit": torchao_optim.AdamW8bit, "adamw_torch_4bit": torchao_optim.AdamW4bit}
 STATE = {"adamw_torch_8bit": "OptimState8bit", "adamw_torch_4bit": "OptimState4bit"}
 VOCAB = 128  # embedding and head of 4,096 values each: quantized moments
-ARGS = dict(
-    per_device_train_batch_size=2,
-    gradient_accumulation_steps=2,
-    max_steps=4,
-    learning_rate=1e-2,
-    warmup_steps=1,
-    lr_scheduler_type="cosine",
-    weight_decay=0.1,
-    max_grad_norm=0.5,
-    seed=0,
-    logging_steps=1,
-    report_to="none",
-    disable_tqdm=True,
-)
 
 
 def model():
@@ -79,34 +66,12 @@ def test_optim_args_are_checked_per_optimizer():
         treadle.TrainingArguments(optim="adamw_torch_8bit", optim_args="block_size=big")
 
 
-class InOrder(treadle.Trainer):
-    """treadle's Trainer reading the rows in order (transformers: train_sampling_strategy="sequential")."""
-
-    def build_sampler(self, dataset, *, shuffle):
-        return super().build_sampler(dataset, shuffle=False)
-
-
-def train_logs(trainer):
-    return [h for h in trainer.state.log_history if "loss" in h]
-
-
 @pytest.mark.slow  # torchao compiles its step for each parameter shape: tens of seconds on a loaded 2-core machine
 @pytest.mark.parametrize("name", NAMES)
 def test_steps_match_transformers_trainer_and_the_loss_falls(tmp_path, name):
-    from datasets import Dataset
-
     # the same 4 rows at every step (batch 2 x accumulation 2, in order), so that the loss must fall
-    start, rows, collator = model(), lm_rows(4, vocab_size=VOCAB) * 4, collator_for(None)
-    hf_args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, train_sampling_strategy="sequential", optim=name, **ARGS
-    )
-    hf = transformers.Trainer(
-        copy.deepcopy(start), hf_args, data_collator=collator, train_dataset=Dataset.from_list(rows)
-    )
-    hf.train()
-    args = treadle.TrainingArguments(output_dir=str(tmp_path / "treadle"), optim=name, save_strategy="no", **ARGS)
-    ours = InOrder(copy.deepcopy(start), args, train_dataset=rows, data_collator=collator)
-    ours.train()
+    rows = lm_rows(4, vocab_size=VOCAB) * 4
+    hf, ours = run_both(tmp_path, rows, model=model(), optim=name)
     assert type(ours.optimizer) is type(hf.optimizer.optimizer) is NAMES[name]  # accelerate wraps theirs
     theirs, mine = train_logs(hf), train_logs(ours)
     assert [h["step"] for h in mine] == [h["step"] for h in theirs] == [1, 2, 3, 4]
@@ -129,7 +94,8 @@ def test_a_checkpoint_resumes_exactly_with_the_quantized_moments(tmp_path, name)
     rows = lm_rows(16, vocab_size=VOCAB)
 
     def run(folder, **more):
-        args = treadle.TrainingArguments(output_dir=str(tmp_path / folder), optim=name, save_steps=2, **ARGS)
+        settings = {**COMMON, "save_strategy": "steps", "save_steps": 2}
+        args = treadle.TrainingArguments(output_dir=str(tmp_path / folder), optim=name, **settings)
         trainer = treadle.Trainer(model(), args, train_dataset=rows, data_collator=collator_for(None))
         trainer.train(**more)
         return trainer

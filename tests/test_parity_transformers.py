@@ -4,18 +4,18 @@ gradient norms and final weights for every optimizer both have, gradient accumul
 and the cadence of logs, evaluations and checkpoints. Departures are listed in docs/coming-from-transformers-and-trl.md
 (and pinned here where a test can show them)."""
 
-import copy
 import os
 
 import pytest
 import torch
-from _factories import lm_rows, tiny_llama
+from _factories import lm_rows
 
 transformers = pytest.importorskip("transformers", minversion="5.24")  # train_sampling_strategy
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
+from _parity import run_both, train_logs  # noqa: E402  (after the skips: it imports transformers)
+
 import treadle  # noqa: E402
-from treadle.data import collator_for  # noqa: E402
 from treadle.optim import build_scheduler  # noqa: E402
 
 SCHEDULES = [  # (lr_scheduler_type, lr_scheduler_kwargs): every name both have, with and without options
@@ -77,65 +77,6 @@ def test_every_schedule_gives_transformers_learning_rate_at_every_step(name, kwa
 
 
 # ---- whole runs: the same rows in the same order ----------------------------------------------------------------
-class InOrder(treadle.Trainer):
-    """treadle's Trainer reading the training rows in order (transformers: train_sampling_strategy="sequential")."""
-
-    def build_sampler(self, dataset, *, shuffle):
-        return super().build_sampler(dataset, shuffle=False)
-
-
-COMMON = dict(
-    per_device_train_batch_size=2,
-    per_device_eval_batch_size=4,
-    gradient_accumulation_steps=2,
-    max_steps=4,
-    learning_rate=1e-2,
-    warmup_steps=1,
-    lr_scheduler_type="cosine",
-    weight_decay=0.1,
-    max_grad_norm=0.5,
-    seed=0,
-    logging_steps=1,
-    save_strategy="no",
-    report_to="none",
-    disable_tqdm=True,
-    dataloader_pin_memory=False,
-)
-
-
-def run_both(tmp_path, rows, eval_rows=None, **overrides):
-    """(transformers' trainer, treadle's trainer) after training copies of one tiny Llama with the same arguments."""
-    from datasets import Dataset
-
-    model = tiny_llama()
-    kwargs = {**COMMON, **overrides}
-    collator = collator_for(None)  # the same padded batches for both
-    hf_args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, train_sampling_strategy="sequential", **kwargs
-    )
-    hf = transformers.Trainer(
-        model=copy.deepcopy(model),
-        args=hf_args,
-        train_dataset=Dataset.from_list(rows),
-        eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
-        data_collator=collator,
-    )
-    hf.train()
-    ours = InOrder(
-        copy.deepcopy(model),
-        treadle.TrainingArguments(output_dir=str(tmp_path / "treadle"), **kwargs),
-        train_dataset=rows,
-        eval_dataset=eval_rows,
-        data_collator=collator,
-    )
-    ours.train()
-    return hf, ours
-
-
-def train_logs(trainer):
-    return [h for h in trainer.state.log_history if "loss" in h and "eval_loss" not in h]
-
-
 def assert_same_weights(a, b, atol=1e-4):
     theirs, ours = a.model.state_dict(), b.model.state_dict()
     assert theirs.keys() == ours.keys()
