@@ -127,6 +127,54 @@ def test_the_own_warm_start_keeps_the_models_right_replies_and_appends_the_tag(m
         demo.GymDemoSettings(warm_start="both")
 
 
+def test_the_warm_start_stops_at_the_first_step_whose_greedy_replies_carry_the_tag_often_enough(monkeypatch):
+    import torch
+
+    from treadle.callbacks import TrainerControl, TrainerState
+
+    rounds = [["1", "2", "3", "<answer>4</answer>"], ["<answer>1</answer>", "2", "<answer>3</answer>", "4"]]
+    calls = []
+
+    def greedy(model, prompts, **options):
+        calls.append((len(prompts), options))
+        n = len(prompts)
+        return GenerationOutput(
+            prompt_ids=torch.zeros(n, 1, dtype=torch.long),
+            prompt_mask=torch.ones(n, 1, dtype=torch.long),
+            completion_ids=torch.full((n, 1), len(calls) - 1),
+            completion_mask=torch.ones(n, 1, dtype=torch.long),
+            is_truncated=torch.zeros(n, dtype=torch.bool),
+        )
+
+    class Tokenizer:
+        eos_token_id, pad_token_id = 2, 0
+        decoded = 0
+
+        def __call__(self, text, **_):
+            return type("Encoding", (), {"input_ids": [1]})()
+
+        def decode(self, ids, **_):  # the i-th reply of round ids[0]
+            text = rounds[int(ids[0])][self.decoded % 4]
+            self.decoded += 1
+            return text
+
+    monkeypatch.setattr(demo, "generate_completions", greedy)
+    monkeypatch.setattr(demo, "render_chat_prompt", lambda tokenizer, messages: "prompt")
+    settings = demo.GymDemoSettings(warm_start="own", warm_start_tag_rate=0.5, max_completion_length=7)
+    stop = demo.StopAtTagRate([[{"role": "user", "content": "q"}]] * 4, Tokenizer(), settings)
+    state, control = TrainerState(), TrainerControl()
+    for step in (1, 2):
+        state.global_step = step
+        stop.on_step_end(None, state, control, model=None)
+        assert control.should_training_stop == (step == 2)  # 1 of 4 replies tagged, then 2 of 4: the target's 50%
+    assert stop.history == [(1, 0.25), (2, 0.5)]
+    greedy_settings = {"num_generations": 1, "max_new_tokens": 7, "eos_token_id": 2, "pad_token_id": 0}
+    assert calls[0] == (4, {**greedy_settings, "do_sample": False})
+    for rate in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="warm_start_tag_rate must lie in"):
+            demo.GymDemoSettings(warm_start_tag_rate=rate)
+
+
 def test_the_trained_score_picks_the_reward_weights():
     weights = {
         name: demo.reward_weights(demo.GymDemoSettings(trained_score=name, format_weight=0.25))
@@ -159,6 +207,8 @@ def test_a_one_step_warm_start_trains_at_its_rate_not_a_warm_up_rate(monkeypatch
 
         def train(self):
             pass
+
+        state = type("State", (), {"global_step": 1})
 
     monkeypatch.setattr(demo, "SFTTrainer", Recorder)
     settings = demo.GymDemoSettings(eval_size=2, sft_steps=1, sft_batch_size=2, grpo_steps=1)

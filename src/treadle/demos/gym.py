@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from treadle import tasks
+from treadle.callbacks import TrainerCallback
 from treadle.demos import smollm2
 from treadle.demos.addition import sft_warm_start, start_demo
 from treadle.demos.real import demo_grpo_config
@@ -98,6 +99,10 @@ class GymDemoSettings:
     warm_start: str = "gold"
     warm_start_pool: int = 32
     warm_start_samples: int = 4
+    # where the warm start stops (0: after exactly ``sft_steps`` steps): after the first step at which this share of
+    # greedy replies to the warm start's own items carries the tag (training items, never held-out ones), at most
+    # ``sft_steps``. One step at a fixed rate left the tag on 12-57% of the held-out replies by seed (docs/tasks.md)
+    warm_start_tag_rate: float = 0.0
     eval_every: int = 10  # GRPO steps between held-out scores
     # a LoRA policy of this rank on every linear layer (0: every weight trains); the warm start and GRPO train the
     # same adapters, at ``lora_rate_scale`` times the learning rates above (adapters start at zero and move slowly)
@@ -113,6 +118,8 @@ class GymDemoSettings:
             raise ValueError(f"strict_weight must be > 0, got {self.strict_weight}")
         if self.warm_start not in WARM_STARTS:
             raise ValueError(f"warm_start must be one of {WARM_STARTS}, got {self.warm_start!r}")
+        if not 0 <= self.warm_start_tag_rate <= 1:
+            raise ValueError(f"warm_start_tag_rate must lie in [0, 1], got {self.warm_start_tag_rate}")
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank {self.lora_rank}: give a rank >= 1, or 0 to train every weight")
 
@@ -205,9 +212,12 @@ def _mixture_rows(settings: GymDemoSettings, held_out: list[dict]) -> list[dict]
     return tasks.gym_rows(items, demo_tasks(), exclude=questions)
 
 
-def warm_start(model, tokenizer, settings: GymDemoSettings, held_out: list[dict], output_dir: Path) -> float:
-    """SFT of ``model`` in place on the warm start's rows (``warm_start``), saved in ``warm_start_rows.jsonl``;
-    returns its seconds (the sampling of "own" included)."""
+def warm_start(
+    model, tokenizer, settings: GymDemoSettings, held_out: list[dict], output_dir: Path
+) -> tuple[float, int]:
+    """SFT of ``model`` in place on the warm start's rows (``warm_start``), saved in ``warm_start_rows.jsonl``, the
+    tag rates of ``warm_start_tag_rate``'s checks in ``tag_rates.json``; returns its seconds (the sampling of "own"
+    included) and steps."""
     import datasets  # ~1 s to import
 
     args = sft_warm_start(  # no warm-up: with one step, a warm-up would make it a step at rate 0
@@ -222,9 +232,45 @@ def warm_start(model, tokenizer, settings: GymDemoSettings, held_out: list[dict]
     (output_dir / "warm_start_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows.to_list()))
     if not len(rows):  # "own": no sampled reply was right
         print(f"treadle demo: no warm start: none of the {settings.warm_start_pool} items got a right reply")
-        return time.time() - began
-    SFTTrainer(model, args, train_dataset=rows, processing_class=tokenizer).train()
-    return time.time() - began
+        return time.time() - began, 0
+    callbacks = []
+    if settings.warm_start_tag_rate:
+        prompts = [r["prompt"] for r in _mixture_rows(settings, held_out)[: warm_start_items(settings)]]
+        callbacks.append(StopAtTagRate(prompts, tokenizer, settings))
+    trainer = SFTTrainer(model, args, train_dataset=rows, processing_class=tokenizer, callbacks=callbacks)
+    trainer.train()
+    for callback in callbacks:
+        (output_dir / "tag_rates.json").write_text(json.dumps(callback.history) + "\n")
+    return time.time() - began, trainer.state.global_step
+
+
+class StopAtTagRate(TrainerCallback):
+    """Stops the warm start after the first step at which ``warm_start_tag_rate`` of the greedy replies to
+    ``prompts`` (chat messages) carry the answer tag; ``history`` keeps (step, tag rate) of each check."""
+
+    def __init__(self, prompts: list[list[dict]], tokenizer, settings: GymDemoSettings):
+        self.ids = [tokenizer(render_chat_prompt(tokenizer, p), add_special_tokens=False).input_ids for p in prompts]
+        self.tokenizer, self.settings = tokenizer, settings
+        self.history: list[tuple[int, float]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        out = generate_completions(
+            model,
+            self.ids,
+            num_generations=1,
+            max_new_tokens=self.settings.max_completion_length,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            do_sample=False,
+        )
+        lengths = out.completion_mask.sum(1).tolist()
+        texts = [self.tokenizer.decode(i[:n], skip_special_tokens=True) for i, n in zip(out.completion_ids, lengths)]
+        rate = sum(tasks.answer_tag(texts)) / len(texts)
+        step = state.global_step
+        self.history.append((step, rate))
+        print(f"treadle demo: warm start step {step}: the tag on {rate:.0%} of greedy replies", flush=True)
+        if rate >= self.settings.warm_start_tag_rate:
+            control.should_training_stop = True
 
 
 def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, held_out) -> GRPOTrainer:
@@ -290,8 +336,8 @@ def run_gym_demo(settings: GymDemoSettings, output_dir: str | None = None) -> in
     trainer = gym_trainer(settings, out / "grpo", model, tokenizer, held_out)
     stages = [stage("pretrained", trainer.evaluate(), 0, 0.0)]
     if settings.sft_steps:  # the same model object: the trainer evaluates and trains it after the warm start
-        seconds = warm_start(model, tokenizer, settings, held_out, out / "sft")
-        stages.append(stage("warm start", trainer.evaluate(), settings.sft_steps, seconds))
+        seconds, steps = warm_start(model, tokenizer, settings, held_out, out / "sft")
+        stages.append(stage("warm start", trainer.evaluate(), steps, seconds))
     began = time.time()
     trainer.train()
     seconds = time.time() - began  # training time, the held-out scores on the way included
