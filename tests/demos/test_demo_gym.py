@@ -175,6 +175,18 @@ def test_the_warm_start_stops_at_the_first_step_whose_greedy_replies_carry_the_t
             demo.GymDemoSettings(warm_start_tag_rate=rate)
 
 
+def test_the_kl_term_takes_beta_and_a_negative_one_is_refused(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(demo, "GRPOTrainer", lambda model, **kwargs: seen.update(kwargs))
+    settings = demo.GymDemoSettings(eval_size=2, grpo_steps=1, beta=0.04)
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2})()
+    demo.gym_trainer(settings, tmp_path, None, tokenizer, demo.heldout_rows(settings))
+    assert seen["args"].beta == 0.04
+    assert demo.GymDemoSettings().beta == 0.0  # no reference model by default
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        demo.GymDemoSettings(beta=-0.1)
+
+
 def test_the_trained_score_picks_the_reward_weights():
     weights = {
         name: demo.reward_weights(demo.GymDemoSettings(trained_score=name, format_weight=0.25))

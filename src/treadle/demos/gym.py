@@ -104,6 +104,8 @@ class GymDemoSettings:
     # ``sft_steps``. One step at a fixed rate left the tag on 12-57% of the held-out replies by seed (docs/tasks.md)
     warm_start_tag_rate: float = 0.0
     eval_every: int = 10  # GRPO steps between held-out scores
+    # the KL term's weight (GRPOConfig.beta); its reference is the policy GRPO starts from (after the warm start)
+    beta: float = 0.0
     # a LoRA policy of this rank on every linear layer (0: every weight trains); the warm start and GRPO train the
     # same adapters, at ``lora_rate_scale`` times the learning rates above (adapters start at zero and move slowly)
     lora_rank: int = 0
@@ -120,6 +122,8 @@ class GymDemoSettings:
             raise ValueError(f"warm_start must be one of {WARM_STARTS}, got {self.warm_start!r}")
         if not 0 <= self.warm_start_tag_rate <= 1:
             raise ValueError(f"warm_start_tag_rate must lie in [0, 1], got {self.warm_start_tag_rate}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank {self.lora_rank}: give a rank >= 1, or 0 to train every weight")
 
@@ -285,6 +289,7 @@ def gym_trainer(settings: GymDemoSettings, output_dir: Path, model, tokenizer, h
         reward_weights=reward_weights(settings),
         eval_temperature=0.0,  # greedy
         per_device_eval_batch_size=50,
+        beta=settings.beta,
     )
     return GRPOTrainer(
         model,
@@ -338,6 +343,8 @@ def run_gym_demo(settings: GymDemoSettings, output_dir: str | None = None) -> in
     if settings.sft_steps:  # the same model object: the trainer evaluates and trains it after the warm start
         seconds, steps = warm_start(model, tokenizer, settings, held_out, out / "sft")
         stages.append(stage("warm start", trainer.evaluate(), steps, seconds))
+        if trainer.ref_model is not None:  # the KL term's reference: the warm-started policy, not the pretrained one
+            trainer.ref_model = trainer.build_reference_model()
     began = time.time()
     trainer.train()
     seconds = time.time() - began  # training time, the held-out scores on the way included
