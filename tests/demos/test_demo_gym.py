@@ -161,7 +161,7 @@ def test_the_warm_start_stops_at_the_first_step_whose_greedy_replies_carry_the_t
     monkeypatch.setattr(demo, "generate_completions", greedy)
     monkeypatch.setattr(demo, "render_chat_prompt", lambda tokenizer, messages: "prompt")
     settings = demo.GymDemoSettings(warm_start="own", warm_start_tag_rate=0.5, max_completion_length=7)
-    stop = demo.StopAtTagRate([[{"role": "user", "content": "q"}]] * 4, Tokenizer(), settings)
+    stop = demo.StopAtTagRate([{"prompt": [{"role": "user", "content": "q"}]}] * 4, Tokenizer(), settings)
     state, control = TrainerState(), TrainerControl()
     for step in (1, 2):
         state.global_step = step

@@ -179,30 +179,44 @@ def own_warm_start_rows(model, tokenizer, settings: GymDemoSettings, held_out: l
     import torch
 
     rows = _mixture_rows(settings, held_out)[: warm_start_items(settings)]
-    prompts = [tokenizer(render_chat_prompt(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows]
     k = settings.warm_start_samples
-    out = generate_completions(
+    texts, truncated = sample_replies(
         model,
-        prompts,
+        tokenizer,
+        rows,
+        settings,
         generator=torch.Generator().manual_seed(settings.seed),
         num_generations=k,
-        max_new_tokens=settings.max_completion_length,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
         temperature=settings.temperature,
         do_sample=True,
     )
-    lengths = out.completion_mask.sum(1).tolist()
-    texts = [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(out.completion_ids, lengths)]
     kept = []
     for i, row in enumerate(rows):
         for j in range(i * k, (i + 1) * k):
-            if out.is_truncated[j] or not _lenient(texts[j], row):
+            if truncated[j] or not _lenient(texts[j], row):
                 continue
             reply = f"{texts[j].rstrip()}\n<answer>{tasks.last_number(texts[j])}</answer>"
             kept.append({"prompt": row["prompt"], "completion": [{"role": "assistant", "content": reply}]})
             break
     return kept[: settings.sft_steps * settings.sft_batch_size]
+
+
+def sample_replies(model, tokenizer, rows: list[dict], settings: GymDemoSettings, **sampling) -> tuple[list, list]:
+    """``model``'s decoded replies to ``rows``' chat prompts, at most ``max_completion_length`` tokens each, and
+    whether each was cut there; ``sampling``: ``generate_completions``' other settings (``num_generations``,
+    ``do_sample``, ...)."""
+    prompts = [tokenizer(render_chat_prompt(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows]
+    out = generate_completions(
+        model,
+        prompts,
+        max_new_tokens=settings.max_completion_length,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **sampling,
+    )
+    lengths = out.completion_mask.sum(1).tolist()
+    texts = [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(out.completion_ids, lengths)]
+    return texts, out.is_truncated.tolist()
 
 
 def _lenient(text: str, row: dict) -> bool:
@@ -237,38 +251,27 @@ def warm_start(
     if not len(rows):  # "own": no sampled reply was right
         print(f"treadle demo: no warm start: none of the {settings.warm_start_pool} items got a right reply")
         return time.time() - began, 0
-    callbacks = []
+    stop = None
     if settings.warm_start_tag_rate:
-        prompts = [r["prompt"] for r in _mixture_rows(settings, held_out)[: warm_start_items(settings)]]
-        callbacks.append(StopAtTagRate(prompts, tokenizer, settings))
+        stop = StopAtTagRate(_mixture_rows(settings, held_out)[: warm_start_items(settings)], tokenizer, settings)
+    callbacks = [stop] if stop else []
     trainer = SFTTrainer(model, args, train_dataset=rows, processing_class=tokenizer, callbacks=callbacks)
     trainer.train()
-    for callback in callbacks:
-        (output_dir / "tag_rates.json").write_text(json.dumps(callback.history) + "\n")
+    if stop:
+        (output_dir / "tag_rates.json").write_text(json.dumps(stop.history) + "\n")
     return time.time() - began, trainer.state.global_step
 
 
 class StopAtTagRate(TrainerCallback):
-    """Stops the warm start after the first step at which ``warm_start_tag_rate`` of the greedy replies to
-    ``prompts`` (chat messages) carry the answer tag; ``history`` keeps (step, tag rate) of each check."""
+    """Stops the warm start after the first step at which ``warm_start_tag_rate`` of the greedy replies to ``rows``'
+    chat prompts carry the answer tag; ``history`` keeps (step, tag rate) of each check."""
 
-    def __init__(self, prompts: list[list[dict]], tokenizer, settings: GymDemoSettings):
-        self.ids = [tokenizer(render_chat_prompt(tokenizer, p), add_special_tokens=False).input_ids for p in prompts]
-        self.tokenizer, self.settings = tokenizer, settings
+    def __init__(self, rows: list[dict], tokenizer, settings: GymDemoSettings):
+        self.rows, self.tokenizer, self.settings = rows, tokenizer, settings
         self.history: list[tuple[int, float]] = []
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        out = generate_completions(
-            model,
-            self.ids,
-            num_generations=1,
-            max_new_tokens=self.settings.max_completion_length,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            do_sample=False,
-        )
-        lengths = out.completion_mask.sum(1).tolist()
-        texts = [self.tokenizer.decode(i[:n], skip_special_tokens=True) for i, n in zip(out.completion_ids, lengths)]
+        texts, _ = sample_replies(model, self.tokenizer, self.rows, self.settings, num_generations=1, do_sample=False)
         rate = sum(tasks.answer_tag(texts)) / len(texts)
         step = state.global_step
         self.history.append((step, rate))
