@@ -18,8 +18,10 @@ model against the machine's matmul roof, and multi-turn rollouts with the KV cac
   Per contender: tokens/s of the whole call, ms per decode step (the call with ``--tokens`` new tokens minus the call
   with one, over ``--tokens - 1`` steps), its GFLOP/s (2 x parameters x rows per step) and its share of the roof: the
   best float32 rate of the model's own matmul shapes at that many rows, measured before and after the rounds (the
-  higher counts: a roof measured while another process holds a core reads low). ``benchmarks.lab.profile --decode``
-  splits the decode step op by op.
+  higher counts: a roof measured while another process holds a core reads low); and its share of the step's own
+  matmuls replayed (``harness.matmul_replay``: every ``nn.Linear`` once on the model's own weights at that many rows,
+  which, unlike the roof's one small weight, do not stay in cache). ``benchmarks.lab.profile --what decode`` splits
+  the decode step op by op.
 - ``static``: the same SmolLM2 work through the own sampler three ways: the dynamic cache (``real``'s own sampler),
   the static decode step run eagerly, and the static step compiled by inductor (``DecodeSettings("static",
   "eager" | "inductor")``, generation/static.py), interleaved; per contender tokens/s, ms per decode step (as in
@@ -255,6 +257,7 @@ def part_real(run: harness.Run, opts) -> None:
     for backend, name in (("fast", "own sampler"), ("hf", "generate")):
         run.contender(name, part="real", backend=backend, rows=f"{len(prompts)} x {generations}", tokens=tokens)
     roofs = [harness.matmul_roof(rows, ROOF_SHAPES, repeats=5)]
+    replays = [harness.matmul_replay(model, rows)]
     times = {b: {"full": [], "one": []} for b in ("fast", "hf")}
     for backend in times:  # warm-up: first-call allocations and lazy imports
         timed_call(model, prompts, params, backend, 2)
@@ -262,9 +265,13 @@ def part_real(run: harness.Run, opts) -> None:
         times[backend]["full"].append(timed_call(model, prompts, params, backend, tokens))
         times[backend]["one"].append(timed_call(model, prompts, params, backend, 1))
     roofs.append(harness.matmul_roof(rows, ROOF_SHAPES, repeats=5))
-    print(f"\n### SmolLM2-135M-Instruct float32, {rows} rows, {tokens} new tokens, {rounds} rounds; roofs {roofs}\n")
-    print(real_table(run, times, tokens, rows, max(roofs)))
-    run.figure(real_roofs=roofs)
+    replays.append(harness.matmul_replay(model, rows))
+    print(
+        f"\n### SmolLM2-135M-Instruct float32, {rows} rows, {tokens} new tokens, {rounds} rounds; roofs {roofs}; "
+        f"the step's matmuls replayed {replays}\n"
+    )
+    print(real_table(run, times, tokens, rows, max(roofs), max(replays)))
+    run.figure(real_roofs=roofs, real_replays=replays)
 
 
 def part_static(run: harness.Run, opts) -> None:
@@ -292,7 +299,7 @@ def part_static(run: harness.Run, opts) -> None:
     print(harness.table(header, out))
 
 
-def real_table(run: harness.Run, times: dict, tokens: int, rows: int, roof: float) -> str:
+def real_table(run: harness.Run, times: dict, tokens: int, rows: int, roof: float, replay: float) -> str:
     out, rates = [], {}
     for backend, t in times.items():
         full, one = statistics.median(t["full"]), statistics.median(t["one"])
@@ -304,8 +311,9 @@ def real_table(run: harness.Run, times: dict, tokens: int, rows: int, roof: floa
         run.row(part="real", contender=name, full_s=t["full"], one_token_s=t["one"], ms_per_step=1e3 * step)
         rounds = ", ".join(f"{x:.2f}" for x in t["full"])
         out.append([name, f"{rates[backend]:.1f}", f"{1e3 * step:.1f}", f"{gflops:.1f}", f"{gflops / roof:.0%}"])
-        out[-1] += [f"{versus:.2f}x" if versus else "", rounds]
-    header = ["contender", "tokens/s", "ms per decode step", "GFLOP/s", "% of roof", "vs generate", "rounds (s)"]
+        out[-1] += [f"{gflops / replay:.0%}", f"{versus:.2f}x" if versus else "", rounds]
+    header = ["contender", "tokens/s", "ms per decode step", "GFLOP/s", "% of roof", "% of its matmuls replayed"]
+    header += ["vs generate", "rounds (s)"]
     return harness.table(header, out)
 
 

@@ -184,6 +184,26 @@ def matmul_roof(rows: int, shapes, dtype: str = "float32", repeats: int = 3) -> 
     return best
 
 
+def matmul_replay(model, rows: int, repeats: int = 3) -> float:
+    """Best GFLOP/s of one decode step's matmuls and nothing else: every ``nn.Linear`` of ``model`` in module order,
+    each on a ``(rows, in_features)`` input with the model's own weights, as ``F.linear`` runs it.
+
+    Unlike :func:`matmul_roof` (one small weight multiplied again and again, so it stays in the core's cache), a step
+    reads every weight of the model once (SmolLM2-135M's 540 MB against a 32 MB L3): this is the rate the step's
+    matmuls reach where they run, the most a decode step made of them could reach."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
+    flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
+    best = 0.0
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first pass pays the output allocations
+            start = time.perf_counter()
+            for m in linears:
+                torch.nn.functional.linear(inputs[m.in_features], m.weight, m.bias)
+            best = max(best, flops / (time.perf_counter() - start) / 1e9)
+    return best
+
+
 def peak_memory(fn: Callable[[], Any], device: str = "cpu") -> tuple[Any, float]:
     """``(fn(), peak MiB of tensor memory allocated while it ran, above what was allocated before)``: CUDA's peak
     allocator figure, or on CPU the running sum of every allocation and free that torch's profiler records."""

@@ -56,3 +56,24 @@ def test_demos_matrix_options_of_the_wrong_type_are_argparses_own_error_line():
         )
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert f"error: argument {flag}: 'a' is not a comma-separated list of whole numbers" in proc.stderr
+
+
+def test_matmul_replay_runs_each_linear_of_the_model_once_a_pass_on_its_own_weights(monkeypatch):
+    """The decode step's second reference (docs/performance.md, generation): every ``nn.Linear`` in module order, on
+    the model's own weights, with the rows asked for."""
+    import torch
+
+    from benchmarks import harness
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+    calls, linear = [], torch.nn.functional.linear
+
+    def recorded(x, weight, bias=None):
+        calls.append((tuple(x.shape), weight.data_ptr(), bias is None))
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recorded)
+    rate = harness.matmul_replay(model, rows=3, repeats=2)
+    one_pass = [((3, 8), model[0].weight.data_ptr(), False), ((3, 16), model[2].weight.data_ptr(), True)]
+    assert calls == one_pass * 3  # a first pass that pays the allocations, then the timed repeats
+    assert 0 < rate < float("inf")
