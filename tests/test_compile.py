@@ -169,3 +169,60 @@ def test_inductor_without_a_cpp_compiler_names_the_ways_out(tmp_path, tok):
     assert "torch_compile_backend: aot_eager" in message and "apt install g++" in message
     assert not (tmp_path / "run").exists()
     compilation.check_cpp_compiler()  # this machine's compiler runs: no refusal
+
+
+MAX_AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True}
+
+
+@pytest.mark.parametrize(
+    ("capability", "mode", "expected"),
+    [
+        (None, None, {"mode": None}),
+        ("avx2", None, {"options": {"cpp.simdlen": 256}}),
+        ("AVX512", "max-autotune-no-cudagraphs", {"options": {**MAX_AUTOTUNE, "cpp.simdlen": 512}}),
+        ("default", None, {"options": {"cpp.simdlen": 0}}),
+        ("vsx", "reduce-overhead", {"mode": "reduce-overhead"}),  # no x86 width to name: inductor's own choice
+    ],
+)
+def test_inductor_is_told_the_vector_width_of_the_kernel_set_aten_runs(monkeypatch, capability, mode, expected):
+    if capability is None:
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    else:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    assert compilation.inductor_keywords("inductor", mode) == expected
+    assert compilation.inductor_keywords("aot_eager", mode) == {"mode": mode}
+
+
+COMPILE_UNDER = """import sys, torch
+from treadle import compilation
+from treadle.demos import toy
+torch.manual_seed(0)
+model = toy.build_model("tiny", tokenizer=toy.build_tokenizer()).eval()
+ids = torch.randint(0, model.config.vocab_size, (2, 24))
+with torch.no_grad():
+    eager = model(ids).logits
+    compilation.compile_blocks(model, "inductor")
+    compiled = model(ids).logits
+print("max error", float((compiled - eager).abs().max()))
+"""
+
+
+@pytest.mark.slow
+def test_inductor_code_of_one_kernel_set_is_not_reused_under_another(tmp_path):
+    """torch 2.13's inductor cache does not key on ATEN_CPU_CAPABILITY: blocks compiled natively (AVX2 or AVX-512
+    vectors), then again under ``default`` in the same cache, reused the vector code and failed to build (under
+    ``avx2`` on an AVX-512 CPU: wrong numbers). compilation.inductor_keywords names the width, which is in the key."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    for capability in (None, "default"):
+        run_env = env if capability is None else {**env, "ATEN_CPU_CAPABILITY": capability}
+        proc = subprocess.run(
+            [sys.executable, "-c", COMPILE_UNDER], env=run_env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        error = float(proc.stdout.split("max error")[-1])
+        assert error < 1e-4, (capability, error)

@@ -9,6 +9,7 @@ graph, not the model's. The first step pays the compilation; ``CompileReport`` p
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -19,6 +20,23 @@ from treadle.callbacks import TrainerCallback
 from treadle.errors import PreflightError
 
 EAGER_WAYS = "torch_compile_backend: aot_eager (or eager: no compilation at all)"
+# The vector width (bits) of the CPU kernel set ATEN_CPU_CAPABILITY names, as inductor's cpp.simdlen (0: scalar code)
+SIMD_BITS = {"default": 0, "avx2": 256, "avx512": 512}
+
+
+def inductor_keywords(backend: str, mode: str | None) -> dict:
+    """``torch.compile``'s keywords beside ``backend``: ``mode``, or, for inductor under ``ATEN_CPU_CAPABILITY``, the
+    mode's options plus ``cpp.simdlen`` of that kernel set.
+
+    Inductor picks its CPU vector width from ``ATEN_CPU_CAPABILITY``, but its compile cache does not key on it
+    (torch 2.13): code generated for one kernel set is reused under another in the same cache, so 16-lane AVX-512
+    kernels built against AVX2's 8-lane headers compute wrong numbers (a NaN loss on SmolLM2, an error of 36 on a
+    sum), and under ``default`` they fail to build. ``cpp.simdlen`` is part of the key, so naming the width keeps
+    each kernel set's code apart (tests/test_compile.py)."""
+    bits = SIMD_BITS.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower()) if backend == "inductor" else None
+    if bits is None:
+        return {"mode": mode}
+    return {"options": {**torch._inductor.list_mode_options(mode or "default"), "cpp.simdlen": bits}}
 
 
 def check_settings(args) -> None:
@@ -76,7 +94,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor", mode: str | None
         )
     for block in blocks:
         if getattr(block, "_compiled_call_impl", None) is None:
-            block.compile(backend=backend, mode=mode)
+            block.compile(backend=backend, **inductor_keywords(backend, mode))
     return len(blocks)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from treadle.compilation import inductor_keywords
 from treadle.generation.cache import StaticKV, attention_kind, static_cache_problem
 
 __all__ = [
@@ -187,7 +188,10 @@ class BucketStep:
         if mode == "eager":
             self.function = decode_step
         else:
-            options = {"mode": "reduce-overhead"} if mode == "reduce-overhead" else {"backend": INDUCTOR_BACKEND}
+            if mode == "reduce-overhead":
+                options = {"mode": "reduce-overhead"}
+            else:  # the CPU code of the kernel set ATEN_CPU_CAPABILITY names (compilation.inductor_keywords)
+                options = {"backend": INDUCTOR_BACKEND, **inductor_keywords(INDUCTOR_BACKEND, None)}
             self.function = torch.compile(decode_step, fullgraph=True, dynamic=False, **options)
 
     def load(self, prefill_cache, prompt_mask: Tensor, group: int) -> None:
