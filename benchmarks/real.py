@@ -17,6 +17,9 @@ its memory ratio is of what a user of treadle can switch on, not of the same opt
 The same work for every contender, each in its own process (its peak RSS is its own), the contenders of a workload
 one after another, round by round, interleaved:
 
+- TRL as the same work: ``bf16=False`` and ``gradient_checkpointing=False`` (TRL 1.16's SFT, DPO and GRPO configs
+  default both to True; until 2026-12-06 this benchmark left TRL's checkpointing on, so its TRL rows before then
+  measured TRL recomputing every block's forward and flattered treadle);
 - process: the same threads and the same allocator for every contender: ``--allocator kept`` (the default) has every
   contender's process keep freed memory (``treadle.allocator.keep_freed_memory``, what treadle's train() applies on
   CPU), ``glibc`` leaves glibc's defaults to all, ``as-shipped`` keeps it for treadle's contenders only: TRL and the
@@ -275,8 +278,8 @@ def framework_args(name: str, kind: str, steps: int, tokenizer) -> dict:
         logging_steps=steps,
         seed=0,
     )
-    if name == "trl":  # float32 as the others, no loader workers
-        args.update(bf16=False, dataloader_num_workers=0)
+    if name == "trl":  # float32 and no activation recomputation as the others (TRL's configs default both on)
+        args.update(bf16=False, gradient_checkpointing=False, dataloader_num_workers=0)
     else:
         args.update(TREADLE[name])
     if kind == "dpo":
