@@ -1,7 +1,12 @@
 """torch_compile, torch_compile_backend, torch_compile_mode: transformers' fields with its meaning; the blocks of the
 model compiled in place (treadle.compilation): a compiled run trains as the eager one, LoRA and resume included,
 saves the same keys, and GRPO's sampler runs the compiled blocks eagerly. The backend in these tests is aot_eager
-(dynamo's trace and autograd's graph without inductor's C++ build); tests/real/ runs inductor on the real model."""
+(dynamo's trace and autograd's graph without inductor's C++ build); tests/real/ runs inductor on the real model, and
+the slow kernel-set test here runs it on the toy model, in subprocesses with a cache of their own."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -212,10 +217,6 @@ def test_inductor_code_of_one_kernel_set_is_not_reused_under_another(tmp_path):
     """torch 2.13's inductor cache does not key on ATEN_CPU_CAPABILITY: blocks compiled natively (AVX2 or AVX-512
     vectors), then again under ``default`` in the same cache, reused the vector code and failed to build (under
     ``avx2`` on an AVX-512 CPU: wrong numbers). compilation.inductor_keywords names the width, which is in the key."""
-    import os
-    import subprocess
-    import sys
-
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("ATEN_CPU_CAPABILITY", None)
     for capability in (None, "default"):
